@@ -1,0 +1,1 @@
+"""swarmavg.dht"""

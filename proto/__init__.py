@@ -1,0 +1,1 @@
+"""The v1 wire contract: `.proto` files and the protobuf/gRPC code generated from them."""
