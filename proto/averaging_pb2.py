@@ -26,7 +26,7 @@ from swarmavg.proto import common_pb2 as swarmavg_dot_proto_dot_common__pb2
 from swarmavg.proto import tensor_pb2 as swarmavg_dot_proto_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eswarmavg/proto/averaging.proto\x12\x0bswarmavg.v1\x1a\x1bswarmavg/proto/common.proto\x1a\x1bswarmavg/proto/tensor.proto\"9\n\x0bJoinRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\"\x0e\n\x0cJoinResponse\"d\n\rReduceRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.swarmavg.v1.TensorChunk\"9\n\x0eReduceResponse\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.swarmavg.v1.TensorChunk\":\n\x0cStateRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\"\x0f\n\rStateResponse2\xe0\x01\n\tAveraging\x12\x42\n\tJoinGroup\x12\x18.swarmavg.v1.JoinRequest\x1a\x19.swarmavg.v1.JoinResponse0\x01\x12\x45\n\x06Reduce\x12\x1a.swarmavg.v1.ReduceRequest\x1a\x1b.swarmavg.v1.ReduceResponse(\x01\x30\x01\x12H\n\rDownloadState\x12\x19.swarmavg.v1.StateRequest\x1a\x1a.swarmavg.v1.StateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eswarmavg/proto/averaging.proto\x12\x0bswarmavg.v1\x1a\x1bswarmavg/proto/common.proto\x1a\x1bswarmavg/proto/tensor.proto\"9\n\x0bJoinRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\"\x0e\n\x0cJoinResponse\"\xaf\x01\n\rReduceRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.swarmavg.v1.TensorChunk\x12\x10\n\x08group_id\x18\x03 \x01(\x0c\x12\x12\n\npart_index\x18\x04 \x01(\r\x12\x0e\n\x06weight\x18\x05 \x01(\x01\x12\x13\n\x0b\x63hunk_index\x18\x06 \x01(\r\"c\n\x0eReduceResponse\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.swarmavg.v1.TensorChunk\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x13\n\x0bnum_senders\x18\x03 \x01(\r\":\n\x0cStateRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\"\x0f\n\rStateResponse2\xe0\x01\n\tAveraging\x12\x42\n\tJoinGroup\x12\x18.swarmavg.v1.JoinRequest\x1a\x19.swarmavg.v1.JoinResponse0\x01\x12\x45\n\x06Reduce\x12\x1a.swarmavg.v1.ReduceRequest\x1a\x1b.swarmavg.v1.ReduceResponse(\x01\x30\x01\x12H\n\rDownloadState\x12\x19.swarmavg.v1.StateRequest\x1a\x1a.swarmavg.v1.StateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,14 +37,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINREQUEST']._serialized_end=162
   _globals['_JOINRESPONSE']._serialized_start=164
   _globals['_JOINRESPONSE']._serialized_end=178
-  _globals['_REDUCEREQUEST']._serialized_start=180
-  _globals['_REDUCEREQUEST']._serialized_end=280
-  _globals['_REDUCERESPONSE']._serialized_start=282
-  _globals['_REDUCERESPONSE']._serialized_end=339
-  _globals['_STATEREQUEST']._serialized_start=341
-  _globals['_STATEREQUEST']._serialized_end=399
-  _globals['_STATERESPONSE']._serialized_start=401
-  _globals['_STATERESPONSE']._serialized_end=416
-  _globals['_AVERAGING']._serialized_start=419
-  _globals['_AVERAGING']._serialized_end=643
+  _globals['_REDUCEREQUEST']._serialized_start=181
+  _globals['_REDUCEREQUEST']._serialized_end=356
+  _globals['_REDUCERESPONSE']._serialized_start=358
+  _globals['_REDUCERESPONSE']._serialized_end=457
+  _globals['_STATEREQUEST']._serialized_start=459
+  _globals['_STATEREQUEST']._serialized_end=517
+  _globals['_STATERESPONSE']._serialized_start=519
+  _globals['_STATERESPONSE']._serialized_end=534
+  _globals['_AVERAGING']._serialized_start=537
+  _globals['_AVERAGING']._serialized_end=761
 # @@protoc_insertion_point(module_scope)

@@ -18,18 +18,30 @@ class JoinResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReduceRequest(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunk", "group_id", "part_index", "weight", "chunk_index")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    PART_INDEX_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     header: _common_pb2.RequestHeader
     chunk: _tensor_pb2.TensorChunk
-    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+    group_id: bytes
+    part_index: int
+    weight: float
+    chunk_index: int
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., group_id: _Optional[bytes] = ..., part_index: _Optional[int] = ..., weight: _Optional[float] = ..., chunk_index: _Optional[int] = ...) -> None: ...
 
 class ReduceResponse(_message.Message):
-    __slots__ = ("chunk",)
+    __slots__ = ("chunk", "chunk_index", "num_senders")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SENDERS_FIELD_NUMBER: _ClassVar[int]
     chunk: _tensor_pb2.TensorChunk
-    def __init__(self, chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+    chunk_index: int
+    num_senders: int
+    def __init__(self, chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., chunk_index: _Optional[int] = ..., num_senders: _Optional[int] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("header",)
