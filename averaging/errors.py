@@ -1,0 +1,54 @@
+"""Errors raised by the averaging layer (matchmaking, all-reduce facade, state sharing).
+
+The daemon (``swarmavg.peer``) maps these onto its public ``SwarmError`` hierarchy; this
+package does not import ``swarmavg.peer`` (DESIGN section 2, dependency direction).
+"""
+
+from __future__ import annotations
+
+
+class AveragingError(Exception):
+    """Base class of every error raised by ``swarmavg.averaging``."""
+
+
+class InvalidTensorsError(AveragingError, ValueError):
+    """The caller's tensors cannot be averaged: empty list, unsupported dtype, NaN/Inf, ...
+
+    Raised before anything is sent; the daemon keeps serving.
+    """
+
+
+class NoGroupError(AveragingError):
+    """Fewer than ``min_group_size`` peers could be gathered before the deadline."""
+
+
+class SchemaMismatchError(AveragingError, ValueError):
+    """Peers averaging under the same key hold tensors of different shapes or dtypes.
+
+    Raised instead of :class:`NoGroupError` when the only peers found had another schema,
+    so the message names the cause (different model, different tensor list) rather than
+    "nobody came".
+    """
+
+
+class MatchmakingError(AveragingError):
+    """Matchmaking failed for a reason other than too few peers (a protocol violation)."""
+
+
+class StateNotFoundError(AveragingError):
+    """No peer in the run advertises published state."""
+
+
+class StateDownloadError(AveragingError):
+    """Published state exists but no donor delivered a complete, hash-verified copy."""
+
+
+__all__ = [
+    "AveragingError",
+    "InvalidTensorsError",
+    "MatchmakingError",
+    "NoGroupError",
+    "SchemaMismatchError",
+    "StateDownloadError",
+    "StateNotFoundError",
+]
