@@ -1,0 +1,233 @@
+from swarmavg.proto import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TensorSpec(_message.Message):
+    __slots__ = ("dtype", "shape")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    dtype: _tensor_pb2.DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TensorBytes(_message.Message):
+    __slots__ = ("index", "offset", "data")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    offset: int
+    data: bytes
+    def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class AverageStart(_message.Message):
+    __slots__ = ("key", "weight", "group_size", "min_group_size", "timeout", "codec", "tensors", "shm_name", "shm_size")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MIN_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_SIZE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    weight: float
+    group_size: int
+    min_group_size: int
+    timeout: float
+    codec: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    shm_name: str
+    shm_size: int
+    def __init__(self, key: _Optional[str] = ..., weight: _Optional[float] = ..., group_size: _Optional[int] = ..., min_group_size: _Optional[int] = ..., timeout: _Optional[float] = ..., codec: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ...) -> None: ...
+
+class AverageRequest(_message.Message):
+    __slots__ = ("start", "data")
+    START_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    start: AverageStart
+    data: TensorBytes
+    def __init__(self, start: _Optional[_Union[AverageStart, _Mapping]] = ..., data: _Optional[_Union[TensorBytes, _Mapping]] = ...) -> None: ...
+
+class AverageAccepted(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AverageDone(_message.Message):
+    __slots__ = ("group_size", "peers", "group_id", "partial", "timings", "bytes_sent", "bytes_received", "local_callers")
+    class TimingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_CALLERS_FIELD_NUMBER: _ClassVar[int]
+    group_size: int
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    group_id: str
+    partial: bool
+    timings: _containers.ScalarMap[str, float]
+    bytes_sent: int
+    bytes_received: int
+    local_callers: int
+    def __init__(self, group_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., group_id: _Optional[str] = ..., partial: _Optional[bool] = ..., timings: _Optional[_Mapping[str, float]] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., local_callers: _Optional[int] = ...) -> None: ...
+
+class AverageResponse(_message.Message):
+    __slots__ = ("accepted", "data", "done")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    accepted: AverageAccepted
+    data: TensorBytes
+    done: AverageDone
+    def __init__(self, accepted: _Optional[_Union[AverageAccepted, _Mapping]] = ..., data: _Optional[_Union[TensorBytes, _Mapping]] = ..., done: _Optional[_Union[AverageDone, _Mapping]] = ...) -> None: ...
+
+class DHTStoreRequest(_message.Message):
+    __slots__ = ("key", "value", "ttl", "subkey", "has_subkey")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    TTL_FIELD_NUMBER: _ClassVar[int]
+    SUBKEY_FIELD_NUMBER: _ClassVar[int]
+    HAS_SUBKEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: bytes
+    ttl: float
+    subkey: bytes
+    has_subkey: bool
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ..., ttl: _Optional[float] = ..., subkey: _Optional[bytes] = ..., has_subkey: _Optional[bool] = ...) -> None: ...
+
+class DHTStoreResponse(_message.Message):
+    __slots__ = ("stored",)
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    stored: bool
+    def __init__(self, stored: _Optional[bool] = ...) -> None: ...
+
+class DHTGetRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class DHTGetResponse(_message.Message):
+    __slots__ = ("found", "value", "is_dict")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    IS_DICT_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    value: bytes
+    is_dict: bool
+    def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ..., is_dict: _Optional[bool] = ...) -> None: ...
+
+class StateHeader(_message.Message):
+    __slots__ = ("metadata", "tensors")
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    metadata: bytes
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class StateMessage(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: StateHeader
+    data: TensorBytes
+    def __init__(self, header: _Optional[_Union[StateHeader, _Mapping]] = ..., data: _Optional[_Union[TensorBytes, _Mapping]] = ...) -> None: ...
+
+class PublishStateResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadStateRequest(_message.Message):
+    __slots__ = ("timeout",)
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    timeout: float
+    def __init__(self, timeout: _Optional[float] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CodecStats(_message.Message):
+    __slots__ = ("rounds", "bytes_sent", "bytes_received", "seconds")
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    rounds: int
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+    def __init__(self, rounds: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("peer_id", "run_id", "address", "control", "client_mode", "known_peers", "dht_size_estimate", "rounds_done", "rounds_failed", "bytes_sent", "bytes_received", "codecs", "failures", "uptime", "version", "active_calls", "shm_dir", "shm_dev", "shm_ino", "pid")
+    class CodecsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: CodecStats
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[CodecStats, _Mapping]] = ...) -> None: ...
+    class FailuresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_MODE_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_PEERS_FIELD_NUMBER: _ClassVar[int]
+    DHT_SIZE_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_DONE_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    CODECS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_CALLS_FIELD_NUMBER: _ClassVar[int]
+    SHM_DIR_FIELD_NUMBER: _ClassVar[int]
+    SHM_DEV_FIELD_NUMBER: _ClassVar[int]
+    SHM_INO_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    run_id: str
+    address: str
+    control: str
+    client_mode: bool
+    known_peers: int
+    dht_size_estimate: float
+    rounds_done: int
+    rounds_failed: int
+    bytes_sent: int
+    bytes_received: int
+    codecs: _containers.MessageMap[str, CodecStats]
+    failures: _containers.ScalarMap[str, int]
+    uptime: float
+    version: str
+    active_calls: int
+    shm_dir: str
+    shm_dev: int
+    shm_ino: int
+    pid: int
+    def __init__(self, peer_id: _Optional[str] = ..., run_id: _Optional[str] = ..., address: _Optional[str] = ..., control: _Optional[str] = ..., client_mode: _Optional[bool] = ..., known_peers: _Optional[int] = ..., dht_size_estimate: _Optional[float] = ..., rounds_done: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., codecs: _Optional[_Mapping[str, CodecStats]] = ..., failures: _Optional[_Mapping[str, int]] = ..., uptime: _Optional[float] = ..., version: _Optional[str] = ..., active_calls: _Optional[int] = ..., shm_dir: _Optional[str] = ..., shm_dev: _Optional[int] = ..., shm_ino: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
