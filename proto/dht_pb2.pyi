@@ -14,10 +14,12 @@ class StoreStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STORE_STATUS_STORED: _ClassVar[StoreStatus]
     STORE_STATUS_OUTDATED: _ClassVar[StoreStatus]
     STORE_STATUS_EXPIRED: _ClassVar[StoreStatus]
+    STORE_STATUS_FULL: _ClassVar[StoreStatus]
 STORE_STATUS_UNSPECIFIED: StoreStatus
 STORE_STATUS_STORED: StoreStatus
 STORE_STATUS_OUTDATED: StoreStatus
 STORE_STATUS_EXPIRED: StoreStatus
+STORE_STATUS_FULL: StoreStatus
 
 class PeerInfo(_message.Message):
     __slots__ = ("peer_id", "address")
@@ -58,14 +60,16 @@ class PingResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
-    __slots__ = ("header", "address_signature", "records")
+    __slots__ = ("header", "address_signature", "records", "cache")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     header: _common_pb2.RequestHeader
     address_signature: bytes
     records: _containers.RepeatedCompositeFieldContainer[Record]
-    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., address_signature: _Optional[bytes] = ..., records: _Optional[_Iterable[_Union[Record, _Mapping]]] = ...) -> None: ...
+    cache: bool
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., address_signature: _Optional[bytes] = ..., records: _Optional[_Iterable[_Union[Record, _Mapping]]] = ..., cache: _Optional[bool] = ...) -> None: ...
 
 class StoreResponse(_message.Message):
     __slots__ = ("header", "statuses")

@@ -1,0 +1,183 @@
+"""Local record storage: expiring plain values and dictionaries of subkeys (DESIGN 5.1).
+
+Rules (pure, synchronous, unit-tested):
+
+* Per key: either one plain value or a dictionary of subkeys.
+* A record replaces another for the same key (and subkey) only when it wins
+  :meth:`StoredRecord.order`: the later expiration, ties broken by value bytes so that every
+  replica converges on the same record whatever the arrival order.
+* A plain value replaces a dictionary only when it expires later than every subkey; a subkey
+  replaces a plain value only when it expires later than that value. Later expiration wins.
+* Expired records are never returned and are dropped by :meth:`Storage.sweep`.
+* Caps: subkeys per key and total stored bytes; over a cap a store reports ``FULL``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from swarmavg.dht.ids import key_id
+from swarmavg.dht.records import StoredRecord
+from swarmavg.proto import dht_pb2
+
+STORED = dht_pb2.STORE_STATUS_STORED
+OUTDATED = dht_pb2.STORE_STATUS_OUTDATED
+EXPIRED = dht_pb2.STORE_STATUS_EXPIRED
+FULL = dht_pb2.STORE_STATUS_FULL
+
+
+@dataclass(slots=True)
+class _Entry:
+    """Everything stored under one key id."""
+
+    plain: StoredRecord | None = None
+    subkeys: dict[bytes, StoredRecord] = field(default_factory=dict)
+    cached: bool = False  # only a copy cached along a lookup path: not republished
+    received: float = 0.0  # time.monotonic() of the last accepted store (paper 2.5)
+
+    def records(self) -> Iterator[StoredRecord]:
+        if self.plain is not None:
+            yield self.plain
+        yield from self.subkeys.values()
+
+    def latest_expiration(self) -> float:
+        return max((r.expiration for r in self.records()), default=float("-inf"))
+
+
+class Storage:
+    """Records of one node, indexed by key id (``sha1(key)``)."""
+
+    def __init__(self, max_subkeys_per_key: int = 4096, max_bytes: int = 256 * 1024 * 1024):
+        self.max_subkeys_per_key = max_subkeys_per_key
+        self.max_bytes = max_bytes
+        self.bytes_used = 0
+        self._entries: dict[bytes, _Entry] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(
+        self,
+        record: StoredRecord,
+        now: float | None = None,
+        cached: bool = False,
+        key_id_: bytes | None = None,
+    ) -> int:
+        """Store ``record`` if it wins; return a ``StoreStatus`` value.
+
+        Args:
+            now: ``time.time()`` reading (default: now).
+            cached: the record is a lookup-path cache copy (paper 2.3), not to be republished.
+                A key that also receives a regular store stops being a cache entry.
+            key_id_: ``sha1(record.key)`` when the caller already has it.
+        """
+        now = time.time() if now is None else now
+        if record.expiration <= now:
+            return EXPIRED
+        kid = key_id(record.key) if key_id_ is None else key_id_
+        entry = self._entries.get(kid)
+        if entry is None:
+            entry = self._entries[kid] = _Entry(cached=cached)
+        status = self._put_into(entry, record, now)
+        if status == FULL and self.bytes_used + record.size() > self.max_bytes:
+            self.sweep(now)  # make room from expired records, then try once more
+            entry = self._entries.setdefault(kid, _Entry(cached=cached))
+            status = self._put_into(entry, record, now)
+        if status == STORED:
+            entry.received = time.monotonic()
+            entry.cached = entry.cached and cached
+        elif not any(True for _ in entry.records()):
+            del self._entries[kid]
+        return status
+
+    def _put_into(self, entry: _Entry, record: StoredRecord, now: float) -> int:
+        if not record.subkey:
+            if (
+                entry.plain is not None
+                and entry.plain.expiration > now
+                and record.order() <= entry.plain.order()
+            ):
+                return OUTDATED
+            if any(r.expiration >= record.expiration for r in entry.subkeys.values()):
+                return OUTDATED
+            freed = sum(r.size() for r in entry.records())
+            if self.bytes_used - freed + record.size() > self.max_bytes:
+                return FULL
+            self.bytes_used += record.size() - freed
+            entry.plain, entry.subkeys = record, {}
+            return STORED
+        if (
+            entry.plain is not None
+            and entry.plain.expiration > now
+            and entry.plain.expiration >= record.expiration
+        ):
+            return OUTDATED
+        old = entry.subkeys.get(record.subkey)
+        if old is not None and old.expiration > now and record.order() <= old.order():
+            return OUTDATED
+        if old is None and len(entry.subkeys) >= self.max_subkeys_per_key:
+            self._drop_expired_subkeys(entry, now)
+            if len(entry.subkeys) >= self.max_subkeys_per_key:
+                return FULL
+        freed = (old.size() if old is not None else 0) + (
+            entry.plain.size() if entry.plain is not None else 0
+        )
+        if self.bytes_used - freed + record.size() > self.max_bytes:
+            return FULL
+        self.bytes_used += record.size() - freed
+        entry.plain = None
+        entry.subkeys[record.subkey] = record
+        return STORED
+
+    def _drop_expired_subkeys(self, entry: _Entry, now: float) -> None:
+        for subkey, rec in list(entry.subkeys.items()):
+            if rec.expiration <= now:
+                del entry.subkeys[subkey]
+                self.bytes_used -= rec.size()
+
+    def get(self, kid: bytes, now: float | None = None) -> list[StoredRecord]:
+        """The unexpired records under key id ``kid``: ``[plain]``, the subkeys, or ``[]``."""
+        entry = self._entries.get(kid)
+        if entry is None:
+            return []
+        now = time.time() if now is None else now
+        return [r for r in entry.records() if r.expiration > now]
+
+    def sweep(self, now: float | None = None) -> int:
+        """Drop every expired record; return how many were dropped."""
+        now = time.time() if now is None else now
+        dropped = 0
+        for kid in list(self._entries):
+            entry = self._entries[kid]
+            if entry.plain is not None and entry.plain.expiration <= now:
+                self.bytes_used -= entry.plain.size()
+                entry.plain = None
+                dropped += 1
+            before = len(entry.subkeys)
+            self._drop_expired_subkeys(entry, now)
+            dropped += before - len(entry.subkeys)
+            if entry.plain is None and not entry.subkeys:
+                del self._entries[kid]
+        return dropped
+
+    def to_republish(self, min_quiet: float, now: float | None = None) -> list[StoredRecord]:
+        """Unexpired, non-cache records of keys nobody stored to us for ``min_quiet`` seconds.
+
+        Paper 2.5: a node that received a store recently may assume the others did too, and
+        skips republishing that key this round.
+        """
+        mono = time.monotonic()
+        now = time.time() if now is None else now
+        out: list[StoredRecord] = []
+        for entry in self._entries.values():
+            if entry.cached or mono - entry.received < min_quiet:
+                continue
+            out.extend(r for r in entry.records() if r.expiration > now)
+        return out
+
+    def mark_republished(self, kid: bytes) -> None:
+        entry = self._entries.get(kid)
+        if entry is not None:
+            entry.received = time.monotonic()

@@ -1,0 +1,145 @@
+"""Checks every record must pass before it is stored or believed.
+
+* Size caps (:class:`DHTLimits`) are checked on lengths, before anything is decoded.
+* Owner-named records (see dht/records.py): the record's public key must hash to the owner id
+  named in its key or subkey, and its signature must verify. So an owner's record cannot be
+  overwritten, and cannot be displaced by a forged one with a later expiration.
+* Optional schema validators run last, on the decoded value.
+
+The same checks run on records a peer sends us in Store and on records returned by Find, so a
+malicious peer can neither plant nor serve a forged record.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from swarmavg.dht.identity import peer_id_from_public_key, verify_signature
+from swarmavg.dht.records import StoredRecord, named_owner, signing_payload, unpack, unpack_subkey
+
+
+class ValidationError(ValueError):
+    """A record breaks a size cap, an ownership rule or a schema."""
+
+
+@dataclass(frozen=True)
+class DHTLimits:
+    """Caps on what peers may send and store. All sizes in bytes."""
+
+    max_key_bytes: int = 512
+    max_subkey_bytes: int = 512
+    max_value_bytes: int = 64 * 1024
+    max_records_per_request: int = 256
+    max_keys_per_request: int = 256
+    max_request_bytes: int = 4 * 1024 * 1024
+    max_response_bytes: int = 3 * 1024 * 1024  # stays under gRPC's default 4 MiB receive cap
+    max_ttl: float = 7 * 24 * 3600.0  # no record may claim to live longer than a week
+    max_subkeys_per_key: int = 4096
+    max_stored_bytes: int = 256 * 1024 * 1024
+    max_peers_per_answer: int = 64
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value <= 0:
+                raise ValueError(f"DHTLimits.{name} must be positive, got {value}")
+
+
+class RecordValidator(Protocol):
+    """An extra check on records; raise :class:`ValidationError` to reject one."""
+
+    def validate(self, record: StoredRecord, value: Any) -> None:
+        """``value`` is the decoded record value."""
+
+
+class SchemaValidator:
+    """Rejects values that do not satisfy a predicate registered for their key's prefix.
+
+    Args:
+        rules: key prefix (bytes) -> predicate on the decoded value. The longest matching
+            prefix applies; keys without a matching prefix pass.
+    """
+
+    def __init__(self, rules: Mapping[bytes, Callable[[Any], bool]]) -> None:
+        self._rules = sorted(rules.items(), key=lambda kv: -len(kv[0]))
+
+    def validate(self, record: StoredRecord, value: Any) -> None:
+        for prefix, predicate in self._rules:
+            if record.key.startswith(prefix):
+                ok = False
+                try:
+                    ok = bool(predicate(value))
+                except Exception as e:  # a predicate that chokes on hostile input rejects it
+                    raise ValidationError(f"schema for {prefix!r} rejects value: {e}") from e
+                if not ok:
+                    raise ValidationError(f"value does not match the schema for {prefix!r}")
+                return
+
+
+def record_owner(record: StoredRecord, limits: DHTLimits) -> bytes | None:
+    """The peer id that owns ``record`` (named by its key, else by its subkey), or None.
+
+    Raises:
+        ValidationError: key and subkey name different owners, or the subkey is malformed.
+    """
+    key_owner = named_owner(record.key)
+    subkey_owner = None
+    if record.subkey:
+        try:
+            subkey_owner = named_owner(unpack_subkey(record.subkey, limits.max_subkey_bytes))
+        except ValueError as e:
+            raise ValidationError(str(e)) from e
+    if key_owner and subkey_owner and key_owner != subkey_owner:
+        raise ValidationError("key and subkey name different owners")
+    return key_owner or subkey_owner
+
+
+def check_sizes(record: StoredRecord, limits: DHTLimits) -> None:
+    """Cheap checks on lengths and the expiration; run before decoding anything."""
+    if not record.key or len(record.key) > limits.max_key_bytes:
+        raise ValidationError(f"key must have 1..{limits.max_key_bytes} bytes")
+    if len(record.subkey) > limits.max_subkey_bytes:
+        raise ValidationError(f"subkey exceeds {limits.max_subkey_bytes} bytes")
+    if not record.value or len(record.value) > limits.max_value_bytes:
+        raise ValidationError(f"value must have 1..{limits.max_value_bytes} bytes (msgpack)")
+    if not math.isfinite(record.expiration):
+        raise ValidationError("expiration must be finite")
+
+
+def validate_record(
+    record: StoredRecord,
+    limits: DHTLimits,
+    now: float,
+    validators: tuple[RecordValidator, ...] = (),
+) -> None:
+    """Run every check on one record.
+
+    Raises:
+        ValidationError: with the reason.
+    """
+    check_sizes(record, limits)
+    if record.expiration > now + limits.max_ttl:
+        raise ValidationError(f"expiration is more than {limits.max_ttl:.0f} s in the future")
+    owner = record_owner(record, limits)
+    if owner is not None:
+        if not record.public_key:
+            raise ValidationError(f"record of owner {owner.hex()} is not signed")
+        try:
+            signer = peer_id_from_public_key(record.public_key)
+        except ValueError as e:
+            raise ValidationError(str(e)) from e
+        if signer != owner:
+            raise ValidationError(f"record of owner {owner.hex()} signed by {signer.hex()}")
+        payload = signing_payload(record.key, record.subkey, record.value, record.expiration)
+        if not verify_signature(record.public_key, record.signature, payload):
+            raise ValidationError(f"bad signature on record of owner {owner.hex()}")
+    elif record.public_key or record.signature:
+        raise ValidationError("signature on a record that names no owner")
+    try:  # malformed msgpack is rejected here, not discovered by a reader later
+        value = unpack(record.value, limits.max_value_bytes)
+    except ValueError as e:
+        raise ValidationError(str(e)) from e
+    for validator in validators:
+        validator.validate(record, value)
