@@ -1,0 +1,16 @@
+"""Registers the built-in codecs under their names (imported by the package)."""
+
+from __future__ import annotations
+
+from swarmavg.compression.floating import (
+    BFloat16Codec,
+    Float16Codec,
+    NoneCodec,
+    ScaledFloat16Codec,
+)
+from swarmavg.compression.registry import register_codec
+
+register_codec(NoneCodec.name, NoneCodec)
+register_codec(Float16Codec.name, Float16Codec)
+register_codec(BFloat16Codec.name, BFloat16Codec)
+register_codec(ScaledFloat16Codec.name, ScaledFloat16Codec)

@@ -1,0 +1,113 @@
+"""Codecs by name, and self-describing decoding of any message.
+
+Names (see docs/compression.md):
+
+- plain codecs: ``none``, ``float16``, ``bfloat16``, ``scaled-float16``, ``uint8-uniform``,
+  ``uint8-quantile``, ``uint8-blockwise``, ``uint4-blockwise``, ``topk``;
+- lossless wrappers: ``zstd+<codec>`` and ``lz4+<codec>`` compress the payload of the
+  inner codec (for example ``zstd+uint8-blockwise``, ``lz4+topk``); one wrapper at most;
+- adaptive selectors: ``size-adaptive``, ``role-adaptive``.
+
+Messages carry the name of the codec that actually produced them (a selector writes its
+chosen codec's name), so :func:`decode_chunk` needs nothing but the message.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from swarmavg.compression.base import DEFAULT_MAX_ELEMENTS, Codec, parse_header
+from swarmavg.compression.errors import CodecError
+from swarmavg.proto import tensor_pb2
+
+__all__ = ["decode_chunk", "decoder_for", "get_codec", "known_codecs", "register_codec"]
+
+_factories: dict[str, Callable[[], Codec]] = {}
+_wrappers: dict[str, Callable[[Codec], Codec]] = {}
+_decoders: dict[str, Codec] = {}
+_lock = threading.Lock()
+
+
+def register_codec(name: str, factory: Callable[[], Codec]) -> None:
+    """Register a codec factory under ``name`` (a new name; ``+`` is reserved)."""
+    if not name or "+" in name:
+        raise ValueError(f"invalid codec name {name!r}")
+    with _lock:
+        if name in _factories:
+            raise ValueError(f"codec {name!r} is already registered")
+        _factories[name] = factory
+
+
+def register_wrapper(prefix: str, factory: Callable[[Codec], Codec]) -> None:
+    """Register a wrapper usable as ``<prefix>+<codec>``."""
+    with _lock:
+        _wrappers[prefix] = factory
+
+
+def known_codecs() -> list[str]:
+    """Names accepted by :func:`get_codec` (wrappers shown as ``prefix+<codec>``)."""
+    with _lock:
+        return sorted(_factories) + sorted(f"{p}+<codec>" for p in _wrappers)
+
+
+def get_codec(name: str) -> Codec:
+    """Return a new codec instance for ``name``.
+
+    Stateful codecs (``topk``) keep their error-feedback state in the returned instance:
+    keep the instance across rounds (one per averaged tensor stream); a fresh instance
+    starts with no residuals.
+
+    Raises:
+        ValueError: unknown name; the message lists the known ones.
+    """
+    prefix, plus, inner = name.partition("+")
+    with _lock:
+        if plus:
+            wrapper = _wrappers.get(prefix)
+            inner_factory = _factories.get(inner)
+            if wrapper is not None and inner_factory is not None:
+                return wrapper(inner_factory())
+        else:
+            factory = _factories.get(name)
+            if factory is not None:
+                return factory()
+    raise ValueError(f"unknown codec {name!r}; known: {', '.join(known_codecs())}")
+
+
+def decoder_for(name: str) -> Codec:
+    """A shared instance that decodes messages labelled ``name``.
+
+    Raises:
+        CodecError: no codec of that name.
+    """
+    codec = _decoders.get(name)
+    if codec is None:
+        try:
+            codec = get_codec(name)
+        except ValueError as e:
+            raise CodecError(str(e)) from None
+        with _lock:
+            codec = _decoders.setdefault(name, codec)
+    return codec
+
+
+def decode_chunk(
+    message: tensor_pb2.TensorChunk, *, max_elements: int = DEFAULT_MAX_ELEMENTS
+) -> np.ndarray:
+    """Decode any complete message with the codec it names.
+
+    Args:
+        message: one complete (not split) TensorChunk.
+        max_elements: refuse messages declaring more elements than this.
+
+    Returns:
+        A writable array of the original dtype and shape.
+
+    Raises:
+        CodecError: unknown codec or malformed message.
+    """
+    header = parse_header(message, max_elements)
+    return decoder_for(header.codec).decode_payload(header, message.buffer)
