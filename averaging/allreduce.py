@@ -1,0 +1,480 @@
+"""The butterfly all-reduce runner: one member's side of one round (DESIGN 5.2).
+
+Given a formed :class:`~swarmavg.averaging.group.GroupInfo`, every member flattens its
+tensors (:mod:`~swarmavg.averaging.partition`), cuts the vector into one part per
+reducing member sized by bandwidth (:mod:`~swarmavg.averaging.load_balancing`), streams
+its chunks of part ``j`` to member ``j`` over one ``Reduce`` stream, and writes the
+averaged chunks that come back into its result. Its own part is reduced locally by a
+:class:`~swarmavg.averaging.reduce_service.ReducerRound` that the inbound streams of the
+other members feed.
+
+Pipelining: the sender encodes chunk ``c + 1`` while chunk ``c`` is on the wire, reads
+averaged chunks while it writes (one send task and one receive loop per stream), and
+the reducer returns every chunk as soon as all live senders delivered it.
+
+Failure (the reason this module exists): every wait has a deadline derived from the
+round's deadline and the observed progress. A stalled or broken sender is dropped by
+the reducer, whose part then averages the others; a reducer that dies or stalls leaves
+the chunks it did not return with this member's local values and ``partial=True``. The
+runner returns by ``deadline`` (plus the time to cancel its streams) and never mutates
+the caller's tensors.
+
+API (used by ``swarmavg.averaging.averager``)::
+
+    service = AllReduceService(run_id)            # once per daemon, inside the loop
+    outcome = await run_allreduce(group, my_index, tensors, weight,
+                                  deadline=time.monotonic() + 30,
+                                  service=service, channels=pool, header=node.make_header())
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+import numpy as np
+
+from swarmavg.averaging.faults import FaultPlan, InjectedCrash
+from swarmavg.averaging.group import GroupInfo, schema_hash
+from swarmavg.averaging.load_balancing import part_sizes
+from swarmavg.averaging.partition import (
+    PartPlan,
+    TensorLayout,
+    chunk_elements_for,
+    flatten,
+    unflatten,
+)
+from swarmavg.averaging.reduce_service import (
+    AllReduceService,
+    ReducerRound,
+    _Abort,
+    decode_checked,
+)
+from swarmavg.compression import Codec, CodecInfo, get_codec
+from swarmavg.proto import averaging_pb2, common_pb2
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "AllReduceError",
+    "AllReduceOutcome",
+    "AllReduceService",
+    "ChannelSource",
+    "run_allreduce",
+]
+
+_PROBE_ELEMENTS = 65536
+_REDUCE_METHOD = "/swarmavg.v1.Averaging/Reduce"
+
+
+class ChannelSource(Protocol):
+    """Where the runner gets channels (``swarmavg.dht.ChannelPool`` fits)."""
+
+    def channel(self, address: str) -> grpc.aio.Channel: ...
+
+
+class AllReduceError(RuntimeError):
+    """The round could not run at all (e.g. its deadline had already passed)."""
+
+
+@dataclass
+class AllReduceOutcome:
+    """What one member got out of a round.
+
+    Attributes:
+        tensors: new arrays with the caller's shapes, dtypes and order: the average for
+            every chunk that came back, the caller's own values for the rest.
+        partial: some chunk kept local values, or was averaged without some sender.
+        failed_parts: parts (member indices) of which some chunk kept local values.
+        dropped: senders this member's reducer dropped, with the reason.
+        bytes_sent / bytes_received: payload bytes this member put on / took off the
+            wire (both directions of every stream, as serialised messages).
+        timings: seconds per phase (``prepare``, ``exchange``, ``finish``, ``total``).
+    """
+
+    tensors: list[np.ndarray]
+    partial: bool
+    failed_parts: tuple[int, ...] = ()
+    dropped: dict[int, str] = field(default_factory=dict)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _bytes_per_element(codec: Codec, dtype: np.dtype) -> float:
+    """Encoded bytes per element of ``codec`` on a fixed pseudo-random probe.
+
+    Deterministic (same codec code -> same answer), so every member derives the same
+    chunk size without negotiating it.
+    """
+    probe = np.random.default_rng(0).standard_normal(_PROBE_ELEMENTS).astype(dtype)
+    message = codec.encode(probe, CodecInfo(key="swarmavg.chunk-size-probe"))
+    return max(message.ByteSize(), 1) / _PROBE_ELEMENTS
+
+
+class _Exchange:
+    """This member's side of one round; :func:`run_allreduce` is its only user."""
+
+    def __init__(
+        self,
+        group: GroupInfo,
+        my_index: int,
+        layout: TensorLayout,
+        plan: PartPlan,
+        codec: Codec,
+        weight: float,
+        deadline: float,
+        service: AllReduceService,
+        channels: ChannelSource,
+        header: common_pb2.RequestHeader,
+        fault_plan: FaultPlan | None,
+    ) -> None:
+        self.group = group
+        self.my_index = my_index
+        self.layout = layout
+        self.plan = plan
+        self.codec = codec
+        self.weight = weight
+        self.deadline = deadline
+        self.service = service
+        self.config = service.config
+        self.channels = channels
+        self.header = header
+        self.fault_plan = fault_plan
+        self.vector = np.empty(0, dtype=layout.dtype)
+        self.result = np.empty(0, dtype=layout.dtype)
+        self.received = {j: np.zeros(plan.num_chunks(j), dtype=bool) for j in range(group.size)}
+        self.full_chunks = {j: 0 for j in range(group.size)}  # averaged over every sender
+        self.crashed = asyncio.Event()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    # ---- helpers run in the executor ----
+
+    def _encode_request(self, part: int, chunk: int) -> averaging_pb2.ReduceRequest:
+        base = self.plan.bounds[part][0]
+        start, end = self.plan.chunk_bounds(part, chunk)
+        info = CodecInfo(
+            key=f"flat[{base + start}:{base + end}]",
+            part_index=part,
+            part_size=self.plan.part_size(part),
+        )
+        message = self.codec.encode(self.vector[base + start : base + end], info)
+        request = averaging_pb2.ReduceRequest(chunk=message, chunk_index=chunk)
+        if chunk == 0:
+            request.header.CopyFrom(self.header)
+            request.group_id = self.group.group_id
+            request.part_index = part
+            request.weight = self.weight
+        return request
+
+    def _round_trip_local(self, chunk: int) -> np.ndarray:
+        """This member's own copy of one chunk of its part, through the codec and back."""
+        request = self._encode_request(self.my_index, chunk)
+        start, end = self.plan.chunk_bounds(self.my_index, chunk)
+        return decode_checked(self.codec, request.chunk, end - start)
+
+    def _store(self, part: int, chunk: int, values: np.ndarray) -> None:
+        base = self.plan.bounds[part][0]
+        start, end = self.plan.chunk_bounds(part, chunk)
+        if not np.isfinite(values).all():
+            raise ValueError(f"averaged chunk {chunk} of part {part} holds NaN or Inf")
+        self.result[base + start : base + end] = values
+
+    # ---- the local part ----
+
+    def on_local_result(self, chunk: int, values: np.ndarray, contributors: int) -> None:
+        """Called by the local ReducerRound with the decoded average of one chunk."""
+        base = self.plan.bounds[self.my_index][0]
+        start, end = self.plan.chunk_bounds(self.my_index, chunk)
+        self.result[base + start : base + end] = values
+        self.received[self.my_index][chunk] = True
+        if contributors == len(self.group.senders):
+            self.full_chunks[self.my_index] += 1
+
+    async def contribute_local(self, round_: ReducerRound) -> None:
+        loop = asyncio.get_running_loop()
+        for chunk in range(self.plan.num_chunks(self.my_index)):
+            values = await loop.run_in_executor(
+                self.service.executor, self._round_trip_local, chunk
+            )
+            round_.add_local(chunk, values)
+
+    # ---- one remote part ----
+
+    async def _send_part(self, part: int, call: grpc.aio.StreamStreamCall) -> None:
+        loop = asyncio.get_running_loop()
+        for chunk in range(self.plan.num_chunks(part)):
+            if self.fault_plan is not None:
+                if self.fault_plan.crashes(chunk):
+                    self.crashed.set()
+                    await asyncio.Event().wait()
+                if self.fault_plan.stops_sending(chunk):
+                    await asyncio.Event().wait()  # a stalled sender: the stream stays open
+            request = await loop.run_in_executor(
+                self.service.executor, self._encode_request, part, chunk
+            )
+            await call.write(request)
+            self.bytes_sent += request.ByteSize()
+        await call.done_writing()
+
+    def _reply_patience(self, started: float, replies: int) -> float:
+        mean = (time.monotonic() - started) / replies if replies else 0.0
+        floor = max(3 * self.config.min_stall, self.config.registration_wait)
+        return max(floor, self.config.stall_factor * mean)
+
+    async def exchange_part(self, part: int) -> None:
+        """Stream our chunks of ``part`` to its reducer; store what comes back.
+
+        Never raises (except CancelledError): a failure leaves the missing chunks local.
+        """
+        address = self.group.members[part].address
+        if address is None:  # GroupInfo guarantees reducers have one; keep mypy honest
+            return
+        loop = asyncio.get_running_loop()
+        num_chunks = self.plan.num_chunks(part)
+        remaining = self.deadline - time.monotonic()
+        method = self.channels.channel(address).stream_stream(
+            _REDUCE_METHOD,
+            request_serializer=averaging_pb2.ReduceRequest.SerializeToString,
+            response_deserializer=averaging_pb2.ReduceResponse.FromString,
+        )
+        call = method(timeout=max(remaining, 0.001))
+        sender = loop.create_task(self._send_part(part, call))
+        started = time.monotonic()
+        replies = 0
+        try:
+            while replies < num_chunks:
+                patience = self._reply_patience(started, replies)
+                wait = min(patience, self.deadline - time.monotonic())
+                if wait <= 0:
+                    log.info("part %d: reducer %s too slow, keeping local values", part, address)
+                    return
+                read = loop.create_task(call.read())
+                done, _ = await asyncio.wait({read, sender}, timeout=wait)
+                if read not in done:
+                    read.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
+                        await read
+                    if sender in done and sender.exception() is None:
+                        continue  # finished writing; keep waiting for replies
+                    if sender in done:
+                        raise sender.exception()  # type: ignore[misc]
+                    log.info("part %d: no reply from %s in %.1fs", part, address, wait)
+                    return
+                response = read.result()
+                if response is grpc.aio.EOF:
+                    log.info("part %d: reducer %s ended the stream early", part, address)
+                    return
+                replies += 1
+                if not await self._accept_reply(part, response):
+                    return
+        except grpc.RpcError as e:
+            code = e.code() if isinstance(e, grpc.aio.AioRpcError) else None
+            details = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            log.info("part %d: stream to %s failed: %s %s", part, address, code, details)
+        finally:
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
+                await sender
+            call.cancel()
+
+    async def _accept_reply(self, part: int, response: averaging_pb2.ReduceResponse) -> bool:
+        """Validate and store one averaged chunk; ``False`` means "stop trusting it"."""
+        chunk = response.chunk_index
+        if chunk >= self.plan.num_chunks(part) or self.received[part][chunk]:
+            log.warning("part %d: reducer sent chunk %d out of range or twice", part, chunk)
+            return False
+        self.bytes_received += response.ByteSize()
+        if response.num_senders == 0:
+            return True  # nobody delivered this chunk in time: it stays local
+        start, end = self.plan.chunk_bounds(part, chunk)
+        loop = asyncio.get_running_loop()
+        try:
+            values = await loop.run_in_executor(
+                self.service.executor, decode_checked, self.codec, response.chunk, end - start
+            )
+            if values.dtype != self.layout.dtype:
+                raise ValueError(f"averaged chunk has dtype {values.dtype}")
+            await loop.run_in_executor(self.service.executor, self._store, part, chunk, values)
+        except ValueError as e:
+            log.warning("part %d: reducer sent an invalid chunk: %s", part, e)
+            return False
+        self.received[part][chunk] = True
+        if response.num_senders >= len(self.group.senders):
+            self.full_chunks[part] += 1
+        return True
+
+
+async def run_allreduce(
+    group: GroupInfo,
+    my_index: int,
+    tensors: Sequence[np.ndarray],
+    weight: float,
+    *,
+    deadline: float,
+    service: AllReduceService,
+    channels: ChannelSource,
+    header: common_pb2.RequestHeader,
+    fault_plan: FaultPlan | None = None,
+) -> AllReduceOutcome:
+    """Run this member's side of one butterfly all-reduce round.
+
+    Args:
+        group: the formed group (identical on every member).
+        my_index: this member's position in ``group.members``.
+        tensors: this member's tensors (never modified). ``AUX`` members pass arrays of
+            the group's schema too (e.g. zeros); their values are not sent.
+        weight: this member's weight, finite and >= 0 (ignored for ``AUX``).
+        deadline: absolute ``time.monotonic()`` by which the round ends.
+        service: this daemon's :class:`AllReduceService` (serves our part).
+        channels: a channel pool (``swarmavg.dht.ChannelPool``).
+        header: this peer's request header (``DHTNode.make_header()``).
+        fault_plan: test seam; ``None`` in production.
+
+    Returns:
+        The outcome; ``partial`` when a member failed mid-round.
+
+    Raises:
+        ValueError: the tensors do not match ``group.schema_hash``, hold NaN/Inf, the
+            weight is invalid, or ``my_index``/``header`` do not name a member.
+        AllReduceError: the deadline has already passed.
+        InjectedCrash: only when ``fault_plan`` says so.
+    """
+    t0 = time.monotonic()
+    if not 0 <= my_index < group.size:
+        raise ValueError(f"my_index {my_index} is not in a group of {group.size}")
+    me = group.members[my_index]
+    if header.peer_id != me.peer_id:
+        raise ValueError("header.peer_id is not the peer id of member my_index")
+    if not (math.isfinite(weight) and weight >= 0):
+        raise ValueError(f"weight must be finite and >= 0, got {weight}")
+    if schema_hash(tensors) != group.schema_hash:
+        raise ValueError("tensors do not match the group's schema (shapes/dtypes differ)")
+    if deadline <= t0:
+        raise AllReduceError("the round's deadline has already passed")
+    layout = TensorLayout.of(tensors)
+    codec = get_codec(group.codec)
+    loop = asyncio.get_running_loop()
+    executor = service.executor
+
+    probe_key = (codec.name, layout.dtype.name)
+    if probe_key not in service.bytes_per_element:
+        service.bytes_per_element[probe_key] = await loop.run_in_executor(
+            executor, _bytes_per_element, codec, layout.dtype
+        )
+    chunk_elements = chunk_elements_for(
+        service.bytes_per_element[probe_key], service.config.chunk_bytes
+    )
+    plan = PartPlan.build(part_sizes(group.members, layout.total), chunk_elements)
+    ex = _Exchange(
+        group,
+        my_index,
+        layout,
+        plan,
+        codec,
+        weight,
+        deadline,
+        service,
+        channels,
+        header,
+        fault_plan,
+    )
+
+    def prepare() -> None:
+        ex.vector = flatten(tensors, layout)
+        if me.mode.sends and not np.isfinite(ex.vector).all():
+            raise ValueError("tensors hold NaN or Inf")
+        ex.result = ex.vector.copy()
+
+    await loop.run_in_executor(executor, prepare)
+    t_prepared = time.monotonic()
+
+    round_: ReducerRound | None = None
+    tasks: set[asyncio.Task[None]] = set()
+    if plan.part_size(my_index) > 0:
+        round_ = ReducerRound(
+            group,
+            my_index,
+            plan,
+            layout.dtype,
+            codec,
+            service.config,
+            executor,
+            deadline,
+            ex.on_local_result,
+            fault_plan,
+        )
+        service.register(round_)
+        round_.start()
+        if me.mode.sends:
+            round_.reducer.set_weight(my_index, weight)
+            tasks.add(loop.create_task(ex.contribute_local(round_)))
+    if me.mode.sends:
+        for part in range(group.size):
+            if part != my_index and plan.part_size(part) > 0:
+                tasks.add(loop.create_task(ex.exchange_part(part)))
+
+    async def everything() -> None:
+        await asyncio.gather(*tasks)
+        if round_ is not None:
+            await round_.finished.wait()
+
+    main = loop.create_task(everything())
+    crash = loop.create_task(ex.crashed.wait())
+    try:
+        # Every exchange and our reducer, or a crash, or the deadline: whichever is first.
+        done, _ = await asyncio.wait(
+            {main, crash}, timeout=deadline - time.monotonic(), return_when=asyncio.FIRST_COMPLETED
+        )
+        if main in done:
+            main.result()  # re-raise a programming error; exchanges themselves never raise
+    finally:
+        t_exchanged = time.monotonic()
+        for task in (*tasks, main, crash):
+            task.cancel()
+        await asyncio.gather(*tasks, main, crash, return_exceptions=True)
+        if round_ is not None:
+            abort = None
+            if ex.crashed.is_set():
+                abort = _Abort(grpc.StatusCode.UNAVAILABLE, "peer crashed (injected)")
+            elif not round_.finished.is_set():
+                abort = _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "round deadline passed")
+            await round_.close(abort)
+            service.unregister(round_)
+    if ex.crashed.is_set():
+        raise InjectedCrash(f"member {my_index} crashed as its fault plan says")
+
+    failed = tuple(
+        j for j in range(group.size) if plan.part_size(j) > 0 and not ex.received[j].all()
+    )
+    if not me.mode.sends:  # AUX: only our own part is ours to report
+        failed = tuple(j for j in failed if j == my_index)
+    averaged_by_all = all(
+        ex.full_chunks[j] == plan.num_chunks(j)
+        for j in range(group.size)
+        if plan.part_size(j) > 0 and (me.mode.sends or j == my_index)
+    )
+    out = await loop.run_in_executor(executor, unflatten, ex.result, layout)
+    t_done = time.monotonic()
+    return AllReduceOutcome(
+        tensors=out,
+        partial=bool(failed) or not averaged_by_all,
+        failed_parts=failed,
+        dropped=dict(round_.dropped) if round_ is not None else {},
+        bytes_sent=ex.bytes_sent + (round_.bytes_sent if round_ is not None else 0),
+        bytes_received=ex.bytes_received + (round_.bytes_received if round_ is not None else 0),
+        timings={
+            "prepare": t_prepared - t0,
+            "exchange": t_exchanged - t_prepared,
+            "finish": t_done - t_exchanged,
+            "total": t_done - t0,
+        },
+    )

@@ -1,0 +1,49 @@
+"""Settings of the butterfly all-reduce (one object per daemon, shared by every round)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swarmavg.averaging.partition import DEFAULT_CHUNK_BYTES
+
+
+@dataclass(frozen=True)
+class AllReduceConfig:
+    """Timing and sizing of all-reduce rounds.
+
+    Attributes:
+        chunk_bytes: target size of one encoded chunk on the wire (gRPC's 4 MiB message
+            cap stays; see docs/benchmarks-allreduce.md for why 512 KiB).
+        min_stall: a sender that delivers nothing new for this long (and for
+            ``stall_factor`` times its own mean interval between chunks) is dropped by
+            the reducer; a reducer that returns nothing for three times this long (and
+            ``stall_factor`` times its mean interval) is given up by the sender.
+        stall_factor: how many mean inter-chunk intervals of silence count as a stall.
+        registration_wait: how long an inbound stream waits for the local side of its
+            round to start (members leave matchmaking at slightly different times).
+        finalize_margin: the reducer stops waiting for senders this long before the
+            round's deadline (at most a tenth of the round's budget), so that the
+            averaged chunks still reach the senders in time.
+        max_waiting_streams: inbound streams allowed to wait for an unknown group at
+            once; more are refused with RESOURCE_EXHAUSTED.
+        executor_threads: threads for codec work and reduction, off the event loop.
+    """
+
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    min_stall: float = 3.0
+    stall_factor: float = 8.0
+    registration_wait: float = 5.0
+    finalize_margin: float = 0.5
+    max_waiting_streams: int = 64
+    executor_threads: int = 2
+
+    def __post_init__(self) -> None:
+        if not 4096 <= self.chunk_bytes <= 3 * 1024 * 1024:
+            raise ValueError("chunk_bytes must be within 4 KiB..3 MiB (gRPC caps messages at 4)")
+        for name in ("min_stall", "stall_factor", "registration_wait"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+        if self.finalize_margin < 0:
+            raise ValueError("finalize_margin must be >= 0")
+        if self.max_waiting_streams < 1 or self.executor_threads < 1:
+            raise ValueError("max_waiting_streams and executor_threads must be >= 1")

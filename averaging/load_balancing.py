@@ -1,0 +1,87 @@
+"""Size each member's part by its reported bandwidth (DESIGN 5.2).
+
+A member ``i`` that reduces ``x_i`` elements of a vector of ``total`` elements receives,
+per direction, about ``total - x_i`` averaged elements of the other parts (when it
+sends) plus ``(S - 1) x_i`` elements from the other senders of its own part, where ``S``
+is the number of senders. An auxiliary member (sends nothing) receives ``S x_i``. The
+round takes as long as its slowest member, so we minimise ``max_i load_i(x_i) / b_i``
+subject to ``sum x_i = total`` and ``x_i >= 0``: a one-dimensional water-filling whose
+level ``T`` is found by bisection (the closed form of this small linear program; cf.
+hivemind's ``load_balance_peers``, which solves it with scipy's LP solver).
+
+The result is deterministic: every member computes the same integers from the same
+inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from swarmavg.averaging.group import Member, Mode
+
+_BISECTION_STEPS = 200
+
+
+def _load_coefficients(members: Sequence[Member], total: int) -> list[tuple[float, float]]:
+    """``(fixed, per_element)`` incoming load of each reducer as a function of its part."""
+    senders = sum(1 for m in members if m.mode.sends)
+    coefficients = []
+    for m in members:
+        if m.mode is Mode.AUX:
+            coefficients.append((0.0, float(max(senders, 1))))
+        else:
+            # With two senders a node's load does not depend on its part (it swaps one
+            # half for the other); count at least one element of work per element so
+            # bandwidth still decides.
+            coefficients.append((float(total), float(max(senders - 2, 1))))
+    return coefficients
+
+
+def part_sizes(members: Sequence[Member], total: int) -> list[int]:
+    """Elements of the flat vector reduced by each member, in member order.
+
+    Members that cannot reduce (clients, bandwidth 0) get 0. The sizes sum to ``total``.
+
+    Raises:
+        ValueError: ``total < 0`` or no member can reduce.
+    """
+    if total < 0:
+        raise ValueError("total must be >= 0")
+    reducers = [i for i, m in enumerate(members) if m.is_reducer]
+    if not reducers:
+        raise ValueError("no member can reduce a part")
+    sizes = [0] * len(members)
+    if total == 0:
+        return sizes
+    coeff = _load_coefficients(members, total)
+
+    def fill(level: float) -> list[float]:
+        out = []
+        for i in reducers:
+            fixed, per_element = coeff[i]
+            out.append(max(0.0, (level * members[i].bandwidth - fixed) / per_element))
+        return out
+
+    # Bracket the water level: at `high` every reducer alone could take everything.
+    low = 0.0
+    high = max((coeff[i][0] + coeff[i][1] * total) / members[i].bandwidth for i in reducers)
+    for _ in range(_BISECTION_STEPS):
+        mid = (low + high) / 2
+        if mid in (low, high):
+            break
+        if sum(fill(mid)) >= total:
+            high = mid
+        else:
+            low = mid
+    shares = fill(high)
+    scale = total / sum(shares)
+    exact = [s * scale for s in shares]
+    # Largest remainder rounding; ties go to the lower member index.
+    floors = [int(e) for e in exact]
+    remaining = total - sum(floors)
+    order = sorted(range(len(reducers)), key=lambda k: (-(exact[k] - floors[k]), k))
+    for k in order[:remaining]:
+        floors[k] += 1
+    for k, i in enumerate(reducers):
+        sizes[i] = floors[k]
+    return sizes

@@ -1,0 +1,182 @@
+"""Flatten tensors into one reduction vector, cut it into parts and chunks, and back.
+
+Pure, synchronous logic shared by every member of a group (DESIGN 5.2). Every member
+computes the same :class:`TensorLayout` and :class:`PartPlan` from the same inputs, so
+the layout never travels on the wire: a chunk is named only by (part, chunk index).
+
+Reduction precision (DESIGN 5.3): floats narrower than 32 bits (float16, bfloat16) and
+small integers (int8, uint8) are widened to float32; float64 and wide integers (int32,
+int64) make the whole vector float64. Integer results are rounded to nearest and
+clipped to the dtype's range; int64 values beyond 2**53 lose precision.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+_WIDEN_TO_F32: set[np.dtype] = {
+    np.dtype(np.float16),
+    BFLOAT16,
+    np.dtype(np.float32),
+    np.dtype(np.int8),
+    np.dtype(np.uint8),
+}
+_WIDEN_TO_F64: set[np.dtype] = {np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.int64)}
+SUPPORTED_DTYPES: frozenset[np.dtype] = frozenset(_WIDEN_TO_F32 | _WIDEN_TO_F64)
+
+DEFAULT_CHUNK_BYTES = 512 * 1024
+"""Target size of one encoded chunk on the wire (see docs/benchmarks-allreduce.md)."""
+MIN_CHUNK_ELEMENTS = 1024
+
+
+def reduction_dtype(dtypes: Sequence[np.dtype]) -> np.dtype:
+    """The dtype in which tensors of ``dtypes`` are reduced: float64 or float32."""
+    for dtype in dtypes:
+        if np.dtype(dtype) not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"unsupported dtype {dtype}; supported: {sorted(d.name for d in SUPPORTED_DTYPES)}"
+            )
+    if any(np.dtype(d) in _WIDEN_TO_F64 for d in dtypes):
+        return np.dtype(np.float64)
+    return np.dtype(np.float32)
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """Where each tensor lives inside the flat reduction vector."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[np.dtype, ...]
+    offsets: tuple[int, ...]
+    total: int
+    dtype: np.dtype
+
+    @classmethod
+    def of(cls, tensors: Sequence[np.ndarray]) -> TensorLayout:
+        """The layout of ``tensors`` (their order, shapes and dtypes; not their values).
+
+        Raises:
+            ValueError: an empty list, or a dtype that cannot be averaged.
+        """
+        if len(tensors) == 0:
+            raise ValueError("nothing to average: the tensor list is empty")
+        dtypes = tuple(np.dtype(t.dtype) for t in tensors)
+        offsets = []
+        total = 0
+        for t in tensors:
+            offsets.append(total)
+            total += int(t.size)
+        return cls(
+            shapes=tuple(tuple(int(d) for d in t.shape) for t in tensors),
+            dtypes=dtypes,
+            offsets=tuple(offsets),
+            total=total,
+            dtype=reduction_dtype(dtypes),
+        )
+
+    def matches(self, tensors: Sequence[np.ndarray]) -> bool:
+        """Whether ``tensors`` have exactly this layout's shapes and dtypes."""
+        return len(tensors) == len(self.shapes) and all(
+            tuple(t.shape) == s and np.dtype(t.dtype) == d
+            for t, s, d in zip(tensors, self.shapes, self.dtypes, strict=True)
+        )
+
+
+def flatten(tensors: Sequence[np.ndarray], layout: TensorLayout) -> np.ndarray:
+    """Copy ``tensors`` into a new 1-D vector of ``layout.dtype`` (inputs are not touched)."""
+    if not layout.matches(tensors):
+        raise ValueError("tensors do not match the layout")
+    out = np.empty(layout.total, dtype=layout.dtype)
+    for t, offset in zip(tensors, layout.offsets, strict=True):
+        out[offset : offset + t.size] = np.asarray(t).reshape(-1)
+    return out
+
+
+def unflatten(vector: np.ndarray, layout: TensorLayout) -> list[np.ndarray]:
+    """Cut ``vector`` back into new arrays with the layout's shapes and dtypes.
+
+    Floats are cast with round-to-nearest; integers are rounded and clipped to range.
+    The returned arrays never share memory with ``vector``.
+    """
+    if vector.shape != (layout.total,):
+        raise ValueError(f"vector has shape {vector.shape}, layout needs ({layout.total},)")
+    result = []
+    for shape, dtype, offset in zip(layout.shapes, layout.dtypes, layout.offsets, strict=True):
+        size = math.prod(shape)
+        piece = vector[offset : offset + size]
+        if dtype.kind in "iu":
+            info = np.iinfo(dtype)
+            # float64 cannot hold int64's max exactly; clip below it, then cast.
+            hi = float(info.max) if info.bits < 64 else float(np.nextafter(2.0**63, 0))
+            piece = np.clip(np.rint(piece), float(info.min), hi)
+        result.append(np.array(piece, dtype=dtype, copy=True).reshape(shape))
+    return result
+
+
+@dataclass(frozen=True)
+class PartPlan:
+    """The flat vector cut into one contiguous part per member, each part into chunks.
+
+    Attributes:
+        bounds: ``(start, end)`` of each member's part in the flat vector; empty
+            (``start == end``) for members that reduce nothing.
+        chunk_elements: elements per chunk; the last chunk of a part may be shorter.
+    """
+
+    bounds: tuple[tuple[int, int], ...]
+    chunk_elements: int
+
+    @classmethod
+    def build(cls, part_sizes: Sequence[int], chunk_elements: int) -> PartPlan:
+        """Parts of ``part_sizes`` elements laid out in member order."""
+        if chunk_elements <= 0:
+            raise ValueError("chunk_elements must be positive")
+        bounds = []
+        start = 0
+        for size in part_sizes:
+            if size < 0:
+                raise ValueError("part sizes must be >= 0")
+            bounds.append((start, start + int(size)))
+            start += int(size)
+        return cls(tuple(bounds), int(chunk_elements))
+
+    @property
+    def total(self) -> int:
+        return self.bounds[-1][1] if self.bounds else 0
+
+    def part_size(self, part: int) -> int:
+        start, end = self.bounds[part]
+        return end - start
+
+    def num_chunks(self, part: int) -> int:
+        """Number of chunks of ``part`` (0 for an empty part)."""
+        return -(-self.part_size(part) // self.chunk_elements)
+
+    def chunk_bounds(self, part: int, chunk: int) -> tuple[int, int]:
+        """``(start, end)`` of ``chunk`` relative to the start of ``part``."""
+        if not 0 <= chunk < self.num_chunks(part):
+            raise IndexError(f"part {part} has no chunk {chunk}")
+        start = chunk * self.chunk_elements
+        return start, min(start + self.chunk_elements, self.part_size(part))
+
+
+def chunk_elements_for(bytes_per_element: float, target_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Elements per chunk so that an encoded chunk is about ``target_bytes`` on the wire.
+
+    ``bytes_per_element`` is the codec's encoded size per element (e.g. 4.0 for float32
+    without compression, ~1.0 for 8-bit codecs).
+    """
+    if not (bytes_per_element > 0 and math.isfinite(bytes_per_element)):
+        raise ValueError("bytes_per_element must be positive and finite")
+    if target_bytes <= 0:
+        raise ValueError("target_bytes must be positive")
+    elements = int(target_bytes / bytes_per_element)
+    # Round down to a multiple of 1024 so blockwise codecs see whole blocks.
+    return max(MIN_CHUNK_ELEMENTS, elements // 1024 * 1024)

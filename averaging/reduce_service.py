@@ -1,0 +1,453 @@
+"""The reducer side of the butterfly all-reduce: inbound ``Reduce`` streams (DESIGN 5.2).
+
+One :class:`AllReduceService` per daemon receives every inbound ``Reduce`` stream and
+hands it to the :class:`ReducerRound` of its group, which the local runner registered
+when its round started. A round accumulates the senders' chunks of this member's part
+(:class:`~swarmavg.averaging.reducer.PartReducer`), and as soon as a chunk is final it
+encodes the average once and streams the same bytes back to every sender (and decodes
+them for itself), so all members end bit-identical.
+
+Hostile input never reaches the accumulator: the header, the group id, the sender's
+membership, the part index, the weight, the codec, each chunk's index and size, its
+dtype and its values (NaN/Inf) are checked first, and a sender that breaks a rule is cut
+off with an error status. Only that sender's stream ends; the round goes on without it.
+
+A2's Averaging servicer delegates with a coroutine handler::
+
+    async def Reduce(self, request_iterator, context):
+        await all_reduce_service.rpc_reduce(request_iterator, context)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import grpc
+import numpy as np
+
+from swarmavg.averaging.allreduce_config import AllReduceConfig
+from swarmavg.averaging.faults import FaultPlan
+from swarmavg.averaging.group import GroupInfo
+from swarmavg.averaging.partition import PartPlan
+from swarmavg.averaging.reducer import ContributionError, PartReducer
+from swarmavg.compression import Codec, CodecInfo
+from swarmavg.dht.identity import HeaderError, verify_header
+from swarmavg.proto import averaging_pb2, common_pb2, tensor_pb2
+
+log = logging.getLogger(__name__)
+
+_RECENT_ROUNDS = 256
+ResultCallback = Callable[[int, np.ndarray, int], None]
+"""Called with (chunk index, decoded averaged values, number of senders) on the loop."""
+
+
+@dataclass
+class _Abort:
+    code: grpc.StatusCode
+    details: str
+
+
+@dataclass
+class _Stream:
+    """One attached sender's outbound queue (responses, then ``None`` or an abort)."""
+
+    sender: int
+    queue: asyncio.Queue[averaging_pb2.ReduceResponse | _Abort | None] = field(
+        default_factory=asyncio.Queue
+    )
+    done: bool = False
+
+
+async def _abort(
+    context: grpc.aio.ServicerContext[Any, Any], code: grpc.StatusCode, details: str
+) -> NoReturn:
+    """End the stream with ``code``; ``context.abort`` raises, this says so to the checker."""
+    await context.abort(code, details)
+    raise RuntimeError("context.abort returned")
+
+
+def decode_checked(codec: Codec, message: tensor_pb2.TensorChunk, size: int) -> np.ndarray:
+    """Decode one chunk that must hold ``size`` elements; raise ``ContributionError`` if not.
+
+    The declared shape is checked before decoding, so a lying header costs nothing.
+    """
+    if message.codec != codec.name:
+        raise ContributionError(f"chunk uses codec {message.codec!r}, round uses {codec.name!r}")
+    if list(message.shape) != [size]:
+        raise ContributionError(f"chunk declares shape {list(message.shape)}, expected [{size}]")
+    try:
+        values = codec.decode(message)
+    except ValueError as e:  # CodecError derives from ValueError
+        raise ContributionError(f"chunk does not decode: {e}") from e
+    if values.shape != (size,):
+        raise ContributionError(f"chunk decodes to shape {values.shape}, expected ({size},)")
+    return values
+
+
+class ReducerRound:
+    """This member's part of one round: accumulate, finalise, return (one per round).
+
+    Owned by :func:`~swarmavg.averaging.allreduce.run_allreduce`, which creates it,
+    :meth:`start`\\ s it, waits for :attr:`finished` and always :meth:`close`\\ s it.
+    """
+
+    def __init__(
+        self,
+        group: GroupInfo,
+        my_index: int,
+        plan: PartPlan,
+        dtype: np.dtype,
+        codec: Codec,
+        config: AllReduceConfig,
+        executor: ThreadPoolExecutor,
+        deadline: float,
+        on_result: ResultCallback,
+        fault_plan: FaultPlan | None = None,
+    ) -> None:
+        self.group = group
+        self.my_index = my_index
+        self.plan = plan
+        self.codec = codec
+        self.config = config
+        self.executor = executor
+        self.deadline = deadline  # time.monotonic()
+        self.on_result = on_result
+        self.fault_plan = fault_plan
+        self.reducer = PartReducer(plan, my_index, dtype, group.senders)
+        self.start_time = time.monotonic()
+        budget = max(deadline - self.start_time, 0.0)
+        self.reduce_deadline = deadline - min(config.finalize_margin, budget / 10)
+        self.streams: dict[int, _Stream] = {}
+        self.dropped: dict[int, str] = {}
+        self.bytes_received = 0
+        self.bytes_sent = 0
+        self.returned = 0
+        self._final: asyncio.Queue[int] = asyncio.Queue()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._progress: dict[int, float] = dict.fromkeys(group.senders, self.start_time)
+        self._all_returned = asyncio.Event()
+        self.finished = asyncio.Event()
+        """Set when every chunk was returned and every attached stream got all of them."""
+        self.closed = False
+
+    # ---- lifecycle (called by the runner) ----
+
+    def start(self) -> None:
+        """Start the emitter and the watchdog (owned by this round, stopped by close)."""
+        loop = asyncio.get_running_loop()
+        for coro in (self._emit(), self._watchdog()):
+            task = loop.create_task(coro)
+            self._tasks.add(task)
+
+    async def close(self, abort: _Abort | None = None) -> None:
+        """Stop the round: end every stream (with ``abort``, or OK) and stop its tasks.
+
+        Idempotent. Streams that already received every chunk end with OK whatever
+        ``abort`` says.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        for stream in self.streams.values():
+            stream.queue.put_nowait(abort)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    # ---- contributions ----
+
+    def add_local(self, chunk: int, values: np.ndarray) -> None:
+        """Accumulate this member's own (codec round-tripped) copy of ``chunk``."""
+        self._queue_final(self.reducer.add(self.my_index, chunk, values))
+
+    def drop(self, sender: int, reason: str) -> None:
+        """Stop waiting for ``sender``; its weight renormalises away from chunks it owes."""
+        if sender in self.reducer.live_senders and not self.closed:
+            log.info("round %s: dropping member %d: %s", self.group.group_id.hex(), sender, reason)
+            self.dropped.setdefault(sender, reason)
+            self._queue_final(self.reducer.drop(sender))
+
+    def _queue_final(self, chunks: list[int]) -> None:
+        for chunk in chunks:
+            self._final.put_nowait(chunk)
+
+    # ---- serving one sender ----
+
+    async def serve(
+        self,
+        sender: int,
+        first: averaging_pb2.ReduceRequest,
+        requests: AsyncIterator[averaging_pb2.ReduceRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
+        """Run one attached sender's stream until the round returned every chunk to it."""
+        if self.closed:
+            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, "round is over")
+        if sender in self.streams:
+            await _abort(context, grpc.StatusCode.ALREADY_EXISTS, "sender is already attached")
+        if sender in self.dropped or sender not in self.reducer.live_senders:
+            await _abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"sender was dropped from this part: {self.dropped.get(sender, 'not a sender')}",
+            )
+        try:
+            self.reducer.set_weight(sender, first.weight)
+        except ContributionError as e:
+            self.drop(sender, str(e))
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        stream = _Stream(sender)
+        self.streams[sender] = stream
+        # Chunks finalised without this sender (it was too late) cannot happen: a live
+        # sender blocks finalisation. So the stream starts with nothing to catch up on.
+        reader = asyncio.get_running_loop().create_task(self._read(stream, first, requests))
+        try:
+            while True:
+                item = await stream.queue.get()
+                if item is None:
+                    return
+                if isinstance(item, _Abort):
+                    await _abort(context, item.code, item.details)
+                await context.write(item)
+                self.bytes_sent += item.ByteSize()
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            if self.reducer.delivered(sender) < self.reducer.num_chunks:
+                self.drop(sender, "stream ended early")
+            stream.done = True
+            self._check_finished()
+
+    async def _read(
+        self,
+        stream: _Stream,
+        first: averaging_pb2.ReduceRequest,
+        requests: AsyncIterator[averaging_pb2.ReduceRequest],
+    ) -> None:
+        sender = stream.sender
+        try:
+            if first.HasField("chunk"):
+                await self._accept(sender, first)
+            async for request in requests:
+                if request.HasField("header") or request.group_id:
+                    raise ContributionError("only the first message may name the round")
+                await self._accept(sender, request)
+        except ContributionError as e:
+            self.drop(sender, str(e))
+            stream.queue.put_nowait(_Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+            return
+        except Exception as e:  # a broken stream or a stopped executor: lose this sender only
+            self.drop(sender, f"stream failed: {e!r}")
+            return
+        if self.reducer.delivered(sender) < self.reducer.num_chunks:
+            self.drop(sender, "sender closed its stream before its last chunk")
+
+    async def _accept(self, sender: int, request: averaging_pb2.ReduceRequest) -> None:
+        if not request.HasField("chunk"):
+            raise ContributionError("message carries no chunk")
+        chunk = request.chunk_index
+        if chunk >= self.reducer.num_chunks:
+            raise ContributionError(f"chunk index {chunk} out of range")
+        self.bytes_received += request.ByteSize()
+        start, end = self.plan.chunk_bounds(self.my_index, chunk)
+        loop = asyncio.get_running_loop()
+        values = await loop.run_in_executor(
+            self.executor, decode_checked, self.codec, request.chunk, end - start
+        )
+        if sender not in self.reducer.live_senders:
+            return  # dropped while decoding (too slow): its late chunks are ignored
+        self._queue_final(self.reducer.add(sender, chunk, values))
+        self._progress[sender] = time.monotonic()
+
+    # ---- output ----
+
+    def _encode_result(
+        self, chunk: int, values: np.ndarray, contributors: int
+    ) -> tuple[averaging_pb2.ReduceResponse, np.ndarray]:
+        start, end = self.plan.bounds[self.my_index]
+        info = CodecInfo(key=f"average[{start}:{end}]", part_index=self.my_index, part_size=end)
+        message = self.codec.encode(values, info)
+        response = averaging_pb2.ReduceResponse(
+            chunk=message, chunk_index=chunk, num_senders=contributors
+        )
+        # Decode the very bytes the senders get, so this member ends bit-identical to them.
+        return response, self.codec.decode(response.chunk)
+
+    async def _emit(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.returned < self.reducer.num_chunks:
+            chunk = await self._final.get()
+            if self.fault_plan is not None and self.fault_plan.stops_reducing(self.returned):
+                await asyncio.Event().wait()  # stalled reducer: hold every stream open
+            values = self.reducer.result(chunk)
+            contributors = self.reducer.contributors(chunk)
+            if values is None:
+                response = averaging_pb2.ReduceResponse(chunk_index=chunk, num_senders=0)
+            else:
+                response, decoded = await loop.run_in_executor(
+                    self.executor, self._encode_result, chunk, values, contributors
+                )
+                self.on_result(chunk, decoded, contributors)
+            for stream in self.streams.values():
+                stream.queue.put_nowait(response)
+            self.returned += 1
+        self._all_returned.set()
+        for stream in self.streams.values():
+            stream.queue.put_nowait(None)
+        self._check_finished()
+
+    def _check_finished(self) -> None:
+        if self._all_returned.is_set() and all(s.done for s in self.streams.values()):
+            self.finished.set()
+
+    async def _watchdog(self) -> None:
+        """Drop senders that stall, and everyone still owing chunks at the deadline."""
+        tick = max(0.01, min(self.config.min_stall / 4, 0.25))
+        while not self.reducer.done:
+            now = time.monotonic()
+            if now >= self.reduce_deadline:
+                for sender in sorted(self.reducer.live_senders):
+                    self.drop(sender, "round deadline")
+                return
+            for sender in sorted(self.reducer.live_senders):
+                if sender == self.my_index:
+                    continue
+                delivered = self.reducer.delivered(sender)
+                if delivered == self.reducer.num_chunks:
+                    continue
+                last = self._progress[sender]
+                mean_interval = (last - self.start_time) / delivered if delivered else 0.0
+                patience = max(self.config.min_stall, self.config.stall_factor * mean_interval)
+                if now - last > patience:
+                    self.drop(sender, f"no chunk for {now - last:.1f}s")
+            await asyncio.sleep(min(tick, max(self.reduce_deadline - now, 0.0)))
+
+
+class AllReduceService:
+    """Routes inbound ``Reduce`` streams to the local rounds (one service per daemon).
+
+    Create it inside the running loop; :meth:`close` when the daemon stops.
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        config: AllReduceConfig | None = None,
+        verify: Callable[[common_pb2.RequestHeader], bytes] | None = None,
+    ) -> None:
+        """Args:
+        run_id: the run this daemon serves; headers of another run are refused.
+        config: timings and sizes of every round.
+        verify: header check returning the sender's peer id (default:
+            :func:`swarmavg.dht.identity.verify_header` for ``run_id``).
+        """
+        self.run_id = run_id
+        self.config = config or AllReduceConfig()
+        self._verify = verify or (lambda header: verify_header(header, run_id))
+        self.executor = ThreadPoolExecutor(
+            self.config.executor_threads, thread_name_prefix="swarmavg-allreduce"
+        )
+        self._rounds: dict[bytes, ReducerRound] = {}
+        self._recent: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._registered = asyncio.Event()
+        self._waiting = 0
+        self._closed = False
+        self.bytes_per_element: dict[tuple[str, str], float] = {}
+
+    def register(self, round_: ReducerRound) -> None:
+        """Make ``round_`` reachable by its group id (the runner calls this)."""
+        if self._closed:
+            raise RuntimeError("AllReduceService is closed")
+        group_id = round_.group.group_id
+        if group_id in self._rounds or group_id in self._recent:
+            raise ValueError(f"group {group_id.hex()} already ran on this peer")
+        self._rounds[group_id] = round_
+        self._registered.set()
+        self._registered = asyncio.Event()
+
+    def unregister(self, round_: ReducerRound) -> None:
+        """Forget ``round_``; later streams for its group are refused at once."""
+        group_id = round_.group.group_id
+        if self._rounds.get(group_id) is round_:
+            del self._rounds[group_id]
+        self._recent[group_id] = None
+        while len(self._recent) > _RECENT_ROUNDS:
+            self._recent.popitem(last=False)
+
+    async def close(self) -> None:
+        """Abort every round in flight and stop the worker threads. Idempotent."""
+        self._closed = True
+        rounds = list(self._rounds.values())
+        await asyncio.gather(
+            *(r.close(_Abort(grpc.StatusCode.UNAVAILABLE, "peer is shutting down")) for r in rounds)
+        )
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _find_round(self, group_id: bytes, until: float) -> ReducerRound | None:
+        while True:
+            round_ = self._rounds.get(group_id)
+            if round_ is not None or group_id in self._recent or self._closed:
+                return round_
+            remaining = until - time.monotonic()
+            if remaining <= 0:
+                return None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._registered.wait(), remaining)
+
+    async def rpc_reduce(
+        self,
+        request_iterator: AsyncIterator[averaging_pb2.ReduceRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
+        """Serve one sender's ``Reduce`` stream (see the module docstring).
+
+        Ends with OK once the sender got every averaged chunk of this part; otherwise
+        aborts with INVALID_ARGUMENT (bad input), UNAUTHENTICATED (bad header),
+        NOT_FOUND (unknown group), PERMISSION_DENIED (not a sender of the group),
+        FAILED_PRECONDITION (round over, sender dropped), RESOURCE_EXHAUSTED (too many
+        streams waiting), or UNAVAILABLE (this peer is shutting down).
+        """
+        until = time.monotonic() + self.config.registration_wait
+        iterator = request_iterator.__aiter__()
+        if self._waiting >= self.config.max_waiting_streams:
+            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many pending streams")
+        self._waiting += 1
+        try:
+            try:
+                first = await asyncio.wait_for(iterator.__anext__(), self.config.registration_wait)
+            except (StopAsyncIteration, TimeoutError):
+                first = None
+            if first is None:
+                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "no first message")
+            try:
+                peer_id = self._verify(first.header)
+            except HeaderError as e:
+                await _abort(context, grpc.StatusCode.UNAUTHENTICATED, str(e))
+            round_ = await self._find_round(bytes(first.group_id), until)
+        finally:
+            self._waiting -= 1
+        if round_ is None:
+            await _abort(context, grpc.StatusCode.NOT_FOUND, "unknown group id")
+        sender = round_.group.index_of(peer_id)
+        if sender is None or sender == round_.my_index or sender not in round_.group.senders:
+            await _abort(context, grpc.StatusCode.PERMISSION_DENIED, "not a sender of this group")
+        if first.part_index != round_.my_index:
+            await _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"part {first.part_index} is not reduced here (this is part {round_.my_index})",
+            )
+        if not math.isfinite(first.weight):
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "weight is not finite")
+        await round_.serve(sender, first, iterator, context)

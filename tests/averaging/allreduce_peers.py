@@ -1,0 +1,119 @@
+"""In-process all-reduce peers for tests: one grpc.aio server + AllReduceService each."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from swarmavg.averaging.allreduce import AllReduceOutcome, run_allreduce
+from swarmavg.averaging.allreduce_config import AllReduceConfig
+from swarmavg.averaging.faults import FaultPlan
+from swarmavg.averaging.group import GroupInfo, Member, Mode, schema_hash
+from swarmavg.averaging.reduce_service import AllReduceService
+from swarmavg.dht import ChannelPool, Identity
+from swarmavg.proto import averaging_pb2, averaging_pb2_grpc, common_pb2
+from tests.harness import GrpcServerPool
+
+RUN_ID = "test-allreduce"
+FAST = AllReduceConfig(min_stall=0.5, stall_factor=8.0, registration_wait=2.0, chunk_bytes=4096)
+
+
+class ReduceServicer(averaging_pb2_grpc.AveragingServicer):  # type: ignore[misc]
+    """Serves only ``Reduce`` (A2's full servicer delegates the same way)."""
+
+    def __init__(self, service: AllReduceService) -> None:
+        self.service = service
+
+    async def Reduce(
+        self,
+        request_iterator: AsyncIterator[averaging_pb2.ReduceRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
+        await self.service.rpc_reduce(request_iterator, context)
+
+
+@dataclass
+class LocalPeer:
+    identity: Identity
+    service: AllReduceService
+    address: str
+
+    @property
+    def header(self) -> common_pb2.RequestHeader:
+        return self.identity.make_header(RUN_ID, self.address)
+
+
+async def start_peers(
+    servers: GrpcServerPool, n: int, config: AllReduceConfig = FAST
+) -> list[LocalPeer]:
+    services = [AllReduceService(RUN_ID, config) for _ in range(n)]
+
+    def register(server: grpc.aio.Server, i: int) -> None:
+        averaging_pb2_grpc.add_AveragingServicer_to_server(ReduceServicer(services[i]), server)
+
+    addresses = await servers.start(n, register)
+    return [LocalPeer(Identity.generate(), services[i], addresses[i]) for i in range(n)]
+
+
+async def close_peers(peers: Sequence[LocalPeer]) -> None:
+    await asyncio.gather(*(p.service.close() for p in peers))
+
+
+def make_group(
+    peers: Sequence[LocalPeer],
+    tensors: Sequence[np.ndarray],
+    modes: Sequence[Mode] | None = None,
+    bandwidths: Sequence[float] | None = None,
+    codec: str = "none",
+) -> GroupInfo:
+    modes = modes or [Mode.NODE] * len(peers)
+    bandwidths = bandwidths or [1.0] * len(peers)
+    members = tuple(
+        Member(
+            p.identity.peer_id,
+            None if mode is Mode.CLIENT else p.address,
+            mode,
+            0.0 if mode is Mode.CLIENT else bw,
+        )
+        for p, mode, bw in zip(peers, modes, bandwidths, strict=True)
+    )
+    return GroupInfo(os.urandom(16), members, schema_hash(tensors), codec)
+
+
+async def run_group(
+    peers: Sequence[LocalPeer],
+    group: GroupInfo,
+    inputs: Sequence[Sequence[np.ndarray]],
+    weights: Sequence[float],
+    channels: ChannelPool,
+    timeout: float = 20.0,
+    faults: dict[int, FaultPlan] | None = None,
+    skip: Sequence[int] = (),
+) -> list[AllReduceOutcome | BaseException | None]:
+    """Run every member's side at once; ``skip`` members never start (None in results)."""
+    deadline = time.monotonic() + timeout
+    faults = faults or {}
+
+    async def one(i: int) -> AllReduceOutcome | None:
+        if i in skip:
+            return None
+        return await run_allreduce(
+            group,
+            i,
+            inputs[i],
+            weights[i],
+            deadline=deadline,
+            service=peers[i].service,
+            channels=channels,
+            header=peers[i].header,
+            fault_plan=faults.get(i),
+        )
+
+    return list(await asyncio.gather(*(one(i) for i in range(len(peers))), return_exceptions=True))
