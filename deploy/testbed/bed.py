@@ -1,0 +1,360 @@
+"""A multi-host network on one machine: one network namespace per host, joined by a bridge.
+
+Topology (every name below lives inside namespaces this test bed creates; nothing is added to
+the root namespace, so the host machine's own network is never touched)::
+
+    <prefix>-sw            switch namespace: bridge br0, one port p-<host> per site
+      |- <prefix>-<host>   public host: eth0 = 10.77.<n>.(10+i)/24
+      |- <prefix>-<host>-gw   NAT router: wan0 = 10.77.<n>.(100+i)/24, lan0 = 10.78.<i>.1/24,
+           |                  iptables MASQUERADE out of wan0, nothing forwarded in unless
+           |                  it belongs to a connection the LAN side opened
+           '- <prefix>-<host>  host behind NAT: eth0 = 10.78.<i>.2/24, default route via lan0
+
+A host's *link* is the veth pair from its eth0 to the switch (or to its router). A rate limit
+shapes both ends of that pair, so the host is limited in both directions; cutting the link
+takes the far end down, so the host and everyone talking to it see silence, not resets.
+
+Cleanup: :meth:`TestBed.close` (also run by ``with``, on exceptions and KeyboardInterrupt, and
+from ``atexit``) stops every process inside the namespaces and deletes them; interfaces and
+iptables rules live inside the namespaces and disappear with them. Leftovers of a process that
+was SIGKILLed are removed by the next test bed (:func:`deploy.testbed._system.sweep_stale`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import re
+import secrets
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from deploy.testbed import _system, shaping
+from deploy.testbed._system import TestBedError
+
+_HOST_NAME = re.compile(r"^[a-z][a-z0-9]{0,11}$")
+_MAX_HOSTS = 80
+_live_beds: set[TestBed] = set()
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """What one host of the test bed looks like.
+
+    Attributes:
+        name: 1-12 characters, lowercase letters and digits, starting with a letter.
+        rate_mbit: limit of the host's link in megabits per second, both directions;
+            None for no limit.
+        nat: the host sits behind its own NAT router and can only dial out.
+    """
+
+    name: str
+    rate_mbit: float | None = None
+    nat: bool = False
+
+
+@dataclass(frozen=True)
+class Host:
+    """A running host of a test bed.
+
+    Attributes:
+        name: the name from its :class:`HostSpec`.
+        namespace: its network namespace (``ip netns exec <namespace> ...``).
+        address: its own IPv4 address (a private one behind NAT).
+        public_address: the address other hosts see its connections come from: ``address``,
+            or its router's WAN address behind NAT. Only public hosts can be dialled.
+        nat: whether it sits behind NAT.
+        rate_mbit: its link limit (None: unlimited), as last set.
+    """
+
+    name: str
+    namespace: str
+    address: str
+    public_address: str
+    nat: bool
+    rate_mbit: float | None
+    link_ends: tuple[tuple[str, str], tuple[str, str]]
+    """``(namespace, device)`` of the host's end and of the far end of its link."""
+
+    @property
+    def exec_prefix(self) -> list[str]:
+        """The argv prefix that runs a command inside this host."""
+        return ["ip", "netns", "exec", self.namespace]
+
+    def command(self, args: Sequence[str]) -> list[str]:
+        """``args`` as a command that runs inside this host."""
+        return [*self.exec_prefix, *args]
+
+    def swarmavg_command(self) -> list[str]:
+        """The ``swarmavg`` CLI inside this host, for ``ProcessPool.start(executable=...)``."""
+        return self.command([sys.executable, "-m", "swarmavg.peer.cli"])
+
+    def popen(
+        self,
+        args: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None,
+        stdin: int | IO[bytes] | None = subprocess.DEVNULL,
+        stdout: int | IO[bytes] | None = None,
+        stderr: int | IO[bytes] | None = None,
+    ) -> subprocess.Popen[bytes]:
+        """Start ``args`` inside this host. ``ip netns exec`` execs the program itself, so
+        the returned process is the program (signals reach it directly). The environment
+        is inherited unless ``env`` is given."""
+        return subprocess.Popen(
+            self.command(args),
+            env=None if env is None else dict(env),
+            cwd=cwd,
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+        )
+
+    def run(
+        self, args: Sequence[str], *, timeout: float = 60.0, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``args`` inside this host to completion; text output is captured.
+
+        Raises:
+            subprocess.CalledProcessError: ``check`` and the command failed.
+            subprocess.TimeoutExpired: it ran longer than ``timeout`` (it is killed).
+        """
+        return subprocess.run(
+            self.command(args),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=check,
+            stdin=subprocess.DEVNULL,
+        )
+
+
+class TestBed:
+    """K hosts in network namespaces on one bridge, optionally rate limited or behind NAT.
+
+    Use as a context manager::
+
+        with TestBed([HostSpec("a", rate_mbit=100), HostSpec("b", nat=True)]) as bed:
+            bed["a"].popen([...])
+
+    Raises:
+        ValueError: invalid or duplicate host specs.
+        TestBedError: building the network failed (everything made so far is removed).
+    """
+
+    __test__ = False  # not a pytest test class despite the name
+
+    def __init__(self, hosts: Sequence[HostSpec]) -> None:
+        if not hosts:
+            raise ValueError("a test bed needs at least one host")
+        if len(hosts) > _MAX_HOSTS:
+            raise ValueError(f"at most {_MAX_HOSTS} hosts, got {len(hosts)}")
+        names = [spec.name for spec in hosts]
+        for name in names:
+            if not _HOST_NAME.match(name):
+                raise ValueError(f"host name {name!r} must match {_HOST_NAME.pattern}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate host names in {names}")
+        for spec in hosts:
+            if spec.rate_mbit is not None and not spec.rate_mbit > 0:
+                raise ValueError(f"host {spec.name}: rate_mbit must be positive")
+        self.specs = tuple(hosts)
+        self.prefix = _system.new_prefix()
+        self.subnet = f"10.77.{secrets.randbelow(256)}"
+        self.hosts: dict[str, Host] = {}
+        self.namespaces: list[str] = []
+        self._closed = False
+        self._started = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> TestBed:
+        """Build the network. Idempotent; raises after :meth:`close`.
+
+        Raises:
+            TestBedError: the machine lacks what the test bed needs, or a command failed;
+                whatever was built is removed before this propagates.
+        """
+        if self._closed:
+            raise TestBedError("this test bed was closed")
+        if self._started:
+            return self
+        reason = _system.missing_requirements()
+        if reason is not None:
+            raise TestBedError(reason)
+        _system.sweep_stale()
+        self._started = True
+        _live_beds.add(self)
+        try:
+            switch = self._add_namespace("sw")
+            _system.run(["ip", "-n", switch, "link", "add", "br0", "type", "bridge"])
+            _system.run(["ip", "-n", switch, "link", "set", "br0", "up"])
+            for index, spec in enumerate(self.specs):
+                self.hosts[spec.name] = self._add_host(index, spec, switch)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Stop every process in the test bed's namespaces and delete them. Idempotent;
+        safe to call on a partly built test bed."""
+        if self._closed:
+            return
+        self._closed = True
+        _live_beds.discard(self)
+        # Hosts first, switch last: processes die before the links they use.
+        for namespace in reversed(self.namespaces):
+            _system.delete_namespace(namespace)
+
+    def __enter__(self) -> TestBed:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- access and faults -------------------------------------------------------------------
+
+    def __getitem__(self, name: str) -> Host:
+        return self.hosts[name]
+
+    def cut_link(self, name: str) -> None:
+        """Take the far end of ``name``'s link down: from now on its packets go nowhere and
+        nothing reaches it; peers see silence (no resets). Idempotent."""
+        namespace, device = self.hosts[name].link_ends[1]
+        _system.run(["ip", "-n", namespace, "link", "set", device, "down"])
+
+    def restore_link(self, name: str) -> None:
+        """Undo :meth:`cut_link` (the rate limit, if any, still applies)."""
+        namespace, device = self.hosts[name].link_ends[1]
+        _system.run(["ip", "-n", namespace, "link", "set", device, "up"])
+
+    def set_rate(self, name: str, rate_mbit: float | None) -> None:
+        """Change (or with None remove) the limit of ``name``'s link, both directions."""
+        host = self.hosts[name]
+        if host.rate_mbit is not None or rate_mbit is not None:
+            for command in shaping.link_limit_commands(host.link_ends, rate_mbit):
+                _system.run(command, check=rate_mbit is not None)
+        self.hosts[name] = Host(
+            host.name,
+            host.namespace,
+            host.address,
+            host.public_address,
+            host.nat,
+            rate_mbit,
+            host.link_ends,
+        )
+
+    # -- construction ------------------------------------------------------------------------
+
+    def _add_namespace(self, suffix: str) -> str:
+        name = f"{self.prefix}-{suffix}"
+        self.namespaces.append(name)  # recorded first: close() removes it even if add fails
+        _system.run(["ip", "netns", "add", name])
+        _system.run(["ip", "-n", name, "link", "set", "lo", "up"])
+        return name
+
+    def _add_veth(self, a: tuple[str, str], b: tuple[str, str]) -> None:
+        # Both ends are created directly inside their namespaces: no name ever appears in the
+        # root namespace, so parallel test beds can reuse eth0, lan0, ... freely.
+        _system.run(
+            [
+                "ip",
+                "link",
+                "add",
+                a[1],
+                "netns",
+                a[0],
+                "type",
+                "veth",
+                "peer",
+                "name",
+                b[1],
+                "netns",
+                b[0],
+            ]
+        )
+
+    def _add_host(self, index: int, spec: HostSpec, switch: str) -> Host:
+        port = (switch, f"p-{spec.name}")
+        if spec.nat:
+            router = self._add_namespace(f"{spec.name}-gw")
+            wan_address = f"{self.subnet}.{100 + index}"
+            self._add_veth((router, "wan0"), port)
+            self._plug_into_bridge(port)
+            self._configure_address(router, "wan0", f"{wan_address}/24")
+            namespace = self._add_namespace(spec.name)
+            lan = f"10.78.{index}"
+            self._add_veth((namespace, "eth0"), (router, "lan0"))
+            self._configure_address(router, "lan0", f"{lan}.1/24")
+            self._configure_address(namespace, "eth0", f"{lan}.2/24")
+            _system.run(["ip", "-n", namespace, "route", "add", "default", "via", f"{lan}.1"])
+            self._configure_nat(router, f"{lan}.0/24")
+            host = Host(
+                spec.name,
+                namespace,
+                f"{lan}.2",
+                wan_address,
+                True,
+                None,
+                ((namespace, "eth0"), (router, "lan0")),
+            )
+        else:
+            namespace = self._add_namespace(spec.name)
+            address = f"{self.subnet}.{10 + index}"
+            self._add_veth((namespace, "eth0"), port)
+            self._plug_into_bridge(port)
+            self._configure_address(namespace, "eth0", f"{address}/24")
+            host = Host(
+                spec.name, namespace, address, address, False, None, ((namespace, "eth0"), port)
+            )
+        self.hosts[spec.name] = host
+        if spec.rate_mbit is not None:
+            self.set_rate(spec.name, spec.rate_mbit)
+        return self.hosts[spec.name]
+
+    @staticmethod
+    def _plug_into_bridge(port: tuple[str, str]) -> None:
+        namespace, device = port
+        _system.run(["ip", "-n", namespace, "link", "set", device, "master", "br0", "up"])
+
+    @staticmethod
+    def _configure_address(namespace: str, device: str, cidr: str) -> None:
+        _system.run(["ip", "-n", namespace, "addr", "add", cidr, "dev", device])
+        _system.run(["ip", "-n", namespace, "link", "set", device, "up"])
+
+    @staticmethod
+    def _configure_nat(router: str, lan_cidr: str) -> None:
+        def iptables(*args: str) -> None:
+            _system.run(["ip", "netns", "exec", router, "iptables", *args])
+
+        # ip_forward is per network namespace; this sets the router's only.
+        _system.run(
+            ["ip", "netns", "exec", router, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"]
+        )
+        iptables("-t", "nat", "-A", "POSTROUTING", "-s", lan_cidr, "-o", "wan0", "-j", "MASQUERADE")
+        # A home router: replies to connections the LAN opened come in; nothing else does,
+        # even from a peer that adds a route to the private range.
+        iptables(
+            "-A", "FORWARD", "-i", "wan0", "-o", "lan0",
+            "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT",
+        )  # fmt: skip
+        iptables("-A", "FORWARD", "-i", "wan0", "-o", "lan0", "-j", "DROP")
+
+
+@atexit.register
+def _close_live_beds() -> None:
+    """Last resort for a test bed whose owner never closed it (e.g. an interpreter exit
+    while a ``with`` block was suspended in a generator)."""
+    for bed in list(_live_beds):
+        bed.close()

@@ -1,0 +1,191 @@
+"""Raw TCP transfers between test bed hosts, driven from the test process.
+
+Each side runs ``tcpprobe.py`` inside its host; this module starts them, reads their JSON
+lines and returns what they measured.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deploy.testbed._system import TestBedError
+from deploy.testbed.bed import Host
+
+PROBE = str(Path(__file__).with_name("tcpprobe.py"))
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One connection as the receiving side saw it.
+
+    Attributes:
+        nbytes: bytes received before EOF.
+        seconds: from accept to EOF.
+        peer: ``IP:PORT`` the connection came from (the NAT router's address for a NAT host).
+    """
+
+    nbytes: int
+    seconds: float
+    peer: str
+
+    @property
+    def mbit_per_s(self) -> float:
+        return self.nbytes * 8 / self.seconds / 1e6
+
+
+class Sink:
+    """A ``tcpprobe.py sink`` running in a host, accepting ``connections`` connections."""
+
+    def __init__(self, host: Host, connections: int = 1, timeout: float = 60.0) -> None:
+        self.host = host
+        self.proc = host.popen(
+            [
+                sys.executable,
+                PROBE,
+                "sink",
+                "--bind",
+                host.address,
+                "--connections",
+                str(connections),
+                "--timeout",
+                str(timeout),
+            ],
+            stdout=subprocess.PIPE,
+        )
+        self._pending: list[dict[str, Any]] = []
+        self.port = int(self._next("ready")["port"])
+
+    @property
+    def endpoint(self) -> str:
+        """``ADDRESS:PORT`` as seen from the host's own subnet."""
+        return f"{self.host.address}:{self.port}"
+
+    def _next(self, event: str) -> dict[str, Any]:
+        """The next record of ``event``; records of other events read meanwhile are kept
+        for later calls (accept and end lines of parallel connections interleave)."""
+        for i, record in enumerate(self._pending):
+            if record.get("event") == event:
+                return self._pending.pop(i)
+        if self.proc.stdout is None:
+            raise TestBedError("sink stdout is not a pipe")
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise TestBedError(f"sink in {self.host.name} exited (code {self.proc.wait(5)})")
+            fresh: dict[str, Any] = json.loads(line)
+            if fresh.get("event") == "error":
+                raise TestBedError(f"sink in {self.host.name}: {fresh}")
+            if fresh.get("event") == event:
+                return fresh
+            self._pending.append(fresh)
+
+    def wait_accepted(self) -> str:
+        """Block until the next connection is accepted; return its peer address."""
+        return str(self._next("accepted")["peer"])
+
+    def wait_received(self) -> Transfer:
+        """Block until the next connection ended; return what it carried."""
+        record = self._next("received")
+        return Transfer(int(record["bytes"]), float(record["seconds"]), str(record["peer"]))
+
+    def close(self) -> None:
+        """Stop the sink (it may still wait for connections that never come)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def send_command(sender: Host, endpoint: str, nbytes: int, timeout: float) -> list[str]:
+    """The command that sends ``nbytes`` from ``sender`` to ``endpoint`` (``HOST:PORT``)."""
+    return sender.command(
+        [
+            sys.executable,
+            PROBE,
+            "send",
+            "--to",
+            endpoint,
+            "--bytes",
+            str(nbytes),
+            "--timeout",
+            str(timeout),
+        ]
+    )
+
+
+def send(sender: Host, endpoint: str, nbytes: int, timeout: float = 30.0) -> dict[str, Any]:
+    """Send ``nbytes`` from ``sender`` to ``endpoint``; return the sender's JSON record
+    (``event`` is ``"sent"`` or ``"error"``)."""
+    done = subprocess.run(
+        send_command(sender, endpoint, nbytes, timeout),
+        capture_output=True,
+        text=True,
+        timeout=timeout * 4 + 30,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    if not lines:
+        raise TestBedError(f"sender in {sender.name} printed nothing: {done.stderr}")
+    record: dict[str, Any] = json.loads(lines[-1])
+    return record
+
+
+def transfer(sender: Host, receiver: Host, nbytes: int, timeout: float = 30.0) -> Transfer:
+    """Send ``nbytes`` over one TCP connection from ``sender`` to ``receiver``'s address.
+
+    Raises:
+        TestBedError: the transfer failed.
+    """
+    sink = Sink(receiver, timeout=timeout)
+    try:
+        record = send(sender, sink.endpoint, nbytes, timeout)
+        if record["event"] != "sent":
+            raise TestBedError(f"{sender.name} -> {receiver.name} failed: {record}")
+        return sink.wait_received()
+    finally:
+        sink.close()
+
+
+def all_to_all(hosts: Sequence[Host], nbytes: int, timeout: float = 120.0) -> list[Transfer]:
+    """Every host sends ``nbytes`` to every other host at once (the traffic pattern of one
+    butterfly all-reduce phase); return every receiver's transfers."""
+    sinks = [Sink(host, connections=len(hosts) - 1, timeout=timeout) for host in hosts]
+    senders: list[subprocess.Popen[str]] = []
+    try:
+        for i, host in enumerate(hosts):
+            for j, sink in enumerate(sinks):
+                if i != j:
+                    senders.append(
+                        subprocess.Popen(
+                            send_command(host, sink.endpoint, nbytes, timeout),
+                            stdout=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL,
+                            text=True,
+                        )
+                    )
+        results: list[Transfer] = []
+        for sink in sinks:
+            results.extend(sink.wait_received() for _ in range(len(hosts) - 1))
+        for proc in senders:
+            out, _ = proc.communicate(timeout=timeout)
+            record = json.loads(out.strip().splitlines()[-1])
+            if record["event"] != "sent":
+                raise TestBedError(f"a sender failed: {record}")
+        return results
+    finally:
+        for proc in senders:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+        for sink in sinks:
+            sink.close()

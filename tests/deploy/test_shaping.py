@@ -1,0 +1,49 @@
+"""Pure parts of the test bed: tc command construction and host spec validation (no root)."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy.testbed import HostSpec, TestBed
+from deploy.testbed.shaping import MIN_BURST_BYTES, burst_bytes, tbf_command
+
+
+def test_tbf_command_sets_rate_burst_and_queue() -> None:
+    command = tbf_command("ns1", "eth0", 100)
+    assert command[:6] == ["ip", "netns", "exec", "ns1", "tc", "qdisc"]
+    assert command[6:11] == ["replace", "dev", "eth0", "root", "tbf"]
+    assert command[command.index("rate") + 1] == "100000kbit"
+    assert int(command[command.index("burst") + 1]) == burst_bytes(100)
+    assert "latency" in command
+
+
+def test_tbf_command_none_removes_the_limit() -> None:
+    assert tbf_command("ns1", "eth0", None)[6:] == ["del", "dev", "eth0", "root"]
+
+
+@pytest.mark.parametrize("rate", [0, -5, float("nan")])
+def test_tbf_command_rejects_non_positive_rates(rate: float) -> None:
+    with pytest.raises(ValueError, match="positive"):
+        tbf_command("ns1", "eth0", rate)
+
+
+def test_burst_grows_with_rate_above_the_floor() -> None:
+    assert burst_bytes(1) == MIN_BURST_BYTES
+    assert burst_bytes(1000) > burst_bytes(100) > MIN_BURST_BYTES
+
+
+@pytest.mark.parametrize(
+    ("hosts", "message"),
+    [
+        ([], "at least one host"),
+        ([HostSpec("a"), HostSpec("a")], "duplicate"),
+        ([HostSpec("Bad")], "must match"),
+        ([HostSpec("a" * 13)], "must match"),
+        ([HostSpec("a", rate_mbit=0)], "positive"),
+    ],
+)
+def test_invalid_specs_are_rejected_before_anything_is_built(
+    hosts: list[HostSpec], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        TestBed(hosts)

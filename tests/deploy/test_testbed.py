@@ -1,0 +1,193 @@
+"""The multi-host test bed itself: reachability, rate limits, NAT, link cuts and cleanup.
+
+These run real network namespaces (root, iproute2, iptables); ``make_testbed`` skips them
+with the reason where the machine cannot.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from deploy.testbed import HostSpec, TestBed, TestBedError, _system, list_namespaces, sweep_stale
+from deploy.testbed.goodput import Sink, send, send_command, transfer
+from tests.deploy.conftest import MakeTestBed
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _leftovers(prefix: str) -> list[str]:
+    return [name for name in list_namespaces() if name.startswith(prefix)]
+
+
+def test_hosts_reach_each_other_from_their_own_addresses(make_testbed: MakeTestBed) -> None:
+    bed = make_testbed([HostSpec("a"), HostSpec("b"), HostSpec("c")])
+    addresses = {host.address for host in bed.hosts.values()}
+    assert len(addresses) == 3
+    for src, dst in [("a", "b"), ("b", "c"), ("c", "a")]:
+        result = transfer(bed[src], bed[dst], 1_000_000)
+        assert result.nbytes == 1_000_000
+        assert result.peer.split(":")[0] == bed[src].address
+
+
+def test_rate_limit_applies_in_both_directions(make_testbed: MakeTestBed) -> None:
+    rate = 20.0
+    bed = make_testbed([HostSpec("slow", rate_mbit=rate), HostSpec("fast"), HostSpec("other")])
+    nbytes = 4_000_000  # 1.6 s at 20 Mbit/s; the 16 KiB bucket is noise next to it
+    upload = transfer(bed["slow"], bed["fast"], nbytes)
+    download = transfer(bed["fast"], bed["slow"], nbytes)
+    unshaped = transfer(bed["fast"], bed["other"], nbytes)
+    for shaped in (upload, download):
+        # The shaper can never be beaten (payload < frame bytes); CPU noise only slows it.
+        assert shaped.mbit_per_s <= rate * 1.05
+        assert shaped.mbit_per_s >= rate * 0.5
+    assert unshaped.mbit_per_s > 3 * max(upload.mbit_per_s, download.mbit_per_s)
+
+
+def test_set_rate_changes_and_removes_the_limit(make_testbed: MakeTestBed) -> None:
+    bed = make_testbed([HostSpec("a", rate_mbit=10), HostSpec("b")])
+    qdiscs = bed["a"].run(["tc", "qdisc", "show", "dev", "eth0"]).stdout
+    assert "tbf" in qdiscs
+    assert "10Mbit" in qdiscs
+    bed.set_rate("a", 50)
+    assert "50Mbit" in bed["a"].run(["tc", "qdisc", "show", "dev", "eth0"]).stdout
+    far_namespace, far_device = bed["a"].link_ends[1]
+    far = subprocess.run(
+        ["ip", "netns", "exec", far_namespace, "tc", "qdisc", "show", "dev", far_device],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "50Mbit" in far
+    bed.set_rate("a", None)
+    assert "tbf" not in bed["a"].run(["tc", "qdisc", "show", "dev", "eth0"]).stdout
+    assert bed["a"].rate_mbit is None
+
+
+def test_nat_host_dials_out_but_cannot_be_dialled(make_testbed: MakeTestBed) -> None:
+    bed = make_testbed([HostSpec("pub"), HostSpec("home", nat=True)])
+    home, pub = bed["home"], bed["pub"]
+    assert home.public_address != home.address
+
+    # Dialling out works, and the other side sees the router's address (MASQUERADE).
+    out = transfer(home, pub, 500_000)
+    assert out.peer.split(":")[0] == home.public_address
+
+    sink = Sink(home, connections=2, timeout=30)
+    try:
+        port = sink.port
+        # The host itself reaches its listener: it is up.
+        assert send(home, sink.endpoint, 1000)["event"] == "sent"
+        assert sink.wait_received().nbytes == 1000
+        # Nobody outside does: no route to the private range, nothing listens on the router.
+        for endpoint in (f"{home.address}:{port}", f"{home.public_address}:{port}"):
+            assert send(pub, endpoint, 1000, timeout=2)["event"] == "error"
+        # Even a peer that routes the private range through the router is dropped by it.
+        pub.run(["ip", "route", "add", f"{home.address}/32", "via", home.public_address])
+        record = send(pub, f"{home.address}:{port}", 1000, timeout=2)
+        assert record["event"] == "error"
+        assert "timed out" in record["error"]
+    finally:
+        sink.close()
+
+
+def test_cut_link_silences_a_host_mid_transfer_and_restore_heals_it(
+    make_testbed: MakeTestBed,
+) -> None:
+    bed = make_testbed([HostSpec("a"), HostSpec("b", rate_mbit=20)])
+    sink = Sink(bed["b"], timeout=30)
+    # 50 MB need 20 s at 20 Mbit/s: the cut certainly lands mid-transfer.
+    sender = subprocess.Popen(
+        send_command(bed["a"], sink.endpoint, 50_000_000, timeout=2),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        sink.wait_accepted()
+        bed.cut_link("b")
+        out, _ = sender.communicate(timeout=30)
+        record = json.loads(out.strip().splitlines()[-1])
+        # Silence, not a reset: the sender's own deadline is what ends it.
+        assert record["event"] == "error"
+        assert "timed out" in record["error"]
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+        sender.wait(10)
+        if sender.stdout is not None:
+            sender.stdout.close()
+        sink.close()
+    bed.restore_link("b")
+    assert transfer(bed["a"], bed["b"], 200_000).nbytes == 200_000
+
+
+def test_close_removes_namespaces_and_processes(make_testbed: MakeTestBed) -> None:
+    bed = make_testbed([HostSpec("a", rate_mbit=10), HostSpec("n", nat=True)])
+    assert len(_leftovers(bed.prefix)) == 4  # switch, a, router, n
+    sleeper = bed["n"].popen(["sleep", "60"])
+    bed.close()
+    assert sleeper.wait(10) != 0  # killed by close(), not finished
+    assert _leftovers(bed.prefix) == []
+    bed.close()  # idempotent
+    with pytest.raises(TestBedError, match="closed"):
+        bed.start()
+
+
+def test_keyboard_interrupt_inside_the_block_still_cleans_up(make_testbed: MakeTestBed) -> None:
+    make_testbed([HostSpec("x")])  # skips where test beds cannot run
+    prefixes: list[str] = []
+
+    def interrupted() -> None:
+        with TestBed([HostSpec("a"), HostSpec("b", nat=True)]) as bed:
+            prefixes.append(bed.prefix)
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        interrupted()
+    [prefix] = prefixes
+    assert _leftovers(prefix) == []
+
+
+def test_failure_while_building_removes_what_was_built(
+    make_testbed: MakeTestBed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_testbed([HostSpec("x")])  # skips where test beds cannot run
+    real_run = _system.run
+
+    def failing_run(args: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
+        if "MASQUERADE" in args:
+            raise TestBedError("injected failure")
+        return real_run(args, check=check)
+
+    monkeypatch.setattr(_system, "run", failing_run)
+    bed = TestBed([HostSpec("a"), HostSpec("b", nat=True)])
+    with pytest.raises(TestBedError, match="injected"):
+        bed.start()
+    monkeypatch.undo()
+    assert _leftovers(bed.prefix) == []
+
+
+def test_leftovers_of_a_killed_owner_are_swept(make_testbed: MakeTestBed) -> None:
+    make_testbed([HostSpec("x")])  # skips where test beds cannot run
+    script = textwrap.dedent(
+        """
+        import os, signal, subprocess
+        from deploy.testbed import HostSpec, TestBed
+        bed = TestBed([HostSpec("a"), HostSpec("n", nat=True)]).start()
+        bed["n"].popen(["sleep", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        print(bed.prefix, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # no finally, no atexit
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    prefix = done.stdout.strip()
+    assert prefix, done.stderr
+    assert len(_leftovers(prefix)) == 4
+    sweep_stale()
+    assert _leftovers(prefix) == []
