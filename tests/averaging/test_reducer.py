@@ -1,0 +1,138 @@
+"""PartReducer: weighted sums, per-chunk finalisation, drops and renormalisation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from swarmavg.averaging.partition import PartPlan
+from swarmavg.averaging.reducer import ContributionError, PartReducer, weighted_mean
+
+
+def _setup(
+    senders: list[int], weights: list[float], size: int = 10, chunk: int = 4
+) -> tuple[PartPlan, PartReducer]:
+    plan = PartPlan.build([size], chunk)
+    reducer = PartReducer(plan, 0, np.dtype(np.float32), senders)
+    for s, w in zip(senders, weights, strict=True):
+        reducer.set_weight(s, w)
+    return plan, reducer
+
+
+def _chunk(plan: PartPlan, data: np.ndarray, c: int) -> np.ndarray:
+    lo, hi = plan.chunk_bounds(0, c)
+    return data[lo:hi].astype(np.float32)
+
+
+def test_weighted_mean_in_any_arrival_order() -> None:
+    rng = np.random.default_rng(0)
+    senders, weights = [0, 1, 2], [1.0, 3.0, 0.5]
+    data = [rng.standard_normal(10) for _ in senders]
+    plan, reducer = _setup(senders, weights)
+    order = [(s, c) for c in range(3) for s in senders]
+    rng.shuffle(order)
+    finals = []
+    for s, c in order:
+        finals += reducer.add(s, c, _chunk(plan, data[s], c))
+    assert sorted(finals) == [0, 1, 2]
+    assert reducer.done
+    got = np.concatenate([reducer.result(c) for c in range(3)])  # type: ignore[misc]
+    np.testing.assert_allclose(got, weighted_mean(data, weights), rtol=1e-5, atol=1e-6)
+
+
+def test_chunk_final_only_when_every_live_sender_delivered() -> None:
+    _plan, reducer = _setup([0, 1], [1.0, 1.0])
+    assert reducer.add(0, 1, np.ones(4, np.float32)) == []
+    with pytest.raises(ValueError, match="not final"):
+        reducer.result(1)
+    assert reducer.add(1, 1, np.full(4, 3.0, np.float32)) == [1]
+    np.testing.assert_array_equal(reducer.result(1), np.full(4, 2.0, np.float32))
+
+
+def test_drop_renormalises_only_chunks_not_delivered() -> None:
+    _plan, reducer = _setup([0, 1, 2], [1.0, 1.0, 2.0])
+    ones = np.ones(4, np.float32)
+    reducer.add(0, 0, ones)
+    reducer.add(1, 0, 3 * ones)
+    reducer.add(2, 0, 6 * ones)  # chunk 0 final with all three
+    reducer.add(0, 1, ones)
+    reducer.add(1, 1, 3 * ones)
+    assert reducer.drop(2) == [1]  # chunk 1 now has all live senders
+    assert reducer.drop(2) == []
+    np.testing.assert_allclose(reducer.result(0), (1 + 3 + 12) / 4)
+    np.testing.assert_allclose(reducer.result(1), 2.0)
+    assert reducer.contributors(0) == 3
+    assert reducer.contributors(1) == 2
+    with pytest.raises(ContributionError, match="not a live sender"):
+        reducer.add(2, 2, np.ones(2, np.float32))
+
+
+def test_chunk_nobody_delivered_has_no_result() -> None:
+    _plan, reducer = _setup([0, 1], [1.0, 1.0])
+    reducer.drop(0)
+    assert reducer.drop(1) == [0, 1, 2]
+    assert reducer.result(0) is None
+    assert reducer.contributors(0) == 0
+
+
+def test_zero_weights() -> None:
+    _plan, reducer = _setup([0, 1], [0.0, 2.0])
+    reducer.add(0, 0, np.full(4, 100.0, np.float32))
+    reducer.add(1, 0, np.full(4, 1.0, np.float32))
+    np.testing.assert_array_equal(reducer.result(0), np.ones(4, np.float32))
+    _plan, reducer = _setup([0, 1], [0.0, 0.0])
+    reducer.add(0, 0, np.full(4, 1.0, np.float32))
+    reducer.add(1, 0, np.full(4, 3.0, np.float32))
+    np.testing.assert_array_equal(reducer.result(0), np.full(4, 2.0, np.float32))
+
+
+@pytest.mark.parametrize(
+    ("chunk", "values", "match"),
+    [
+        (3, np.ones(2, np.float32), "out of range"),
+        (0, np.ones(3, np.float32), "must be float32"),
+        (0, np.ones(4, np.float64), "must be float32"),
+        (0, np.array([1, np.nan, 1, 1], np.float32), "NaN"),
+        (0, np.array([1, np.inf, 1, 1], np.float32), "NaN"),
+    ],
+)
+def test_invalid_contributions_change_nothing(chunk: int, values: np.ndarray, match: str) -> None:
+    _plan, reducer = _setup([0, 1], [1.0, 1.0])
+    with pytest.raises(ContributionError, match=match):
+        reducer.add(0, chunk, values)
+    assert reducer.delivered(0) == 0
+    reducer.add(0, 0, np.ones(4, np.float32))
+    reducer.add(1, 0, np.ones(4, np.float32))
+    np.testing.assert_array_equal(reducer.result(0), np.ones(4, np.float32))
+
+
+def test_duplicates_unknown_senders_and_bad_weights() -> None:
+    plan, reducer = _setup([0, 1], [1.0, 1.0])
+    reducer.add(0, 0, np.ones(4, np.float32))
+    with pytest.raises(ContributionError, match="duplicate"):
+        reducer.add(0, 0, np.ones(4, np.float32))
+    with pytest.raises(ContributionError, match="not a live sender"):
+        reducer.add(7, 0, np.ones(4, np.float32))
+    with pytest.raises(ContributionError, match="already"):
+        reducer.set_weight(0, 1.0)
+    fresh = PartReducer(plan, 0, np.dtype(np.float32), [0, 1])
+    with pytest.raises(ContributionError, match="before its weight"):
+        fresh.add(0, 0, np.ones(4, np.float32))
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ContributionError, match="weight"):
+            fresh.set_weight(0, bad)
+
+
+def test_float64_accumulation() -> None:
+    plan = PartPlan.build([3], 3)
+    reducer = PartReducer(plan, 0, np.dtype(np.float64), [0, 1])
+    reducer.set_weight(0, 1.0)
+    reducer.set_weight(1, 1.0)
+    reducer.add(0, 0, np.array([1e300, 1.0, 1 + 2**-50]))
+    reducer.add(1, 0, np.array([1e300, 3.0, 1.0]))
+    out = reducer.result(0)
+    assert out is not None
+    assert out.dtype == np.float64
+    assert out[0] == 1e300
+    assert out[1] == 2.0
+    assert out[2] == 1 + 2**-51
