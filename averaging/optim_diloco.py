@@ -1,0 +1,327 @@
+"""DiLoCo: local inner steps, then one averaged outer step (Douillard et al. 2023).
+
+Every process trains its replica with its own ("inner") optimizer for H steps. Then the
+swarm averages the *pseudo-gradient* ``theta_sync - theta_local`` (parameters at the last
+synchronisation minus the current ones, Algorithm 1 of the paper), and every process
+resets its parameters to ``theta_sync`` and applies an outer optimizer to that averaged
+pseudo-gradient. The paper's outer optimizer is SGD with Nesterov momentum, lr 0.7,
+momentum 0.9 (section 3), the default here. Communication happens once per H steps, which
+is why it needs orders of magnitude fewer bytes than averaging gradients every step.
+
+:func:`pseudo_gradient` and :func:`outer_step` are the pure math (tested by hand
+computation); :class:`DiLoCo` adds the swarm: progress records, the round, state sharing.
+torch is imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from swarmavg.averaging.optim_state import TrainingState
+from swarmavg.averaging.optim_swarm import RoundStats, SwarmClient, SwarmLink, SwarmRoundWarning
+from swarmavg.averaging.optim_tensors import collect_params, copy_into, to_arrays
+from swarmavg.averaging.progress import GlobalProgress, ProgressTracker
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+OUTER_LR = 0.7
+OUTER_MOMENTUM = 0.9
+
+
+def pseudo_gradient(
+    anchor: Sequence[torch.Tensor], current: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """``anchor - current`` per tensor: how far the inner steps moved (paper, Algorithm 1)."""
+    if len(anchor) != len(current):
+        raise ValueError(f"{len(anchor)} anchor tensors but {len(current)} current ones")
+    return [
+        (a.detach() - c.detach().to(a.dtype)).float() for a, c in zip(anchor, current, strict=True)
+    ]
+
+
+def outer_step(
+    params: Sequence[torch.Tensor],
+    anchor: Sequence[torch.Tensor],
+    delta: Sequence[Any],
+    outer_optimizer: torch.optim.Optimizer,
+) -> None:
+    """Apply the outer optimizer to an (averaged) pseudo-gradient.
+
+    The parameters are reset to ``anchor`` (the last synchronised values), ``delta`` is
+    used as their gradient for one ``outer_optimizer.step()``, and ``anchor`` takes the
+    result. ``.grad`` of every parameter is None afterwards.
+
+    Args:
+        params: the tensors ``outer_optimizer`` updates (the model's parameters).
+        anchor: the parameters at the last synchronisation; updated in place.
+        delta: the averaged pseudo-gradient (torch tensors or numpy arrays).
+        outer_optimizer: an optimizer over ``params``.
+    """
+    import torch
+
+    if not len(params) == len(anchor) == len(delta):
+        raise ValueError("params, anchor and delta must have the same length")
+    with torch.no_grad():
+        for p, a, d in zip(params, anchor, delta, strict=True):
+            p.copy_(a)
+            source = d if isinstance(d, torch.Tensor) else torch.from_numpy(np.asarray(d))
+            p.grad = source.to(device=p.device, dtype=p.dtype).reshape(p.shape).clone()
+    outer_optimizer.step()
+    with torch.no_grad():
+        for p, a in zip(params, anchor, strict=True):
+            p.grad = None
+            a.copy_(p)
+
+
+def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """SGD with Nesterov momentum, lr 0.7, momentum 0.9 (the paper's outer optimizer)."""
+    import torch
+
+    return torch.optim.SGD(params, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+
+
+class DiLoCo:
+    """Train with H local steps between averaged outer steps (DiLoCo).
+
+    Args:
+        params: the model's parameters (the same the inner optimizer trains).
+        inner_optimizer: any ``torch.optim.Optimizer`` over them (the paper uses AdamW);
+            its state stays local.
+        client: a connected swarmavg client.
+        run_id: the training run.
+        local_steps: H, inner steps between two outer steps.
+        batch_size_per_step: samples behind one ``step()`` (the round's weight is the
+            samples since the last outer step).
+        outer_optimizer: builds the outer optimizer from the parameter list (default:
+            Nesterov SGD, lr 0.7, momentum 0.9).
+        codec: codec for the pseudo-gradient rounds (None: the daemon's default).
+        averaging_timeout, min_group_size, progress_ttl, publish_state_every,
+        load_state_on_start, state_timeout, peer_id: as for ``CollaborativeOptimizer``.
+
+    ``epoch`` counts outer steps. A late joiner loads the last synchronised parameters, the
+    outer optimizer's state and the epoch, then runs only the inner steps the swarm has left
+    in the current outer step, so it reaches the round together with the others.
+    """
+
+    KIND = "diloco"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        inner_optimizer: torch.optim.Optimizer,
+        client: SwarmClient,
+        run_id: str,
+        local_steps: int,
+        batch_size_per_step: int = 1,
+        outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
+        codec: str | None = None,
+        *,
+        averaging_timeout: float = 60.0,
+        min_group_size: int = 2,
+        progress_ttl: float = 60.0,
+        publish_state_every: int = 1,
+        load_state_on_start: bool = True,
+        state_timeout: float = 60.0,
+        peer_id: str | None = None,
+    ) -> None:
+        if local_steps <= 0 or batch_size_per_step <= 0:
+            raise ValueError("local_steps and batch_size_per_step must be positive")
+        if publish_state_every < 0:
+            raise ValueError("publish_state_every must not be negative")
+        self.params = collect_params(params)
+        self.inner_optimizer = inner_optimizer
+        self.local_steps = local_steps
+        self.batch_size_per_step = batch_size_per_step
+        self.publish_state_every = publish_state_every
+        self.outer_optimizer = (outer_optimizer or default_outer_optimizer)(self.params)
+        self.anchor = [p.detach().clone() for p in self.params]
+        self.link = SwarmLink(
+            client,
+            run_id,
+            codec=codec,
+            timeout=averaging_timeout,
+            min_group_size=min_group_size,
+            state_timeout=state_timeout,
+        )
+        self.tracker = ProgressTracker(
+            client,
+            f"{run_id}.diloco",
+            local_steps * batch_size_per_step,
+            ttl=progress_ttl,
+            peer_id=peer_id,
+        )
+        self.inner_steps = 0
+        self.steps_this_round = local_steps
+        if load_state_on_start:
+            progress = self.tracker.refresh()
+            if progress.epoch > self.epoch:
+                self._catch_up(progress)
+        self.tracker.report()
+        self.tracker.meter.start()
+
+    @property
+    def epoch(self) -> int:
+        """Outer steps taken (equal across the swarm)."""
+        return self.tracker.epoch
+
+    @property
+    def stats(self) -> RoundStats:
+        return self.link.stats
+
+    def global_progress(self) -> GlobalProgress:
+        return self.tracker.last
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
+        """One inner step; every H of them, the averaged outer step.
+
+        Returns:
+            The closure's loss, or None.
+        """
+        import torch
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        samples = self.batch_size_per_step if batch_size is None else batch_size
+        if samples <= 0:
+            raise ValueError(f"batch_size must be positive, got {samples}")
+        self.inner_optimizer.step()
+        self.inner_steps += 1
+        self.tracker.add_samples(samples)
+        if self.inner_steps >= self.steps_this_round:
+            self._outer_sync()
+        else:
+            self.tracker.report()
+        self.tracker.meter.start()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch, inner progress, anchor, and both optimizers' states (a checkpoint)."""
+        return {
+            "kind": self.KIND,
+            "epoch": self.epoch,
+            "inner_steps": self.inner_steps,
+            "samples": self.tracker.samples,
+            "anchor": [a.clone() for a in self.anchor],
+            "outer": self.outer_optimizer.state_dict(),
+            "inner": self.inner_optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if state.get("kind") != self.KIND:
+            raise ValueError(f"not a {self.KIND} state: kind={state.get('kind')!r}")
+        copy_into(self.anchor, state["anchor"])
+        self.outer_optimizer.load_state_dict(state["outer"])
+        self.inner_optimizer.load_state_dict(state["inner"])
+        self.inner_steps = int(state["inner_steps"])
+        self.steps_this_round = self.local_steps
+        self.tracker.set_epoch(int(state["epoch"]), int(state.get("samples", 0)))
+        self.tracker.report()
+
+    def close(self) -> None:
+        """Nothing runs in the background; present for symmetry with the other wrapper."""
+
+    def __enter__(self) -> DiLoCo:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _outer_sync(self) -> None:
+        self.tracker.report()
+        progress = self.tracker.refresh()
+        if progress.epoch > self.epoch:
+            self._catch_up(progress)
+            return
+        self.tracker.meter.pause()
+        epoch = self.epoch
+        delta = to_arrays(pseudo_gradient(self.anchor, self.params))
+        result = None
+        if progress.num_peers > 1:
+            result = self.link.average(
+                delta,
+                key=f"diloco.{epoch}",
+                weight=float(self.tracker.samples),
+                group_size=progress.num_peers,
+            )
+        outer_step(
+            self.params,
+            self.anchor,
+            delta if result is None else result.tensors,
+            self.outer_optimizer,
+        )
+        self.inner_steps = 0
+        self.steps_this_round = self.local_steps
+        self.tracker.set_epoch(epoch + 1)
+        if self.publish_state_every and self.epoch % self.publish_state_every == 0:
+            self.link.publish(self._training_state())
+        self.tracker.report()
+
+    def _training_state(self) -> TrainingState:
+        return TrainingState(
+            kind=self.KIND,
+            epoch=self.epoch,
+            params=self.anchor,
+            optimizers={
+                "outer": self.outer_optimizer.state_dict(),
+                "inner": self.inner_optimizer.state_dict(),
+            },
+        )
+
+    def _catch_up(self, progress: GlobalProgress) -> None:
+        """Load the swarm's last synchronised state and run only the inner steps left."""
+        self.tracker.meter.pause()
+        state = self.link.load(self.KIND, self.params)
+        epoch = progress.epoch
+        if state is not None:
+            copy_into(self.anchor, state.params)
+            copy_into(self.params, state.params)
+            if "outer" in state.optimizers:
+                self.outer_optimizer.load_state_dict(state.optimizers["outer"])
+            if "inner" in state.optimizers:
+                self.inner_optimizer.load_state_dict(state.optimizers["inner"])
+            epoch = max(state.epoch, progress.epoch)
+        else:
+            warnings.warn(
+                f"behind the swarm (outer step {self.epoch} < {progress.epoch}) and no state "
+                "could be loaded; continuing with local parameters",
+                SwarmRoundWarning,
+                stacklevel=3,
+            )
+            copy_into(self.anchor, [p.detach() for p in self.params])
+        # Arrive at the round with the others: skip the inner steps they have already done.
+        done = max(
+            (
+                p.samples
+                for p in progress.peers
+                if p.epoch == epoch and p.peer_id != self.tracker.peer_id
+            ),
+            default=0,
+        )
+        self.inner_steps = 0
+        self.steps_this_round = max(1, self.local_steps - done // self.batch_size_per_step)
+        self.tracker.set_epoch(epoch)
+        self.tracker.report()
+
+
+__all__ = [
+    "OUTER_LR",
+    "OUTER_MOMENTUM",
+    "DiLoCo",
+    "default_outer_optimizer",
+    "outer_step",
+    "pseudo_gradient",
+]

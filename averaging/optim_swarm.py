@@ -1,0 +1,233 @@
+"""The swarm side shared by the training wrappers: rounds, state sharing, statistics.
+
+:class:`SwarmLink` turns the client's calls (DESIGN 3.2) into what a training loop wants:
+a round that either returns averaged arrays or reports why it failed (never raises a
+swarm failure into the training loop), state published and loaded in the format of
+:mod:`swarmavg.averaging.optim_state`, and counters of what happened. It works on numpy
+arrays only; the wrappers convert torch tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from swarmavg.averaging.optim_state import StateFormatError, TrainingState, pack_state, unpack_state
+from swarmavg.averaging.progress import DHTLike
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+class RoundResultLike(Protocol):
+    """The fields of ``client.average``'s result the wrappers read."""
+
+    tensors: list[Any]
+    group_size: int
+    peers: list[str]
+    partial: bool
+
+
+class SwarmClient(Protocol):
+    """The client API of DESIGN 3.2, as used by the training wrappers."""
+
+    @property
+    def dht(self) -> DHTLike: ...
+
+    def average(
+        self,
+        tensors: Sequence[Any],
+        key: str,
+        weight: float = 1.0,
+        group_size: int | None = None,
+        min_group_size: int = 2,
+        timeout: float = 30.0,
+        codec: str | None = None,
+    ) -> RoundResultLike: ...
+
+    def publish_state(self, tensors: Sequence[Any], metadata: Any) -> Any: ...
+
+    def load_state(self, timeout: float = 60.0) -> tuple[Any, list[Any]]: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+class SwarmRoundWarning(UserWarning):
+    """A round failed and the wrapper stepped with local values instead."""
+
+
+@dataclass
+class RoundStats:
+    """Counters of one wrapper's rounds (in this process).
+
+    Attributes:
+        rounds: rounds attempted.
+        failed: rounds that raised a swarm error (the step used local values).
+        partial: rounds that finished with ``partial=True``.
+        group_sizes: the group size of every successful round, in order.
+        seconds: wall time spent inside ``average`` calls.
+        states_published, states_loaded: state sharing calls that succeeded.
+        last_error: the message of the most recent failure.
+    """
+
+    rounds: int = 0
+    failed: int = 0
+    partial: int = 0
+    group_sizes: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    states_published: int = 0
+    states_loaded: int = 0
+    last_error: str = ""
+
+
+def _swarm_errors() -> tuple[type[Exception], ...]:
+    """Errors that mean "this round failed", not "the caller has a bug".
+
+    Imported here, not at module level: ``swarmavg.peer`` sits above ``swarmavg.averaging``
+    in the dependency order (DESIGN section 2), and only the training process needs it.
+    """
+    from swarmavg.averaging.errors import AveragingError as LayerError
+    from swarmavg.peer.errors import SwarmError
+
+    return (SwarmError, LayerError)
+
+
+def _validation_errors() -> tuple[type[Exception], ...]:
+    from swarmavg.averaging.errors import InvalidTensorsError
+    from swarmavg.peer.errors import ValidationError
+
+    return (ValidationError, InvalidTensorsError)
+
+
+class SwarmLink:
+    """One training wrapper's connection to the swarm.
+
+    Args:
+        client: a connected client (``swarmavg.peer.connect()``).
+        run_id: the training run; every key it averages under starts with it.
+        codec: codec name for every round (None: the daemon's default).
+        timeout: seconds one round may take, matchmaking included.
+        min_group_size: fewer peers than this make a round fail (then the step is local).
+        state_timeout: seconds ``load_state`` may take.
+    """
+
+    def __init__(
+        self,
+        client: SwarmClient,
+        run_id: str,
+        *,
+        codec: str | None,
+        timeout: float,
+        min_group_size: int,
+        state_timeout: float,
+    ) -> None:
+        if timeout <= 0 or state_timeout <= 0:
+            raise ValueError("timeouts must be positive")
+        if min_group_size < 1:
+            raise ValueError(f"min_group_size must be >= 1, got {min_group_size}")
+        self.client = client
+        self.run_id = run_id
+        self.codec = codec
+        self.timeout = timeout
+        self.min_group_size = min_group_size
+        self.state_timeout = state_timeout
+        self.stats = RoundStats()
+
+    def average(
+        self,
+        arrays: list[np.ndarray],
+        *,
+        key: str,
+        weight: float,
+        group_size: int | None,
+        warn: bool = True,
+    ) -> RoundResultLike | None:
+        """Run one round; None when it failed (a warning says why, unless ``warn`` is False:
+        a background thread leaves the warning to the thread that applies the result).
+
+        Invalid input (NaN/Inf gradients, ...) is the caller's bug and is raised, not
+        turned into a local step.
+
+        Thread-safe as far as the client is: the overlap mode calls it from its worker.
+        """
+        self.stats.rounds += 1
+        started = time.monotonic()
+        try:
+            result = self.client.average(
+                arrays,
+                key=f"{self.run_id}.{key}",
+                weight=weight,
+                group_size=group_size,
+                min_group_size=min(self.min_group_size, group_size or self.min_group_size),
+                timeout=self.timeout,
+                codec=self.codec,
+            )
+        except _validation_errors():
+            raise
+        except _swarm_errors() as exc:
+            self.stats.failed += 1
+            self.stats.last_error = f"{type(exc).__name__}: {exc}"
+            if not warn:
+                return None
+            warnings.warn(
+                f"averaging round {key!r} failed ({self.stats.last_error}); "
+                "stepping with local values",
+                SwarmRoundWarning,
+                stacklevel=3,
+            )
+            return None
+        finally:
+            self.stats.seconds += time.monotonic() - started
+        self.stats.group_sizes.append(int(result.group_size))
+        if result.partial:
+            self.stats.partial += 1
+            log.warning("round %s was partial (a peer failed mid-round)", key)
+        return result
+
+    def publish(self, state: TrainingState) -> bool:
+        """Serve ``state`` to late joiners; False (with a log line) when the daemon refused."""
+        metadata, arrays = pack_state(state)
+        try:
+            self.client.publish_state(arrays, metadata)
+        except _validation_errors():
+            raise
+        except _swarm_errors() as exc:
+            log.warning("could not publish state: %s", exc)
+            return False
+        self.stats.states_published += 1
+        return True
+
+    def load(self, kind: str, like: Sequence[torch.Tensor]) -> TrainingState | None:
+        """The newest state in the run; None when nobody has one or it does not fit."""
+        try:
+            metadata, arrays = self.client.load_state(timeout=self.state_timeout)
+        except _swarm_errors() as exc:
+            log.warning("could not load state from the swarm: %s", exc)
+            return None
+        try:
+            state = unpack_state(metadata, [np.asarray(a) for a in arrays], kind=kind, like=like)
+        except StateFormatError as exc:
+            log.warning("ignoring the swarm's state: %s", exc)
+            return None
+        self.stats.states_loaded += 1
+        return state
+
+    def bytes_sent(self) -> int | None:
+        """Bytes the local daemon has sent to other peers (all rounds), when it reports it."""
+        try:
+            status = self.client.status()
+        except _swarm_errors():
+            return None
+        value = status.get("bytes_sent") if isinstance(status, dict) else None
+        return int(value) if isinstance(value, int) else None
+
+
+__all__ = ["RoundStats", "SwarmClient", "SwarmLink", "SwarmRoundWarning"]

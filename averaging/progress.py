@@ -1,0 +1,318 @@
+"""Training progress of a swarm, shared through the DHT (usable on its own).
+
+Every training process reports how many samples it has accumulated towards the run's
+current global step ("epoch") under one DHT key, with its own subkey, so the records of
+all peers live side by side (DESIGN 5.1, dictionary values). Reading that key back gives
+the swarm's global progress: the newest epoch, how many samples the swarm has gathered
+towards it, how fast, and when it will reach ``target_batch_size``.
+
+The pure part (:class:`PeerProgress`, :func:`aggregate`, :class:`RateMeter`) is
+synchronous and needs no network; :class:`ProgressTracker` adds the two DHT calls.
+Records come from other peers, so :meth:`PeerProgress.from_record` validates them and
+drops what is malformed instead of trusting it.
+
+Example, without any optimizer wrapper::
+
+    tracker = ProgressTracker(client, run_id="my-run", target_batch_size=4096)
+    for batch in loader:
+        train_step(batch)
+        tracker.add_samples(len(batch))
+        tracker.report()
+        progress = tracker.refresh()
+        print(progress.samples, "/", progress.target, "eta", progress.eta, "s")
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeGuard
+
+MAX_EPOCH = 2**53
+"""Larger epochs in a record are treated as malformed (they would not survive msgpack floats)."""
+
+
+class DHTLike(Protocol):
+    """The part of the client's ``dht`` attribute (DESIGN 3.2) the tracker uses."""
+
+    def store(self, key: str, value: Any, ttl: float = 60.0, subkey: str | None = None) -> bool: ...
+
+    def get(self, key: str) -> Any: ...
+
+
+class ClientLike(Protocol):
+    """The part of the swarmavg client (DESIGN 3.2) the tracker uses."""
+
+    @property
+    def dht(self) -> DHTLike: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class PeerProgress:
+    """One training process's progress towards the next global step.
+
+    Attributes:
+        peer_id: the daemon's peer id (hex). Processes that share a daemon share it and
+            average as one group member.
+        epoch: the global step this process is accumulating towards.
+        samples: samples accumulated in ``epoch`` so far.
+        samples_per_second: this process's recent throughput.
+        time: the reporter's wall clock (``time.time()``) when it reported.
+    """
+
+    peer_id: str
+    epoch: int
+    samples: int
+    samples_per_second: float
+    time: float
+
+    def to_record(self) -> dict[str, Any]:
+        """The msgpack-able DHT value."""
+        return {
+            "peer": self.peer_id,
+            "epoch": self.epoch,
+            "samples": self.samples,
+            "sps": self.samples_per_second,
+            "time": self.time,
+        }
+
+    @classmethod
+    def from_record(cls, record: object) -> PeerProgress | None:
+        """Parse a DHT value written by another peer; None when it is malformed."""
+        if not isinstance(record, Mapping):
+            return None
+        peer, epoch, samples = record.get("peer"), record.get("epoch"), record.get("samples")
+        sps, when = record.get("sps"), record.get("time")
+        if not isinstance(peer, str) or not 0 < len(peer) <= 128:
+            return None
+        if not (_is_int(epoch) and _is_int(samples) and _is_finite(sps) and _is_finite(when)):
+            return None
+        if not (0 <= epoch <= MAX_EPOCH and 0 <= samples <= MAX_EPOCH and sps >= 0):
+            return None
+        return cls(peer, int(epoch), int(samples), float(sps), float(when))
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value: object) -> TypeGuard[float]:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class GlobalProgress:
+    """The swarm's progress towards its next global step, as seen by one reader.
+
+    Attributes:
+        epoch: the newest epoch any live process reports (the swarm's global epoch).
+        samples: samples accumulated towards ``epoch`` by every process at that epoch.
+        target: ``target_batch_size``; the swarm steps once ``samples >= target``.
+        num_peers: distinct daemons (group members) at ``epoch``.
+        num_processes: training processes at ``epoch``.
+        samples_per_second: the swarm's total throughput (processes at ``epoch``).
+        eta: seconds until ``samples`` reaches ``target`` at that throughput (0 when
+            reached, ``inf`` when nobody is making progress).
+        peers: every valid record read, at any epoch.
+    """
+
+    epoch: int
+    samples: int
+    target: int
+    num_peers: int
+    num_processes: int
+    samples_per_second: float
+    eta: float
+    peers: tuple[PeerProgress, ...]
+
+    @property
+    def ready(self) -> bool:
+        """True when the swarm has gathered ``target`` samples for ``epoch``."""
+        return self.samples >= self.target
+
+    def samples_per_peer(self) -> dict[str, float]:
+        """Throughput of each daemon (summed over its processes), at any epoch."""
+        rates: dict[str, float] = {}
+        for p in self.peers:
+            rates[p.peer_id] = rates.get(p.peer_id, 0.0) + p.samples_per_second
+        return rates
+
+
+def aggregate(records: Iterable[PeerProgress], target: int) -> GlobalProgress:
+    """Combine the processes' records into the swarm's progress.
+
+    Only processes at the newest epoch count towards it: a process still at an older epoch
+    is behind and will catch up (load state) rather than contribute.
+    """
+    if target <= 0:
+        raise ValueError(f"target must be positive, got {target}")
+    peers = tuple(records)
+    epoch = max((p.epoch for p in peers), default=0)
+    current = [p for p in peers if p.epoch == epoch]
+    samples = sum(p.samples for p in current)
+    rate = sum(p.samples_per_second for p in current)
+    remaining = max(0, target - samples)
+    if remaining == 0:
+        eta = 0.0
+    elif rate > 0:
+        eta = remaining / rate
+    else:
+        eta = math.inf
+    return GlobalProgress(
+        epoch=epoch,
+        samples=samples,
+        target=target,
+        num_peers=len({p.peer_id for p in current}),
+        num_processes=len(current),
+        samples_per_second=rate,
+        eta=eta,
+        peers=peers,
+    )
+
+
+class RateMeter:
+    """Samples per second of one process: an exponential moving average over intervals.
+
+    Time spent outside training (averaging rounds, loading state) is excluded by calling
+    :meth:`pause`; the next interval then starts at the next :meth:`update`.
+    """
+
+    def __init__(self, smoothing: float = 0.3) -> None:
+        if not 0 < smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        self.smoothing = smoothing
+        self.rate = 0.0
+        self._last: float | None = None
+
+    def update(self, samples: int, now: float | None = None) -> float:
+        """Record that ``samples`` were processed since the previous update; return the rate."""
+        now = time.monotonic() if now is None else now
+        if self._last is not None and now > self._last:
+            instant = samples / (now - self._last)
+            if self.rate == 0.0:
+                self.rate = instant
+            else:
+                self.rate += self.smoothing * (instant - self.rate)
+        self._last = now
+        return self.rate
+
+    def pause(self) -> None:
+        """Forget the start of the current interval (time until the next update is not counted)."""
+        self._last = None
+
+    def start(self, now: float | None = None) -> None:
+        """Start an interval now (before the first batch of a session or after a pause)."""
+        self._last = time.monotonic() if now is None else now
+
+
+class ProgressTracker:
+    """Reports this process's progress to the DHT and reads the swarm's.
+
+    Args:
+        client: a connected swarmavg client (DESIGN 3.2).
+        run_id: the training run; the records live under ``"{run_id}.progress"``.
+        target_batch_size: samples per global step.
+        ttl: seconds a record stays in the DHT without being refreshed. A process that
+            dies is forgotten after this long; keep it above the longest pause between two
+            reports (a training step plus an averaging round).
+        peer_id: the daemon's peer id; read from ``client.status()`` when None.
+
+    Not thread-safe: one tracker per training process, used from one thread.
+    """
+
+    def __init__(
+        self,
+        client: ClientLike,
+        run_id: str,
+        target_batch_size: int,
+        *,
+        ttl: float = 30.0,
+        peer_id: str | None = None,
+    ) -> None:
+        if target_batch_size <= 0:
+            raise ValueError(f"target_batch_size must be positive, got {target_batch_size}")
+        if ttl <= 0:
+            raise ValueError(f"ttl must be positive, got {ttl}")
+        if not run_id:
+            raise ValueError("run_id must not be empty")
+        self.client = client
+        self.run_id = run_id
+        self.target_batch_size = target_batch_size
+        self.ttl = ttl
+        self.peer_id = peer_id if peer_id is not None else _peer_id_of(client)
+        # Several processes may share one daemon: each writes its own subkey.
+        self.subkey = f"{self.peer_id}.{uuid.uuid4().hex[:12]}"
+        self.key = f"{run_id}.progress"
+        self.epoch = 0
+        self.samples = 0
+        self.meter = RateMeter()
+        self.last: GlobalProgress = aggregate((), target_batch_size)
+
+    def add_samples(self, n: int) -> None:
+        """Count ``n`` samples processed towards the current epoch."""
+        if n < 0:
+            raise ValueError(f"sample count must not be negative, got {n}")
+        self.samples += n
+        self.meter.update(n)
+
+    def set_epoch(self, epoch: int, samples: int = 0) -> None:
+        """Move to ``epoch`` with ``samples`` already accumulated (after a global step)."""
+        if epoch < 0 or samples < 0:
+            raise ValueError(f"epoch and samples must not be negative, got {epoch}, {samples}")
+        self.epoch = epoch
+        self.samples = samples
+
+    @property
+    def local(self) -> PeerProgress:
+        """This process's current record."""
+        return PeerProgress(self.peer_id, self.epoch, self.samples, self.meter.rate, time.time())
+
+    def report(self) -> bool:
+        """Store this process's record in the DHT; return the DHT's answer."""
+        return bool(
+            self.client.dht.store(
+                self.key, self.local.to_record(), ttl=self.ttl, subkey=self.subkey
+            )
+        )
+
+    def refresh(self) -> GlobalProgress:
+        """Read every live record and return the swarm's progress (this process included).
+
+        This process's own record is taken from memory, not from the DHT, so the answer
+        counts everything it has reported and accumulated even when the DHT lags.
+        """
+        raw = self.client.dht.get(self.key)
+        records: list[PeerProgress] = [self.local]
+        if isinstance(raw, Mapping):
+            for subkey, value in raw.items():
+                if subkey == self.subkey:
+                    continue
+                parsed = PeerProgress.from_record(value)
+                if parsed is not None:
+                    records.append(parsed)
+        self.last = aggregate(records, self.target_batch_size)
+        return self.last
+
+
+def _peer_id_of(client: ClientLike) -> str:
+    status = client.status()
+    peer_id = status.get("peer_id") if isinstance(status, Mapping) else None
+    if not isinstance(peer_id, str) or not peer_id:
+        raise ValueError("client.status() names no peer_id; pass peer_id explicitly")
+    return peer_id
+
+
+__all__ = [
+    "ClientLike",
+    "DHTLike",
+    "GlobalProgress",
+    "PeerProgress",
+    "ProgressTracker",
+    "RateMeter",
+    "aggregate",
+]

@@ -1,0 +1,136 @@
+"""The progress tracker's pure logic: records, aggregation, rates, ETA (no daemon)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from swarmavg.averaging.progress import (
+    PeerProgress,
+    ProgressTracker,
+    RateMeter,
+    aggregate,
+)
+
+
+def rec(peer: str, epoch: int, samples: int, sps: float = 10.0) -> PeerProgress:
+    return PeerProgress(peer, epoch, samples, sps, 1000.0)
+
+
+def test_aggregate_counts_only_the_newest_epoch() -> None:
+    progress = aggregate(
+        [rec("a", 3, 20, 5.0), rec("b", 3, 30, 15.0), rec("c", 2, 100, 50.0)], target=100
+    )
+    assert progress.epoch == 3
+    assert progress.samples == 50
+    assert progress.num_peers == 2
+    assert progress.samples_per_second == 20.0
+    assert progress.eta == pytest.approx(50 / 20)
+    assert not progress.ready
+    assert progress.samples_per_peer() == {"a": 5.0, "b": 15.0, "c": 50.0}
+
+
+def test_processes_of_one_daemon_count_as_one_peer() -> None:
+    progress = aggregate([rec("a", 0, 40), rec("a", 0, 40), rec("b", 0, 20)], target=100)
+    assert progress.num_peers == 2
+    assert progress.num_processes == 3
+    assert progress.ready
+    assert progress.eta == 0.0
+
+
+def test_eta_is_infinite_without_throughput_and_empty_swarm_is_epoch_zero() -> None:
+    assert aggregate([rec("a", 1, 0, 0.0)], target=10).eta == math.inf
+    empty = aggregate([], target=10)
+    assert (empty.epoch, empty.samples, empty.num_peers) == (0, 0, 0)
+    with pytest.raises(ValueError, match="positive"):
+        aggregate([], target=0)
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        None,
+        [1, 2],
+        {"peer": "a", "epoch": -1, "samples": 0, "sps": 0.0, "time": 0.0},
+        {"peer": "a", "epoch": 1, "samples": 0, "sps": float("nan"), "time": 0.0},
+        {"peer": "a", "epoch": True, "samples": 0, "sps": 0.0, "time": 0.0},
+        {"peer": "", "epoch": 1, "samples": 0, "sps": 0.0, "time": 0.0},
+        {"peer": "a", "epoch": 2**60, "samples": 0, "sps": 0.0, "time": 0.0},
+        {"peer": "a", "epoch": 1, "samples": "3", "sps": 0.0, "time": 0.0},
+        {"epoch": 1, "samples": 3, "sps": 0.0, "time": 0.0},
+    ],
+)
+def test_malformed_records_are_dropped(record: object) -> None:
+    assert PeerProgress.from_record(record) is None
+
+
+def test_record_round_trip() -> None:
+    original = PeerProgress("ab12", 7, 96, 123.5, 1700000000.25)
+    assert PeerProgress.from_record(original.to_record()) == original
+
+
+def test_rate_meter_smooths_and_pauses() -> None:
+    meter = RateMeter(smoothing=0.5)
+    meter.start(now=0.0)
+    assert meter.update(10, now=1.0) == 10.0
+    assert meter.update(30, now=2.0) == 20.0  # 10 + 0.5 * (30 - 10)
+    meter.pause()
+    assert meter.update(1000, now=50.0) == 20.0  # the paused interval is not counted
+    assert meter.update(20, now=51.0) == 20.0
+    with pytest.raises(ValueError, match="smoothing"):
+        RateMeter(smoothing=0.0)
+
+
+class DictDHT:
+    """A DHT with the client's interface over one dict (the tracker's I/O seam)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, dict[str, Any]] = {}
+
+    def store(self, key: str, value: Any, ttl: float = 60.0, subkey: str | None = None) -> bool:
+        self.data.setdefault(key, {})[str(subkey)] = value
+        return True
+
+    def get(self, key: str) -> Any:
+        return dict(self.data[key]) if key in self.data else None
+
+
+class DictClient:
+    def __init__(self, dht: DictDHT, peer_id: str) -> None:
+        self.dht = dht
+        self.peer_id = peer_id
+
+    def status(self) -> dict[str, Any]:
+        return {"peer_id": self.peer_id}
+
+
+def test_trackers_see_each_other_and_ignore_garbage() -> None:
+    dht = DictDHT()
+    a = ProgressTracker(DictClient(dht, "aa"), "run", target_batch_size=64)
+    b = ProgressTracker(DictClient(dht, "bb"), "run", target_batch_size=64)
+    assert a.peer_id == "aa"
+    a.add_samples(16)
+    a.report()
+    b.add_samples(32)
+    b.report()
+    dht.store("run.progress", {"peer": "evil", "epoch": "x"}, subkey="evil.1")
+    progress = a.refresh()
+    assert (progress.epoch, progress.samples, progress.num_peers) == (0, 48, 2)
+    b.set_epoch(1)
+    b.report()
+    progress = a.refresh()
+    assert (progress.epoch, progress.samples, progress.num_peers) == (1, 0, 1)
+    assert a.epoch == 0  # the tracker reports; catching up is the wrapper's decision
+
+
+def test_tracker_validates_arguments() -> None:
+    client = DictClient(DictDHT(), "aa")
+    with pytest.raises(ValueError, match="target_batch_size"):
+        ProgressTracker(client, "run", 0)
+    with pytest.raises(ValueError, match="run_id"):
+        ProgressTracker(client, "", 8)
+    tracker = ProgressTracker(client, "run", 8)
+    with pytest.raises(ValueError, match="negative"):
+        tracker.add_samples(-1)
