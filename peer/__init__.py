@@ -1,10 +1,63 @@
-"""The swarmavg peer daemon, its local control service, the client library and the CLI."""
+"""The swarmavg peer daemon, its local control service, the client library and the CLI.
+
+Public API (DESIGN 3.2)::
+
+    from swarmavg.peer import connect, connect_async, Peer, PeerConfig
+    from swarmavg.peer import SwarmError, NoGroupError, DaemonUnavailableError, ValidationError
+
+``Peer`` is imported lazily: a training process that only uses the client never loads the
+daemon's DHT and averaging modules.
+"""
+
+from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
 try:
     __version__ = version("swarmavg")
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.0.0"
 
-__all__ = ["__version__"]
+from swarmavg.peer.calls import AverageResult
+from swarmavg.peer.client import AsyncClient, Client, connect, connect_async
+from swarmavg.peer.config import PeerConfig
+from swarmavg.peer.errors import (
+    AveragingError,
+    DaemonUnavailableError,
+    NoGroupError,
+    NoStateError,
+    SwarmError,
+    SwarmTimeoutError,
+    ValidationError,
+)
+
+if TYPE_CHECKING:
+    from swarmavg.peer.daemon import Peer
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Peer":
+        from swarmavg.peer.daemon import Peer
+
+        return Peer
+    raise AttributeError(f"module 'swarmavg.peer' has no attribute {name!r}")
+
+
+__all__ = [
+    "AsyncClient",
+    "AverageResult",
+    "AveragingError",
+    "Client",
+    "DaemonUnavailableError",
+    "NoGroupError",
+    "NoStateError",
+    "Peer",
+    "PeerConfig",
+    "SwarmError",
+    "SwarmTimeoutError",
+    "ValidationError",
+    "__version__",
+    "connect",
+    "connect_async",
+]

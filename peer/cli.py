@@ -1,12 +1,99 @@
-"""The ``swarmavg`` command line (DESIGN section 3.1)."""
+"""The ``swarmavg`` command line (DESIGN section 3.1).
+
+``swarmavg peer`` runs a daemon in the foreground, ``swarmavg dht`` a bare DHT node,
+``swarmavg status`` asks a running daemon for its figures. The daemon prints exactly one
+JSON line on stdout once it is ready; everything else (logs, errors) goes to stderr.
+Heavy modules are imported only by the subcommand that needs them, so ``--help`` is fast
+and the daemon never loads torch.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
 import sys
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 from swarmavg.peer import __version__
+from swarmavg.peer.config import DEFAULT_LISTEN, LOG_LEVELS, PeerConfig, env_name, resolve_config
+
+EXIT_STARTUP = 1
+EXIT_USAGE = 2
+EXIT_FORCED = 130
+
+
+class Daemon(Protocol):
+    async def start(self) -> None: ...
+    async def shutdown(self, grace: float | None = None) -> None: ...
+    def ready_record(self) -> dict[str, Any]: ...
+
+
+def _add_network_flags(parser: argparse.ArgumentParser, *, peer: bool) -> None:
+    def env(name: str) -> str:
+        return f"(env {env_name(name)})"
+
+    parser.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help=f"public gRPC address to bind; port 0 picks a free one "
+        f"(default {DEFAULT_LISTEN}) {env('listen')}",
+    )
+    parser.add_argument(
+        "--announce",
+        metavar="HOST:PORT",
+        help=f"address other peers should dial (default: the listen address) {env('announce')}",
+    )
+    parser.add_argument(
+        "--join",
+        metavar="ADDR",
+        action="append",
+        default=[],
+        help=f"initial peer HOST:PORT; repeatable or comma-separated; none starts a new "
+        f"swarm {env('join')}",
+    )
+    parser.add_argument(
+        "--run-id", metavar="NAME", help=f"run name (default 'default') {env('run_id')}"
+    )
+    parser.add_argument(
+        "--identity",
+        metavar="FILE",
+        help=f"Ed25519 key file, created (mode 600) when missing {env('identity')}",
+    )
+    if peer:
+        parser.add_argument(
+            "--control",
+            metavar="ENDPOINT",
+            help="local control endpoint: a unix socket path or 127.0.0.1:PORT (default "
+            f"$XDG_RUNTIME_DIR/swarmavg/<run-id>.sock or ~/.swarmavg/<run-id>.sock) "
+            f"{env('control')}",
+        )
+        parser.add_argument(
+            "--client-mode",
+            action="store_true",
+            default=None,
+            help=f"accept no incoming connections (behind NAT) {env('client_mode')}",
+        )
+        parser.add_argument(
+            "--metrics",
+            metavar="HOST:PORT",
+            help=f"serve Prometheus metrics at http://HOST:PORT/metrics {env('metrics')}",
+        )
+    parser.add_argument(
+        "--config", metavar="FILE.toml", help="TOML config file (env SWARMAVG_CONFIG)"
+    )
+    parser.add_argument(
+        "--log-level",
+        metavar="LEVEL",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help=f"one of {', '.join(LOG_LEVELS)} (default INFO) {env('log_level')}",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,8 +102,170 @@ def build_parser() -> argparse.ArgumentParser:
         description="Decentralized peer-to-peer tensor averaging for collaborative deep learning.",
     )
     parser.add_argument("--version", action="version", version=f"swarmavg {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    peer = sub.add_parser(
+        "peer",
+        help="run a peer daemon in the foreground",
+        description="Run a peer daemon until SIGINT/SIGTERM (a second signal exits at once). "
+        "Precedence: flag > env var > config file > default.",
+    )
+    _add_network_flags(peer, peer=True)
+    dht = sub.add_parser(
+        "dht",
+        help="run a bare DHT node (a long-lived bootstrap peer)",
+        description="Run a DHT node without an averager, e.g. a bootstrap peer for a public run.",
+    )
+    _add_network_flags(dht, peer=False)
+    status = sub.add_parser("status", help="show a running daemon's figures")
+    status.add_argument(
+        "--control",
+        metavar="ENDPOINT",
+        help="the daemon's control endpoint (default: $SWARMAVG_CONTROL, else the default "
+        "socket of $SWARMAVG_RUN_ID)",
+    )
+    status.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
+
+
+def _config_from_args(args: argparse.Namespace) -> PeerConfig:
+    flags = {
+        "listen": args.listen,
+        "announce": args.announce,
+        "join": args.join,
+        "run_id": args.run_id,
+        "identity": args.identity,
+        "log_level": args.log_level,
+    }
+    for name in ("control", "client_mode", "metrics"):
+        if hasattr(args, name):
+            flags[name] = getattr(args, name)
+    return resolve_config(flags, os.environ, args.config)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _error(command: str, message: str) -> None:
+    print(f"swarmavg {command}: error: {message}", file=sys.stderr, flush=True)
+
+
+def _run_loop(main: Any) -> int:
+    """Run ``main`` on uvloop when importable (DESIGN 6.1), else the default loop."""
+    if sys.version_info >= (3, 11):
+        factory = None
+        try:
+            import uvloop
+
+            factory = uvloop.new_event_loop
+        except ImportError:
+            pass
+        with asyncio.Runner(loop_factory=factory) as runner:
+            return int(runner.run(main))
+    return int(asyncio.run(main))  # pragma: no cover - Python 3.10
+
+
+async def serve(daemon: Daemon, command: str) -> int:
+    """Start ``daemon``, print the ready line, run until a signal, shut down.
+
+    First SIGINT/SIGTERM: graceful shutdown (also during startup). Second: exit at once.
+    """
+    from swarmavg.peer.daemon import StartupError
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    main_task = asyncio.current_task()
+    signals_seen = 0
+    starting = True
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        if signals_seen > 1:
+            print(f"swarmavg {command}: second signal, exiting now", file=sys.stderr, flush=True)
+            _cleanup_socket(daemon)
+            os._exit(EXIT_FORCED)
+        logging.getLogger("swarmavg").info(
+            "%s received: shutting down (send it again to exit at once)",
+            signal.Signals(signum).name,
+        )
+        stop.set()
+        if starting and main_task is not None:
+            main_task.cancel()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        try:
+            await daemon.start()
+        except StartupError as exc:
+            _error(command, str(exc))
+            return EXIT_STARTUP
+        except asyncio.CancelledError:
+            await daemon.shutdown(0.0)
+            return 0
+        starting = False
+        sys.stdout.write(json.dumps(daemon.ready_record()) + "\n")
+        sys.stdout.flush()
+        await stop.wait()
+        await daemon.shutdown()
+        return 0
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+
+
+def _cleanup_socket(daemon: Daemon) -> None:
+    """Best effort on a forced exit: remove our control socket so the next start is clean."""
+    control = getattr(daemon, "control", None)
+    path = getattr(control, "path", None)
+    if path is not None and getattr(daemon, "_control_server", None) is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def cmd_daemon(args: argparse.Namespace) -> int:
+    try:
+        config = _config_from_args(args)
+    except ValueError as exc:
+        _error(args.command, str(exc))
+        return EXIT_USAGE
+    _setup_logging(config.log_level)
+    if args.command == "peer":
+        from swarmavg.peer.daemon import Peer
+
+        daemon: Daemon = Peer(config)
+    else:
+        from swarmavg.peer.bare_dht import BareDHT
+
+        try:
+            daemon = BareDHT(config)
+        except ValueError as exc:
+            _error(args.command, str(exc))
+            return EXIT_USAGE
+    return _run_loop(serve(daemon, args.command))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from swarmavg.peer.client import connect
+    from swarmavg.peer.errors import SwarmError
+    from swarmavg.peer.status import format_status
+
+    try:
+        with connect(args.control, use_shm=False) as client:
+            figures = client.status()
+    except SwarmError as exc:
+        _error("status", str(exc))
+        return EXIT_STARTUP
+    if args.json:
+        print(json.dumps(figures, sort_keys=True))
+    else:
+        print(format_status(figures))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -24,8 +273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
-        return 2
-    return 0
+        return EXIT_USAGE
+    if args.command == "status":
+        return cmd_status(args)
+    return cmd_daemon(args)
 
 
 if __name__ == "__main__":

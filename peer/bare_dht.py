@@ -1,0 +1,104 @@
+"""``swarmavg dht``: a bare DHT node, e.g. a long-lived bootstrap peer for a public run.
+
+Same ``--listen/--announce/--join/--identity/--run-id`` flags and ready line as
+``swarmavg peer``, without the averager or a control endpoint (``"control": null``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import grpc
+
+from swarmavg.dht import BootstrapError, ChannelPool, DHTConfig, DHTNode, Identity
+from swarmavg.peer.config import PeerConfig
+from swarmavg.peer.daemon import SERVER_OPTIONS, StartupError, _bounded
+from swarmavg.peer.netutil import announce_address, explain_bind_failure
+
+log = logging.getLogger(__name__)
+
+
+class BareDHT:
+    """A DHT node with its own public server. ``start`` once; ``shutdown`` is idempotent."""
+
+    def __init__(self, config: PeerConfig) -> None:
+        if config.client_mode:
+            raise ValueError("a bare DHT node serves others; --client-mode makes no sense here")
+        self.config = config
+        self.address: str | None = None
+        self.node: DHTNode | None = None
+        self._identity: Identity | None = None
+        self._server: grpc.aio.Server | None = None
+        self._channels: ChannelPool | None = None
+        self._stopped = False
+
+    def ready_record(self) -> dict[str, Any]:
+        if self._identity is None:
+            raise RuntimeError("not started")
+        return {
+            "event": "ready",
+            "peer_id": self._identity.peer_id_hex,
+            "address": self.address,
+            "control": None,
+            "run_id": self.config.run_id,
+        }
+
+    async def start(self) -> None:
+        """Bind and bootstrap. Raises ``StartupError`` with a one-line reason."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.shutdown(0.0)
+            raise
+
+    async def _start(self) -> None:
+        cfg = self.config
+        try:
+            self._identity = (
+                Identity.load_or_create(cfg.identity) if cfg.identity else Identity.generate()
+            )
+        except (OSError, ValueError) as exc:
+            raise StartupError(f"identity file {cfg.identity}: {exc}") from None
+        self._channels = ChannelPool()
+        self.node = DHTNode(
+            DHTConfig(
+                run_id=cfg.run_id,
+                initial_peers=tuple(cfg.join),
+                bootstrap_timeout=cfg.bootstrap_timeout,
+            ),
+            self._identity,
+            self._channels,
+        )
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.node.add_to_server(server)
+        try:
+            port = server.add_insecure_port(cfg.listen)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            await server.stop(None)
+            raise StartupError(
+                f"cannot listen on {cfg.listen}: {explain_bind_failure(cfg.listen)}; "
+                "choose another with --listen HOST:PORT (port 0 picks a free one)"
+            )
+        self._server = server
+        await server.start()
+        self.address = announce_address(cfg.listen, port, cfg.announce)
+        try:
+            await self.node.start(self.address)
+        except BootstrapError as exc:
+            raise StartupError(str(exc)) from None
+        log.info("DHT node %s ready at %s", self._identity.peer_id_hex, self.address)
+
+    async def shutdown(self, grace: float | None = None) -> None:
+        """Leave the DHT and close the server and channels (idempotent, bounded)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.node is not None:
+            await _bounded(self.node.shutdown(), 1.0, "DHT shutdown")
+        if self._server is not None:
+            await _bounded(self._server.stop(0.2), 1.0, "server")
+        if self._channels is not None:
+            await _bounded(self._channels.close(), 1.0, "channels")

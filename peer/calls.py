@@ -1,0 +1,272 @@
+"""Transport-free halves of the client's calls, shared by the sync and async clients.
+
+A call is prepared here (inputs converted and validated, shared memory filled, request
+messages built), the transport (``grpc`` or ``grpc.aio``) moves the messages, and the
+responses are fed back here to build the result. Nothing in this module does I/O other
+than the shared-memory segment.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from swarmavg.peer import shm
+from swarmavg.peer.errors import SwarmError, ValidationError
+from swarmavg.peer.tensors import (
+    Origin,
+    TensorAssembler,
+    from_numpy,
+    iter_bytes,
+    layout_from_specs,
+    specs_of,
+    to_numpy,
+)
+from swarmavg.peer.validation import validate_arrays, validate_key, validate_round_params
+from swarmavg.proto import control_pb2
+
+SHM_THRESHOLD = 1 << 20
+"""Calls whose tensors hold at least this many bytes go through shared memory."""
+CALL_MARGIN = 10.0
+"""Seconds the transport deadline adds to a call's timeout, so the daemon reports first."""
+
+
+@dataclass
+class AverageResult:
+    """What ``client.average`` returns (DESIGN 3.2).
+
+    Attributes:
+        tensors: the averaged tensors: same type, shape, dtype, device and order as the input.
+        group_size: peers that contributed.
+        peers: their peer ids (hex).
+        group_id: the group's id.
+        partial: some parts were averaged without a peer that failed mid-round.
+        timings: seconds per phase, as the daemon measured them.
+        local_callers: training processes on this machine combined into the round.
+    """
+
+    tensors: list[Any]
+    group_size: int
+    peers: list[str]
+    group_id: str
+    partial: bool
+    timings: dict[str, float] = field(default_factory=dict)
+    local_callers: int = 1
+
+
+class PreparedAverage:
+    """One ``average`` call: validated inputs, the request stream, the result assembly.
+
+    Always call :meth:`cleanup` when the call ends (it removes a shared-memory segment
+    the daemon never mapped).
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[Any],
+        *,
+        key: str,
+        weight: float,
+        group_size: int | None,
+        min_group_size: int,
+        timeout: float,
+        codec: str | None,
+        use_shm: bool,
+        shm_threshold: int = SHM_THRESHOLD,
+    ) -> None:
+        """Validate everything before anything is sent.
+
+        Raises:
+            ValidationError: bad key, parameters, tensor types, dtypes or values.
+        """
+        validate_key(key)
+        validate_round_params(weight, group_size, min_group_size, timeout)
+        if codec is not None and (not isinstance(codec, str) or not codec or len(codec) > 64):
+            raise ValidationError(f"codec must be None or a codec name, got {codec!r}")
+        arrays, self.origins = to_numpy(tensors)
+        self.total_bytes = validate_arrays(arrays)
+        self.timeout = float(timeout)
+        self._arrays: list[np.ndarray] | None = arrays
+        self.segment: shm.ClientSegment | None = None
+        if use_shm and self.total_bytes >= shm_threshold:
+            self.segment = shm.ClientSegment(arrays)
+        self.start = control_pb2.AverageStart(
+            key=key,
+            weight=float(weight),
+            group_size=group_size or 0,
+            min_group_size=min_group_size,
+            timeout=float(timeout),
+            codec=codec or "",
+            tensors=specs_of(arrays),
+            shm_name=self.segment.name if self.segment is not None else "",
+            shm_size=self.segment.size if self.segment is not None else 0,
+        )
+        self._assembler: TensorAssembler | None = None
+        self._done: control_pb2.AverageDone | None = None
+
+    @property
+    def deadline(self) -> float:
+        """Seconds the transport waits for the whole call."""
+        return self.timeout + CALL_MARGIN
+
+    def requests(self) -> Iterator[control_pb2.AverageRequest]:
+        """The request stream: the start message, then inline bytes (if not in shm)."""
+        yield control_pb2.AverageRequest(start=self.start)
+        arrays, self._arrays = self._arrays, None  # sent once; let the copies go
+        if self.segment is None and arrays is not None:
+            for piece in iter_bytes(arrays):
+                yield control_pb2.AverageRequest(data=piece)
+
+    def feed(self, response: control_pb2.AverageResponse) -> None:
+        """Take one response message from the daemon."""
+        kind = response.WhichOneof("kind")
+        if kind == "data":
+            if self.segment is not None:
+                raise SwarmError("daemon sent inline bytes for a shared-memory call")
+            if self._assembler is None:
+                dtypes, shapes, _ = layout_from_specs(self.start.tensors)
+                self._assembler = TensorAssembler(dtypes, shapes)
+            self._assembler.add(response.data)
+        elif kind == "done":
+            self._done = response.done
+
+    def result(self) -> AverageResult:
+        """The result, once the Done message arrived."""
+        done = self._done
+        if done is None:
+            raise SwarmError("the daemon ended the call without a result")
+        if self.segment is not None:
+            arrays = self.segment.results()
+        elif self._assembler is not None:
+            arrays = self._assembler.finish()
+        else:
+            raise SwarmError("the daemon sent no result tensors")
+        return AverageResult(
+            tensors=from_numpy(arrays, self.origins),
+            group_size=done.group_size,
+            peers=list(done.peers),
+            group_id=done.group_id,
+            partial=done.partial,
+            timings=dict(done.timings),
+            local_callers=done.local_callers,
+        )
+
+    def cleanup(self) -> None:
+        """Remove the segment file if the daemon did not (idempotent)."""
+        if self.segment is not None:
+            self.segment.unlink()
+
+
+def state_messages(tensors: Sequence[Any], metadata: Any) -> Iterator[control_pb2.StateMessage]:
+    """Validate and frame a ``publish_state`` call (metadata: any msgpack-able object)."""
+    arrays, _ = to_numpy(tensors)
+    validate_arrays(arrays)
+    try:
+        packed = msgpack.packb(metadata, use_bin_type=True)
+    except (TypeError, ValueError) as exc:
+        raise ValidationError(f"metadata is not msgpack-serialisable: {exc}") from None
+    yield control_pb2.StateMessage(
+        header=control_pb2.StateHeader(metadata=packed, tensors=specs_of(arrays))
+    )
+    for piece in iter_bytes(arrays):
+        yield control_pb2.StateMessage(data=piece)
+
+
+class StateReceiver:
+    """Rebuilds ``(metadata, tensors)`` from a LoadState stream (numpy arrays)."""
+
+    def __init__(self) -> None:
+        self._metadata: bytes | None = None
+        self._assembler: TensorAssembler | None = None
+
+    def feed(self, message: control_pb2.StateMessage) -> None:
+        kind = message.WhichOneof("kind")
+        if kind == "header":
+            dtypes, shapes, _ = layout_from_specs(message.header.tensors)
+            self._metadata = message.header.metadata
+            self._assembler = TensorAssembler(dtypes, shapes)
+        elif kind == "data":
+            if self._assembler is None:
+                raise SwarmError("state bytes arrived before the state header")
+            self._assembler.add(message.data)
+
+    def result(self) -> tuple[Any, list[np.ndarray]]:
+        if self._assembler is None or self._metadata is None:
+            raise SwarmError("the daemon sent no state")
+        metadata = msgpack.unpackb(self._metadata, raw=False) if self._metadata else None
+        return metadata, self._assembler.finish()
+
+
+def pack_value(value: Any, what: str) -> bytes:
+    """msgpack a DHT value or subkey; ``ValidationError`` when it cannot be."""
+    try:
+        return bytes(msgpack.packb(value, use_bin_type=True))
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValidationError(f"{what} is not msgpack-serialisable: {exc}") from None
+
+
+def unpack_get(response: control_pb2.DHTGetResponse) -> Any:
+    """The value of a DHTGet answer: a value, a dict subkey -> value, or ``None``."""
+    if not response.found:
+        return None
+    return msgpack.unpackb(response.value, raw=False, strict_map_key=False)
+
+
+def status_to_dict(status: control_pb2.StatusResponse) -> dict[str, Any]:
+    """A plain dict (JSON-ready) of the daemon's status."""
+    return {
+        "peer_id": status.peer_id,
+        "run_id": status.run_id,
+        "address": status.address or None,
+        "control": status.control,
+        "client_mode": status.client_mode,
+        "known_peers": status.known_peers,
+        "dht_size_estimate": status.dht_size_estimate,
+        "rounds_done": status.rounds_done,
+        "rounds_failed": status.rounds_failed,
+        "bytes_sent": status.bytes_sent,
+        "bytes_received": status.bytes_received,
+        "codecs": {
+            name: {
+                "rounds": c.rounds,
+                "bytes_sent": c.bytes_sent,
+                "bytes_received": c.bytes_received,
+                "seconds": c.seconds,
+            }
+            for name, c in sorted(status.codecs.items())
+        },
+        "failures": dict(sorted(status.failures.items())),
+        "uptime": status.uptime,
+        "version": status.version,
+        "active_calls": status.active_calls,
+        "pid": status.pid,
+    }
+
+
+def shm_usable(status: control_pb2.StatusResponse) -> bool:
+    """Whether this process sees the same shared-memory folder as the daemon."""
+    if not status.shm_dir or not shm.shm_available(shm.SHM_DIR):
+        return False
+    try:
+        info = os.stat(status.shm_dir)
+    except OSError:
+        return False
+    return info.st_dev == status.shm_dev and info.st_ino == status.shm_ino
+
+
+__all__ = [
+    "AverageResult",
+    "Origin",
+    "PreparedAverage",
+    "StateReceiver",
+    "pack_value",
+    "shm_usable",
+    "state_messages",
+    "status_to_dict",
+    "unpack_get",
+]

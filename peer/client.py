@@ -1,0 +1,404 @@
+"""The client a training process uses to talk to its local daemon (DESIGN 3.2).
+
+``connect()`` gives a blocking :class:`Client`, ``connect_async()`` an :class:`AsyncClient`;
+both have the same methods (the async ones are coroutines). Inputs are validated here,
+before anything is sent; large tensors travel through shared memory (``swarmavg.peer.shm``).
+Every failure is raised as a :class:`~swarmavg.peer.errors.SwarmError` subclass.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator, Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from swarmavg.peer.calls import (
+    AverageResult,
+    PreparedAverage,
+    StateReceiver,
+    pack_value,
+    shm_usable,
+    state_messages,
+    status_to_dict,
+    unpack_get,
+)
+from swarmavg.peer.endpoint import DEFAULT_RUN_ID, ControlEndpoint, parse_control_endpoint
+from swarmavg.peer.errors import DaemonUnavailableError, ValidationError, error_from_rpc
+from swarmavg.peer.validation import validate_key
+from swarmavg.proto import control_pb2, control_pb2_grpc
+
+CONNECT_TIMEOUT = 5.0
+SHORT_CALL_TIMEOUT = 30.0
+_OPTIONS = [
+    ("grpc.max_receive_message_length", 8 << 20),
+    ("grpc.max_send_message_length", 8 << 20),
+]
+
+
+def resolve_endpoint(endpoint: str | None) -> ControlEndpoint:
+    """The endpoint to use: the argument, else ``$SWARMAVG_CONTROL``, else the default
+    socket of ``$SWARMAVG_RUN_ID`` (or run ``default``).
+
+    Raises:
+        ValidationError: a public TCP endpoint or an over-long socket path.
+    """
+    text = endpoint or os.environ.get("SWARMAVG_CONTROL") or None
+    run_id = os.environ.get("SWARMAVG_RUN_ID") or DEFAULT_RUN_ID
+    try:
+        return parse_control_endpoint(text, run_id)
+    except ValueError as exc:
+        raise ValidationError(str(exc)) from None
+
+
+def _store_request(key: str, value: Any, ttl: float, subkey: Any) -> control_pb2.DHTStoreRequest:
+    validate_key(key)
+    if not isinstance(ttl, int | float) or not 0 < ttl <= 86400 * 30:
+        raise ValidationError(f"ttl must be in (0, 30 days] seconds, got {ttl!r}")
+    return control_pb2.DHTStoreRequest(
+        key=key,
+        value=pack_value(value, "value"),
+        ttl=float(ttl),
+        subkey=pack_value(subkey, "subkey") if subkey is not None else b"",
+        has_subkey=subkey is not None,
+    )
+
+
+def _unavailable(endpoint: ControlEndpoint, exc: BaseException) -> DaemonUnavailableError:
+    return DaemonUnavailableError(
+        f"no swarmavg daemon answers at {endpoint} ({exc}); start one with `swarmavg peer`"
+    )
+
+
+class _SyncDHT:
+    """``client.dht``: the run's DHT through the daemon."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def store(self, key: str, value: Any, ttl: float = 60.0, subkey: Any = None) -> bool:
+        """Store ``value`` (any msgpack-able object) for ``ttl`` seconds; True if stored."""
+        request = _store_request(key, value, ttl, subkey)
+        response = self._client._unary(self._client._stub.DHTStore, request)
+        return bool(response.stored)
+
+    def get(self, key: str) -> Any:
+        """The value, a dict subkey -> value for dictionary values, or ``None``."""
+        validate_key(key)
+        request = control_pb2.DHTGetRequest(key=key)
+        return unpack_get(self._client._unary(self._client._stub.DHTGet, request))
+
+
+class Client:
+    """A blocking connection to the local daemon. Thread-safe; close it when done."""
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        use_shm: bool = True,
+        connect_timeout: float = CONNECT_TIMEOUT,
+    ) -> None:
+        """Connect and check that a daemon answers.
+
+        Raises:
+            DaemonUnavailableError: nothing answers at the endpoint within ``connect_timeout``.
+            ValidationError: the endpoint is not a local one.
+        """
+        self.endpoint = resolve_endpoint(endpoint)
+        self._channel = grpc.insecure_channel(self.endpoint.grpc_target(), options=_OPTIONS)
+        self._stub = control_pb2_grpc.ControlStub(self._channel)
+        self.dht = _SyncDHT(self)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
+            status = self._unary(self._stub.Status, control_pb2.StatusRequest())
+        except grpc.FutureTimeoutError as exc:
+            self._channel.close()
+            raise _unavailable(self.endpoint, exc or TimeoutError("timed out")) from None
+        except BaseException:
+            self._channel.close()
+            raise
+        self._use_shm = use_shm and shm_usable(status)
+
+    def _unary(self, method: Any, request: Any, timeout: float = SHORT_CALL_TIMEOUT) -> Any:
+        try:
+            return method(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, str(self.endpoint)) from None
+
+    def average(
+        self,
+        tensors: Sequence[Any],
+        key: str,
+        weight: float = 1.0,
+        group_size: int | None = None,
+        min_group_size: int = 2,
+        timeout: float = 30.0,
+        codec: str | None = None,
+    ) -> AverageResult:
+        """Average ``tensors`` with the peers that use the same ``key`` (DESIGN 3.2).
+
+        Raises:
+            ValidationError: bad input (nothing was sent).
+            NoGroupError: fewer than ``min_group_size`` peers within ``timeout``.
+            DaemonUnavailableError: the daemon is gone or shutting down.
+            SwarmError: any other failure of the round.
+        """
+        call = PreparedAverage(
+            tensors,
+            key=key,
+            weight=weight,
+            group_size=group_size,
+            min_group_size=min_group_size,
+            timeout=timeout,
+            codec=codec,
+            use_shm=self._use_shm,
+        )
+        try:
+            responses = self._stub.Average(call.requests(), timeout=call.deadline)
+            for response in responses:
+                call.feed(response)
+            return call.result()
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, str(self.endpoint)) from None
+        finally:
+            call.cleanup()
+
+    def publish_state(self, tensors: Sequence[Any], metadata: Any) -> None:
+        """Serve ``tensors`` and ``metadata`` (msgpack-able) to peers that load state."""
+        messages = list(state_messages(tensors, metadata))  # validates before sending
+        self._unary(self._stub.PublishState, iter(messages))
+
+    def load_state(self, timeout: float = 60.0) -> tuple[Any, list[Any]]:
+        """Download the newest published state of the run: ``(metadata, numpy arrays)``.
+
+        Raises:
+            NoStateError: no peer has published state.
+        """
+        receiver = StateReceiver()
+        try:
+            for message in self._stub.LoadState(
+                control_pb2.LoadStateRequest(timeout=timeout), timeout=timeout + 10.0
+            ):
+                receiver.feed(message)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, str(self.endpoint)) from None
+        return receiver.result()
+
+    def status(self) -> dict[str, Any]:
+        """The daemon's figures (see ``swarmavg status --json``)."""
+        return status_to_dict(self._unary(self._stub.Status, control_pb2.StatusRequest()))
+
+    def close(self) -> None:
+        """Close the channel (idempotent)."""
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def connect(
+    endpoint: str | None = None, *, use_shm: bool = True, connect_timeout: float = CONNECT_TIMEOUT
+) -> Client:
+    """Connect to the local daemon; use as ``with connect() as client:``.
+
+    Args:
+        endpoint: a unix socket path or ``127.0.0.1:PORT``; ``None``: ``$SWARMAVG_CONTROL``,
+            else the default socket of ``$SWARMAVG_RUN_ID`` (run ``default``).
+        use_shm: pass large tensors through shared memory when the daemon can map it.
+        connect_timeout: seconds to wait for the daemon to answer.
+
+    Raises:
+        DaemonUnavailableError: no daemon answers at the endpoint.
+    """
+    return Client(endpoint, use_shm=use_shm, connect_timeout=connect_timeout)
+
+
+class _AsyncDHT:
+    """``client.dht`` of an :class:`AsyncClient`."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    async def store(self, key: str, value: Any, ttl: float = 60.0, subkey: Any = None) -> bool:
+        """Store ``value`` (any msgpack-able object) for ``ttl`` seconds; True if stored."""
+        request = _store_request(key, value, ttl, subkey)
+        response = await self._client._unary(self._client._stub.DHTStore, request)
+        return bool(response.stored)
+
+    async def get(self, key: str) -> Any:
+        """The value, a dict subkey -> value for dictionary values, or ``None``."""
+        validate_key(key)
+        request = control_pb2.DHTGetRequest(key=key)
+        return unpack_get(await self._client._unary(self._client._stub.DHTGet, request))
+
+
+class AsyncClient:
+    """An asyncio connection to the local daemon; create it with ``connect_async``."""
+
+    def __init__(self, endpoint: str | None = None, *, use_shm: bool = True) -> None:
+        """Set up the channel (no I/O; :meth:`open` checks the daemon)."""
+        self.endpoint = resolve_endpoint(endpoint)
+        self._requested_shm = use_shm
+        self._use_shm = False
+        self._channel: grpc.aio.Channel | None = None
+        self._stub_or_none: control_pb2_grpc.ControlStub | None = None
+        self.dht = _AsyncDHT(self)
+
+    @property
+    def _stub(self) -> control_pb2_grpc.ControlStub:
+        if self._stub_or_none is None:
+            raise DaemonUnavailableError("client is not connected (use `await connect_async()`)")
+        return self._stub_or_none
+
+    async def open(self, connect_timeout: float = CONNECT_TIMEOUT) -> AsyncClient:
+        """Open the channel (inside the running loop) and check that a daemon answers.
+
+        Raises:
+            DaemonUnavailableError: nothing answers within ``connect_timeout``.
+        """
+        self._channel = grpc.aio.insecure_channel(self.endpoint.grpc_target(), options=_OPTIONS)
+        self._stub_or_none = control_pb2_grpc.ControlStub(self._channel)
+        try:
+            status = await self._unary(
+                self._stub.Status, control_pb2.StatusRequest(), timeout=connect_timeout, ready=True
+            )
+        except BaseException:
+            await self.close()
+            raise
+        self._use_shm = self._requested_shm and shm_usable(status)
+        return self
+
+    async def _unary(
+        self, method: Any, request: Any, timeout: float = SHORT_CALL_TIMEOUT, ready: bool = False
+    ) -> Any:
+        try:
+            return await method(request, timeout=timeout, wait_for_ready=ready)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, str(self.endpoint)) from None
+
+    async def average(
+        self,
+        tensors: Sequence[Any],
+        key: str,
+        weight: float = 1.0,
+        group_size: int | None = None,
+        min_group_size: int = 2,
+        timeout: float = 30.0,
+        codec: str | None = None,
+    ) -> AverageResult:
+        """Same as :meth:`Client.average`, as a coroutine."""
+        call = PreparedAverage(
+            tensors,
+            key=key,
+            weight=weight,
+            group_size=group_size,
+            min_group_size=min_group_size,
+            timeout=timeout,
+            codec=codec,
+            use_shm=self._use_shm,
+        )
+        try:
+            stream = self._stub.Average(call.requests(), timeout=call.deadline)
+            async for response in stream:
+                call.feed(response)
+            return call.result()
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, str(self.endpoint)) from None
+        finally:
+            call.cleanup()
+
+    async def publish_state(self, tensors: Sequence[Any], metadata: Any) -> None:
+        """Same as :meth:`Client.publish_state`, as a coroutine."""
+        messages = list(state_messages(tensors, metadata))
+        await self._unary(self._stub.PublishState, iter(messages))
+
+    async def load_state(self, timeout: float = 60.0) -> tuple[Any, list[Any]]:
+        """Same as :meth:`Client.load_state`, as a coroutine."""
+        receiver = StateReceiver()
+        try:
+            stream = self._stub.LoadState(
+                control_pb2.LoadStateRequest(timeout=timeout), timeout=timeout + 10.0
+            )
+            async for message in stream:
+                receiver.feed(message)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, str(self.endpoint)) from None
+        return receiver.result()
+
+    async def status(self) -> dict[str, Any]:
+        """Same as :meth:`Client.status`, as a coroutine."""
+        return status_to_dict(await self._unary(self._stub.Status, control_pb2.StatusRequest()))
+
+    async def close(self) -> None:
+        """Close the channel (idempotent)."""
+        channel, self._channel = self._channel, None
+        self._stub_or_none = None
+        if channel is not None:
+            await channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        if self._channel is None:
+            await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+class _AsyncConnect:
+    """``await connect_async()`` or ``async with connect_async() as client``."""
+
+    def __init__(self, client: AsyncClient, connect_timeout: float) -> None:
+        self._client = client
+        self._timeout = connect_timeout
+
+    def __await__(self) -> Generator[Any, None, AsyncClient]:
+        return self._client.open(self._timeout).__await__()
+
+    async def __aenter__(self) -> AsyncClient:
+        return await self._client.open(self._timeout)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._client.close()
+
+
+def connect_async(
+    endpoint: str | None = None, *, use_shm: bool = True, connect_timeout: float = CONNECT_TIMEOUT
+) -> _AsyncConnect:
+    """Connect an :class:`AsyncClient` to the local daemon (see :func:`connect`).
+
+    Use as ``async with connect_async() as client:`` or ``client = await connect_async()``
+    (then ``await client.close()``).
+    """
+    return _AsyncConnect(AsyncClient(endpoint, use_shm=use_shm), connect_timeout)
+
+
+__all__ = [
+    "AsyncClient",
+    "AverageResult",
+    "Client",
+    "connect",
+    "connect_async",
+    "resolve_endpoint",
+]

@@ -1,0 +1,188 @@
+"""Combining the training processes of one machine into one contribution per round.
+
+Several training processes (one per GPU) that call ``average`` with the same key at about
+the same time join one *local batch*. The batch waits ``window`` seconds for more callers,
+then contributes ``sum(w_i * x_i) / W`` with weight ``W = sum(w_i)`` to the swarm's round,
+so the swarm sees one peer and the weighted mean over everyone stays exact. Every local
+caller receives the round's result.
+
+A caller that goes away (its client was killed) simply stops waiting: a batch whose
+window is still open drops it; a round already under way continues for the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from swarmavg.peer.errors import DaemonUnavailableError, ValidationError
+from swarmavg.peer.validation import same_layout
+
+
+@dataclass(frozen=True)
+class RoundParams:
+    """What the swarm's round is asked for (taken from a batch's first caller)."""
+
+    key: str
+    weight: float
+    group_size: int | None
+    min_group_size: int
+    timeout: float
+    codec: str | None
+
+
+@dataclass
+class RoundOutcome:
+    """A finished round, as handed to every local caller of the batch."""
+
+    arrays: list[np.ndarray]
+    group_size: int
+    peers: list[str]
+    group_id: str
+    partial: bool
+    timings: dict[str, float] = field(default_factory=dict)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    local_callers: int = 1
+
+
+AverageFn = Callable[[list[np.ndarray], RoundParams], Awaitable[RoundOutcome]]
+
+
+@dataclass
+class _Member:
+    arrays: list[np.ndarray]
+    params: RoundParams
+    deadline: float
+    future: asyncio.Future[RoundOutcome]
+
+
+@dataclass
+class _Batch:
+    key: str
+    members: list[_Member] = field(default_factory=list)
+
+
+def combine(arrays_per_member: list[list[np.ndarray]], weights: list[float]) -> list[np.ndarray]:
+    """``sum(w_i * x_i) / sum(w_i)`` per tensor, reduced in fp32 (fp64 for fp64 input)
+    and cast back to the input dtype so the swarm sees the same schema from every peer."""
+    total = float(sum(weights))
+    out: list[np.ndarray] = []
+    for index, first in enumerate(arrays_per_member[0]):
+        acc_dtype = np.float64 if first.dtype == np.float64 else np.float32
+        acc = np.zeros(first.shape, dtype=acc_dtype)
+        for arrays, weight in zip(arrays_per_member, weights, strict=True):
+            acc += arrays[index].astype(acc_dtype, copy=False) * (weight / total)
+        out.append(acc.astype(first.dtype))
+    return out
+
+
+class LocalCombiner:
+    """Batches same-key local calls and runs one swarm round per batch.
+
+    Owns one task per open batch; :meth:`close` cancels them and fails their callers.
+    """
+
+    def __init__(self, average: AverageFn, window: float) -> None:
+        self._average = average
+        self._window = window
+        self._open: dict[str, _Batch] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    async def submit(self, arrays: list[np.ndarray], params: RoundParams) -> RoundOutcome:
+        """Join (or open) the batch for ``params.key`` and wait for the round's outcome.
+
+        Raises:
+            ValidationError: the tensors differ in layout from the batch's other callers.
+            DaemonUnavailableError: the daemon is shutting down.
+            Exception: whatever the round raised.
+        """
+        if self._closed:
+            raise DaemonUnavailableError("the daemon is shutting down")
+        loop = asyncio.get_running_loop()
+        batch = self._open.get(params.key)
+        if batch is None:
+            batch = _Batch(params.key)
+            self._open[params.key] = batch
+            task = loop.create_task(self._run(batch), name=f"local-batch:{params.key}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            difference = same_layout(batch.members[0].arrays, arrays)
+            if difference is not None:
+                raise ValidationError(
+                    f"tensors for key {params.key!r} differ from those another local "
+                    f"process is averaging: {difference}"
+                )
+        member = _Member(arrays, params, time.monotonic() + params.timeout, loop.create_future())
+        batch.members.append(member)
+        return await member.future
+
+    async def _run(self, batch: _Batch) -> None:
+        try:
+            try:
+                # The one deliberate wait: the window in which other local processes join.
+                await asyncio.sleep(self._window)
+            finally:
+                if self._open.get(batch.key) is batch:
+                    del self._open[batch.key]
+            members = [m for m in batch.members if not m.future.done()]
+            if not members:
+                return
+            outcome = await self._round(members)
+        except asyncio.CancelledError:
+            _fail(batch.members, DaemonUnavailableError("the daemon is shutting down"))
+            raise
+        except Exception as exc:
+            _fail(batch.members, exc)
+            return
+        for m in members:
+            if not m.future.done():
+                m.future.set_result(outcome)
+
+    async def _round(self, members: list[_Member]) -> RoundOutcome:
+        first = members[0].params
+        remaining = min(m.deadline for m in members) - time.monotonic()
+        if len(members) == 1:
+            arrays = members[0].arrays
+            weight = first.weight
+        else:
+            weights = [m.params.weight for m in members]
+            arrays = await asyncio.to_thread(combine, [m.arrays for m in members], weights)
+            weight = float(sum(weights))
+        params = RoundParams(
+            key=first.key,
+            weight=weight,
+            group_size=first.group_size,
+            min_group_size=first.min_group_size,
+            timeout=max(remaining, 0.001),
+            codec=first.codec,
+        )
+        outcome = await self._average(arrays, params)
+        outcome.local_callers = len(members)
+        return outcome
+
+    async def close(self) -> None:
+        """Cancel open batches and rounds (their callers get ``DaemonUnavailableError``)."""
+        self._closed = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for batch in self._open.values():
+            _fail(batch.members, DaemonUnavailableError("the daemon is shutting down"))
+        self._open.clear()
+
+
+def _fail(members: list[_Member], exc: BaseException) -> None:
+    for m in members:
+        if not m.future.done():
+            m.future.set_exception(exc)

@@ -1,0 +1,297 @@
+"""The local control service (DESIGN 4, 6.4): what training processes call on the daemon.
+
+Inbound handlers are ``rpc_<verb>``; the generated servicer names map onto them. The
+daemon trusts no caller: every request is validated again here (layout, sizes, values)
+before anything is allocated for it, and every failure is answered with a gRPC status
+whose code the client maps back to its ``SwarmError`` subclass (``swarmavg.peer.errors``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
+
+import grpc
+import msgpack
+import numpy as np
+
+from swarmavg.averaging import errors as averaging_errors
+from swarmavg.peer import shm
+from swarmavg.peer.combiner import LocalCombiner, RoundOutcome, RoundParams
+from swarmavg.peer.errors import (
+    STATUS_FOR_ERROR,
+    DaemonUnavailableError,
+    SwarmError,
+    ValidationError,
+)
+from swarmavg.peer.tensors import TensorAssembler, iter_bytes, layout_from_specs, specs_of
+from swarmavg.peer.validation import validate_finite, validate_key, validate_round_params
+from swarmavg.proto import control_pb2, control_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+READ_TIMEOUT = 30.0
+"""Seconds a client may take to send the next message of a request stream."""
+MAX_DHT_VALUE_BYTES = 1 << 20
+MAX_METADATA_BYTES = 16 << 20
+
+
+class ControlBackend(Protocol):
+    """What the control service needs from the daemon (``swarmavg.peer.daemon.Peer``)."""
+
+    combiner: LocalCombiner
+
+    async def dht_store(self, key: str, value: Any, ttl: float, subkey: Any) -> bool: ...
+    async def dht_get(self, key: str) -> tuple[bool, Any]: ...
+    async def publish_state(self, arrays: list[np.ndarray], metadata: bytes) -> None: ...
+    async def load_state(self, timeout: float) -> tuple[bytes, list[np.ndarray]]: ...
+    def status(self) -> control_pb2.StatusResponse: ...
+    def record_failure(self, reason: str) -> None: ...
+
+
+def classify(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status code and a failure reason label for an exception."""
+    if isinstance(exc, SwarmError):
+        code = STATUS_FOR_ERROR.get(type(exc), "UNKNOWN")
+        reason = {"INVALID_ARGUMENT": "invalid_input", "UNAVAILABLE": "shutdown"}.get(code, "error")
+        return grpc.StatusCode[code], reason
+    if isinstance(exc, averaging_errors.SchemaMismatchError):
+        return grpc.StatusCode.INVALID_ARGUMENT, "schema_mismatch"
+    if isinstance(exc, averaging_errors.InvalidTensorsError):
+        return grpc.StatusCode.INVALID_ARGUMENT, "invalid_input"
+    if isinstance(exc, averaging_errors.NoGroupError):
+        return grpc.StatusCode.FAILED_PRECONDITION, "no_group"
+    if isinstance(exc, averaging_errors.StateNotFoundError):
+        return grpc.StatusCode.NOT_FOUND, "no_state"
+    if isinstance(exc, averaging_errors.AveragingError):
+        return grpc.StatusCode.ABORTED, "averaging_error"
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "timeout"
+    if isinstance(exc, ValueError):  # e.g. an unknown codec name
+        return grpc.StatusCode.INVALID_ARGUMENT, "invalid_input"
+    return grpc.StatusCode.INTERNAL, "internal"
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> None:
+    code, _ = classify(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.error("control call failed", exc_info=exc)
+    message = str(exc) or type(exc).__name__
+    await context.abort(code, message)
+
+
+async def _next(stream: AsyncIterator[Any], what: str) -> Any:
+    try:
+        return await asyncio.wait_for(anext(stream), READ_TIMEOUT)
+    except StopAsyncIteration:
+        raise ValidationError(f"request stream ended before {what}") from None
+    except TimeoutError:
+        raise ValidationError(f"no {what} within {READ_TIMEOUT:.0f} s") from None
+
+
+class ControlService(control_pb2_grpc.ControlServicer):  # type: ignore[misc]
+    """Serves one daemon's control endpoint. Create it inside the running loop."""
+
+    def __init__(self, backend: ControlBackend) -> None:
+        self._backend = backend
+        self.active_calls = 0
+        self._accepting = True
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        control_pb2_grpc.add_ControlServicer_to_server(self, server)
+
+    def stop_accepting(self) -> None:
+        """New calls are answered UNAVAILABLE from now on (shutdown's first step)."""
+        self._accepting = False
+
+    def _check_accepting(self) -> None:
+        if not self._accepting:
+            raise DaemonUnavailableError("the daemon is shutting down")
+
+    # ---- generated servicer names -> rpc_<verb> ----
+
+    def Average(
+        self, requests: AsyncIterator[control_pb2.AverageRequest], context: Any
+    ) -> AsyncIterator[control_pb2.AverageResponse]:
+        return self.rpc_average(requests, context)
+
+    async def DHTStore(
+        self, request: control_pb2.DHTStoreRequest, context: Any
+    ) -> control_pb2.DHTStoreResponse:
+        return await self._unary(self.rpc_dht_store, request, context)
+
+    async def DHTGet(
+        self, request: control_pb2.DHTGetRequest, context: Any
+    ) -> control_pb2.DHTGetResponse:
+        return await self._unary(self.rpc_dht_get, request, context)
+
+    async def PublishState(
+        self, requests: AsyncIterator[control_pb2.StateMessage], context: Any
+    ) -> control_pb2.PublishStateResponse:
+        return await self._unary(self.rpc_publish_state, requests, context)
+
+    def LoadState(
+        self, request: control_pb2.LoadStateRequest, context: Any
+    ) -> AsyncIterator[control_pb2.StateMessage]:
+        return self.rpc_load_state(request, context)
+
+    async def Status(
+        self, request: control_pb2.StatusRequest, context: Any
+    ) -> control_pb2.StatusResponse:
+        response = self._backend.status()
+        response.active_calls = self.active_calls
+        return response
+
+    async def _unary(
+        self, handler: Callable[[Any], Awaitable[Any]], request: Any, context: Any
+    ) -> Any:
+        try:
+            self._check_accepting()
+            return await handler(request)
+        except Exception as exc:
+            await _abort(context, exc)
+            raise  # unreachable: abort raises
+
+    # ---- handlers ----
+
+    async def rpc_average(
+        self, requests: AsyncIterator[control_pb2.AverageRequest], context: Any
+    ) -> AsyncIterator[control_pb2.AverageResponse]:
+        """One averaging call: inputs in (inline or shared memory), results out.
+
+        The shared-memory segment is mapped and unlinked before anything else happens,
+        and the daemon's mapping is dropped when the call ends, however it ends.
+        """
+        segment: shm.DaemonSegment | None = None
+        self.active_calls += 1
+        started = time.monotonic()
+        try:
+            self._check_accepting()
+            first = await _next(requests, "the AverageStart message")
+            if first.WhichOneof("kind") != "start":
+                raise ValidationError("the first message of an Average call must be its start")
+            start = first.start
+            validate_key(start.key)
+            group_size = start.group_size or None
+            validate_round_params(start.weight, group_size, start.min_group_size, start.timeout)
+            dtypes, shapes, _ = layout_from_specs(start.tensors)
+            if start.shm_name:
+                segment = shm.DaemonSegment(start.shm_name, start.shm_size, dtypes, shapes)
+                arrays = segment.inputs()
+            else:
+                assembler = TensorAssembler(dtypes, shapes)
+                while not assembler.complete:
+                    message = await _next(requests, "the tensor bytes")
+                    if message.WhichOneof("kind") != "data":
+                        raise ValidationError("expected tensor bytes")
+                    assembler.add(message.data)
+                arrays = assembler.finish()
+            yield control_pb2.AverageResponse(accepted=control_pb2.AverageAccepted())
+            await asyncio.to_thread(validate_finite, arrays)
+            params = RoundParams(
+                key=start.key,
+                weight=start.weight,
+                group_size=group_size,
+                min_group_size=start.min_group_size,
+                timeout=max(start.timeout - (time.monotonic() - started), 0.001),
+                codec=start.codec or None,
+            )
+            outcome: RoundOutcome = await self._backend.combiner.submit(arrays, params)
+            if segment is not None:
+                await asyncio.to_thread(segment.write_results, outcome.arrays)
+            else:
+                for piece in iter_bytes(outcome.arrays):
+                    yield control_pb2.AverageResponse(data=piece)
+            yield control_pb2.AverageResponse(done=_done_message(outcome))
+        except Exception as exc:
+            _, reason = classify(exc)
+            if reason in ("invalid_input", "schema_mismatch"):
+                self._backend.record_failure(reason)
+            await _abort(context, exc)
+        finally:
+            self.active_calls -= 1
+            if segment is not None:
+                segment.close()
+
+    async def rpc_dht_store(
+        self, request: control_pb2.DHTStoreRequest
+    ) -> control_pb2.DHTStoreResponse:
+        validate_key(request.key)
+        if len(request.value) > MAX_DHT_VALUE_BYTES:
+            raise ValidationError(f"value is larger than {MAX_DHT_VALUE_BYTES} bytes")
+        if not 0 < request.ttl <= 86400 * 30:
+            raise ValidationError(f"ttl {request.ttl} out of range")
+        value = _unpack(request.value, "value")
+        subkey = _unpack(request.subkey, "subkey") if request.has_subkey else None
+        stored = await self._backend.dht_store(request.key, value, request.ttl, subkey)
+        return control_pb2.DHTStoreResponse(stored=stored)
+
+    async def rpc_dht_get(self, request: control_pb2.DHTGetRequest) -> control_pb2.DHTGetResponse:
+        validate_key(request.key)
+        found, value = await self._backend.dht_get(request.key)
+        if not found:
+            return control_pb2.DHTGetResponse(found=False)
+        return control_pb2.DHTGetResponse(
+            found=True,
+            value=msgpack.packb(value, use_bin_type=True),
+            is_dict=isinstance(value, dict),
+        )
+
+    async def rpc_publish_state(
+        self, requests: AsyncIterator[control_pb2.StateMessage]
+    ) -> control_pb2.PublishStateResponse:
+        first = await _next(requests, "the state header")
+        if first.WhichOneof("kind") != "header":
+            raise ValidationError("the first message of PublishState must be its header")
+        if len(first.header.metadata) > MAX_METADATA_BYTES:
+            raise ValidationError(f"metadata is larger than {MAX_METADATA_BYTES} bytes")
+        dtypes, shapes, _ = layout_from_specs(first.header.tensors)
+        assembler = TensorAssembler(dtypes, shapes)
+        while not assembler.complete:
+            message = await _next(requests, "the state bytes")
+            if message.WhichOneof("kind") != "data":
+                raise ValidationError("expected state bytes")
+            assembler.add(message.data)
+        arrays = assembler.finish()
+        await asyncio.to_thread(validate_finite, arrays)
+        await self._backend.publish_state(arrays, first.header.metadata)
+        return control_pb2.PublishStateResponse()
+
+    async def rpc_load_state(
+        self, request: control_pb2.LoadStateRequest, context: Any
+    ) -> AsyncIterator[control_pb2.StateMessage]:
+        try:
+            self._check_accepting()
+            if not 0 < request.timeout <= 3600:
+                raise ValidationError(f"timeout {request.timeout} out of range (0, 3600]")
+            metadata, arrays = await self._backend.load_state(request.timeout)
+            yield control_pb2.StateMessage(
+                header=control_pb2.StateHeader(metadata=metadata, tensors=specs_of(arrays))
+            )
+            for piece in iter_bytes(arrays):
+                yield control_pb2.StateMessage(data=piece)
+        except Exception as exc:
+            await _abort(context, exc)
+
+
+def _unpack(data: bytes, what: str) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise ValidationError(f"{what} is not valid msgpack: {exc}") from None
+
+
+def _done_message(outcome: RoundOutcome) -> control_pb2.AverageDone:
+    return control_pb2.AverageDone(
+        group_size=outcome.group_size,
+        peers=outcome.peers,
+        group_id=outcome.group_id,
+        partial=outcome.partial,
+        timings=outcome.timings,
+        bytes_sent=outcome.bytes_sent,
+        bytes_received=outcome.bytes_received,
+        local_callers=outcome.local_callers,
+    )

@@ -1,0 +1,408 @@
+"""``Peer``: one daemon composing the DHT, the averager and the control service.
+
+One process, one event loop (DESIGN 6.1). The DHT and Averaging services share one public
+gRPC server; the control service has its own server on the local endpoint. Use it in
+process as ``async with Peer(PeerConfig(...)) as peer:`` (``peer.client()`` talks to it), or
+through ``swarmavg peer`` (``swarmavg.peer.cli``).
+
+Start order: control endpoint checked first (fail fast when another daemon owns it), then
+the public server is bound, the DHT bootstraps, the averager starts, the control service
+opens. Shutdown (DESIGN 6.3): stop accepting control calls, let rounds in flight finish
+within the grace period (then cancel them), leave the DHT, close servers and channels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from types import TracebackType
+from typing import Any
+
+import grpc
+import numpy as np
+
+from swarmavg.averaging import Averager, AveragerConfig
+from swarmavg.dht import (
+    BootstrapError,
+    ChannelPool,
+    DHTConfig,
+    DHTNode,
+    Identity,
+    ValueWithExpiration,
+)
+from swarmavg.peer import __version__, shm
+from swarmavg.peer.client import AsyncClient
+from swarmavg.peer.combiner import LocalCombiner, RoundOutcome, RoundParams
+from swarmavg.peer.config import PeerConfig
+from swarmavg.peer.control import ControlService, classify
+from swarmavg.peer.endpoint import ControlEndpoint, parse_control_endpoint, prepare_unix_socket
+from swarmavg.peer.netutil import announce_address, explain_bind_failure
+from swarmavg.peer.stats import PeerStats
+from swarmavg.proto import control_pb2
+
+log = logging.getLogger(__name__)
+
+SHM_SWEEP_INTERVAL = 30.0
+SERVER_OPTIONS = [
+    # grpc enables SO_REUSEPORT by default, which would let a second daemon "bind" a port
+    # that is in use and split its traffic with the first; a clear error is better.
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_receive_message_length", 8 << 20),
+    ("grpc.max_send_message_length", 8 << 20),
+]
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start; the message is one line meant for the user."""
+
+
+class Peer:
+    """A swarmavg peer daemon.
+
+    ``start`` once, then ``shutdown`` (idempotent). ``address`` is the announced public
+    address (``None`` in client mode), ``control`` the bound control endpoint.
+    """
+
+    def __init__(self, config: PeerConfig) -> None:
+        self.config = config
+        self.stats = PeerStats()
+        self.address: str | None = None
+        self.control: ControlEndpoint | None = None
+        self.identity: Identity | None = None
+        self.dht: DHTNode | None = None
+        self.averager: Averager | None = None
+        self.combiner = LocalCombiner(self._average, config.local_window)
+        self._control_service: ControlService | None = None
+        self._public_server: grpc.aio.Server | None = None
+        self._control_server: grpc.aio.Server | None = None
+        self._channels: ChannelPool | None = None
+        self._metrics: Any = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._started_at = 0.0
+        self._stopped = False
+
+    @property
+    def peer_id(self) -> str:
+        """This peer's id (hex)."""
+        if self.identity is None:
+            raise RuntimeError("the peer is not started")
+        return self.identity.peer_id_hex
+
+    def ready_record(self) -> dict[str, Any]:
+        """The JSON ready line's fields (DESIGN 3.1)."""
+        return {
+            "event": "ready",
+            "peer_id": self.peer_id,
+            "address": self.address,
+            "control": str(self.control),
+            "run_id": self.config.run_id,
+        }
+
+    async def start(self) -> None:
+        """Bind, bootstrap and start serving.
+
+        Raises:
+            StartupError: the control endpoint belongs to a live daemon, the port is taken,
+                no initial peer answered, or another reason to give up (one-line message).
+        """
+        cfg = self.config
+        self._started_at = time.monotonic()
+        try:
+            await self._start(cfg)
+        except BaseException:
+            await self.shutdown(grace=0.0)
+            raise
+
+    async def _start(self, cfg: PeerConfig) -> None:
+        try:
+            self.control = parse_control_endpoint(cfg.control, cfg.run_id)
+            if self.control.path is not None:
+                prepare_unix_socket(self.control.path)
+        except (ValueError, OSError, RuntimeError) as exc:
+            raise StartupError(str(exc)) from None
+        try:
+            self.identity = (
+                Identity.load_or_create(cfg.identity) if cfg.identity else Identity.generate()
+            )
+        except (OSError, ValueError) as exc:
+            raise StartupError(f"identity file {cfg.identity}: {exc}") from None
+        self._channels = ChannelPool()
+        dht_config = DHTConfig(
+            run_id=cfg.run_id,
+            initial_peers=tuple(cfg.join),
+            client_mode=cfg.client_mode,
+            bootstrap_timeout=cfg.bootstrap_timeout,
+        )
+        self.dht = DHTNode(dht_config, self.identity, self._channels)
+        self.averager = Averager(
+            self.dht,
+            AveragerConfig(client_mode=cfg.client_mode, target_group_size=cfg.group_size),
+            self._channels,
+        )
+        if not cfg.client_mode:
+            server = grpc.aio.server(options=SERVER_OPTIONS)
+            self.dht.add_to_server(server)
+            self.averager.add_to_server(server)
+            try:
+                port = server.add_insecure_port(cfg.listen)
+            except RuntimeError:
+                port = 0
+            if port == 0:
+                await server.stop(None)
+                raise StartupError(
+                    f"cannot listen on {cfg.listen}: {explain_bind_failure(cfg.listen)}; "
+                    "choose another with --listen HOST:PORT (port 0 picks a free one)"
+                )
+            self._public_server = server
+            await server.start()
+            self.address = announce_address(cfg.listen, port, cfg.announce)
+        try:
+            await self.dht.start(self.address)
+        except BootstrapError as exc:
+            raise StartupError(str(exc)) from None
+        await self.averager.start()
+        await self._start_control()
+        if cfg.metrics:
+            await self._start_metrics(cfg.metrics)
+        self._spawn(self._sweep_shm(), "shm-sweeper")
+        log.info(
+            "peer %s ready: address=%s control=%s run=%s known_peers=%d",
+            self.peer_id,
+            self.address,
+            self.control,
+            cfg.run_id,
+            self.dht.num_known_peers(),
+        )
+
+    async def _start_control(self) -> None:
+        assert self.control is not None  # set in _start
+        self._control_service = ControlService(self)
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        self._control_service.add_to_server(server)
+        try:
+            port = server.add_insecure_port(self.control.grpc_target())
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            await server.stop(None)
+            raise StartupError(f"cannot bind the control endpoint {self.control}")
+        if self.control.path is None:
+            self.control = ControlEndpoint(host=self.control.host, port=port)
+        else:
+            os.chmod(self.control.path, 0o600)
+        self._control_server = server
+        await server.start()
+
+    async def _start_metrics(self, address: str) -> None:
+        from swarmavg.peer.metrics import MetricsServer
+
+        dht = self.dht
+        assert dht is not None
+        metrics = MetricsServer(
+            address,
+            self.stats,
+            dht_size=lambda: float(dht.size_estimate()),
+            known_peers=dht.num_known_peers,
+        )
+        try:
+            await asyncio.to_thread(metrics.start)
+        except OSError as exc:
+            raise StartupError(f"cannot serve metrics on {address}: {exc.strerror}") from None
+        self._metrics = metrics
+        self._spawn(self._sync_metrics(metrics), "metrics-sync")
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _sweep_shm(self) -> None:
+        while True:
+            await asyncio.to_thread(shm.sweep_stale)
+            await asyncio.sleep(SHM_SWEEP_INTERVAL)
+
+    async def _sync_metrics(self, metrics: Any) -> None:
+        while True:
+            metrics.sync()
+            await asyncio.sleep(1.0)
+
+    # ---- what the control service calls ----
+
+    async def _average(self, arrays: list[np.ndarray], params: RoundParams) -> RoundOutcome:
+        """One swarm round for a local batch; counts it in the stats."""
+        if self.averager is None:
+            raise RuntimeError("the peer is not started")
+        started = time.monotonic()
+        codec = params.codec or "default"
+        try:
+            result = await self.averager.average(
+                arrays,
+                params.key,
+                weight=params.weight,
+                group_size=params.group_size,
+                min_group_size=params.min_group_size,
+                timeout=params.timeout,
+                codec=params.codec,
+            )
+        except asyncio.CancelledError:
+            self.stats.record_failure("cancelled")
+            raise
+        except Exception as exc:
+            self.stats.record_failure(classify(exc)[1])
+            raise
+        self.stats.record_round(
+            codec,
+            time.monotonic() - started,
+            int(result.bytes_sent),
+            int(result.bytes_received),
+            dict(result.timings),
+        )
+        return RoundOutcome(
+            arrays=list(result.tensors),
+            group_size=int(result.group_size),
+            peers=list(result.peers),
+            group_id=str(result.group_id),
+            partial=bool(result.partial),
+            timings={k: float(v) for k, v in result.timings.items()},
+            bytes_sent=int(result.bytes_sent),
+            bytes_received=int(result.bytes_received),
+        )
+
+    def record_failure(self, reason: str) -> None:
+        self.stats.record_failure(reason)
+
+    async def dht_store(self, key: str, value: Any, ttl: float, subkey: Any) -> bool:
+        if self.dht is None:
+            raise RuntimeError("the peer is not started")
+        return bool(await self.dht.store(key, value, time.time() + ttl, subkey=subkey))
+
+    async def dht_get(self, key: str) -> tuple[bool, Any]:
+        if self.dht is None:
+            raise RuntimeError("the peer is not started")
+        found = await self.dht.get(key, latest=True)
+        if found is None:
+            return False, None
+        value = found.value
+        if (
+            isinstance(value, dict)
+            and value
+            and all(isinstance(v, ValueWithExpiration) for v in value.values())
+        ):
+            return True, {k: v.value for k, v in value.items()}
+        return True, value
+
+    async def publish_state(self, arrays: list[np.ndarray], metadata: bytes) -> None:
+        if self.averager is None:
+            raise RuntimeError("the peer is not started")
+        await self.averager.publish_state(arrays, metadata)
+
+    async def load_state(self, timeout: float) -> tuple[bytes, list[np.ndarray]]:
+        if self.averager is None:
+            raise RuntimeError("the peer is not started")
+        metadata, tensors = await self.averager.load_state(timeout)
+        return bytes(metadata), list(tensors)
+
+    def status(self) -> control_pb2.StatusResponse:
+        """The daemon's figures (``active_calls`` is filled in by the control service)."""
+        s = self.stats
+        dht = self.dht
+        response = control_pb2.StatusResponse(
+            peer_id=self.peer_id,
+            run_id=self.config.run_id,
+            address=self.address or "",
+            control=str(self.control),
+            client_mode=self.config.client_mode,
+            known_peers=dht.num_known_peers() if dht is not None else 0,
+            dht_size_estimate=float(dht.size_estimate()) if dht is not None else 0.0,
+            rounds_done=s.rounds_done,
+            rounds_failed=s.rounds_failed,
+            bytes_sent=s.bytes_sent,
+            bytes_received=s.bytes_received,
+            failures=dict(s.failures),
+            uptime=time.monotonic() - self._started_at,
+            version=__version__,
+            pid=os.getpid(),
+        )
+        for name, figures in s.codecs.items():
+            response.codecs[name].CopyFrom(
+                control_pb2.CodecStats(
+                    rounds=figures.rounds,
+                    bytes_sent=figures.bytes_sent,
+                    bytes_received=figures.bytes_received,
+                    seconds=figures.seconds,
+                )
+            )
+        if shm.shm_available():
+            info = os.stat(shm.SHM_DIR)
+            response.shm_dir = str(shm.SHM_DIR)
+            response.shm_dev = info.st_dev
+            response.shm_ino = info.st_ino
+        return response
+
+    def client(self) -> AsyncClient:
+        """An :class:`AsyncClient` for this peer (``async with peer.client() as c:``)."""
+        if self.control is None:
+            raise RuntimeError("the peer is not started")
+        return AsyncClient(str(self.control))
+
+    # ---- lifecycle ----
+
+    async def shutdown(self, grace: float | None = None) -> None:
+        """Stop: refuse new calls, give rounds in flight ``grace`` seconds (default: the
+        config's ``shutdown_grace``), cancel the rest, leave the DHT, close everything.
+
+        Idempotent; every step is bounded, so it returns within about ``grace + 3`` s.
+        """
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.config.shutdown_grace if grace is None else grace
+        if self._control_service is not None:
+            self._control_service.stop_accepting()
+        if self.averager is not None:
+            await _bounded(self.averager.shutdown(grace), grace + 1.0, "averager shutdown")
+        await _bounded(self.combiner.close(), 1.0, "local rounds")
+        if self._control_server is not None:
+            await _bounded(self._control_server.stop(0.2), 1.0, "control server")
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.dht is not None:
+            await _bounded(self.dht.shutdown(), 1.0, "DHT shutdown")
+        if self._public_server is not None:
+            await _bounded(self._public_server.stop(0.2), 1.0, "public server")
+        if self._channels is not None:
+            await _bounded(self._channels.close(), 1.0, "channels")
+        if self._metrics is not None:
+            await asyncio.to_thread(self._metrics.stop)
+        if self.control is not None and self.control.path is not None and self._control_server:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.control.path)
+        log.info("peer stopped")
+
+    async def __aenter__(self) -> Peer:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.shutdown()
+
+
+async def _bounded(awaitable: Any, seconds: float, what: str) -> None:
+    """Await one shutdown step for at most ``seconds``; log and move on if it fails."""
+    try:
+        await asyncio.wait_for(awaitable, timeout=max(seconds, 0.1))
+    except TimeoutError:
+        log.warning("%s did not finish within %.1f s", what, seconds)
+    except Exception:
+        log.warning("%s failed", what, exc_info=True)

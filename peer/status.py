@@ -1,0 +1,48 @@
+"""Human-readable rendering of a daemon's status (``swarmavg status`` without ``--json``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover - unreachable
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """A small table of the figures ``client.status()`` returns."""
+    known = int(status["known_peers"])
+    rows = [
+        ("peer id", status["peer_id"]),
+        ("run", status["run_id"]),
+        ("address", status["address"] or "(client mode: no incoming connections)"),
+        ("control", status["control"]),
+        ("peers", f"{known + 1} ({known} known + this one)"),
+        ("DHT size estimate", f"{status['dht_size_estimate']:.0f}"),
+        ("rounds done", str(status["rounds_done"])),
+        ("rounds failed", str(status["rounds_failed"])),
+        ("bytes sent", _bytes(status["bytes_sent"])),
+        ("bytes received", _bytes(status["bytes_received"])),
+        ("uptime", f"{status['uptime']:.0f} s"),
+        ("version", status["version"]),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{name:<{width}}  {value}" for name, value in rows]
+    if status["failures"]:
+        lines.append("failures:")
+        lines += [
+            f"  {reason:<{width - 2}}  {count}" for reason, count in status["failures"].items()
+        ]
+    if status["codecs"]:
+        lines.append("")
+        lines.append(f"{'codec':<20} {'rounds':>7} {'sent':>12} {'received':>12} {'seconds':>9}")
+        for name, c in status["codecs"].items():
+            lines.append(
+                f"{name:<20} {c['rounds']:>7} {_bytes(c['bytes_sent']):>12} "
+                f"{_bytes(c['bytes_received']):>12} {c['seconds']:>9.2f}"
+            )
+    return "\n".join(lines)

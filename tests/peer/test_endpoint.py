@@ -1,0 +1,80 @@
+"""Control endpoint rules: default paths, loopback only, stale vs live sockets."""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from swarmavg.peer.endpoint import (
+    ControlSocketInUseError,
+    default_control_path,
+    parse_control_endpoint,
+    prepare_unix_socket,
+)
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    # unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="sa-") as d:
+        yield Path(d)
+
+
+def test_default_path_uses_xdg_runtime_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1234")
+    assert default_control_path("myrun") == Path("/run/user/1234/swarmavg/myrun.sock")
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert default_control_path("myrun") == Path.home() / ".swarmavg" / "myrun.sock"
+
+
+def test_parse_paths_and_loopback_ports(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1")
+    assert parse_control_endpoint(None, "r").path == Path("/run/user/1/swarmavg/r.sock")
+    assert parse_control_endpoint("/tmp/a.sock").grpc_target() == "unix:/tmp/a.sock"
+    assert parse_control_endpoint("unix:/tmp/b.sock").path == Path("/tmp/b.sock")
+    tcp = parse_control_endpoint("127.0.0.1:5000")
+    assert (tcp.path, tcp.host, tcp.port) == (None, "127.0.0.1", 5000)
+    assert parse_control_endpoint("localhost:0").port == 0
+    assert parse_control_endpoint("[::1]:7").host == "[::1]"
+
+
+@pytest.mark.parametrize("text", ["0.0.0.0:5000", "[::]:5000", "10.1.2.3:80", "example.com:80"])
+def test_public_endpoints_are_rejected(text: str) -> None:
+    with pytest.raises(ValueError, match="not local"):
+        parse_control_endpoint(text)
+
+
+def test_overlong_socket_path_is_rejected() -> None:
+    with pytest.raises(ValueError, match="longer than"):
+        parse_control_endpoint("/tmp/" + "x" * 200 + ".sock")
+
+
+def test_stale_socket_is_removed_live_one_is_refused(short_dir: Path) -> None:
+    path = short_dir / "sub" / "c.sock"
+    prepare_unix_socket(path)  # creates the folder
+    assert path.parent.is_dir()
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(path))
+    stale.close()  # bound but nobody listens: stale
+    prepare_unix_socket(path)
+    assert not path.exists()
+    live = socket.socket(socket.AF_UNIX)
+    try:
+        live.bind(str(path))
+        live.listen(1)
+        with pytest.raises(ControlSocketInUseError, match="running swarmavg daemon"):
+            prepare_unix_socket(path)
+        assert path.exists()
+    finally:
+        live.close()
+
+
+def test_regular_file_in_the_way(short_dir: Path) -> None:
+    path = short_dir / "c.sock"
+    path.write_text("not a socket")
+    with pytest.raises(FileExistsError, match="not a socket"):
+        prepare_unix_socket(path)
