@@ -1,0 +1,250 @@
+"""Butterfly all-reduce between in-process peers: exact means, modes, codecs, bit identity."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from swarmavg.averaging.allreduce import AllReduceError, AllReduceOutcome, run_allreduce
+from swarmavg.averaging.group import Mode
+from swarmavg.averaging.partition import TensorLayout, flatten
+from swarmavg.averaging.reducer import weighted_mean
+from swarmavg.compression import known_codecs
+from swarmavg.dht import ChannelPool
+from tests.averaging.allreduce_peers import close_peers, make_group, run_group, start_peers
+from tests.harness import GrpcServerPool
+
+pytestmark = pytest.mark.timeout(60)
+
+SHAPES_F32 = [((33, 17), np.float32), ((100,), np.float32), ((), np.float32)]
+SHAPES_MIXED = [
+    ((3, 5, 7), np.float16),
+    ((50,), ml_dtypes.bfloat16),
+    ((1,), np.float32),
+    ((2000,), np.float32),
+    ((0, 4), np.float16),
+]
+SHAPES_WIDE = [((40, 3), np.float64), ((17,), np.int32), ((9,), np.int8), ((600,), np.float32)]
+
+
+@pytest.fixture
+async def channels() -> AsyncIterator[ChannelPool]:
+    pool = ChannelPool()
+    try:
+        yield pool
+    finally:
+        await pool.close()
+
+
+def _inputs(
+    n: int, spec: Sequence[tuple[tuple[int, ...], type]], seed: int = 0
+) -> list[list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        tensors = []
+        for shape, dtype in spec:
+            if np.dtype(dtype).kind in "iu":
+                tensors.append(rng.integers(-100, 100, size=shape).astype(dtype))
+            else:
+                tensors.append((rng.standard_normal(shape) * 3).astype(dtype))
+        out.append(tensors)
+    return out
+
+
+def _flat(tensors: Sequence[np.ndarray]) -> np.ndarray:
+    layout = TensorLayout.of(tensors)
+    return flatten(tensors, layout).astype(np.float64)
+
+
+def _expected(inputs: list[list[np.ndarray]], weights: Sequence[float], senders: Sequence[int]):
+    return weighted_mean([_flat(inputs[i]) for i in senders], [weights[i] for i in senders])
+
+
+def _assert_close_to(outcome: AllReduceOutcome, expected: np.ndarray, like: Sequence[np.ndarray]):
+    layout = TensorLayout.of(like)
+    for out, ref, offset, shape, dtype in zip(
+        outcome.tensors, like, layout.offsets, layout.shapes, layout.dtypes, strict=True
+    ):
+        assert out.dtype == ref.dtype
+        assert out.shape == ref.shape
+        want = expected[offset : offset + out.size].reshape(shape)
+        if dtype.kind in "iu":
+            np.testing.assert_array_less(np.abs(out.astype(np.float64) - want), 0.5 + 1e-6)
+        else:
+            eps = float(ml_dtypes.finfo(dtype).eps)
+            np.testing.assert_allclose(out.astype(np.float64), want, rtol=2 * eps, atol=4 * eps)
+
+
+def _assert_bit_identical(outcomes: Sequence[AllReduceOutcome]) -> None:
+    for other in outcomes[1:]:
+        for a, b in zip(outcomes[0].tensors, other.tensors, strict=True):
+            assert a.tobytes() == b.tobytes()
+
+
+CASES = {
+    "2-nodes": ([Mode.NODE, Mode.NODE], [1.0, 3.0], None),
+    "node-client-aux": ([Mode.NODE, Mode.CLIENT, Mode.AUX], [2.0, 1.0, 0.0], None),
+    "5-mixed-bandwidth": (
+        [Mode.NODE, Mode.NODE, Mode.CLIENT, Mode.NODE, Mode.AUX],
+        [1.0, 0.0, 2.0, 1.5, 0.0],
+        [1.0, 3.0, 0.0, 0.0, 2.0],
+    ),
+    "8-nodes": ([Mode.NODE] * 8, [1.0, 0.0, 2.0, 0.5, 1.0, 3.0, 0.25, 1.0], None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    "spec", [SHAPES_F32, SHAPES_MIXED, SHAPES_WIDE], ids=["f32", "f16-bf16-f32", "f64-int"]
+)
+async def test_exact_weighted_mean(
+    grpc_servers: GrpcServerPool,
+    channels: ChannelPool,
+    case: str,
+    spec: list[tuple[tuple[int, ...], type]],
+) -> None:
+    modes, weights, bandwidths = CASES[case]
+    n = len(modes)
+    peers = await start_peers(grpc_servers, n)
+    try:
+        inputs = _inputs(n, spec)
+        if Mode.AUX in modes:  # aux members pass tensors of the schema; they are not sent
+            aux = modes.index(Mode.AUX)
+            inputs[aux] = [np.full_like(t, 99) for t in inputs[aux]]
+        before = [[t.copy() for t in tensors] for tensors in inputs]
+        group = make_group(peers, inputs[0], modes, bandwidths)
+        results = await run_group(peers, group, inputs, weights, channels)
+        senders = [i for i, m in enumerate(modes) if m is not Mode.AUX]
+        expected = _expected(inputs, weights, senders)
+        outcomes = []
+        for i, result in enumerate(results):
+            assert isinstance(result, AllReduceOutcome), result
+            if modes[i] is Mode.AUX:
+                continue
+            assert not result.partial
+            assert result.failed_parts == ()
+            _assert_close_to(result, expected, inputs[0])
+            outcomes.append(result)
+        _assert_bit_identical(outcomes)
+        for tensors, saved in zip(inputs, before, strict=True):
+            for t, s in zip(tensors, saved, strict=True):
+                assert t.tobytes() == s.tobytes()
+    finally:
+        await close_peers(peers)
+
+
+@pytest.mark.parametrize(("n", "total"), [(3, 3), (5, 3), (4, 1)])
+async def test_parts_of_a_single_element(
+    grpc_servers: GrpcServerPool, channels: ChannelPool, n: int, total: int
+) -> None:
+    peers = await start_peers(grpc_servers, n)
+    try:
+        inputs = [[np.arange(total, dtype=np.float32) * (i + 1)] for i in range(n)]
+        weights = [float(i % 3) for i in range(n)]
+        group = make_group(peers, inputs[0])
+        results = await run_group(peers, group, inputs, weights, channels)
+        expected = _expected(inputs, weights, range(n))
+        for r in results:
+            assert isinstance(r, AllReduceOutcome), r
+            assert not r.partial
+            _assert_close_to(r, expected, inputs[0])
+        _assert_bit_identical(results)  # type: ignore[arg-type]
+    finally:
+        await close_peers(peers)
+
+
+LOSSY = [c for c in known_codecs() if c != "none"]
+ERROR_BOUND = {"float16": 2e-3, "bfloat16": 2e-2, "scaled-float16": 2e-3}
+
+
+@pytest.mark.parametrize("codec", LOSSY)
+async def test_codecs_give_bit_identical_results_within_bound(
+    grpc_servers: GrpcServerPool, channels: ChannelPool, codec: str
+) -> None:
+    n = 4
+    peers = await start_peers(grpc_servers, n)
+    try:
+        inputs = _inputs(n, [((5000,), np.float32), ((64, 8), np.float32)], seed=3)
+        weights = [1.0, 2.0, 0.5, 1.0]
+        group = make_group(peers, inputs[0], codec=codec)
+        results = await run_group(peers, group, inputs, weights, channels)
+        expected = _expected(inputs, weights, range(n))
+        for r in results:
+            assert isinstance(r, AllReduceOutcome), r
+            assert not r.partial
+            got = _flat(r.tensors)
+            bound = ERROR_BOUND.get(codec, 0.05) * np.abs(expected).max()
+            assert np.abs(got - expected).max() <= bound
+        _assert_bit_identical(results)  # type: ignore[arg-type]
+    finally:
+        await close_peers(peers)
+
+
+async def test_two_rounds_reuse_the_service_and_channels(
+    grpc_servers: GrpcServerPool, channels: ChannelPool
+) -> None:
+    peers = await start_peers(grpc_servers, 3)
+    try:
+        for seed in range(2):
+            inputs = _inputs(3, SHAPES_F32, seed=seed)
+            group = make_group(peers, inputs[0])
+            results = await run_group(peers, group, inputs, [1.0, 1.0, 1.0], channels)
+            expected = _expected(inputs, [1.0] * 3, range(3))
+            for r in results:
+                assert isinstance(r, AllReduceOutcome), r
+                _assert_close_to(r, expected, inputs[0])
+        assert len(channels) == 3
+    finally:
+        await close_peers(peers)
+
+
+async def test_input_validation(grpc_servers: GrpcServerPool, channels: ChannelPool) -> None:
+    peers = await start_peers(grpc_servers, 2)
+    try:
+        inputs = _inputs(2, SHAPES_F32)
+        group = make_group(peers, inputs[0])
+        service, header = peers[0].service, peers[0].header
+        soon = time.monotonic() + 5
+
+        async def run(tensors: list[np.ndarray], weight: float = 1.0, index: int = 0) -> None:
+            await run_allreduce(
+                group,
+                index,
+                tensors,
+                weight,
+                deadline=soon,
+                service=service,
+                channels=channels,
+                header=header,
+            )
+
+        with pytest.raises(ValueError, match="schema"):
+            await run([t.astype(np.float64) for t in inputs[0]])
+        with pytest.raises(ValueError, match="schema"):
+            await run(inputs[0][:2])
+        bad = [t.copy() for t in inputs[0]]
+        bad[0][0, 0] = np.nan
+        with pytest.raises(ValueError, match="NaN"):
+            await run(bad)
+        with pytest.raises(ValueError, match="weight"):
+            await run(inputs[0], weight=-1.0)
+        with pytest.raises(ValueError, match="peer id"):
+            await run(inputs[0], index=1)
+        with pytest.raises(AllReduceError, match="deadline"):
+            await run_allreduce(
+                group,
+                0,
+                inputs[0],
+                1.0,
+                deadline=time.monotonic() - 1,
+                service=service,
+                channels=channels,
+                header=header,
+            )
+    finally:
+        await close_peers(peers)
