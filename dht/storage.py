@@ -5,7 +5,8 @@ Rules (pure, synchronous, unit-tested):
 * Per key: either one plain value or a dictionary of subkeys.
 * A record replaces another for the same key (and subkey) only when it wins
   :meth:`StoredRecord.order`: the later expiration, ties broken by value bytes so that every
-  replica converges on the same record whatever the arrival order.
+  replica converges on the same record whatever the arrival order. Storing the very same
+  record again reports ``STORED`` and changes nothing (stores are idempotent).
 * A plain value replaces a dictionary only when it expires later than every subkey; a subkey
   replaces a plain value only when it expires later than that value. Later expiration wins.
 * Expired records are never returned and are dropped by :meth:`Storage.sweep`.
@@ -64,7 +65,7 @@ class Storage:
         now: float | None = None,
         cached: bool = False,
         key_id_: bytes | None = None,
-    ) -> int:
+    ) -> dht_pb2.StoreStatus:
         """Store ``record`` if it wins; return a ``StoreStatus`` value.
 
         Args:
@@ -92,14 +93,13 @@ class Storage:
             del self._entries[kid]
         return status
 
-    def _put_into(self, entry: _Entry, record: StoredRecord, now: float) -> int:
+    def _put_into(self, entry: _Entry, record: StoredRecord, now: float) -> dht_pb2.StoreStatus:
         if not record.subkey:
-            if (
-                entry.plain is not None
-                and entry.plain.expiration > now
-                and record.order() <= entry.plain.order()
-            ):
-                return OUTDATED
+            if entry.plain is not None and entry.plain.expiration > now:
+                if record.order() == entry.plain.order():
+                    return STORED  # the same record again: idempotent, nothing to change
+                if record.order() < entry.plain.order():
+                    return OUTDATED
             if any(r.expiration >= record.expiration for r in entry.subkeys.values()):
                 return OUTDATED
             freed = sum(r.size() for r in entry.records())
@@ -115,8 +115,11 @@ class Storage:
         ):
             return OUTDATED
         old = entry.subkeys.get(record.subkey)
-        if old is not None and old.expiration > now and record.order() <= old.order():
-            return OUTDATED
+        if old is not None and old.expiration > now:
+            if record.order() == old.order():
+                return STORED  # the same record again: idempotent
+            if record.order() < old.order():
+                return OUTDATED
         if old is None and len(entry.subkeys) >= self.max_subkeys_per_key:
             self._drop_expired_subkeys(entry, now)
             if len(entry.subkeys) >= self.max_subkeys_per_key:

@@ -41,8 +41,9 @@ def test_later_expiration_replaces_earlier() -> None:
     assert values(s) == [pack(1)]
     assert s.put(rec(3, NOW + 20), NOW) == STORED
     assert values(s) == [pack(3)]
-    # identical record again: nothing changes
-    assert s.put(rec(3, NOW + 20), NOW) == OUTDATED
+    # identical record again: idempotent, nothing changes
+    assert s.put(rec(3, NOW + 20), NOW) == STORED
+    assert s.bytes_used == rec(3, NOW + 20).size()
 
 
 def test_equal_expiration_ties_break_the_same_way_in_any_order() -> None:

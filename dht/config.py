@@ -1,0 +1,92 @@
+"""Settings of one DHT node (one dataclass; the CLI and the peer config map onto it)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from swarmavg.dht.validation import DHTLimits, RecordValidator
+
+
+@dataclass
+class DHTConfig:
+    """How a DHT node behaves. Validated on construction (``ValueError`` with the reason).
+
+    Attributes:
+        run_id: the run this node belongs to; requests from other runs are rejected.
+        initial_peers: HOST:PORT addresses to bootstrap from; empty starts a new DHT.
+        client_mode: use the DHT without serving it (behind NAT): no server, never put into
+            other nodes' routing tables.
+        k: bucket size and default replication (paper: k=20).
+        alpha: parallel requests per lookup (paper: alpha=3).
+        replication: how many of the nearest nodes store each record (None: k).
+        b: bucket-splitting relaxation of paper section 4.2 (see routing.py).
+        request_timeout: deadline of one RPC, seconds.
+        lookup_timeout: deadline of one whole lookup (all keys of one traversal), seconds.
+        bootstrap_timeout: how long :meth:`DHTNode.start` keeps retrying the initial peers.
+        bootstrap_backoff, bootstrap_backoff_max: first and largest pause between bootstrap
+            rounds (doubling, jittered by +-50%).
+        refresh_interval: a bucket without a lookup for this long is refreshed (paper 2.3:
+            an hour; shorter here because volunteer swarms churn faster).
+        republish_interval: records are re-stored on their current nearest nodes this often,
+            unless someone else stored them to us in the meantime (paper 2.5).
+        maintenance_interval: how often the background task wakes up to sweep expired
+            records, refresh, republish and re-ping the initial peers.
+        cache_on_lookup: after a successful get, cache the record on the nearest queried node
+            that lacked it (paper 2.3).
+        get_quorum: a non-``latest`` get stops once this many nodes returned the key.
+        limits: size caps on keys, values, batches and storage.
+        validators: extra record checks (e.g. :class:`~swarmavg.dht.validation.SchemaValidator`).
+    """
+
+    run_id: str = "default"
+    initial_peers: Sequence[str] = ()
+    client_mode: bool = False
+    k: int = 20
+    alpha: int = 3
+    replication: int | None = None
+    b: int = 5
+    request_timeout: float = 3.0
+    lookup_timeout: float = 10.0
+    bootstrap_timeout: float = 30.0
+    bootstrap_backoff: float = 0.5
+    bootstrap_backoff_max: float = 8.0
+    refresh_interval: float = 600.0
+    republish_interval: float = 600.0
+    maintenance_interval: float = 30.0
+    cache_on_lookup: bool = True
+    get_quorum: int = 1
+    limits: DHTLimits = field(default_factory=DHTLimits)
+    validators: tuple[RecordValidator, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.initial_peers, str):
+            raise ValueError("initial_peers is a sequence of HOST:PORT strings, not one string")
+        self.initial_peers = tuple(self.initial_peers)
+        for address in self.initial_peers:
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"initial peer {address!r} is not HOST:PORT")
+        if not self.run_id:
+            raise ValueError("run_id must not be empty")
+        for name in ("k", "alpha", "b", "get_quorum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.replication is not None and self.replication < 1:
+            raise ValueError("replication must be >= 1 (or None for k)")
+        for name in (
+            "request_timeout",
+            "lookup_timeout",
+            "bootstrap_timeout",
+            "bootstrap_backoff",
+            "bootstrap_backoff_max",
+            "refresh_interval",
+            "republish_interval",
+            "maintenance_interval",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+
+    @property
+    def num_replicas(self) -> int:
+        return self.k if self.replication is None else self.replication

@@ -1,0 +1,487 @@
+"""DHTNode: the public face of the DHT (store, get, find_nearest) and its lifecycle.
+
+A node owns its routing table, storage and protocol, and one background maintenance task
+(sweep expired records, re-ping the initial peers, refresh buckets, republish records) that
+:meth:`DHTNode.shutdown` cancels and awaits. Lookup-path caching runs in tasks the node owns
+too. See docs/dht.md for the user view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from swarmavg.dht.channels import ChannelPool
+from swarmavg.dht.config import DHTConfig
+from swarmavg.dht.identity import Identity
+from swarmavg.dht.ids import id_to_int, int_to_id, key_id, key_to_bytes, random_id_in_range
+from swarmavg.dht.protocol import DHTProtocol, DHTRPCError
+from swarmavg.dht.records import (
+    StoredRecord,
+    Subkey,
+    ValueWithExpiration,
+    pack,
+    pack_subkey,
+    signing_payload,
+    unpack,
+    unpack_subkey,
+)
+from swarmavg.dht.routing import Contact, RoutingTable
+from swarmavg.dht.storage import STORED, Storage
+from swarmavg.dht.traversal import LookupResult, traverse
+from swarmavg.dht.validation import record_owner, validate_record
+from swarmavg.proto import common_pb2
+
+log = logging.getLogger(__name__)
+
+StoreItem = tuple[str | bytes, Any, float, Subkey | None]
+"""(key, value, expiration, subkey) for :meth:`DHTNode.store_many`."""
+
+
+class BootstrapError(ConnectionError):
+    """No initial peer answered within ``bootstrap_timeout``.
+
+    Attributes:
+        failures: initial address -> why it failed (last attempt).
+        attempts: how many rounds were tried.
+    """
+
+    def __init__(self, failures: dict[str, str], attempts: int) -> None:
+        self.failures = dict(failures)
+        self.attempts = attempts
+        lines = "\n".join(f"  {address}: {reason}" for address, reason in failures.items())
+        super().__init__(
+            f"could not join the DHT: none of {len(failures)} initial peer(s) answered "
+            f"after {attempts} attempt(s):\n{lines}"
+        )
+
+
+class DHTNode:
+    """One Kademlia node.
+
+    Construct (no I/O), optionally :meth:`add_to_server`, then ``await start(address)``; or use
+    :meth:`create`, which also runs the node's own gRPC server. Use from one event loop.
+
+    Args:
+        config: behaviour and limits.
+        identity: the node's key pair (default: a fresh one).
+        channels: a shared :class:`ChannelPool` (default: a pool the node owns and closes).
+    """
+
+    def __init__(
+        self,
+        config: DHTConfig,
+        identity: Identity | None = None,
+        channels: ChannelPool | None = None,
+    ) -> None:
+        self.config = config
+        self.identity = identity or Identity.generate()
+        self._owns_channels = channels is None
+        self.channels = channels or ChannelPool()
+        self.routing = RoutingTable(self.identity.peer_id, config.k, config.b)
+        self.storage = Storage(config.limits.max_subkeys_per_key, config.limits.max_stored_bytes)
+        self.protocol = DHTProtocol(
+            self.identity, config, self.routing, self.storage, self.channels
+        )
+        self.lookup_hops: collections.deque[int] = collections.deque(maxlen=100_000)
+        self._server: grpc.aio.Server | None = None
+        self._maintenance: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._state = "new"
+
+    # ---- lifecycle ----
+
+    @classmethod
+    async def create(
+        cls,
+        config: DHTConfig,
+        identity: Identity | None = None,
+        listen: str = "127.0.0.1:0",
+        announce: str | None = None,
+        channels: ChannelPool | None = None,
+    ) -> DHTNode:
+        """Start a node with its own gRPC server on ``listen`` (not in client mode) and join.
+
+        ``announce`` is the address other nodes use to reach us (default: ``listen`` with the
+        bound port; a wildcard host becomes 127.0.0.1, so pass ``announce`` on real networks).
+
+        Raises:
+            BootstrapError: no initial peer answered (the server is stopped again).
+            OSError: ``listen`` could not be bound.
+        """
+        node = cls(config, identity, channels)
+        if config.client_mode:
+            await node.start(None)
+            return node
+        server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", config.limits.max_request_bytes)]
+        )
+        node.add_to_server(server)
+        node._server = server
+        try:
+            port = server.add_insecure_port(listen)
+            if port == 0:
+                raise OSError(f"could not bind {listen}")
+            await server.start()
+            if announce is None:
+                host = listen.rpartition(":")[0]
+                if host in ("", "0.0.0.0", "[::]", "::"):
+                    host = "127.0.0.1"
+                announce = f"{host}:{port}"
+            await node.start(announce)
+        except BaseException:
+            await node.shutdown()
+            raise
+        return node
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Register the DHT service on ``server`` (before it starts). Not in client mode."""
+        if self.config.client_mode:
+            raise ValueError("a client-mode node does not serve the DHT")
+        self.protocol.add_to_server(server)
+
+    async def start(self, announce_address: str | None) -> None:
+        """Join the DHT through the initial peers (none: start a new DHT).
+
+        Args:
+            announce_address: our public HOST:PORT; ``None`` in client mode.
+
+        Raises:
+            BootstrapError: initial peers were given and none answered within
+                ``bootstrap_timeout`` (each retried with capped, jittered backoff).
+            RuntimeError: called twice.
+        """
+        if self._state != "new":
+            raise RuntimeError(f"DHTNode.start called on a {self._state} node")
+        if self.config.client_mode != (announce_address is None):
+            raise ValueError("announce_address must be None exactly in client mode")
+        self._state = "starting"
+        self.protocol.set_address(announce_address or "")
+        await self._bootstrap()
+        self._state = "running"
+        self._maintenance = asyncio.get_running_loop().create_task(self._maintain())
+
+    async def shutdown(self, grace: float | None = None) -> None:
+        """Stop maintenance and background work, the own server (if any) and own channels.
+
+        Idempotent. Lookups in flight fail fast (their calls are cancelled).
+        """
+        if self._state == "stopped":
+            return
+        self._state = "stopped"
+        tasks = [t for t in (self._maintenance, *self._tasks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.protocol.close()
+        if self._server is not None:
+            await self._server.stop(grace)
+        if self._owns_channels:
+            await self.channels.close()
+
+    # ---- facts ----
+
+    @property
+    def peer_id(self) -> bytes:
+        return self.identity.peer_id
+
+    @property
+    def address(self) -> str | None:
+        """Our public HOST:PORT, or None in client mode (or before start)."""
+        return self.protocol.address or None
+
+    def num_known_peers(self) -> int:
+        return len(self.routing)
+
+    def size_estimate(self) -> int:
+        """Estimated number of nodes in the DHT.
+
+        The k nearest ids to ours spread over a fraction d_k / 2**160 of the keyspace, so
+        about k * 2**160 / d_k nodes exist (ids are uniform, being hashes).
+        """
+        k = self.config.k
+        nearest = self.routing.nearest(self.routing.own_int, k)
+        if len(nearest) < k:
+            return len(self.routing) + 1
+        d_k = nearest[-1].id_int ^ self.routing.own_int
+        return max(len(self.routing) + 1, round(k * (1 << 160) / max(d_k, 1)))
+
+    def make_header(self) -> common_pb2.RequestHeader:
+        """A request header naming this node, for other services (e.g. the averager)."""
+        return self.protocol.make_header()
+
+    # ---- bootstrap and maintenance ----
+
+    async def _bootstrap(self) -> None:
+        config = self.config
+        own = self.protocol.address
+        addresses = [a for a in dict.fromkeys(config.initial_peers) if a != own]
+        if not addresses:
+            return  # no initial peers: a new DHT
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + config.bootstrap_timeout
+        failures = dict.fromkeys(addresses, "not tried")
+        delay = config.bootstrap_backoff
+        attempts = 0
+        while True:
+            attempts += 1
+            timeout = max(min(config.request_timeout, deadline - loop.time()), 0.05)
+            answers = await asyncio.gather(*(self._ping_initial(a, timeout) for a in addresses))
+            joined = False
+            for address, answer in zip(addresses, answers, strict=True):
+                if isinstance(answer, Contact):
+                    if answer.peer_id == self.peer_id:
+                        failures[address] = "this address is this node itself"
+                    else:
+                        joined = True
+                else:
+                    failures[address] = answer
+            if joined:
+                break
+            if all(f == "this address is this node itself" for f in failures.values()):
+                return  # we are our own only initial peer: a new DHT
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise BootstrapError(failures, attempts)
+            log.info("bootstrap attempt %d failed; retrying in about %.1f s", attempts, delay)
+            await asyncio.sleep(min(delay * random.uniform(0.5, 1.5), remaining))
+            delay = min(delay * 2, config.bootstrap_backoff_max)
+        # paper 2.3: a joining node looks up its own id, then refreshes all its buckets
+        await traverse(self.protocol, [self.peer_id], want_values=False)
+        await self.refresh(all_buckets=True)
+
+    async def _ping_initial(self, address: str, timeout: float) -> Contact | str:
+        try:
+            return await self.protocol.call_ping(address, timeout=timeout)
+        except DHTRPCError as e:
+            return e.reason
+
+    async def _maintain(self) -> None:
+        interval = self.config.maintenance_interval
+        while True:
+            await asyncio.sleep(interval * random.uniform(0.9, 1.1))
+            try:
+                await self.maintain_once()
+            except Exception:
+                log.exception("DHT maintenance round failed")
+
+    async def maintain_once(self, refresh_all: bool = False, republish_all: bool = False) -> None:
+        """One maintenance round; the background task runs this every maintenance_interval.
+
+        Drops expired records; pings the initial peers again, so that a swarm whose bootstrap
+        node restarted empty re-merges with it instead of splitting in two (hivemind issue
+        624); refreshes stale buckets (paper 2.3); republishes records nobody stored to us
+        during the last republish interval (paper 2.5).
+
+        Args:
+            refresh_all: refresh every bucket, not only the stale ones.
+            republish_all: republish every stored record now.
+        """
+        self.storage.sweep()
+        own = self.protocol.address
+        initial = [a for a in self.config.initial_peers if a != own]
+        if initial:
+            await asyncio.gather(
+                *(self._ping_initial(a, self.config.request_timeout) for a in initial)
+            )
+        await self.refresh(all_buckets=refresh_all)
+        await self.republish(everything=republish_all)
+
+    async def refresh(self, all_buckets: bool = False) -> None:
+        """Look up a random id in every bucket without a recent lookup (paper 2.3)."""
+        buckets = (
+            list(self.routing.buckets)
+            if all_buckets
+            else self.routing.stale_buckets(self.config.refresh_interval)
+        )
+        targets = [int_to_id(random_id_in_range(b.lower, b.upper)) for b in buckets]
+        if targets:
+            await traverse(self.protocol, targets, want_values=False)
+
+    async def republish(self, everything: bool = False) -> int:
+        """Re-store our records on their current nearest nodes (paper 2.5); return how many."""
+        quiet = 0.0 if everything else self.config.republish_interval
+        records = self.storage.to_republish(quiet)
+        chunk = self.config.limits.max_records_per_request
+        for start in range(0, len(records), chunk):
+            part = records[start : start + chunk]
+            await self._store_records(part)
+            for record in part:
+                self.storage.mark_republished(key_id(record.key))
+        return len(records)
+
+    # ---- store ----
+
+    def _make_record(self, item: StoreItem, now: float) -> StoredRecord:
+        key, value, expiration, subkey = item
+        raw_key = key_to_bytes(key)
+        raw_subkey = b"" if subkey is None else pack_subkey(subkey)
+        record = StoredRecord(raw_key, raw_subkey, pack(value), float(expiration))
+        owner = record_owner(record, self.config.limits)
+        if owner is not None:
+            if owner != self.peer_id:
+                raise ValueError(
+                    f"key {key!r} / subkey {subkey!r} is owned by {owner.hex()}, not by this peer"
+                )
+            record.public_key = self.identity.public_key
+            record.signature = self.identity.sign(
+                signing_payload(record.key, record.subkey, record.value, record.expiration)
+            )
+        validate_record(record, self.config.limits, now, self.config.validators)
+        return record
+
+    async def store(
+        self, key: str | bytes, value: Any, expiration: float, subkey: Subkey | None = None
+    ) -> bool:
+        """Store ``value`` under ``key`` (or under ``subkey`` of dictionary ``key``).
+
+        Args:
+            key: ``str`` or ``bytes``. A key ending in ``[owner:<our peer id hex>]`` (see
+                :func:`swarmavg.dht.records.owner_suffix`) is signed by us and can only be
+                written by us; the same holds for such a subkey.
+            value: any msgpack-serialisable object.
+            expiration: absolute ``time.time()`` after which the value disappears.
+            subkey: ``str``, ``bytes`` or ``int``; makes ``key`` a dictionary.
+
+        Returns:
+            True when at least one of the nearest nodes (or this one) now holds the record;
+            False when every one of them holds a record that expires later, or none answered.
+
+        Raises:
+            ValueError: the key, subkey or value breaks a size cap or names another owner.
+            TypeError: the value is not msgpack-serialisable.
+        """
+        return (await self.store_many([(key, value, expiration, subkey)]))[0]
+
+    async def store_many(self, items: Sequence[StoreItem]) -> list[bool]:
+        """:meth:`store` for many records in one traversal; one bool per item."""
+        now = time.time()
+        records = [self._make_record(item, now) for item in items]
+        return await self._store_records(records)
+
+    async def _store_records(
+        self, records: Sequence[StoredRecord], cache_on: Contact | None = None
+    ) -> list[bool]:
+        if cache_on is not None:
+            statuses = await self.protocol.call_store(cache_on, records, cache=True)
+            return [s == STORED for s in statuses]
+        now = time.time()
+        kids = [key_id(r.key) for r in records]
+        lookups = await traverse(self.protocol, kids, want_values=False)
+        replicas = self.config.num_replicas
+        own_int = self.routing.own_int
+        stored = [False] * len(records)
+        batches: dict[bytes, tuple[Contact, list[int]]] = {}
+        for i, (record, kid) in enumerate(zip(records, kids, strict=True)):
+            if record.expiration <= now:
+                continue
+            target = id_to_int(kid)
+            nearest = lookups[kid].nearest[:replicas]
+            self.lookup_hops.append(lookups[kid].hops)
+            # paper 2.3: store on the k nearest, which may include this node itself
+            if not self.config.client_mode and (
+                len(nearest) < replicas or own_int ^ target < nearest[-1].id_int ^ target
+            ):
+                stored[i] = self.storage.put(record, now, key_id_=kid) == STORED
+                nearest = nearest[: replicas - 1]
+            for contact in nearest:
+                batches.setdefault(contact.peer_id, (contact, []))[1].append(i)
+
+        async def send(contact: Contact, indices: list[int]) -> None:
+            try:
+                statuses = await self.protocol.call_store(contact, [records[i] for i in indices])
+            except DHTRPCError as e:
+                log.debug("store on %s failed: %s", contact.address, e.reason)
+                return
+            for i, status in zip(indices, statuses, strict=True):
+                stored[i] = stored[i] or status == STORED
+
+        await asyncio.gather(*(send(c, idx) for c, idx in batches.values()))
+        return stored
+
+    # ---- get ----
+
+    async def get(self, key: str | bytes, latest: bool = False) -> ValueWithExpiration[Any] | None:
+        """Find the value under ``key``.
+
+        Args:
+            latest: ask all of the k nearest nodes and merge, instead of stopping at the first
+                ``get_quorum`` holders.
+
+        Returns:
+            None when nothing unexpired is found. For a plain key, its value and expiration;
+            for a dictionary key, ``value`` is ``dict[subkey, ValueWithExpiration]`` merged
+            over every holder that answered, and ``expiration`` the latest subkey expiration.
+        """
+        return (await self.get_many([key], latest))[0]
+
+    async def get_many(
+        self, keys: Sequence[str | bytes], latest: bool = False
+    ) -> list[ValueWithExpiration[Any] | None]:
+        """:meth:`get` for many keys in one traversal."""
+        raw_keys = [key_to_bytes(k) for k in keys]
+        kids = [key_id(k) for k in raw_keys]
+        quorum = self.config.k if latest else self.config.get_quorum
+        lookups = await traverse(self.protocol, kids, want_values=True, quorum=quorum)
+        now = time.time()
+        out: list[ValueWithExpiration[Any] | None] = []
+        for kid in kids:
+            lookup = lookups[kid]
+            merged = Storage(self.config.limits.max_subkeys_per_key)
+            for record in (*self.storage.get(kid, now), *lookup.records):
+                merged.put(record, now, key_id_=kid)
+            records = merged.get(kid, now)
+            if lookup.records:
+                self.lookup_hops.append(lookup.hops)
+            out.append(self._decode(records))
+            if records and lookup.holders and self.config.cache_on_lookup:
+                self._cache_along_path(lookup, records)
+        return out
+
+    def _decode(self, records: list[StoredRecord]) -> ValueWithExpiration[Any] | None:
+        if not records:
+            return None
+        max_bytes = self.config.limits.max_value_bytes
+        if len(records) == 1 and not records[0].subkey:
+            return ValueWithExpiration(unpack(records[0].value, max_bytes), records[0].expiration)
+        entries = {
+            unpack_subkey(r.subkey, max_bytes): ValueWithExpiration(
+                unpack(r.value, max_bytes), r.expiration
+            )
+            for r in records
+        }
+        return ValueWithExpiration(entries, max(r.expiration for r in records))
+
+    def _cache_along_path(self, lookup: LookupResult, records: list[StoredRecord]) -> None:
+        """Paper 2.3: store the found value on the nearest node asked that lacked it."""
+        if not lookup.lacking or self._state != "running":
+            return
+        target = lookup.lacking[0]
+        task = asyncio.get_running_loop().create_task(self._cache_on(target, records))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _cache_on(self, contact: Contact, records: list[StoredRecord]) -> None:
+        try:
+            await self._store_records(records, cache_on=contact)
+        except DHTRPCError as e:
+            log.debug("caching on %s failed: %s", contact.address, e.reason)
+
+    # ---- nearest ----
+
+    async def find_nearest(self, node_id: bytes, k: int | None = None) -> list[Contact]:
+        """The ``k`` (default: config.k) live nodes nearest to ``node_id``, nearest first,
+        found by an iterative lookup. This node itself is not included."""
+        k = k or self.config.k
+        result = await traverse(self.protocol, [node_id], want_values=False, k=k)
+        return result[node_id].nearest[:k]
+
+    def __repr__(self) -> str:
+        return f"DHTNode({self.identity.peer_id_hex[:8]}@{self.address}, {self._state})"

@@ -1,0 +1,408 @@
+"""The DHT wire protocol: inbound handlers (``rpc_*``) and outbound calls (``call_*``).
+
+Both directions keep the routing table current (paper 2.2: every message a node receives or
+gets an answer to refreshes the sender's bucket entry):
+
+* A request whose header carries an address (a serving node) teaches us its sender, once the
+  header and the sender's signed address check out. Client-mode senders send no address and
+  are never learned, so they never enter others' tables.
+* An answer teaches us the responder at the address we dialled; a failed call removes the
+  contact (and promotes a replacement).
+
+Every inbound message is length-checked before it is parsed, and every record is validated
+before anything is stored: a bad request gets an error status and changes nothing, not even
+the routing table. The service is registered with raw-bytes handlers for exactly that reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from swarmavg.dht.channels import ChannelPool
+from swarmavg.dht.config import DHTConfig
+from swarmavg.dht.identity import (
+    HeaderError,
+    Identity,
+    address_signature_payload,
+    verify_header,
+    verify_signature,
+)
+from swarmavg.dht.ids import ID_BYTES, id_to_int, key_id
+from swarmavg.dht.records import StoredRecord
+from swarmavg.dht.routing import Contact, RoutingTable
+from swarmavg.dht.storage import Storage
+from swarmavg.dht.validation import ValidationError, check_sizes, validate_record
+from swarmavg.proto import common_pb2, dht_pb2
+
+log = logging.getLogger(__name__)
+
+SERVICE = "swarmavg.v1.DHT"
+MAX_ADDRESS_CHARS = 256
+_BINDING_CACHE = 4096  # verified (peer id -> address, signature) bindings kept
+
+M = TypeVar("M", bound=Message)
+
+
+class DHTRPCError(Exception):
+    """An outbound DHT call failed (unreachable, timed out, error status or a bad answer)."""
+
+    def __init__(self, address: str, reason: str) -> None:
+        super().__init__(f"{address}: {reason}")
+        self.address = address
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class FindAnswer:
+    """One peer's validated answer for one id: its records and its nearest peers."""
+
+    records: list[StoredRecord]
+    nearest: list[Contact]
+
+
+def record_to_proto(record: StoredRecord) -> dht_pb2.Record:
+    return dht_pb2.Record(
+        key=record.key,
+        subkey=record.subkey,
+        value=record.value,
+        expiration=record.expiration,
+        public_key=record.public_key,
+        signature=record.signature,
+    )
+
+
+def record_from_proto(msg: dht_pb2.Record) -> StoredRecord:
+    return StoredRecord(
+        msg.key, msg.subkey, msg.value, msg.expiration, msg.public_key, msg.signature
+    )
+
+
+class DHTProtocol:
+    """Serves the ``DHT`` service and calls it on other nodes.
+
+    Owns the background pings of least-recently-seen contacts (paper 2.2); :meth:`close`
+    cancels and awaits them.
+    """
+
+    def __init__(
+        self,
+        identity: Identity,
+        config: DHTConfig,
+        routing: RoutingTable,
+        storage: Storage,
+        channels: ChannelPool,
+    ) -> None:
+        self.identity = identity
+        self.config = config
+        self.routing = routing
+        self.storage = storage
+        self.channels = channels
+        self.address = ""
+        self._bindings: OrderedDict[bytes, tuple[str, bytes]] = OrderedDict()
+        self._pinging: set[bytes] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self.rpcs_sent = 0
+        self.rpcs_received = 0
+        self.set_address("")
+
+    # ---- identity on the wire ----
+
+    def set_address(self, address: str) -> None:
+        """Set our public address ("" in client mode) and precompute request/answer headers.
+
+        A protobuf message is the concatenation of its fields, so the serialised header (and
+        address signature) is computed once and prefixed to every outgoing message.
+        """
+        self.address = address
+        self.header = self.identity.make_header(self.config.run_id, address)
+        signature = (
+            self.identity.sign(
+                address_signature_payload(self.config.run_id, self.identity.peer_id, address)
+            )
+            if address
+            else b""
+        )
+        self._request_prefix = dht_pb2.PingRequest(
+            header=self.header, address_signature=signature
+        ).SerializeToString()
+        self._answer_prefix = dht_pb2.PingResponse(header=self.header).SerializeToString()
+
+    def make_header(self) -> common_pb2.RequestHeader:
+        header = common_pb2.RequestHeader()
+        header.CopyFrom(self.header)
+        return header
+
+    # ---- server side ----
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Register the ``DHT`` service (raw-bytes handlers) on a server not yet started."""
+        handlers = {
+            "Ping": grpc.unary_unary_rpc_method_handler(self.rpc_ping),
+            "Store": grpc.unary_unary_rpc_method_handler(self.rpc_store),
+            "Find": grpc.unary_unary_rpc_method_handler(self.rpc_find),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+    async def _abort(self, context: Any, code: grpc.StatusCode, details: str) -> NoReturn:
+        log.debug("rejecting DHT request: %s", details)
+        await context.abort(code, details)
+        raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+    async def _parse(self, data: bytes, message_type: type[M], context: Any) -> M:
+        self.rpcs_received += 1
+        if len(data) > self.config.limits.max_request_bytes:
+            await self._abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"request of {len(data)} bytes exceeds {self.config.limits.max_request_bytes}",
+            )
+        try:
+            return message_type.FromString(data)
+        except DecodeError as e:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {e}")
+
+    async def _check_sender(
+        self, header: common_pb2.RequestHeader, signature: bytes, context: Any
+    ) -> tuple[bytes, Contact | None]:
+        """Verify the header; return the sender's id and, for serving senders, its contact."""
+        try:
+            peer_id = verify_header(header, self.config.run_id)
+        except HeaderError as e:
+            await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        address = header.address
+        if not address:
+            return peer_id, None  # client mode: never enters the routing table
+        if len(address) > MAX_ADDRESS_CHARS:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "address too long")
+        if self._bindings.get(peer_id) != (address, signature):
+            payload = address_signature_payload(self.config.run_id, peer_id, address)
+            if not verify_signature(header.public_key, signature, payload):
+                await self._abort(
+                    context,
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "address signature does not verify for this peer id",
+                )
+            self._bindings[peer_id] = (address, signature)
+            while len(self._bindings) > _BINDING_CACHE:
+                self._bindings.popitem(last=False)
+        return peer_id, Contact(peer_id, address)
+
+    async def rpc_ping(self, request: bytes, context: Any) -> bytes:
+        msg = await self._parse(request, dht_pb2.PingRequest, context)
+        _, sender = await self._check_sender(msg.header, msg.address_signature, context)
+        if sender is not None:
+            self.learn(sender)
+        return self._answer_prefix
+
+    async def rpc_store(self, request: bytes, context: Any) -> bytes:
+        msg = await self._parse(request, dht_pb2.StoreRequest, context)
+        _, sender = await self._check_sender(msg.header, msg.address_signature, context)
+        limits = self.config.limits
+        if len(msg.records) > limits.max_records_per_request:
+            await self._abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(msg.records)} records exceed the cap of {limits.max_records_per_request}",
+            )
+        now = time.time()
+        records = []
+        for i, proto in enumerate(msg.records):  # validate all first: all or nothing
+            record = record_from_proto(proto)
+            try:
+                validate_record(record, limits, now, self.config.validators)
+            except ValidationError as e:
+                await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"record {i}: {e}")
+            records.append(record)
+        statuses = [self.storage.put(r, now, cached=msg.cache) for r in records]
+        if sender is not None:
+            self.learn(sender)
+        answer = dht_pb2.StoreResponse(statuses=statuses).SerializeToString()
+        return self._answer_prefix + answer
+
+    async def rpc_find(self, request: bytes, context: Any) -> bytes:
+        msg = await self._parse(request, dht_pb2.FindRequest, context)
+        sender_id, sender = await self._check_sender(msg.header, msg.address_signature, context)
+        limits = self.config.limits
+        if len(msg.key_ids) > limits.max_keys_per_request:
+            await self._abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(msg.key_ids)} ids exceed the cap of {limits.max_keys_per_request}",
+            )
+        if any(len(kid) != ID_BYTES for kid in msg.key_ids):
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "ids must be 20 bytes")
+        k = min(msg.k or self.config.k, limits.max_peers_per_answer)
+        now = time.time()
+        budget = limits.max_response_bytes
+        response = dht_pb2.FindResponse()
+        for kid in msg.key_ids:
+            result = response.results.add()
+            if msg.want_values:
+                for record in self.storage.get(kid, now):
+                    budget -= record.size()
+                    if budget < 0:
+                        break  # an oversized answer would be refused by the caller's gRPC cap
+                    result.records.append(record_to_proto(record))
+            for contact in self.routing.nearest(id_to_int(kid), k, exclude=(sender_id,)):
+                result.nearest.add(peer_id=contact.peer_id, address=contact.address)
+        if sender is not None:
+            self.learn(sender)
+        return self._answer_prefix + response.SerializeToString()
+
+    # ---- routing-table upkeep ----
+
+    def learn(self, contact: Contact) -> None:
+        """Note that ``contact`` is alive; ping the LRS contact of a full bucket (paper 2.2)."""
+        lrs = self.routing.add_or_update(contact)
+        if lrs is not None and lrs.peer_id not in self._pinging and not self._closed:
+            self._pinging.add(lrs.peer_id)
+            task = asyncio.get_running_loop().create_task(self._ping_lrs(lrs))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _ping_lrs(self, contact: Contact) -> None:
+        try:
+            await self.call_ping(contact.address, expected_id=contact.peer_id)
+        except DHTRPCError:
+            pass  # call_ping already removed it and promoted a replacement
+        finally:
+            self._pinging.discard(contact.peer_id)
+
+    def _failed(self, address: str, expected_id: bytes | None, reason: str) -> DHTRPCError:
+        if expected_id is not None:
+            self.routing.remove(expected_id)
+        return DHTRPCError(address, reason)
+
+    # ---- client side ----
+
+    async def _call(
+        self, address: str, method: str, body: bytes, expected_id: bytes | None, timeout: float
+    ) -> tuple[bytes, bytes]:
+        """Send one request; return (responder id, raw answer). Learns or forgets the peer."""
+        if self._closed:
+            raise DHTRPCError(address, "node is shut down")
+        self.rpcs_sent += 1
+        try:
+            call = self.channels.channel(address).unary_unary(f"/{SERVICE}/{method}")
+            data: bytes = await call(self._request_prefix + body, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self.channels.discard(address)  # reconnect at once if it comes back
+            raise self._failed(address, expected_id, f"{e.code().name}: {e.details()}") from None
+        except RuntimeError as e:  # the channel pool closed under us during shutdown
+            raise self._failed(address, expected_id, str(e)) from None
+        try:
+            header = dht_pb2.PingResponse.FromString(data).header
+            peer_id = verify_header(header, self.config.run_id)
+        except (DecodeError, HeaderError) as e:
+            raise self._failed(address, expected_id, f"bad answer: {e}") from None
+        if expected_id is not None and peer_id != expected_id:
+            raise self._failed(address, expected_id, "answered as another peer")
+        self.learn(Contact(peer_id, address))
+        return peer_id, data
+
+    async def call_ping(
+        self, address: str, expected_id: bytes | None = None, timeout: float | None = None
+    ) -> Contact:
+        """Ping ``address``; return the responder as a contact.
+
+        Raises:
+            DHTRPCError: no valid answer within the deadline (the contact is then removed).
+        """
+        peer_id, _ = await self._call(
+            address, "Ping", b"", expected_id, timeout or self.config.request_timeout
+        )
+        return Contact(peer_id, address)
+
+    async def call_store(
+        self, contact: Contact, records: Sequence[StoredRecord], cache: bool = False
+    ) -> list[dht_pb2.StoreStatus]:
+        """Store ``records`` on ``contact``; return one ``StoreStatus`` per record.
+
+        Raises:
+            DHTRPCError: the call failed or the answer is malformed.
+        """
+        body = dht_pb2.StoreRequest(
+            records=[record_to_proto(r) for r in records], cache=cache
+        ).SerializeToString()
+        _, data = await self._call(
+            contact.address, "Store", body, contact.peer_id, self.config.request_timeout
+        )
+        try:
+            statuses = list(dht_pb2.StoreResponse.FromString(data).statuses)
+        except DecodeError as e:
+            raise self._failed(contact.address, contact.peer_id, f"bad answer: {e}") from None
+        if len(statuses) != len(records):
+            raise self._failed(contact.address, contact.peer_id, "wrong number of statuses")
+        return statuses
+
+    async def call_find(
+        self,
+        contact: Contact,
+        key_ids: Sequence[bytes],
+        k: int,
+        want_values: bool,
+        timeout: float | None = None,
+    ) -> list[FindAnswer]:
+        """Ask ``contact`` for its records and nearest peers for each id.
+
+        Records that do not belong to the asked id or fail validation (e.g. forged
+        signatures) are dropped, as are malformed peer entries.
+
+        Raises:
+            DHTRPCError: the call failed or the answer is malformed.
+        """
+        body = dht_pb2.FindRequest(key_ids=key_ids, k=k, want_values=want_values)
+        _, data = await self._call(
+            contact.address,
+            "Find",
+            body.SerializeToString(),
+            contact.peer_id,
+            timeout or self.config.request_timeout,
+        )
+        try:
+            results = dht_pb2.FindResponse.FromString(data).results
+        except DecodeError as e:
+            raise self._failed(contact.address, contact.peer_id, f"bad answer: {e}") from None
+        if len(results) != len(key_ids):
+            raise self._failed(contact.address, contact.peer_id, "wrong number of results")
+        limits = self.config.limits
+        now = time.time()
+        answers = []
+        for kid, result in zip(key_ids, results, strict=True):
+            records = []
+            for proto in result.records:
+                record = record_from_proto(proto)
+                try:
+                    check_sizes(record, limits)
+                    if key_id(record.key) != kid:
+                        raise ValidationError("record for another key")
+                    validate_record(record, limits, now, self.config.validators)
+                except ValidationError as e:
+                    log.debug("dropping record from %s: %s", contact.address, e)
+                    continue
+                records.append(record)
+            nearest = []
+            for peer in result.nearest[: limits.max_peers_per_answer]:
+                if len(peer.peer_id) == ID_BYTES and 0 < len(peer.address) <= MAX_ADDRESS_CHARS:
+                    nearest.append(Contact(peer.peer_id, peer.address))
+            answers.append(FindAnswer(records, nearest))
+        return answers
+
+    async def close(self) -> None:
+        """Stop pinging; cancel and await the background pings. Idempotent."""
+        self._closed = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

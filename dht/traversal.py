@@ -1,0 +1,251 @@
+"""Iterative lookups (paper section 2.3), many keys in one traversal.
+
+Each key runs the paper's node lookup: start from the k nearest contacts we know, keep
+``alpha`` Find requests in flight, merge the peers each answer names, and stop when the k
+nearest live candidates have all answered (FIND_NODE), or once ``quorum`` nodes returned
+records for the key (FIND_VALUE). A per-request deadline bounds each call; a per-lookup
+deadline bounds the whole traversal, which then returns what it has.
+
+Many keys share one traversal through :class:`FindBatcher`: the Find requests that all keys
+address to the same peer in the same event-loop iteration travel as one RPC. A peer that fails
+is skipped by every key of the traversal.
+
+Hops: a contact from our own table is at hop 1; a contact first named by a hop-h peer is at
+hop h+1. A lookup's hop count is the hop of the first node that returned a value (FIND_VALUE)
+or the largest hop among the k nearest that answered (FIND_NODE).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from swarmavg.dht.ids import id_to_int
+from swarmavg.dht.protocol import DHTProtocol, DHTRPCError, FindAnswer
+from swarmavg.dht.records import StoredRecord
+from swarmavg.dht.routing import Contact
+
+_NEW, _IN_FLIGHT, _ANSWERED, _FAILED = range(4)
+
+_Request = tuple[bytes, "asyncio.Future[FindAnswer | None]"]  # (target id, its answer)
+
+
+@dataclass(slots=True)
+class _Candidate:
+    contact: Contact
+    distance: int
+    hop: int
+    state: int = _NEW
+
+
+@dataclass
+class LookupResult:
+    """What one key's lookup found."""
+
+    target: bytes
+    nearest: list[Contact] = field(default_factory=list)  # answered, nearest first, <= k
+    records: list[StoredRecord] = field(default_factory=list)  # from every holder
+    holders: list[Contact] = field(default_factory=list)  # contacts that returned records
+    lacking: list[Contact] = field(default_factory=list)  # answered without records, nearest 1st
+    hops: int = 0
+    timed_out: bool = False
+
+
+class FindBatcher:
+    """Coalesces Find requests to the same peer issued in one loop iteration into one RPC.
+
+    Owns the RPC tasks it starts; :meth:`close` cancels and awaits them.
+    """
+
+    def __init__(self, protocol: DHTProtocol, k: int, want_values: bool, max_keys: int) -> None:
+        self.protocol = protocol
+        self.k = k
+        self.want_values = want_values
+        self.max_keys = max_keys
+        self.failed: set[bytes] = set()
+        self._pending: dict[
+            bytes, tuple[Contact, list[tuple[bytes, asyncio.Future[FindAnswer | None]]]]
+        ]
+        self._pending = {}
+        self._scheduled = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.rpcs = 0
+
+    def find(self, contact: Contact, target: bytes) -> asyncio.Future[FindAnswer | None]:
+        """Ask ``contact`` about ``target``; the future gives its answer, or None on failure."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[FindAnswer | None] = loop.create_future()
+        entry = self._pending.get(contact.peer_id)
+        if entry is None:
+            entry = self._pending[contact.peer_id] = (contact, [])
+        entry[1].append((target, future))
+        if not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._flush)
+        return future
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        pending, self._pending = self._pending, {}
+        loop = asyncio.get_running_loop()
+        for contact, items in pending.values():
+            for start in range(0, len(items), self.max_keys):
+                task = loop.create_task(self._send(contact, items[start : start + self.max_keys]))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, contact: Contact, items: list[_Request]) -> None:
+        self.rpcs += 1
+        answers: Sequence[FindAnswer | None]
+        try:
+            try:
+                answers = await self.protocol.call_find(
+                    contact, [t for t, _ in items], self.k, self.want_values
+                )
+            except DHTRPCError:
+                self.failed.add(contact.peer_id)
+                answers = [None] * len(items)
+            for (_, future), answer in zip(items, answers, strict=True):
+                if not future.done():
+                    future.set_result(answer)
+        finally:
+            for _, future in items:  # when cancelled too: no lookup may wait forever
+                if not future.done():
+                    future.set_result(None)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Traversal:
+    """Lookups of many ids at once; one-shot (``await run()`` once)."""
+
+    def __init__(
+        self,
+        protocol: DHTProtocol,
+        targets: Sequence[bytes],
+        *,
+        want_values: bool,
+        quorum: int = 1,
+        k: int | None = None,
+        seeds: Sequence[Contact] = (),
+    ) -> None:
+        config = protocol.config
+        self.protocol = protocol
+        self.targets = list(dict.fromkeys(targets))
+        self.want_values = want_values
+        self.quorum = quorum
+        self.k = k or config.k
+        self.alpha = config.alpha
+        self.seeds = list(seeds)
+        self.batcher = FindBatcher(
+            protocol, self.k, want_values, config.limits.max_keys_per_request
+        )
+
+    async def run(self) -> dict[bytes, LookupResult]:
+        """Run every lookup under the per-lookup deadline; return one result per target."""
+        results = {t: LookupResult(t) for t in self.targets}
+        try:
+            async with asyncio.timeout(self.protocol.config.lookup_timeout):
+                async with asyncio.TaskGroup() as group:
+                    for target in self.targets:
+                        group.create_task(self._lookup(results[target]))
+        except TimeoutError:
+            for result in results.values():
+                result.timed_out = True
+        finally:
+            await self.batcher.close()
+        return results
+
+    async def _lookup(self, result: LookupResult) -> None:
+        target = id_to_int(result.target)
+        own_id = self.protocol.identity.peer_id
+        routing = self.protocol.routing
+        routing.mark_lookup(target)
+        candidates: dict[bytes, _Candidate] = {}
+        order: list[tuple[int, bytes]] = []  # (distance, peer id), ascending
+
+        def consider(contact: Contact, hop: int) -> None:
+            if contact.peer_id == own_id or contact.peer_id in candidates:
+                return
+            cand = _Candidate(contact, contact.id_int ^ target, hop)
+            candidates[contact.peer_id] = cand
+            bisect.insort(order, (cand.distance, contact.peer_id))
+
+        for contact in routing.nearest(target, self.k):
+            consider(contact, 1)
+        for contact in self.seeds:
+            consider(contact, 1)
+
+        def next_candidate() -> _Candidate | None:
+            # paper 2.3: query the nearest not-yet-asked among the k nearest live candidates
+            seen = 0
+            for _, peer_id in order:
+                cand = candidates[peer_id]
+                if cand.state == _NEW and peer_id in self.batcher.failed:
+                    cand.state = _FAILED
+                if cand.state == _FAILED:
+                    continue
+                if cand.state == _NEW:
+                    return cand
+                seen += 1
+                if seen >= self.k:
+                    return None
+            return None
+
+        in_flight: dict[asyncio.Future[FindAnswer | None], _Candidate] = {}
+        value_hop = 0
+        try:
+            while True:
+                while len(in_flight) < self.alpha:
+                    cand = next_candidate()
+                    if cand is None:
+                        break
+                    cand.state = _IN_FLIGHT
+                    in_flight[self.batcher.find(cand.contact, result.target)] = cand
+                if not in_flight:
+                    break
+                done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                for future in done:
+                    cand = in_flight.pop(future)
+                    answer = future.result()
+                    if answer is None:
+                        cand.state = _FAILED
+                        continue
+                    cand.state = _ANSWERED
+                    if answer.records:
+                        result.records.extend(answer.records)
+                        result.holders.append(cand.contact)
+                        value_hop = value_hop or cand.hop
+                    for contact in answer.nearest:
+                        consider(contact, cand.hop + 1)
+                if self.want_values and len(result.holders) >= self.quorum:
+                    break
+        finally:
+            for future in in_flight:
+                future.cancel()
+            holders = {c.peer_id for c in result.holders}
+            answered = [candidates[p] for _, p in order if candidates[p].state == _ANSWERED]
+            result.nearest = [c.contact for c in answered[: self.k]]
+            result.lacking = [c.contact for c in answered if c.contact.peer_id not in holders]
+            result.hops = value_hop or max((c.hop for c in answered[: self.k]), default=0)
+
+
+async def traverse(
+    protocol: DHTProtocol,
+    targets: Sequence[bytes],
+    *,
+    want_values: bool,
+    quorum: int = 1,
+    k: int | None = None,
+    seeds: Sequence[Contact] = (),
+) -> dict[bytes, LookupResult]:
+    """Look up every id in ``targets`` in one traversal; see :class:`Traversal`."""
+    return await Traversal(
+        protocol, targets, want_values=want_values, quorum=quorum, k=k, seeds=seeds
+    ).run()
