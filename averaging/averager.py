@@ -1,0 +1,416 @@
+"""The averager: the daemon-side facade of ``swarmavg.averaging`` (DESIGN 3.2, 5.2).
+
+One :class:`Averager` per daemon composes matchmaking (who averages with whom), the
+butterfly all-reduce (moving and reducing the bytes) and state sharing, over one DHT node
+and one pool of channels. Usage::
+
+    averager = Averager(dht_node, AveragerConfig(), channels)
+    averager.add_to_server(server)          # before server.start()
+    await averager.start()
+    result = await averager.average([grad], key="step-42", timeout=30.0)
+    await averager.publish_state(params, metadata=b"step=42")
+    metadata, params = await averager.load_state(timeout=60.0)
+    await averager.shutdown(grace=5.0)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+import numpy as np
+
+from swarmavg.averaging.allreduce import run_allreduce
+from swarmavg.averaging.allreduce_config import AllReduceConfig
+from swarmavg.averaging.errors import AveragingError, InvalidTensorsError, NoGroupError
+from swarmavg.averaging.faults import FaultPlan
+from swarmavg.averaging.group import MAX_GROUP_SIZE, Mode, schema_hash
+from swarmavg.averaging.group_keys import GroupKeyManager, validate_bits
+from swarmavg.averaging.matchmaking import (
+    DHTAccess,
+    Matchmaker,
+    MatchmakerConfig,
+    MatchRequest,
+    Observer,
+)
+from swarmavg.averaging.partition import SUPPORTED_DTYPES
+from swarmavg.averaging.reduce_service import AllReduceService
+from swarmavg.averaging.service import AveragingServicer, Components, add_to_server
+from swarmavg.averaging.state_sharing import DonorFaults, StateSharer, StateSharingConfig
+from swarmavg.compression import get_codec
+from swarmavg.dht.channels import ChannelPool
+
+log = logging.getLogger(__name__)
+
+
+class _RunConfig(Protocol):
+    @property
+    def run_id(self) -> str: ...
+
+
+class AveragerDHT(DHTAccess, Protocol):
+    """What the averager needs of :class:`swarmavg.dht.DHTNode`."""
+
+    @property
+    def config(self) -> _RunConfig: ...
+
+    @property
+    def address(self) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class AveragerConfig:
+    """Settings of one daemon's averager.
+
+    Attributes:
+        mode: ``NODE`` (send and reduce), ``CLIENT`` (send only; set it for peers that
+            cannot accept connections) or ``AUX`` (reduce only, weight 0).
+        bandwidth: this peer's bandwidth in MB/s; parts are sized in proportion to it.
+        target_group_size: group size when ``average`` is called with ``group_size=None``.
+        matchmaking_time: seconds a leader waits for more peers before it closes a group
+            that is not full (it closes at once when full).
+        matchmaking_share: at most this share of a round's timeout goes to matchmaking:
+            the leader's wait is ``min(matchmaking_time, share * timeout)``, and a peer that
+            found no group by ``share * timeout`` raises :class:`NoGroupError`.
+        default_codec: codec of groups this peer leads when ``average`` names none.
+        group_bits: initial Moshpit group bits (see :mod:`swarmavg.averaging.group_keys`);
+            empty: every peer of the run meets under one key.
+        user_data: opaque bytes given to every member of our groups.
+        timeout_grace: extra seconds a round may take past its timeout to cancel its
+            streams before it raises.
+    """
+
+    mode: Mode = Mode.NODE
+    bandwidth: float = 100.0
+    target_group_size: int = 16
+    matchmaking_time: float = 5.0
+    matchmaking_share: float = 0.5
+    default_codec: str = "none"
+    group_bits: str = ""
+    user_data: bytes = b""
+    timeout_grace: float = 0.5
+    matchmaker: MatchmakerConfig = field(default_factory=MatchmakerConfig)
+    allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
+    state: StateSharingConfig = field(default_factory=StateSharingConfig)
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.bandwidth) and self.bandwidth >= 0):
+            raise ValueError(f"bandwidth must be finite and >= 0, got {self.bandwidth}")
+        if not 1 <= self.target_group_size <= MAX_GROUP_SIZE:
+            raise ValueError(f"target_group_size must be in 1..{MAX_GROUP_SIZE}")
+        if not self.matchmaking_time > 0:
+            raise ValueError("matchmaking_time must be positive")
+        if not 0 < self.matchmaking_share < 1:
+            raise ValueError("matchmaking_share must be in (0, 1)")
+        if self.timeout_grace < 0:
+            raise ValueError("timeout_grace must be >= 0")
+        validate_bits(self.group_bits)
+        get_codec(self.default_codec)  # ValueError listing the known codecs
+
+
+@dataclass
+class AveragingResult:
+    """What one call of :meth:`Averager.average` returns.
+
+    Attributes:
+        tensors: new arrays, same shapes, dtypes and order as the input.
+        group_size: members of the group (those that contributed and reduced).
+        peers: the members' peer ids in hex, in group order.
+        group_id: the group's id in hex.
+        partial: some part was averaged without a member, or kept local values.
+        timings: seconds per phase: ``matchmaking``, ``allreduce`` and ``total``, plus the
+            all-reduce's own phases prefixed ``allreduce.``.
+        bytes_sent / bytes_received: payload bytes of the all-reduce.
+        gathered: every member's ``user_data`` by peer id hex.
+    """
+
+    tensors: list[np.ndarray]
+    group_size: int
+    peers: list[str]
+    group_id: str
+    partial: bool
+    timings: dict[str, float]
+    bytes_sent: int
+    bytes_received: int
+    gathered: dict[str, bytes] = field(default_factory=dict)
+
+
+def validate_tensors(tensors: object) -> list[np.ndarray]:
+    """Check the caller's tensors before anything is sent; return read-only views.
+
+    Raises:
+        InvalidTensorsError: not a non-empty list of numpy arrays of a supported dtype
+            with finite values.
+    """
+    if isinstance(tensors, np.ndarray) or not isinstance(tensors, Sequence):
+        raise InvalidTensorsError("tensors must be a list of numpy arrays")
+    if len(tensors) == 0:
+        raise InvalidTensorsError("nothing to average: the tensor list is empty")
+    views = []
+    for i, array in enumerate(tensors):
+        if not isinstance(array, np.ndarray):
+            raise InvalidTensorsError(f"tensor {i} is a {type(array).__name__}, not a numpy array")
+        if np.dtype(array.dtype) not in SUPPORTED_DTYPES:
+            raise InvalidTensorsError(
+                f"tensor {i} has unsupported dtype {array.dtype}; supported: "
+                f"{sorted(d.name for d in SUPPORTED_DTYPES)}"
+            )
+        if array.dtype.kind == "f" or array.dtype.name == "bfloat16":
+            finite = np.isfinite(array)
+            if not finite.all():
+                bad = int(finite.size - np.count_nonzero(finite))
+                raise InvalidTensorsError(f"tensor {i} holds {bad} NaN or Inf value(s)")
+        view = array.view()
+        view.flags.writeable = False  # the round never writes into the caller's arrays
+        views.append(view)
+    return views
+
+
+class Averager:
+    """Averages tensors with other peers of the run; serves and loads published state.
+
+    Lifecycle: construct (no I/O), :meth:`add_to_server` before the server starts,
+    :meth:`start` once inside the running loop, :meth:`shutdown` (idempotent).
+    """
+
+    def __init__(
+        self,
+        dht: AveragerDHT,
+        config: AveragerConfig | None = None,
+        channels: ChannelPool | None = None,
+        *,
+        observer: Observer | None = None,
+        fault_plan: FaultPlan | None = None,
+        donor_faults: DonorFaults | None = None,
+    ) -> None:
+        """Args:
+        dht: this daemon's started (or soon started) DHT node.
+        config: settings; defaults when ``None``.
+        channels: the daemon's channel pool, shared with the DHT; when ``None`` the
+            averager makes its own in :meth:`start` and closes it in :meth:`shutdown`.
+        observer: matchmaking progress callback (logs, metrics, tests).
+        fault_plan: all-reduce fault seam for tests and benchmarks.
+        donor_faults: state-sharing fault seam for tests.
+        """
+        self.dht = dht
+        self.config = config or AveragerConfig()
+        self.run_id = dht.config.run_id
+        self._channels = channels
+        self._own_channels = channels is None
+        self._observer = observer
+        self._fault_plan = fault_plan
+        self._donor_faults = donor_faults
+        self._keys = GroupKeyManager(self.run_id, self.config.group_bits)
+        self._components: Components | None = None
+        self._servicer = AveragingServicer(lambda: self._components)
+        self._rounds: set[asyncio.Task[Any]] = set()
+        self._closed = False
+
+    @property
+    def group_bits(self) -> str:
+        """Current Moshpit group bits (advance after every formed group)."""
+        return self._keys.group_bits
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Register the ``Averaging`` service on ``server`` (before it starts)."""
+        add_to_server(self._servicer, server)
+
+    async def start(self) -> None:
+        """Create the components inside the running loop. Call once, after the DHT started.
+
+        Raises:
+            RuntimeError: already started or shut down.
+        """
+        if self._components is not None or self._closed:
+            raise RuntimeError("Averager.start() may be called once")
+        if self._channels is None:
+            self._channels = ChannelPool()
+        address = None if self.config.mode is Mode.CLIENT else self.dht.address
+        matchmaker = Matchmaker(
+            self.dht, self.run_id, address, self._channels, self.config.matchmaker, self._observer
+        )
+        allreduce = AllReduceService(self.run_id, self.config.allreduce)
+        sharer = StateSharer(
+            self.dht, self.run_id, address, self._channels, self.config.state, self._donor_faults
+        )
+        self._components = (matchmaker, allreduce, sharer)
+
+    def _require(self) -> Components:
+        if self._components is None:
+            raise RuntimeError("Averager is not running (call start() first)")
+        return self._components
+
+    async def average(
+        self,
+        tensors: Sequence[np.ndarray],
+        key: str,
+        weight: float = 1.0,
+        group_size: int | None = None,
+        min_group_size: int = 2,
+        timeout: float = 30.0,
+        codec: str | None = None,
+    ) -> AveragingResult:
+        """Average ``tensors`` with the peers that average under ``key`` now.
+
+        Every member gets ``sum(w_i * x_i) / sum(w_i)`` (within the codec's error),
+        bit-identical across members. The caller's arrays are never modified.
+
+        Args:
+            tensors: numpy arrays (float16/bfloat16/float32/float64, int8/uint8/int32/int64).
+            key: what is averaged (e.g. ``"step-42"``); peers meet under the same key.
+            weight: this peer's weight, finite and >= 0 (forced to 0 in ``AUX`` mode).
+            group_size: most members per group; ``None``: ``config.target_group_size``.
+            min_group_size: fewest members with which a group may close.
+            timeout: seconds for the whole call (matchmaking and all-reduce).
+            codec: codec of the group when this peer leads; ``None``: the default.
+
+        Raises:
+            InvalidTensorsError: empty list, unsupported dtype, NaN/Inf (nothing is sent).
+            ValueError: an invalid parameter.
+            NoGroupError: fewer than ``min_group_size`` peers by the matchmaking deadline.
+            SchemaMismatchError: no group, and the peers found average another schema.
+            AveragingError: the round failed or overran ``timeout`` (plus a small grace).
+        """
+        matchmaker, allreduce, _ = self._require()
+        started = time.monotonic()
+        arrays = validate_tensors(tensors)
+        if not isinstance(key, str) or not key:
+            raise ValueError("key must be a non-empty string")
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"weight must be finite and >= 0, got {weight}")
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        size = self.config.target_group_size if group_size is None else group_size
+        if not 1 <= size <= MAX_GROUP_SIZE:
+            raise ValueError(f"group_size must be in 1..{MAX_GROUP_SIZE}, got {size}")
+        if not 1 <= min_group_size <= size:
+            raise ValueError(
+                f"min_group_size must be in 1..group_size ({size}), got {min_group_size}"
+            )
+        codec_name = get_codec(codec or self.config.default_codec).name
+        mode = self.config.mode
+        if mode is Mode.AUX:
+            weight = 0.0
+        share = self.config.matchmaking_share * timeout
+        request = MatchRequest(
+            key=self._keys.key_for(key),
+            schema_hash=schema_hash(arrays),
+            group_size=size,
+            min_group_size=min_group_size,
+            codec=codec_name,
+            mode=mode,
+            bandwidth=self.config.bandwidth,
+            user_data=self.config.user_data,
+            window=min(self.config.matchmaking_time, share),
+            give_up=share,
+        )
+        task = asyncio.current_task()
+        if task is not None:
+            self._rounds.add(task)
+        phase = "matchmaking"
+        try:
+            async with asyncio.timeout(timeout + self.config.timeout_grace):
+                group = await matchmaker.find_group(request)
+                matched = time.monotonic()
+                index = group.index_of(self.dht.peer_id)
+                if index is None:  # find_group checks this; keep mypy and -O honest
+                    raise AveragingError("matchmaking returned a group without this peer")
+                self._keys.on_group_formed(group.group_id, index, group.size)
+                phase = "allreduce"
+                outcome = await run_allreduce(
+                    group,
+                    index,
+                    arrays,
+                    weight,
+                    deadline=started + timeout,
+                    service=allreduce,
+                    channels=self._channels_or_fail(),
+                    header=self.dht.make_header(),
+                    fault_plan=self._fault_plan,
+                )
+        except TimeoutError:
+            if phase == "matchmaking":
+                raise NoGroupError(f"no group formed under {key!r} within {timeout}s") from None
+            raise AveragingError(f"round under {key!r} overran its {timeout}s timeout") from None
+        finally:
+            if task is not None:
+                self._rounds.discard(task)
+        done = time.monotonic()
+        timings = {
+            "matchmaking": matched - started,
+            "allreduce": done - matched,
+            "total": done - started,
+        }
+        timings.update({f"allreduce.{k}": v for k, v in outcome.timings.items()})
+        return AveragingResult(
+            tensors=outcome.tensors,
+            group_size=group.size,
+            peers=[m.peer_id.hex() for m in group.members],
+            group_id=group.group_id.hex(),
+            partial=outcome.partial,
+            timings=timings,
+            bytes_sent=outcome.bytes_sent,
+            bytes_received=outcome.bytes_received,
+            gathered={m.peer_id.hex(): m.user_data for m in group.members},
+        )
+
+    def _channels_or_fail(self) -> ChannelPool:
+        if self._channels is None:
+            raise RuntimeError("Averager is not running")
+        return self._channels
+
+    async def publish_state(
+        self, tensors: Sequence[np.ndarray], metadata: bytes, version: float | None = None
+    ) -> None:
+        """Serve ``(metadata, tensors)`` to late joiners and advertise it in the DHT.
+
+        ``version`` orders publications (default: the current unix time; the freshest
+        wins). Publishing again replaces what this peer serves.
+
+        Raises:
+            ValueError: unsupported dtype or a state over the size limits.
+        """
+        _, _, sharer = self._require()
+        await sharer.publish(tensors, metadata, version)
+
+    async def load_state(self, timeout: float = 60.0) -> tuple[bytes, list[np.ndarray]]:
+        """Download the freshest published state of the run: ``(metadata, tensors)``.
+
+        Raises:
+            StateNotFoundError: nobody publishes state.
+            StateDownloadError: no donor delivered a complete, verified copy.
+            AveragingError: ``timeout`` passed.
+        """
+        _, _, sharer = self._require()
+        try:
+            return await sharer.load(timeout)
+        except TimeoutError:
+            raise AveragingError(f"loading state took longer than {timeout}s") from None
+
+    async def shutdown(self, grace: float = 5.0) -> None:
+        """Stop: disband pending groups, let rounds in flight finish within ``grace``
+        seconds (then cancel them), stop serving. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        components = self._components
+        if components is not None:
+            matchmaker, allreduce, sharer = components
+            await matchmaker.shutdown()
+            if self._rounds:
+                _, pending = await asyncio.wait(set(self._rounds), timeout=grace)
+                for task in pending:
+                    task.cancel()
+            await sharer.shutdown()
+            await allreduce.close()
+        self._components = None
+        if self._own_channels and self._channels is not None:
+            with contextlib.suppress(Exception):
+                await self._channels.close()

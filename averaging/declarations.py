@@ -1,0 +1,261 @@
+"""Matchmaking declarations and the pure rules of who leads whom (no I/O here).
+
+A peer looking for a group declares itself in the DHT under the round's matchmaking key
+``{run}.{key}.0b{group-bits}`` (a dictionary value: one subkey per declarer, the peer id in
+hex) with an expiration at the moment it gives up. The declaration says when the peer
+started looking, where it listens, what it brings (mode, bandwidth, schema hash) and its
+group size. The earliest declared start leads, ties broken by peer id: every peer reads the
+same declarations, so every peer computes the same order and asks the same leader.
+
+Deadlock freedom: a leader accepts only followers that come *after* it in this order (or
+that cannot lead at all: client-mode peers), and answers a JoinGroup from its local state
+without waiting on any call of its own. Two peers that ask each other at once therefore
+cannot both wait: one of them answers ``JOIN_REJECT_NOT_LEADER`` immediately.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from swarmavg.averaging.group import PEER_ID_BYTES, GroupInfo, Member, Mode
+from swarmavg.proto import averaging_pb2
+
+DECLARATION_VERSION = 1
+SCHEMA_HASH_BYTES = 32
+MAX_ADDRESS_CHARS = 256
+MAX_USER_DATA_BYTES = 64 * 1024
+MAX_CODEC_CHARS = 64
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """One peer's matchmaking declaration, as stored in (and read back from) the DHT.
+
+    Attributes:
+        peer_id: the declarer's 20-byte id.
+        address: ``HOST:PORT`` of its Averaging service; empty when it cannot be dialled.
+        start: unix time at which it started looking; the earliest start leads.
+        deadline: unix time at which, as a leader, it closes a group that is not full.
+        give_up: unix time at which it stops matchmaking (also the DHT expiration).
+        mode: its averaging mode.
+        bandwidth: its reported bandwidth.
+        schema_hash: digest of its tensors' shapes and dtypes.
+        group_size: the group size it asks for (as a leader, the cap it enforces).
+    """
+
+    peer_id: bytes
+    address: str
+    start: float
+    deadline: float
+    give_up: float
+    mode: Mode
+    bandwidth: float
+    schema_hash: bytes
+    group_size: int
+
+    @property
+    def order(self) -> tuple[float, bytes]:
+        """Sort key of leadership: earlier start first, then the smaller peer id."""
+        return (self.start, self.peer_id)
+
+    @property
+    def can_lead(self) -> bool:
+        """Whether others can dial this peer to join it (client-mode peers cannot lead)."""
+        return self.mode is not Mode.CLIENT and bool(self.address)
+
+    def encode(self) -> dict[str, Any]:
+        """The msgpack-able DHT value (the subkey carries the peer id)."""
+        return {
+            "v": DECLARATION_VERSION,
+            "addr": self.address,
+            "start": self.start,
+            "deadline": self.deadline,
+            "give_up": self.give_up,
+            "mode": int(self.mode),
+            "bw": self.bandwidth,
+            "schema": self.schema_hash,
+            "gs": self.group_size,
+        }
+
+
+def _finite(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    result = float(value)
+    return result if math.isfinite(result) else None
+
+
+def decode_declaration(subkey: object, value: object) -> Declaration | None:
+    """Parse one DHT entry; ``None`` for anything malformed (peers are untrusted).
+
+    Args:
+        subkey: the dictionary subkey, the declarer's peer id in hex.
+        value: the stored value.
+    """
+    if not isinstance(subkey, str) or len(subkey) != 2 * PEER_ID_BYTES:
+        return None
+    try:
+        peer_id = bytes.fromhex(subkey)
+    except ValueError:
+        return None
+    if not isinstance(value, Mapping) or value.get("v") != DECLARATION_VERSION:
+        return None
+    address = value.get("addr")
+    schema = value.get("schema")
+    group_size = value.get("gs")
+    mode = value.get("mode")
+    start, deadline, give_up, bandwidth = (
+        _finite(value.get(k)) for k in ("start", "deadline", "give_up", "bw")
+    )
+    if (
+        not isinstance(address, str)
+        or len(address) > MAX_ADDRESS_CHARS
+        or not isinstance(schema, bytes)
+        or len(schema) != SCHEMA_HASH_BYTES
+        or not isinstance(group_size, int)
+        or isinstance(group_size, bool)
+        or group_size < 1
+        or not isinstance(mode, int)
+        or mode not in {int(m) for m in Mode}
+        or start is None
+        or deadline is None
+        or give_up is None
+        or bandwidth is None
+        or bandwidth < 0
+        or not start <= deadline <= give_up
+    ):
+        return None
+    return Declaration(
+        peer_id=peer_id,
+        address=address,
+        start=start,
+        deadline=deadline,
+        give_up=give_up,
+        mode=Mode(mode),
+        bandwidth=bandwidth,
+        schema_hash=schema,
+        group_size=group_size,
+    )
+
+
+def leader_candidates(
+    declarations: Iterable[Declaration],
+    me: Declaration,
+    now: float,
+    excluded: set[bytes] | frozenset[bytes] = frozenset(),
+) -> list[Declaration]:
+    """Peers that ``me`` should ask to lead it, best first.
+
+    A candidate comes before ``me`` in leader order, can be dialled, has not given up, has
+    the same schema hash and is not in ``excluded``. A client-mode ``me`` cannot lead, so
+    for it every dialable peer qualifies, whatever its start.
+    """
+    result = [
+        d
+        for d in declarations
+        if d.peer_id != me.peer_id
+        and d.peer_id not in excluded
+        and d.can_lead
+        and d.give_up > now
+        and d.schema_hash == me.schema_hash
+        and (d.order < me.order or not me.can_lead)
+    ]
+    result.sort(key=lambda d: d.order)
+    return result
+
+
+def mismatched_schemas(declarations: Iterable[Declaration], me: Declaration) -> list[Declaration]:
+    """Live declarations under the same key whose schema hash differs from ``me``'s."""
+    return [d for d in declarations if d.peer_id != me.peer_id and d.schema_hash != me.schema_hash]
+
+
+@dataclass(frozen=True)
+class JoinState:
+    """What a leader knows when a join request arrives (a snapshot of its round)."""
+
+    me: Declaration
+    following: bool
+    closed: bool
+    num_members: int
+    """Members so far, the leader included."""
+    group_size: int
+
+
+def decide_join(
+    state: JoinState, follower_order: tuple[float, bytes], follower_can_lead: bool, schema: bytes
+) -> averaging_pb2.JoinCode:
+    """The leader's answer to a join request; a ``JoinCode`` value.
+
+    Returns ``JOIN_ACCEPTED`` when the follower may join now; otherwise the final code to
+    send (``JOIN_REDIRECT`` means: tell it to ask my own leader).
+    """
+    codes = averaging_pb2
+    if state.closed:
+        return codes.JOIN_REJECT_FULL
+    if state.following:
+        return codes.JOIN_REDIRECT
+    if schema != state.me.schema_hash:
+        return codes.JOIN_REJECT_SCHEMA_MISMATCH
+    if follower_can_lead and follower_order < state.me.order:
+        return codes.JOIN_REJECT_NOT_LEADER
+    if not state.me.can_lead:
+        return codes.JOIN_REJECT_NOT_LEADER
+    if state.num_members >= state.group_size:
+        return codes.JOIN_REJECT_FULL
+    return codes.JOIN_ACCEPTED
+
+
+def group_to_proto(group: GroupInfo) -> averaging_pb2.GroupDescription:
+    """Wire form of a formed group."""
+    return averaging_pb2.GroupDescription(
+        group_id=group.group_id,
+        members=[
+            averaging_pb2.GroupMember(
+                peer_id=m.peer_id,
+                address=m.address or "",
+                mode=int(m.mode),
+                bandwidth=m.bandwidth,
+                user_data=m.user_data,
+            )
+            for m in group.members
+        ],
+        schema_hash=group.schema_hash,
+        codec=group.codec,
+    )
+
+
+def group_from_proto(message: averaging_pb2.GroupDescription) -> GroupInfo:
+    """Parse and validate a group received from a leader.
+
+    Raises:
+        ValueError: the description is malformed (unknown mode, oversized field, bad ids,
+            duplicate members, no reducer, ...).
+    """
+    if len(message.schema_hash) != SCHEMA_HASH_BYTES:
+        raise ValueError("schema hash must be 32 bytes")
+    if not message.codec or len(message.codec) > MAX_CODEC_CHARS:
+        raise ValueError("codec name missing or too long")
+    members = []
+    for m in message.members:
+        if m.mode not in {int(x) for x in Mode}:
+            raise ValueError(f"unknown mode {m.mode}")
+        if len(m.address) > MAX_ADDRESS_CHARS or len(m.user_data) > MAX_USER_DATA_BYTES:
+            raise ValueError("member address or user data too long")
+        members.append(
+            Member(
+                peer_id=bytes(m.peer_id),
+                address=m.address or None,
+                mode=Mode(m.mode),
+                bandwidth=float(m.bandwidth),
+                user_data=bytes(m.user_data),
+            )
+        )
+    return GroupInfo(
+        group_id=bytes(message.group_id),
+        members=tuple(members),
+        schema_hash=bytes(message.schema_hash),
+        codec=message.codec,
+    )

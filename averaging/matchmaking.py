@@ -1,0 +1,676 @@
+"""Matchmaking over the DHT: peers averaging under one key form groups (DESIGN 5.2).
+
+Protocol (rules in :mod:`swarmavg.averaging.declarations`):
+
+1. A peer declares itself under the round's matchmaking key (dictionary value, one subkey
+   per declarer) with an expiration at its give-up time.
+2. It reads the declarations and asks the best candidate leader (earliest declared start,
+   ties by peer id) to take it: ``JoinGroup``. Until it is accepted somewhere it is itself a
+   potential leader and accepts later peers.
+3. A leader answers every request at once from its local state (accept, redirect to its own
+   leader, or an explicit reject code), so two peers that ask each other never wait on each
+   other. An accepted follower keeps the stream open; the leader streams the outcome on it.
+4. When a peer is accepted, it redirects its own followers to its new leader.
+5. The leader closes the group when ``group_size`` is reached, or at its deadline once it
+   has ``min_group_size`` members, and streams the :class:`GroupInfo` to every follower.
+
+Failures: a follower whose stream breaks is removed from the leader's pending group at once
+(the handler's ``finally``); a follower whose leader dies (stream error) or disbands returns
+to looking, bans that leader for the round, and still meets its own deadline. Nothing waits
+without a deadline: every call has one and the whole search ends at the peer's give-up time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import math
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+
+from swarmavg.averaging.declarations import (
+    MAX_ADDRESS_CHARS,
+    MAX_USER_DATA_BYTES,
+    SCHEMA_HASH_BYTES,
+    Declaration,
+    JoinState,
+    decide_join,
+    decode_declaration,
+    group_from_proto,
+    group_to_proto,
+    leader_candidates,
+    mismatched_schemas,
+)
+from swarmavg.averaging.errors import MatchmakingError, NoGroupError, SchemaMismatchError
+from swarmavg.averaging.group import MAX_GROUP_SIZE, GroupInfo, Member, Mode
+from swarmavg.averaging.service import join_group_method
+from swarmavg.dht.channels import ChannelPool
+from swarmavg.dht.identity import HeaderError, verify_header
+from swarmavg.proto import averaging_pb2, common_pb2
+
+log = logging.getLogger(__name__)
+
+MAX_KEY_CHARS = 512
+FINAL_CODES_TEXT = {
+    averaging_pb2.JOIN_REJECT_NOT_LOOKING: "not matchmaking under that key",
+    averaging_pb2.JOIN_REJECT_NOT_LEADER: "you lead, not I",
+    averaging_pb2.JOIN_REJECT_FULL: "group full or closed",
+    averaging_pb2.JOIN_REJECT_SCHEMA_MISMATCH: "different tensor schema",
+    averaging_pb2.JOIN_REJECT_BAD_REQUEST: "bad request",
+}
+
+
+class DHTAccess(Protocol):
+    """The part of :class:`swarmavg.dht.DHTNode` that matchmaking and state sharing use."""
+
+    @property
+    def peer_id(self) -> bytes: ...
+
+    async def store(self, key: str, value: Any, expiration: float, subkey: Any = None) -> bool: ...
+
+    async def get(self, key: str, latest: bool = False) -> Any: ...
+
+    def make_header(self) -> common_pb2.RequestHeader: ...
+
+
+def dictionary_entries(record: Any) -> dict[Any, Any]:
+    """``{subkey: value}`` of a DHT dictionary record (``get``'s result), dropping wrappers."""
+    if record is None:
+        return {}
+    value = getattr(record, "value", record)
+    if not isinstance(value, dict):
+        return {}
+    return {k: getattr(v, "value", v) for k, v in value.items()}
+
+
+class MatchmakingEvent(enum.Enum):
+    """Progress notifications given to an observer (logs, metrics, tests)."""
+
+    DECLARED = "declared"
+    FOLLOWER_ACCEPTED = "follower-accepted"
+    FOLLOWER_LEFT = "follower-left"
+    JOINED_LEADER = "joined-leader"
+    LEFT_LEADER = "left-leader"
+    GROUP_FORMED = "group-formed"
+
+
+Observer = Callable[[MatchmakingEvent, str, bytes], None]
+"""Called with (event, matchmaking key, the other peer's id; own id for DECLARED/FORMED)."""
+
+
+@dataclass(frozen=True)
+class MatchmakerConfig:
+    """Timing of the matchmaking protocol.
+
+    Attributes:
+        poll_interval: seconds between two reads of the declarations while looking.
+        join_timeout: seconds a leader has to answer the first message of ``JoinGroup``.
+        retry_after: seconds before asking again a peer that redirected us or disbanded.
+        dht_timeout: deadline of one DHT store or get.
+        max_redirects: redirects followed in a row before reading the DHT again.
+    """
+
+    poll_interval: float = 0.5
+    join_timeout: float = 2.0
+    retry_after: float = 0.4
+    dht_timeout: float = 3.0
+    max_redirects: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("poll_interval", "join_timeout", "retry_after", "dht_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+
+
+@dataclass(frozen=True)
+class MatchRequest:
+    """One peer's wish to average under one key.
+
+    Attributes:
+        key: full matchmaking key (see :func:`swarmavg.averaging.group_keys.matchmaking_key`).
+        schema_hash: :func:`swarmavg.averaging.group.schema_hash` of the tensors.
+        group_size: the most members a group led by this peer takes (itself included).
+        min_group_size: the fewest members with which it closes a group at its deadline.
+        codec: codec of the group when this peer leads.
+        mode: this peer's averaging mode.
+        bandwidth: this peer's reported bandwidth.
+        user_data: opaque bytes given to every member.
+        window: seconds until this peer, as a leader, closes a group that is not full.
+        give_up: seconds until it stops looking and raises.
+    """
+
+    key: str
+    schema_hash: bytes
+    group_size: int
+    min_group_size: int
+    codec: str
+    mode: Mode
+    bandwidth: float
+    user_data: bytes
+    window: float
+    give_up: float
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_group_size <= self.group_size <= MAX_GROUP_SIZE:
+            raise ValueError(
+                f"need 1 <= min_group_size <= group_size <= {MAX_GROUP_SIZE}, got "
+                f"min_group_size={self.min_group_size}, group_size={self.group_size}"
+            )
+        if len(self.schema_hash) != SCHEMA_HASH_BYTES:
+            raise ValueError("schema_hash must be 32 bytes")
+        if len(self.user_data) > MAX_USER_DATA_BYTES:
+            raise ValueError(f"user_data is limited to {MAX_USER_DATA_BYTES} bytes")
+        if not (0 <= self.window <= self.give_up and math.isfinite(self.give_up)):
+            raise ValueError("need 0 <= window <= give_up (seconds)")
+
+
+@dataclass
+class _Follower:
+    member: Member
+    outcome: asyncio.Future[averaging_pb2.JoinResponse]
+
+
+@dataclass
+class _Round:
+    request: MatchRequest
+    me: Declaration
+    result: asyncio.Future[GroupInfo]
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    followers: dict[bytes, _Follower] = field(default_factory=dict)
+    leader: tuple[bytes, str] | None = None
+    closed: bool = False
+    mismatched: dict[bytes, bytes] = field(default_factory=dict)
+
+    @property
+    def num_members(self) -> int:
+        return 1 + len(self.followers)
+
+
+@dataclass(frozen=True)
+class _Redirect:
+    peer_id: bytes
+    address: str
+
+
+class Matchmaker:
+    """Forms groups for one peer; serves the ``JoinGroup`` RPC for its rounds in flight.
+
+    Several rounds may run at once under different keys; one key runs one round at a time.
+    Create inside the running event loop.
+    """
+
+    def __init__(
+        self,
+        dht: DHTAccess,
+        run_id: str,
+        address: str | None,
+        channels: ChannelPool,
+        config: MatchmakerConfig | None = None,
+        observer: Observer | None = None,
+    ) -> None:
+        self.dht = dht
+        self.run_id = run_id
+        self.peer_id = dht.peer_id
+        self.address = address or ""
+        self.channels = channels
+        self.config = config or MatchmakerConfig()
+        self.observer = observer
+        self._rounds: dict[str, _Round] = {}
+
+    # ------------------------------------------------------------------ follower side
+
+    async def find_group(self, request: MatchRequest) -> GroupInfo:
+        """Find or lead a group under ``request.key``; return it once it is formed.
+
+        Returns within ``request.give_up`` seconds (plus one DHT or RPC deadline at most).
+
+        Raises:
+            NoGroupError: fewer than ``min_group_size`` peers before the give-up time.
+            SchemaMismatchError: no group formed, and peers with another schema were seen.
+            ValueError: a round under this key is already in progress here.
+        """
+        if request.key in self._rounds:
+            raise ValueError(f"already matchmaking under {request.key!r}")
+        now = time.time()
+        me = Declaration(
+            peer_id=self.peer_id,
+            address="" if request.mode is Mode.CLIENT else self.address,
+            start=now,
+            deadline=now + request.window,
+            give_up=now + request.give_up,
+            mode=request.mode,
+            bandwidth=request.bandwidth,
+            schema_hash=request.schema_hash,
+            group_size=request.group_size,
+        )
+        rnd = _Round(request, me, asyncio.get_running_loop().create_future())
+        self._rounds[request.key] = rnd
+        try:
+            await self._declare(rnd)
+            return await self._search(rnd)
+        finally:
+            if self._rounds.get(request.key) is rnd:
+                del self._rounds[request.key]
+            if not rnd.closed:
+                self._release_followers(
+                    rnd,
+                    averaging_pb2.JoinResponse(
+                        code=averaging_pb2.JOIN_DISBANDED,
+                        leader_id=self.peer_id,
+                        detail="the leader stopped matchmaking",
+                    ),
+                )
+            if not rnd.result.done():
+                rnd.result.cancel()
+
+    async def _declare(self, rnd: _Round) -> None:
+        subkey = self.peer_id.hex()
+        try:
+            async with asyncio.timeout(self.config.dht_timeout):
+                ok = await self.dht.store(
+                    rnd.request.key, rnd.me.encode(), rnd.me.give_up, subkey=subkey
+                )
+        except (TimeoutError, grpc.aio.AioRpcError) as error:
+            ok = False
+            log.warning("declaring under %s failed: %r", rnd.request.key, error)
+        if not ok:
+            log.warning("declaration under %s was not stored; only joining others", rnd.request.key)
+        self._notify(MatchmakingEvent.DECLARED, rnd.request.key, self.peer_id)
+
+    async def _read_declarations(self, key: str) -> list[Declaration]:
+        try:
+            async with asyncio.timeout(self.config.dht_timeout):
+                record = await self.dht.get(key, latest=True)
+        except (TimeoutError, grpc.aio.AioRpcError) as error:
+            log.debug("reading declarations under %s failed: %r", key, error)
+            return []
+        found = []
+        for subkey, value in dictionary_entries(record).items():
+            declaration = decode_declaration(subkey, value)
+            if declaration is not None:
+                found.append(declaration)
+        return found
+
+    async def _search(self, rnd: _Round) -> GroupInfo:
+        key, me = rnd.request.key, rnd.me
+        banned: dict[bytes, float] = {}  # peer id -> unix time until which we skip it
+        redirect: _Redirect | None = None
+        redirects = 0
+        declarations: list[Declaration] = []
+        next_poll = 0.0
+        while True:
+            if rnd.result.done():
+                return rnd.result.result()
+            now = time.time()
+            if (
+                rnd.leader is None
+                and now >= me.deadline
+                and rnd.num_members >= rnd.request.min_group_size
+            ):
+                return self._close(rnd)
+            if now >= me.give_up:
+                raise self._no_group_error(rnd, declarations)
+            if redirect is None and now >= next_poll:
+                declarations = await self._read_declarations(key)
+                next_poll = time.time() + self.config.poll_interval
+            target: _Redirect | None = redirect
+            redirect = None
+            if target is None:
+                excluded = {p for p, until in banned.items() if until > time.time()}
+                candidates = leader_candidates(declarations, me, time.time(), excluded)
+                if candidates:
+                    target = _Redirect(candidates[0].peer_id, candidates[0].address)
+                    redirects = 0
+            if target is None:
+                await self._wait_as_leader(rnd, next_poll)
+                continue
+            outcome = await self._race_with_result(rnd, self._try_leader(rnd, target, banned))
+            if isinstance(outcome, GroupInfo):
+                return outcome
+            if isinstance(outcome, _Redirect):
+                redirects += 1
+                if redirects <= self.config.max_redirects and outcome.peer_id != self.peer_id:
+                    redirect = outcome
+
+    async def _wait_as_leader(self, rnd: _Round, next_poll: float) -> None:
+        """Sleep until a follower arrives or leaves, the group forms, or the next check."""
+        now = time.time()
+        wake = min(next_poll, rnd.me.give_up)
+        if rnd.me.deadline > now:
+            wake = min(wake, rnd.me.deadline)
+        rnd.changed.clear()
+        changed: asyncio.Future[Any] = asyncio.ensure_future(rnd.changed.wait())
+        waits: set[asyncio.Future[Any]] = {changed, rnd.result}
+        try:
+            await asyncio.wait(
+                waits,
+                timeout=max(0.0, wake - now) + 0.001,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            changed.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await changed
+
+    async def _race_with_result(self, rnd: _Round, attempt: Any) -> GroupInfo | _Redirect | None:
+        """Run one join attempt; stop it when our own group forms meanwhile."""
+        task: asyncio.Task[GroupInfo | _Redirect | None] = asyncio.ensure_future(attempt)
+        waits: set[asyncio.Future[Any]] = {task, rnd.result}
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if task.done() and not task.cancelled() and task.result() is not None:
+            return task.result()
+        if rnd.result.done():
+            return rnd.result.result()
+        return None
+
+    async def _try_leader(
+        self, rnd: _Round, target: _Redirect, banned: dict[bytes, float]
+    ) -> GroupInfo | _Redirect | None:
+        """Ask ``target`` to lead us; follow it when accepted until the group forms.
+
+        Returns the formed group, a redirect, or ``None`` (try someone else); updates
+        ``banned`` with how long to skip ``target``.
+        """
+        req, me = rnd.request, rnd.me
+        forever = math.inf
+        request = averaging_pb2.JoinRequest(
+            header=self.dht.make_header(),
+            key=req.key,
+            schema_hash=req.schema_hash,
+            mode=int(req.mode),
+            bandwidth=req.bandwidth,
+            user_data=req.user_data,
+            declared_start=me.start,
+        )
+        call = join_group_method(self.channels.channel(target.address))(
+            request, timeout=max(0.1, me.give_up - time.time() + 1.0)
+        )
+        following = False
+        try:
+            async with asyncio.timeout(self.config.join_timeout):
+                first = await call.read()
+            if first is grpc.aio.EOF:
+                banned[target.peer_id] = time.time() + self.config.retry_after
+                return None
+            code = first.code
+            if code == averaging_pb2.JOIN_REDIRECT:
+                banned[target.peer_id] = time.time() + self.config.retry_after
+                if (
+                    len(first.leader_id) == 20
+                    and 0 < len(first.leader_address) <= MAX_ADDRESS_CHARS
+                ):
+                    return _Redirect(bytes(first.leader_id), first.leader_address)
+                return None
+            if code == averaging_pb2.JOIN_REJECT_SCHEMA_MISMATCH:
+                rnd.mismatched[target.peer_id] = b""
+                banned[target.peer_id] = forever
+                return None
+            if code != averaging_pb2.JOIN_ACCEPTED:
+                log.debug(
+                    "%s rejected us: %s %s",
+                    target.peer_id.hex()[:8],
+                    FINAL_CODES_TEXT.get(code, code),
+                    first.detail,
+                )
+                banned[target.peer_id] = forever
+                return None
+            if rnd.closed or rnd.result.done():
+                return None  # our own group formed meanwhile; the cancel below leaves
+            following = True
+            rnd.leader = (target.peer_id, target.address)
+            self._release_followers(
+                rnd,
+                averaging_pb2.JoinResponse(
+                    code=averaging_pb2.JOIN_REDIRECT,
+                    leader_id=target.peer_id,
+                    leader_address=target.address,
+                ),
+            )
+            self._notify(MatchmakingEvent.JOINED_LEADER, req.key, target.peer_id)
+            async with asyncio.timeout(max(0.0, me.give_up - time.time())):
+                final = await call.read()
+            if final is grpc.aio.EOF:
+                banned[target.peer_id] = forever
+                return None
+            if final.code == averaging_pb2.JOIN_GROUP_FORMED:
+                group = self._check_group(rnd, final.group, target.peer_id)
+                rnd.closed = True
+                rnd.result.set_result(group)
+                self._notify(MatchmakingEvent.GROUP_FORMED, req.key, self.peer_id)
+                return group
+            if final.code == averaging_pb2.JOIN_REDIRECT:
+                banned[target.peer_id] = time.time() + self.config.retry_after
+                if (
+                    len(final.leader_id) == 20
+                    and 0 < len(final.leader_address) <= MAX_ADDRESS_CHARS
+                ):
+                    return _Redirect(bytes(final.leader_id), final.leader_address)
+                return None
+            banned[target.peer_id] = time.time() + self.config.retry_after
+            return None
+        except (grpc.aio.AioRpcError, TimeoutError) as error:
+            log.debug("leader %s failed: %r", target.peer_id.hex()[:8], error)
+            banned[target.peer_id] = forever
+            return None
+        finally:
+            if following and not rnd.closed:
+                rnd.leader = None
+                self._notify(MatchmakingEvent.LEFT_LEADER, req.key, target.peer_id)
+            call.cancel()
+
+    def _check_group(
+        self, rnd: _Round, message: averaging_pb2.GroupDescription, leader_id: bytes
+    ) -> GroupInfo:
+        try:
+            group = group_from_proto(message)
+        except ValueError as error:
+            raise MatchmakingError(f"leader {leader_id.hex()} sent a bad group: {error}") from None
+        index = group.index_of(self.peer_id)
+        if index is None or group.index_of(leader_id) is None:
+            raise MatchmakingError(f"leader {leader_id.hex()} sent a group without us or itself")
+        if group.schema_hash != rnd.request.schema_hash:
+            raise MatchmakingError("leader sent a group with another schema hash")
+        mine = group.members[index]
+        if mine.mode is not rnd.request.mode or mine.user_data != rnd.request.user_data:
+            raise MatchmakingError("leader altered our own member entry")
+        return group
+
+    def _no_group_error(self, rnd: _Round, declarations: list[Declaration]) -> Exception:
+        req = rnd.request
+        others = mismatched_schemas(declarations, rnd.me)
+        mismatched = set(rnd.mismatched) | {d.peer_id for d in others}
+        if mismatched:
+            ids = ", ".join(sorted(p.hex()[:12] for p in mismatched))
+            return SchemaMismatchError(
+                f"no group formed under {req.key!r}: peer(s) {ids} average tensors of another "
+                f"schema (different count, order, shapes or dtypes; our schema hash "
+                f"{req.schema_hash.hex()[:12]}); every peer must pass the same tensor layout"
+            )
+        return NoGroupError(
+            f"only {rnd.num_members} peer(s) gathered under {req.key!r} within "
+            f"{req.give_up:.1f}s; min_group_size is {req.min_group_size}"
+        )
+
+    # ------------------------------------------------------------------ leader side
+
+    def _close(self, rnd: _Round) -> GroupInfo:
+        """Freeze the member list, answer every follower, resolve our own result."""
+        req = rnd.request
+        me = Member(
+            peer_id=self.peer_id,
+            address=rnd.me.address or None,
+            mode=req.mode,
+            bandwidth=req.bandwidth,
+            user_data=req.user_data,
+        )
+        members = sorted([me, *(f.member for f in rnd.followers.values())], key=lambda m: m.peer_id)
+        try:
+            group = GroupInfo(
+                group_id=os.urandom(16),
+                members=tuple(members),
+                schema_hash=req.schema_hash,
+                codec=req.codec,
+            )
+        except ValueError as error:
+            # e.g. only aux members: no one sends. Not a group anyone can use.
+            raise MatchmakingError(f"cannot form a group: {error}") from None
+        rnd.closed = True
+        self._release_followers(
+            rnd,
+            averaging_pb2.JoinResponse(
+                code=averaging_pb2.JOIN_GROUP_FORMED,
+                leader_id=self.peer_id,
+                group=group_to_proto(group),
+            ),
+        )
+        rnd.result.set_result(group)
+        self._notify(MatchmakingEvent.GROUP_FORMED, req.key, self.peer_id)
+        return group
+
+    def _release_followers(self, rnd: _Round, final: averaging_pb2.JoinResponse) -> None:
+        for follower in rnd.followers.values():
+            if not follower.outcome.done():
+                follower.outcome.set_result(final)
+        if final.code != averaging_pb2.JOIN_GROUP_FORMED:
+            rnd.followers.clear()
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[averaging_pb2.JoinResponse]:
+        """Answer a would-be follower at once; if accepted, stream the outcome later."""
+        try:
+            peer_id = verify_header(request.header, self.run_id)
+            member = self._member_from_request(peer_id, request)
+        except (HeaderError, ValueError) as error:
+            yield averaging_pb2.JoinResponse(
+                code=averaging_pb2.JOIN_REJECT_BAD_REQUEST,
+                leader_id=self.peer_id,
+                detail=str(error),
+            )
+            return
+        rnd = self._rounds.get(request.key)
+        if rnd is None or rnd.result.done():
+            code = (
+                averaging_pb2.JOIN_REJECT_FULL
+                if rnd is not None and rnd.closed
+                else (averaging_pb2.JOIN_REJECT_NOT_LOOKING)
+            )
+            yield averaging_pb2.JoinResponse(code=code, leader_id=self.peer_id)
+            return
+        if peer_id == self.peer_id or peer_id in rnd.followers:
+            yield averaging_pb2.JoinResponse(
+                code=averaging_pb2.JOIN_REJECT_BAD_REQUEST,
+                leader_id=self.peer_id,
+                detail="already a member of this group",
+            )
+            return
+        state = JoinState(
+            me=rnd.me,
+            following=rnd.leader is not None,
+            closed=rnd.closed,
+            num_members=rnd.num_members,
+            group_size=rnd.request.group_size,
+        )
+        can_lead = member.mode is not Mode.CLIENT and bool(member.address)
+        code = decide_join(
+            state, (request.declared_start, peer_id), can_lead, bytes(request.schema_hash)
+        )
+        if code == averaging_pb2.JOIN_REDIRECT and rnd.leader is not None:
+            yield averaging_pb2.JoinResponse(
+                code=code, leader_id=rnd.leader[0], leader_address=rnd.leader[1]
+            )
+            return
+        if code != averaging_pb2.JOIN_ACCEPTED:
+            detail = FINAL_CODES_TEXT.get(code, "")
+            if code == averaging_pb2.JOIN_REJECT_SCHEMA_MISMATCH:
+                rnd.mismatched[peer_id] = bytes(request.schema_hash)
+                detail = (
+                    f"schema hash {bytes(request.schema_hash).hex()[:12]} differs from "
+                    f"the leader's {rnd.request.schema_hash.hex()[:12]}"
+                )
+            yield averaging_pb2.JoinResponse(code=code, leader_id=self.peer_id, detail=detail)
+            return
+        follower = _Follower(member, asyncio.get_running_loop().create_future())
+        rnd.followers[peer_id] = follower
+        rnd.changed.set()
+        self._notify(MatchmakingEvent.FOLLOWER_ACCEPTED, request.key, peer_id)
+        try:
+            if rnd.num_members >= rnd.request.group_size:
+                with contextlib.suppress(MatchmakingError):
+                    self._close(rnd)
+            yield averaging_pb2.JoinResponse(
+                code=averaging_pb2.JOIN_ACCEPTED, leader_id=self.peer_id, deadline=rnd.me.deadline
+            )
+            try:
+                async with asyncio.timeout(max(0.0, rnd.me.give_up - time.time()) + 1.0):
+                    final = await asyncio.shield(follower.outcome)
+            except TimeoutError:
+                final = averaging_pb2.JoinResponse(
+                    code=averaging_pb2.JOIN_DISBANDED,
+                    leader_id=self.peer_id,
+                    detail="the leader gave up",
+                )
+            yield final
+        finally:
+            # A follower whose stream died before the group closed is simply forgotten:
+            # it never blocks the group (issue 5).
+            if not rnd.closed and rnd.followers.get(peer_id) is follower:
+                del rnd.followers[peer_id]
+                rnd.changed.set()
+                self._notify(MatchmakingEvent.FOLLOWER_LEFT, request.key, peer_id)
+
+    def _member_from_request(self, peer_id: bytes, request: averaging_pb2.JoinRequest) -> Member:
+        if not 0 < len(request.key) <= MAX_KEY_CHARS:
+            raise ValueError("key missing or too long")
+        if len(request.schema_hash) != SCHEMA_HASH_BYTES:
+            raise ValueError("schema hash must be 32 bytes")
+        if len(request.user_data) > MAX_USER_DATA_BYTES:
+            raise ValueError("user data too long")
+        if request.mode not in {int(m) for m in Mode}:
+            raise ValueError(f"unknown mode {request.mode}")
+        if not math.isfinite(request.declared_start):
+            raise ValueError("declared start must be finite")
+        address = request.header.address
+        if len(address) > MAX_ADDRESS_CHARS:
+            raise ValueError("address too long")
+        mode = Mode(request.mode)
+        return Member(
+            peer_id=peer_id,
+            address=(address or None) if mode is not Mode.CLIENT else None,
+            mode=mode,
+            bandwidth=float(request.bandwidth),
+            user_data=bytes(request.user_data),
+        )
+
+    async def shutdown(self) -> None:
+        """Disband every pending group here (followers are told at once)."""
+        for rnd in list(self._rounds.values()):
+            if not rnd.closed:
+                self._release_followers(
+                    rnd,
+                    averaging_pb2.JoinResponse(
+                        code=averaging_pb2.JOIN_DISBANDED,
+                        leader_id=self.peer_id,
+                        detail="the leader is shutting down",
+                    ),
+                )
+            if not rnd.result.done():
+                rnd.result.cancel()
+
+    def _notify(self, event: MatchmakingEvent, key: str, peer_id: bytes) -> None:
+        log.debug("%s %s %s", key, event.value, peer_id.hex()[:8])
+        if self.observer is not None:
+            self.observer(event, key, peer_id)

@@ -1,0 +1,424 @@
+"""State sharing: publish tensors for late joiners; download them from several donors.
+
+A peer that publishes its state advertises ``(root, version, size, address)`` in the DHT
+under ``{run}.state`` (one subkey per donor, refreshed while it holds the state). A joiner
+(:meth:`StateSharer.load`) picks the freshest version, fetches the manifest from one donor
+holding it and checks it against the advertised root, then downloads the chunks it lacks
+from every donor holding that root at once: each donor serves small batches pulled from a
+shared queue, so fast donors serve more, and a donor that fails (error, timeout, a chunk
+whose sha256 is wrong) hands its unfinished batch back to the others. Chunks are
+content-addressed (:mod:`swarmavg.averaging.state_format`), so a peer that holds an older
+version fetches only the chunks that changed. hivemind sends every newcomer to one donor
+(its issue 169); here the load spreads over all donors of the freshest version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import random
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from swarmavg.averaging.errors import StateDownloadError, StateNotFoundError
+from swarmavg.averaging.matchmaking import DHTAccess, dictionary_entries
+from swarmavg.averaging.service import download_state_method
+from swarmavg.averaging.state_format import (
+    DEFAULT_CHUNK_SIZE,
+    HASH_BYTES,
+    Manifest,
+    PackedState,
+    StateFormatError,
+    chunk_hash,
+    pack_state,
+    unpack_state,
+)
+from swarmavg.dht.channels import ChannelPool
+from swarmavg.dht.identity import HeaderError, verify_header
+from swarmavg.proto import averaging_pb2
+
+log = logging.getLogger(__name__)
+
+MAX_CHUNKS_PER_REQUEST = 1024
+
+
+@dataclass(frozen=True)
+class StateSharingConfig:
+    """Settings of state sharing.
+
+    Attributes:
+        chunk_size: bytes per chunk when publishing.
+        ttl: lifetime of the DHT advertisement; it is refreshed every ``ttl / 3``.
+        batch_chunks: chunks asked from one donor per request.
+        message_timeout: deadline for each message of a download stream.
+        max_state_bytes: largest state a joiner accepts (checked on the manifest).
+        max_uploads: concurrent downloads served; more get ``STATE_BUSY``.
+    """
+
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    ttl: float = 60.0
+    batch_chunks: int = 8
+    message_timeout: float = 10.0
+    max_state_bytes: int = 16 << 30
+    max_uploads: int = 8
+
+    def __post_init__(self) -> None:
+        if not (self.ttl > 0 and self.message_timeout > 0):
+            raise ValueError("ttl and message_timeout must be positive")
+        if not 0 < self.batch_chunks <= MAX_CHUNKS_PER_REQUEST:
+            raise ValueError(f"batch_chunks must be in 1..{MAX_CHUNKS_PER_REQUEST}")
+        if self.max_uploads < 1 or self.max_state_bytes < 1:
+            raise ValueError("max_uploads and max_state_bytes must be >= 1")
+
+
+@dataclass(frozen=True)
+class DonorFaults:
+    """Fault plan for the serving side (tests and benchmarks; production passes ``None``).
+
+    Attributes:
+        fail_after_chunks: abort every download stream after this many chunks served in
+            total by this donor (a donor dying mid-download).
+        corrupt_chunks: flip a byte in every chunk served (a corrupting donor).
+    """
+
+    fail_after_chunks: int | None = None
+    corrupt_chunks: bool = False
+
+
+@dataclass(frozen=True)
+class Advertisement:
+    """One donor's DHT advertisement of its published state."""
+
+    peer_id: bytes
+    address: str
+    root: bytes
+    version: float
+    size: int
+
+
+def parse_advertisement(subkey: object, value: object) -> Advertisement | None:
+    """Parse one DHT entry under ``{run}.state``; ``None`` when malformed."""
+    if not isinstance(subkey, str) or len(subkey) != 40 or not isinstance(value, dict):
+        return None
+    try:
+        peer_id = bytes.fromhex(subkey)
+    except ValueError:
+        return None
+    root, version, size, address = (value.get(k) for k in ("root", "version", "size", "addr"))
+    if (
+        not isinstance(root, bytes)
+        or len(root) != HASH_BYTES
+        or isinstance(version, bool)
+        or not isinstance(version, int | float)
+        or not math.isfinite(version)
+        or not isinstance(size, int)
+        or size < 0
+        or not isinstance(address, str)
+        or not 0 < len(address) <= 256
+    ):
+        return None
+    return Advertisement(peer_id, address, root, float(version), size)
+
+
+def choose_donors(ads: Sequence[Advertisement], exclude: bytes) -> list[list[Advertisement]]:
+    """Group advertisements by root, freshest root first (freshness: its newest version)."""
+    by_root: dict[bytes, list[Advertisement]] = {}
+    for ad in ads:
+        if ad.peer_id != exclude:
+            by_root.setdefault(ad.root, []).append(ad)
+    groups = list(by_root.values())
+    groups.sort(key=lambda g: max(a.version for a in g), reverse=True)
+    return groups
+
+
+class _DonorFailed(Exception):
+    pass
+
+
+class StateSharer:
+    """Publishes this peer's state and downloads others'. Create inside the running loop."""
+
+    def __init__(
+        self,
+        dht: DHTAccess,
+        run_id: str,
+        address: str | None,
+        channels: ChannelPool,
+        config: StateSharingConfig | None = None,
+        faults: DonorFaults | None = None,
+    ) -> None:
+        self.dht = dht
+        self.run_id = run_id
+        self.address = address or ""
+        self.channels = channels
+        self.config = config or StateSharingConfig()
+        self.faults = faults
+        self.key = f"{run_id}.state"
+        self._published: PackedState | None = None
+        self._held: dict[bytes, bytes] = {}
+        self._uploads = 0
+        self._served_chunks = 0
+        self._refresher: asyncio.Task[None] | None = None
+
+    @property
+    def published(self) -> Manifest | None:
+        """Manifest of the state this peer serves, if any."""
+        return self._published.manifest if self._published is not None else None
+
+    async def publish(
+        self, tensors: Sequence[np.ndarray], metadata: bytes, version: float | None = None
+    ) -> Manifest:
+        """Serve ``(metadata, tensors)`` from now on and advertise it in the DHT.
+
+        The tensors are copied into chunks at once; later changes to the arrays do not
+        affect what is served. Client-mode peers (no address) keep the state for
+        incremental downloads but cannot serve it, so they do not advertise.
+
+        Raises:
+            ValueError: unsupported dtype or a state over the format's limits.
+        """
+        version = time.time() if version is None else version
+        packed = await asyncio.to_thread(
+            pack_state, tensors, bytes(metadata), version, self.config.chunk_size
+        )
+        self._published = packed
+        self._held = dict(packed.chunks)
+        if self.address:
+            await self._advertise()
+            if self._refresher is None:
+                self._refresher = asyncio.get_running_loop().create_task(self._refresh())
+        return packed.manifest
+
+    async def _advertise(self) -> None:
+        packed = self._published
+        if packed is None:
+            return
+        value = {
+            "root": packed.manifest.root,
+            "version": packed.manifest.version,
+            "size": packed.manifest.total_bytes,
+            "addr": self.address,
+        }
+        try:
+            async with asyncio.timeout(self.config.message_timeout):
+                await self.dht.store(
+                    self.key, value, time.time() + self.config.ttl, subkey=self.dht.peer_id.hex()
+                )
+        except (TimeoutError, grpc.aio.AioRpcError) as error:
+            log.warning("advertising published state failed: %r", error)
+
+    async def _refresh(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.ttl / 3)
+            await self._advertise()
+
+    async def shutdown(self) -> None:
+        """Stop refreshing the advertisement (it then expires by itself)."""
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+            self._refresher = None
+
+    # ------------------------------------------------------------------ joiner side
+
+    async def load(self, timeout: float) -> tuple[bytes, list[np.ndarray]]:
+        """Download the freshest state in the run; return ``(metadata, tensors)``.
+
+        Raises:
+            StateNotFoundError: nobody advertises a state.
+            StateDownloadError: every donor of every advertised state failed.
+            TimeoutError: ``timeout`` seconds passed.
+        """
+        async with asyncio.timeout(timeout):
+            async with asyncio.timeout(self.config.message_timeout):
+                record = await self.dht.get(self.key, latest=True)
+            ads = [
+                ad
+                for sk, v in dictionary_entries(record).items()
+                if (ad := parse_advertisement(sk, v)) is not None
+            ]
+            groups = choose_donors(ads, exclude=self.dht.peer_id)
+            if not groups:
+                raise StateNotFoundError(f"no peer advertises state under {self.key!r}")
+            errors: list[str] = []
+            for donors in groups:
+                donors = random.sample(donors, len(donors))  # spread joiners over donors
+                try:
+                    return await self._load_root(donors)
+                except StateDownloadError as error:
+                    errors.append(str(error))
+            raise StateDownloadError("; ".join(errors))
+
+    async def _load_root(self, donors: list[Advertisement]) -> tuple[bytes, list[np.ndarray]]:
+        root = donors[0].root
+        manifest: Manifest | None = None
+        live: list[Advertisement] = []
+        for donor in donors:
+            try:
+                manifest = await self._fetch_manifest(donor, root)
+                live = [donor, *(d for d in donors if d is not donor)]
+                break
+            except _DonorFailed as error:
+                log.info("donor %s has no usable manifest: %s", donor.peer_id.hex()[:8], error)
+        if manifest is None:
+            raise StateDownloadError(f"no donor of state {root.hex()[:12]} sent a valid manifest")
+        have = {h: self._held[h] for h in manifest.chunk_hashes if h in self._held}
+        needed = list(dict.fromkeys(h for h in manifest.chunk_hashes if h not in have))
+        if needed:
+            have.update(await self._download(needed, live))
+        try:
+            metadata, tensors = await asyncio.to_thread(unpack_state, manifest, have)
+        except StateFormatError as error:
+            raise StateDownloadError(f"state {root.hex()[:12]} is malformed: {error}") from None
+        self._held = have
+        return metadata, tensors
+
+    def _download_call(self, donor: Advertisement) -> grpc.aio.UnaryStreamMultiCallable:
+        return download_state_method(self.channels.channel(donor.address))
+
+    async def _fetch_manifest(self, donor: Advertisement, root: bytes) -> Manifest:
+        request = averaging_pb2.StateRequest(
+            header=self.dht.make_header(), root=root, want_manifest=True
+        )
+        call = self._download_call(donor)(request, timeout=self.config.message_timeout)
+        try:
+            async with asyncio.timeout(self.config.message_timeout):
+                first = await call.read()
+            if first is grpc.aio.EOF or first.code != averaging_pb2.STATE_OK:
+                detail = "" if first is grpc.aio.EOF else first.detail
+                raise _DonorFailed(f"no manifest ({detail})")
+            return Manifest.from_proto(first.manifest, root, self.config.max_state_bytes)
+        except (grpc.aio.AioRpcError, TimeoutError, StateFormatError) as error:
+            raise _DonorFailed(repr(error)) from None
+        finally:
+            call.cancel()
+
+    async def _download(
+        self, needed: list[bytes], donors: list[Advertisement]
+    ) -> dict[bytes, bytes]:
+        """Fetch ``needed`` chunks from ``donors`` in parallel; verify every sha256."""
+        pending = list(needed)
+        got: dict[bytes, bytes] = {}
+        in_flight = 0
+        changed = asyncio.Event()
+        failures: list[str] = []
+
+        async def worker(donor: Advertisement) -> None:
+            nonlocal in_flight
+            while True:
+                if not pending:
+                    if in_flight == 0:
+                        return
+                    changed.clear()
+                    await changed.wait()
+                    continue
+                batch = pending[: self.config.batch_chunks]
+                del pending[: len(batch)]
+                in_flight += 1
+                try:
+                    await self._fetch_batch(donor, batch, got)
+                except _DonorFailed as error:
+                    pending.extend(h for h in batch if h not in got)
+                    failures.append(f"{donor.peer_id.hex()[:8]}: {error}")
+                    log.info("donor %s failed: %s", donor.peer_id.hex()[:8], error)
+                    return
+                finally:
+                    in_flight -= 1
+                    changed.set()
+
+        async with asyncio.TaskGroup() as tasks:
+            for donor in donors:
+                tasks.create_task(worker(donor))
+        if pending:
+            raise StateDownloadError(
+                f"{len(pending)} of {len(needed)} chunks could not be downloaded: "
+                + "; ".join(failures)
+            )
+        return got
+
+    async def _fetch_batch(
+        self, donor: Advertisement, batch: list[bytes], got: dict[bytes, bytes]
+    ) -> None:
+        request = averaging_pb2.StateRequest(
+            header=self.dht.make_header(), root=donor.root, chunk_hashes=batch
+        )
+        call = self._download_call(donor)(request)
+        try:
+            for wanted in batch:
+                async with asyncio.timeout(self.config.message_timeout):
+                    message = await call.read()
+                if message is grpc.aio.EOF or message.code != averaging_pb2.STATE_OK:
+                    detail = "stream ended" if message is grpc.aio.EOF else message.detail
+                    raise _DonorFailed(f"chunk not served ({detail})")
+                data = bytes(message.chunk_data)
+                if bytes(message.chunk_hash) != wanted or chunk_hash(data) != wanted:
+                    raise _DonorFailed("chunk failed sha256 verification")
+                got[wanted] = data
+        except (grpc.aio.AioRpcError, TimeoutError) as error:
+            raise _DonorFailed(repr(error)) from None
+        finally:
+            call.cancel()
+
+    # ------------------------------------------------------------------ donor side
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.StateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[averaging_pb2.StateResponse]:
+        """Serve the manifest and/or chunks of the published state, by content hash."""
+        try:
+            verify_header(request.header, self.run_id)
+        except HeaderError as error:
+            yield averaging_pb2.StateResponse(
+                code=averaging_pb2.STATE_BAD_REQUEST, detail=str(error)
+            )
+            return
+        if len(request.chunk_hashes) > MAX_CHUNKS_PER_REQUEST or any(
+            len(h) != HASH_BYTES for h in request.chunk_hashes
+        ):
+            yield averaging_pb2.StateResponse(
+                code=averaging_pb2.STATE_BAD_REQUEST,
+                detail=f"at most {MAX_CHUNKS_PER_REQUEST} chunk hashes of 32 bytes",
+            )
+            return
+        packed = self._published
+        if packed is None or (request.want_manifest and request.root != packed.manifest.root):
+            yield averaging_pb2.StateResponse(
+                code=averaging_pb2.STATE_NOT_FOUND, detail="that state is not published here"
+            )
+            return
+        if self._uploads >= self.config.max_uploads:
+            yield averaging_pb2.StateResponse(code=averaging_pb2.STATE_BUSY, detail="busy")
+            return
+        self._uploads += 1
+        try:
+            if request.want_manifest:
+                yield averaging_pb2.StateResponse(
+                    code=averaging_pb2.STATE_OK, manifest=packed.manifest.to_proto()
+                )
+            for wanted in request.chunk_hashes:
+                data = packed.chunks.get(bytes(wanted))
+                if data is None:
+                    yield averaging_pb2.StateResponse(
+                        code=averaging_pb2.STATE_NOT_FOUND, detail="chunk not held here"
+                    )
+                    return
+                if self.faults is not None:
+                    limit = self.faults.fail_after_chunks
+                    if limit is not None and self._served_chunks >= limit:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, "injected donor failure")
+                    if self.faults.corrupt_chunks and data:
+                        data = bytes([data[0] ^ 0xFF]) + data[1:]
+                self._served_chunks += 1
+                yield averaging_pb2.StateResponse(
+                    code=averaging_pb2.STATE_OK, chunk_hash=wanted, chunk_data=data
+                )
+        finally:
+            self._uploads -= 1

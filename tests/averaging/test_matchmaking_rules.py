@@ -1,0 +1,170 @@
+"""Pure matchmaking rules: declaration parsing, leader order, join decisions, group wire form."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from swarmavg.averaging.declarations import (
+    Declaration,
+    JoinState,
+    decide_join,
+    decode_declaration,
+    group_from_proto,
+    group_to_proto,
+    leader_candidates,
+    mismatched_schemas,
+)
+from swarmavg.averaging.group import GroupInfo, Member, Mode
+from swarmavg.proto import averaging_pb2
+
+SCHEMA = b"s" * 32
+
+
+def decl(
+    start: float,
+    pid: int,
+    *,
+    mode: Mode = Mode.NODE,
+    address: str = "127.0.0.1:1",
+    schema: bytes = SCHEMA,
+    give_up: float = 100.0,
+) -> Declaration:
+    return Declaration(
+        peer_id=bytes([pid]) * 20,
+        address=address,
+        start=start,
+        deadline=start + 1,
+        give_up=give_up,
+        mode=mode,
+        bandwidth=1.0,
+        schema_hash=schema,
+        group_size=4,
+    )
+
+
+def test_declaration_round_trip_and_rejects_garbage() -> None:
+    d = decl(1.0, 7)
+    assert decode_declaration(d.peer_id.hex(), d.encode()) == d
+    good = d.encode()
+    bad_values = [
+        {**good, "v": 2},
+        {**good, "schema": b"short"},
+        {**good, "start": float("nan")},
+        {**good, "mode": 9},
+        {**good, "gs": 0},
+        {**good, "gs": True},
+        {**good, "bw": -1.0},
+        {**good, "addr": 5},
+        {**good, "deadline": 0.5},  # before start
+        "not a dict",
+    ]
+    for value in bad_values:
+        assert decode_declaration(d.peer_id.hex(), value) is None, value
+    assert decode_declaration("zz" * 20, good) is None
+    assert decode_declaration(d.peer_id.hex()[:-2], good) is None
+
+
+def test_earliest_start_leads_ties_by_peer_id() -> None:
+    me = decl(5.0, 9)
+    others = [decl(3.0, 4), decl(1.0, 8), decl(1.0, 2), decl(6.0, 1), me]
+    order = [d.peer_id[0] for d in leader_candidates(others, me, now=0.0)]
+    assert order == [2, 8, 4]  # later peers (start 6) never lead us
+
+
+def test_candidates_skip_clients_expired_mismatched_and_excluded() -> None:
+    me = decl(5.0, 9)
+    others = [
+        decl(1.0, 1, mode=Mode.CLIENT),
+        decl(1.0, 2, address=""),
+        decl(1.0, 3, give_up=4.0),
+        decl(1.0, 4, schema=b"x" * 32),
+        decl(1.0, 5),
+        decl(1.0, 6),
+    ]
+    got = leader_candidates(others, me, now=10.0 - 5.5, excluded={bytes([6]) * 20})
+    assert [d.peer_id[0] for d in got] == [5]
+    assert [d.peer_id[0] for d in mismatched_schemas(others, me)] == [4]
+
+
+def test_client_asks_even_later_peers() -> None:
+    me = decl(0.0, 9, mode=Mode.CLIENT, address="")
+    got = leader_candidates([decl(3.0, 1), decl(2.0, 2)], me, now=0.0)
+    assert [d.peer_id[0] for d in got] == [2, 1]
+
+
+def state(**kw: object) -> JoinState:
+    base: dict[str, object] = dict(
+        me=decl(1.0, 5), following=False, closed=False, num_members=1, group_size=4
+    )
+    base.update(kw)
+    return JoinState(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kw", "follower", "expected"),
+    [
+        ({}, (2.0, bytes([1]) * 20), averaging_pb2.JOIN_ACCEPTED),
+        ({"closed": True}, (2.0, bytes([1]) * 20), averaging_pb2.JOIN_REJECT_FULL),
+        ({"following": True}, (2.0, bytes([1]) * 20), averaging_pb2.JOIN_REDIRECT),
+        ({"num_members": 4}, (2.0, bytes([1]) * 20), averaging_pb2.JOIN_REJECT_FULL),
+        # An earlier peer asking us: it leads, we do not (this breaks mutual waits).
+        ({}, (0.5, bytes([1]) * 20), averaging_pb2.JOIN_REJECT_NOT_LEADER),
+        # Same start: the smaller peer id leads.
+        ({}, (1.0, bytes([1]) * 20), averaging_pb2.JOIN_REJECT_NOT_LEADER),
+        ({}, (1.0, bytes([7]) * 20), averaging_pb2.JOIN_ACCEPTED),
+    ],
+)
+def test_join_decisions(
+    kw: dict[str, object], follower: tuple[float, bytes], expected: int
+) -> None:
+    assert decide_join(state(**kw), follower, True, SCHEMA) == expected
+
+
+def test_mutual_requests_never_both_accepted() -> None:
+    a, b = decl(1.0, 1), decl(1.0, 2)
+    a_answers_b = decide_join(state(me=a), b.order, True, SCHEMA)
+    b_answers_a = decide_join(state(me=b), a.order, True, SCHEMA)
+    assert sorted([a_answers_b, b_answers_a]) == sorted(
+        [averaging_pb2.JOIN_ACCEPTED, averaging_pb2.JOIN_REJECT_NOT_LEADER]
+    )
+
+
+def test_schema_mismatch_and_client_follower() -> None:
+    assert (
+        decide_join(state(), (2.0, bytes([1]) * 20), True, b"x" * 32)
+        == averaging_pb2.JOIN_REJECT_SCHEMA_MISMATCH
+    )
+    # A client cannot lead, so it is accepted even if it started earlier.
+    assert (
+        decide_join(state(), (0.0, bytes([1]) * 20), False, SCHEMA) == averaging_pb2.JOIN_ACCEPTED
+    )
+
+
+def test_group_wire_round_trip_and_validation() -> None:
+    group = GroupInfo(
+        group_id=os.urandom(16),
+        members=(
+            Member(bytes([1]) * 20, "127.0.0.1:5", Mode.NODE, 2.5, b"hi"),
+            Member(bytes([2]) * 20, None, Mode.CLIENT, 1.0),
+            Member(bytes([3]) * 20, "127.0.0.1:6", Mode.AUX, 1.0),
+        ),
+        schema_hash=SCHEMA,
+        codec="float16",
+    )
+    message = averaging_pb2.GroupDescription.FromString(group_to_proto(group).SerializeToString())
+    assert group_from_proto(message) == group
+    broken = averaging_pb2.GroupDescription()
+    broken.CopyFrom(message)
+    broken.members[0].mode = 7
+    with pytest.raises(ValueError, match="mode"):
+        group_from_proto(broken)
+    broken.CopyFrom(message)
+    broken.members[1].peer_id = broken.members[0].peer_id
+    with pytest.raises(ValueError, match="twice"):
+        group_from_proto(broken)
+    broken.CopyFrom(message)
+    broken.schema_hash = b"x"
+    with pytest.raises(ValueError, match="32"):
+        group_from_proto(broken)
