@@ -66,10 +66,21 @@ def _store_request(key: str, value: Any, ttl: float, subkey: Any) -> control_pb2
     )
 
 
-def _unavailable(endpoint: ControlEndpoint, exc: BaseException) -> DaemonUnavailableError:
+def _unavailable(endpoint: ControlEndpoint, reason: object) -> DaemonUnavailableError:
     return DaemonUnavailableError(
-        f"no swarmavg daemon answers at {endpoint} ({exc}); start one with `swarmavg peer`"
+        f"no swarmavg daemon answers at {endpoint} ({reason}); start one with `swarmavg peer`"
     )
+
+
+def _check_socket_exists(endpoint: ControlEndpoint) -> None:
+    """Fail at once, with a clear message, when the socket file is not there at all."""
+    if endpoint.path is not None and not endpoint.path.exists():
+        raise _unavailable(endpoint, "no socket file")
+
+
+def _connect_error(endpoint: ControlEndpoint, exc: grpc.RpcError) -> DaemonUnavailableError:
+    code = exc.code()
+    return _unavailable(endpoint, code.name if code is not None else exc)
 
 
 class _SyncDHT:
@@ -108,15 +119,17 @@ class Client:
             ValidationError: the endpoint is not a local one.
         """
         self.endpoint = resolve_endpoint(endpoint)
+        _check_socket_exists(self.endpoint)
         self._channel = grpc.insecure_channel(self.endpoint.grpc_target(), options=_OPTIONS)
         self._stub = control_pb2_grpc.ControlStub(self._channel)
         self.dht = _SyncDHT(self)
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
-            status = self._unary(self._stub.Status, control_pb2.StatusRequest())
-        except grpc.FutureTimeoutError as exc:
+            status = self._stub.Status(
+                control_pb2.StatusRequest(), timeout=connect_timeout, wait_for_ready=True
+            )
+        except grpc.RpcError as exc:
             self._channel.close()
-            raise _unavailable(self.endpoint, exc or TimeoutError("timed out")) from None
+            raise _connect_error(self.endpoint, exc) from None
         except BaseException:
             self._channel.close()
             raise
@@ -267,23 +280,25 @@ class AsyncClient:
         Raises:
             DaemonUnavailableError: nothing answers within ``connect_timeout``.
         """
+        _check_socket_exists(self.endpoint)
         self._channel = grpc.aio.insecure_channel(self.endpoint.grpc_target(), options=_OPTIONS)
         self._stub_or_none = control_pb2_grpc.ControlStub(self._channel)
         try:
-            status = await self._unary(
-                self._stub.Status, control_pb2.StatusRequest(), timeout=connect_timeout, ready=True
+            status = await self._stub.Status(
+                control_pb2.StatusRequest(), timeout=connect_timeout, wait_for_ready=True
             )
+        except grpc.RpcError as exc:
+            await self.close()
+            raise _connect_error(self.endpoint, exc) from None
         except BaseException:
             await self.close()
             raise
         self._use_shm = self._requested_shm and shm_usable(status)
         return self
 
-    async def _unary(
-        self, method: Any, request: Any, timeout: float = SHORT_CALL_TIMEOUT, ready: bool = False
-    ) -> Any:
+    async def _unary(self, method: Any, request: Any, timeout: float = SHORT_CALL_TIMEOUT) -> Any:
         try:
-            return await method(request, timeout=timeout, wait_for_ready=ready)
+            return await method(request, timeout=timeout)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, str(self.endpoint)) from None
 

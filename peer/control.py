@@ -113,10 +113,12 @@ class ControlService(control_pb2_grpc.ControlServicer):  # type: ignore[misc]
 
     # ---- generated servicer names -> rpc_<verb> ----
 
-    def Average(
+    async def Average(
         self, requests: AsyncIterator[control_pb2.AverageRequest], context: Any
     ) -> AsyncIterator[control_pb2.AverageResponse]:
-        return self.rpc_average(requests, context)
+        # grpc.aio needs an async generator function here to stream the responses.
+        async for response in self.rpc_average(requests, context):
+            yield response
 
     async def DHTStore(
         self, request: control_pb2.DHTStoreRequest, context: Any
@@ -133,10 +135,11 @@ class ControlService(control_pb2_grpc.ControlServicer):  # type: ignore[misc]
     ) -> control_pb2.PublishStateResponse:
         return await self._unary(self.rpc_publish_state, requests, context)
 
-    def LoadState(
+    async def LoadState(
         self, request: control_pb2.LoadStateRequest, context: Any
     ) -> AsyncIterator[control_pb2.StateMessage]:
-        return self.rpc_load_state(request, context)
+        async for message in self.rpc_load_state(request, context):
+            yield message
 
     async def Status(
         self, request: control_pb2.StatusRequest, context: Any

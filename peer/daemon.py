@@ -24,7 +24,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from swarmavg.averaging import Averager, AveragerConfig
+from swarmavg.averaging.averager import Averager, AveragerConfig
+from swarmavg.averaging.group import Mode
 from swarmavg.dht import (
     BootstrapError,
     ChannelPool,
@@ -75,6 +76,7 @@ class Peer:
         self.dht: DHTNode | None = None
         self.averager: Averager | None = None
         self.combiner = LocalCombiner(self._average, config.local_window)
+        self._averager_config = AveragerConfig()
         self._control_service: ControlService | None = None
         self._public_server: grpc.aio.Server | None = None
         self._control_server: grpc.aio.Server | None = None
@@ -137,11 +139,11 @@ class Peer:
             bootstrap_timeout=cfg.bootstrap_timeout,
         )
         self.dht = DHTNode(dht_config, self.identity, self._channels)
-        self.averager = Averager(
-            self.dht,
-            AveragerConfig(client_mode=cfg.client_mode, target_group_size=cfg.group_size),
-            self._channels,
+        self._averager_config = AveragerConfig(
+            mode=Mode.CLIENT if cfg.client_mode else Mode.NODE,
+            target_group_size=cfg.group_size,
         )
+        self.averager = Averager(self.dht, self._averager_config, self._channels)
         if not cfg.client_mode:
             server = grpc.aio.server(options=SERVER_OPTIONS)
             self.dht.add_to_server(server)
@@ -236,7 +238,7 @@ class Peer:
         if self.averager is None:
             raise RuntimeError("the peer is not started")
         started = time.monotonic()
-        codec = params.codec or "default"
+        codec = params.codec or self._averager_config.default_codec
         try:
             result = await self.averager.average(
                 arrays,

@@ -1,0 +1,279 @@
+"""The control transport end to end inside one process: real client, real control service,
+real shared memory, over a unix socket. The backend is a swarm of one (the round's result is
+the local batch's weighted mean), so these tests cover the client <-> daemon layer alone;
+rounds between real daemons are in tests/integration."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from swarmavg.peer import (
+    DaemonUnavailableError,
+    NoStateError,
+    ValidationError,
+    connect,
+    connect_async,
+)
+from swarmavg.peer.combiner import LocalCombiner, RoundOutcome, RoundParams
+from swarmavg.peer.control import ControlService
+from swarmavg.peer.errors import NoGroupError
+from swarmavg.peer.shm import NAME_RE, SHM_DIR
+from swarmavg.proto import control_pb2
+
+
+class SoloBackend:
+    """A daemon backend whose swarm is this one peer."""
+
+    def __init__(self, window: float = 0.0) -> None:
+        self.combiner = LocalCombiner(self._average, window)
+        self.rounds: list[RoundParams] = []
+        self.store: dict[str, Any] = {}
+        self.state: tuple[bytes, list[np.ndarray]] | None = None
+        self.failures: list[str] = []
+
+    async def _average(self, arrays: list[np.ndarray], params: RoundParams) -> RoundOutcome:
+        self.rounds.append(params)
+        if params.min_group_size > 1:
+            from swarmavg.averaging.errors import NoGroupError as AveragingNoGroup
+
+            raise AveragingNoGroup(f"no peers for {params.key}")
+        return RoundOutcome(
+            arrays=[a.copy() for a in arrays],
+            group_size=1,
+            peers=["solo"],
+            group_id="g",
+            partial=False,
+        )
+
+    async def dht_store(self, key: str, value: Any, ttl: float, subkey: Any) -> bool:
+        if subkey is None:
+            self.store[key] = value
+        else:
+            self.store.setdefault(key, {})[subkey] = value
+        return True
+
+    async def dht_get(self, key: str) -> tuple[bool, Any]:
+        return (key in self.store), self.store.get(key)
+
+    async def publish_state(self, arrays: list[np.ndarray], metadata: bytes) -> None:
+        self.state = (metadata, arrays)
+
+    async def load_state(self, timeout: float) -> tuple[bytes, list[np.ndarray]]:
+        if self.state is None:
+            from swarmavg.averaging.errors import StateNotFoundError
+
+            raise StateNotFoundError("nobody published state")
+        return self.state
+
+    def status(self) -> control_pb2.StatusResponse:
+        info = os.stat(SHM_DIR)
+        return control_pb2.StatusResponse(
+            peer_id="solo", shm_dir=str(SHM_DIR), shm_dev=info.st_dev, shm_ino=info.st_ino
+        )
+
+    def record_failure(self, reason: str) -> None:
+        self.failures.append(reason)
+
+
+@dataclass
+class Daemon:
+    backend: SoloBackend
+    endpoint: str
+
+
+@pytest.fixture
+async def daemon() -> AsyncIterator[Daemon]:
+    backend = SoloBackend()
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="sa-") as d:
+        path = Path(d) / "c.sock"
+        server = grpc.aio.server()
+        service = ControlService(backend)
+        service.add_to_server(server)
+        server.add_insecure_port(f"unix:{path}")
+        await server.start()
+        try:
+            yield Daemon(backend, str(path))
+        finally:
+            await backend.combiner.close()
+            await server.stop(None)
+
+
+def my_segments() -> list[str]:
+    pid = os.getpid()
+    return [n for n in os.listdir(SHM_DIR) if (m := NAME_RE.match(n)) and int(m.group(1)) == pid]
+
+
+@pytest.mark.parametrize("use_shm", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64, ml_dtypes.bfloat16])
+async def test_numpy_round_trip(daemon: Daemon, use_shm: bool, dtype: Any) -> None:
+    rng = np.random.default_rng(0)
+    tensors = [rng.standard_normal(s).astype(dtype) for s in [(700, 700), (3,), (0,)]]
+    async with connect_async(daemon.endpoint, use_shm=use_shm) as client:
+        result = await client.average(tensors, key="k", min_group_size=1, timeout=5)
+    assert result.group_size == 1
+    assert result.peers == ["solo"]
+    for got, want in zip(result.tensors, tensors, strict=True):
+        assert isinstance(got, np.ndarray)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+    assert my_segments() == []
+
+
+async def test_sync_client_in_thread(daemon: Daemon) -> None:
+    tensors = [torch.randn(600, 600), torch.randn(5, dtype=torch.bfloat16), torch.ones(2).half()]
+
+    def call() -> Any:
+        with connect(daemon.endpoint) as client:
+            assert client.dht.store("a", {"x": [1, 2]}, ttl=10) is True
+            assert client.dht.get("a") == {"x": [1, 2]}
+            return client.average(tensors, key="t", min_group_size=1, timeout=5)
+
+    result = await asyncio.to_thread(call)
+    for got, want in zip(result.tensors, tensors, strict=True):
+        assert isinstance(got, torch.Tensor)
+        assert got.dtype == want.dtype
+        assert torch.equal(got, want)
+    assert my_segments() == []
+
+
+async def test_local_processes_are_combined(daemon: Daemon) -> None:
+    daemon.backend.combiner = LocalCombiner(daemon.backend._average, window=0.5)
+    rng = np.random.default_rng(1)
+    inputs = [rng.standard_normal(1000).astype(np.float32) for _ in range(3)]
+    weights = [1.0, 2.0, 5.0]
+    clients = [await connect_async(daemon.endpoint) for _ in range(3)]
+    try:
+        results = await asyncio.gather(
+            *(
+                c.average([x], key="same", weight=w, min_group_size=1, timeout=5)
+                for c, x, w in zip(clients, inputs, weights, strict=True)
+            )
+        )
+    finally:
+        for c in clients:
+            await c.close()
+    expected = sum(w * x.astype(np.float64) for w, x in zip(weights, inputs, strict=True)) / 8.0
+    assert len(daemon.backend.rounds) == 1, "one contribution for the three local callers"
+    assert daemon.backend.rounds[0].weight == 8.0
+    for r in results:
+        assert r.local_callers == 3
+        np.testing.assert_allclose(r.tensors[0], expected, rtol=1e-5, atol=1e-6)
+
+
+async def test_local_layout_mismatch_is_rejected(daemon: Daemon) -> None:
+    daemon.backend.combiner = LocalCombiner(daemon.backend._average, window=0.5)
+    async with connect_async(daemon.endpoint) as a, connect_async(daemon.endpoint) as b:
+        first = asyncio.ensure_future(
+            a.average([np.zeros(4, np.float32)], key="m", min_group_size=1)
+        )
+        await asyncio.sleep(0.1)
+        with pytest.raises(ValidationError, match="differ from those another local process"):
+            await b.average([np.zeros(5, np.float32)], key="m", min_group_size=1)
+        assert (await first).group_size == 1
+
+
+async def test_errors_map_to_swarm_errors(daemon: Daemon) -> None:
+    async with connect_async(daemon.endpoint) as client:
+        with pytest.raises(NoGroupError, match="no peers"):
+            await client.average([np.zeros(2, np.float32)], key="k", timeout=1)
+        with pytest.raises(NoStateError):
+            await client.load_state(timeout=1)
+        await client.publish_state([np.arange(3.0)], {"step": 7})
+        metadata, tensors = await client.load_state(timeout=1)
+        assert metadata == {"step": 7}
+        np.testing.assert_array_equal(tensors[0], np.arange(3.0))
+        assert await client.dht.get("missing") is None
+        await client.dht.store("d", 1, subkey="a")
+        await client.dht.store("d", 2, subkey="b")
+        assert await client.dht.get("d") == {"a": 1, "b": 2}
+        assert (await client.status())["peer_id"] == "solo"
+
+
+async def test_daemon_revalidates_raw_requests(daemon: Daemon) -> None:
+    """A caller that skips the client's checks still gets INVALID_ARGUMENT."""
+    from swarmavg.proto import control_pb2_grpc, tensor_pb2
+
+    bad_start = control_pb2.AverageStart(
+        key="k",
+        weight=1,
+        min_group_size=1,
+        timeout=5,
+        tensors=[control_pb2.TensorSpec(dtype=tensor_pb2.FLOAT32, shape=[2])],
+    )
+    nan = np.array([np.nan, 1], np.float32).tobytes()
+    cases = [
+        [
+            control_pb2.AverageRequest(start=bad_start),
+            control_pb2.AverageRequest(data=control_pb2.TensorBytes(index=0, data=nan)),
+        ],
+        [
+            control_pb2.AverageRequest(
+                start=control_pb2.AverageStart(key="k" * 300, weight=1, min_group_size=1, timeout=1)
+            )
+        ],
+        [
+            control_pb2.AverageRequest(
+                start=control_pb2.AverageStart(
+                    key="k",
+                    weight=1,
+                    min_group_size=1,
+                    timeout=1,
+                    tensors=[control_pb2.TensorSpec(dtype=tensor_pb2.INT64, shape=[2])],
+                )
+            )
+        ],
+        [
+            control_pb2.AverageRequest(
+                start=control_pb2.AverageStart(
+                    key="k",
+                    weight=1,
+                    min_group_size=1,
+                    timeout=1,
+                    tensors=[control_pb2.TensorSpec(dtype=tensor_pb2.FLOAT32, shape=[1 << 40])],
+                )
+            )
+        ],
+        [
+            control_pb2.AverageRequest(
+                start=control_pb2.AverageStart(
+                    key="k",
+                    weight=1,
+                    min_group_size=1,
+                    timeout=1,
+                    shm_name="../x",
+                    shm_size=8,
+                    tensors=[control_pb2.TensorSpec(dtype=tensor_pb2.FLOAT32, shape=[2])],
+                )
+            )
+        ],
+    ]
+    async with grpc.aio.insecure_channel(f"unix:{daemon.endpoint}") as channel:
+        stub = control_pb2_grpc.ControlStub(channel)
+        for requests in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in stub.Average(iter(requests), timeout=5):
+                    pass
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    async with connect_async(daemon.endpoint) as client:  # still serving
+        result = await client.average([np.ones(2, np.float32)], key="k", min_group_size=1)
+        assert result.group_size == 1
+
+
+async def test_no_daemon() -> None:
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="sa-") as d:
+        with pytest.raises(DaemonUnavailableError, match="no swarmavg daemon"):
+            await connect_async(str(Path(d) / "none.sock"), connect_timeout=0.5)
+        with pytest.raises(DaemonUnavailableError, match="no swarmavg daemon"):
+            await asyncio.to_thread(connect, str(Path(d) / "none.sock"), connect_timeout=0.5)
