@@ -315,6 +315,10 @@ class TestBed:
             self._add_veth((namespace, "eth0"), port)
             self._plug_into_bridge(port)
             self._configure_address(namespace, "eth0", f"{address}/24")
+            # Like a real machine, a public host has a default route, so software that finds
+            # "my address" by routing towards the internet (e.g. `swarmavg peer --listen
+            # 0.0.0.0:PORT`) finds eth0. Packets to anything else only reach the bridge.
+            _system.run(["ip", "-n", namespace, "route", "add", "default", "dev", "eth0"])
             host = Host(
                 spec.name, namespace, address, address, False, None, ((namespace, "eth0"), port)
             )
