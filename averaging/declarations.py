@@ -20,7 +20,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from swarmavg.averaging.group import PEER_ID_BYTES, GroupInfo, Member, Mode
+from swarmavg.averaging.group import GroupInfo, Member, Mode
+from swarmavg.dht.records import named_owner, owner_suffix
 from swarmavg.proto import averaging_pb2
 
 DECLARATION_VERSION = 1
@@ -88,18 +89,28 @@ def _finite(value: object) -> float | None:
     return result if math.isfinite(result) else None
 
 
+def declaration_subkey(peer_id: bytes) -> str:
+    """The subkey a peer declares under: owned (signed) by it, so no one else can forge or
+    overwrite its declaration (the DHT checks owner signatures, see dht/validation.py)."""
+    return owner_suffix(peer_id)
+
+
+def subkey_owner(subkey: object) -> bytes | None:
+    """The peer id that an owned subkey belongs to; ``None`` for any other subkey."""
+    if not isinstance(subkey, str | bytes) or len(subkey) != len(owner_suffix(bytes(20))):
+        return None
+    return named_owner(subkey)
+
+
 def decode_declaration(subkey: object, value: object) -> Declaration | None:
     """Parse one DHT entry; ``None`` for anything malformed (peers are untrusted).
 
     Args:
-        subkey: the dictionary subkey, the declarer's peer id in hex.
+        subkey: the dictionary subkey, ``[owner:<declarer's peer id hex>]``.
         value: the stored value.
     """
-    if not isinstance(subkey, str) or len(subkey) != 2 * PEER_ID_BYTES:
-        return None
-    try:
-        peer_id = bytes.fromhex(subkey)
-    except ValueError:
+    peer_id = subkey_owner(subkey)
+    if peer_id is None:
         return None
     if not isinstance(value, Mapping) or value.get("v") != DECLARATION_VERSION:
         return None

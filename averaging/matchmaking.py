@@ -42,6 +42,7 @@ from swarmavg.averaging.declarations import (
     Declaration,
     JoinState,
     decide_join,
+    declaration_subkey,
     decode_declaration,
     group_from_proto,
     group_to_proto,
@@ -271,7 +272,7 @@ class Matchmaker:
                 rnd.result.cancel()
 
     async def _declare(self, rnd: _Round) -> None:
-        subkey = self.peer_id.hex()
+        subkey = declaration_subkey(self.peer_id)
         try:
             async with asyncio.timeout(self.config.dht_timeout):
                 ok = await self.dht.store(

@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from swarmavg.averaging.declarations import declaration_subkey, subkey_owner
 from swarmavg.averaging.errors import StateDownloadError, StateNotFoundError
 from swarmavg.averaging.matchmaking import DHTAccess, dictionary_entries
 from swarmavg.averaging.service import download_state_method
@@ -105,11 +106,8 @@ class Advertisement:
 
 def parse_advertisement(subkey: object, value: object) -> Advertisement | None:
     """Parse one DHT entry under ``{run}.state``; ``None`` when malformed."""
-    if not isinstance(subkey, str) or len(subkey) != 40 or not isinstance(value, dict):
-        return None
-    try:
-        peer_id = bytes.fromhex(subkey)
-    except ValueError:
+    peer_id = subkey_owner(subkey)
+    if peer_id is None or not isinstance(value, dict):
         return None
     root, version, size, address = (value.get(k) for k in ("root", "version", "size", "addr"))
     if (
@@ -209,7 +207,10 @@ class StateSharer:
         try:
             async with asyncio.timeout(self.config.message_timeout):
                 await self.dht.store(
-                    self.key, value, time.time() + self.config.ttl, subkey=self.dht.peer_id.hex()
+                    self.key,
+                    value,
+                    time.time() + self.config.ttl,
+                    subkey=declaration_subkey(self.dht.peer_id),
                 )
         except (TimeoutError, grpc.aio.AioRpcError) as error:
             log.warning("advertising published state failed: %r", error)

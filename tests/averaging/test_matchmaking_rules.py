@@ -10,6 +10,7 @@ from swarmavg.averaging.declarations import (
     Declaration,
     JoinState,
     decide_join,
+    declaration_subkey,
     decode_declaration,
     group_from_proto,
     group_to_proto,
@@ -46,7 +47,8 @@ def decl(
 
 def test_declaration_round_trip_and_rejects_garbage() -> None:
     d = decl(1.0, 7)
-    assert decode_declaration(d.peer_id.hex(), d.encode()) == d
+    sub = declaration_subkey(d.peer_id)
+    assert decode_declaration(sub, d.encode()) == d
     good = d.encode()
     bad_values = [
         {**good, "v": 2},
@@ -61,9 +63,9 @@ def test_declaration_round_trip_and_rejects_garbage() -> None:
         "not a dict",
     ]
     for value in bad_values:
-        assert decode_declaration(d.peer_id.hex(), value) is None, value
-    assert decode_declaration("zz" * 20, good) is None
-    assert decode_declaration(d.peer_id.hex()[:-2], good) is None
+        assert decode_declaration(sub, value) is None, value
+    assert decode_declaration(d.peer_id.hex(), good) is None  # not an owned subkey
+    assert decode_declaration(sub[:-2] + "]", good) is None
 
 
 def test_earliest_start_leads_ties_by_peer_id() -> None:

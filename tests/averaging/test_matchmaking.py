@@ -1,0 +1,172 @@
+"""Matchmaking over real DHT nodes and real gRPC, many peers in one process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from swarmavg.averaging.averager import AveragingResult
+from swarmavg.averaging.declarations import Declaration, decode_declaration
+from swarmavg.averaging.errors import NoGroupError, SchemaMismatchError
+from swarmavg.averaging.matchmaking import MatchmakingEvent, dictionary_entries
+from swarmavg.averaging.service import join_group_method
+from swarmavg.proto import averaging_pb2
+from tests.averaging.averager_swarm import AveragerSwarm, Peer, averager_swarm
+
+
+def inputs(i: int) -> list[np.ndarray]:
+    return [np.full((3, 4), float(i), dtype=np.float32), np.arange(5, dtype=np.float64) * i]
+
+
+async def average_all(
+    swarm: AveragerSwarm, key: str = "k", **kwargs: object
+) -> list[AveragingResult | BaseException]:
+    return await asyncio.gather(
+        *(
+            p.averager.average(inputs(i), key, **kwargs)  # type: ignore[arg-type]
+            for i, p in enumerate(swarm.peers)
+        ),
+        return_exceptions=True,
+    )
+
+
+@pytest.mark.parametrize("n", [2, 5, 8])
+@pytest.mark.timeout(60)
+async def test_peers_form_one_group(n: int) -> None:
+    async with averager_swarm(n) as swarm:
+        results = await average_all(swarm, group_size=n, min_group_size=n, timeout=20.0)
+        assert all(isinstance(r, AveragingResult) for r in results), results
+        ok = [r for r in results if isinstance(r, AveragingResult)]
+        assert {r.group_id for r in ok} == {ok[0].group_id}
+        assert sorted(ok[0].peers) == sorted(p.peer_id.hex() for p in swarm.peers)
+        expected = np.mean([inputs(i)[0] for i in range(n)], axis=0)
+        for r in ok:
+            assert r.group_size == n
+            assert not r.partial
+            np.testing.assert_array_equal(r.tensors[0], expected)
+
+
+@pytest.mark.timeout(60)
+async def test_group_size_cap_splits_into_groups() -> None:
+    async with averager_swarm(8) as swarm:
+        results = await average_all(swarm, group_size=4, min_group_size=4, timeout=20.0)
+        ok = [r for r in results if isinstance(r, AveragingResult)]
+        assert len(ok) == 8, results
+        groups: dict[str, set[str]] = {}
+        for p, r in zip(swarm.peers, ok, strict=True):
+            groups.setdefault(r.group_id, set()).add(p.peer_id.hex())
+            assert r.group_size == 4
+        assert sorted(len(g) for g in groups.values()) == [4, 4]
+        assert set().union(*groups.values()) == {p.peer_id.hex() for p in swarm.peers}
+
+
+@pytest.mark.timeout(60)
+async def test_too_few_peers_raise_no_group_within_timeout() -> None:
+    async with averager_swarm(3) as swarm:
+        timeout = 4.0
+        started = time.monotonic()
+        results = await average_all(swarm, group_size=4, min_group_size=4, timeout=timeout)
+        elapsed = time.monotonic() - started
+        assert all(isinstance(r, NoGroupError) for r in results), results
+        assert "min_group_size is 4" in str(results[0])
+        assert elapsed < timeout  # matchmaking gives up at its share of the timeout
+
+
+@pytest.mark.timeout(60)
+async def test_schema_mismatch_is_reported() -> None:
+    async with averager_swarm(2) as swarm:
+        a, b = swarm.peers
+        results = await asyncio.gather(
+            a.averager.average([np.zeros(4, np.float32)], "k", timeout=4.0),
+            b.averager.average([np.zeros(5, np.float32)], "k", timeout=4.0),
+            return_exceptions=True,
+        )
+        assert all(isinstance(r, SchemaMismatchError) for r in results), results
+        assert "schema" in str(results[0])
+
+
+@pytest.mark.timeout(60)
+async def test_mismatched_peer_does_not_stop_the_others() -> None:
+    async with averager_swarm(4) as swarm:
+        odd, *rest = swarm.peers
+        results = await asyncio.gather(
+            odd.averager.average([np.zeros(7, np.float32)], "k", timeout=6.0),
+            *(
+                p.averager.average([np.full(4, i, np.float32)], "k", group_size=3, timeout=10.0)
+                for i, p in enumerate(rest)
+            ),
+            return_exceptions=True,
+        )
+        assert isinstance(results[0], SchemaMismatchError), results
+        ok = [r for r in results[1:] if isinstance(r, AveragingResult)]
+        assert len(ok) == 3, results
+        assert all(r.group_size == 3 for r in ok)
+        np.testing.assert_array_equal(ok[0].tensors[0], np.full(4, 1.0, np.float32))
+
+
+async def declarations(peer: Peer, key: str) -> dict[bytes, Declaration]:
+    record = await peer.node.get(key, latest=True)
+    found = {}
+    for subkey, value in dictionary_entries(record).items():
+        d = decode_declaration(subkey, value)
+        if d is not None:
+            found[d.peer_id] = d
+    return found
+
+
+@pytest.mark.timeout(60)
+async def test_simultaneous_mutual_join_does_not_deadlock() -> None:
+    """Two leaders asking each other at once both get an answer at once.
+
+    In the protocol a peer only asks peers that declared before it, so this cannot happen
+    between honest peers with one view of the DHT; the leader-side rule must still make it
+    harmless. Different schemas keep both peers looking (neither asks the other), then each
+    is asked by the other at the same moment.
+    """
+    async with averager_swarm(2) as swarm:
+        a, b = swarm.peers
+        key = a.averager._keys.key_for("k")
+        rounds = [
+            asyncio.ensure_future(
+                p.averager.average([np.zeros(i + 1, np.float32)], "k", timeout=6.0)
+            )
+            for i, p in enumerate((a, b))
+        ]
+        await swarm.wait_for(
+            lambda: all(any(e[0] is MatchmakingEvent.DECLARED for e in p.events) for p in (a, b))
+        )
+        found: dict[bytes, Declaration] = {}
+        async with asyncio.timeout(10):
+            while len(found) < 2:
+                found = await declarations(a, key)
+
+        def ask(asker: Peer, leader: Peer) -> grpc.aio.UnaryStreamCall:
+            d = found[asker.peer_id]
+            request = averaging_pb2.JoinRequest(
+                header=asker.node.make_header(),
+                key=key,
+                schema_hash=found[leader.peer_id].schema_hash,
+                mode=int(d.mode),
+                bandwidth=d.bandwidth,
+                declared_start=d.start,
+            )
+            return join_group_method(asker.channels.channel(leader.address))(request, timeout=10)
+
+        calls = [ask(a, b), ask(b, a)]
+        try:
+            async with asyncio.timeout(5):  # answers come at once: no one waits on the other
+                first = await asyncio.gather(*(c.read() for c in calls))
+        finally:
+            for c in calls:
+                c.cancel()  # the accepted side's stream vanishes: the leader forgets it
+        codes = sorted(m.code for m in first)
+        assert codes == sorted([averaging_pb2.JOIN_ACCEPTED, averaging_pb2.JOIN_REJECT_NOT_LEADER])
+        results = await asyncio.gather(*rounds, return_exceptions=True)
+        assert all(isinstance(r, SchemaMismatchError) for r in results), results
+        # Both still serve and group normally afterwards.
+        again = await average_all(swarm, "k2", group_size=2, timeout=10.0)
+        assert all(isinstance(r, AveragingResult) for r in again), again
