@@ -1,0 +1,219 @@
+"""Hostile senders are cut off with a clear status; honest members' results are unhurt.
+
+The hostile member is a CLIENT slot of the group driven by hand-made ``Reduce`` streams.
+Whatever valid data it sends equals the honest members' weighted mean, so the honest
+result is that mean whether or not a reducer included the hostile's early chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import numpy as np
+import pytest
+
+from swarmavg.averaging.allreduce import AllReduceOutcome, _bytes_per_element
+from swarmavg.averaging.group import GroupInfo, Mode
+from swarmavg.averaging.load_balancing import part_sizes
+from swarmavg.averaging.partition import PartPlan, chunk_elements_for
+from swarmavg.averaging.reducer import weighted_mean
+from swarmavg.compression import CodecInfo, get_codec
+from swarmavg.dht import ChannelPool, Identity
+from swarmavg.proto import averaging_pb2
+from tests.averaging.allreduce_peers import (
+    FAST,
+    RUN_ID,
+    close_peers,
+    make_group,
+    run_group,
+    start_peers,
+)
+from tests.harness import GrpcServerPool
+
+pytestmark = pytest.mark.timeout(60)
+
+HONEST = 3
+CODEC = get_codec("none")
+
+
+@pytest.fixture
+async def channels() -> AsyncIterator[ChannelPool]:
+    pool = ChannelPool()
+    try:
+        yield pool
+    finally:
+        await pool.close()
+
+
+class Hostile:
+    """Builds messages for the hostile member (index ``HONEST``) of ``group``."""
+
+    def __init__(self, group: GroupInfo, identity: Identity, mean: np.ndarray) -> None:
+        self.group = group
+        self.identity = identity
+        self.mean = mean.astype(np.float32)
+        per_element = _bytes_per_element(CODEC, np.dtype(np.float32))
+        self.plan = PartPlan.build(
+            part_sizes(group.members, mean.size), chunk_elements_for(per_element, FAST.chunk_bytes)
+        )
+
+    def chunk(
+        self, part: int, c: int, values: np.ndarray | None = None
+    ) -> averaging_pb2.ReduceRequest:
+        base = self.plan.bounds[part][0]
+        lo, hi = self.plan.chunk_bounds(part, c)
+        data = self.mean[base + lo : base + hi] if values is None else values
+        return averaging_pb2.ReduceRequest(
+            chunk=CODEC.encode(np.ascontiguousarray(data), CodecInfo()), chunk_index=c
+        )
+
+    def first(
+        self, part: int, c: int | None = 0, **overrides: object
+    ) -> averaging_pb2.ReduceRequest:
+        request = self.chunk(part, c) if c is not None else averaging_pb2.ReduceRequest()
+        request.header.CopyFrom(self.identity.make_header(RUN_ID))
+        request.group_id = self.group.group_id
+        request.part_index = part
+        request.weight = 1.0
+        for key, value in overrides.items():
+            if key == "header":
+                request.header.CopyFrom(value)  # type: ignore[arg-type]
+            else:
+                setattr(request, key, value)
+        return request
+
+    def valid(self, part: int) -> list[averaging_pb2.ReduceRequest]:
+        n = self.plan.num_chunks(part)
+        return [self.first(part), *(self.chunk(part, c) for c in range(1, n))]
+
+
+Scenario = Callable[[Hostile, int], list[averaging_pb2.ReduceRequest] | None]
+
+
+def _wrong_size(h: Hostile, part: int) -> list[averaging_pb2.ReduceRequest]:
+    lo, hi = h.plan.chunk_bounds(part, 0)
+    return [h.first(part, None), h.chunk(part, 0, np.zeros(hi - lo + 1, np.float32))]
+
+
+def _wrong_dtype(h: Hostile, part: int) -> list[averaging_pb2.ReduceRequest]:
+    lo, hi = h.plan.chunk_bounds(part, 0)
+    return [h.first(part, None), h.chunk(part, 0, np.zeros(hi - lo, np.float64))]
+
+
+def _nan(h: Hostile, part: int) -> list[averaging_pb2.ReduceRequest]:
+    # Codecs refuse to encode NaN, so a hostile peer forges the payload bytes.
+    lo, hi = h.plan.chunk_bounds(part, 0)
+    bad = np.zeros(hi - lo, np.float32)
+    request = h.chunk(part, 0, bad)
+    bad[-1] = np.nan
+    assert len(request.chunk.buffer) == bad.nbytes
+    request.chunk.buffer = bad.tobytes()
+    return [h.first(part, None), request]
+
+
+def _forever(h: Hostile, part: int) -> list[averaging_pb2.ReduceRequest]:
+    return [*h.valid(part), *(h.chunk(part, 0) for _ in range(50))]
+
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+# (messages to every honest reducer, status the hostile must see, reducer's drop reason)
+SCENARIOS: dict[str, tuple[Scenario, set[grpc.StatusCode] | None, str | None]] = {
+    "unknown-group": (
+        lambda h, p: [h.first(p, group_id=os.urandom(16))],
+        {grpc.StatusCode.NOT_FOUND},
+        "no chunk",
+    ),
+    "bad-header": (
+        lambda h, p: [h.first(p, header=h.identity.make_header("other-run"))],
+        {grpc.StatusCode.UNAUTHENTICATED},
+        "no chunk",
+    ),
+    "not-a-member": (
+        lambda h, p: [h.first(p, header=Identity.generate().make_header(RUN_ID))],
+        {grpc.StatusCode.PERMISSION_DENIED},
+        "no chunk",
+    ),
+    "wrong-part": (lambda h, p: [h.first(p, part_index=(p + 1) % HONEST)], {INVALID}, "no chunk"),
+    "negative-weight": (lambda h, p: [h.first(p, weight=-2.0)], {INVALID}, "weight"),
+    "wrong-size": (_wrong_size, {INVALID}, "shape"),
+    "wrong-dtype": (_wrong_dtype, {INVALID}, "float32"),
+    "nan": (_nan, {INVALID}, "NaN"),
+    "duplicate-chunk": (lambda h, p: [h.first(p), h.chunk(p, 0)], {INVALID}, "duplicate"),
+    # Every valid chunk first, then junk without end. The reducer either cuts it off
+    # (INVALID_ARGUMENT; or INTERNAL when the hostile's own write loses the race with that
+    # status) or, when the round completes first, ends the stream with OK unread.
+    "sends-forever": (
+        _forever,
+        {INVALID, grpc.StatusCode.INTERNAL, grpc.StatusCode.OK},
+        None,
+    ),
+    "never-sends": (lambda h, p: [h.first(p, None)], None, "no chunk"),
+    "silent-connection": (lambda h, p: [], {INVALID}, "no chunk"),
+}
+
+
+async def _drive(
+    channels: ChannelPool, address: str, messages: list[averaging_pb2.ReduceRequest], until: float
+) -> grpc.StatusCode:
+    """Write ``messages`` (not closing the stream), read until the reducer ends it."""
+    call = channels.channel(address).stream_stream(
+        "/swarmavg.v1.Averaging/Reduce",
+        request_serializer=averaging_pb2.ReduceRequest.SerializeToString,
+        response_deserializer=averaging_pb2.ReduceResponse.FromString,
+    )(timeout=until - time.monotonic())
+
+    async def write() -> None:
+        for message in messages:
+            await call.write(message)
+
+    writer = asyncio.get_running_loop().create_task(write())
+    try:
+        while await call.read() is not grpc.aio.EOF:
+            pass
+    except grpc.aio.AioRpcError:
+        pass
+    finally:
+        writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
+            await writer
+    return await call.code()
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+async def test_hostile_sender_is_cut_off(
+    grpc_servers: GrpcServerPool, channels: ChannelPool, scenario: str
+) -> None:
+    build, expected_codes, reason = SCENARIOS[scenario]
+    peers = await start_peers(grpc_servers, HONEST + 1)
+    try:
+        rng = np.random.default_rng(7)
+        inputs = [[rng.standard_normal(9000).astype(np.float32)] for _ in peers]
+        weights = [1.0, 2.0, 0.5, 1.0]
+        mean = weighted_mean([x[0] for x in inputs[:HONEST]], weights[:HONEST])
+        group = make_group(peers, inputs[0], [Mode.NODE] * HONEST + [Mode.CLIENT])
+        hostile = Hostile(group, peers[HONEST].identity, mean)
+        until = time.monotonic() + 20
+        attacks = [
+            _drive(channels, peers[p].address, build(hostile, p), until) for p in range(HONEST)
+        ]
+        honest_run = run_group(peers, group, inputs, weights, channels, timeout=20, skip=[HONEST])
+        *codes, results = await asyncio.gather(*attacks, honest_run)
+        if expected_codes is not None:
+            assert set(codes) <= expected_codes
+        honest = [r for r in results if r is not None]
+        assert len(honest) == HONEST
+        for r in honest:
+            assert isinstance(r, AllReduceOutcome), r
+            assert r.failed_parts == ()
+            np.testing.assert_allclose(r.tensors[0], mean, rtol=1e-5, atol=1e-6)
+            assert r.tensors[0].tobytes() == honest[0].tensors[0].tobytes()
+        if reason is not None:
+            for r in honest:
+                assert reason in r.dropped[HONEST]
+    finally:
+        await close_peers(peers)
