@@ -218,6 +218,15 @@ class Averager:
         """Current Moshpit group bits (advance after every formed group)."""
         return self._keys.group_bits
 
+    @property
+    def state_sharer(self) -> StateSharer:
+        """The state-sharing component (counters: ``served_chunks``, ``downloaded_chunks``).
+
+        Raises:
+            RuntimeError: the averager is not running.
+        """
+        return self._require()[2]
+
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Register the ``Averaging`` service on ``server`` (before it starts)."""
         add_to_server(self._servicer, server)

@@ -162,7 +162,10 @@ class StateSharer:
         self._published: PackedState | None = None
         self._held: dict[bytes, bytes] = {}
         self._uploads = 0
-        self._served_chunks = 0
+        self.served_chunks = 0
+        """Chunks this peer has served to others (a counter for status and tests)."""
+        self.downloaded_chunks = 0
+        """Chunks this peer has downloaded from others."""
         self._refresher: asyncio.Task[None] | None = None
 
     @property
@@ -363,6 +366,7 @@ class StateSharer:
                 if bytes(message.chunk_hash) != wanted or chunk_hash(data) != wanted:
                     raise _DonorFailed("chunk failed sha256 verification")
                 got[wanted] = data
+                self.downloaded_chunks += 1
         except (grpc.aio.AioRpcError, TimeoutError) as error:
             raise _DonorFailed(repr(error)) from None
         finally:
@@ -413,11 +417,11 @@ class StateSharer:
                     return
                 if self.faults is not None:
                     limit = self.faults.fail_after_chunks
-                    if limit is not None and self._served_chunks >= limit:
+                    if limit is not None and self.served_chunks >= limit:
                         await context.abort(grpc.StatusCode.UNAVAILABLE, "injected donor failure")
                     if self.faults.corrupt_chunks and data:
                         data = bytes([data[0] ^ 0xFF]) + data[1:]
-                self._served_chunks += 1
+                self.served_chunks += 1
                 yield averaging_pb2.StateResponse(
                     code=averaging_pb2.STATE_OK, chunk_hash=wanted, chunk_data=data
                 )
