@@ -24,6 +24,7 @@ import numpy as np
 
 from swarmavg.compression.dtypes import FLOATING, dtype_from_proto, dtype_to_proto, normalize_dtype
 from swarmavg.compression.errors import CodecError
+from swarmavg.compression.kernels import all_finite
 from swarmavg.proto import tensor_pb2
 
 __all__ = [
@@ -281,36 +282,6 @@ def as_input(array: np.ndarray, *, floating_only: bool) -> tuple[np.ndarray, np.
     if a.dtype != dtype:
         a = a.astype(dtype)
     return np.ascontiguousarray(a).reshape(-1), dtype
-
-
-def to_float32(flat: np.ndarray) -> np.ndarray:
-    """View or convert a flat floating array as float32 (the codecs' working precision).
-
-    Raises:
-        CodecError: a float64 value outside the float32 range.
-    """
-    if flat.dtype == np.float32:
-        return flat
-    if flat.dtype == np.float64:
-        with np.errstate(over="ignore", invalid="ignore"):
-            out = flat.astype(np.float32)
-        return out
-    return flat.astype(np.float32)
-
-
-def all_finite(x: np.ndarray) -> bool:
-    """Whether a float array holds no NaN/Inf, in one fast reduction when possible.
-
-    A sum is NaN/Inf when any element is; a finite-only array can overflow the sum only
-    with huge values, so a non-finite sum is confirmed elementwise before failing.
-    """
-    if x.size == 0:
-        return True
-    with np.errstate(over="ignore", invalid="ignore"):
-        s = np.add.reduce(x, dtype=np.float32 if x.dtype != np.float64 else np.float64)
-    if np.isfinite(s):
-        return True
-    return bool(np.isfinite(x).all())
 
 
 def require_finite(x: np.ndarray, what: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from swarmavg.compression.blockwise import Blockwise4BitCodec, Blockwise8BitCodec
 from swarmavg.compression.floating import (
     BFloat16Codec,
     Float16Codec,
@@ -14,3 +15,5 @@ register_codec(NoneCodec.name, NoneCodec)
 register_codec(Float16Codec.name, Float16Codec)
 register_codec(BFloat16Codec.name, BFloat16Codec)
 register_codec(ScaledFloat16Codec.name, ScaledFloat16Codec)
+register_codec(Blockwise8BitCodec.name, Blockwise8BitCodec)
+register_codec(Blockwise4BitCodec.name, Blockwise4BitCodec)
