@@ -235,8 +235,11 @@ class CollaborativeOptimizer:
         progress = self.tracker.refresh()
         if progress.epoch == self.epoch and not progress.ready:
             progress = self._wait_for_swarm(progress)
-        if progress.epoch > self.epoch:
+        if progress.epoch > self.epoch + 1:
             self._catch_up(progress)
+        elif progress.epoch == self.epoch + 1:
+            # The others have just started the round of our epoch: join it late.
+            self._global_step(progress, late=True)
         elif progress.ready:
             self._global_step(progress)
         self.tracker.meter.start()
@@ -295,35 +298,63 @@ class CollaborativeOptimizer:
     # ------------------------------------------------------------------ the state machine
 
     def _wait_for_swarm(self, progress: GlobalProgress) -> GlobalProgress:
-        """Wait (briefly) when the others will complete the epoch before our next batch would.
+        """Wait (briefly) for the others when they are about to complete the epoch.
 
         Without this, a process that checks just before the last report of an epoch arrives
         computes one more batch, and the global batch grows beyond ``target_batch_size``.
-        It waits only when it has already delivered its fair share and the others' rate
-        says they finish sooner than its own next batch; after ``max_wait`` it goes on.
+        It waits only after delivering its fair share (``target / processes``); it stops
+        waiting when the epoch completes, when the others' throughput says they need longer
+        than its own next batch (a fast peer then contributes more, as it should), or
+        after ``max_wait`` seconds (a straggler or a dead peer whose record lingers).
         """
-        mine = self.tracker.local
-        if mine.samples_per_second <= 0 or progress.num_processes <= 1 or self.max_wait == 0:
+        if progress.num_processes <= 1 or self.max_wait == 0:
             return progress
-        own_step = self.batch_size_per_step / mine.samples_per_second
-        fair_share = progress.target / progress.num_processes
-        deadline = time.monotonic() + min(self.max_wait, 2 * own_step)
+        own_rate = self.tracker.meter.rate
+        own_step = self.batch_size_per_step / own_rate if own_rate > 0 else None
+        poll = 0.01 if own_step is None else min(max(own_step / 4, 0.002), 0.05)
+        deadline = time.monotonic() + self.max_wait
         while not progress.ready and progress.epoch == self.epoch:
-            others = progress.samples_per_second - mine.samples_per_second
+            if self.tracker.samples < progress.target / progress.num_processes:
+                break
+            others = progress.samples_per_second - own_rate
             remaining = progress.target - progress.samples
-            if mine.samples < fair_share or others <= 0 or remaining / others > own_step:
+            if own_step is not None and others > 0 and remaining / others > own_step:
                 break
             if time.monotonic() >= deadline:
                 break
-            time.sleep(min(max(own_step / 4, 0.002), 0.05))
+            time.sleep(poll)
             progress = self.tracker.refresh()
         return progress
 
-    def _global_step(self, progress: GlobalProgress) -> None:
+    def _global_step(self, progress: GlobalProgress, *, late: bool = False) -> None:
+        """Average and step for the current epoch.
+
+        ``late``: the others have moved on already. The round runs in the foreground even
+        with ``delay_updates``, and when it fails this process loads the swarm's state
+        instead of stepping alone (a local step would leave it off the others' parameters).
+        """
         epoch = self.epoch
         weight = float(self.tracker.samples) or ZERO_WEIGHT
         group_size = progress.num_peers
         self.tracker.meter.pause()
+        if late:
+            self._apply_pending(block=True)
+            arrays = (
+                [(g / weight).numpy() for g in self._grads]
+                if self._grads is not None
+                else to_arrays(self.params)
+            )
+            key = f"grads.{epoch}" if self._grads is not None else f"params.{epoch}"
+            result = self._round(arrays, key, weight, group_size, False)
+            if result is None:
+                self._catch_up(progress)
+                return
+            if self._grads is not None:
+                self._apply_gradients(result.tensors)
+            else:
+                copy_into(self.params, result.tensors)
+            self._advance(epoch + 1, publish=True)
+            return
         if self._grads is not None:
             local = [(g / weight).numpy() for g in self._grads]
             if self._executor is not None:

@@ -113,8 +113,10 @@ class GlobalProgress:
         epoch: the newest epoch any live process reports (the swarm's global epoch).
         samples: samples accumulated towards ``epoch`` by every process at that epoch.
         target: ``target_batch_size``; the swarm steps once ``samples >= target``.
-        num_peers: distinct daemons (group members) at ``epoch``.
-        num_processes: training processes at ``epoch``.
+        num_peers: distinct daemons (group members) at ``epoch`` or one epoch behind it.
+            Right after a global step some processes have not reported their new epoch
+            yet; they will join the next round, so they count as members of it.
+        num_processes: training processes at ``epoch`` or one behind it.
         samples_per_second: the swarm's total throughput (processes at ``epoch``).
         eta: seconds until ``samples`` reaches ``target`` at that throughput (0 when
             reached, ``inf`` when nobody is making progress).
@@ -154,6 +156,7 @@ def aggregate(records: Iterable[PeerProgress], target: int) -> GlobalProgress:
     peers = tuple(records)
     epoch = max((p.epoch for p in peers), default=0)
     current = [p for p in peers if p.epoch == epoch]
+    active = [p for p in peers if p.epoch >= epoch - 1]
     samples = sum(p.samples for p in current)
     rate = sum(p.samples_per_second for p in current)
     remaining = max(0, target - samples)
@@ -167,8 +170,8 @@ def aggregate(records: Iterable[PeerProgress], target: int) -> GlobalProgress:
         epoch=epoch,
         samples=samples,
         target=target,
-        num_peers=len({p.peer_id for p in current}),
-        num_processes=len(current),
+        num_peers=len({p.peer_id for p in active}),
+        num_processes=len(active),
         samples_per_second=rate,
         eta=eta,
         peers=peers,

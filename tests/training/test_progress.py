@@ -21,7 +21,7 @@ def rec(peer: str, epoch: int, samples: int, sps: float = 10.0) -> PeerProgress:
 
 def test_aggregate_counts_only_the_newest_epoch() -> None:
     progress = aggregate(
-        [rec("a", 3, 20, 5.0), rec("b", 3, 30, 15.0), rec("c", 2, 100, 50.0)], target=100
+        [rec("a", 3, 20, 5.0), rec("b", 3, 30, 15.0), rec("c", 1, 100, 50.0)], target=100
     )
     assert progress.epoch == 3
     assert progress.samples == 50
@@ -30,6 +30,12 @@ def test_aggregate_counts_only_the_newest_epoch() -> None:
     assert progress.eta == pytest.approx(50 / 20)
     assert not progress.ready
     assert progress.samples_per_peer() == {"a": 5.0, "b": 15.0, "c": 50.0}
+
+
+def test_peers_one_epoch_behind_are_members_of_the_next_round() -> None:
+    # right after a step, "b" has not reported epoch 4 yet: it will join round 4
+    progress = aggregate([rec("a", 4, 8), rec("b", 3, 8), rec("c", 2, 8)], target=16)
+    assert (progress.epoch, progress.samples, progress.num_peers) == (4, 8, 2)
 
 
 def test_processes_of_one_daemon_count_as_one_peer() -> None:
@@ -121,7 +127,7 @@ def test_trackers_see_each_other_and_ignore_garbage() -> None:
     b.set_epoch(1)
     b.report()
     progress = a.refresh()
-    assert (progress.epoch, progress.samples, progress.num_peers) == (1, 0, 1)
+    assert (progress.epoch, progress.samples, progress.num_peers) == (1, 0, 2)
     assert a.epoch == 0  # the tracker reports; catching up is the wrapper's decision
 
 
