@@ -30,7 +30,6 @@ API (used by ``swarmavg.averaging.averager``)::
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -254,22 +253,17 @@ class _Exchange:
             while replies < num_chunks:
                 patience = self._reply_patience(started, replies)
                 wait = min(patience, self.deadline - time.monotonic())
-                if wait <= 0:
-                    log.info("part %d: reducer %s too slow, keeping local values", part, address)
+                try:
+                    async with asyncio.timeout(max(wait, 0.0)):
+                        response = await call.read()
+                except TimeoutError:
+                    log.info(
+                        "part %d: no reply from %s in %.1fs, keeping local values",
+                        part,
+                        address,
+                        wait,
+                    )
                     return
-                read = loop.create_task(call.read())
-                done, _ = await asyncio.wait({read, sender}, timeout=wait)
-                if read not in done:
-                    read.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
-                        await read
-                    if sender in done and sender.exception() is None:
-                        continue  # finished writing; keep waiting for replies
-                    if sender in done:
-                        raise sender.exception()  # type: ignore[misc]
-                    log.info("part %d: no reply from %s in %.1fs", part, address, wait)
-                    return
-                response = read.result()
                 if response is grpc.aio.EOF:
                     log.info("part %d: reducer %s ended the stream early", part, address)
                     return
@@ -282,8 +276,12 @@ class _Exchange:
             log.info("part %d: stream to %s failed: %s %s", part, address, code, details)
         finally:
             sender.cancel()
-            with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
+            try:
                 await sender
+            except (asyncio.CancelledError, grpc.RpcError):
+                pass
+            except Exception:  # the stream is gone either way; keep the round alive
+                log.exception("part %d: sending to %s failed", part, address)
             call.cancel()
 
     async def _accept_reply(self, part: int, response: averaging_pb2.ReduceResponse) -> bool:

@@ -1,0 +1,187 @@
+"""The fault matrix: one member of four stalls, stops, crashes or never comes.
+
+Faults are injected through the runner's seam (:class:`FaultPlan`); the survivors must
+return in time with the exact mean of the contributions that reached each live reducer,
+bit-identical across survivors, ``partial=True``, and their inputs untouched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+
+from swarmavg.averaging.allreduce import AllReduceOutcome
+from swarmavg.averaging.allreduce_config import AllReduceConfig
+from swarmavg.averaging.faults import Fault, FaultPlan, InjectedCrash
+from swarmavg.averaging.load_balancing import part_sizes
+from swarmavg.averaging.partition import PartPlan
+from swarmavg.averaging.reducer import weighted_mean
+from swarmavg.dht import ChannelPool
+from tests.averaging.allreduce_peers import FAST, close_peers, make_group, run_group, start_peers
+from tests.harness import GrpcServerPool
+
+pytestmark = pytest.mark.timeout(60)
+
+N = 4
+FAULTY = 1
+SIZE = 9000  # 4 parts of 2250 elements: chunks of 1024, 1024, 202
+TIMEOUT = 8.0
+GRACE = 3.0
+WEIGHTS = [1.0, 2.0, 0.5, 1.5]
+
+
+@pytest.fixture
+async def channels() -> AsyncIterator[ChannelPool]:
+    pool = ChannelPool()
+    try:
+        yield pool
+    finally:
+        await pool.close()
+
+
+def _chunks(group_members: tuple, chunk_elements: int = 1024) -> PartPlan:  # type: ignore[type-arg]
+    return PartPlan.build(part_sizes(group_members, SIZE), chunk_elements)
+
+
+# fault -> (plan or None for "never starts", chunks of live parts the faulty one delivers
+#           (None: any prefix, nondeterministic), expected failed parts)
+FAULTS: dict[str, tuple[FaultPlan | None, int | None, set[int] | None]] = {
+    "stop-sending-at-start": (FaultPlan(Fault.STOP_SENDING, 0), 0, set()),
+    "stop-sending-midway": (FaultPlan(Fault.STOP_SENDING, 2), 2, set()),
+    "stop-reducing-at-start": (FaultPlan(Fault.STOP_REDUCING, 0), 3, {FAULTY}),
+    "stop-reducing-midway": (FaultPlan(Fault.STOP_REDUCING, 2), 3, {FAULTY}),
+    "crash-at-start": (FaultPlan(Fault.CRASH, 0), 0, {FAULTY}),
+    "crash-midway": (FaultPlan(Fault.CRASH, 2), None, None),
+    "never-starts": (None, 0, {FAULTY}),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+async def test_survivors_finish_with_the_mean_of_what_arrived(
+    grpc_servers: GrpcServerPool, channels: ChannelPool, fault: str
+) -> None:
+    plan_, delivered, expected_failed = FAULTS[fault]
+    peers = await start_peers(grpc_servers, N)
+    try:
+        rng = np.random.default_rng(11)
+        inputs = [[rng.standard_normal(SIZE).astype(np.float32)] for _ in range(N)]
+        saved = [x[0].copy() for x in inputs]
+        group = make_group(peers, inputs[0])
+        plan = _chunks(group.members)
+        survivors = [i for i in range(N) if i != FAULTY]
+        full = weighted_mean([x[0] for x in inputs], WEIGHTS)
+        partial_mean = weighted_mean(
+            [inputs[i][0] for i in survivors], [WEIGHTS[i] for i in survivors]
+        )
+
+        started = time.monotonic()
+        results = await run_group(
+            peers,
+            group,
+            inputs,
+            WEIGHTS,
+            channels,
+            timeout=TIMEOUT,
+            faults={FAULTY: plan_} if plan_ is not None else {},
+            skip=[FAULTY] if plan_ is None else [],
+        )
+        elapsed = time.monotonic() - started
+        assert elapsed <= TIMEOUT + GRACE
+
+        if plan_ is None:
+            assert results[FAULTY] is None
+        elif plan_.fault is Fault.CRASH:
+            assert isinstance(results[FAULTY], InjectedCrash)
+        else:
+            assert isinstance(results[FAULTY], AllReduceOutcome)
+            assert results[FAULTY].partial  # type: ignore[union-attr]
+
+        outcomes = [results[i] for i in survivors]
+        for i, r in zip(survivors, outcomes, strict=True):
+            assert isinstance(r, AllReduceOutcome), r
+            assert r.partial
+            if expected_failed is not None:
+                assert set(r.failed_parts) == expected_failed
+            else:
+                assert set(r.failed_parts) <= {FAULTY}
+            got = r.tensors[0]
+            for part in range(N):
+                base = plan.bounds[part][0]
+                for c in range(plan.num_chunks(part)):
+                    lo, hi = plan.chunk_bounds(part, c)
+                    sl = slice(base + lo, base + hi)
+                    candidates = {
+                        "full": full[sl],
+                        "survivors": partial_mean[sl],
+                        "local": saved[i][sl],
+                    }
+                    close = {
+                        k
+                        for k, v in candidates.items()
+                        if np.allclose(got[sl], v, rtol=1e-5, atol=1e-6)
+                    }
+                    if part == FAULTY:
+                        assert close, (part, c)
+                        continue
+                    if delivered is None:
+                        assert close & {"full", "survivors"}, (part, c)
+                    else:
+                        want = "full" if c < delivered else "survivors"
+                        assert want in close, (part, c, close)
+        # Every part whose reducer lived is bit-identical across survivors.
+        for part in range(N):
+            if part == FAULTY:
+                continue
+            lo, hi = plan.bounds[part]
+            ref = outcomes[0].tensors[0][lo:hi].tobytes()  # type: ignore[union-attr]
+            for r in outcomes[1:]:
+                assert r.tensors[0][lo:hi].tobytes() == ref  # type: ignore[union-attr]
+        for x, s in zip(inputs, saved, strict=True):
+            assert x[0].tobytes() == s.tobytes()
+    finally:
+        await close_peers(peers)
+
+
+async def test_the_deadline_bounds_a_stalled_round(
+    grpc_servers: GrpcServerPool, channels: ChannelPool
+) -> None:
+    """With stall detection effectively off, only the round deadline ends a stalled round."""
+    patient = AllReduceConfig(min_stall=1000.0, registration_wait=2.0, chunk_bytes=4096)
+    peers = await start_peers(grpc_servers, 3, patient)
+    try:
+        rng = np.random.default_rng(5)
+        inputs = [[rng.standard_normal(SIZE).astype(np.float32)] for _ in range(3)]
+        saved = [x[0].copy() for x in inputs]
+        group = make_group(peers, inputs[0])
+        timeout = 3.0
+        started = time.monotonic()
+        results = await run_group(
+            peers,
+            group,
+            inputs,
+            [1.0, 1.0, 1.0],
+            channels,
+            timeout=timeout,
+            faults={2: FaultPlan(Fault.STOP_SENDING, 1)},
+        )
+        assert time.monotonic() - started <= timeout + GRACE
+        plan = _chunks(group.members)
+        for i, r in enumerate(results):
+            assert isinstance(r, AllReduceOutcome), r
+            assert r.partial
+            # Chunk 0 of part 0 was delivered by everyone: averaged. The later chunks
+            # waited for member 2 until the reducers' deadline, then averaged the others.
+            lo, hi = plan.chunk_bounds(0, 0)
+            np.testing.assert_allclose(
+                r.tensors[0][lo:hi], np.mean([x[0][lo:hi] for x in inputs], axis=0), rtol=1e-5
+            )
+            assert inputs[i][0].tobytes() == saved[i].tobytes()
+    finally:
+        await close_peers(peers)
+
+
+def test_fast_config_is_what_the_matrix_assumes() -> None:
+    assert FAST.chunk_bytes == 4096  # 1024-element chunks of float32 with codec "none"
