@@ -26,6 +26,7 @@ import numpy as np
 
 from swarmavg.averaging.averager import Averager, AveragerConfig
 from swarmavg.averaging.group import Mode
+from swarmavg.averaging.matchmaking import MatchmakingEvent
 from swarmavg.dht import (
     BootstrapError,
     ChannelPool,
@@ -143,7 +144,9 @@ class Peer:
             mode=Mode.CLIENT if cfg.client_mode else Mode.NODE,
             target_group_size=cfg.group_size,
         )
-        self.averager = Averager(self.dht, self._averager_config, self._channels)
+        self.averager = Averager(
+            self.dht, self._averager_config, self._channels, observer=self._on_matchmaking
+        )
         if not cfg.client_mode:
             server = grpc.aio.server(options=SERVER_OPTIONS)
             self.dht.add_to_server(server)
@@ -230,6 +233,12 @@ class Peer:
         while True:
             metrics.sync()
             await asyncio.sleep(1.0)
+
+    def _on_matchmaking(self, event: MatchmakingEvent, key: str, peer_id: bytes) -> None:
+        if event is MatchmakingEvent.GROUP_FORMED:
+            log.info("group formed under %s", key)
+        else:
+            log.debug("matchmaking %s under %s: %s", event.value, key, peer_id.hex()[:12])
 
     # ---- what the control service calls ----
 

@@ -168,3 +168,276 @@ def test_four_daemons_four_clients_get_the_weighted_mean(
     ).stdout
     assert "4 (3 known + this one)" in human
     assert peers[0].peer_id in human
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("phase", ["matchmaking", "allreduce"])
+def test_daemon_killed_mid_round_others_return_within_timeout(
+    procs: ProcessPool, sock_dir: Path, tmp_path: Path, phase: str
+) -> None:
+    peers = swarm(procs, sock_dir, 3)
+    timeout = 15.0
+    workers = [
+        Worker(
+            tmp_path,
+            f"c{i}",
+            control=p.control,
+            seed=i,
+            shapes=[[8_000_000]],  # 32 MB each: the all-reduce takes a moment
+            key="kill",
+            group_size=3,
+            min_group_size=2,
+            timeout=timeout,
+        )
+        for i, p in enumerate(peers)
+    ]
+    for w in workers:
+        w.wait_connected()
+    from swarmavg.peer import connect
+
+    victim = peers[2]
+    watchers = [connect(p.control) for p in peers]
+    try:
+        wait_for(lambda: all(c.status()["active_calls"] >= 1 for c in watchers), 30, "calls")
+        if phase == "allreduce":  # the victim's daemon logs when its group is formed
+            wait_for(lambda: "group formed under" in victim.stderr(), 30, "the group")
+        victim.proc.send_signal(signal.SIGKILL)
+    finally:
+        for c in watchers:
+            c.close()
+    victim.wait(timeout=10)
+    for w in workers[:2]:
+        outcome = w.outcome(timeout=timeout + 15)
+        outcome.pop("tensors", None)
+        assert outcome["elapsed"] <= timeout + 3.0, outcome
+        if outcome["ok"]:
+            # killed in the all-reduce: the group had the victim (its part is then kept
+            # local, partial=True, unless the round had just finished)
+            assert outcome["group_size"] == (3 if phase == "allreduce" else 2), outcome
+        else:
+            assert outcome["error"] in {"NoGroupError", "AveragingError", "SwarmTimeoutError"}
+    workers[2].kill()
+    # the survivors keep serving: a fresh round between them succeeds
+    again = [
+        Worker(
+            tmp_path,
+            f"again{i}",
+            control=p.control,
+            seed=i,
+            shapes=[[10]],
+            key="after",
+            group_size=2,
+            min_group_size=2,
+            timeout=30.0,
+        )
+        for i, p in enumerate(peers[:2])
+    ]
+    for w in again:
+        outcome = w.outcome(timeout=60)
+        assert outcome["ok"], outcome
+        assert outcome["group_size"] == 2
+
+
+@pytest.mark.timeout(90)
+def test_client_killed_mid_round_leaves_no_segment(
+    procs: ProcessPool, sock_dir: Path, tmp_path: Path
+) -> None:
+    peers = swarm(procs, sock_dir, 2)
+    doomed = Worker(
+        tmp_path,
+        "doomed",
+        control=peers[0].control,
+        seed=0,
+        shapes=[[1_000_000]],
+        key="lonely",
+        min_group_size=2,
+        timeout=30.0,
+    )  # 4 MB through shm; nobody else averages "lonely", so it waits in matchmaking
+    doomed.wait_connected()
+    wait_for(lambda: status(Path(peers[0].control))["active_calls"] == 1, 30, "the call")
+    doomed.kill()
+    assert segments_of(doomed.proc.pid) == []
+    wait_for(lambda: status(Path(peers[0].control))["active_calls"] == 0, 40, "the call's end")
+    workers = [
+        Worker(
+            tmp_path,
+            f"ok{i}",
+            control=p.control,
+            seed=i,
+            shapes=[[1_000_000]],
+            key="fine",
+            group_size=2,
+            timeout=30.0,
+        )
+        for i, p in enumerate(peers)
+    ]
+    for w in workers:
+        outcome = w.outcome(timeout=60)
+        assert outcome["ok"], outcome
+        assert segments_of(w.proc.pid) == []
+
+
+@pytest.mark.timeout(60)
+def test_sigint_stops_a_daemon_mid_round_within_5s(
+    procs: ProcessPool, sock_dir: Path, tmp_path: Path
+) -> None:
+    peers = swarm(procs, sock_dir, 2)
+    waiting = Worker(
+        tmp_path,
+        "waiting",
+        control=peers[0].control,
+        seed=0,
+        shapes=[[1000]],
+        key="never",
+        min_group_size=3,
+        timeout=30.0,
+    )
+    waiting.wait_connected()
+    wait_for(lambda: status(Path(peers[0].control))["active_calls"] == 1, 30, "the call")
+    started = time.monotonic()
+    peers[0].signal(signal.SIGINT)
+    assert peers[0].wait(timeout=10) == 0
+    assert time.monotonic() - started < 5.0
+    assert not Path(peers[0].control).exists(), "the control socket is removed on exit"
+    outcome = waiting.outcome(timeout=30)
+    assert not outcome["ok"]
+    assert outcome["error"] in {"DaemonUnavailableError", "NoGroupError"}, outcome
+
+
+@pytest.mark.timeout(90)
+def test_bad_input_gets_a_clear_error_and_the_daemon_keeps_serving(
+    procs: ProcessPool, sock_dir: Path, tmp_path: Path
+) -> None:
+    from swarmavg.peer import NoGroupError, SwarmError, ValidationError, connect
+
+    peers = swarm(procs, sock_dir, 2)
+    with connect(peers[0].control) as client:
+        cases: list[tuple[list[Any], dict[str, Any], str]] = [
+            ([np.array([np.nan], np.float32)], {}, "NaN/Inf"),
+            ([np.zeros(3, np.int32)], {}, "unsupported dtype"),
+            ([], {}, "non-empty"),
+            ([np.zeros(3, np.float32)], {"key": "k" * 1000}, "limit"),
+        ]
+        for tensors, overrides, message in cases:
+            kwargs = {"key": "bad", "timeout": 5.0, **overrides}
+            with pytest.raises(ValidationError, match=message):
+                client.average(tensors, **kwargs)
+        assert client.status()["rounds_failed"] == 0  # nothing reached the daemon
+    # shapes that differ between peers: both callers get an exception, nobody hangs
+    workers = [
+        Worker(
+            tmp_path,
+            f"shape{i}",
+            control=p.control,
+            seed=i,
+            shapes=[[10 + i]],
+            key="shapes",
+            group_size=2,
+            timeout=8.0,
+        )
+        for i, p in enumerate(peers)
+    ]
+    for w in workers:
+        outcome = w.outcome(timeout=40)
+        assert not outcome["ok"], outcome
+        assert outcome["error"] in {"ValidationError", "NoGroupError"}, outcome
+        assert outcome["elapsed"] < 8.0 + 3.0
+    assert issubclass(NoGroupError, SwarmError)
+    good = [
+        Worker(
+            tmp_path,
+            f"good{i}",
+            control=p.control,
+            seed=i,
+            shapes=[[10]],
+            key="good",
+            group_size=2,
+            timeout=30.0,
+        )
+        for i, p in enumerate(peers)
+    ]
+    for w in good:
+        outcome = w.outcome(timeout=60)
+        assert outcome["ok"], outcome
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> Any:
+    return subprocess.run(
+        [sys.executable, "-m", "swarmavg.peer.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+
+
+@pytest.mark.timeout(90)
+def test_startup_errors_are_one_clear_line(procs: ProcessPool, sock_dir: Path) -> None:
+    first = start_peer(procs, sock_dir / "a.sock")
+    port = first.address.rsplit(":", 1)[1]
+    taken = run_cli("peer", "--listen", f"127.0.0.1:{port}", "--control", str(sock_dir / "b.sock"))
+    assert taken.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}: port {port} is already in use" in taken.stderr
+    assert taken.stdout == ""
+    live = run_cli("peer", "--listen", "127.0.0.1:0", "--control", first.control)
+    assert live.returncode != 0
+    assert "belongs to a running swarmavg daemon" in live.stderr
+    assert Path(first.control).exists(), "the live daemon's socket is left alone"
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    nobody = run_cli(
+        "peer",
+        "--listen",
+        "127.0.0.1:0",
+        "--control",
+        str(sock_dir / "c.sock"),
+        "--join",
+        f"{dead},127.0.0.1:1",
+        env={"SWARMAVG_BOOTSTRAP_TIMEOUT": "2"},
+    )
+    assert nobody.returncode != 0
+    assert dead in nobody.stderr
+    assert "127.0.0.1:1" in nobody.stderr
+    assert not (sock_dir / "c.sock").exists()
+    public = run_cli("peer", "--control", "0.0.0.0:5000")
+    assert public.returncode != 0
+    assert "not local" in public.stderr
+    # a stale socket file (its daemon was SIGKILLed) is removed and the name reused
+    first.proc.send_signal(signal.SIGKILL)
+    first.wait(timeout=10)
+    assert Path(first.control).exists()
+    again = start_peer(procs, Path(first.control))
+    assert again.control == first.control
+
+
+@pytest.mark.timeout(60)
+def test_identity_file_gives_the_same_peer_id(procs: ProcessPool, sock_dir: Path) -> None:
+    key = sock_dir / "id.key"
+    first = start_peer(procs, sock_dir / "a.sock", "--identity", str(key))
+    assert key.stat().st_mode & 0o777 == 0o600
+    first.stop()
+    second = start_peer(procs, sock_dir / "a.sock", env={"SWARMAVG_IDENTITY": str(key)})
+    assert second.peer_id == first.peer_id
+    third = start_peer(procs, sock_dir / "b.sock")
+    assert third.peer_id != first.peer_id
+
+
+@pytest.mark.timeout(60)
+def test_ready_line_and_bare_dht_bootstrap_node(procs: ProcessPool, sock_dir: Path) -> None:
+    boot = procs.start(["dht", "--listen", "127.0.0.1:0", "--run-id", "pub"])
+    assert set(boot.ready) == {"event", "peer_id", "address", "control", "run_id"}
+    assert boot.ready["control"] is None
+    assert boot.ready["run_id"] == "pub"
+    peer = start_peer(procs, sock_dir / "a.sock", "--join", boot.address, "--run-id", "pub")
+    assert set(peer.ready) == {"event", "peer_id", "address", "control", "run_id"}
+    assert peer.control == str(sock_dir / "a.sock")
+    assert peer.address.startswith("127.0.0.1:")
+    assert len(peer.stdout_lines) == 1, "exactly one line on stdout"
+    assert status(Path(peer.control))["known_peers"] == 1
+    client_mode = start_peer(
+        procs, sock_dir / "c.sock", "--client-mode", "--join", peer.address, "--run-id", "pub"
+    )
+    assert client_mode.ready["address"] is None
+    assert status(Path(client_mode.control))["client_mode"] is True
