@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from swarmavg.compression.adaptive import RoleAdaptiveCodec, SizeAdaptiveCodec
+from swarmavg.compression.base import Codec
 from swarmavg.compression.blockwise import Blockwise4BitCodec, Blockwise8BitCodec
 from swarmavg.compression.floating import (
     BFloat16Codec,
@@ -9,14 +13,33 @@ from swarmavg.compression.floating import (
     NoneCodec,
     ScaledFloat16Codec,
 )
+from swarmavg.compression.lossless import WRAPPERS, LosslessCodec
 from swarmavg.compression.quantization import Quantile8BitCodec, Uniform8BitCodec
-from swarmavg.compression.registry import register_codec
+from swarmavg.compression.registry import register_codec, register_wrapper
+from swarmavg.compression.topk import TopKCodec
 
-register_codec(NoneCodec.name, NoneCodec)
-register_codec(Float16Codec.name, Float16Codec)
-register_codec(BFloat16Codec.name, BFloat16Codec)
-register_codec(ScaledFloat16Codec.name, ScaledFloat16Codec)
-register_codec(Blockwise8BitCodec.name, Blockwise8BitCodec)
-register_codec(Blockwise4BitCodec.name, Blockwise4BitCodec)
-register_codec(Uniform8BitCodec.name, Uniform8BitCodec)
-register_codec(Quantile8BitCodec.name, Quantile8BitCodec)
+for _codec in (
+    NoneCodec,
+    Float16Codec,
+    BFloat16Codec,
+    ScaledFloat16Codec,
+    Uniform8BitCodec,
+    Quantile8BitCodec,
+    Blockwise8BitCodec,
+    Blockwise4BitCodec,
+    TopKCodec,
+    SizeAdaptiveCodec,
+    RoleAdaptiveCodec,
+):
+    register_codec(_codec.name, _codec)
+
+
+def _wrapper(kind: str) -> Callable[[Codec], Codec]:
+    def wrap(inner: Codec) -> Codec:
+        return LosslessCodec(kind, inner)
+
+    return wrap
+
+
+for _kind in WRAPPERS:
+    register_wrapper(_kind, _wrapper(_kind))

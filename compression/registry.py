@@ -25,15 +25,19 @@ from swarmavg.proto import tensor_pb2
 
 __all__ = ["decode_chunk", "decoder_for", "get_codec", "known_codecs", "register_codec"]
 
-_factories: dict[str, Callable[[], Codec]] = {}
+_factories: dict[str, Callable[..., Codec]] = {}
 _wrappers: dict[str, Callable[[Codec], Codec]] = {}
 _decoders: dict[str, Codec] = {}
 _lock = threading.Lock()
 
 
-def register_codec(name: str, factory: Callable[[], Codec]) -> None:
-    """Register a codec factory under ``name`` (a new name; ``+`` is reserved)."""
-    if not name or "+" in name:
+def register_codec(name: str, factory: Callable[..., Codec]) -> None:
+    """Register a codec factory under ``name`` (a new name; ``+`` and ``:`` are reserved).
+
+    The factory is called with no arguments, or with the keyword parameters of a
+    ``name:key=value,...`` spec.
+    """
+    if not name or "+" in name or ":" in name:
         raise ValueError(f"invalid codec name {name!r}")
     with _lock:
         if name in _factories:
@@ -49,31 +53,66 @@ def register_wrapper(prefix: str, factory: Callable[[Codec], Codec]) -> None:
 
 def known_codecs() -> list[str]:
     """Names accepted by :func:`get_codec` (wrappers shown as ``prefix+<codec>``)."""
-    with _lock:
-        return sorted(_factories) + sorted(f"{p}+<codec>" for p in _wrappers)
+    return sorted(_factories) + sorted(f"{p}+<codec>" for p in _wrappers)
+
+
+def _parse_params(text: str, spec: str) -> dict[str, int | float | str]:
+    params: dict[str, int | float | str] = {}
+    for item in text.split(","):
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"bad codec parameter {item!r} in {spec!r}; use name:key=value,...")
+        value: int | float | str = raw.strip()
+        for convert in (int, float):
+            try:
+                value = convert(raw)
+                break
+            except ValueError:
+                continue
+        params[key.strip()] = value
+    return params
+
+
+def _build(spec: str, full: str) -> Codec | None:
+    base, colon, text = spec.partition(":")
+    factory = _factories.get(base)
+    if factory is None:
+        return None
+    if not colon:
+        return factory()
+    params = _parse_params(text, full)
+    try:
+        return factory(**params)
+    except TypeError:
+        raise ValueError(f"codec {base!r} does not take parameters {sorted(params)}") from None
 
 
 def get_codec(name: str) -> Codec:
     """Return a new codec instance for ``name``.
+
+    ``name`` is a registered name, optionally with constructor parameters
+    (``"topk:fraction=0.05"``, ``"uint8-blockwise:block=1024"``), optionally behind one
+    lossless wrapper (``"zstd+topk:fraction=0.05"``). Messages always carry the plain
+    codec name; parameters needed for decoding travel in the message's meta.
 
     Stateful codecs (``topk``) keep their error-feedback state in the returned instance:
     keep the instance across rounds (one per averaged tensor stream); a fresh instance
     starts with no residuals.
 
     Raises:
-        ValueError: unknown name; the message lists the known ones.
+        ValueError: unknown name or bad parameters; the message lists the known names.
     """
     prefix, plus, inner = name.partition("+")
     with _lock:
         if plus:
             wrapper = _wrappers.get(prefix)
-            inner_factory = _factories.get(inner)
-            if wrapper is not None and inner_factory is not None:
-                return wrapper(inner_factory())
+            inner_codec = _build(inner, name) if wrapper is not None else None
+            if wrapper is not None and inner_codec is not None:
+                return wrapper(inner_codec)
         else:
-            factory = _factories.get(name)
-            if factory is not None:
-                return factory()
+            codec = _build(name, name)
+            if codec is not None:
+                return codec
     raise ValueError(f"unknown codec {name!r}; known: {', '.join(known_codecs())}")
 
 
