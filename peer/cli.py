@@ -156,17 +156,19 @@ def _error(command: str, message: str) -> None:
 
 def _run_loop(main: Any) -> int:
     """Run ``main`` on uvloop when importable (DESIGN 6.1), else the default loop."""
-    if sys.version_info >= (3, 11):
-        factory = None
-        try:
-            import uvloop
+    factory: Any = None
+    try:
+        import uvloop
 
-            factory = uvloop.new_event_loop
-        except ImportError:
-            pass
-        with asyncio.Runner(loop_factory=factory) as runner:
-            return int(runner.run(main))
-    return int(asyncio.run(main))  # pragma: no cover - Python 3.10
+        factory = uvloop.new_event_loop
+    except ImportError:
+        pass
+    if sys.version_info < (3, 11):  # pragma: no cover - no loop_factory before 3.11
+        if factory is not None:
+            asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        return int(asyncio.run(main))
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return int(runner.run(main))
 
 
 async def serve(daemon: Daemon, command: str) -> int:

@@ -121,7 +121,7 @@ class Client:
         self.endpoint = resolve_endpoint(endpoint)
         _check_socket_exists(self.endpoint)
         self._channel = grpc.insecure_channel(self.endpoint.grpc_target(), options=_OPTIONS)
-        self._stub = control_pb2_grpc.ControlStub(self._channel)
+        self._stub = control_pb2_grpc.ControlStub(self._channel)  # type: ignore[no-untyped-call]
         self.dht = _SyncDHT(self)
         try:
             status = self._stub.Status(
@@ -282,7 +282,7 @@ class AsyncClient:
         """
         _check_socket_exists(self.endpoint)
         self._channel = grpc.aio.insecure_channel(self.endpoint.grpc_target(), options=_OPTIONS)
-        self._stub_or_none = control_pb2_grpc.ControlStub(self._channel)
+        self._stub_or_none = control_pb2_grpc.ControlStub(self._channel)  # type: ignore[no-untyped-call]
         try:
             status = await self._stub.Status(
                 control_pb2.StatusRequest(), timeout=connect_timeout, wait_for_ready=True

@@ -77,7 +77,8 @@ def combine(arrays_per_member: list[list[np.ndarray]], weights: list[float]) -> 
         acc_dtype = np.float64 if first.dtype == np.float64 else np.float32
         acc = np.zeros(first.shape, dtype=acc_dtype)
         for arrays, weight in zip(arrays_per_member, weights, strict=True):
-            acc += arrays[index].astype(acc_dtype, copy=False) * (weight / total)
+            term: np.ndarray = arrays[index].astype(acc_dtype, copy=False)
+            acc += term * np.asarray(weight / total, dtype=acc_dtype)
         out.append(acc.astype(first.dtype))
     return out
 

@@ -92,7 +92,7 @@ async def _next(stream: AsyncIterator[Any], what: str) -> Any:
         raise ValidationError(f"no {what} within {READ_TIMEOUT:.0f} s") from None
 
 
-class ControlService(control_pb2_grpc.ControlServicer):  # type: ignore[misc]
+class ControlService(control_pb2_grpc.ControlServicer):
     """Serves one daemon's control endpoint. Create it inside the running loop."""
 
     def __init__(self, backend: ControlBackend) -> None:
@@ -101,7 +101,7 @@ class ControlService(control_pb2_grpc.ControlServicer):  # type: ignore[misc]
         self._accepting = True
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
-        control_pb2_grpc.add_ControlServicer_to_server(self, server)
+        control_pb2_grpc.add_ControlServicer_to_server(self, server)  # type: ignore[no-untyped-call]
 
     def stop_accepting(self) -> None:
         """New calls are answered UNAVAILABLE from now on (shutdown's first step)."""
@@ -123,17 +123,24 @@ class ControlService(control_pb2_grpc.ControlServicer):  # type: ignore[misc]
     async def DHTStore(
         self, request: control_pb2.DHTStoreRequest, context: Any
     ) -> control_pb2.DHTStoreResponse:
-        return await self._unary(self.rpc_dht_store, request, context)
+        response: control_pb2.DHTStoreResponse = await self._unary(
+            self.rpc_dht_store, request, context
+        )
+        return response
 
     async def DHTGet(
         self, request: control_pb2.DHTGetRequest, context: Any
     ) -> control_pb2.DHTGetResponse:
-        return await self._unary(self.rpc_dht_get, request, context)
+        response: control_pb2.DHTGetResponse = await self._unary(self.rpc_dht_get, request, context)
+        return response
 
     async def PublishState(
         self, requests: AsyncIterator[control_pb2.StateMessage], context: Any
     ) -> control_pb2.PublishStateResponse:
-        return await self._unary(self.rpc_publish_state, requests, context)
+        response: control_pb2.PublishStateResponse = await self._unary(
+            self.rpc_publish_state, requests, context
+        )
+        return response
 
     async def LoadState(
         self, request: control_pb2.LoadStateRequest, context: Any

@@ -42,7 +42,7 @@ def _is_torch_tensor(value: object) -> bool:
     return type(value).__module__.startswith("torch") and "torch" in sys.modules
 
 
-def to_numpy(tensors: Sequence[Any]) -> tuple[list[np.ndarray], list[Origin]]:
+def to_numpy(tensors: object) -> tuple[list[np.ndarray], list[Origin]]:
     """Convert inputs to C-contiguous numpy arrays (copies only what must be copied).
 
     Raises:
@@ -107,10 +107,19 @@ def from_numpy(arrays: Sequence[np.ndarray], origins: Sequence[Origin]) -> list[
     return out
 
 
+def _byte_view(array: np.ndarray) -> memoryview:
+    """The raw bytes of a C-contiguous array, without a copy."""
+    data: Any = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    return memoryview(data)
+
+
 def specs_of(arrays: Sequence[np.ndarray]) -> list[control_pb2.TensorSpec]:
     """The wire layout of ``arrays`` (dtypes must already be validated)."""
     return [
-        control_pb2.TensorSpec(dtype=dtype_to_proto(a.dtype, f"tensor {i}"), shape=a.shape)
+        control_pb2.TensorSpec(
+            dtype=dtype_to_proto(a.dtype, f"tensor {i}"),  # type: ignore[arg-type]
+            shape=a.shape,
+        )
         for i, a in enumerate(arrays)
     ]
 
@@ -130,7 +139,7 @@ def iter_bytes(
 ) -> Iterator[control_pb2.TensorBytes]:
     """Frame the arrays' raw bytes as TensorBytes messages of at most ``chunk`` bytes."""
     for index, array in enumerate(arrays):
-        flat = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        flat = _byte_view(array)
         for offset in range(0, len(flat), chunk):
             yield control_pb2.TensorBytes(
                 index=index, offset=offset, data=bytes(flat[offset : offset + chunk])
@@ -146,7 +155,7 @@ class TensorAssembler:
 
     def __init__(self, dtypes: Sequence[np.dtype[np.generic]], shapes: Sequence[tuple[int, ...]]):
         self.arrays = [np.empty(shape, dtype) for dtype, shape in zip(dtypes, shapes, strict=True)]
-        self._views = [memoryview(a.reshape(-1).view(np.uint8)) for a in self.arrays]
+        self._views = [_byte_view(a) for a in self.arrays]
         self._missing = sum(a.nbytes for a in self.arrays)
         self._filled = [0] * len(self.arrays)
 
