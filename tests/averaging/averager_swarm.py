@@ -55,12 +55,19 @@ class AveragerSwarm:
         self.peers: list[Peer] = []
         self.changed = asyncio.Event()
 
-    async def add(self, config: AveragerConfig, **averager_kwargs: Any) -> Peer:
+    async def add(
+        self, config: AveragerConfig, client_mode: bool = False, **averager_kwargs: Any
+    ) -> Peer:
+        """Start one peer; a ``client_mode`` peer serves nothing (its server stays unbound)."""
         channels = ChannelPool()
         initial = [self.peers[0].address] if self.peers else []
-        node = DHTNode(DHTConfig(run_id=RUN_ID, initial_peers=initial), channels=channels)
+        node = DHTNode(
+            DHTConfig(run_id=RUN_ID, initial_peers=initial, client_mode=client_mode),
+            channels=channels,
+        )
         server = grpc.aio.server()
-        node.add_to_server(server)
+        if not client_mode:
+            node.add_to_server(server)
         events: list[tuple[MatchmakingEvent, str, bytes]] = []
 
         def observe(event: MatchmakingEvent, key: str, other: bytes) -> None:
@@ -68,11 +75,15 @@ class AveragerSwarm:
             self.changed.set()
 
         averager = Averager(node, config, channels, observer=observe, **averager_kwargs)
-        averager.add_to_server(server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        address = f"127.0.0.1:{port}"
-        await node.start(address)
+        if client_mode:
+            address = ""
+            await node.start(None)
+        else:
+            averager.add_to_server(server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            address = f"127.0.0.1:{port}"
+            await node.start(address)
         await averager.start()
         peer = Peer(node, averager, server, channels, address, events)
         self.peers.append(peer)

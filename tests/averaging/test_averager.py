@@ -13,6 +13,7 @@ from swarmavg.averaging import (
     AveragerConfig,
     AveragingResult,
     InvalidTensorsError,
+    Mode,
     NoGroupError,
 )
 from tests.averaging.averager_swarm import averager_swarm, fast_config
@@ -72,6 +73,24 @@ async def test_weighted_mean_bit_identical_on_all_members() -> None:
                 rtol=tolerance,
                 atol=tolerance,
             )
+
+
+@pytest.mark.timeout(60)
+async def test_client_mode_peer_joins_and_gets_the_mean() -> None:
+    """A client-mode peer (no server, never dialled) cannot lead but still averages."""
+    async with averager_swarm(2) as swarm:
+        client = await swarm.add(fast_config(mode=Mode.CLIENT), client_mode=True)
+        values = [1.0, 2.0, 6.0]
+        results = await asyncio.gather(
+            *(
+                p.averager.average([np.full(10, v, np.float32)], "k", group_size=3, timeout=20)
+                for p, v in zip(swarm.peers, values, strict=True)
+            )
+        )
+        for r in results:
+            assert r.group_size == 3
+            np.testing.assert_array_equal(r.tensors[0], np.full(10, 3.0, np.float32))
+        assert client.peer_id.hex() in results[0].peers
 
 
 @pytest.mark.timeout(60)

@@ -170,3 +170,57 @@ async def test_simultaneous_mutual_join_does_not_deadlock() -> None:
         # Both still serve and group normally afterwards.
         again = await average_all(swarm, "k2", group_size=2, timeout=10.0)
         assert all(isinstance(r, AveragingResult) for r in again), again
+
+
+@pytest.mark.timeout(60)
+async def test_bad_join_requests_get_explicit_codes_and_change_nothing() -> None:
+    async with averager_swarm(3) as swarm:
+        leader, stranger, late = swarm.peers
+        key = leader.averager._keys.key_for("k")
+        round_ = asyncio.ensure_future(
+            leader.averager.average(inputs(0), "k", group_size=2, timeout=12.0)
+        )
+        await swarm.wait_for(lambda: any(e[0] is MatchmakingEvent.DECLARED for e in leader.events))
+        schema = (await declarations(leader, key))[leader.peer_id].schema_hash
+
+        async def ask(**fields: object) -> averaging_pb2.JoinResponse:
+            request = averaging_pb2.JoinRequest(
+                header=stranger.node.make_header(),
+                key=key,
+                schema_hash=schema,
+                declared_start=time.time() + 100,
+            )
+            for name, value in fields.items():
+                if name == "header":
+                    request.header.CopyFrom(value)  # type: ignore[arg-type]
+                else:
+                    setattr(request, name, value)
+            call = join_group_method(stranger.channels.channel(leader.address))(request, timeout=5)
+            try:
+                return await call.read()  # type: ignore[no-any-return]
+            finally:
+                call.cancel()
+
+        forged = stranger.node.make_header()
+        forged.peer_id = late.peer_id  # claims another peer's id with its own key
+        wrong_run = stranger.node.make_header()
+        wrong_run.run_id = "other-run"
+        cases = [
+            ({"header": forged}, averaging_pb2.JOIN_REJECT_BAD_REQUEST),
+            ({"header": wrong_run}, averaging_pb2.JOIN_REJECT_BAD_REQUEST),
+            ({"key": "test.other.0b"}, averaging_pb2.JOIN_REJECT_NOT_LOOKING),
+            ({"user_data": b"x" * 100_000}, averaging_pb2.JOIN_REJECT_BAD_REQUEST),
+            ({"schema_hash": b"short"}, averaging_pb2.JOIN_REJECT_BAD_REQUEST),
+            ({"schema_hash": b"y" * 32}, averaging_pb2.JOIN_REJECT_SCHEMA_MISMATCH),
+            ({"mode": 42}, averaging_pb2.JOIN_REJECT_BAD_REQUEST),
+            ({"bandwidth": float("nan")}, averaging_pb2.JOIN_REJECT_BAD_REQUEST),
+            ({"declared_start": 0.0}, averaging_pb2.JOIN_REJECT_NOT_LEADER),
+        ]
+        for fields, code in cases:
+            answer = await ask(**fields)
+            assert answer.code == code, (fields, answer)
+        # The leader still forms its group with an honest peer afterwards.
+        other = await late.averager.average(inputs(2), "k", group_size=2, timeout=12.0)
+        result = await round_
+        assert result.group_id == other.group_id
+        assert sorted(result.peers) == sorted([leader.peer_id.hex(), late.peer_id.hex()])
