@@ -1,0 +1,115 @@
+"""LocalCombiner: one contribution per key for the local callers of a window."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from swarmavg.peer.combiner import LocalCombiner, RoundOutcome, RoundParams, combine
+from swarmavg.peer.errors import DaemonUnavailableError, ValidationError
+
+pytestmark = pytest.mark.timeout(20)
+
+
+def params(key: str = "k", weight: float = 1.0, timeout: float = 5.0) -> RoundParams:
+    return RoundParams(key, weight, None, 1, timeout, None)
+
+
+class Recorder:
+    """A round function that records its calls; optionally blocks until released."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[np.ndarray], RoundParams]] = []
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+        self.block = False
+        self.fail: Exception | None = None
+
+    async def __call__(self, arrays: list[np.ndarray], p: RoundParams) -> RoundOutcome:
+        self.calls.append((arrays, p))
+        self.entered.set()
+        if self.block:
+            await self.release.wait()
+        if self.fail is not None:
+            raise self.fail
+        return RoundOutcome(arrays, 1, ["me"], "g", False)
+
+
+def test_combine_is_the_weighted_mean_in_the_input_dtype() -> None:
+    a = [np.array([1.0, 2.0], np.float16), np.array([0.0], np.float64)]
+    b = [np.array([3.0, 6.0], np.float16), np.array([4.0], np.float64)]
+    out = combine([a, b], [1.0, 3.0])
+    assert out[0].dtype == np.float16
+    np.testing.assert_array_equal(out[0], [2.5, 5.0])
+    assert out[1].dtype == np.float64
+    np.testing.assert_array_equal(out[1], [3.0])
+
+
+async def test_same_key_in_the_window_is_one_round() -> None:
+    rec = Recorder()
+    combiner = LocalCombiner(rec, window=0.2)
+    x = [np.ones(3, np.float32)]
+    y = [np.full(3, 4.0, np.float32)]
+    r1, r2, r3 = await asyncio.gather(
+        combiner.submit(x, params(weight=1.0)),
+        combiner.submit(y, params(weight=2.0)),
+        combiner.submit(x, params(key="other")),
+    )
+    assert len(rec.calls) == 2
+    by_key = {p.key: (arrays, p) for arrays, p in rec.calls}
+    arrays, p = by_key["k"]
+    assert p.weight == 3.0
+    np.testing.assert_array_equal(arrays[0], [3.0, 3.0, 3.0])
+    assert r1 is r2
+    assert r1.local_callers == 2
+    assert r3.local_callers == 1
+    await combiner.close()
+
+
+async def test_layout_mismatch_is_rejected_for_the_joiner_only() -> None:
+    rec = Recorder()
+    combiner = LocalCombiner(rec, window=0.2)
+    first = asyncio.ensure_future(combiner.submit([np.ones(3, np.float32)], params()))
+    await asyncio.sleep(0)
+    with pytest.raises(ValidationError, match="differ"):
+        await combiner.submit([np.ones(4, np.float32)], params())
+    assert (await first).local_callers == 1
+    await combiner.close()
+
+
+async def test_a_caller_that_leaves_during_the_window_is_dropped() -> None:
+    rec = Recorder()
+    combiner = LocalCombiner(rec, window=0.2)
+    leaving = asyncio.ensure_future(combiner.submit([np.ones(2, np.float32)], params(weight=5)))
+    staying = asyncio.ensure_future(combiner.submit([np.zeros(2, np.float32)], params(weight=1)))
+    await asyncio.sleep(0)
+    leaving.cancel()
+    result = await staying
+    assert result.local_callers == 1
+    np.testing.assert_array_equal(rec.calls[0][0][0], [0.0, 0.0])
+    await combiner.close()
+
+
+async def test_round_errors_reach_every_caller_and_close_fails_waiters() -> None:
+    rec = Recorder()
+    rec.fail = RuntimeError("boom")
+    combiner = LocalCombiner(rec, window=0.0)
+    results = await asyncio.gather(
+        combiner.submit([np.ones(1, np.float32)], params()),
+        combiner.submit([np.ones(1, np.float32)], params()),
+        return_exceptions=True,
+    )
+    assert all(isinstance(r, RuntimeError) for r in results)
+    assert len(rec.calls) == 1
+    rec.fail = None
+    rec.block = True
+    rec.entered.clear()
+    pending = asyncio.ensure_future(combiner.submit([np.ones(1, np.float32)], params()))
+    await rec.entered.wait()  # the round is under way
+    await combiner.close()
+    with pytest.raises(DaemonUnavailableError):
+        await pending
+    with pytest.raises(DaemonUnavailableError):
+        await combiner.submit([np.ones(1, np.float32)], params())
