@@ -23,6 +23,7 @@ was SIGKILLed are removed by the next test bed (:func:`deploy.testbed._system.sw
 from __future__ import annotations
 
 import atexit
+import json
 import re
 import secrets
 import subprocess
@@ -114,6 +115,14 @@ class Host:
             stdout=stdout,
             stderr=stderr,
         )
+
+    def link_bytes(self) -> tuple[int, int]:
+        """Bytes this host has sent and received on its link so far (Ethernet frames,
+        headers included: what a rate limit counts)."""
+        done = _system.run(["ip", "-n", self.namespace, "-j", "-s", "link", "show", "dev", "eth0"])
+        [info] = json.loads(done.stdout)
+        stats = info["stats64"]
+        return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
 
     def run(
         self, args: Sequence[str], *, timeout: float = 60.0, check: bool = True

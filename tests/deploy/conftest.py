@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 
 from deploy.testbed import HostSpec, TestBed, missing_requirements
+from tests.harness import ProcessPool
 
 MakeTestBed = Callable[[Sequence[HostSpec]], TestBed]
 
@@ -33,3 +34,19 @@ def make_testbed() -> Iterator[MakeTestBed]:
     finally:
         for bed in beds:
             bed.close()
+
+
+@pytest.fixture
+def peer_pool(make_testbed: MakeTestBed, swarmavg_processes: ProcessPool) -> Iterator[ProcessPool]:
+    """``swarmavg_processes`` for daemons inside test bed hosts.
+
+    Depends on ``make_testbed`` so that the daemons are stopped (gracefully, SIGTERM) before
+    their namespaces are deleted, and closes each process's stdout pipe, which
+    tests/harness.py leaves open (a ResourceWarning under ``filterwarnings=error``).
+    """
+    yield swarmavg_processes
+    handles = list(swarmavg_processes.processes)
+    swarmavg_processes.close()
+    for handle in handles:
+        if handle.proc.stdout is not None:
+            handle.proc.stdout.close()
