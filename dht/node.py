@@ -275,10 +275,11 @@ class DHTNode:
     async def maintain_once(self, refresh_all: bool = False, republish_all: bool = False) -> None:
         """One maintenance round; the background task runs this every maintenance_interval.
 
-        Drops expired records; pings the initial peers again, so that a swarm whose bootstrap
-        node restarted empty re-merges with it instead of splitting in two (hivemind issue
-        624); refreshes stale buckets (paper 2.3); republishes records nobody stored to us
-        during the last republish interval (paper 2.5).
+        Drops expired records; rejoins through the initial peers (see :meth:`_rejoin_via`), so
+        that a swarm whose bootstrap node restarted empty merges with it again instead of
+        splitting in two (hivemind issue 624); refreshes stale buckets and our own
+        neighbourhood (paper 2.3); republishes records nobody stored to us during the last
+        republish interval (paper 2.5).
 
         Args:
             refresh_all: refresh every bucket, not only the stale ones.
@@ -287,23 +288,43 @@ class DHTNode:
         self.storage.sweep()
         own = self.protocol.address
         initial = [a for a in self.config.initial_peers if a != own]
-        if initial:
-            await asyncio.gather(
-                *(self._ping_initial(a, self.config.request_timeout) for a in initial)
-            )
-        await self.refresh(all_buckets=refresh_all)
+        answers = await asyncio.gather(*(self._rejoin_via(a) for a in initial))
+        seeds = [contact for answer in answers for contact in answer]
+        await self.refresh(all_buckets=refresh_all, seeds=seeds)
         await self.republish(everything=republish_all)
 
-    async def refresh(self, all_buckets: bool = False) -> None:
-        """Look up a random id in every bucket without a recent lookup (paper 2.3)."""
+    async def _rejoin_via(self, address: str) -> list[Contact]:
+        """Ping an initial peer and ask it for our neighbours (the paper's join, repeated).
+
+        The ping teaches it about us; its answer seeds our refresh with the nodes it knows
+        near our id, which then learn about us when we query them. A bootstrap node that
+        restarted empty, and the group that joined it meanwhile, so learn the rest of the
+        swarm within a round or two instead of staying a separate DHT.
+        """
+        try:
+            contact = await self.protocol.call_ping(address)
+            if contact.peer_id == self.peer_id:
+                return []
+            answers = await self.protocol.call_find(
+                contact, [self.peer_id], self.config.k, want_values=False
+            )
+        except DHTRPCError as e:
+            log.debug("initial peer %s did not answer: %s", address, e.reason)
+            return []
+        return answers[0].nearest
+
+    async def refresh(self, all_buckets: bool = False, seeds: Sequence[Contact] = ()) -> None:
+        """Look up a random id in every bucket without a recent lookup (paper 2.3), and our id."""
         buckets = (
             list(self.routing.buckets)
             if all_buckets
             else self.routing.stale_buckets(self.config.refresh_interval)
         )
         targets = [int_to_id(random_id_in_range(b.lower, b.upper)) for b in buckets]
-        if targets:
-            await traverse(self.protocol, targets, want_values=False)
+        # our own id too: keeps our neighbourhood, the part of the table that decides where
+        # records go, exact as nodes come and go (the paper's join lookup, repeated)
+        targets.append(self.peer_id)
+        await traverse(self.protocol, targets, want_values=False, seeds=seeds)
 
     async def republish(self, everything: bool = False) -> int:
         """Re-store our records on their current nearest nodes (paper 2.5); return how many."""

@@ -27,6 +27,7 @@ class Swarm:
         n: int = 1,
         identity: Identity | None = None,
         initial_peers: list[str] | None = None,
+        listen: str = "127.0.0.1:0",
         **changes: Any,
     ) -> list[DHTNode]:
         """Start ``n`` nodes, each bootstrapped from a random live node unless told otherwise."""
@@ -38,7 +39,7 @@ class Swarm:
             else:
                 peers = [self.rng.choice(live)] if live else []
             config = self.config(initial_peers=peers, **changes)
-            node = await DHTNode.create(config, identity=identity)
+            node = await DHTNode.create(config, identity=identity, listen=listen)
             self.nodes.append(node)
             added.append(node)
         return added
