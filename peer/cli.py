@@ -271,6 +271,15 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The console script (``swarmavg``). Ctrl+C before a daemon's own signal handlers are
+    installed (e.g. while importing) exits quietly with status 130."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return EXIT_FORCED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
