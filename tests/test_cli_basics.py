@@ -1,20 +1,25 @@
-"""The console script answers --help and --version without a daemon."""
+"""The console script answers --help and --version without a daemon, and fails clearly."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
+
+import pytest
 
 from swarmavg.peer import __version__
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "swarmavg.peer.cli", *args],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
+        env=env,
     )
 
 
@@ -28,3 +33,55 @@ def test_help_lists_usage() -> None:
     result = run_cli("--help")
     assert result.returncode == 0
     assert "usage: swarmavg" in result.stdout
+    for command in ("peer", "dht", "status"):
+        assert command in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("command", "flags"),
+    [
+        (
+            "peer",
+            [
+                "--listen",
+                "--announce",
+                "--join",
+                "--run-id",
+                "--control",
+                "--client-mode",
+                "--identity",
+                "--config",
+                "--metrics",
+                "--log-level",
+                "SWARMAVG_LISTEN",
+            ],
+        ),
+        ("dht", ["--listen", "--announce", "--join", "--identity", "--run-id"]),
+        ("status", ["--control", "--json"]),
+    ],
+)
+def test_subcommand_help(command: str, flags: list[str]) -> None:
+    result = run_cli(command, "--help")
+    assert result.returncode == 0
+    for flag in flags:
+        assert flag in result.stdout
+
+
+def test_status_without_a_daemon_is_one_clear_line() -> None:
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="sa-") as d:
+        result = run_cli("status", "--control", str(Path(d) / "none.sock"))
+    assert result.returncode == 1
+    assert result.stderr.startswith("swarmavg status: error: no swarmavg daemon answers at")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_bad_settings_exit_with_usage_error(tmp_path: Path) -> None:
+    result = run_cli("peer", "--listen", "nowhere")
+    assert result.returncode == 2
+    assert "listen 'nowhere': expected HOST:PORT" in result.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text("colour = 'blue'\n")
+    result = run_cli("peer", "--config", str(bad))
+    assert result.returncode == 2
+    assert "unknown key(s) colour" in result.stderr
+    assert result.stdout == ""
