@@ -273,8 +273,9 @@ class Matchmaker:
 
     async def _declare(self, rnd: _Round) -> None:
         subkey = declaration_subkey(self.peer_id)
+        budget = min(self.config.dht_timeout, max(0.05, rnd.me.give_up - time.time()))
         try:
-            async with asyncio.timeout(self.config.dht_timeout):
+            async with asyncio.timeout(budget):
                 ok = await self.dht.store(
                     rnd.request.key, rnd.me.encode(), rnd.me.give_up, subkey=subkey
                 )
@@ -285,9 +286,10 @@ class Matchmaker:
             log.warning("declaration under %s was not stored; only joining others", rnd.request.key)
         self._notify(MatchmakingEvent.DECLARED, rnd.request.key, self.peer_id)
 
-    async def _read_declarations(self, key: str) -> list[Declaration]:
+    async def _read_declarations(self, key: str, give_up: float) -> list[Declaration]:
+        budget = min(self.config.dht_timeout, max(0.05, give_up - time.time()))
         try:
-            async with asyncio.timeout(self.config.dht_timeout):
+            async with asyncio.timeout(budget):
                 record = await self.dht.get(key, latest=True)
         except (TimeoutError, grpc.aio.AioRpcError) as error:
             log.debug("reading declarations under %s failed: %r", key, error)
@@ -317,10 +319,13 @@ class Matchmaker:
             ):
                 return self._close(rnd)
             if now >= me.give_up:
-                raise self._no_group_error(rnd, declarations)
+                raise self._no_group_error(rnd)
             if redirect is None and now >= next_poll:
-                declarations = await self._read_declarations(key)
+                declarations = await self._read_declarations(key, me.give_up)
                 next_poll = time.time() + self.config.poll_interval
+                # Remembered across reads: a later read may fail or miss them.
+                for other in mismatched_schemas(declarations, me):
+                    rnd.mismatched[other.peer_id] = other.schema_hash
             target: _Redirect | None = redirect
             redirect = None
             if target is None:
@@ -489,10 +494,9 @@ class Matchmaker:
             raise MatchmakingError("leader altered our own member entry")
         return group
 
-    def _no_group_error(self, rnd: _Round, declarations: list[Declaration]) -> Exception:
+    def _no_group_error(self, rnd: _Round) -> Exception:
         req = rnd.request
-        others = mismatched_schemas(declarations, rnd.me)
-        mismatched = set(rnd.mismatched) | {d.peer_id for d in others}
+        mismatched = set(rnd.mismatched)
         if mismatched:
             ids = ", ".join(sorted(p.hex()[:12] for p in mismatched))
             return SchemaMismatchError(
