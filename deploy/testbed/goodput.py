@@ -33,6 +33,9 @@ class Transfer:
     nbytes: int
     seconds: float
     peer: str
+    started_at: float = 0.0
+    ended_at: float = 0.0
+    """``time.monotonic()`` at accept and at EOF (one clock for all processes)."""
 
     @property
     def mbit_per_s(self) -> float:
@@ -92,7 +95,13 @@ class Sink:
     def wait_received(self) -> Transfer:
         """Block until the next connection ended; return what it carried."""
         record = self._next("received")
-        return Transfer(int(record["bytes"]), float(record["seconds"]), str(record["peer"]))
+        return Transfer(
+            int(record["bytes"]),
+            float(record["seconds"]),
+            str(record["peer"]),
+            float(record["started_at"]),
+            float(record["ended_at"]),
+        )
 
     def close(self) -> None:
         """Stop the sink (it may still wait for connections that never come)."""
@@ -103,21 +112,16 @@ class Sink:
             self.proc.stdout.close()
 
 
-def send_command(sender: Host, endpoint: str, nbytes: int, timeout: float) -> list[str]:
-    """The command that sends ``nbytes`` from ``sender`` to ``endpoint`` (``HOST:PORT``)."""
-    return sender.command(
-        [
-            sys.executable,
-            PROBE,
-            "send",
-            "--to",
-            endpoint,
-            "--bytes",
-            str(nbytes),
-            "--timeout",
-            str(timeout),
-        ]
-    )
+def send_command(
+    sender: Host, endpoints: str | Sequence[str], nbytes: int, timeout: float
+) -> list[str]:
+    """The command that sends ``nbytes`` from ``sender`` to each endpoint (``HOST:PORT``)
+    at once, one connection each."""
+    targets = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+    args = [sys.executable, PROBE, "send", "--bytes", str(nbytes), "--timeout", str(timeout)]
+    for target in targets:
+        args += ["--to", target]
+    return sender.command(args)
 
 
 def send(sender: Host, endpoint: str, nbytes: int, timeout: float = 30.0) -> dict[str, Any]:
@@ -154,32 +158,45 @@ def transfer(sender: Host, receiver: Host, nbytes: int, timeout: float = 30.0) -
         sink.close()
 
 
-def all_to_all(hosts: Sequence[Host], nbytes: int, timeout: float = 120.0) -> list[Transfer]:
-    """Every host sends ``nbytes`` to every other host at once (the traffic pattern of one
-    butterfly all-reduce phase); return every receiver's transfers."""
+@dataclass(frozen=True)
+class Exchange:
+    """An all-to-all exchange: every transfer, and the span from the first accept to the
+    last EOF (the time the whole pattern took on the links)."""
+
+    transfers: list[Transfer]
+
+    @property
+    def seconds(self) -> float:
+        return max(t.ended_at for t in self.transfers) - min(t.started_at for t in self.transfers)
+
+
+def all_to_all(hosts: Sequence[Host], nbytes: int, timeout: float = 120.0) -> Exchange:
+    """Every host sends ``nbytes`` to every other host at once (the traffic pattern of a
+    butterfly all-reduce); one sender process per host, one connection per pair.
+
+    Raises:
+        TestBedError: a transfer failed.
+    """
     sinks = [Sink(host, connections=len(hosts) - 1, timeout=timeout) for host in hosts]
     senders: list[subprocess.Popen[str]] = []
     try:
         for i, host in enumerate(hosts):
-            for j, sink in enumerate(sinks):
-                if i != j:
-                    senders.append(
-                        subprocess.Popen(
-                            send_command(host, sink.endpoint, nbytes, timeout),
-                            stdout=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL,
-                            text=True,
-                        )
-                    )
-        results: list[Transfer] = []
-        for sink in sinks:
-            results.extend(sink.wait_received() for _ in range(len(hosts) - 1))
+            targets = [sink.endpoint for j, sink in enumerate(sinks) if j != i]
+            senders.append(
+                subprocess.Popen(
+                    send_command(host, targets, nbytes, timeout),
+                    stdout=subprocess.PIPE,
+                    stdin=subprocess.DEVNULL,
+                    text=True,
+                )
+            )
+        transfers = [sink.wait_received() for sink in sinks for _ in range(len(hosts) - 1)]
         for proc in senders:
             out, _ = proc.communicate(timeout=timeout)
             record = json.loads(out.strip().splitlines()[-1])
             if record["event"] != "sent":
                 raise TestBedError(f"a sender failed: {record}")
-        return results
+        return Exchange(transfers)
     finally:
         for proc in senders:
             if proc.poll() is None:

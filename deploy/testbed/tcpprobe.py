@@ -4,8 +4,9 @@
         prints {"event": "ready", "port": P}; per connection {"event": "accepted", "peer": ...}
         and later {"event": "received", ...}: bytes, seconds from accept to EOF, and the peer
         address it came from.
-    python tcpprobe.py send --to HOST:PORT --bytes N [--timeout S]
-        prints {"event": "sent", "bytes": N, "seconds": S} or {"event": "error", ...} (exit 1).
+    python tcpprobe.py send --to HOST:PORT [--to HOST:PORT ...] --bytes N [--timeout S]
+        sends N bytes to every target at once; prints {"event": "sent", "bytes": total,
+        "seconds": S} or {"event": "error", ...} (exit 1).
 
 Used by the test bed's own tests (rate limits, NAT) and by benchmarks/bandwidth.py to
 measure what the shaped links carry without swarmavg in the way.
@@ -41,7 +42,12 @@ def _drain(
         record: dict[str, object] = {"event": "received", "bytes": total}
     except OSError as exc:
         record = {"event": "error", "error": repr(exc), "bytes": total}
-    record["seconds"] = time.monotonic() - started
+    ended = time.monotonic()
+    record["seconds"] = ended - started
+    # CLOCK_MONOTONIC is one clock for every process on the machine, so the test process
+    # can line up transfers measured by different sinks.
+    record["started_at"] = started
+    record["ended_at"] = ended
     record["peer"] = f"{peer[0]}:{peer[1]}"
     with lock:
         _emit(record)
@@ -69,10 +75,10 @@ def sink(bind: str, port: int, connections: int, timeout: float) -> int:
     return 0
 
 
-def send(target: str, size: int, timeout: float) -> int:
+def _send_one(target: str, size: int, timeout: float) -> str | None:
+    """Send ``size`` bytes to ``target``; None on success, else the error."""
     host, _, port = target.rpartition(":")
     payload = memoryview(bytes(BLOCK))
-    started = time.monotonic()
     try:
         with socket.create_connection((host, int(port)), timeout=timeout) as conn:
             remaining = size
@@ -83,9 +89,30 @@ def send(target: str, size: int, timeout: float) -> int:
             conn.shutdown(socket.SHUT_WR)
             conn.recv(1)  # the sink closes after reading everything: all bytes arrived
     except OSError as exc:
-        _emit({"event": "error", "error": repr(exc), "seconds": time.monotonic() - started})
+        return repr(exc)
+    return None
+
+
+def send(targets: list[str], size: int, timeout: float) -> int:
+    """Send ``size`` bytes to every target at once, one connection (thread) each."""
+    started = time.monotonic()
+    errors: dict[str, str] = {}
+
+    def one(target: str) -> None:
+        error = _send_one(target, size, timeout)
+        if error is not None:
+            errors[target] = error
+
+    threads = [threading.Thread(target=one, args=(target,)) for target in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.monotonic() - started
+    if errors:
+        _emit({"event": "error", "error": "; ".join(errors.values()), "seconds": seconds})
         return 1
-    _emit({"event": "sent", "bytes": size, "seconds": time.monotonic() - started})
+    _emit({"event": "sent", "bytes": size * len(targets), "seconds": seconds})
     return 0
 
 
@@ -98,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p_sink.add_argument("--connections", type=int, default=1)
     p_sink.add_argument("--timeout", type=float, default=60.0)
     p_send = commands.add_parser("send")
-    p_send.add_argument("--to", required=True)
+    p_send.add_argument("--to", required=True, action="append", help="repeatable")
     p_send.add_argument("--bytes", type=int, required=True)
     p_send.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args(argv)
