@@ -395,8 +395,9 @@ class DHTNode:
             return [s == STORED for s in statuses]
         now = time.time()
         kids = [key_id(r.key) for r in records]
-        lookups = await traverse(self.protocol, kids, want_values=False)
         replicas = self.config.num_replicas
+        # the lookup need only converge on the `replicas` nearest nodes, not on k of them
+        lookups = await traverse(self.protocol, kids, want_values=False, k=replicas)
         own_int = self.routing.own_int
         stored = [False] * len(records)
         batches: dict[bytes, tuple[Contact, list[int]]] = {}
