@@ -417,6 +417,8 @@ class Averager:
                 _, pending = await asyncio.wait(set(self._rounds), timeout=grace)
                 for task in pending:
                     task.cancel()
+                if pending:  # let the cancelled rounds close their streams
+                    await asyncio.wait(pending, timeout=1.0)
             await sharer.shutdown()
             await allreduce.close()
         self._components = None

@@ -221,7 +221,10 @@ class StateSharer:
     async def _refresh(self) -> None:
         while True:
             await asyncio.sleep(self.config.ttl / 3)
-            await self._advertise()
+            try:
+                await self._advertise()
+            except Exception:  # keep refreshing; the next try may succeed
+                log.exception("refreshing the state advertisement failed")
 
     async def shutdown(self) -> None:
         """Stop refreshing the advertisement (it then expires by itself)."""
