@@ -24,6 +24,7 @@ import numpy as np
 from swarmavg.compression.base import Buffer, Codec, CodecInfo, Encoded, Header, Role
 from swarmavg.compression.blockwise import Blockwise8BitCodec
 from swarmavg.compression.dtypes import FLOATING, normalize_dtype
+from swarmavg.compression.errors import CodecError
 from swarmavg.compression.floating import Float16Codec, NoneCodec, ScaledFloat16Codec
 
 __all__ = ["KeyAdaptiveCodec", "RoleAdaptiveCodec", "SelectorCodec", "SizeAdaptiveCodec"]
@@ -57,7 +58,12 @@ class SelectorCodec(Codec):
     def decode_payload(self, header: Header, payload: Buffer) -> np.ndarray:
         from swarmavg.compression.registry import decoder_for  # registry imports this module
 
-        return decoder_for(header.codec).decode_payload(header, payload)
+        decoder = decoder_for(header.codec)
+        if isinstance(decoder, SelectorCodec):
+            raise CodecError(
+                f"{header.codec!r} is a selector; a message names the codec it selected"
+            )
+        return decoder.decode_payload(header, payload)
 
 
 class SizeAdaptiveCodec(SelectorCodec):

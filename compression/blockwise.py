@@ -101,7 +101,7 @@ def _encode_codes(x: np.ndarray, block: int, code: NearestLevel) -> tuple[np.nda
     if not np.isfinite(absmax).all():
         raise CodecError("input contains NaN or Inf (or values beyond float32 range)")
     # Blocks of zeros, or so tiny that 1/absmax overflows, encode as zeros.
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", over="ignore"):
         inverse = np.where(absmax >= _F32_TINY, np.float32(1) / absmax, np.float32(0))
     inverse = inverse.astype(np.float32)
     n = x.size

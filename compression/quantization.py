@@ -173,6 +173,10 @@ class _QuantileTable:
         self.top = cells - 1
         lo, hi = float(borders[0]), float(borders[-1])
         scale = self.top / (hi - lo) if hi > lo else 0.0
+        # Borders a few subnormals apart would need a scale beyond float32: no table.
+        self.usable = abs(scale) < 1e30 and abs(lo * scale) < 1e30
+        if not self.usable:
+            scale = 0.0
         self.scale = np.float32(scale)
         self.shift = np.float32(-lo * scale)
         border_cells = np.empty(borders.size, np.int32)
@@ -187,6 +191,7 @@ class _QuantileTable:
         self.lut = np.searchsorted(border_cells, np.arange(cells), side="left").astype(np.uint8)
         per_cell = np.bincount(border_cells, minlength=cells)
         self.depth = int(per_cell.max())
+        self.usable = self.usable and self.depth <= _MAX_CELL_BORDERS
         self.thresholds: list[np.ndarray] = []
         for k in range(self.depth):
             i = self.lut.astype(np.int64) + k
@@ -230,7 +235,7 @@ class Quantile8BitCodec(Codec):
             borders = np.unique(smp[picks])  # sorted, <= 255 distinct values
             cells = int(min(1 << 16, max(256, n // 4)))
             table = _QuantileTable(borders, cells)
-            if table.depth <= _MAX_CELL_BORDERS:
+            if table.usable:
                 table.encode(x, codes)
             else:  # extremely concentrated borders: fall back to an exact binary search
                 for s in slabs(n):
