@@ -49,6 +49,9 @@ from swarmavg.dht.channels import ChannelPool
 
 log = logging.getLogger(__name__)
 
+MAX_USER_KEY_BYTES = 256
+"""Longest ``key`` accepted by :meth:`Averager.average` (the DHT caps whole keys at 512)."""
+
 
 class _RunConfig(Protocol):
     @property
@@ -290,8 +293,10 @@ class Averager:
         matchmaker, allreduce, _ = self._require()
         started = time.monotonic()
         arrays = validate_tensors(tensors)
-        if not isinstance(key, str) or not key:
-            raise ValueError("key must be a non-empty string")
+        if not isinstance(key, str) or not key or len(key.encode()) > MAX_USER_KEY_BYTES:
+            raise ValueError(
+                f"key must be a non-empty string of at most {MAX_USER_KEY_BYTES} bytes"
+            )
         if not (math.isfinite(weight) and weight >= 0):
             raise ValueError(f"weight must be finite and >= 0, got {weight}")
         if not (math.isfinite(timeout) and timeout > 0):

@@ -113,6 +113,8 @@ async def test_input_validation_before_anything_is_sent() -> None:
             await averager.average([np.zeros(2, np.float32)], "k", group_size=2, min_group_size=3)
         with pytest.raises(ValueError, match="codec"):
             await averager.average([np.zeros(2, np.float32)], "k", codec="no-such-codec")
+        with pytest.raises(ValueError, match="key"):
+            await averager.average([np.zeros(2, np.float32)], "k" * 300)
 
 
 @pytest.mark.timeout(60)
