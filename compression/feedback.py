@@ -61,7 +61,7 @@ class ErrorFeedback:
     def __len__(self) -> int:
         return len(self._residuals)
 
-    def keys(self) -> list[FeedbackKey]:
+    def entries(self) -> list[FeedbackKey]:
         """The keys that hold a residual, least recently used first."""
         with self._lock:
             return list(self._residuals)
