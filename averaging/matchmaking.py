@@ -314,6 +314,7 @@ class Matchmaker:
             now = time.time()
             if (
                 rnd.leader is None
+                and me.can_lead
                 and now >= me.deadline
                 and rnd.num_members >= rnd.request.min_group_size
             ):
