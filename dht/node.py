@@ -234,17 +234,22 @@ class DHTNode:
             attempts += 1
             timeout = max(min(config.request_timeout, deadline - loop.time()), 0.05)
             answers = await asyncio.gather(*(self._ping_initial(a, timeout) for a in addresses))
-            joined = False
+            joined = []
             for address, answer in zip(addresses, answers, strict=True):
                 if isinstance(answer, Contact):
                     if answer.peer_id == self.peer_id:
                         failures[address] = "this address is this node itself"
                     else:
-                        joined = True
+                        joined.append(address)
                 else:
                     failures[address] = answer
             if joined:
-                break
+                # paper 2.3: a joining node looks up its own id through the contacts it has
+                await traverse(self.protocol, [self.peer_id], want_values=False)
+                if len(self.routing) > 0:
+                    break
+                for address in joined:  # e.g. a peer that answers pings under another id
+                    failures[address] = "answered a ping, then failed the join lookup"
             if all(f == "this address is this node itself" for f in failures.values()):
                 return  # we are our own only initial peer: a new DHT
             remaining = deadline - loop.time()
@@ -253,9 +258,7 @@ class DHTNode:
             log.info("bootstrap attempt %d failed; retrying in about %.1f s", attempts, delay)
             await asyncio.sleep(min(delay * random.uniform(0.5, 1.5), remaining))
             delay = min(delay * 2, config.bootstrap_backoff_max)
-        # paper 2.3: a joining node looks up its own id, then refreshes all its buckets
-        await traverse(self.protocol, [self.peer_id], want_values=False)
-        await self.refresh(all_buckets=True)
+        await self.refresh(all_buckets=True)  # paper 2.3: then it refreshes all its buckets
 
     async def _ping_initial(self, address: str, timeout: float) -> Contact | str:
         try:
