@@ -90,7 +90,7 @@ class DHTNode:
         self.protocol = DHTProtocol(
             self.identity, config, self.routing, self.storage, self.channels
         )
-        self.lookup_hops: collections.deque[int] = collections.deque(maxlen=100_000)
+        self.lookup_hops: collections.deque[int] = collections.deque(maxlen=10_000)
         self._server: grpc.aio.Server | None = None
         self._maintenance: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()

@@ -296,8 +296,13 @@ class DHTProtocol:
             call = self.channels.channel(address).unary_unary(f"/{SERVICE}/{method}")
             data: bytes = await call(self._request_prefix + body, timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                self.channels.discard(address)  # reconnect at once if it comes back
+            if e.code() == grpc.StatusCode.UNAVAILABLE and address in self.channels:
+                channel = self.channels.channel(address)
+                if channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                    # the connection is down: a fresh channel reconnects at once when the peer
+                    # comes back, instead of after gRPC's reconnect backoff. Only then, so that
+                    # streams of other services on a live channel are never cut.
+                    self.channels.discard(address)
             raise self._failed(address, expected_id, f"{e.code().name}: {e.details()}") from None
         except RuntimeError as e:  # the channel pool closed under us during shutdown
             raise self._failed(address, expected_id, str(e)) from None
