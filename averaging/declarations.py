@@ -29,6 +29,7 @@ SCHEMA_HASH_BYTES = 32
 MAX_ADDRESS_CHARS = 256
 MAX_USER_DATA_BYTES = 64 * 1024
 MAX_CODEC_CHARS = 64
+MAX_KEY_CHARS = 512
 
 
 @dataclass(frozen=True)
@@ -270,3 +271,58 @@ def group_from_proto(message: averaging_pb2.GroupDescription) -> GroupInfo:
         schema_hash=bytes(message.schema_hash),
         codec=message.codec,
     )
+
+
+def member_from_join_request(peer_id: bytes, request: averaging_pb2.JoinRequest) -> Member:
+    """Validate a would-be follower's request; the member it would be in the group.
+
+    Raises:
+        ValueError: any field out of range (the leader answers ``JOIN_REJECT_BAD_REQUEST``).
+    """
+    if not 0 < len(request.key) <= MAX_KEY_CHARS:
+        raise ValueError("key missing or too long")
+    if len(request.schema_hash) != SCHEMA_HASH_BYTES:
+        raise ValueError("schema hash must be 32 bytes")
+    if len(request.user_data) > MAX_USER_DATA_BYTES:
+        raise ValueError("user data too long")
+    if request.mode not in {int(m) for m in Mode}:
+        raise ValueError(f"unknown mode {request.mode}")
+    if not math.isfinite(request.declared_start):
+        raise ValueError("declared start must be finite")
+    address = request.header.address
+    if len(address) > MAX_ADDRESS_CHARS:
+        raise ValueError("address too long")
+    mode = Mode(request.mode)
+    return Member(  # Member checks the bandwidth (finite, >= 0) and the address
+        peer_id=peer_id,
+        address=(address or None) if mode is not Mode.CLIENT else None,
+        mode=mode,
+        bandwidth=float(request.bandwidth),
+        user_data=bytes(request.user_data),
+    )
+
+
+def check_formed_group(
+    message: averaging_pb2.GroupDescription,
+    my_id: bytes,
+    leader_id: bytes,
+    schema_hash: bytes,
+    mode: Mode,
+    user_data: bytes,
+) -> GroupInfo:
+    """Parse the group a leader sent and check it is one we can take part in.
+
+    Raises:
+        ValueError: malformed, or without us or the leader, another schema, or our own
+            entry altered.
+    """
+    group = group_from_proto(message)
+    index = group.index_of(my_id)
+    if index is None or group.index_of(leader_id) is None:
+        raise ValueError("the group lacks this peer or its leader")
+    if group.schema_hash != schema_hash:
+        raise ValueError("the group has another schema hash")
+    mine = group.members[index]
+    if mine.mode is not mode or mine.user_data != user_data:
+        raise ValueError("the leader altered this peer's member entry")
+    return group

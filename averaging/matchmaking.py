@@ -24,41 +24,55 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 
 from swarmavg.averaging.declarations import (
     MAX_ADDRESS_CHARS,
-    MAX_USER_DATA_BYTES,
-    SCHEMA_HASH_BYTES,
     Declaration,
     JoinState,
+    check_formed_group,
     decide_join,
     declaration_subkey,
     decode_declaration,
-    group_from_proto,
     group_to_proto,
     leader_candidates,
+    member_from_join_request,
     mismatched_schemas,
 )
+from swarmavg.averaging.dht_access import DHTAccess, dictionary_entries
 from swarmavg.averaging.errors import MatchmakingError, NoGroupError, SchemaMismatchError
-from swarmavg.averaging.group import MAX_GROUP_SIZE, GroupInfo, Member, Mode
+from swarmavg.averaging.group import GroupInfo, Member, Mode
+from swarmavg.averaging.matchmaking_config import (
+    MatchmakerConfig,
+    MatchmakingEvent,
+    MatchRequest,
+    Observer,
+)
 from swarmavg.averaging.service import join_group_method
 from swarmavg.dht.channels import ChannelPool
 from swarmavg.dht.identity import HeaderError, verify_header
-from swarmavg.proto import averaging_pb2, common_pb2
+from swarmavg.proto import averaging_pb2
 
 log = logging.getLogger(__name__)
 
-MAX_KEY_CHARS = 512
+__all__ = [
+    "DHTAccess",
+    "MatchRequest",
+    "Matchmaker",
+    "MatchmakerConfig",
+    "MatchmakingEvent",
+    "Observer",
+    "dictionary_entries",
+]
+
 FINAL_CODES_TEXT = {
     averaging_pb2.JOIN_REJECT_NOT_LOOKING: "not matchmaking under that key",
     averaging_pb2.JOIN_REJECT_NOT_LEADER: "you lead, not I",
@@ -66,110 +80,6 @@ FINAL_CODES_TEXT = {
     averaging_pb2.JOIN_REJECT_SCHEMA_MISMATCH: "different tensor schema",
     averaging_pb2.JOIN_REJECT_BAD_REQUEST: "bad request",
 }
-
-
-class DHTAccess(Protocol):
-    """The part of :class:`swarmavg.dht.DHTNode` that matchmaking and state sharing use."""
-
-    @property
-    def peer_id(self) -> bytes: ...
-
-    async def store(self, key: str, value: Any, expiration: float, subkey: Any = None) -> bool: ...
-
-    async def get(self, key: str, latest: bool = False) -> Any: ...
-
-    def make_header(self) -> common_pb2.RequestHeader: ...
-
-
-def dictionary_entries(record: Any) -> dict[Any, Any]:
-    """``{subkey: value}`` of a DHT dictionary record (``get``'s result), dropping wrappers."""
-    if record is None:
-        return {}
-    value = getattr(record, "value", record)
-    if not isinstance(value, dict):
-        return {}
-    return {k: getattr(v, "value", v) for k, v in value.items()}
-
-
-class MatchmakingEvent(enum.Enum):
-    """Progress notifications given to an observer (logs, metrics, tests)."""
-
-    DECLARED = "declared"
-    FOLLOWER_ACCEPTED = "follower-accepted"
-    FOLLOWER_LEFT = "follower-left"
-    JOINED_LEADER = "joined-leader"
-    LEFT_LEADER = "left-leader"
-    GROUP_FORMED = "group-formed"
-
-
-Observer = Callable[[MatchmakingEvent, str, bytes], None]
-"""Called with (event, matchmaking key, the other peer's id; own id for DECLARED/FORMED)."""
-
-
-@dataclass(frozen=True)
-class MatchmakerConfig:
-    """Timing of the matchmaking protocol.
-
-    Attributes:
-        poll_interval: seconds between two reads of the declarations while looking.
-        join_timeout: seconds a leader has to answer the first message of ``JoinGroup``.
-        retry_after: seconds before asking again a peer that redirected us or disbanded.
-        dht_timeout: deadline of one DHT store or get.
-        max_redirects: redirects followed in a row before reading the DHT again.
-    """
-
-    poll_interval: float = 0.5
-    join_timeout: float = 2.0
-    retry_after: float = 0.4
-    dht_timeout: float = 3.0
-    max_redirects: int = 4
-
-    def __post_init__(self) -> None:
-        for name in ("poll_interval", "join_timeout", "retry_after", "dht_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive")
-
-
-@dataclass(frozen=True)
-class MatchRequest:
-    """One peer's wish to average under one key.
-
-    Attributes:
-        key: full matchmaking key (see :func:`swarmavg.averaging.group_keys.matchmaking_key`).
-        schema_hash: :func:`swarmavg.averaging.group.schema_hash` of the tensors.
-        group_size: the most members a group led by this peer takes (itself included).
-        min_group_size: the fewest members with which it closes a group at its deadline.
-        codec: codec of the group when this peer leads.
-        mode: this peer's averaging mode.
-        bandwidth: this peer's reported bandwidth.
-        user_data: opaque bytes given to every member.
-        window: seconds until this peer, as a leader, closes a group that is not full.
-        give_up: seconds until it stops looking and raises.
-    """
-
-    key: str
-    schema_hash: bytes
-    group_size: int
-    min_group_size: int
-    codec: str
-    mode: Mode
-    bandwidth: float
-    user_data: bytes
-    window: float
-    give_up: float
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_group_size <= self.group_size <= MAX_GROUP_SIZE:
-            raise ValueError(
-                f"need 1 <= min_group_size <= group_size <= {MAX_GROUP_SIZE}, got "
-                f"min_group_size={self.min_group_size}, group_size={self.group_size}"
-            )
-        if len(self.schema_hash) != SCHEMA_HASH_BYTES:
-            raise ValueError("schema_hash must be 32 bytes")
-        if len(self.user_data) > MAX_USER_DATA_BYTES:
-            raise ValueError(f"user_data is limited to {MAX_USER_DATA_BYTES} bytes")
-        if not (0 <= self.window <= self.give_up and math.isfinite(self.give_up)):
-            raise ValueError("need 0 <= window <= give_up (seconds)")
 
 
 @dataclass
@@ -481,19 +391,13 @@ class Matchmaker:
     def _check_group(
         self, rnd: _Round, message: averaging_pb2.GroupDescription, leader_id: bytes
     ) -> GroupInfo:
+        req = rnd.request
         try:
-            group = group_from_proto(message)
+            return check_formed_group(
+                message, self.peer_id, leader_id, req.schema_hash, req.mode, req.user_data
+            )
         except ValueError as error:
             raise MatchmakingError(f"leader {leader_id.hex()} sent a bad group: {error}") from None
-        index = group.index_of(self.peer_id)
-        if index is None or group.index_of(leader_id) is None:
-            raise MatchmakingError(f"leader {leader_id.hex()} sent a group without us or itself")
-        if group.schema_hash != rnd.request.schema_hash:
-            raise MatchmakingError("leader sent a group with another schema hash")
-        mine = group.members[index]
-        if mine.mode is not rnd.request.mode or mine.user_data != rnd.request.user_data:
-            raise MatchmakingError("leader altered our own member entry")
-        return group
 
     def _no_group_error(self, rnd: _Round) -> Exception:
         req = rnd.request
@@ -559,7 +463,7 @@ class Matchmaker:
         """Answer a would-be follower at once; if accepted, stream the outcome later."""
         try:
             peer_id = verify_header(request.header, self.run_id)
-            member = self._member_from_request(peer_id, request)
+            member = member_from_join_request(peer_id, request)
         except (HeaderError, ValueError) as error:
             yield averaging_pb2.JoinResponse(
                 code=averaging_pb2.JOIN_REJECT_BAD_REQUEST,
@@ -637,29 +541,6 @@ class Matchmaker:
                 del rnd.followers[peer_id]
                 rnd.changed.set()
                 self._notify(MatchmakingEvent.FOLLOWER_LEFT, request.key, peer_id)
-
-    def _member_from_request(self, peer_id: bytes, request: averaging_pb2.JoinRequest) -> Member:
-        if not 0 < len(request.key) <= MAX_KEY_CHARS:
-            raise ValueError("key missing or too long")
-        if len(request.schema_hash) != SCHEMA_HASH_BYTES:
-            raise ValueError("schema hash must be 32 bytes")
-        if len(request.user_data) > MAX_USER_DATA_BYTES:
-            raise ValueError("user data too long")
-        if request.mode not in {int(m) for m in Mode}:
-            raise ValueError(f"unknown mode {request.mode}")
-        if not math.isfinite(request.declared_start):
-            raise ValueError("declared start must be finite")
-        address = request.header.address
-        if len(address) > MAX_ADDRESS_CHARS:
-            raise ValueError("address too long")
-        mode = Mode(request.mode)
-        return Member(
-            peer_id=peer_id,
-            address=(address or None) if mode is not Mode.CLIENT else None,
-            mode=mode,
-            bandwidth=float(request.bandwidth),
-            user_data=bytes(request.user_data),
-        )
 
     async def shutdown(self) -> None:
         """Disband every pending group here (followers are told at once)."""

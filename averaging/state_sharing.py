@@ -28,8 +28,8 @@ import grpc
 import numpy as np
 
 from swarmavg.averaging.declarations import declaration_subkey, subkey_owner
+from swarmavg.averaging.dht_access import DHTAccess, dictionary_entries
 from swarmavg.averaging.errors import StateDownloadError, StateNotFoundError
-from swarmavg.averaging.matchmaking import DHTAccess, dictionary_entries
 from swarmavg.averaging.service import download_state_method
 from swarmavg.averaging.state_format import (
     DEFAULT_CHUNK_SIZE,

@@ -9,6 +9,7 @@ import pytest
 from swarmavg.averaging.declarations import (
     Declaration,
     JoinState,
+    check_formed_group,
     decide_join,
     declaration_subkey,
     decode_declaration,
@@ -170,3 +171,27 @@ def test_group_wire_round_trip_and_validation() -> None:
     broken.schema_hash = b"x"
     with pytest.raises(ValueError, match="32"):
         group_from_proto(broken)
+
+
+def test_follower_checks_the_formed_group() -> None:
+    me, leader = bytes([1]) * 20, bytes([2]) * 20
+    group = GroupInfo(
+        group_id=b"g",
+        members=(
+            Member(me, "127.0.0.1:5", Mode.NODE, 1.0, b"mine"),
+            Member(leader, "127.0.0.1:6", Mode.NODE, 1.0),
+        ),
+        schema_hash=SCHEMA,
+    )
+    wire = group_to_proto(group)
+    assert check_formed_group(wire, me, leader, SCHEMA, Mode.NODE, b"mine") == group
+    with pytest.raises(ValueError, match="lacks"):
+        check_formed_group(wire, bytes([3]) * 20, leader, SCHEMA, Mode.NODE, b"mine")
+    with pytest.raises(ValueError, match="lacks"):
+        check_formed_group(wire, me, bytes([3]) * 20, SCHEMA, Mode.NODE, b"mine")
+    with pytest.raises(ValueError, match="schema"):
+        check_formed_group(wire, me, leader, b"x" * 32, Mode.NODE, b"mine")
+    with pytest.raises(ValueError, match="altered"):
+        check_formed_group(wire, me, leader, SCHEMA, Mode.AUX, b"mine")
+    with pytest.raises(ValueError, match="altered"):
+        check_formed_group(wire, me, leader, SCHEMA, Mode.NODE, b"other")

@@ -1,0 +1,34 @@
+"""What the averaging layer needs of the DHT, as a protocol (``swarmavg.dht.DHTNode`` fits).
+
+Matchmaking and state sharing only store and read dictionary records and sign request
+headers; typing them against this protocol keeps the dependency narrow.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from swarmavg.proto import common_pb2
+
+
+class DHTAccess(Protocol):
+    """The part of :class:`swarmavg.dht.DHTNode` that matchmaking and state sharing use."""
+
+    @property
+    def peer_id(self) -> bytes: ...
+
+    async def store(self, key: str, value: Any, expiration: float, subkey: Any = None) -> bool: ...
+
+    async def get(self, key: str, latest: bool = False) -> Any: ...
+
+    def make_header(self) -> common_pb2.RequestHeader: ...
+
+
+def dictionary_entries(record: Any) -> dict[Any, Any]:
+    """``{subkey: value}`` of a DHT dictionary record (``get``'s result), dropping wrappers."""
+    if record is None:
+        return {}
+    value = getattr(record, "value", record)
+    if not isinstance(value, dict):
+        return {}
+    return {k: getattr(v, "value", v) for k, v in value.items()}

@@ -1,0 +1,92 @@
+"""Settings, requests and progress events of matchmaking (used by ``matchmaking.py``)."""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from swarmavg.averaging.declarations import MAX_USER_DATA_BYTES, SCHEMA_HASH_BYTES
+from swarmavg.averaging.group import MAX_GROUP_SIZE, Mode
+
+
+class MatchmakingEvent(enum.Enum):
+    """Progress notifications given to an observer (logs, metrics, tests)."""
+
+    DECLARED = "declared"
+    FOLLOWER_ACCEPTED = "follower-accepted"
+    FOLLOWER_LEFT = "follower-left"
+    JOINED_LEADER = "joined-leader"
+    LEFT_LEADER = "left-leader"
+    GROUP_FORMED = "group-formed"
+
+
+Observer = Callable[[MatchmakingEvent, str, bytes], None]
+"""Called with (event, matchmaking key, the other peer's id; own id for DECLARED/FORMED)."""
+
+
+@dataclass(frozen=True)
+class MatchmakerConfig:
+    """Timing of the matchmaking protocol.
+
+    Attributes:
+        poll_interval: seconds between two reads of the declarations while looking.
+        join_timeout: seconds a leader has to answer the first message of ``JoinGroup``.
+        retry_after: seconds before asking again a peer that redirected us or disbanded.
+        dht_timeout: deadline of one DHT store or get.
+        max_redirects: redirects followed in a row before reading the DHT again.
+    """
+
+    poll_interval: float = 0.5
+    join_timeout: float = 2.0
+    retry_after: float = 0.4
+    dht_timeout: float = 3.0
+    max_redirects: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("poll_interval", "join_timeout", "retry_after", "dht_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+
+
+@dataclass(frozen=True)
+class MatchRequest:
+    """One peer's wish to average under one key.
+
+    Attributes:
+        key: full matchmaking key (see :func:`swarmavg.averaging.group_keys.matchmaking_key`).
+        schema_hash: :func:`swarmavg.averaging.group.schema_hash` of the tensors.
+        group_size: the most members a group led by this peer takes (itself included).
+        min_group_size: the fewest members with which it closes a group at its deadline.
+        codec: codec of the group when this peer leads.
+        mode: this peer's averaging mode.
+        bandwidth: this peer's reported bandwidth.
+        user_data: opaque bytes given to every member.
+        window: seconds until this peer, as a leader, closes a group that is not full.
+        give_up: seconds until it stops looking and raises.
+    """
+
+    key: str
+    schema_hash: bytes
+    group_size: int
+    min_group_size: int
+    codec: str
+    mode: Mode
+    bandwidth: float
+    user_data: bytes
+    window: float
+    give_up: float
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_group_size <= self.group_size <= MAX_GROUP_SIZE:
+            raise ValueError(
+                f"need 1 <= min_group_size <= group_size <= {MAX_GROUP_SIZE}, got "
+                f"min_group_size={self.min_group_size}, group_size={self.group_size}"
+            )
+        if len(self.schema_hash) != SCHEMA_HASH_BYTES:
+            raise ValueError("schema_hash must be 32 bytes")
+        if len(self.user_data) > MAX_USER_DATA_BYTES:
+            raise ValueError(f"user_data is limited to {MAX_USER_DATA_BYTES} bytes")
+        if not (0 <= self.window <= self.give_up and math.isfinite(self.give_up)):
+            raise ValueError("need 0 <= window <= give_up (seconds)")
