@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -104,8 +105,26 @@ def segments_of(pid: int) -> list[str]:
     return [n for n in os.listdir(SHM_DIR) if (m := NAME_RE.match(n)) and int(m.group(1)) == pid]
 
 
-def swarm(pool: ProcessPool, sock_dir: Path, n: int) -> list[SwarmavgProcess]:
-    first = start_peer(pool, sock_dir / "p0.sock")
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Samples of the Prometheus text page, ``name{labels}`` -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+        text = page.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def swarm(pool: ProcessPool, sock_dir: Path, n: int, *first_args: str) -> list[SwarmavgProcess]:
+    first = start_peer(pool, sock_dir / "p0.sock", *first_args)
     rest = [start_peer(pool, sock_dir / f"p{i}.sock", "--join", first.address) for i in range(1, n)]
     return [first, *rest]
 
@@ -114,7 +133,10 @@ def swarm(pool: ProcessPool, sock_dir: Path, n: int) -> list[SwarmavgProcess]:
 def test_four_daemons_four_clients_get_the_weighted_mean(
     procs: ProcessPool, sock_dir: Path, tmp_path: Path
 ) -> None:
-    peers = swarm(procs, sock_dir, 4)
+    metrics_port = free_port()
+    peers = swarm(procs, sock_dir, 4, "--metrics", f"127.0.0.1:{metrics_port}")
+    before = scrape(metrics_port)
+    assert before["swarmavg_dht_size"] >= 1
     shapes = [[300, 1000], [17], [4, 5, 6]]  # 1.2 MB: the first round goes through shm
     weights = [1.0, 2.0, 3.0, 4.0]
     for round_index, use_shm in enumerate([True, False]):
@@ -168,6 +190,16 @@ def test_four_daemons_four_clients_get_the_weighted_mean(
     ).stdout
     assert "4 (3 known + this one)" in human
     assert peers[0].peer_id in human
+    after: dict[str, float] = {}
+
+    def scraped_two_rounds() -> bool:  # metrics are synced once a second
+        after.update(scrape(metrics_port))
+        return after.get('swarmavg_rounds_total{outcome="done"}') == 2
+
+    wait_for(scraped_two_rounds, 10, "the metrics")
+    assert after["swarmavg_known_peers"] == 3
+    assert after['swarmavg_averaging_bytes_total{direction="sent"}'] > 0
+    assert any(k.startswith("swarmavg_round_phase_seconds_count") for k in after)
 
 
 @pytest.mark.timeout(90)
