@@ -13,7 +13,7 @@ import grpc
 
 from swarmavg.dht import BootstrapError, ChannelPool, DHTConfig, DHTNode, Identity
 from swarmavg.peer.config import PeerConfig
-from swarmavg.peer.daemon import SERVER_OPTIONS, StartupError, _bounded
+from swarmavg.peer.daemon import SERVER_OPTIONS, StartupError, _bounded, bootstrap_message
 from swarmavg.peer.netutil import announce_address, explain_bind_failure
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class BareDHT:
         try:
             await self.node.start(self.address)
         except BootstrapError as exc:
-            raise StartupError(str(exc)) from None
+            raise StartupError(bootstrap_message(exc)) from None
         log.info("DHT node %s ready at %s", self._identity.peer_id_hex, self.address)
 
     async def shutdown(self, grace: float | None = None) -> None:

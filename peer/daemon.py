@@ -61,6 +61,15 @@ class StartupError(RuntimeError):
     """The daemon cannot start; the message is one line meant for the user."""
 
 
+def bootstrap_message(exc: BootstrapError) -> str:
+    """One line naming every initial peer and why it did not answer."""
+    reasons = "; ".join(f"{address}: {reason}" for address, reason in exc.failures.items())
+    return (
+        f"could not join the swarm: no initial peer answered after {exc.attempts} "
+        f"attempt(s) ({reasons})"
+    )
+
+
 class Peer:
     """A swarmavg peer daemon.
 
@@ -167,7 +176,7 @@ class Peer:
         try:
             await self.dht.start(self.address)
         except BootstrapError as exc:
-            raise StartupError(str(exc)) from None
+            raise StartupError(bootstrap_message(exc)) from None
         await self.averager.start()
         await self._start_control()
         if cfg.metrics:
