@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -53,6 +54,14 @@ class Round:
     max_abs_error: float
     rel_rms_error: float
     timings: dict[str, float]  # one member's phase timings
+    cpu_seconds: float = 0.0  # CPU time of one daemon during the round (mean over hosts)
+
+
+def cpu_seconds(daemon: SwarmavgProcess) -> float:
+    """User + system CPU time the daemon process has used so far."""
+    fields = Path(f"/proc/{daemon.proc.pid}/stat").read_text().rpartition(")")[2].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
 
 
 def start_daemons(
@@ -62,7 +71,7 @@ def start_daemons(
     daemons: list[SwarmavgProcess] = []
     for name, host in bed.hosts.items():
         args = ["peer", "--listen", f"{host.address}:{PORT}", "--run-id", run_id]
-        args += ["--control", str(workdir / f"{name}.sock"), "--log-level", "WARNING"]
+        args += ["--control", str(workdir / f"{name}.sock"), "--log-level", os.environ.get("BW_LOG_LEVEL", "WARNING")]
         if daemons:
             args += ["--join", daemons[0].address]
         daemons.append(pool.start(args, executable=host.swarmavg_command()))
@@ -129,6 +138,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "rate_mbit": rate,
         "tensor_mb": args.mb,
         "rounds": args.rounds,
+        "load_average_at_start": round(os.getloadavg()[0], 1),
+        "cpu_cores": os.cpu_count(),
     }
     workdir = Path(tempfile.mkdtemp(prefix="swarmavg-bw-"))
     with TestBed([HostSpec(f"h{i}", rate_mbit=rate) for i in range(n)]) as bed:
@@ -143,35 +154,50 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             inputs = [rng.standard_normal(nbytes // 4, dtype=np.float32) for _ in range(n)]
             warm = [x[: 1 << 18].copy() for x in inputs]
             per_codec: dict[str, Any] = {}
+            rounds: dict[str, list[Round]] = {}
             for codec in codecs:
-                rounds = []
                 try:
                     # Untimed: connections, lazy imports and first-use costs of the codec.
                     await one_round(bed, daemons, warm, f"warm-{codec}", codec, args.timeout)
-                    for r in range(args.rounds):
-                        result = await one_round(
-                            bed, daemons, inputs, f"bw-{codec}-{r}", codec, args.timeout
-                        )
-                        log(f"{codec} round {r}: {result}")
-                        rounds.append(result)
+                    rounds[codec] = []
                 except Exception as exc:  # a codec that is missing or fails is reported
                     per_codec[codec] = {"error": f"{type(exc).__name__}: {exc}"}
                     log(f"{codec}: {exc!r}")
-                    continue
-                seconds = statistics.median(r.seconds for r in rounds)
-                tx = statistics.median(statistics.mean(r.tx_bytes) for r in rounds)
+            # Codecs take turns round by round, so that the load of the shared machine
+            # drifting during the run weighs on all of them alike.
+            for r in range(args.rounds):
+                for codec in rounds:
+                    cpu_before = [cpu_seconds(d) for d in daemons]
+                    result = await one_round(
+                        bed, daemons, inputs, f"bw-{codec}-{r}", codec, args.timeout
+                    )
+                    result.cpu_seconds = statistics.mean(
+                        cpu_seconds(d) - before
+                        for d, before in zip(daemons, cpu_before, strict=True)
+                    )
+                    log(f"{codec} round {r}: {result}")
+                    rounds[codec].append(result)
+            for codec, done in rounds.items():
+                seconds = statistics.median(r.seconds for r in done)
+                tx = statistics.median(statistics.mean(r.tx_bytes) for r in done)
                 per_codec[codec] = {
                     "seconds": round(seconds, 3),
-                    "rounds_seconds": [round(r.seconds, 3) for r in rounds],
+                    "rounds_seconds": [round(r.seconds, 3) for r in done],
                     "wire_mb_per_host": round(tx / 1e6, 2),
-                    "rel_rms_error": float(f"{max(r.rel_rms_error for r in rounds):.3g}"),
-                    "partial": any(r.partial for r in rounds),
+                    "daemon_cpu_seconds": round(statistics.median(r.cpu_seconds for r in done), 2),
+                    "rel_rms_error": float(f"{max(r.rel_rms_error for r in done):.3g}"),
+                    "partial": any(r.partial for r in done),
                     "timings": {
-                        k: round(v, 3) for k, v in rounds[len(rounds) // 2].timings.items()
+                        k: round(v, 3) for k, v in sorted(done[len(done) // 2].timings.items())
                     },
                 }
         finally:
+            handles = list(pool.processes)
             pool.close()
+            for handle in handles:  # tests/harness.py leaves the stdout pipes open
+                if handle.proc.stdout is not None:
+                    handle.proc.stdout.close()
+    figures["load_average_at_end"] = round(os.getloadavg()[0], 1)
     figures["codecs"] = per_codec
     base = per_codec.get("none", {})
     if "seconds" in base:
