@@ -73,6 +73,8 @@ __all__ = [
     "dictionary_entries",
 ]
 
+MAX_BACKOFF = 2.0
+"""Longest pause before asking again a leader whose call failed (seconds)."""
 FINAL_CODES_TEXT = {
     averaging_pb2.JOIN_REJECT_NOT_LOOKING: "not matchmaking under that key",
     averaging_pb2.JOIN_REJECT_NOT_LEADER: "you lead, not I",
@@ -98,6 +100,7 @@ class _Round:
     leader: tuple[bytes, str] | None = None
     closed: bool = False
     mismatched: dict[bytes, bytes] = field(default_factory=dict)
+    failures: dict[bytes, int] = field(default_factory=dict)
 
     @property
     def num_members(self) -> int:
@@ -360,7 +363,7 @@ class Matchmaker:
             async with asyncio.timeout(max(0.0, me.give_up - time.time())):
                 final = await call.read()
             if final is grpc.aio.EOF:
-                banned[target.peer_id] = forever
+                banned[target.peer_id] = time.time() + self._backoff(rnd, target.peer_id)
                 return None
             if final.code == averaging_pb2.JOIN_GROUP_FORMED:
                 group = self._check_group(rnd, final.group, target.peer_id)
@@ -379,14 +382,21 @@ class Matchmaker:
             banned[target.peer_id] = time.time() + self.config.retry_after
             return None
         except (grpc.aio.AioRpcError, TimeoutError) as error:
+            # Dead, or only slow (a loaded machine): retry later with a growing pause
+            # rather than writing it off; a dead peer fails fast, a slow one may answer.
             log.debug("leader %s failed: %r", target.peer_id.hex()[:8], error)
-            banned[target.peer_id] = forever
+            banned[target.peer_id] = time.time() + self._backoff(rnd, target.peer_id)
             return None
         finally:
             if following and not rnd.closed:
                 rnd.leader = None
                 self._notify(MatchmakingEvent.LEFT_LEADER, req.key, target.peer_id)
             call.cancel()
+
+    def _backoff(self, rnd: _Round, peer_id: bytes) -> float:
+        """Seconds to skip a peer after its n-th transport failure: doubling, capped."""
+        rnd.failures[peer_id] = failures = rnd.failures.get(peer_id, 0) + 1
+        return float(min(self.config.retry_after * 2 ** (failures - 1), MAX_BACKOFF))
 
     def _check_group(
         self, rnd: _Round, message: averaging_pb2.GroupDescription, leader_id: bytes
@@ -480,13 +490,24 @@ class Matchmaker:
             )
             yield averaging_pb2.JoinResponse(code=code, leader_id=self.peer_id)
             return
-        if peer_id == self.peer_id or peer_id in rnd.followers:
+        if peer_id == self.peer_id:
             yield averaging_pb2.JoinResponse(
                 code=averaging_pb2.JOIN_REJECT_BAD_REQUEST,
                 leader_id=self.peer_id,
-                detail="already a member of this group",
+                detail="a peer cannot join itself",
             )
             return
+        stale = rnd.followers.pop(peer_id, None) if not rnd.closed else None
+        if stale is not None and not stale.outcome.done():
+            # The follower gave up on its earlier stream (e.g. our answer came after its
+            # deadline) and asks again before we noticed: the newer request wins.
+            stale.outcome.set_result(
+                averaging_pb2.JoinResponse(
+                    code=averaging_pb2.JOIN_DISBANDED,
+                    leader_id=self.peer_id,
+                    detail="superseded by a newer request from the same peer",
+                )
+            )
         state = JoinState(
             me=rnd.me,
             following=rnd.leader is not None,

@@ -12,10 +12,11 @@ import pytest
 from swarmavg.averaging.averager import AveragingResult
 from swarmavg.averaging.declarations import Declaration, decode_declaration
 from swarmavg.averaging.errors import NoGroupError, SchemaMismatchError
+from swarmavg.averaging.group_keys import matchmaking_key
 from swarmavg.averaging.matchmaking import MatchmakingEvent, dictionary_entries
 from swarmavg.averaging.service import join_group_method
 from swarmavg.proto import averaging_pb2
-from tests.averaging.averager_swarm import AveragerSwarm, Peer, averager_swarm
+from tests.averaging.averager_swarm import RUN_ID, AveragerSwarm, Peer, averager_swarm
 
 
 def inputs(i: int) -> list[np.ndarray]:
@@ -129,7 +130,7 @@ async def test_simultaneous_mutual_join_does_not_deadlock() -> None:
     """
     async with averager_swarm(2) as swarm:
         a, b = swarm.peers
-        key = a.averager._keys.key_for("k")
+        key = matchmaking_key(RUN_ID, "k", a.averager.group_bits)
         rounds = [
             asyncio.ensure_future(
                 p.averager.average([np.zeros(i + 1, np.float32)], "k", timeout=6.0)
@@ -176,7 +177,7 @@ async def test_simultaneous_mutual_join_does_not_deadlock() -> None:
 async def test_bad_join_requests_get_explicit_codes_and_change_nothing() -> None:
     async with averager_swarm(3) as swarm:
         leader, stranger, late = swarm.peers
-        key = leader.averager._keys.key_for("k")
+        key = matchmaking_key(RUN_ID, "k", leader.averager.group_bits)
         round_ = asyncio.ensure_future(
             leader.averager.average(inputs(0), "k", group_size=2, timeout=12.0)
         )
@@ -224,3 +225,42 @@ async def test_bad_join_requests_get_explicit_codes_and_change_nothing() -> None
         result = await round_
         assert result.group_id == other.group_id
         assert sorted(result.peers) == sorted([leader.peer_id.hex(), late.peer_id.hex()])
+
+
+@pytest.mark.timeout(60)
+async def test_repeated_join_supersedes_the_stale_stream() -> None:
+    async with averager_swarm(3) as swarm:
+        leader, stranger, late = swarm.peers
+        key = matchmaking_key(RUN_ID, "k", leader.averager.group_bits)
+        round_ = asyncio.ensure_future(
+            leader.averager.average(inputs(0), "k", group_size=3, timeout=12.0)
+        )
+        await swarm.wait_for(lambda: any(e[0] is MatchmakingEvent.DECLARED for e in leader.events))
+        schema = (await declarations(leader, key))[leader.peer_id].schema_hash
+        request = averaging_pb2.JoinRequest(
+            header=stranger.node.make_header(),
+            key=key,
+            schema_hash=schema,
+            declared_start=time.time() + 100,
+        )
+        method = join_group_method(stranger.channels.channel(leader.address))
+        first, second = method(request, timeout=10), None
+        try:
+            assert (await first.read()).code == averaging_pb2.JOIN_ACCEPTED
+            second = method(request, timeout=10)
+            assert (await second.read()).code == averaging_pb2.JOIN_ACCEPTED
+            assert (await first.read()).code == averaging_pb2.JOIN_DISBANDED
+        finally:
+            first.cancel()
+            if second is not None:
+                second.cancel()  # the stranger vanishes: it is not in the group
+        await swarm.wait_for(
+            lambda: any(
+                e[0] is MatchmakingEvent.FOLLOWER_LEFT and e[2] == stranger.peer_id
+                for e in leader.events
+            )
+        )
+        other = await late.averager.average(inputs(2), "k", group_size=3, timeout=12.0)
+        result = await round_
+        assert sorted(result.peers) == sorted([leader.peer_id.hex(), late.peer_id.hex()])
+        assert other.group_id == result.group_id
