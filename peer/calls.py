@@ -77,6 +77,7 @@ class PreparedAverage:
         timeout: float,
         codec: str | None,
         use_shm: bool,
+        client_id: str = "",
         shm_threshold: int = SHM_THRESHOLD,
     ) -> None:
         """Validate everything before anything is sent.
@@ -105,6 +106,7 @@ class PreparedAverage:
             tensors=specs_of(arrays),
             shm_name=self.segment.name if self.segment is not None else "",
             shm_size=self.segment.size if self.segment is not None else 0,
+            client_id=client_id,
         )
         self._assembler: TensorAssembler | None = None
         self._done: control_pb2.AverageDone | None = None

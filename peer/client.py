@@ -9,6 +9,7 @@ Every failure is raised as a :class:`~swarmavg.peer.errors.SwarmError` subclass.
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Generator, Sequence
 from types import TracebackType
 from typing import Any
@@ -123,6 +124,7 @@ class Client:
         self._channel = grpc.insecure_channel(self.endpoint.grpc_target(), options=_OPTIONS)
         self._stub = control_pb2_grpc.ControlStub(self._channel)  # type: ignore[no-untyped-call]
         self.dht = _SyncDHT(self)
+        self._client_id = secrets.token_hex(8)
         try:
             status = self._stub.Status(
                 control_pb2.StatusRequest(), timeout=connect_timeout, wait_for_ready=True
@@ -168,6 +170,7 @@ class Client:
             timeout=timeout,
             codec=codec,
             use_shm=self._use_shm,
+            client_id=self._client_id,
         )
         try:
             responses = self._stub.Average(call.requests(), timeout=call.deadline)
@@ -266,6 +269,7 @@ class AsyncClient:
         self._use_shm = False
         self._channel: grpc.aio.Channel | None = None
         self._stub_or_none: control_pb2_grpc.ControlStub | None = None
+        self._client_id = secrets.token_hex(8)
         self.dht = _AsyncDHT(self)
 
     @property
@@ -322,6 +326,7 @@ class AsyncClient:
             timeout=timeout,
             codec=codec,
             use_shm=self._use_shm,
+            client_id=self._client_id,
         )
         try:
             stream = self._stub.Average(call.requests(), timeout=call.deadline)

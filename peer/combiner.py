@@ -1,10 +1,16 @@
 """Combining the training processes of one machine into one contribution per round.
 
 Several training processes (one per GPU) that call ``average`` with the same key at about
-the same time join one *local batch*. The batch waits ``window`` seconds for more callers,
-then contributes ``sum(w_i * x_i) / W`` with weight ``W = sum(w_i)`` to the swarm's round,
-so the swarm sees one peer and the weighted mean over everyone stays exact. Every local
-caller receives the round's result.
+the same time join one *local batch*. The batch contributes ``sum(w_i * x_i) / W`` with
+weight ``W = sum(w_i)`` to the swarm's round, so the swarm sees one peer and the weighted
+mean over everyone stays exact. Every local caller receives the round's result.
+
+How long a batch waits: every client sends a random ``client_id``; the combiner remembers
+the ids it has seen in the last ``memory`` seconds and closes a batch as soon as that many
+callers joined it, or after ``window`` seconds at the latest. A batch that holds a client's
+first call always waits the whole window (the daemon cannot know yet how many processes
+there are). After that, a single training process never waits, and N processes on N GPUs
+wait only for each other.
 
 A caller that goes away (its client was killed) simply stops waiting: a batch whose
 window is still open drops it; a round already under way continues for the others.
@@ -65,7 +71,9 @@ class _Member:
 @dataclass
 class _Batch:
     key: str
+    full: asyncio.Event
     members: list[_Member] = field(default_factory=list)
+    has_newcomer: bool = False
 
 
 def combine(arrays_per_member: list[list[np.ndarray]], weights: list[float]) -> list[np.ndarray]:
@@ -89,15 +97,31 @@ class LocalCombiner:
     Owns one task per open batch; :meth:`close` cancels them and fails their callers.
     """
 
-    def __init__(self, average: AverageFn, window: float) -> None:
+    def __init__(self, average: AverageFn, window: float, memory: float = 300.0) -> None:
         self._average = average
         self._window = window
+        self._memory = memory
+        self._seen: dict[str, float] = {}
         self._open: dict[str, _Batch] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
-    async def submit(self, arrays: list[np.ndarray], params: RoundParams) -> RoundOutcome:
+    def expected_callers(self) -> int:
+        """How many local training processes were active in the last ``memory`` seconds."""
+        horizon = time.monotonic() - self._memory
+        for client_id in [c for c, t in self._seen.items() if t < horizon]:
+            del self._seen[client_id]
+        return max(len(self._seen), 1)
+
+    async def submit(
+        self, arrays: list[np.ndarray], params: RoundParams, client_id: str = ""
+    ) -> RoundOutcome:
         """Join (or open) the batch for ``params.key`` and wait for the round's outcome.
+
+        Args:
+            arrays: the caller's tensors (validated).
+            params: the caller's round parameters.
+            client_id: the calling client's id ("" counts as one anonymous caller).
 
         Raises:
             ValidationError: the tensors differ in layout from the batch's other callers.
@@ -107,9 +131,11 @@ class LocalCombiner:
         if self._closed:
             raise DaemonUnavailableError("the daemon is shutting down")
         loop = asyncio.get_running_loop()
+        newcomer = client_id not in self._seen
+        self._seen[client_id] = time.monotonic()
         batch = self._open.get(params.key)
         if batch is None:
-            batch = _Batch(params.key)
+            batch = _Batch(params.key, asyncio.Event())
             self._open[params.key] = batch
             task = loop.create_task(self._run(batch), name=f"local-batch:{params.key}")
             self._tasks.add(task)
@@ -123,13 +149,18 @@ class LocalCombiner:
                 )
         member = _Member(arrays, params, time.monotonic() + params.timeout, loop.create_future())
         batch.members.append(member)
+        batch.has_newcomer |= newcomer
+        if not batch.has_newcomer and len(batch.members) >= self.expected_callers():
+            batch.full.set()
         return await member.future
 
     async def _run(self, batch: _Batch) -> None:
         try:
             try:
-                # The one deliberate wait: the window in which other local processes join.
-                await asyncio.sleep(self._window)
+                # Closed as soon as every recently seen local process joined, else after
+                # the window; a lone training process does not wait at all.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(batch.full.wait(), self._window)
             finally:
                 if self._open.get(batch.key) is batch:
                     del self._open[batch.key]

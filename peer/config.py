@@ -36,8 +36,9 @@ class PeerConfig:
         metrics: ``HOST:PORT`` for the Prometheus endpoint; ``None``: no metrics server.
         log_level: Python logging level name.
         group_size: the default target group size when a caller passes ``None``.
-        local_window: seconds a round waits for more local training processes with the
-            same key before the daemon contributes their combined tensors.
+        local_window: the longest a round waits for the other local training processes
+            (those seen recently) to call with the same key before the daemon contributes
+            their combined tensors; a lone process never waits.
         shutdown_grace: seconds the first SIGINT/SIGTERM gives rounds in flight.
         bootstrap_timeout: seconds to keep retrying the initial peers before giving up.
     """
@@ -52,7 +53,7 @@ class PeerConfig:
     metrics: str | None = None
     log_level: str = "INFO"
     group_size: int = 16
-    local_window: float = 0.05
+    local_window: float = 0.5
     shutdown_grace: float = 2.0
     bootstrap_timeout: float = 30.0
 

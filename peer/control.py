@@ -209,7 +209,9 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 timeout=max(start.timeout - (time.monotonic() - started), 0.001),
                 codec=start.codec or None,
             )
-            outcome: RoundOutcome = await self._backend.combiner.submit(arrays, params)
+            outcome: RoundOutcome = await self._backend.combiner.submit(
+                arrays, params, start.client_id[:64]
+            )
             if segment is not None:
                 await asyncio.to_thread(segment.write_results, outcome.arrays)
             else:

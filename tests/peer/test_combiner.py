@@ -53,9 +53,9 @@ async def test_same_key_in_the_window_is_one_round() -> None:
     x = [np.ones(3, np.float32)]
     y = [np.full(3, 4.0, np.float32)]
     r1, r2, r3 = await asyncio.gather(
-        combiner.submit(x, params(weight=1.0)),
-        combiner.submit(y, params(weight=2.0)),
-        combiner.submit(x, params(key="other")),
+        combiner.submit(x, params(weight=1.0), "gpu0"),
+        combiner.submit(y, params(weight=2.0), "gpu1"),
+        combiner.submit(x, params(key="other"), "gpu0"),
     )
     assert len(rec.calls) == 2
     by_key = {p.key: (arrays, p) for arrays, p in rec.calls}
@@ -113,3 +113,35 @@ async def test_round_errors_reach_every_caller_and_close_fails_waiters() -> None
         await pending
     with pytest.raises(DaemonUnavailableError):
         await combiner.submit([np.ones(1, np.float32)], params())
+
+
+async def test_known_callers_close_the_batch_without_waiting_the_window() -> None:
+    rec = Recorder()
+    combiner = LocalCombiner(rec, window=30.0)  # a test timeout if anything waited for it
+    combiner._seen = {"gpu0": 0.0, "gpu1": 0.0}  # seen recently, relative to memory
+    combiner._memory = float("inf")
+    x = [np.ones(2, np.float32)]
+    first = asyncio.ensure_future(combiner.submit(x, params(), "gpu0"))
+    await asyncio.sleep(0)
+    assert not first.done()  # waits for gpu1, which has been seen before
+    second = await combiner.submit(x, params(), "gpu1")
+    assert second.local_callers == 2
+    assert (await first) is second
+    combiner._seen = {"gpu0": 0.0}
+    alone = await combiner.submit(x, params(key="solo"), "gpu0")
+    assert alone.local_callers == 1
+    assert combiner.expected_callers() == 1
+    await combiner.close()
+
+
+async def test_a_first_call_waits_the_window_for_the_others() -> None:
+    rec = Recorder()
+    combiner = LocalCombiner(rec, window=0.3)
+    x = [np.ones(2, np.float32)]
+    first = asyncio.ensure_future(combiner.submit(x, params(), "new0"))
+    await asyncio.sleep(0.05)
+    assert not first.done()
+    second = await combiner.submit(x, params(), "new1")
+    assert second.local_callers == 2
+    assert len(rec.calls) == 1
+    await combiner.close()
