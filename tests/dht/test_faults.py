@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from swarmavg.dht import DHTConfig, DHTNode, Identity
+from swarmavg.dht.ids import id_to_int, key_id
 from swarmavg.dht.routing import Contact
 from tests.dht.swarm import swarm
 
@@ -53,6 +54,12 @@ class FaultyPeer:
         )
 
 
+def near(key: str, peer_id: bytes, bits: int = 8) -> bool:
+    """Whether ``key``'s id shares its first ``bits`` bits with ``peer_id``."""
+    shift = 160 - bits
+    return id_to_int(key_id(key.encode())) >> shift == id_to_int(peer_id) >> shift
+
+
 @pytest.fixture(params=list(Fault))
 async def faulty(request: pytest.FixtureRequest) -> AsyncIterator[tuple[FaultyPeer, str]]:
     peer = FaultyPeer(request.param)
@@ -74,11 +81,14 @@ async def test_lookups_survive_a_misbehaving_peer(faulty: tuple[FaultyPeer, str]
         # plant the faulty contact in every table, as if it had behaved well before
         for n in s.nodes:
             n.routing.add_or_update(Contact(bad.peer_id, address))
+        assert bad.peer_id in node.routing
+        # keys next to the faulty peer's id, so that every lookup wants to ask it
+        keys = [k for k in (f"f-{i}" for i in range(20_000)) if near(k, bad.peer_id)][:5]
         now = time.time()
-        for i in range(5):
-            assert await node.store(f"f-{i}", i, now + 60)
-        for i in range(5):
-            found = await s.nodes[(i * 3) % 12].get(f"f-{i}")
+        for i, key in enumerate(keys):
+            assert await node.store(key, i, now + 60)
+        for i, key in enumerate(keys):
+            found = await s.nodes[(i * 3) % 12].get(key)
             assert found is not None
             assert found.value == i
         assert peer.calls > 0  # it was really asked
