@@ -47,16 +47,20 @@ from swarmavg.averaging.partition import (
     PartPlan,
     TensorLayout,
     chunk_elements_for,
+    flat_view,
     flatten,
     unflatten,
 )
-from swarmavg.averaging.reduce_service import (
-    AllReduceService,
-    ReducerRound,
-    _Abort,
-    decode_checked,
+from swarmavg.averaging.reduce_service import AllReduceService, ReducerRound, _Abort
+from swarmavg.averaging.reduce_wire import (
+    Reply,
+    deserialize_reply,
+    encode_request,
+    serialize_request,
 )
 from swarmavg.compression import Codec, CodecInfo, get_codec
+from swarmavg.compression.base import Encoded
+from swarmavg.compression.kernels import all_finite
 from swarmavg.proto import averaging_pb2, common_pb2
 
 log = logging.getLogger(__name__)
@@ -157,7 +161,7 @@ class _Exchange:
 
     # ---- helpers run in the executor ----
 
-    def _encode_request(self, part: int, chunk: int) -> averaging_pb2.ReduceRequest:
+    def _encode(self, part: int, chunk: int) -> Encoded:
         base = self.plan.bounds[part][0]
         start, end = self.plan.chunk_bounds(part, chunk)
         info = CodecInfo(
@@ -165,27 +169,53 @@ class _Exchange:
             part_index=part,
             part_size=self.plan.part_size(part),
         )
-        message = self.codec.encode(self.vector[base + start : base + end], info)
-        request = averaging_pb2.ReduceRequest(chunk=message, chunk_index=chunk)
+        return self.codec.encode_payload(self.vector[base + start : base + end], info)
+
+    def _encode_request(self, part: int, chunk: int) -> bytes:
+        """One chunk of ``part`` as the serialised ``ReduceRequest`` (one payload copy)."""
+        first = None
         if chunk == 0:
-            request.header.CopyFrom(self.header)
-            request.group_id = self.group.group_id
-            request.part_index = part
-            request.weight = self.weight
-        return request
+            first = averaging_pb2.ReduceRequest(
+                header=self.header,
+                group_id=self.group.group_id,
+                part_index=part,
+                weight=self.weight,
+            )
+        return serialize_request(encode_request(self._encode(part, chunk), chunk, first))
 
     def _round_trip_local(self, chunk: int) -> np.ndarray:
         """This member's own copy of one chunk of its part, through the codec and back."""
-        request = self._encode_request(self.my_index, chunk)
+        encoded = self._encode(self.my_index, chunk)
+        values = self.codec.decode_payload(encoded.header, encoded.payload)
         start, end = self.plan.chunk_bounds(self.my_index, chunk)
-        return decode_checked(self.codec, request.chunk, end - start)
+        if values.shape != (end - start,) or values.dtype != self.layout.dtype:
+            raise ValueError(f"codec {self.codec.name} changed the shape or dtype of a chunk")
+        return values
 
-    def _store(self, part: int, chunk: int, values: np.ndarray) -> None:
+    def _decode_reply(self, part: int, reply: Reply) -> None:
+        """Decode one averaged chunk of ``part`` into the result; ``ValueError`` if bad."""
+        if reply.header is None or reply.payload is None:
+            raise ValueError("reply carries no chunk")
+        if not self.codec.accepts(reply.header.codec):
+            raise ValueError(f"reply uses codec {reply.header.codec!r}")
+        start, end = self.plan.chunk_bounds(part, reply.chunk_index)
+        if reply.header.shape != (end - start,):
+            raise ValueError(f"reply declares shape {reply.header.shape}, expected {end - start}")
+        values = self.codec.decode_payload(reply.header, reply.payload)
+        if values.shape != (end - start,) or values.dtype != self.layout.dtype:
+            raise ValueError(f"reply decodes to {values.dtype}{list(values.shape)}")
+        if not all_finite(values):
+            raise ValueError("reply holds NaN or Inf")
         base = self.plan.bounds[part][0]
-        start, end = self.plan.chunk_bounds(part, chunk)
-        if not np.isfinite(values).all():
-            raise ValueError(f"averaged chunk {chunk} of part {part} holds NaN or Inf")
         self.result[base + start : base + end] = values
+
+    def fill_missing(self) -> None:
+        """Copy local values into every chunk that no reducer returned."""
+        for part, received in self.received.items():
+            base = self.plan.bounds[part][0]
+            for chunk in np.flatnonzero(~received):
+                start, end = self.plan.chunk_bounds(part, int(chunk))
+                self.result[base + start : base + end] = self.vector[base + start : base + end]
 
     # ---- the local part ----
 
@@ -221,7 +251,7 @@ class _Exchange:
                 self.service.executor, self._encode_request, part, chunk
             )
             await call.write(request)
-            self.bytes_sent += request.ByteSize()
+            self.bytes_sent += len(request)
         await call.done_writing()
 
     def _reply_patience(self, started: float, replies: int) -> float:
@@ -242,8 +272,8 @@ class _Exchange:
         remaining = self.deadline - time.monotonic()
         method = self.channels.channel(address).stream_stream(
             _REDUCE_METHOD,
-            request_serializer=averaging_pb2.ReduceRequest.SerializeToString,
-            response_deserializer=averaging_pb2.ReduceResponse.FromString,
+            request_serializer=_pass_bytes,
+            response_deserializer=deserialize_reply,
         )
         call = method(timeout=max(remaining, 0.001))
         sender = loop.create_task(self._send_part(part, call))
@@ -284,31 +314,32 @@ class _Exchange:
                 log.exception("part %d: sending to %s failed", part, address)
             call.cancel()
 
-    async def _accept_reply(self, part: int, response: averaging_pb2.ReduceResponse) -> bool:
+    async def _accept_reply(self, part: int, reply: Reply) -> bool:
         """Validate and store one averaged chunk; ``False`` means "stop trusting it"."""
-        chunk = response.chunk_index
+        chunk = reply.chunk_index
+        if reply.error:
+            log.warning("part %d: %s", part, reply.error)
+            return False
         if chunk >= self.plan.num_chunks(part) or self.received[part][chunk]:
             log.warning("part %d: reducer sent chunk %d out of range or twice", part, chunk)
             return False
-        self.bytes_received += response.ByteSize()
-        if response.num_senders == 0:
+        self.bytes_received += reply.nbytes
+        if reply.num_senders == 0:
             return True  # nobody delivered this chunk in time: it stays local
-        start, end = self.plan.chunk_bounds(part, chunk)
         loop = asyncio.get_running_loop()
         try:
-            values = await loop.run_in_executor(
-                self.service.executor, decode_checked, self.codec, response.chunk, end - start
-            )
-            if values.dtype != self.layout.dtype:
-                raise ValueError(f"averaged chunk has dtype {values.dtype}")
-            await loop.run_in_executor(self.service.executor, self._store, part, chunk, values)
-        except ValueError as e:
+            await loop.run_in_executor(self.service.executor, self._decode_reply, part, reply)
+        except ValueError as e:  # CodecError included
             log.warning("part %d: reducer sent an invalid chunk: %s", part, e)
             return False
         self.received[part][chunk] = True
-        if response.num_senders >= len(self.group.senders):
+        if reply.num_senders >= len(self.group.senders):
             self.full_chunks[part] += 1
         return True
+
+
+def _pass_bytes(message: bytes) -> bytes:
+    return message
 
 
 async def run_allreduce(
@@ -387,10 +418,11 @@ async def run_allreduce(
     )
 
     def prepare() -> None:
-        ex.vector = flatten(tensors, layout)
-        if me.mode.sends and not np.isfinite(ex.vector).all():
+        view = flat_view(tensors, layout)
+        ex.vector = view if view is not None else flatten(tensors, layout)
+        if me.mode.sends and not all_finite(ex.vector):
             raise ValueError("tensors hold NaN or Inf")
-        ex.result = ex.vector.copy()
+        ex.result = np.empty_like(ex.vector)
 
     await loop.run_in_executor(executor, prepare)
     t_prepared = time.monotonic()
@@ -460,7 +492,12 @@ async def run_allreduce(
         for j in range(group.size)
         if plan.part_size(j) > 0 and (me.mode.sends or j == my_index)
     )
-    out = await loop.run_in_executor(executor, unflatten, ex.result, layout)
+
+    def finish() -> list[np.ndarray]:
+        ex.fill_missing()
+        return unflatten(ex.result, layout, copy=False)  # result is ours to hand over
+
+    out = await loop.run_in_executor(executor, finish)
     t_done = time.monotonic()
     return AllReduceOutcome(
         tensors=out,

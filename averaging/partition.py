@@ -99,11 +99,13 @@ def flatten(tensors: Sequence[np.ndarray], layout: TensorLayout) -> np.ndarray:
     return out
 
 
-def unflatten(vector: np.ndarray, layout: TensorLayout) -> list[np.ndarray]:
-    """Cut ``vector`` back into new arrays with the layout's shapes and dtypes.
+def unflatten(vector: np.ndarray, layout: TensorLayout, *, copy: bool = True) -> list[np.ndarray]:
+    """Cut ``vector`` back into arrays with the layout's shapes and dtypes.
 
     Floats are cast with round-to-nearest; integers are rounded and clipped to range.
-    The returned arrays never share memory with ``vector``.
+    With ``copy=True`` the returned arrays never share memory with ``vector``; with
+    ``copy=False`` a tensor whose dtype is the vector's is returned as a view of it (for
+    callers that own ``vector`` and hand it over).
     """
     if vector.shape != (layout.total,):
         raise ValueError(f"vector has shape {vector.shape}, layout needs ({layout.total},)")
@@ -116,8 +118,27 @@ def unflatten(vector: np.ndarray, layout: TensorLayout) -> list[np.ndarray]:
             # float64 cannot hold int64's max exactly; clip below it, then cast.
             hi = float(info.max) if info.bits < 64 else float(np.nextafter(2.0**63, 0))
             piece = np.clip(np.rint(piece), float(info.min), hi)
-        result.append(np.array(piece, dtype=dtype, copy=True).reshape(shape))
+        if not copy and piece.dtype == dtype:
+            result.append(piece.reshape(shape))
+        else:
+            result.append(np.array(piece, dtype=dtype, copy=True).reshape(shape))
     return result
+
+
+def flat_view(tensors: Sequence[np.ndarray], layout: TensorLayout) -> np.ndarray | None:
+    """A read-only 1-D view of a single contiguous tensor already in the reduction dtype.
+
+    Saves the copy of :func:`flatten` in the common case of one big float32 tensor;
+    ``None`` when a copy is needed.
+    """
+    if len(tensors) != 1 or not layout.matches(tensors):
+        return None
+    t = np.asarray(tensors[0])
+    if t.dtype != layout.dtype or not t.flags.c_contiguous:
+        return None
+    view = t.reshape(-1).view()
+    view.flags.writeable = False
+    return view
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,8 @@ from swarmavg.averaging.group import GroupInfo
 from swarmavg.averaging.partition import PartPlan
 from swarmavg.averaging.reducer import ContributionError, PartReducer
 from swarmavg.compression import Codec, CodecInfo
+from swarmavg.compression.base import parse_header
+from swarmavg.compression.dtypes import dtype_to_proto
 from swarmavg.dht.identity import HeaderError, verify_header
 from swarmavg.proto import averaging_pb2, common_pb2, tensor_pb2
 
@@ -75,22 +77,51 @@ async def _abort(
     raise RuntimeError("context.abort returned")
 
 
-def decode_checked(codec: Codec, message: tensor_pb2.TensorChunk, size: int) -> np.ndarray:
-    """Decode one chunk that must hold ``size`` elements; raise ``ContributionError`` if not.
+def decode_checked(
+    codec: Codec, message: tensor_pb2.TensorChunk, size: int
+) -> tuple[np.ndarray, int]:
+    """Decode one chunk that must hold ``size`` elements; return it and its payload bytes.
 
-    The declared shape is checked before decoding, so a lying header costs nothing.
+    The declared codec and shape are checked before decoding, so a lying header costs
+    nothing. Raises ``ContributionError`` for anything malformed.
     """
-    if message.codec != codec.name:
+    if not codec.accepts(message.codec):
         raise ContributionError(f"chunk uses codec {message.codec!r}, round uses {codec.name!r}")
     if list(message.shape) != [size]:
         raise ContributionError(f"chunk declares shape {list(message.shape)}, expected [{size}]")
     try:
-        values = codec.decode(message)
+        header = parse_header(message)
+        buffer = message.buffer  # the one copy out of the protobuf message
+        values = codec.decode_payload(header, buffer)
     except ValueError as e:  # CodecError derives from ValueError
         raise ContributionError(f"chunk does not decode: {e}") from e
     if values.shape != (size,):
         raise ContributionError(f"chunk decodes to shape {values.shape}, expected ({size},)")
-    return values
+    return values, len(buffer) + len(message.meta)
+
+
+def encode_response(
+    codec: Codec, values: np.ndarray, info: CodecInfo, chunk: int, contributors: int
+) -> tuple[averaging_pb2.ReduceResponse, np.ndarray, int]:
+    """Encode an averaged chunk once; return the reply, its decoded values, payload bytes.
+
+    The reducer keeps the values decoded from the very payload the senders receive, so
+    every member ends bit-identical (decoding is deterministic).
+    """
+    encoded = codec.encode_payload(values, info)
+    header = encoded.header
+    payload = bytes(encoded.payload)
+    response = averaging_pb2.ReduceResponse(chunk_index=chunk, num_senders=contributors)
+    message = response.chunk
+    message.codec = header.codec
+    message.dtype = dtype_to_proto(header.dtype)  # type: ignore[assignment]
+    message.shape.extend(header.shape)
+    message.buffer = payload
+    message.meta = header.meta_bytes()
+    message.num_chunks = 1
+    message.total_bytes = len(payload)
+    decoded = codec.decode_payload(header, payload)
+    return response, decoded, len(payload) + len(message.meta)
 
 
 class ReducerRound:
@@ -219,7 +250,6 @@ class ReducerRound:
                 if isinstance(item, _Abort):
                     await _abort(context, item.code, item.details)
                 await context.write(item)
-                self.bytes_sent += item.ByteSize()
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -259,12 +289,12 @@ class ReducerRound:
         chunk = request.chunk_index
         if chunk >= self.reducer.num_chunks:
             raise ContributionError(f"chunk index {chunk} out of range")
-        self.bytes_received += request.ByteSize()
         start, end = self.plan.chunk_bounds(self.my_index, chunk)
         loop = asyncio.get_running_loop()
-        values = await loop.run_in_executor(
+        values, nbytes = await loop.run_in_executor(
             self.executor, decode_checked, self.codec, request.chunk, end - start
         )
+        self.bytes_received += nbytes
         if sender not in self.reducer.live_senders:
             return  # dropped while decoding (too slow): its late chunks are ignored
         self._queue_final(self.reducer.add(sender, chunk, values))
@@ -274,15 +304,12 @@ class ReducerRound:
 
     def _encode_result(
         self, chunk: int, values: np.ndarray, contributors: int
-    ) -> tuple[averaging_pb2.ReduceResponse, np.ndarray]:
+    ) -> tuple[averaging_pb2.ReduceResponse, np.ndarray, int]:
         start, end = self.plan.bounds[self.my_index]
-        info = CodecInfo(key=f"average[{start}:{end}]", part_index=self.my_index, part_size=end)
-        message = self.codec.encode(values, info)
-        response = averaging_pb2.ReduceResponse(
-            chunk=message, chunk_index=chunk, num_senders=contributors
+        info = CodecInfo(
+            key=f"average[{start}:{end}]", part_index=self.my_index, part_size=end - start
         )
-        # Decode the very bytes the senders get, so this member ends bit-identical to them.
-        return response, self.codec.decode(response.chunk)
+        return encode_response(self.codec, values, info, chunk, contributors)
 
     async def _emit(self) -> None:
         loop = asyncio.get_running_loop()
@@ -295,10 +322,11 @@ class ReducerRound:
             if values is None:
                 response = averaging_pb2.ReduceResponse(chunk_index=chunk, num_senders=0)
             else:
-                response, decoded = await loop.run_in_executor(
+                response, decoded, nbytes = await loop.run_in_executor(
                     self.executor, self._encode_result, chunk, values, contributors
                 )
                 self.on_result(chunk, decoded, contributors)
+                self.bytes_sent += nbytes * len(self.streams)
             for stream in self.streams.values():
                 stream.queue.put_nowait(response)
             self.returned += 1

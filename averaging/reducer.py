@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from swarmavg.averaging.partition import PartPlan
+from swarmavg.compression.kernels import all_finite
 
 
 class ContributionError(ValueError):
@@ -100,7 +101,7 @@ class PartReducer:
                 f"chunk {chunk} must be {self.dtype}[{end - start}], "
                 f"got {values.dtype}{list(values.shape)}"
             )
-        if not np.isfinite(values).all():
+        if not all_finite(values):
             raise ContributionError(f"chunk {chunk} holds NaN or Inf")
 
     def add(self, sender: int, chunk: int, values: np.ndarray) -> list[int]:

@@ -22,7 +22,7 @@ from swarmavg.proto import averaging_pb2, averaging_pb2_grpc, common_pb2
 from tests.harness import GrpcServerPool
 
 RUN_ID = "test-allreduce"
-FAST = AllReduceConfig(min_stall=0.5, stall_factor=8.0, registration_wait=2.0, chunk_bytes=4096)
+FAST = AllReduceConfig(min_stall=1.0, stall_factor=8.0, registration_wait=3.0, chunk_bytes=4096)
 
 
 class ReduceServicer(averaging_pb2_grpc.AveragingServicer):  # type: ignore[misc]

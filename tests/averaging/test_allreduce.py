@@ -158,7 +158,7 @@ async def test_parts_of_a_single_element(
         await close_peers(peers)
 
 
-LOSSY = [c for c in known_codecs() if c != "none"]
+LOSSY = [c for c in known_codecs() if c != "none" and "<" not in c] + ["zstd+float16"]
 # Max error relative to the inputs' largest magnitude: two quantisations (the sender's
 # copy and the reducer's average), each within half a step of the codec's grid.
 ERROR_BOUND = {
