@@ -1,0 +1,92 @@
+"""The hand-built Reduce wire bytes are ordinary protobuf; hostile replies never raise."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarmavg.averaging.reduce_wire import deserialize_reply, encode_request, serialize_request
+from swarmavg.compression import CodecInfo, get_codec
+from swarmavg.dht import Identity
+from swarmavg.proto import averaging_pb2
+
+
+@pytest.mark.parametrize("codec_name", ["none", "float16", "uint8-blockwise"])
+@pytest.mark.parametrize("first", [True, False])
+def test_request_bytes_parse_as_reduce_request(codec_name: str, first: bool) -> None:
+    codec = get_codec(codec_name)
+    values = np.random.default_rng(0).standard_normal(3000).astype(np.float32)
+    encoded = codec.encode_payload(values, CodecInfo())
+    naming = None
+    if first:
+        naming = averaging_pb2.ReduceRequest(
+            header=Identity.generate().make_header("r", "h:1"),
+            group_id=b"g" * 16,
+            part_index=3,
+            weight=2.5,
+        )
+    wire = serialize_request(encode_request(encoded, 7, naming))
+    parsed = averaging_pb2.ReduceRequest.FromString(wire)
+    assert parsed.chunk_index == 7
+    assert parsed.chunk == codec.encode(values, CodecInfo())
+    np.testing.assert_array_equal(codec.decode(parsed.chunk), codec.decode(codec.encode(values)))
+    if naming is not None:
+        assert parsed.group_id == naming.group_id
+        assert parsed.part_index == 3
+        assert parsed.weight == 2.5
+        assert parsed.header == naming.header
+    else:
+        assert not parsed.HasField("header")
+
+
+@pytest.mark.parametrize("codec_name", ["none", "float16", "uint8-blockwise"])
+def test_reply_scan_matches_protobuf(codec_name: str) -> None:
+    codec = get_codec(codec_name)
+    values = np.random.default_rng(1).standard_normal(5000).astype(np.float32)
+    response = averaging_pb2.ReduceResponse(
+        chunk=codec.encode(values, CodecInfo()), chunk_index=12, num_senders=5
+    )
+    data = response.SerializeToString()
+    reply = deserialize_reply(data)
+    assert reply.error == ""
+    assert reply.chunk_index == 12
+    assert reply.num_senders == 5
+    assert reply.nbytes == len(data)
+    assert reply.header is not None
+    assert reply.payload is not None
+    np.testing.assert_array_equal(
+        codec.decode_payload(reply.header, reply.payload), codec.decode(response.chunk)
+    )
+
+
+def test_reply_without_chunk() -> None:
+    reply = deserialize_reply(averaging_pb2.ReduceResponse(chunk_index=4).SerializeToString())
+    assert reply.error == ""
+    assert reply.chunk_index == 4
+    assert reply.header is None
+
+
+def test_truncated_and_lying_replies_are_reported() -> None:
+    codec = get_codec("none")
+    good = averaging_pb2.ReduceResponse(
+        chunk=codec.encode(np.ones(100, np.float32), CodecInfo()), chunk_index=1, num_senders=2
+    ).SerializeToString()
+    for cut in (1, 5, len(good) // 2, len(good) - 1):
+        assert deserialize_reply(good[:cut]).error
+    lying = averaging_pb2.ReduceResponse(
+        chunk=codec.encode(np.ones(100, np.float32), CodecInfo()), chunk_index=1
+    )
+    lying.chunk.total_bytes = 9999
+    assert "total_bytes" in deserialize_reply(lying.SerializeToString()).error
+    split = averaging_pb2.ReduceResponse(chunk=codec.encode(np.ones(4, np.float32)))
+    split.chunk.num_chunks = 3
+    assert deserialize_reply(split.SerializeToString()).error
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_arbitrary_bytes_never_raise(data: bytes) -> None:
+    reply = deserialize_reply(data)
+    assert reply.nbytes == len(data) or reply.error
