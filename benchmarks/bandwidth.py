@@ -71,7 +71,12 @@ def start_daemons(
     daemons: list[SwarmavgProcess] = []
     for name, host in bed.hosts.items():
         args = ["peer", "--listen", f"{host.address}:{PORT}", "--run-id", run_id]
-        args += ["--control", str(workdir / f"{name}.sock"), "--log-level", os.environ.get("BW_LOG_LEVEL", "WARNING")]
+        args += [
+            "--control",
+            str(workdir / f"{name}.sock"),
+            "--log-level",
+            os.environ.get("BW_LOG_LEVEL", "WARNING"),
+        ]
         if daemons:
             args += ["--join", daemons[0].address]
         daemons.append(pool.start(args, executable=host.swarmavg_command()))
@@ -165,12 +170,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     log(f"{codec}: {exc!r}")
             # Codecs take turns round by round, so that the load of the shared machine
             # drifting during the run weighs on all of them alike.
+            failed: dict[str, list[str]] = {codec: [] for codec in rounds}
             for r in range(args.rounds):
                 for codec in rounds:
                     cpu_before = [cpu_seconds(d) for d in daemons]
-                    result = await one_round(
-                        bed, daemons, inputs, f"bw-{codec}-{r}", codec, args.timeout
-                    )
+                    try:
+                        result = await one_round(
+                            bed, daemons, inputs, f"bw-{codec}-{r}", codec, args.timeout
+                        )
+                    except Exception as exc:  # reported with the figures, never hidden
+                        failed[codec].append(f"{type(exc).__name__}: {exc}")
+                        log(f"{codec} round {r} failed: {exc!r}")
+                        continue
                     result.cpu_seconds = statistics.mean(
                         cpu_seconds(d) - before
                         for d, before in zip(daemons, cpu_before, strict=True)
@@ -178,18 +189,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     log(f"{codec} round {r}: {result}")
                     rounds[codec].append(result)
             for codec, done in rounds.items():
+                if not done:
+                    per_codec[codec] = {"error": "; ".join(failed[codec])}
+                    continue
+                chronological = [round(r.seconds, 3) for r in done]
+                done.sort(key=lambda r: r.seconds)
                 seconds = statistics.median(r.seconds for r in done)
                 tx = statistics.median(statistics.mean(r.tx_bytes) for r in done)
                 per_codec[codec] = {
                     "seconds": round(seconds, 3),
-                    "rounds_seconds": [round(r.seconds, 3) for r in done],
+                    "rounds_seconds": chronological,
                     "wire_mb_per_host": round(tx / 1e6, 2),
                     "daemon_cpu_seconds": round(statistics.median(r.cpu_seconds for r in done), 2),
                     "rel_rms_error": float(f"{max(r.rel_rms_error for r in done):.3g}"),
                     "partial": any(r.partial for r in done),
+                    # The daemon's phases in the median round (one member's view).
                     "timings": {
                         k: round(v, 3) for k, v in sorted(done[len(done) // 2].timings.items())
                     },
+                    "failed_rounds": failed[codec],
                 }
         finally:
             handles = list(pool.processes)
@@ -204,6 +222,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         payload = 2 * (n - 1) * nbytes / n  # bytes each host must send in a butterfly
         figures["goodput_none_fraction"] = round(payload * 8 / base["seconds"] / (rate * 1e6), 3)
         figures["goodput_none_vs_raw_tcp"] = round(raw["seconds"] / base["seconds"], 3)
+        exchange = base["timings"].get("allreduce.exchange")
+        if exchange:  # the streaming phase alone, without preparing and finishing the parts
+            figures["goodput_none_exchange_fraction"] = round(
+                payload * 8 / exchange / (rate * 1e6), 3
+            )
         for entry in per_codec.values():
             if "seconds" in entry:
                 entry["speedup"] = round(base["seconds"] / entry["seconds"], 2)
