@@ -191,3 +191,15 @@ def test_leftovers_of_a_killed_owner_are_swept(make_testbed: MakeTestBed) -> Non
     assert len(_leftovers(prefix)) == 4
     sweep_stale()
     assert _leftovers(prefix) == []
+
+
+def test_two_test_beds_with_the_same_host_names_coexist(make_testbed: MakeTestBed) -> None:
+    first = make_testbed([HostSpec("a"), HostSpec("b", nat=True)])
+    second = make_testbed([HostSpec("a"), HostSpec("b", nat=True)])
+    assert first.prefix != second.prefix
+    assert not set(first.namespaces) & set(second.namespaces)
+    for bed in (first, second):
+        assert transfer(bed["b"], bed["a"], 100_000).peer.split(":")[0] == bed["b"].public_address
+    second.close()  # closing one leaves the other intact
+    assert _leftovers(second.prefix) == []
+    assert transfer(first["b"], first["a"], 100_000).nbytes == 100_000
