@@ -46,6 +46,10 @@ HIVEMIND = {
 }
 
 
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -117,6 +121,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         await grow(nodes, args.nodes, config, channels, rng)
         out["create_s"] = round(time.perf_counter() - t0, 2)
+        progress(f"created {args.nodes} nodes in {out['create_s']} s")
         # 128 nodes' long-lived objects in one process would be rescanned by every full
         # garbage collection (a real daemon runs one node); exempt them from it
         gc.collect()
@@ -135,6 +140,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         r5 = await store_get(nodes, args.ops, rng, "r5")
         for node in nodes:
             node.config.replication = None
+        progress("store/get done")
         for name, value in r5.items():
             out[f"r5_{name}"] = value
         for name, value in HIVEMIND.items():
@@ -171,6 +177,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             await grow(nodes, size, config, channels, rng)
             took = time.perf_counter() - t0
             grow_total += took
+            progress(f"grown to {size} nodes")
             gc.collect()
             gc.freeze()
             probe = await store_get(nodes, args.scale_probes, rng, f"s{size}")

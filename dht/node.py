@@ -22,7 +22,7 @@ from swarmavg.dht.channels import ChannelPool
 from swarmavg.dht.config import DHTConfig
 from swarmavg.dht.identity import Identity
 from swarmavg.dht.ids import id_to_int, int_to_id, key_id, key_to_bytes, random_id_in_range
-from swarmavg.dht.protocol import DHTProtocol, DHTRPCError
+from swarmavg.dht.protocol import DHTProtocol, DHTRPCError, request_chunks
 from swarmavg.dht.records import (
     StoredRecord,
     Subkey,
@@ -37,9 +37,11 @@ from swarmavg.dht.routing import Contact, RoutingTable
 from swarmavg.dht.storage import STORED, Storage
 from swarmavg.dht.traversal import LookupResult, traverse
 from swarmavg.dht.validation import record_owner, validate_record
-from swarmavg.proto import common_pb2
+from swarmavg.proto import common_pb2, dht_pb2
 
 log = logging.getLogger(__name__)
+
+NOT_NEAREST = dht_pb2.STORE_STATUS_NOT_NEAREST
 
 StoreItem = tuple[str | bytes, Any, float, Subkey | None]
 """(key, value, expiration, subkey) for :meth:`DHTNode.store_many`."""
@@ -393,35 +395,63 @@ class DHTNode:
     async def _store_records(
         self, records: Sequence[StoredRecord], cache_on: Contact | None = None
     ) -> list[bool]:
+        limits = self.config.limits
         if cache_on is not None:
-            statuses = await self.protocol.call_store(cache_on, records, cache=True)
+            statuses = []
+            for chunk in request_chunks(
+                records, limits.max_records_per_request, limits.max_request_bytes // 2
+            ):
+                statuses += await self.protocol.call_store(cache_on, chunk, cache=True)
             return [s == STORED for s in statuses]
         now = time.time()
-        kids = [key_id(r.key) for r in records]
+        live = [i for i, r in enumerate(records) if r.expiration > now]
+        by_key: dict[bytes, list[int]] = {}
+        for i in live:
+            by_key.setdefault(key_id(records[i].key), []).append(i)
         replicas = self.config.num_replicas
-        # the lookup need only converge on the `replicas` nearest nodes, not on k of them
-        lookups = await traverse(self.protocol, kids, want_values=False, k=replicas)
+        # The lookup need only converge on the `replicas` nearest nodes, not on k of them, and
+        # the records ride along with its Find requests: the nodes that know they are among
+        # the nearest store them at once, so only the rest need a separate Store.
+        lookups = await traverse(
+            self.protocol,
+            list(by_key),
+            want_values=False,
+            k=replicas,
+            store={kid: [records[i] for i in idx] for kid, idx in by_key.items()},
+            replication=replicas,
+        )
         own_int = self.routing.own_int
         stored = [False] * len(records)
         batches: dict[bytes, tuple[Contact, list[int]]] = {}
-        for i, (record, kid) in enumerate(zip(records, kids, strict=True)):
-            if record.expiration <= now:
-                continue
+        for kid, indices in by_key.items():
+            lookup = lookups[kid]
             target = id_to_int(kid)
-            nearest = lookups[kid].nearest[:replicas]
-            self.lookup_hops.append(lookups[kid].hops)
+            nearest = lookup.nearest[:replicas]
+            self.lookup_hops.append(lookup.hops)
             # paper 2.3: store on the k nearest, which may include this node itself
             if not self.config.client_mode and (
                 len(nearest) < replicas or own_int ^ target < nearest[-1].id_int ^ target
             ):
-                stored[i] = self.storage.put(record, now, key_id_=kid) == STORED
+                for i in indices:
+                    stored[i] = self.storage.put(records[i], now, key_id_=kid) == STORED
                 nearest = nearest[: replicas - 1]
             for contact in nearest:
-                batches.setdefault(contact.peer_id, (contact, []))[1].append(i)
+                statuses = lookup.store_statuses.get(contact.peer_id, [])
+                if len(statuses) == len(indices):
+                    for i, status in zip(indices, statuses, strict=True):
+                        stored[i] = stored[i] or status == STORED
+                    if all(st != NOT_NEAREST for st in statuses):
+                        continue
+                batches.setdefault(contact.peer_id, (contact, []))[1].extend(indices)
 
         async def send(contact: Contact, indices: list[int]) -> None:
+            chunks = request_chunks(
+                [records[i] for i in indices],
+                limits.max_records_per_request,
+                limits.max_request_bytes // 2,
+            )
             try:
-                statuses = await self.protocol.call_store(contact, [records[i] for i in indices])
+                statuses = [s for c in chunks for s in await self.protocol.call_store(contact, c)]
             except DHTRPCError as e:
                 log.debug("store on %s failed: %s", contact.address, e.reason)
                 return

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from swarmavg.dht.ids import id_to_int
 from swarmavg.dht.protocol import DHTProtocol, DHTRPCError, FindAnswer
 from swarmavg.dht.records import StoredRecord
 from swarmavg.dht.routing import Contact
+from swarmavg.proto import dht_pb2
 
 _NEW, _IN_FLIGHT, _ANSWERED, _FAILED = range(4)
 
@@ -49,6 +50,8 @@ class LookupResult:
     records: list[StoredRecord] = field(default_factory=list)  # from every holder
     holders: list[Contact] = field(default_factory=list)  # contacts that returned records
     lacking: list[Contact] = field(default_factory=list)  # answered without records, nearest 1st
+    # peer id -> what it did with the records this lookup asked it to store (in order)
+    store_statuses: dict[bytes, list[dht_pb2.StoreStatus]] = field(default_factory=dict)
     hops: int = 0
     timed_out: bool = False
 
@@ -59,11 +62,21 @@ class FindBatcher:
     Owns the RPC tasks it starts; :meth:`close` cancels and awaits them.
     """
 
-    def __init__(self, protocol: DHTProtocol, k: int, want_values: bool, max_keys: int) -> None:
+    def __init__(
+        self,
+        protocol: DHTProtocol,
+        k: int,
+        want_values: bool,
+        max_keys: int,
+        store: Mapping[bytes, Sequence[StoredRecord]] | None = None,
+        replication: int = 0,
+    ) -> None:
         self.protocol = protocol
         self.k = k
         self.want_values = want_values
         self.max_keys = max_keys
+        self.store = store or {}
+        self.replication = replication
         self.failed: set[bytes] = set()
         self._pending: dict[
             bytes, tuple[Contact, list[tuple[bytes, asyncio.Future[FindAnswer | None]]]]
@@ -100,9 +113,22 @@ class FindBatcher:
         self.rpcs += 1
         answers: Sequence[FindAnswer | None]
         try:
+            targets = [t for t, _ in items]
+            records = [r for t in targets for r in self.store.get(t, ())]
+            limits = self.protocol.config.limits
+            if (
+                len(records) > limits.max_records_per_request
+                or sum(r.size() for r in records) > limits.max_request_bytes // 2
+            ):
+                records = []  # too much to ride along: the explicit Store round carries it
             try:
                 answers = await self.protocol.call_find(
-                    contact, [t for t, _ in items], self.k, self.want_values
+                    contact,
+                    targets,
+                    self.k,
+                    self.want_values,
+                    store=records,
+                    replication=self.replication,
                 )
             except DHTRPCError:
                 self.failed.add(contact.peer_id)
@@ -134,6 +160,8 @@ class Traversal:
         quorum: int = 1,
         k: int | None = None,
         seeds: Sequence[Contact] = (),
+        store: Mapping[bytes, Sequence[StoredRecord]] | None = None,
+        replication: int = 0,
     ) -> None:
         config = protocol.config
         self.protocol = protocol
@@ -144,7 +172,7 @@ class Traversal:
         self.alpha = config.alpha
         self.seeds = list(seeds)
         self.batcher = FindBatcher(
-            protocol, self.k, want_values, config.limits.max_keys_per_request
+            protocol, self.k, want_values, config.limits.max_keys_per_request, store, replication
         )
 
     async def run(self) -> dict[bytes, LookupResult]:
@@ -218,6 +246,8 @@ class Traversal:
                         cand.state = _FAILED
                         continue
                     cand.state = _ANSWERED
+                    if answer.store_statuses:
+                        result.store_statuses[cand.contact.peer_id] = answer.store_statuses
                     if answer.records:
                         result.records.extend(answer.records)
                         result.holders.append(cand.contact)
@@ -244,8 +274,22 @@ async def traverse(
     quorum: int = 1,
     k: int | None = None,
     seeds: Sequence[Contact] = (),
+    store: Mapping[bytes, Sequence[StoredRecord]] | None = None,
+    replication: int = 0,
 ) -> dict[bytes, LookupResult]:
-    """Look up every id in ``targets`` in one traversal; see :class:`Traversal`."""
+    """Look up every id in ``targets`` in one traversal; see :class:`Traversal`.
+
+    ``store`` maps target ids to records that ride along with the Find requests; a queried
+    node stores them if it is among the ``replication`` nodes nearest to the key it knows
+    (see ``DHTProtocol._store_on_find``), and ``LookupResult.store_statuses`` says which did.
+    """
     return await Traversal(
-        protocol, targets, want_values=want_values, quorum=quorum, k=k, seeds=seeds
+        protocol,
+        targets,
+        want_values=want_values,
+        quorum=quorum,
+        k=k,
+        seeds=seeds,
+        store=store,
+        replication=replication,
     ).run()

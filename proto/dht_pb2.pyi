@@ -15,11 +15,13 @@ class StoreStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STORE_STATUS_OUTDATED: _ClassVar[StoreStatus]
     STORE_STATUS_EXPIRED: _ClassVar[StoreStatus]
     STORE_STATUS_FULL: _ClassVar[StoreStatus]
+    STORE_STATUS_NOT_NEAREST: _ClassVar[StoreStatus]
 STORE_STATUS_UNSPECIFIED: StoreStatus
 STORE_STATUS_STORED: StoreStatus
 STORE_STATUS_OUTDATED: StoreStatus
 STORE_STATUS_EXPIRED: StoreStatus
 STORE_STATUS_FULL: StoreStatus
+STORE_STATUS_NOT_NEAREST: StoreStatus
 
 class PeerInfo(_message.Message):
     __slots__ = ("peer_id", "address")
@@ -80,18 +82,22 @@ class StoreResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., statuses: _Optional[_Iterable[_Union[StoreStatus, str]]] = ...) -> None: ...
 
 class FindRequest(_message.Message):
-    __slots__ = ("header", "address_signature", "key_ids", "k", "want_values")
+    __slots__ = ("header", "address_signature", "key_ids", "k", "want_values", "store", "replication")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     KEY_IDS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     WANT_VALUES_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_FIELD_NUMBER: _ClassVar[int]
     header: _common_pb2.RequestHeader
     address_signature: bytes
     key_ids: _containers.RepeatedScalarFieldContainer[bytes]
     k: int
     want_values: bool
-    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., address_signature: _Optional[bytes] = ..., key_ids: _Optional[_Iterable[bytes]] = ..., k: _Optional[int] = ..., want_values: _Optional[bool] = ...) -> None: ...
+    store: _containers.RepeatedCompositeFieldContainer[Record]
+    replication: int
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., address_signature: _Optional[bytes] = ..., key_ids: _Optional[_Iterable[bytes]] = ..., k: _Optional[int] = ..., want_values: _Optional[bool] = ..., store: _Optional[_Iterable[_Union[Record, _Mapping]]] = ..., replication: _Optional[int] = ...) -> None: ...
 
 class FindResult(_message.Message):
     __slots__ = ("records", "nearest")
@@ -102,9 +108,11 @@ class FindResult(_message.Message):
     def __init__(self, records: _Optional[_Iterable[_Union[Record, _Mapping]]] = ..., nearest: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
 
 class FindResponse(_message.Message):
-    __slots__ = ("header", "results")
+    __slots__ = ("header", "results", "store_statuses")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    STORE_STATUSES_FIELD_NUMBER: _ClassVar[int]
     header: _common_pb2.RequestHeader
     results: _containers.RepeatedCompositeFieldContainer[FindResult]
-    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., results: _Optional[_Iterable[_Union[FindResult, _Mapping]]] = ...) -> None: ...
+    store_statuses: _containers.RepeatedScalarFieldContainer[StoreStatus]
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., results: _Optional[_Iterable[_Union[FindResult, _Mapping]]] = ..., store_statuses: _Optional[_Iterable[_Union[StoreStatus, str]]] = ...) -> None: ...

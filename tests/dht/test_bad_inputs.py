@@ -10,6 +10,7 @@ import pytest
 
 from swarmavg.dht import DHTConfig, DHTLimits, DHTNode, Identity
 from swarmavg.dht.identity import PROTOCOL_VERSION, address_signature_payload
+from swarmavg.dht.ids import key_id
 from swarmavg.dht.records import owner_suffix, pack, pack_subkey, signing_payload
 from swarmavg.proto import common_pb2, dht_pb2
 
@@ -214,6 +215,50 @@ async def test_forged_owner_records_are_rejected(target: tuple[DHTNode, Attacker
     found = await node.get(key)  # merges the node's own records with a lookup
     assert found is not None
     assert found.value == "mine"
+
+
+async def test_records_riding_on_find_are_checked(target: tuple[DHTNode, Attacker]) -> None:
+    node, attacker = target
+    owner = Identity.generate()
+    key = ("slot" + owner_suffix(owner.peer_id)).encode()
+    forged_value = pack("stolen")
+    exp = time.time() + 60
+    forged = dht_pb2.Record(
+        key=key,
+        value=forged_value,
+        expiration=exp,
+        public_key=attacker.identity.public_key,
+        signature=attacker.identity.sign(signing_payload(key, b"", forged_value, exp)),
+    )
+    before = snapshot(node)
+
+    def find(records: list[dht_pb2.Record], key_ids: list[bytes]) -> bytes:
+        return dht_pb2.FindRequest(
+            header=attacker.header(),
+            address_signature=attacker.signature(),
+            key_ids=key_ids,
+            store=records,
+            replication=20,
+        ).SerializeToString()
+
+    S = grpc.StatusCode
+    await expect_error(
+        S.INVALID_ARGUMENT, lambda: attacker.raw("Find", find([forged], [key_id(key)]))
+    )
+    details = await expect_error(
+        S.INVALID_ARGUMENT, lambda: attacker.raw("Find", find([record()], [key_id(b"other")]))
+    )
+    assert "not asked" in details
+    await expect_error(
+        S.INVALID_ARGUMENT, lambda: attacker.raw("Find", find([record()] * 9, [key_id(b"k")]))
+    )
+    assert snapshot(node) == before
+    # a valid one is stored (the node knows fewer than 20 nodes, so it is among the nearest)
+    answer = dht_pb2.FindResponse.FromString(
+        await attacker.raw("Find", find([record()], [key_id(b"k")]))
+    )
+    assert list(answer.store_statuses) == [dht_pb2.STORE_STATUS_STORED]
+    assert node.storage.get(key_id(b"k")) != []
 
 
 async def test_node_keeps_serving_after_bad_requests(target: tuple[DHTNode, Attacker]) -> None:
