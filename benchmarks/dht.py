@@ -12,7 +12,8 @@ Phases (issue 4):
 4. Grow a swarm to ``--scale-max`` nodes (default 1000); at N = 16, 32, ..., record mean hops
    of value lookups, of FIND_NODE lookups for random ids (hop of the farthest of the k nearest
    found) and the time to create the nodes.
-5. An idle node in a subprocess: start time, CPU over ``--idle-seconds``, RSS.
+5. Idle: a fresh process with two joined nodes, over ``--idle-seconds`` (default 65, so two
+   maintenance rounds of each node fall inside): start time, CPU share, RSS.
 
 All nodes share one ChannelPool (one channel per address): with separate pools 1000 nodes
 would open ~10^5 loopback connections in one process. Per-RPC work is the same.
@@ -210,23 +211,27 @@ import asyncio, json, os, resource, sys, time
 t0 = time.perf_counter()
 from swarmavg.dht import DHTConfig, DHTNode
 async def main():
-    node = await DHTNode.create(DHTConfig(run_id="bench", initial_peers=sys.argv[2:]))
+    first = await DHTNode.create(DHTConfig(run_id="bench"))
     ready = time.perf_counter() - t0
+    second = await DHTNode.create(DHTConfig(run_id="bench", initial_peers=[first.address]))
     c0 = os.times(); w0 = time.perf_counter()
     await asyncio.sleep(float(sys.argv[1]))
     c1 = os.times(); w1 = time.perf_counter()
     cpu = (c1.user - c0.user) + (c1.system - c0.system)
     rss = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    await node.shutdown()
+    await second.shutdown()
+    await first.shutdown()
     print(json.dumps({"start_s": round(ready, 3), "cpu_percent": round(100 * cpu / (w1 - w0), 3),
-                      "rss_mib": round(rss, 1), "peak_rss_mib": round(peak, 1)}))
+                      "rss_mib": round(rss, 1), "peak_rss_mib": round(peak, 1),
+                      "seconds": float(sys.argv[1])}))
 asyncio.run(main())
 """
 
 
 def idle_node(seconds: float) -> dict[str, Any]:
-    """A lone node, then a node joined to one other node, each idle in its own process."""
+    """Two joined nodes idle in a fresh process (maintenance runs every 30 s): start time of
+    the first node (imports included), CPU share and RSS of the whole process."""
     out = subprocess.run(
         [sys.executable, "-c", IDLE_CHILD, str(seconds)],
         capture_output=True,
@@ -243,7 +248,7 @@ def main() -> None:
     parser.add_argument("--ops", type=int, default=1000)
     parser.add_argument("--scale-max", type=int, default=1000)
     parser.add_argument("--scale-probes", type=int, default=100)
-    parser.add_argument("--idle-seconds", type=float, default=10.0)
+    parser.add_argument("--idle-seconds", type=float, default=65.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     args = parser.parse_args()
