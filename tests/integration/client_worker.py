@@ -33,6 +33,10 @@ def main(spec: dict[str, Any]) -> int:
     try:
         with connect(spec["control"], use_shm=spec.get("use_shm", True)) as client:
             print("connected", flush=True)
+            if "go_file" in spec:  # a start barrier across processes, set by the test
+                go = Path(spec["go_file"])
+                while not go.exists():
+                    time.sleep(0.01)
             result = client.average(
                 tensors,
                 key=spec["key"],
@@ -48,6 +52,7 @@ def main(spec: dict[str, Any]) -> int:
             "peers": result.peers,
             "group_id": result.group_id,
             "partial": result.partial,
+            "local_callers": result.local_callers,
         }
     except SwarmError as exc:
         record = {"ok": False, "error": type(exc).__name__, "message": str(exc)}

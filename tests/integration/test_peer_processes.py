@@ -215,7 +215,7 @@ def test_daemon_killed_mid_round_others_return_within_timeout(
             f"c{i}",
             control=p.control,
             seed=i,
-            shapes=[[8_000_000]],  # 32 MB each: the all-reduce takes a moment
+            shapes=[[4_000_000]],  # 16 MB each: the all-reduce takes a moment
             key="kill",
             group_size=3,
             min_group_size=2,
@@ -473,3 +473,42 @@ def test_ready_line_and_bare_dht_bootstrap_node(procs: ProcessPool, sock_dir: Pa
     )
     assert client_mode.ready["address"] is None
     assert status(Path(client_mode.control))["client_mode"] is True
+
+
+@pytest.mark.timeout(90)
+def test_training_processes_on_one_machine_are_combined(
+    procs: ProcessPool, sock_dir: Path, tmp_path: Path
+) -> None:
+    """Two training processes on daemon A, one on daemon B: A contributes once."""
+    peers = swarm(procs, sock_dir, 2)
+    go = tmp_path / "go"
+    weights = [1.0, 2.0, 4.0]
+    homes = [peers[0], peers[0], peers[1]]
+    workers = [
+        Worker(
+            tmp_path,
+            f"gpu{i}",
+            control=home.control,
+            seed=i,
+            shapes=[[1000], [300, 1000]],
+            weight=weights[i],
+            key="multi-gpu",
+            group_size=2,
+            timeout=30.0,
+            go_file=str(go),
+        )
+        for i, home in enumerate(homes)
+    ]
+    for w in workers:
+        w.wait_connected()
+    go.touch()
+    outcomes = [w.outcome(timeout=60) for w in workers]
+    inputs = [make_tensors(i, [[1000], [300, 1000]], "float32") for i in range(3)]
+    for outcome in outcomes:
+        assert outcome["ok"], outcome
+        assert outcome["group_size"] == 2  # two daemons in the swarm's round
+        for t, got in enumerate(outcome["tensors"]):
+            want = sum(w * x[t].astype(np.float64) for w, x in zip(weights, inputs, strict=True))
+            np.testing.assert_allclose(got, want / sum(weights), rtol=1e-5, atol=1e-6)
+    assert [o["local_callers"] for o in outcomes] == [2, 2, 1]
+    assert status(Path(peers[0].control))["rounds_done"] == 1
