@@ -84,6 +84,19 @@ FINAL_CODES_TEXT = {
 }
 
 
+async def _cancel_and_wait(task: asyncio.Future[Any]) -> None:
+    """Cancel a helper task and wait for it, without swallowing our own cancellation."""
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+    except Exception:  # its outcome is read (or dropped) by the caller
+        pass
+
+
 @dataclass
 class _Follower:
     member: Member
@@ -275,9 +288,7 @@ class Matchmaker:
                 return_when=asyncio.FIRST_COMPLETED,
             )
         finally:
-            changed.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await changed
+            await _cancel_and_wait(changed)
 
     async def _race_with_result(self, rnd: _Round, attempt: Any) -> GroupInfo | _Redirect | None:
         """Run one join attempt; stop it when our own group forms meanwhile."""
@@ -286,10 +297,7 @@ class Matchmaker:
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if not task.done():
-                task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await _cancel_and_wait(task)
         if task.done() and not task.cancelled() and task.result() is not None:
             return task.result()
         if rnd.result.done():

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from swarmavg.averaging.allreduce_config import AllReduceConfig
 from swarmavg.averaging.averager import Averager, AveragerConfig
 from swarmavg.averaging.matchmaking import MatchmakerConfig, MatchmakingEvent
 from swarmavg.dht import ChannelPool, DHTConfig, DHTNode
@@ -104,10 +105,17 @@ class AveragerSwarm:
 
 
 def fast_config(**changes: Any) -> AveragerConfig:
-    """Settings for tests on a loaded machine: short windows, frequent polls."""
+    """Settings for tests on a loaded machine: short windows, frequent polls.
+
+    All peers of a test share one event loop on two busy cores, so a member can lag by
+    seconds; the all-reduce's stall patience is raised so that such lag is not taken for
+    a dead sender (these tests are about matchmaking; stalls are tested in
+    test_allreduce*.py).
+    """
     base: dict[str, Any] = {
         "matchmaking_time": 1.5,
         "matchmaker": MatchmakerConfig(poll_interval=0.3, retry_after=0.3),
+        "allreduce": AllReduceConfig(min_stall=10.0),
     }
     base.update(changes)
     return AveragerConfig(**base)
