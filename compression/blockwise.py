@@ -78,20 +78,36 @@ _NF4_PAIRS = np.stack([np.repeat(_NF4_TABLE, 16), np.tile(_NF4_TABLE, 16)], axis
 _F32_TINY = float(np.finfo(np.float32).tiny)
 
 
+def _row_absmax(rows: np.ndarray) -> np.ndarray:
+    """Largest magnitude of each row of a 2-D float32 array."""
+    width = rows.shape[1]
+    if width <= 256 and width & (width - 1) == 0:
+        # Short rows: numpy's per-row reductions are slow (fixed cost per row), so fold
+        # the rows in halves with elementwise max/min instead.
+        hi, lo = rows, rows
+        while width > 1:
+            width //= 2
+            hi = np.maximum(hi[:, :width], hi[:, width:])
+            lo = np.minimum(lo[:, :width], lo[:, width:])
+        folded: np.ndarray = np.maximum(hi[:, 0], -lo[:, 0])
+        return folded
+    reduced: np.ndarray = np.maximum(rows.max(axis=1), -rows.min(axis=1))
+    return reduced
+
+
 def _block_absmax(x: np.ndarray, block: int) -> np.ndarray:
     """Largest magnitude of each block (the last block may be short)."""
     n = x.size
     full = n // block
-    parts = []
-    if full:
-        blocks = x[: full * block].reshape(full, block)
-        parts.append(np.maximum(blocks.max(axis=1), -blocks.min(axis=1)))
+    out = np.empty(-(-n // block), np.float32)
+    rows_per_slab = max(1, SLAB // block)
+    for first in range(0, full, rows_per_slab):
+        last = min(first + rows_per_slab, full)
+        out[first:last] = _row_absmax(x[first * block : last * block].reshape(-1, block))
     if n % block:
         tail = x[full * block :]
-        parts.append(np.array([max(tail.max(), -tail.min())], dtype=np.float32))
-    if not parts:
-        return np.zeros(0, np.float32)
-    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+        out[full] = max(tail.max(), -tail.min())
+    return out
 
 
 def _encode_codes(x: np.ndarray, block: int, code: NearestLevel) -> tuple[np.ndarray, np.ndarray]:
@@ -128,14 +144,34 @@ def _encode_codes(x: np.ndarray, block: int, code: NearestLevel) -> tuple[np.nda
     return absmax.astype("<f4"), codes
 
 
-def _scale_blocks(values: np.ndarray, absmax: np.ndarray, block: int) -> None:
-    """Multiply each block of ``values`` in place by its absmax."""
-    n = values.size
-    full = n // block
-    if full:
-        values[: full * block].reshape(full, block)[...] *= absmax[:full, None]
-    if n % block:
-        values[full * block :] *= absmax[full]
+def _decode_levels(
+    codes: np.ndarray, table: np.ndarray, absmax: np.ndarray, block: int, n: int
+) -> np.ndarray:
+    """Look up level values and scale each block by its absmax, slab by slab.
+
+    ``table`` maps a code (one row per byte value) to 1 value, or to 2 for packed 4-bit
+    codes, so ``codes`` holds ``n`` or ``ceil(n/2)`` bytes.
+    """
+    per_code = 1 if table.ndim == 1 else table.shape[1]
+    out = np.empty(codes.size * per_code, np.float32)
+    step = max(1, SLAB // block) * block * per_code  # whole blocks and whole bytes per slab
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        values = out[start : start + -(-(stop - start) // per_code) * per_code]
+        np.take(
+            table,
+            codes[start // per_code : -(-stop // per_code)],
+            axis=0,
+            out=values.reshape(-1, per_code) if per_code > 1 else values,
+        )
+        values = values[: stop - start]
+        first = start // block
+        full = (stop - start) // block
+        if full:
+            values[: full * block].reshape(full, block)[...] *= absmax[first : first + full, None]
+        if (stop - start) % block:
+            values[full * block :] *= absmax[first + full]
+    return out[:n]
 
 
 def _read_absmax(header: Header, payload: Buffer, offset: int, count: int) -> np.ndarray:
@@ -171,9 +207,7 @@ class Blockwise8BitCodec(Codec):
         check_payload_size(header, payload, n + 4 * nblocks)
         codes = np.frombuffer(payload, dtype=np.uint8, count=n)
         absmax = _read_absmax(header, payload, n, nblocks)
-        values = np.take(_DYNAMIC8_TABLE, codes)
-        _scale_blocks(values, absmax, block)
-        return restore(values, header)
+        return restore(_decode_levels(codes, _DYNAMIC8_TABLE, absmax, block, n), header)
 
 
 class Blockwise4BitCodec(Codec):
@@ -208,6 +242,4 @@ class Blockwise4BitCodec(Codec):
         check_payload_size(header, payload, nbytes + 4 * nblocks)
         packed = np.frombuffer(payload, dtype=np.uint8, count=nbytes)
         absmax = _read_absmax(header, payload, nbytes, nblocks)
-        values = np.take(_NF4_PAIRS, packed, axis=0).reshape(-1)[:n]
-        _scale_blocks(values, absmax, block)
-        return restore(values, header)
+        return restore(_decode_levels(packed, _NF4_PAIRS, absmax, block, n), header)

@@ -32,7 +32,7 @@ F16_MAX = 65504.0
 BF16_MAX = (2.0 - 2.0**-7) * 2.0**127  # largest finite bfloat16
 _F16_EXP = np.uint16(0x7C00)
 _BF16_EXP = np.uint16(0x7F80)
-_SLAB = 1 << 14  # uint32 temporaries of 64 KiB each: several fit in L2 together
+_SLAB = 1 << 15  # uint32 temporaries of 128 KiB each: a few fit in L2 together
 
 # float32 -> binary16 (normal range): rebias the exponent by 127 - 15 = 112 and round
 # the 13 dropped mantissa bits to nearest even: add 0xFFF plus the lowest kept bit.
@@ -40,8 +40,9 @@ _REBIAS_ROUND = np.uint32((0xFFF - (112 << 23)) & 0xFFFFFFFF)
 _F16_MIN_NORMAL_AS_F32 = np.uint32(113 << 23)  # 2**-14
 _HALF = np.float32(0.5)
 _HALF_BITS = np.uint32(0x3F000000)
-_F16_MAGIC = np.uint32(113 << 23).view(np.float32)
-_F16_SPECIAL_AS_F32 = np.uint32((0x7C00 << 13) + (112 << 23))
+_F16_OVERFLOW_AS_F32 = np.uint32(0x477FF000)  # 65520: rounds to Inf in binary16
+_F16_EXP_AS_SHIFTED = np.uint32(0x7C00 << 13)
+_TWO_112 = np.float32(2.0**112)
 
 
 def as_float32(flat: np.ndarray) -> np.ndarray:
@@ -55,31 +56,31 @@ def as_float32(flat: np.ndarray) -> np.ndarray:
         return flat.astype(np.float32)
 
 
-def _f32_bits_to_half(u: np.ndarray, out: np.ndarray, a: np.ndarray, t: np.ndarray) -> int:
+def _f32_bits_to_half(u: np.ndarray, out: np.ndarray, a: np.ndarray, t: np.ndarray) -> bool:
     """Convert float32 bit patterns ``u`` to binary16 words in ``out``.
 
-    ``a`` and ``t`` are uint32 scratch of the same length. Returns the largest magnitude
-    word produced; >= 0x7C00 means an overflow, Inf or NaN (``out`` then is garbage).
+    ``a`` and ``t`` are uint32 scratch of the same length. Returns False when a value
+    overflows the binary16 range or is Inf/NaN (``out`` is then garbage).
     """
     np.bitwise_and(u, np.uint32(0x7FFFFFFF), out=a)
+    if a.size and a.max() >= _F16_OVERFLOW_AS_F32:
+        return False
     np.right_shift(a, 13, out=t)
     np.bitwise_and(t, np.uint32(1), out=t)
     np.add(t, a, out=t)
     np.add(t, _REBIAS_ROUND, out=t)
     np.right_shift(t, 13, out=t)
-    small = a < _F16_MIN_NORMAL_AS_F32
-    if small.any():
+    if a.size and a.min() < _F16_MIN_NORMAL_AS_F32:
         # Subnormal results: adding 0.5 makes float32's own rounding land on the
         # binary16 subnormal grid (ulp(0.5) in float32 is 2**-24).
+        small = a < _F16_MIN_NORMAL_AS_F32
         f = (a.view(np.float32) + _HALF).view(np.uint32)
         f -= _HALF_BITS
         np.copyto(t, f, where=small)
-    top = int(t.max()) if t.size else 0
     np.right_shift(u, 16, out=a)
     np.bitwise_and(a, np.uint32(0x8000), out=a)
-    np.bitwise_or(t, a, out=t)
-    out[...] = t
-    return top
+    np.bitwise_or(t, a, out=out, casting="unsafe")
+    return True
 
 
 def float_to_half_words(flat: np.ndarray) -> np.ndarray:
@@ -110,7 +111,7 @@ def float_to_half_words(flat: np.ndarray) -> np.ndarray:
         elif src.dtype != np.float32:
             wide[:k] = src  # bfloat16 widens exactly
             src = wide[:k]
-        if _f32_bits_to_half(src.view(np.uint32), out[s], a[:k], t[:k]) >= 0x7C00:
+        if not _f32_bits_to_half(src.view(np.uint32), out[s], a[:k], t[:k]):
             if not np.isfinite(src).all():
                 raise CodecError("input contains NaN or Inf")
             np.clip(src, -F16_MAX, F16_MAX, out=wide[:k])
@@ -118,26 +119,25 @@ def float_to_half_words(flat: np.ndarray) -> np.ndarray:
     return out
 
 
-def _half_to_f32_bits(h: np.ndarray, out: np.ndarray, b: np.ndarray) -> None:
-    """Convert binary16 words ``h`` to float32 bit patterns in ``out`` (uint32).
+def _half_to_f32(h: np.ndarray, out: np.ndarray, b: np.ndarray) -> None:
+    """Convert binary16 words ``h`` to float32 values in ``out``.
+
+    The magnitude bits shifted into float32 position read as a float32 that is exactly
+    2**-112 times the value (subnormals included), so one multiply by 2**112 rebiases
+    the exponent and normalises subnormals at once.
 
     Raises:
         CodecError: a word encodes Inf or NaN.
     """
-    np.bitwise_and(h, np.uint16(0x7FFF), out=out, casting="unsafe")
-    np.left_shift(out, 13, out=out)
-    np.add(out, np.uint32(112 << 23), out=out)
-    if out.size and out.max() >= _F16_SPECIAL_AS_F32:
+    bits = out.view(np.uint32)
+    np.bitwise_and(h, np.uint16(0x7FFF), out=bits, casting="unsafe")
+    np.left_shift(bits, 13, out=bits)
+    if bits.size and bits.max() >= _F16_EXP_AS_SHIFTED:
         raise CodecError("float16 payload contains Inf or NaN")
-    small = out < _F16_MIN_NORMAL_AS_F32
-    if small.any():
-        # Subnormal inputs: build 2**-14 * (1 + m/1024) and subtract 2**-14.
-        np.add(out, np.uint32(1 << 23), out=b)
-        f = b.view(np.float32) - _F16_MAGIC
-        np.copyto(out, f.view(np.uint32), where=small)
+    np.multiply(out, _TWO_112, out=out)
     np.bitwise_and(h, np.uint16(0x8000), out=b, casting="unsafe")
     np.left_shift(b, 16, out=b)
-    np.bitwise_or(out, b, out=out)
+    np.bitwise_or(bits, b, out=bits)
 
 
 def half_words_to(words: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
@@ -154,14 +154,14 @@ def half_words_to(words: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
     out = np.empty(n, dtype)
     m = min(n, _SLAB)
     b = np.empty(m, np.uint32)
-    wide = out.view(np.uint32) if dtype == np.float32 else np.empty(m, np.uint32)
+    wide = out if dtype == np.float32 else np.empty(m, np.float32)
     for s in slabs(n, _SLAB):
         k = s.stop - s.start
         if dtype == np.float32:
-            _half_to_f32_bits(words[s], wide[s], b[:k])
+            _half_to_f32(words[s], wide[s], b[:k])
         else:
-            _half_to_f32_bits(words[s], wide[:k], b[:k])
-            out[s] = wide[:k].view(np.float32)
+            _half_to_f32(words[s], wide[:k], b[:k])
+            out[s] = wide[:k]
     return out
 
 

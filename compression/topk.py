@@ -35,11 +35,40 @@ from swarmavg.compression.base import (
 from swarmavg.compression.errors import CodecError
 from swarmavg.compression.feedback import ErrorFeedback
 from swarmavg.compression.halfconv import as_float32, float_to_half_words, half_words_to
-from swarmavg.compression.kernels import all_finite
+from swarmavg.compression.kernels import all_finite, sample
 
 __all__ = ["TopKCodec"]
 
 _WIDTHS = {1: "<u1", 2: "<u2", 4: "<u4"}
+
+
+def _top_indices(acc: np.ndarray, k: int) -> np.ndarray:
+    """Sorted indices of the ``k`` largest magnitudes (ties broken deterministically).
+
+    A full ``argpartition`` over millions of elements is slow; a threshold from a
+    deterministic sample first narrows the candidates to a few times k, and the exact
+    selection runs on those. If the sample misjudges and too few elements pass, the
+    full selection runs instead, so the result never depends on the shortcut.
+    """
+    n = acc.size
+    if k >= n:
+        return np.arange(n)
+    magnitude = np.abs(acc)
+    candidates: np.ndarray | None = None
+    if n >= 1 << 16 and k <= n // 8:
+        probe = np.sort(sample(magnitude, 1 << 16))
+        # Aim for ~2k candidates: the sample's (1 - 2k/n) quantile.
+        cut = probe[max(0, int(probe.size * (1 - 2 * k / n)) - 1)]
+        picked = np.flatnonzero(magnitude >= cut)
+        if picked.size >= k:
+            candidates = picked
+    if candidates is None:
+        idx = np.argpartition(magnitude, n - k)[n - k :]
+    else:
+        top = np.argpartition(magnitude[candidates], candidates.size - k)[candidates.size - k :]
+        idx = candidates[top]
+    idx.sort()
+    return idx
 
 
 class TopKCodec(Codec):
@@ -77,11 +106,7 @@ class TopKCodec(Codec):
         residual = self.feedback.take(key, n) if self.feedback is not None else None
         acc = x + residual if residual is not None else x.copy()
         k = min(n, max(1, math.ceil(self.fraction * n))) if n else 0
-        if k < n:
-            idx = np.argpartition(np.abs(acc), n - k)[n - k :]
-            idx.sort()
-        else:
-            idx = np.arange(n)
+        idx = _top_indices(acc, k)
         words = float_to_half_words(acc[idx])
         if self.feedback is not None:
             acc[idx] -= half_words_to(words, np.dtype(np.float32))

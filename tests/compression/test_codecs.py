@@ -220,6 +220,17 @@ def test_codec_parameters_travel_in_the_message() -> None:
         get_codec("topk:fraction=2")
 
 
+@pytest.mark.parametrize("block", [1, 3, 64, 100, 5000])
+@pytest.mark.parametrize("n", [1, 7, 64, 129, 100_001])
+def test_blockwise_odd_blocks_and_sizes(block: int, n: int) -> None:
+    x = normal(n, seed=n)
+    for name in ("uint8-blockwise", "uint4-blockwise"):
+        y = decode_chunk(get_codec(f"{name}:block={block}").encode(x))
+        # Per-block scaling: a wrong block boundary would blow the error up.
+        tolerance = 0.01 if name == "uint8-blockwise" else 0.2
+        assert np.all(np.abs(y - x) <= tolerance * np.abs(x).max() + 1e-7), (name, block, n)
+
+
 def test_codec_refuses_another_codecs_message() -> None:
     msg = get_codec("float16").encode(normal(10))
     with pytest.raises(CodecError, match="codec 'bfloat16' cannot decode a 'float16' message"):

@@ -1,0 +1,212 @@
+"""Codec accuracy, wire size and speed on three 16M-element float32 tensors.
+
+Tensors (all float32, 16 * 2**20 elements = 64 MiB):
+
+- ``normal``: N(0, 1), seed 0;
+- ``student_t3``: Student t with 3 degrees of freedom (heavy tails), seed 1;
+- ``gradients``: real gradients. A 64-512-512-10 ReLU MLP (301,066 parameters) is
+  trained with SGD (lr 0.05, batch 32) on scikit-learn's bundled ``digits`` data set
+  (1,797 8x8 images, standardised); the flattened gradients of consecutive steps are
+  concatenated (56 steps), then truncated to 16M elements. Needs torch (training side).
+
+Per codec and tensor: relative MSE (sum of squared errors / sum of squares), max abs
+error, wire bytes per parameter (payload + meta), and encode/decode throughput in MB/s
+of float32 input, on one thread (whole tensor) and on all cores (1M-element chunks, one
+task per chunk, in a thread pool: numpy releases the GIL). Every throughput is also
+given as a ratio to ``np.copy`` of the same 64 MiB array on one thread, timed right
+before each run (median of ``--repeats`` ratios), because the machines are shared and
+noisy. Single-thread times are the thread's CPU time (``time.thread_time``), so other
+processes on a shared machine do not inflate them; all-core times are wall-clock.
+
+Codec cost is measured on ``encode_payload``/``decode_payload``: the codec's own work,
+without the protobuf copy that ``encode`` adds (the wire format has its own benchmark,
+benchmarks/serialization.py).
+
+    python benchmarks/compression.py                    # everything (~2-4 min)
+    python benchmarks/compression.py --codecs float16,uint8-blockwise --repeats 3
+
+Prints ONE JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from swarmavg.compression import CodecInfo, get_codec
+from swarmavg.compression.base import Codec, Encoded
+
+N = 16 * 2**20
+CHUNK = 2**20
+CODECS = [
+    "float16",
+    "bfloat16",
+    "scaled-float16",
+    "uint8-uniform",
+    "uint8-quantile",
+    "uint8-blockwise",
+    "uint4-blockwise",
+    "topk",
+    "zstd+uint8-blockwise",
+    "lz4+uint8-blockwise",
+    "zstd+topk",
+]
+
+
+def real_gradients(n: int) -> np.ndarray:
+    """Gradients of a small MLP training on scikit-learn's digits (see module doc)."""
+    import torch
+    from sklearn.datasets import load_digits
+
+    torch.manual_seed(0)
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32)
+    x = (x - x.mean(0)) / (x.std(0) + 1e-6)
+    y = torch.tensor(data.target)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 10),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(0)
+    grads: list[np.ndarray] = []
+    total = 0
+    while total < n:
+        idx = torch.randint(0, len(x), (32,), generator=gen)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])  # type: ignore[union-attr]
+        grads.append(flat.numpy().copy())
+        total += flat.numel()
+        opt.step()
+    return np.concatenate(grads)[:n].astype(np.float32)
+
+
+def tensors(n: int) -> dict[str, np.ndarray]:
+    return {
+        "normal": np.random.default_rng(0).standard_normal(n, dtype=np.float32),
+        "student_t3": np.random.default_rng(1).standard_t(3, n).astype(np.float32),
+        "gradients": real_gradients(n),
+    }
+
+
+def ratio_to_copy(
+    fn: Callable[[], object], x: np.ndarray, repeats: int, clock: Callable[[], float]
+) -> tuple[float, float]:
+    """Median seconds of ``fn`` and median of (copy time / fn time), the copy of ``x``
+    timed right before each run so that both see the same machine load."""
+    times, ratios = [], []
+    for _ in range(repeats):
+        t0 = clock()
+        np.copy(x)
+        t1 = clock()
+        fn()
+        t2 = clock()
+        times.append(t2 - t1)
+        ratios.append((t1 - t0) / (t2 - t1))
+    return statistics.median(times), statistics.median(ratios)
+
+
+def measure(name: str, x: np.ndarray, repeats: int, pool: ThreadPoolExecutor) -> dict[str, Any]:
+    codec: Codec = get_codec(name)
+    info = CodecInfo(key="bench")
+    enc = codec.encode_payload(x, info)
+    y = codec.decode_payload(enc.header, enc.payload)
+    x64 = x.astype(np.float64)
+    err = y.astype(np.float64) - x64
+    wire = memoryview(enc.payload).nbytes + len(enc.header.meta_bytes())
+    mb = x.nbytes / 1e6
+
+    def fresh() -> Codec:
+        return get_codec(name)  # top-k: no residual carried between timed runs
+
+    # One thread: CPU time of this thread, so that other processes on the shared
+    # machine do not count against the codec (or the copy).
+    cpu = time.thread_time
+    enc_1, enc_1r = ratio_to_copy(lambda: fresh().encode_payload(x, info), x, repeats, cpu)
+    dec_1, dec_1r = ratio_to_copy(
+        lambda: codec.decode_payload(enc.header, enc.payload), x, repeats, cpu
+    )
+
+    pieces = [x[i : i + CHUNK] for i in range(0, x.size, CHUNK)]
+
+    def encode_all() -> list[Encoded]:
+        c = fresh()
+        return list(pool.map(lambda p: c.encode_payload(p, info), pieces))
+
+    encoded = encode_all()
+
+    def decode_all() -> None:
+        list(pool.map(lambda e: codec.decode_payload(e.header, e.payload), encoded))
+
+    # All cores: wall-clock time.
+    wall = time.perf_counter
+    enc_n, enc_nr = ratio_to_copy(encode_all, x, repeats, wall)
+    dec_n, dec_nr = ratio_to_copy(decode_all, x, repeats, wall)
+    return {
+        "rel_mse": float((err**2).sum() / (x64**2).sum()),
+        "max_abs_err": float(np.abs(err).max()),
+        "bytes_per_param": wire / x.size,
+        "encode_MBps_1t": mb / enc_1,
+        "decode_MBps_1t": mb / dec_1,
+        "encode_MBps_all": mb / enc_n,
+        "decode_MBps_all": mb / dec_n,
+        "encode_vs_memcpy_1t": enc_1r,
+        "decode_vs_memcpy_1t": dec_1r,
+        "encode_vs_memcpy_all": enc_nr,
+        "decode_vs_memcpy_all": dec_nr,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--codecs", default=",".join(CODECS))
+    parser.add_argument("--tensors", default="normal,student_t3,gradients")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--elements", type=int, default=N)
+    args = parser.parse_args()
+    names = [c for c in args.codecs.split(",") if c]
+    data = {k: v for k, v in tensors(args.elements).items() if k in args.tensors.split(",")}
+    threads = os.cpu_count() or 1
+    results: dict[str, dict[str, Any]] = {}
+    with ThreadPoolExecutor(threads) as pool:
+        for name in names:
+            results[name] = {}
+            for label, x in data.items():
+                results[name][label] = measure(name, x, args.repeats, pool)
+                print(f"{name:22s} {label:11s} {results[name][label]}", file=sys.stderr)
+    x = next(iter(data.values()))
+    copies = []
+    for _ in range(args.repeats):
+        t0 = time.thread_time()
+        np.copy(x)
+        copies.append(time.thread_time() - t0)
+    copy_s = statistics.median(copies)
+    print(
+        json.dumps(
+            {
+                "benchmark": "compression",
+                "elements": x.size,
+                "threads": threads,
+                "memcpy_MBps_1t": x.nbytes / 1e6 / max(copy_s, 1e-9),
+                "results": results,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
