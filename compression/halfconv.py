@@ -34,12 +34,10 @@ _F16_EXP = np.uint16(0x7C00)
 _BF16_EXP = np.uint16(0x7F80)
 _SLAB = 1 << 15  # uint32 temporaries of 128 KiB each: a few fit in L2 together
 
-# float32 -> binary16 (normal range): rebias the exponent by 127 - 15 = 112 and round
-# the 13 dropped mantissa bits to nearest even: add 0xFFF plus the lowest kept bit.
-_REBIAS_ROUND = np.uint32((0xFFF - (112 << 23)) & 0xFFFFFFFF)
+_F32_EXP_MASK = np.uint32(0x7F800000)
 _F16_MIN_NORMAL_AS_F32 = np.uint32(113 << 23)  # 2**-14
-_HALF = np.float32(0.5)
-_HALF_BITS = np.uint32(0x3F000000)
+_THIRTEEN_BINADES = np.uint32(13 << 23)
+_TWO_MINUS_112 = np.float32(2.0**-112)
 _F16_OVERFLOW_AS_F32 = np.uint32(0x477FF000)  # 65520: rounds to Inf in binary16
 _F16_EXP_AS_SHIFTED = np.uint32(0x7C00 << 13)
 _TWO_112 = np.float32(2.0**112)
@@ -61,25 +59,26 @@ def _f32_bits_to_half(u: np.ndarray, out: np.ndarray, a: np.ndarray, t: np.ndarr
 
     ``a`` and ``t`` are uint32 scratch of the same length. Returns False when a value
     overflows the binary16 range or is Inf/NaN (``out`` is then garbage).
+
+    Rounding is float32's own: adding ``M = 2**(max(e, -14) + 13)`` to ``|x|`` (exponent
+    e) leaves exactly binary16's precision, so ``(|x| + M) - M`` is ``|x|`` rounded to
+    nearest even, subnormals included. Scaling that by 2**-112 (exact) puts binary16's
+    exponent and mantissa in float32 bits 13..27.
     """
     np.bitwise_and(u, np.uint32(0x7FFFFFFF), out=a)
     if a.size and a.max() >= _F16_OVERFLOW_AS_F32:
         return False
-    np.right_shift(a, 13, out=t)
-    np.bitwise_and(t, np.uint32(1), out=t)
-    np.add(t, a, out=t)
-    np.add(t, _REBIAS_ROUND, out=t)
-    np.right_shift(t, 13, out=t)
-    if a.size and a.min() < _F16_MIN_NORMAL_AS_F32:
-        # Subnormal results: adding 0.5 makes float32's own rounding land on the
-        # binary16 subnormal grid (ulp(0.5) in float32 is 2**-24).
-        small = a < _F16_MIN_NORMAL_AS_F32
-        f = (a.view(np.float32) + _HALF).view(np.uint32)
-        f -= _HALF_BITS
-        np.copyto(t, f, where=small)
-    np.right_shift(u, 16, out=a)
-    np.bitwise_and(a, np.uint32(0x8000), out=a)
-    np.bitwise_or(t, a, out=out, casting="unsafe")
+    np.bitwise_and(a, _F32_EXP_MASK, out=t)
+    np.maximum(t, _F16_MIN_NORMAL_AS_F32, out=t)
+    np.add(t, _THIRTEEN_BINADES, out=t)
+    magnitude, magic = a.view(np.float32), t.view(np.float32)
+    np.add(magnitude, magic, out=magnitude)
+    np.subtract(magnitude, magic, out=magnitude)
+    np.multiply(magnitude, _TWO_MINUS_112, out=magnitude)
+    np.right_shift(a, 13, out=a)
+    np.right_shift(u, 16, out=t)
+    np.bitwise_and(t, np.uint32(0x8000), out=t)
+    np.bitwise_or(a, t, out=out, casting="unsafe")
     return True
 
 
