@@ -76,7 +76,7 @@ class PreparedAverage:
         min_group_size: int,
         timeout: float,
         codec: str | None,
-        use_shm: bool,
+        segments: shm.SegmentPool | None,
         client_id: str = "",
         shm_threshold: int = SHM_THRESHOLD,
     ) -> None:
@@ -93,9 +93,11 @@ class PreparedAverage:
         self.total_bytes = validate_arrays(arrays)
         self.timeout = float(timeout)
         self._arrays: list[np.ndarray] | None = arrays
+        self._pool = segments
         self.segment: shm.ClientSegment | None = None
-        if use_shm and self.total_bytes >= shm_threshold:
-            self.segment = shm.ClientSegment(arrays)
+        self._ok = False
+        if segments is not None and self.total_bytes >= shm_threshold:
+            self.segment = segments.acquire(arrays)
         self.start = control_pb2.AverageStart(
             key=key,
             weight=float(weight),
@@ -107,6 +109,7 @@ class PreparedAverage:
             shm_name=self.segment.name if self.segment is not None else "",
             shm_size=self.segment.size if self.segment is not None else 0,
             client_id=client_id,
+            shm_reuse=self.segment is not None and self.segment.daemon_mapped,
         )
         self._assembler: TensorAssembler | None = None
         self._done: control_pb2.AverageDone | None = None
@@ -127,7 +130,9 @@ class PreparedAverage:
     def feed(self, response: control_pb2.AverageResponse) -> None:
         """Take one response message from the daemon."""
         kind = response.WhichOneof("kind")
-        if kind == "data":
+        if kind == "accepted" and self.segment is not None:
+            self.segment.daemon_mapped = True  # and unlinked: nothing left to clean up
+        elif kind == "data":
             if self.segment is not None:
                 raise SwarmError("daemon sent inline bytes for a shared-memory call")
             if self._assembler is None:
@@ -143,11 +148,13 @@ class PreparedAverage:
         if done is None:
             raise SwarmError("the daemon ended the call without a result")
         if self.segment is not None:
-            arrays = self.segment.results()
+            dtypes, shapes, _ = layout_from_specs(self.start.tensors)
+            arrays = self.segment.results(dtypes, shapes)
         elif self._assembler is not None:
             arrays = self._assembler.finish()
         else:
             raise SwarmError("the daemon sent no result tensors")
+        self._ok = True
         return AverageResult(
             tensors=from_numpy(arrays, self.origins),
             group_size=done.group_size,
@@ -158,10 +165,17 @@ class PreparedAverage:
             local_callers=done.local_callers,
         )
 
+    @property
+    def reused_segment(self) -> bool:
+        """The call asked the daemon to reuse its mapping of an earlier call's segment."""
+        return self.start.shm_reuse
+
     def cleanup(self) -> None:
-        """Remove the segment file if the daemon did not (idempotent)."""
-        if self.segment is not None:
-            self.segment.unlink()
+        """Remove the segment file if the daemon did not, and give the segment back to the
+        pool for reuse when the call succeeded (idempotent)."""
+        segment, self.segment = self.segment, None
+        if segment is not None and self._pool is not None:
+            self._pool.release(segment, self._ok)
 
 
 def state_messages(tensors: Sequence[Any], metadata: Any) -> Iterator[control_pb2.StateMessage]:

@@ -28,6 +28,7 @@ from swarmavg.peer.calls import (
 )
 from swarmavg.peer.endpoint import DEFAULT_RUN_ID, ControlEndpoint, parse_control_endpoint
 from swarmavg.peer.errors import DaemonUnavailableError, ValidationError, error_from_rpc
+from swarmavg.peer.shm import SegmentPool
 from swarmavg.peer.validation import validate_key
 from swarmavg.proto import control_pb2, control_pb2_grpc
 
@@ -71,6 +72,11 @@ def _unavailable(endpoint: ControlEndpoint, reason: object) -> DaemonUnavailable
     return DaemonUnavailableError(
         f"no swarmavg daemon answers at {endpoint} ({reason}); start one with `swarmavg peer`"
     )
+
+
+def _segment_lost(call: PreparedAverage, error: Exception) -> bool:
+    """A reused segment the daemon no longer maps (it restarted or evicted it)."""
+    return call.reused_segment and isinstance(error, ValidationError) and "not mapped" in str(error)
 
 
 def _check_socket_exists(endpoint: ControlEndpoint) -> None:
@@ -125,6 +131,7 @@ class Client:
         self._stub = control_pb2_grpc.ControlStub(self._channel)  # type: ignore[no-untyped-call]
         self.dht = _SyncDHT(self)
         self._client_id = secrets.token_hex(8)
+        self._segments = SegmentPool()
         try:
             status = self._stub.Status(
                 control_pb2.StatusRequest(), timeout=connect_timeout, wait_for_ready=True
@@ -161,26 +168,31 @@ class Client:
             DaemonUnavailableError: the daemon is gone or shutting down.
             SwarmError: any other failure of the round.
         """
-        call = PreparedAverage(
-            tensors,
-            key=key,
-            weight=weight,
-            group_size=group_size,
-            min_group_size=min_group_size,
-            timeout=timeout,
-            codec=codec,
-            use_shm=self._use_shm,
-            client_id=self._client_id,
-        )
-        try:
-            responses = self._stub.Average(call.requests(), timeout=call.deadline)
-            for response in responses:
-                call.feed(response)
-            return call.result()
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, str(self.endpoint)) from None
-        finally:
-            call.cleanup()
+        for attempt in range(2):
+            call = PreparedAverage(
+                tensors,
+                key=key,
+                weight=weight,
+                group_size=group_size,
+                min_group_size=min_group_size,
+                timeout=timeout,
+                codec=codec,
+                segments=self._segments if self._use_shm else None,
+                client_id=self._client_id,
+            )
+            try:
+                responses = self._stub.Average(call.requests(), timeout=call.deadline)
+                for response in responses:
+                    call.feed(response)
+                return call.result()
+            except grpc.RpcError as exc:
+                error = error_from_rpc(exc, str(self.endpoint))
+                if attempt == 0 and _segment_lost(call, error):
+                    continue  # the daemon dropped our mapping: retry with a fresh segment
+                raise error from None
+            finally:
+                call.cleanup()
+        raise AssertionError("unreachable")
 
     def publish_state(self, tensors: Sequence[Any], metadata: Any) -> None:
         """Serve ``tensors`` and ``metadata`` (msgpack-able) to peers that load state."""
@@ -270,6 +282,7 @@ class AsyncClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub_or_none: control_pb2_grpc.ControlStub | None = None
         self._client_id = secrets.token_hex(8)
+        self._segments = SegmentPool()
         self.dht = _AsyncDHT(self)
 
     @property
@@ -317,26 +330,31 @@ class AsyncClient:
         codec: str | None = None,
     ) -> AverageResult:
         """Same as :meth:`Client.average`, as a coroutine."""
-        call = PreparedAverage(
-            tensors,
-            key=key,
-            weight=weight,
-            group_size=group_size,
-            min_group_size=min_group_size,
-            timeout=timeout,
-            codec=codec,
-            use_shm=self._use_shm,
-            client_id=self._client_id,
-        )
-        try:
-            stream = self._stub.Average(call.requests(), timeout=call.deadline)
-            async for response in stream:
-                call.feed(response)
-            return call.result()
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, str(self.endpoint)) from None
-        finally:
-            call.cleanup()
+        for attempt in range(2):
+            call = PreparedAverage(
+                tensors,
+                key=key,
+                weight=weight,
+                group_size=group_size,
+                min_group_size=min_group_size,
+                timeout=timeout,
+                codec=codec,
+                segments=self._segments if self._use_shm else None,
+                client_id=self._client_id,
+            )
+            try:
+                stream = self._stub.Average(call.requests(), timeout=call.deadline)
+                async for response in stream:
+                    call.feed(response)
+                return call.result()
+            except grpc.RpcError as exc:
+                error = error_from_rpc(exc, str(self.endpoint))
+                if attempt == 0 and _segment_lost(call, error):
+                    continue  # the daemon dropped our mapping: retry with a fresh segment
+                raise error from None
+            finally:
+                call.cleanup()
+        raise AssertionError("unreachable")
 
     async def publish_state(self, tensors: Sequence[Any], metadata: Any) -> None:
         """Same as :meth:`Client.publish_state`, as a coroutine."""

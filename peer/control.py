@@ -43,6 +43,7 @@ class ControlBackend(Protocol):
     """What the control service needs from the daemon (``swarmavg.peer.daemon.Peer``)."""
 
     combiner: LocalCombiner
+    segments: shm.DaemonSegmentCache
 
     async def dht_store(self, key: str, value: Any, ttl: float, subkey: Any) -> bool: ...
     async def dht_get(self, key: str) -> tuple[bool, Any]: ...
@@ -172,8 +173,9 @@ class ControlService(control_pb2_grpc.ControlServicer):
     ) -> AsyncIterator[control_pb2.AverageResponse]:
         """One averaging call: inputs in (inline or shared memory), results out.
 
-        The shared-memory segment is mapped and unlinked before anything else happens,
-        and the daemon's mapping is dropped when the call ends, however it ends.
+        A new shared-memory segment is mapped and unlinked before anything else happens
+        and kept for the client's next call; it is dropped when the call fails, and the
+        cache drops the segments of exited client processes.
         """
         segment: shm.DaemonSegment | None = None
         self.active_calls += 1
@@ -189,8 +191,10 @@ class ControlService(control_pb2_grpc.ControlServicer):
             validate_round_params(start.weight, group_size, start.min_group_size, start.timeout)
             dtypes, shapes, _ = layout_from_specs(start.tensors)
             if start.shm_name:
-                segment = shm.DaemonSegment(start.shm_name, start.shm_size, dtypes, shapes)
-                arrays = segment.inputs()
+                segment = self._backend.segments.open(
+                    start.shm_name, start.shm_size, start.shm_reuse
+                )
+                arrays = segment.inputs(dtypes, shapes)
             else:
                 assembler = TensorAssembler(dtypes, shapes)
                 while not assembler.complete:
@@ -218,15 +222,17 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 for piece in iter_bytes(outcome.arrays):
                     yield control_pb2.AverageResponse(data=piece)
             yield control_pb2.AverageResponse(done=_done_message(outcome))
-        except Exception as exc:
+        except BaseException as exc:
+            if segment is not None:  # the client drops its side too; don't keep ours
+                self._backend.segments.drop(segment.name)
+            if not isinstance(exc, Exception):
+                raise  # cancelled: the client went away
             _, reason = classify(exc)
             if reason in ("invalid_input", "schema_mismatch"):
                 self._backend.record_failure(reason)
             await _abort(context, exc)
         finally:
             self.active_calls -= 1
-            if segment is not None:
-                segment.close()
 
     async def rpc_dht_store(
         self, request: control_pb2.DHTStoreRequest

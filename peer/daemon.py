@@ -47,7 +47,7 @@ from swarmavg.proto import control_pb2
 
 log = logging.getLogger(__name__)
 
-SHM_SWEEP_INTERVAL = 30.0
+SHM_SWEEP_INTERVAL = 5.0
 SERVER_OPTIONS = [
     # grpc enables SO_REUSEPORT by default, which would let a second daemon "bind" a port
     # that is in use and split its traffic with the first; a clear error is better.
@@ -86,6 +86,7 @@ class Peer:
         self.dht: DHTNode | None = None
         self.averager: Averager | None = None
         self.combiner = LocalCombiner(self._average, config.local_window)
+        self.segments = shm.DaemonSegmentCache()
         self._averager_config = AveragerConfig()
         self._control_service: ControlService | None = None
         self._public_server: grpc.aio.Server | None = None
@@ -234,7 +235,9 @@ class Peer:
         task.add_done_callback(self._tasks.discard)
 
     async def _sweep_shm(self) -> None:
+        """Drop mappings and unlink files of client processes that have exited."""
         while True:
+            self.segments.sweep()
             await asyncio.to_thread(shm.sweep_stale)
             await asyncio.sleep(SHM_SWEEP_INTERVAL)
 
@@ -392,6 +395,7 @@ class Peer:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self.segments.close()
         if self.dht is not None:
             await _bounded(self.dht.shutdown(), 1.0, "DHT shutdown")
         if self._public_server is not None:

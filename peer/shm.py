@@ -4,10 +4,16 @@ A segment is a file in ``/dev/shm`` named ``swarmavg-<client pid>-<random>``. Th
 creates it (mode 600, ``O_EXCL``), copies its inputs in and sends the name. The daemon
 checks the name, owner and size, maps the file and **unlinks it at once**: from then on the
 memory lives only as long as one of the two mappings, so a client killed at any later
-point leaks nothing. The daemon writes the results in place and the client reads them
-from its own mapping. For the short window before the daemon has mapped the segment the
-client unlinks it itself when the call fails, and the daemon sweeps files whose creator
-process is gone (:func:`sweep_stale`).
+point leaves no file behind. The daemon writes the results in place and the client reads
+them from its own mapping. For the short window before the daemon has mapped the segment
+the client unlinks it itself when the call fails, and the daemon sweeps files whose
+creator process is gone (:func:`sweep_stale`).
+
+**Reuse.** Faulting in fresh tmpfs pages costs more than copying the tensors, and a
+training loop averages the same layout every step. So both sides keep their mapping after
+a call: the client reuses its segment for the next call of the same size (when none of the
+previous results still points into it) and tells the daemon, which reuses its own mapping
+(:class:`DaemonSegmentCache`). The daemon drops mappings whose client process has exited.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import os
 import re
 import secrets
 import stat
+import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -58,75 +66,122 @@ def _views(
     dtypes: Sequence[np.dtype[np.generic]],
     shapes: Sequence[tuple[int, ...]],
 ) -> list[np.ndarray]:
-    offsets, _ = segment_layout(dtypes, shapes)
+    offsets, size = segment_layout(dtypes, shapes)
+    if size != len(buffer):
+        raise ValidationError(f"layout of {size} bytes does not fit a segment of {len(buffer)}")
     return [
         np.frombuffer(buffer, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
         for dtype, shape, offset in zip(dtypes, shapes, offsets, strict=True)
     ]
 
 
-class ClientSegment:
-    """The client's side: a fresh segment holding copies of the inputs."""
+def pid_of(name: str) -> int | None:
+    """The creating process of segment ``name``, or ``None`` for a foreign name."""
+    match = NAME_RE.match(name)
+    return int(match.group(1)) if match else None
 
-    def __init__(self, arrays: Sequence[np.ndarray], directory: Path = SHM_DIR) -> None:
-        self.dtypes = [a.dtype for a in arrays]
-        self.shapes = [tuple(a.shape) for a in arrays]
-        _, self.size = segment_layout(self.dtypes, self.shapes)
+
+class ClientSegment:
+    """The client's side: a segment of ``size`` bytes, mapped until garbage-collected."""
+
+    def __init__(self, size: int, directory: Path = SHM_DIR) -> None:
+        self.size = size
         self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
         self.path = directory / self.name
+        self.daemon_mapped = False
+        """The daemon mapped (and unlinked) this segment in an earlier call."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            os.ftruncate(fd, self.size)
-            self._map = mmap.mmap(fd, self.size)
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
         except BaseException:
             self.unlink()
             raise
         finally:
             os.close(fd)
+
+    @classmethod
+    def holding(cls, arrays: Sequence[np.ndarray], directory: Path = SHM_DIR) -> ClientSegment:
+        """A fresh segment holding copies of ``arrays``."""
+        _, size = segment_layout([a.dtype for a in arrays], [a.shape for a in arrays])
+        segment = cls(size, directory)
         try:
-            for view, array in zip(
-                _views(self._map, self.dtypes, self.shapes), arrays, strict=True
-            ):
-                view[...] = array
+            segment.fill(arrays)
         except BaseException:
-            self.unlink()
+            segment.unlink()
             raise
+        return segment
+
+    def fill(self, arrays: Sequence[np.ndarray]) -> None:
+        """Copy ``arrays`` in (their layout must have this segment's size)."""
+        views = _views(self._map, [a.dtype for a in arrays], [a.shape for a in arrays])
+        for view, array in zip(views, arrays, strict=True):
+            view[...] = array
+
+    def in_use(self) -> bool:
+        """Whether arrays returned by :meth:`results` still point into the mapping.
+
+        Every such array holds a reference to the mmap object (CPython reference counts:
+        the attribute plus ``getrefcount``'s own argument make 2).
+        """
+        return sys.getrefcount(self._map) > 2
 
     def unlink(self) -> None:
         """Remove the file if it is still there (idempotent; the daemon usually did it)."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
-    def results(self) -> list[np.ndarray]:
+    def results(
+        self, dtypes: Sequence[np.dtype[np.generic]], shapes: Sequence[tuple[int, ...]]
+    ) -> list[np.ndarray]:
         """Arrays over the segment (the daemon's results once it answered Done).
 
-        The returned arrays keep the mapping alive; it is released when they are freed.
+        The arrays keep the mapping alive; while any exists the segment is not reused.
         """
-        return _views(self._map, self.dtypes, self.shapes)
+        return _views(self._map, dtypes, shapes)
+
+
+class SegmentPool:
+    """One reusable segment per client (thread-safe); callers get a fresh one when it is
+    busy, of another size, or still referenced by earlier results."""
+
+    def __init__(self, directory: Path = SHM_DIR) -> None:
+        self._directory = directory
+        self._lock = threading.Lock()
+        self._idle: ClientSegment | None = None
+
+    def acquire(self, arrays: Sequence[np.ndarray]) -> ClientSegment:
+        """A segment holding copies of ``arrays``."""
+        _, size = segment_layout([a.dtype for a in arrays], [a.shape for a in arrays])
+        with self._lock:
+            segment, self._idle = self._idle, None
+        if segment is not None and segment.size == size and not segment.in_use():
+            segment.fill(arrays)
+            return segment
+        return ClientSegment.holding(arrays, self._directory)
+
+    def release(self, segment: ClientSegment, ok: bool) -> None:
+        """Return ``segment`` after a call; a failed call's segment is dropped."""
+        segment.unlink()
+        if ok and segment.daemon_mapped:
+            with self._lock:
+                self._idle = segment
 
 
 class DaemonSegment:
     """The daemon's side: a client segment, checked, mapped and already unlinked."""
 
-    def __init__(
-        self,
-        name: str,
-        size: int,
-        dtypes: Sequence[np.dtype[np.generic]],
-        shapes: Sequence[tuple[int, ...]],
-        directory: Path = SHM_DIR,
-    ) -> None:
-        """Map segment ``name``.
+    def __init__(self, name: str, size: int, directory: Path = SHM_DIR) -> None:
+        """Map segment ``name`` of ``size`` bytes.
 
         Raises:
-            ValidationError: a bad name, a size that does not match the layout, a file
-                that is not a regular file owned by this user, or one that is missing.
+            ValidationError: a bad name, or a file that is missing, not a regular file
+                owned by this user, or of another size.
         """
         if NAME_RE.match(name) is None:
             raise ValidationError(f"bad shared-memory segment name {name!r}")
-        _, expected = segment_layout(dtypes, shapes)
-        if size != expected:
-            raise ValidationError(f"segment size {size} does not match the layout ({expected})")
+        self.name = name
+        self.size = size
         path = directory / name
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
@@ -146,21 +201,21 @@ class DaemonSegment:
             # Unlinking right after mapping ties the memory to the two mappings alone.
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-        self.dtypes = list(dtypes)
-        self.shapes = list(shapes)
 
-    def inputs(self) -> list[np.ndarray]:
-        """Read-write views of the client's inputs (valid until :meth:`close`)."""
+    def inputs(
+        self, dtypes: Sequence[np.dtype[np.generic]], shapes: Sequence[tuple[int, ...]]
+    ) -> list[np.ndarray]:
+        """Read-write views of the client's inputs in this layout."""
         if self._map is None:
-            raise ValueError("segment closed")
-        return _views(self._map, self.dtypes, self.shapes)
+            raise ValidationError(f"segment {self.name} was released")
+        return _views(self._map, dtypes, shapes)
 
     def write_results(self, arrays: Sequence[np.ndarray]) -> None:
         """Copy the results over the inputs (same dtypes and shapes)."""
-        for view, array in zip(self.inputs(), arrays, strict=True):
-            if view.shape != array.shape:
-                raise ValueError(f"result shape {array.shape} != input shape {view.shape}")
-            view[...] = array
+        views = self.inputs([a.dtype for a in arrays], [a.shape for a in arrays])
+        for view, array in zip(views, arrays, strict=True):
+            if not np.shares_memory(view, array):
+                view[...] = array
 
     def close(self) -> None:
         """Drop the daemon's mapping (idempotent). Views still alive keep it until freed."""
@@ -170,14 +225,81 @@ class DaemonSegment:
                 mapping.close()
 
 
+class DaemonSegmentCache:
+    """The daemon's mappings of client segments, kept for reuse across calls.
+
+    Bounded: at most ``per_client`` segments per client process and ``max_bytes`` in all
+    (the oldest go first; a client whose segment was dropped gets an error and retries
+    with a fresh one). :meth:`sweep` drops the segments of processes that have exited.
+    """
+
+    def __init__(self, max_bytes: int = 16 << 30, per_client: int = 4) -> None:
+        self.max_bytes = max_bytes
+        self.per_client = per_client
+        self._segments: dict[str, DaemonSegment] = {}  # insertion order = age
+
+    def open(self, name: str, size: int, reuse: bool) -> DaemonSegment:
+        """The mapping of segment ``name``: the cached one when ``reuse``, else freshly
+        mapped (and unlinked) from /dev/shm.
+
+        Raises:
+            ValidationError: ``reuse`` of a segment that is not cached (or has another
+                size), or any reason :class:`DaemonSegment` refuses the file.
+        """
+        if reuse:
+            segment = self._segments.get(name)
+            if segment is None or segment.size != size:
+                raise ValidationError(f"shared-memory segment {name} is not mapped here")
+            self._segments[name] = self._segments.pop(name)  # most recently used
+            return segment
+        segment = DaemonSegment(name, size)
+        self._segments.pop(name, None)
+        self._segments[name] = segment
+        self._evict(pid_of(name))
+        return segment
+
+    def drop(self, name: str) -> None:
+        segment = self._segments.pop(name, None)
+        if segment is not None:
+            segment.close()
+
+    def _evict(self, pid: int | None) -> None:
+        same = [n for n in self._segments if pid_of(n) == pid]
+        for name in same[: max(len(same) - self.per_client, 0)]:
+            self.drop(name)
+        while sum(s.size for s in self._segments.values()) > self.max_bytes:
+            self.drop(next(iter(self._segments)))
+
+    def sweep(self) -> int:
+        """Drop the mappings of client processes that have exited; return how many."""
+        dead = [n for n in self._segments if not _pid_alive(pid_of(n) or 0)]
+        for name in dead:
+            self.drop(name)
+        return len(dead)
+
+    def close(self) -> None:
+        for name in list(self._segments):
+            self.drop(name)
+
+    def __len__(self) -> int:
+        return len(self._segments)
+
+
 def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    # A zombie (killed, not yet reaped by its parent) holds no mappings any more.
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 def sweep_stale(directory: Path = SHM_DIR) -> int:

@@ -29,7 +29,7 @@ from swarmavg.peer import (
 from swarmavg.peer.combiner import LocalCombiner, RoundOutcome, RoundParams
 from swarmavg.peer.control import ControlService
 from swarmavg.peer.errors import NoGroupError
-from swarmavg.peer.shm import NAME_RE, SHM_DIR
+from swarmavg.peer.shm import NAME_RE, SHM_DIR, DaemonSegmentCache
 from swarmavg.proto import control_pb2
 
 
@@ -38,6 +38,7 @@ class SoloBackend:
 
     def __init__(self, window: float = 0.0) -> None:
         self.combiner = LocalCombiner(self._average, window)
+        self.segments = DaemonSegmentCache()
         self.rounds: list[RoundParams] = []
         self.store: dict[str, Any] = {}
         self.state: tuple[bytes, list[np.ndarray]] | None = None
@@ -108,6 +109,7 @@ async def daemon() -> AsyncIterator[Daemon]:
         finally:
             await backend.combiner.close()
             await server.stop(None)
+            backend.segments.close()
 
 
 def my_segments() -> list[str]:
@@ -277,3 +279,28 @@ async def test_no_daemon() -> None:
             await connect_async(str(Path(d) / "none.sock"), connect_timeout=0.5)
         with pytest.raises(DaemonUnavailableError, match="no swarmavg daemon"):
             await asyncio.to_thread(connect, str(Path(d) / "none.sock"), connect_timeout=0.5)
+
+
+async def test_shm_segments_are_reused_across_calls(daemon: Daemon) -> None:
+    rng = np.random.default_rng(3)
+    x = [rng.standard_normal(400_000).astype(np.float32)]
+    async with connect_async(daemon.endpoint) as client:
+        first = await client.average(x, key="a", min_group_size=1)
+        assert len(daemon.backend.segments) == 1
+        np.testing.assert_array_equal(first.tensors[0], x[0])
+        held = first.tensors[0]  # still referenced: the next call must not overwrite it
+        del first
+        y = [x[0] * 2]
+        second = await client.average(y, key="b", min_group_size=1)
+        assert len(daemon.backend.segments) == 2, "a fresh segment while results are held"
+        np.testing.assert_array_equal(held, x[0])
+        np.testing.assert_array_equal(second.tensors[0], y[0])
+        del held, second
+        third = await client.average(x, key="c", min_group_size=1)
+        assert len(daemon.backend.segments) == 2, "the idle segment was reused"
+        np.testing.assert_array_equal(third.tensors[0], x[0])
+        del third
+        daemon.backend.segments.close()  # as if the daemon restarted or evicted it
+        fourth = await client.average(y, key="d", min_group_size=1)  # retried transparently
+        np.testing.assert_array_equal(fourth.tensors[0], y[0])
+    assert my_segments() == []

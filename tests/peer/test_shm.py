@@ -25,19 +25,20 @@ def shm_dir() -> Iterator[Path]:
 
 def test_round_trip_and_unlink_on_map(shm_dir: Path) -> None:
     arrays = [np.arange(10, dtype=np.float32), np.ones((3, 5), np.float64)]
-    seg = shm.ClientSegment(arrays, shm_dir)
+    dtypes, shapes = [a.dtype for a in arrays], [a.shape for a in arrays]
+    seg = shm.ClientSegment.holding(arrays, shm_dir)
     assert seg.path.exists()
     assert seg.path.stat().st_mode & 0o777 == 0o600
-    daemon = shm.DaemonSegment(
-        seg.name, seg.size, [a.dtype for a in arrays], [a.shape for a in arrays], shm_dir
-    )
+    daemon = shm.DaemonSegment(seg.name, seg.size, shm_dir)
     assert not seg.path.exists(), "the daemon unlinks the file as soon as it has mapped it"
-    inputs = daemon.inputs()
+    inputs = daemon.inputs(dtypes, shapes)
     np.testing.assert_array_equal(inputs[0], arrays[0])
     daemon.write_results([a * 2 for a in inputs])
     del inputs
     daemon.close()
-    results = seg.results()
+    assert not seg.in_use()
+    results = seg.results(dtypes, shapes)
+    assert seg.in_use()
     np.testing.assert_array_equal(results[0], arrays[0] * 2)
     np.testing.assert_array_equal(results[1], arrays[1] * 2)
     seg.unlink()  # idempotent
@@ -46,17 +47,67 @@ def test_round_trip_and_unlink_on_map(shm_dir: Path) -> None:
 
 def test_daemon_rejects_bad_segments(shm_dir: Path) -> None:
     arrays = [np.zeros(8, np.float32)]
-    dtypes, shapes = [a.dtype for a in arrays], [a.shape for a in arrays]
     with pytest.raises(ValidationError, match="bad shared-memory segment name"):
-        shm.DaemonSegment("../../etc/passwd", 32, dtypes, shapes, shm_dir)
+        shm.DaemonSegment("../../etc/passwd", 32, shm_dir)
     with pytest.raises(ValidationError, match="does not exist"):
-        shm.DaemonSegment(f"swarmavg-1-{'0' * 32}", 32, dtypes, shapes, shm_dir)
-    seg = shm.ClientSegment(arrays, shm_dir)
-    with pytest.raises(ValidationError, match="does not match the layout"):
-        shm.DaemonSegment(seg.name, seg.size + 1, dtypes, shapes, shm_dir)
+        shm.DaemonSegment(f"swarmavg-1-{'0' * 32}", 32, shm_dir)
+    seg = shm.ClientSegment.holding(arrays, shm_dir)
     with pytest.raises(ValidationError, match="holds"):
-        shm.DaemonSegment(seg.name, 64, [np.dtype(np.float32)], [(16,)], shm_dir)
+        shm.DaemonSegment(seg.name, seg.size + 1, shm_dir)
+    assert not seg.path.exists(), "a refused segment is unlinked as well"
+    seg = shm.ClientSegment.holding(arrays, shm_dir)
+    daemon = shm.DaemonSegment(seg.name, seg.size, shm_dir)
+    with pytest.raises(ValidationError, match="does not fit"):
+        daemon.inputs([np.dtype(np.float32)], [(9,)])
+    daemon.close()
     seg.unlink()
+
+
+def test_pool_reuses_an_idle_segment_only() -> None:
+    pool = shm.SegmentPool()
+    x = [np.arange(4, dtype=np.float32)]
+    first = pool.acquire(x)
+    pool.release(first, ok=True)  # never mapped by a daemon: not kept
+    assert pool.acquire(x) is not first
+    first.daemon_mapped = True
+    pool.release(first, ok=True)
+    again = pool.acquire([x[0] + 1])
+    assert again is first
+    held = again.results([np.dtype(np.float32)], [(4,)])
+    np.testing.assert_array_equal(held[0], [1, 2, 3, 4])
+    pool.release(again, ok=True)
+    assert pool.acquire(x) is not first, "results still point into it"
+    del held
+    pool.release(first, ok=False)  # a failed call drops it
+    assert pool.acquire(x) is not first
+
+
+def test_daemon_cache_bounds_and_sweeps() -> None:
+    cache = shm.DaemonSegmentCache(per_client=2)
+    x = [np.ones(16, np.float32)]
+    segments = [shm.ClientSegment.holding(x, shm.SHM_DIR) for _ in range(3)]
+    names = [seg.name for seg in segments]
+    for seg in segments:
+        cache.open(seg.name, seg.size, reuse=False)
+        assert not seg.path.exists()
+    assert len(cache) == 2, "at most per_client segments per client process"
+    with pytest.raises(ValidationError, match="not mapped"):
+        cache.open(names[0], segments[0].size, reuse=True)
+    assert cache.open(names[2], segments[2].size, reuse=True) is not None
+    assert cache.sweep() == 0  # this process is alive
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    orphan = shm.ClientSegment.holding(x, shm.SHM_DIR)
+    stale_name = f"swarmavg-{int(dead.stdout)}-{'c' * 32}"
+    os.rename(orphan.path, shm.SHM_DIR / stale_name)
+    cache.open(stale_name, orphan.size, reuse=False)
+    assert cache.sweep() == 1
+    cache.close()
+    assert len(cache) == 0
 
 
 def test_sweep_removes_segments_of_dead_processes(shm_dir: Path) -> None:

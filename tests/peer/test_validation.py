@@ -25,7 +25,7 @@ def prepare(tensors: object, **overrides: object) -> PreparedAverage:
         "min_group_size": 2,
         "timeout": 5.0,
         "codec": None,
-        "use_shm": False,
+        "segments": None,
     }
     kwargs.update(overrides)
     return PreparedAverage(tensors, **kwargs)  # type: ignore[arg-type]
