@@ -1,6 +1,7 @@
 """Matchmaking and fault-tolerance figures, one process per peer; prints ONE JSON line.
 
     python benchmarks/matchmaking.py [--peers 8] [--rounds 7] [--elements 4194304] [--timeout 15]
+                                     [--state-elements 16777216]
 
 1. Matchmaking time: every peer calls ``Averager.average`` at the same wall-clock moment
    (tiny tensors, ``group_size = min_group_size = peers``); per round the time until the
@@ -12,6 +13,9 @@
    the exact mean of the surviving contributions, or of all contributions (chunks the
    victim delivered before dying), or its own value (the part whose reducer died). The
    figures: the worst return time relative to the timeout, and the element categories.
+3. State sharing: a late joiner loads a 64 MiB state (8 float32 tensors) from one donor,
+   another from three donors holding the same version (chunks served by each), and then
+   reloads after one tensor changed (chunks fetched).
 
 Each peer is a real process with a DHT node, an Averager and one gRPC server, wired like
 the daemon (``--worker`` mode of this script), driven by JSON lines on stdin.
@@ -85,6 +89,9 @@ async def worker(join: list[str], fault: str | None) -> None:
             cmd = json.loads(line)
             if cmd["op"] == "quit":
                 break
+            if cmd["op"] in ("publish", "load", "counters"):
+                print(json.dumps(await state_op(averager, cmd)), flush=True)
+                continue
             kill_after["delay"] = cmd.get("kill_after_formed")
             tensors = [np.full(cmd["elements"], cmd["value"], np.float32)]
             await asyncio.sleep(max(0.0, cmd["start_at"] - time.time()))
@@ -118,6 +125,78 @@ async def worker(join: list[str], fault: str | None) -> None:
         await averager.shutdown(grace=0.0)
         await node.shutdown()
         await channels.close()
+
+
+STATE_TENSORS = 8
+
+
+def state_tensors(elements: int, changed: int | None) -> list[np.ndarray]:
+    """The published state: ``STATE_TENSORS`` random float32 tensors (random, so that no
+    two chunks share content and content addressing cannot deduplicate them); tensor
+    ``changed`` differs from the first version."""
+    size = elements // STATE_TENSORS
+    return [
+        np.random.default_rng(t + (1000 if t == changed else 0)).standard_normal(
+            size, dtype=np.float32
+        )
+        for t in range(STATE_TENSORS)
+    ]
+
+
+async def state_op(averager: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    sharer = averager.state_sharer
+    if cmd["op"] == "publish":
+        tensors = state_tensors(cmd["elements"], cmd.get("changed"))
+        await averager.publish_state(tensors, b"meta", version=cmd["version"])
+        return {"ok": True}
+    if cmd["op"] == "counters":
+        return {"served": sharer.served_chunks, "downloaded": sharer.downloaded_chunks}
+    before = sharer.downloaded_chunks
+    started = time.time()
+    try:
+        _, tensors = await averager.load_state(timeout=cmd["timeout"])
+    except Exception as error:
+        return {"ok": False, "error": repr(error)}
+    elapsed = time.time() - started
+    expected = state_tensors(cmd["elements"], cmd.get("changed"))
+    return {
+        "ok": all(np.array_equal(a, b) for a, b in zip(tensors, expected, strict=True)),
+        "elapsed": elapsed,
+        "chunks": sharer.downloaded_chunks - before,
+    }
+
+
+def state_figures(workers: list[Worker], elements: int) -> dict[str, Any]:
+    """Late joiners loading a 4-byte x ``elements`` state: from 1 donor, from 3, and again
+    after one of its 8 tensors changed (incremental). Each load is by a fresh joiner (one
+    that holds no chunk yet), two per case."""
+    donors, joiners = workers[1:4], [workers[5], workers[7], workers[4], workers[6]]
+
+    def ask(w: Worker, **cmd: Any) -> dict[str, Any]:
+        w.send(**cmd)
+        return w.next(120.0)
+
+    ask(donors[0], op="publish", elements=elements, version=1.0)
+    one = [ask(j, op="load", elements=elements, timeout=60.0) for j in joiners[:2]]
+    for d in donors[1:]:
+        ask(d, op="publish", elements=elements, version=1.0)  # same content: same root
+    before = [ask(d, op="counters")["served"] for d in donors]
+    three = [ask(j, op="load", elements=elements, timeout=60.0) for j in joiners[2:]]
+    after = [ask(d, op="counters")["served"] for d in donors]
+    for d in donors:
+        ask(d, op="publish", elements=elements, version=2.0, changed=3)
+    again = ask(joiners[-1], op="load", elements=elements, timeout=60.0, changed=3)
+    loads = [*one, *three, again]
+    return {
+        "state_bytes": 4 * (elements // STATE_TENSORS) * STATE_TENSORS,
+        "load_one_donor_s": [round(x["elapsed"], 3) for x in one],
+        "load_three_donors_s": [round(x["elapsed"], 3) for x in three],
+        "three_donors_chunks_served": [a - b for a, b in zip(after, before, strict=True)],
+        "chunks_per_load": three[0]["chunks"],
+        "reload_after_one_of_8_tensors_changed_chunks": again["chunks"],
+        "reload_s": round(again["elapsed"], 3),
+        "verified": all(x["ok"] for x in loads),
+    }
 
 
 # ------------------------------------------------------------------------------ coordinator
@@ -258,6 +337,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--elements", type=int, default=4 * 1024 * 1024)
     parser.add_argument("--timeout", type=float, default=15.0)
+    parser.add_argument("--state-elements", type=int, default=16 * 1024 * 1024)
     args = parser.parse_args()
     if args.worker:
         with contextlib.suppress(ImportError):
@@ -330,6 +410,8 @@ def main() -> None:
             workers[victim].close()
             workers[victim] = Worker([workers[0].address], log_dir, f"w{victim}-after-{phase}")
 
+        state = state_figures(workers, args.state_elements)
+
         print(
             json.dumps(
                 {
@@ -344,6 +426,7 @@ def main() -> None:
                     "fault_timeout_s": timeout,
                     "baseline_allreduce_median_s": round(allreduce, 3),
                     "faults": faults,
+                    "state_sharing": state,
                 }
             )
         )
