@@ -13,6 +13,7 @@ Payload layouts (little-endian):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -112,6 +113,18 @@ def _row_length(shape: tuple[int, ...], size: int) -> int:
     return max(size, 1)
 
 
+def _tiles(rows: int, row: int) -> Iterator[tuple[int, int, int, int]]:
+    """Cache-sized tiles ``(r0, r1, c0, c1)`` of a (rows, row) array, in memory order."""
+    if row >= halfconv.HALF_SLAB:
+        for r in range(rows):
+            for c in range(0, row, halfconv.HALF_SLAB):
+                yield r, r + 1, c, min(c + halfconv.HALF_SLAB, row)
+    else:
+        group = halfconv.HALF_SLAB // row
+        for r in range(0, rows, group):
+            yield r, min(r + group, rows), 0, row
+
+
 class ScaledFloat16Codec(Codec):
     """Per-row mean/std normalisation, then binary16 (hivemind's MEANSTD_16BIT).
 
@@ -130,23 +143,34 @@ class ScaledFloat16Codec(Codec):
         x = halfconv.as_float32(flat).reshape(rows, row)
         with np.errstate(over="ignore", invalid="ignore"):
             means = np.add.reduce(x, axis=1, dtype=np.float32) / np.float32(row)
-            centred = x - means[:, None]
-            var = np.einsum("ij,ij->i", centred, centred) / np.float32(row)
-            stds = np.sqrt(var, dtype=np.float32)
-        if not (np.isfinite(means).all() and np.isfinite(stds).all()):
+        if not np.isfinite(means).all():
             raise CodecError("input contains NaN or Inf (or values beyond float32 range)")
+        # Exact variance about the mean, two-pass for accuracy, slab by slab so that the
+        # centred values never exist in full.
+        scratch = np.empty(min(n, halfconv.HALF_SLAB), np.float32)
+        squares = np.zeros(rows, np.float64)
+        for r0, r1, c0, c1 in _tiles(rows, row):
+            d = scratch[: (r1 - r0) * (c1 - c0)].reshape(r1 - r0, c1 - c0)
+            np.subtract(x[r0:r1, c0:c1], means[r0:r1, None], out=d)
+            squares[r0:r1] += np.einsum("ij,ij->i", d, d)
+        stds = np.sqrt(squares / row).astype(np.float32)
+        if not np.isfinite(stds).all():
+            raise CodecError("input values are too large for float32 statistics")
         # A constant row has std 0: keep the scale at 1 so that z is exactly 0.
         scales = np.where(stds > 0, stds, np.float32(1)).astype(np.float32)
-        centred *= (np.float32(1) / scales)[:, None]
-        words = halfconv.float_to_half_words(centred.reshape(-1))
-        payload = b"".join(
-            (
-                _bytes_view(words),
-                means.astype("<f4").tobytes(),
-                scales.astype("<f4").tobytes(),
-            )
-        )
-        return Encoded(Header(self.name, dtype, shape, {"row": row}), payload)
+        inverse = (np.float32(1) / scales).astype(np.float32)
+        payload = np.empty(2 * n + 8 * rows, np.uint8)
+        words = payload[: 2 * n].view("<u2")
+        half = halfconv.HalfScratch(n)
+        for r0, r1, c0, c1 in _tiles(rows, row):
+            d = scratch[: (r1 - r0) * (c1 - c0)].reshape(r1 - r0, c1 - c0)
+            np.subtract(x[r0:r1, c0:c1], means[r0:r1, None], out=d)
+            np.multiply(d, inverse[r0:r1, None], out=d)
+            start = r0 * row + c0
+            halfconv.encode_half_slab(d.reshape(-1), words[start : start + d.size], half)
+        payload[2 * n : 2 * n + 4 * rows] = means.astype("<f4").view(np.uint8)
+        payload[2 * n + 4 * rows :] = scales.astype("<f4").view(np.uint8)
+        return Encoded(Header(self.name, dtype, shape, {"row": row}), payload.data)
 
     def decode_payload(self, header: Header, payload: Buffer) -> np.ndarray:
         n = header.size

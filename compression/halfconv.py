@@ -21,8 +21,10 @@ from swarmavg.compression.errors import CodecError
 from swarmavg.compression.kernels import all_finite, slabs
 
 __all__ = [
+    "HalfScratch",
     "as_float32",
     "bf16_words_to",
+    "encode_half_slab",
     "float_to_bf16_words",
     "float_to_half_words",
     "half_words_to",
@@ -32,7 +34,7 @@ F16_MAX = 65504.0
 BF16_MAX = (2.0 - 2.0**-7) * 2.0**127  # largest finite bfloat16
 _F16_EXP = np.uint16(0x7C00)
 _BF16_EXP = np.uint16(0x7F80)
-_SLAB = 1 << 15  # uint32 temporaries of 128 KiB each: a few fit in L2 together
+HALF_SLAB = 1 << 15  # uint32 temporaries of 128 KiB each: a few fit in L2 together
 
 _F32_EXP_MASK = np.uint32(0x7F800000)
 _F16_MIN_NORMAL_AS_F32 = np.uint32(113 << 23)  # 2**-14
@@ -82,39 +84,69 @@ def _f32_bits_to_half(u: np.ndarray, out: np.ndarray, a: np.ndarray, t: np.ndarr
     return True
 
 
-def float_to_half_words(flat: np.ndarray) -> np.ndarray:
+class HalfScratch:
+    """Scratch buffers for converting slabs of up to ``HALF_SLAB`` float32 values."""
+
+    def __init__(self, size: int = HALF_SLAB) -> None:
+        size = max(1, min(size, HALF_SLAB))
+        self.a = np.empty(size, np.uint32)
+        self.t = np.empty(size, np.uint32)
+        self.wide = np.empty(size, np.float32)
+
+
+def encode_half_slab(src: np.ndarray, out: np.ndarray, scratch: HalfScratch) -> None:
+    """Round up to ``HALF_SLAB`` contiguous float32 values to binary16 words in ``out``,
+    saturating at +/-65504. ``src`` is left unchanged.
+
+    Raises:
+        CodecError: ``src`` contains NaN or Inf.
+    """
+    k = src.size
+    a, t = scratch.a[:k], scratch.t[:k]
+    if not _f32_bits_to_half(src.view(np.uint32), out, a, t):
+        if not np.isfinite(src).all():
+            raise CodecError("input contains NaN or Inf")
+        clipped = scratch.wide[:k]
+        np.clip(src, -F16_MAX, F16_MAX, out=clipped)
+        _f32_bits_to_half(clipped.view(np.uint32), out, a, t)
+
+
+def float_to_half_words(flat: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Round a flat floating array to binary16 words, saturating at +/-65504.
+
+    Args:
+        flat: float32, float64, bfloat16 or float16 values.
+        out: optional uint16 array of the same size to write into.
 
     Raises:
         CodecError: the input contains NaN or Inf.
     """
+    n = flat.size
     if flat.dtype == np.float16:
         words = flat.view(np.uint16)
         if _has_special(words, _F16_EXP):
             raise CodecError("input contains NaN or Inf")
-        return words
-    n = flat.size
-    out = np.empty(n, np.uint16)
-    m = min(n, _SLAB)
-    a, t = np.empty(m, np.uint32), np.empty(m, np.uint32)
-    wide = np.empty(m, np.float32)
-    for s in slabs(n, _SLAB):
-        k = s.stop - s.start
+        if out is None:
+            return words
+        out[...] = words
+        return out
+    if out is None:
+        out = np.empty(n, np.uint16)
+    scratch = HalfScratch(n)
+    narrow = np.empty(min(n, HALF_SLAB), np.float32) if flat.dtype != np.float32 else None
+    for s in slabs(n, HALF_SLAB):
         src = flat[s]
-        if src.dtype == np.float64:
-            # Saturate in float64 first: a huge float64 is finite but overflows float32.
-            if not all_finite(src):
-                raise CodecError("input contains NaN or Inf")
-            np.clip(src, -F16_MAX, F16_MAX, out=wide[:k], casting="unsafe")
-            src = wide[:k]
-        elif src.dtype != np.float32:
-            wide[:k] = src  # bfloat16 widens exactly
-            src = wide[:k]
-        if not _f32_bits_to_half(src.view(np.uint32), out[s], a[:k], t[:k]):
-            if not np.isfinite(src).all():
-                raise CodecError("input contains NaN or Inf")
-            np.clip(src, -F16_MAX, F16_MAX, out=wide[:k])
-            _f32_bits_to_half(wide[:k].view(np.uint32), out[s], a[:k], t[:k])
+        if narrow is not None:
+            k = s.stop - s.start
+            if src.dtype == np.float64:
+                # Saturate in float64 first: a huge float64 is finite but overflows float32.
+                if not all_finite(src):
+                    raise CodecError("input contains NaN or Inf")
+                np.clip(src, -F16_MAX, F16_MAX, out=narrow[:k], casting="unsafe")
+            else:
+                narrow[:k] = src  # bfloat16 widens exactly
+            src = narrow[:k]
+        encode_half_slab(src, out[s], scratch)
     return out
 
 
@@ -151,10 +183,10 @@ def half_words_to(words: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
         return words.view(np.float16).copy()
     n = words.size
     out = np.empty(n, dtype)
-    m = min(n, _SLAB)
+    m = min(n, HALF_SLAB)
     b = np.empty(m, np.uint32)
     wide = out if dtype == np.float32 else np.empty(m, np.float32)
-    for s in slabs(n, _SLAB):
+    for s in slabs(n, HALF_SLAB):
         k = s.stop - s.start
         if dtype == np.float32:
             _half_to_f32(words[s], wide[s], b[:k])
@@ -185,7 +217,7 @@ def float_to_bf16_words(flat: np.ndarray) -> np.ndarray:
     n = flat.size
     out = np.empty(n, np.uint16)
     bf = out.view(BFLOAT16)
-    for s in slabs(n, _SLAB * 4):
+    for s in slabs(n, HALF_SLAB * 4):
         src = flat[s]
         with np.errstate(over="ignore", invalid="ignore"):
             bf[s] = src
@@ -211,7 +243,7 @@ def bf16_words_to(words: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
     if dtype == np.float32:
         out = np.empty(n, np.float32)
         bits = out.view(np.uint32)
-        for s in slabs(n, _SLAB * 4):
+        for s in slabs(n, HALF_SLAB * 4):
             bits[s] = words[s]
             bits[s] <<= 16
         return out
