@@ -61,6 +61,8 @@ class StateSharingConfig:
         message_timeout: deadline for each message of a download stream.
         max_state_bytes: largest state a joiner accepts (checked on the manifest).
         max_uploads: concurrent downloads served; more get ``STATE_BUSY``.
+        keep_loaded_chunks: keep the chunks of the last loaded state in memory, so that the
+            next load fetches only the chunks that changed (costs one copy of the state).
     """
 
     chunk_size: int = DEFAULT_CHUNK_SIZE
@@ -69,6 +71,7 @@ class StateSharingConfig:
     message_timeout: float = 10.0
     max_state_bytes: int = 16 << 30
     max_uploads: int = 8
+    keep_loaded_chunks: bool = True
 
     def __post_init__(self) -> None:
         if not (self.ttl > 0 and self.message_timeout > 0):
@@ -277,7 +280,10 @@ class StateSharer:
                 log.info("donor %s has no usable manifest: %s", donor.peer_id.hex()[:8], error)
         if manifest is None:
             raise StateDownloadError(f"no donor of state {root.hex()[:12]} sent a valid manifest")
-        have = {h: self._held[h] for h in manifest.chunk_hashes if h in self._held}
+        local = dict(self._held)
+        if self._published is not None:  # what we serve counts too
+            local.update(self._published.chunks)
+        have = {h: local[h] for h in manifest.chunk_hashes if h in local}
         needed = list(dict.fromkeys(h for h in manifest.chunk_hashes if h not in have))
         if needed:
             have.update(await self._download(needed, live))
@@ -285,7 +291,7 @@ class StateSharer:
             metadata, tensors = await asyncio.to_thread(unpack_state, manifest, have)
         except StateFormatError as error:
             raise StateDownloadError(f"state {root.hex()[:12]} is malformed: {error}") from None
-        self._held = have
+        self._held = have if self.config.keep_loaded_chunks else {}
         return metadata, tensors
 
     def _download_call(self, donor: Advertisement) -> grpc.aio.UnaryStreamMultiCallable:
