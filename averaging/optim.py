@@ -337,58 +337,55 @@ class CollaborativeOptimizer:
         weight = float(self.tracker.samples) or ZERO_WEIGHT
         group_size = progress.num_peers
         self.tracker.meter.pause()
-        if late:
-            self._apply_pending(block=True)
-            arrays = (
-                [(g / weight).numpy() for g in self._grads]
-                if self._grads is not None
-                else to_arrays(self.params)
-            )
-            key = f"grads.{epoch}" if self._grads is not None else f"params.{epoch}"
-            result = self._round(arrays, key, weight, group_size, False)
-            if result is None:
-                self._catch_up(progress)
-                return
-            if self._grads is not None:
-                self._apply_gradients(result.tensors)
-            else:
-                copy_into(self.params, result.tensors)
-            self._advance(epoch + 1, publish=True)
-            return
         if self._grads is not None:
+            key = f"grads.{epoch}"
             local = [(g / weight).numpy() for g in self._grads]
-            if self._executor is not None:
-                self._apply_pending(block=True)
-                future = self._executor.submit(
-                    self._background_round, local, f"grads.{epoch}", weight, group_size
-                )
-                self._pending = _PendingRound(epoch, local, future)
-                self._advance(epoch + 1, publish=False)
-                return
-            result = self._round(local, f"grads.{epoch}", weight, group_size, True)
-            self._apply_gradients(local if result is None else result.tensors)
         else:
-            result = self._round(
-                to_arrays(self.params), f"params.{epoch}", weight, group_size, True
-            )
-            if result is not None:
-                copy_into(self.params, result.tensors)
+            key = f"params.{epoch}"
+            local = to_arrays(self.params)
+        if self._executor is not None and not late:
+            self._apply_pending(block=True)
+            future = self._executor.submit(self._round, local, key, weight, group_size)
+            self._pending = _PendingRound(epoch, local, future)
+            self._advance(epoch + 1, publish=False)
+            return
+        self._apply_pending(block=True)
+        result, error = self._round(local, key, weight, group_size)
+        if result is None and (late or (error and self._others_moved_on())):
+            self._catch_up(progress if late else self.tracker.last)
+            return
+        if error:
+            _warn_local_step(key, error)
+        averaged = local if result is None else result.tensors
+        if self._grads is not None:
+            self._apply_gradients(averaged)
+        else:
+            copy_into(self.params, averaged)
         self._advance(epoch + 1, publish=True)
 
-    def _round(
-        self, arrays: list[np.ndarray], key: str, weight: float, group_size: int, warn: bool
-    ) -> RoundResultLike | None:
-        if group_size <= 1:
-            log.debug("alone in the swarm at %s: stepping locally", key)
-            return None
-        return self.link.average(arrays, key=key, weight=weight, group_size=group_size, warn=warn)
+    def _others_moved_on(self) -> bool:
+        """After a failed round: did the others step without us?
 
-    def _background_round(
+        Then this process takes their state (published right after their step) instead of
+        stepping alone, which would leave it off the others' parameters for good.
+        """
+        return self.tracker.refresh().epoch > self.epoch
+
+    def _round(
         self, arrays: list[np.ndarray], key: str, weight: float, group_size: int
     ) -> tuple[RoundResultLike | None, str]:
-        """The worker's round: the result, or None and why it failed ("" when alone)."""
+        """One round: the result, or None and why it failed ("" when alone in the swarm).
+
+        Runs in the background thread with ``delay_updates``: it only reads its arguments
+        and the link (whose counters no other thread writes meanwhile).
+        """
+        if group_size <= 1:
+            log.debug("alone in the swarm at %s: stepping locally", key)
+            return None, ""
         failed = self.link.stats.failed
-        result = self._round(arrays, key, weight, group_size, False)
+        result = self.link.average(
+            arrays, key=key, weight=weight, group_size=group_size, warn=False
+        )
         error = self.link.stats.last_error if self.link.stats.failed > failed else ""
         return result, error
 
@@ -410,12 +407,7 @@ class CollaborativeOptimizer:
         self._pending = None
         result, error = pending.future.result()
         if error:
-            warnings.warn(
-                f"averaging round of epoch {pending.epoch} failed ({error}); "
-                "stepping with local values",
-                SwarmRoundWarning,
-                stacklevel=3,
-            )
+            _warn_local_step(f"grads.{pending.epoch}", error)
         self._apply_gradients(pending.local if result is None else result.tensors)
         self._maybe_publish(pending.epoch + 1)
 
@@ -463,6 +455,14 @@ class CollaborativeOptimizer:
                 stacklevel=3,
             )
         self._advance(epoch, publish=False)
+
+
+def _warn_local_step(key: str, error: str) -> None:
+    warnings.warn(
+        f"averaging round {key!r} failed ({error}); stepping with local values",
+        SwarmRoundWarning,
+        stacklevel=4,
+    )
 
 
 __all__ = [

@@ -60,6 +60,17 @@ class SwarmClient(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
+LOAD_ATTEMPTS = 3
+
+
+def _is_no_state(exc: Exception) -> bool:
+    """Nobody has published state: retrying cannot help."""
+    from swarmavg.averaging.errors import StateNotFoundError
+    from swarmavg.peer.errors import NoStateError
+
+    return isinstance(exc, NoStateError | StateNotFoundError)
+
+
 class SwarmRoundWarning(UserWarning):
     """A round failed and the wrapper stepped with local values instead."""
 
@@ -206,12 +217,23 @@ class SwarmLink:
         return True
 
     def load(self, kind: str, like: Sequence[torch.Tensor]) -> TrainingState | None:
-        """The newest state in the run; None when nobody has one or it does not fit."""
-        try:
-            metadata, arrays = self.client.load_state(timeout=self.state_timeout)
-        except _swarm_errors() as exc:
-            log.warning("could not load state from the swarm: %s", exc)
-            return None
+        """The newest state in the run; None when nobody has one or it does not fit.
+
+        A download can fail because its donor published a newer version meanwhile (its
+        old chunks are gone); it is retried a few times, within ``state_timeout`` in all.
+        """
+        deadline = time.monotonic() + self.state_timeout
+        for attempt in range(1, LOAD_ATTEMPTS + 1):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                metadata, arrays = self.client.load_state(timeout=left)
+                break
+            except _swarm_errors() as exc:
+                log.warning("could not load state from the swarm (try %d): %s", attempt, exc)
+                if attempt == LOAD_ATTEMPTS or _is_no_state(exc):
+                    return None
         try:
             state = unpack_state(metadata, [np.asarray(a) for a in arrays], kind=kind, like=like)
         except StateFormatError as exc:

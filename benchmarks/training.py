@@ -1,0 +1,557 @@
+"""Collaborative training on real data: 4 peers, each behind its own daemon, vs one process.
+
+The data set is scikit-learn's handwritten digits (1797 8x8 images, shipped inside the
+package: nothing is downloaded). 70% train / 30% test, stratified. The train set is cut
+into 4 disjoint shards, one per peer. Every peer runs its own ``swarmavg peer`` process and
+its own training process (this script with ``--worker``). The model is a 64-32-10 MLP.
+
+Reference: one process trains on all the data with the same global batch (128) and the same
+number of samples (``--data-epochs`` passes, 9 steps each), SGD lr 0.1 momentum 0.9 with a
+cosine schedule; its accuracy is the median over 5 data orders. Scenarios:
+
+* ``grad-<codec>``: ``CollaborativeOptimizer``, 4 x 32 samples per global step, gradient
+  averaging every step with codec none, float16, uint8-blockwise;
+* ``diloco``: ``DiLoCo`` with H=20 inner SGD steps per peer, uint8-blockwise pseudo-gradients
+  (outer Nesterov SGD lr 0.7; momentum 0.5, and the paper's 0.9 as ``diloco-paper``);
+* ``churn``: gradient averaging (uint8-blockwise); at half of the run one peer's trainer and
+  daemon are killed (SIGKILL) and a new peer with a fresh daemon joins and takes its shard.
+
+Prints one JSON line: per scenario the final test accuracy (mean over the peers alive at
+the end), its distance to the reference, bytes sent per peer (from the daemons' status),
+rounds and failures, seconds. ``python benchmarks/training.py --help`` for options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+GLOBAL_BATCH = 128
+PEERS = 4
+LOCAL_BATCH = GLOBAL_BATCH // PEERS
+HIDDEN = 32
+LR = 0.1
+DILOCO_H = 20
+RUN_ID = "digits"
+
+
+# ---------------------------------------------------------------- data and model
+
+
+def load_data() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Standardised digits: (x_train, y_train, x_test, y_test)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    y = digits.target.astype(np.int64)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.3, random_state=0, stratify=y)
+    mean, std = x_tr.mean(0), x_tr.std(0) + 1e-6
+    return (x_tr - mean) / std, y_tr, (x_te - mean) / std, y_te
+
+
+def shard_indices(n_train: int, peers: int = PEERS) -> list[np.ndarray]:
+    """Disjoint shards of the train set (a fixed random split)."""
+    return np.array_split(np.random.default_rng(1).permutation(n_train), peers)
+
+
+def total_steps(n_train: int, data_epochs: int) -> int:
+    return data_epochs * (n_train // GLOBAL_BATCH)
+
+
+def make_model() -> Any:
+    import torch
+
+    torch.manual_seed(0)  # every peer starts from the same parameters
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, 10)
+    )
+
+
+def cosine_lr(step: int, total: int, base: float = LR) -> float:
+    return base * 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+
+
+def accuracy(model: Any, x: np.ndarray, y: np.ndarray) -> float:
+    import torch
+
+    with torch.no_grad():
+        predicted = model(torch.from_numpy(x)).argmax(1).numpy()
+    return float((predicted == y).mean() * 100)
+
+
+class BatchStream:
+    """Endless batches from a set of indices, reshuffled every pass."""
+
+    def __init__(self, indices: np.ndarray, batch: int, seed: int) -> None:
+        self.indices, self.batch = indices, batch
+        self.rng = np.random.default_rng(seed)
+        self.queue = np.empty(0, dtype=np.int64)
+
+    def next(self) -> np.ndarray:
+        while len(self.queue) < self.batch:
+            self.queue = np.concatenate([self.queue, self.rng.permutation(self.indices)])
+        out, self.queue = self.queue[: self.batch], self.queue[self.batch :]
+        return out
+
+
+def train_single(seed: int, data_epochs: int) -> float:
+    """The reference: one process, all the data, global batch 128."""
+    import torch
+
+    x_tr, y_tr, x_te, y_te = load_data()
+    xt, yt = torch.from_numpy(x_tr), torch.from_numpy(y_tr)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    steps = total_steps(len(x_tr), data_epochs)
+    stream = BatchStream(np.arange(len(x_tr)), GLOBAL_BATCH, seed)
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = cosine_lr(step, steps)
+        idx = stream.next()
+        loss = torch.nn.functional.cross_entropy(model(xt[idx]), yt[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return accuracy(model, x_te, y_te)
+
+
+# ---------------------------------------------------------------- one peer's trainer
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What one trainer runs; sent to it as one JSON line on stdin."""
+
+    name: str
+    control: str
+    shard: int
+    mode: str  # "grad" or "diloco"
+    codec: str
+    data_epochs: int
+    timeout: float
+    ttl: float
+    outer_momentum: float = 0.9
+    wait_for_go: bool = True
+
+
+def train_peer(scenario: Scenario) -> dict[str, Any]:
+    """Train one peer through its daemon until the run's last global step."""
+    import torch
+
+    from swarmavg.averaging.optim import CollaborativeOptimizer, DiLoCo
+    from swarmavg.peer import connect
+
+    x_tr, y_tr, x_te, y_te = load_data()
+    xt, yt = torch.from_numpy(x_tr), torch.from_numpy(y_tr)
+    steps = total_steps(len(x_tr), scenario.data_epochs)
+    shard = shard_indices(len(x_tr))[scenario.shard]
+    stream = BatchStream(shard, LOCAL_BATCH, 100 + scenario.shard)
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    started = time.monotonic()
+    with connect(scenario.control) as client:
+        sent_before = int(client.status()["bytes_sent"])
+        opt: Any
+        if scenario.mode == "diloco":
+            momentum = scenario.outer_momentum
+
+            def outer_factory(params: list[Any]) -> Any:
+                return torch.optim.SGD(params, lr=0.7, momentum=momentum, nesterov=True)
+
+            opt = DiLoCo(
+                model.parameters(),
+                inner,
+                client,
+                scenario.name,
+                local_steps=DILOCO_H,
+                batch_size_per_step=LOCAL_BATCH,
+                outer_optimizer=outer_factory,
+                codec=scenario.codec,
+                averaging_timeout=scenario.timeout,
+                progress_ttl=scenario.ttl,
+            )
+
+            def position() -> int:
+                return int(opt.epoch * DILOCO_H + opt.inner_steps)
+        else:
+            opt = CollaborativeOptimizer(
+                model.parameters(),
+                inner,
+                client,
+                scenario.name,
+                target_batch_size=GLOBAL_BATCH,
+                batch_size_per_step=LOCAL_BATCH,
+                codec=scenario.codec,
+                averaging_timeout=scenario.timeout,
+                progress_ttl=scenario.ttl,
+                max_wait=scenario.timeout,
+            )
+
+            def position() -> int:
+                return int(opt.epoch)
+
+        emit({"event": "started", "position": position()})
+        if scenario.wait_for_go:
+            sys.stdin.readline()  # every peer starts training at the same moment
+        train_started = time.monotonic()
+        last = -1
+        while position() < steps:
+            for group in inner.param_groups:
+                group["lr"] = cosine_lr(position(), steps)
+            idx = stream.next()
+            torch.nn.functional.cross_entropy(model(xt[idx]), yt[idx]).backward()
+            opt.step()
+            opt.zero_grad()
+            if position() != last:
+                last = position()
+                emit({"event": "progress", "position": last})
+        opt.close()
+        sent = int(client.status()["bytes_sent"]) - sent_before
+    stats = opt.stats
+    return {
+        "event": "done",
+        "shard": scenario.shard,
+        "accuracy": accuracy(model, x_te, y_te),
+        "bytes_sent": sent,
+        "rounds": stats.rounds,
+        "failed": stats.failed,
+        "partial": stats.partial,
+        "states_loaded": stats.states_loaded,
+        "group_sizes": stats.group_sizes,
+        "train_seconds": time.monotonic() - train_started,
+        "seconds": time.monotonic() - started,
+        "round_seconds": stats.seconds,
+        "checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
+    }
+
+
+def emit(record: dict[str, Any]) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def worker() -> None:
+    """A trainer process: runs the scenarios it reads from stdin, one JSON line each.
+
+    It lives across scenarios so torch is imported once (that import takes longer than
+    a whole scenario's training on a loaded machine).
+    """
+    import torch
+
+    for module in ("swarmavg.averaging.optim", "swarmavg.peer"):  # warm: no skew at the start
+        importlib.import_module(module)
+    torch.set_num_threads(1)
+    load_data()
+    emit({"event": "idle"})
+    for line in sys.stdin:
+        if line.strip():
+            emit(train_peer(Scenario(**json.loads(line))))
+
+
+# ---------------------------------------------------------------- the swarm
+
+
+class Proc:
+    """A child process whose JSON stdout lines are collected by a reader thread."""
+
+    def __init__(self, command: list[str], stderr: Any, stdin: bool = False) -> None:
+        self.popen = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+        )
+        self.lines: list[dict[str, Any]] = []
+        self.cond = threading.Condition()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for raw in self.popen.stdout:
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                with self.cond:
+                    self.lines.append(record)
+                    self.cond.notify_all()
+        with self.cond:
+            self.cond.notify_all()
+
+    def wait_for(self, predicate: Any, timeout: float, since: int = 0) -> dict[str, Any]:
+        """The first line (from index ``since``) that satisfies ``predicate``."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                for record in self.lines[since:]:
+                    if predicate(record):
+                        return record
+                if not self.reader.is_alive():
+                    raise RuntimeError(f"{self.popen.args[-3:]} exited ({self.popen.poll()})")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"no expected line from {self.popen.args[-3:]} in {timeout}s"
+                    )
+                self.cond.wait(left)
+
+    def send(self, record: dict[str, Any]) -> int:
+        """Write one JSON line to stdin; return the index of the next output line."""
+        assert self.popen.stdin is not None
+        with self.cond:
+            mark = len(self.lines)
+        self.popen.stdin.write((json.dumps(record) + "\n").encode())
+        self.popen.stdin.flush()
+        return mark
+
+    def position(self) -> int:
+        with self.cond:
+            return max((int(r["position"]) for r in self.lines if "position" in r), default=-1)
+
+    def signal(self, sig: int) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+
+    def close(self, timeout: float = 15.0, *, terminate: bool = True) -> None:
+        """Stop the process (SIGTERM unless ``terminate`` is False: already signalled)."""
+        if self.popen.stdin is not None:
+            self.popen.stdin.close()
+        if terminate:
+            self.signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(timeout)
+        self.reader.join(timeout)
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+
+
+def start_daemons(workdir: Path, count: int, log: Any, join: str = "") -> list[tuple[Proc, str]]:
+    """Start ``count`` daemons (the first founds the swarm unless ``join``); (proc, control)."""
+    started: list[tuple[Proc, str]] = []
+
+    def start(index: int, join_address: str) -> tuple[Proc, str]:
+        control = str(workdir / f"peer-{time.monotonic_ns()}-{index}.sock")
+        command = [sys.executable, "-m", "swarmavg.peer.cli", "peer", "--listen", "127.0.0.1:0"]
+        command += ["--control", control, "--run-id", RUN_ID, "--log-level", "WARNING"]
+        if join_address:
+            command += ["--join", join_address]
+        return Proc(command, log), control
+
+    if not join:
+        first = start(0, "")
+        join = str(first[0].wait_for(lambda r: r.get("event") == "ready", 60)["address"])
+        started.append(first)
+    rest = [start(i, join) for i in range(len(started), count)]
+    for proc, _ in rest:
+        proc.wait_for(lambda r: r.get("event") == "ready", 60)
+    return started + rest
+
+
+def daemon_address(proc: Proc) -> str:
+    return str(proc.wait_for(lambda r: r.get("event") == "ready", 1)["address"])
+
+
+def start_worker(log: Any) -> Proc:
+    proc = Proc([sys.executable, __file__, "--worker"], log, stdin=True)
+    return proc
+
+
+def run_scenario(
+    name: str,
+    opts: argparse.Namespace,
+    workers: list[Proc],
+    log: Any,
+    workdir: Path,
+    mode: str,
+    codec: str,
+    churn: bool = False,
+    outer_momentum: float = 0.9,
+) -> dict[str, Any]:
+    """Run one scenario on fresh daemons with the (long-lived) trainers ``workers``.
+
+    With ``churn``, ``workers`` holds one spare trainer that replaces the victim.
+    """
+    started = time.monotonic()
+    daemons = start_daemons(workdir, PEERS, log)
+    steps = total_steps(len(load_data()[0]), opts.data_epochs)
+
+    def scenario(shard: int, control: str, wait_for_go: bool = True) -> dict[str, Any]:
+        return asdict(
+            Scenario(
+                f"{name}-{os.getpid()}",
+                control,
+                shard,
+                mode,
+                codec,
+                opts.data_epochs,
+                opts.timeout,
+                opts.ttl,
+                outer_momentum,
+                wait_for_go,
+            )
+        )
+
+    try:
+        active = workers[:PEERS]
+        marks = [
+            w.send(scenario(i, control))
+            for i, (w, (_, control)) in enumerate(zip(active, daemons, strict=True))
+        ]
+        for w, m in zip(active, marks, strict=True):
+            w.wait_for(lambda r: r.get("event") == "started", 120, m)
+        for w in active:
+            w.send({"go": True})
+        extra: dict[str, Any] = {}
+        if churn:
+            victim = active[-1]
+            victim.wait_for(lambda r: r.get("position", -1) >= steps // 2, opts.budget, marks[-1])
+            victim.signal(signal.SIGKILL)
+            daemons[-1][0].signal(signal.SIGKILL)
+            extra["killed_at"] = victim.position()
+            (new_daemon,) = start_daemons(workdir, 1, log, join=daemon_address(daemons[0][0]))
+            daemons.append(new_daemon)
+            spare = workers[PEERS]
+            mark = spare.send(scenario(PEERS - 1, new_daemon[1], wait_for_go=False))
+            joined = spare.wait_for(lambda r: r.get("event") == "started", 120, mark)
+            extra["joined_at"] = joined["position"]
+            active = [*active[:-1], spare]
+            marks = [*marks[:-1], mark]
+        results = [
+            w.wait_for(lambda r: r.get("event") == "done", opts.budget, m)
+            for w, m in zip(active, marks, strict=True)
+        ]
+    finally:
+        for proc, _ in daemons:
+            proc.signal(signal.SIGTERM)
+        for proc, _ in daemons:
+            proc.close(terminate=False)
+    sizes = [size for r in results for size in r["group_sizes"]]
+    out: dict[str, Any] = {
+        "accuracy": round(float(np.mean([r["accuracy"] for r in results])), 3),
+        "peer_accuracies": [round(r["accuracy"], 3) for r in results],
+        "bytes_sent_per_peer": int(np.mean([r["bytes_sent"] for r in results])),
+        "rounds_per_peer": float(np.mean([r["rounds"] for r in results])),
+        "failed_rounds": sum(r["failed"] for r in results),
+        "partial_rounds": sum(r["partial"] for r in results),
+        "mean_group_size": round(float(np.mean(sizes)), 2) if sizes else 0.0,
+        "parameters_identical": len({r["checksum"] for r in results}) == 1,
+        "train_seconds": round(max(r["train_seconds"] for r in results), 1),
+        "round_seconds_per_peer": round(float(np.mean([r["round_seconds"] for r in results])), 1),
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    if churn:
+        extra["joiner_states_loaded"] = results[-1]["states_loaded"]
+        out.update(extra)
+    return out
+
+
+SCENARIOS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "grad-none": ("grad", "none", {}),
+    "grad-float16": ("grad", "float16", {}),
+    "grad-uint8-blockwise": ("grad", "uint8-blockwise", {}),
+    "diloco": ("diloco", "uint8-blockwise", {"outer_momentum": 0.5}),
+    "diloco-paper": ("diloco", "uint8-blockwise", {"outer_momentum": 0.9}),
+    "churn": ("grad", "uint8-blockwise", {"churn": True}),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--data-epochs", type=int, default=20, help="passes over the train set")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated")
+    parser.add_argument("--timeout", type=float, default=15.0, help="seconds per averaging round")
+    parser.add_argument("--ttl", type=float, default=20.0, help="seconds a progress record lives")
+    parser.add_argument("--budget", type=float, default=900.0, help="seconds per scenario")
+    parser.add_argument("--seeds", type=int, default=5, help="data orders of the reference")
+    parser.add_argument("--log", help="append the daemons' and trainers' stderr to this file")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts.worker:
+        worker()
+        return
+    names = opts.scenarios.split(",")
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        parser.error(f"unknown scenarios {unknown}; known: {', '.join(SCENARIOS)}")
+    if "churn" in names and names[-1] != "churn":
+        parser.error("churn kills a trainer: list it last")
+
+    import torch
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="swarmavg-train-") as tmp:
+        log_path = Path(opts.log) if opts.log else Path(tmp) / "stderr.log"
+        with open(log_path, "ab") as log:
+            workers = [start_worker(log) for _ in range(PEERS + ("churn" in names))]
+            try:
+                single = [train_single(seed, opts.data_epochs) for seed in range(opts.seeds)]
+                for w in workers:
+                    w.wait_for(lambda r: r.get("event") == "idle", 300)
+                figures = run_all(opts, names, workers, log, Path(tmp), single)
+            except (RuntimeError, TimeoutError) as exc:
+                raise SystemExit(f"{exc}\n{log_path.read_text(errors='replace')[-4000:]}") from exc
+            finally:
+                for w in workers:
+                    w.close()
+    print(json.dumps(figures))
+
+
+def run_all(
+    opts: argparse.Namespace,
+    names: list[str],
+    workers: list[Proc],
+    log: Any,
+    workdir: Path,
+    single: list[float],
+) -> dict[str, Any]:
+    reference = float(np.median(single))
+    n_train = len(load_data()[0])
+    figures: dict[str, Any] = {
+        "benchmark": "training",
+        "dataset": f"sklearn digits ({n_train} train / {1797 - n_train} test)",
+        "peers": PEERS,
+        "global_batch": GLOBAL_BATCH,
+        "global_steps": total_steps(n_train, opts.data_epochs),
+        "diloco_local_steps": DILOCO_H,
+        "parameters": sum(p.numel() for p in make_model().parameters()),
+        "single_process_accuracy": round(reference, 3),
+        "single_process_runs": [round(a, 3) for a in single],
+    }
+    for name in names:
+        mode, codec, extra = SCENARIOS[name]
+        result = run_scenario(name, opts, workers, log, workdir, mode, codec, **extra)
+        result["gap_points"] = round(result["accuracy"] - reference, 3)
+        figures[name] = result
+        print(f"{name}: {json.dumps(result)}", file=sys.stderr, flush=True)
+    diloco = figures.get("diloco")
+    for base in ("grad-uint8-blockwise", "grad-none"):
+        if base in figures and diloco and diloco["bytes_sent_per_peer"]:
+            ratio = figures[base]["bytes_sent_per_peer"] / diloco["bytes_sent_per_peer"]
+            figures[f"diloco_bytes_reduction_vs_{base}"] = round(ratio, 1)
+    return figures
+
+
+if __name__ == "__main__":
+    main()
