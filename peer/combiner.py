@@ -5,12 +5,12 @@ the same time join one *local batch*. The batch contributes ``sum(w_i * x_i) / W
 weight ``W = sum(w_i)`` to the swarm's round, so the swarm sees one peer and the weighted
 mean over everyone stays exact. Every local caller receives the round's result.
 
-How long a batch waits: every client sends a random ``client_id``; the combiner remembers
-the ids it has seen in the last ``memory`` seconds and closes a batch as soon as that many
-callers joined it, or after ``window`` seconds at the latest. A batch that holds a client's
-first call always waits the whole window (the daemon cannot know yet how many processes
-there are). After that, a single training process never waits, and N processes on N GPUs
-wait only for each other.
+How long a batch waits: a batch closes as soon as it holds as many callers as the largest
+of the last few batches did, or after ``window`` seconds at the latest. Every client sends
+a random ``client_id``; a batch that holds a client's first call always waits the whole
+window (the daemon cannot know yet how many processes there are). So a single training
+process waits once, on its first call, and N processes on N GPUs wait only for each other;
+when one of them stops, batches wait the window until the history forgets it.
 
 A caller that goes away (its client was killed) simply stops waiting: a batch whose
 window is still open drops it; a round already under way continues for the others.
@@ -19,6 +19,7 @@ window is still open drops it; a round already under way continues for the other
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
@@ -97,21 +98,22 @@ class LocalCombiner:
     Owns one task per open batch; :meth:`close` cancels them and fails their callers.
     """
 
-    def __init__(self, average: AverageFn, window: float, memory: float = 300.0) -> None:
+    HISTORY = 3
+    """How many recent batch sizes decide how many callers a batch waits for."""
+    MAX_KNOWN_CLIENTS = 4096
+
+    def __init__(self, average: AverageFn, window: float) -> None:
         self._average = average
         self._window = window
-        self._memory = memory
-        self._seen: dict[str, float] = {}
+        self._known: dict[str, None] = {}  # client ids seen, oldest first
+        self._recent_sizes: collections.deque[int] = collections.deque(maxlen=self.HISTORY)
         self._open: dict[str, _Batch] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
     def expected_callers(self) -> int:
-        """How many local training processes were active in the last ``memory`` seconds."""
-        horizon = time.monotonic() - self._memory
-        for client_id in [c for c, t in self._seen.items() if t < horizon]:
-            del self._seen[client_id]
-        return max(len(self._seen), 1)
+        """How many local callers a batch waits for: the most of the recent batches."""
+        return max(self._recent_sizes, default=1)
 
     async def submit(
         self, arrays: list[np.ndarray], params: RoundParams, client_id: str = ""
@@ -131,8 +133,11 @@ class LocalCombiner:
         if self._closed:
             raise DaemonUnavailableError("the daemon is shutting down")
         loop = asyncio.get_running_loop()
-        newcomer = client_id not in self._seen
-        self._seen[client_id] = time.monotonic()
+        newcomer = client_id not in self._known
+        if newcomer:
+            self._known[client_id] = None
+            if len(self._known) > self.MAX_KNOWN_CLIENTS:
+                del self._known[next(iter(self._known))]
         batch = self._open.get(params.key)
         if batch is None:
             batch = _Batch(params.key, asyncio.Event())
@@ -167,6 +172,7 @@ class LocalCombiner:
             members = [m for m in batch.members if not m.future.done()]
             if not members:
                 return
+            self._recent_sizes.append(len(members))
             outcome = await self._round(members)
         except asyncio.CancelledError:
             _fail(batch.members, DaemonUnavailableError("the daemon is shutting down"))

@@ -118,8 +118,8 @@ async def test_round_errors_reach_every_caller_and_close_fails_waiters() -> None
 async def test_known_callers_close_the_batch_without_waiting_the_window() -> None:
     rec = Recorder()
     combiner = LocalCombiner(rec, window=30.0)  # a test timeout if anything waited for it
-    combiner._seen = {"gpu0": 0.0, "gpu1": 0.0}  # seen recently, relative to memory
-    combiner._memory = float("inf")
+    combiner._known = {"gpu0": None, "gpu1": None}  # both have called before
+    combiner._recent_sizes.append(2)  # and the last batch held both
     x = [np.ones(2, np.float32)]
     first = asyncio.ensure_future(combiner.submit(x, params(), "gpu0"))
     await asyncio.sleep(0)
@@ -127,10 +127,15 @@ async def test_known_callers_close_the_batch_without_waiting_the_window() -> Non
     second = await combiner.submit(x, params(), "gpu1")
     assert second.local_callers == 2
     assert (await first) is second
-    combiner._seen = {"gpu0": 0.0}
-    alone = await combiner.submit(x, params(key="solo"), "gpu0")
-    assert alone.local_callers == 1
+    # gpu1 stops: the next batches wait the window until the history forgets it
+    combiner._window = 0.05
+    for step in range(LocalCombiner.HISTORY):
+        assert combiner.expected_callers() == 2
+        alone = await combiner.submit(x, params(key=f"solo{step}"), "gpu0")
+        assert alone.local_callers == 1
     assert combiner.expected_callers() == 1
+    combiner._window = 30.0
+    assert (await combiner.submit(x, params(key="fast"), "gpu0")).local_callers == 1
     await combiner.close()
 
 
