@@ -377,19 +377,25 @@ class Peer:
         """Stop: refuse new calls, give rounds in flight ``grace`` seconds (default: the
         config's ``shutdown_grace``), cancel the rest, leave the DHT, close everything.
 
-        Idempotent; every step is bounded, so it returns within about ``grace + 3`` s.
+        Idempotent. The whole sequence shares one deadline, ``grace + 2`` seconds away, so
+        a Ctrl+C always ends the daemon within a few seconds however slow a step is.
         """
         if self._stopped:
             return
         self._stopped = True
         grace = self.config.shutdown_grace if grace is None else grace
+        deadline = time.monotonic() + grace + 2.0
+
+        def left(cap: float) -> float:
+            return min(cap, max(deadline - time.monotonic(), 0.1))
+
         if self._control_service is not None:
             self._control_service.stop_accepting()
         if self.averager is not None:
-            await _bounded(self.averager.shutdown(grace), grace + 1.0, "averager shutdown")
-        await _bounded(self.combiner.close(), 1.0, "local rounds")
+            await _bounded(self.averager.shutdown(grace), left(grace + 0.5), "averager shutdown")
+        await _bounded(self.combiner.close(), left(1.0), "local rounds")
         if self._control_server is not None:
-            await _bounded(self._control_server.stop(0.2), 1.0, "control server")
+            await _bounded(self._control_server.stop(0.2), left(1.0), "control server")
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):
@@ -397,11 +403,12 @@ class Peer:
                 await task
         self.segments.close()
         if self.dht is not None:
-            await _bounded(self.dht.shutdown(), 1.0, "DHT shutdown")
+            await _bounded(self.dht.shutdown(), left(1.0), "DHT shutdown")
         if self._public_server is not None:
-            await _bounded(self._public_server.stop(0.2), 1.0, "public server")
+            await _bounded(self._public_server.stop(0.2), left(1.0), "public server")
         if self._channels is not None:
-            await _bounded(self._channels.close(), 1.0, "channels")
+            # Closing the pool also cancels its sweeper task: give it a real chance.
+            await _bounded(self._channels.close(), max(left(2.0), 0.5), "channels")
         if self._metrics is not None:
             await asyncio.to_thread(self._metrics.stop)
         if self.control is not None and self.control.path is not None and self._control_server:
