@@ -49,6 +49,7 @@ from swarmavg.averaging.optim_swarm import (
     SwarmClient,
     SwarmLink,
     SwarmRoundWarning,
+    swarm_errors,
 )
 from swarmavg.averaging.optim_tensors import collect_params, copy_into, to_arrays
 from swarmavg.averaging.progress import GlobalProgress, ProgressTracker
@@ -279,7 +280,8 @@ class CollaborativeOptimizer:
         self.tracker.report()
 
     def close(self) -> None:
-        """Finish and apply a round still running in the background; idempotent."""
+        """Finish and apply a round still running in the background, and tell the swarm this
+        process stopped (its progress record no longer counts); idempotent."""
         if self._closed:
             return
         try:
@@ -288,6 +290,14 @@ class CollaborativeOptimizer:
             self._closed = True
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
+        self._leave()
+
+    def _leave(self) -> None:
+        """Withdraw from the swarm's progress so that nobody waits for this process."""
+        try:
+            self.tracker.leave()
+        except swarm_errors() as exc:
+            log.warning("could not withdraw the progress record: %s", exc)
 
     def __enter__(self) -> CollaborativeOptimizer:
         return self

@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from swarmavg.averaging.optim_state import TrainingState
-from swarmavg.averaging.optim_swarm import RoundStats, SwarmClient, SwarmLink, SwarmRoundWarning
+from swarmavg.averaging.optim_swarm import (
+    RoundStats,
+    SwarmClient,
+    SwarmLink,
+    SwarmRoundWarning,
+    swarm_errors,
+)
 from swarmavg.averaging.optim_tensors import collect_params, copy_into, to_arrays
 from swarmavg.averaging.progress import GlobalProgress, ProgressTracker
 
@@ -160,6 +166,7 @@ class DiLoCo:
         )
         self.inner_steps = 0
         self.steps_this_round = local_steps
+        self._closed = False
         if load_state_on_start:
             progress = self.tracker.refresh()
             if progress.epoch > self.epoch:
@@ -232,7 +239,14 @@ class DiLoCo:
         self.tracker.report()
 
     def close(self) -> None:
-        """Nothing runs in the background; present for symmetry with the other wrapper."""
+        """Tell the swarm this process stopped, so no round waits for it; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.tracker.leave()
+        except swarm_errors() as exc:
+            log.warning("could not withdraw the progress record: %s", exc)
 
     def __enter__(self) -> DiLoCo:
         return self

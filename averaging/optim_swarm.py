@@ -99,7 +99,7 @@ class RoundStats:
     last_error: str = ""
 
 
-def _swarm_errors() -> tuple[type[Exception], ...]:
+def swarm_errors() -> tuple[type[Exception], ...]:
     """Errors that mean "this round failed", not "the caller has a bug".
 
     Imported here, not at module level: ``swarmavg.peer`` sits above ``swarmavg.averaging``
@@ -183,7 +183,7 @@ class SwarmLink:
             )
         except _validation_errors():
             raise
-        except _swarm_errors() as exc:
+        except swarm_errors() as exc:
             self.stats.failed += 1
             self.stats.last_error = f"{type(exc).__name__}: {exc}"
             if not warn:
@@ -210,7 +210,7 @@ class SwarmLink:
             self.client.publish_state(arrays, metadata)
         except _validation_errors():
             raise
-        except _swarm_errors() as exc:
+        except swarm_errors() as exc:
             log.warning("could not publish state: %s", exc)
             return False
         self.stats.states_published += 1
@@ -230,7 +230,7 @@ class SwarmLink:
             try:
                 metadata, arrays = self.client.load_state(timeout=left)
                 break
-            except _swarm_errors() as exc:
+            except swarm_errors() as exc:
                 log.warning("could not load state from the swarm (try %d): %s", attempt, exc)
                 if attempt == LOAD_ATTEMPTS or _is_no_state(exc):
                     return None
@@ -246,10 +246,10 @@ class SwarmLink:
         """Bytes the local daemon has sent to other peers (all rounds), when it reports it."""
         try:
             status = self.client.status()
-        except _swarm_errors():
+        except swarm_errors():
             return None
         value = status.get("bytes_sent") if isinstance(status, dict) else None
         return int(value) if isinstance(value, int) else None
 
 
-__all__ = ["RoundStats", "SwarmClient", "SwarmLink", "SwarmRoundWarning"]
+__all__ = ["RoundStats", "SwarmClient", "SwarmLink", "SwarmRoundWarning", "swarm_errors"]

@@ -63,6 +63,7 @@ class PeerProgress:
         samples: samples accumulated in ``epoch`` so far.
         samples_per_second: this process's recent throughput.
         time: the reporter's wall clock (``time.time()``) when it reported.
+        left: the process has stopped training (its last record; it no longer counts).
     """
 
     peer_id: str
@@ -70,16 +71,20 @@ class PeerProgress:
     samples: int
     samples_per_second: float
     time: float
+    left: bool = False
 
     def to_record(self) -> dict[str, Any]:
         """The msgpack-able DHT value."""
-        return {
+        record: dict[str, Any] = {
             "peer": self.peer_id,
             "epoch": self.epoch,
             "samples": self.samples,
             "sps": self.samples_per_second,
             "time": self.time,
         }
+        if self.left:
+            record["left"] = True
+        return record
 
     @classmethod
     def from_record(cls, record: object) -> PeerProgress | None:
@@ -94,7 +99,10 @@ class PeerProgress:
             return None
         if not (0 <= epoch <= MAX_EPOCH and 0 <= samples <= MAX_EPOCH and sps >= 0):
             return None
-        return cls(peer, int(epoch), int(samples), float(sps), float(when))
+        left = record.get("left", False)
+        if not isinstance(left, bool):
+            return None
+        return cls(peer, int(epoch), int(samples), float(sps), float(when), left)
 
 
 def _is_int(value: object) -> TypeGuard[int]:
@@ -149,11 +157,12 @@ def aggregate(records: Iterable[PeerProgress], target: int) -> GlobalProgress:
     """Combine the processes' records into the swarm's progress.
 
     Only processes at the newest epoch count towards it: a process still at an older epoch
-    is behind and will catch up (load state) rather than contribute.
+    is behind and will catch up (load state) rather than contribute. Processes that left
+    are ignored.
     """
     if target <= 0:
         raise ValueError(f"target must be positive, got {target}")
-    peers = tuple(records)
+    peers = tuple(p for p in records if not p.left)
     epoch = max((p.epoch for p in peers), default=0)
     current = [p for p in peers if p.epoch == epoch]
     active = [p for p in peers if p.epoch >= epoch - 1]
@@ -281,6 +290,18 @@ class ProgressTracker:
             self.client.dht.store(
                 self.key, self.local.to_record(), ttl=self.ttl, subkey=self.subkey
             )
+        )
+
+    def leave(self) -> bool:
+        """Tell the swarm this process stopped training (idempotent).
+
+        Without it, its last record would count as a group member until ``ttl`` runs out,
+        and the others' rounds would wait for it. The goodbye record replaces the last one
+        (it expires later) and is ignored by :func:`aggregate`.
+        """
+        record = PeerProgress(self.peer_id, self.epoch, 0, 0.0, time.time(), left=True)
+        return bool(
+            self.client.dht.store(self.key, record.to_record(), ttl=self.ttl, subkey=self.subkey)
         )
 
     def refresh(self) -> GlobalProgress:

@@ -76,6 +76,7 @@ def test_two_peers_step_with_the_mean_gradient() -> None:
         assert torch.equal(pa.detach(), pb.detach())
     assert a.epoch == b.epoch == 1
     a.close()
+    assert b.tracker.refresh().num_peers == 1  # a left: nobody waits for it
     b.close()
 
 

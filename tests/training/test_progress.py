@@ -131,6 +131,19 @@ def test_trackers_see_each_other_and_ignore_garbage() -> None:
     assert a.epoch == 0  # the tracker reports; catching up is the wrapper's decision
 
 
+def test_a_process_that_left_no_longer_counts() -> None:
+    dht = DictDHT()
+    a = ProgressTracker(DictClient(dht, "aa"), "run", target_batch_size=64)
+    b = ProgressTracker(DictClient(dht, "bb"), "run", target_batch_size=64)
+    b.add_samples(32)
+    b.report()
+    assert a.refresh().num_peers == 2
+    b.leave()
+    progress = a.refresh()
+    assert (progress.num_peers, progress.samples) == (1, 0)
+    assert PeerProgress.from_record({**b.local.to_record(), "left": "yes"}) is None
+
+
 def test_tracker_validates_arguments() -> None:
     client = DictClient(DictDHT(), "aa")
     with pytest.raises(ValueError, match="target_batch_size"):
