@@ -24,6 +24,10 @@ benchmarks/serialization.py).
 
     python benchmarks/compression.py                    # everything (~2-4 min)
     python benchmarks/compression.py --codecs float16,uint8-blockwise --repeats 3
+    python benchmarks/compression.py --codecs none --reference    # hivemind's accuracy
+
+``--reference`` adds the relative MSE of hivemind 1.1.12's three 8-bit algorithms,
+re-implemented in numpy from its source (for accuracy only, no timing).
 
 Prints ONE JSON line.
 """
@@ -103,6 +107,80 @@ def tensors(n: int) -> dict[str, np.ndarray]:
     }
 
 
+# --- hivemind 1.1.12's 8-bit algorithms, re-implemented in numpy for accuracy only ---
+# (hivemind/compression/quantization.py; installing hivemind here is optional and its
+# 8-bit decoders fail under numpy 2, see the issue.) Used for relative MSE, not speed.
+
+
+def _average_buckets(x: np.ndarray, codes: np.ndarray, n_bins: int = 256) -> np.ndarray:
+    sums = np.bincount(codes, weights=x, minlength=n_bins)
+    counts = np.maximum(np.bincount(codes, minlength=n_bins), 1)
+    return (sums / counts).astype(np.float32)
+
+
+def hivemind_uniform(x: np.ndarray) -> np.ndarray:
+    # Uniform8BitQuantization: scale = 6 * std / 256 around the mean, offset 128.
+    shift = x.mean(dtype=np.float64)
+    centred = x - shift
+    std = np.linalg.norm(centred.astype(np.float64)) / np.sqrt(x.size - 1)
+    scale = 6 * std / 256
+    codes = np.clip(np.round(centred / scale) + 128, 0, 255).astype(np.int64)
+    return _average_buckets(x, codes)[codes]
+
+
+def hivemind_quantile(x: np.ndarray) -> np.ndarray:
+    # Quantile8BitQuantization: quantile-of-quantiles over chunks of 1e5, torch.bucketize.
+    levels = np.linspace(0.0, 1.0, num=257, dtype=x.dtype)
+    chunk = 10**5
+    per_chunk = np.stack([np.quantile(x[i : i + chunk], levels) for i in range(0, x.size, chunk)])
+    borders = np.quantile(per_chunk, levels)[1:-1]
+    codes = np.clip(np.searchsorted(borders, x, side="left"), 0, 255)
+    return _average_buckets(x, codes)[codes]
+
+
+def _bnb_dynamic_map() -> np.ndarray:
+    # bitsandbytes.functional.create_dynamic_map(signed=True, max_exponent_bits=7, total_bits=8)
+    data: list[float] = []
+    for i in range(7):
+        items = 2**i + 1
+        bounds = np.linspace(0.1, 1, items)
+        means = (bounds[:-1] + bounds[1:]) / 2.0
+        data += (10 ** (-6 + i) * means).tolist()
+        data += (-(10 ** (-6 + i)) * means).tolist()
+    data += [0.0, 1.0]
+    return np.array(sorted(data))
+
+
+def hivemind_blockwise(x: np.ndarray, block: int = 4096) -> np.ndarray:
+    # BlockwiseQuantization = bitsandbytes quantize_blockwise (nearest code of the
+    # dynamic map after absmax scaling per block of 4096).
+    code = _bnb_dynamic_map()
+    pad = (-x.size) % block
+    blocks = np.concatenate([x, np.zeros(pad, x.dtype)]).reshape(-1, block).astype(np.float64)
+    absmax = np.maximum(np.abs(blocks).max(axis=1, keepdims=True), 1e-30)
+    v = blocks / absmax
+    mid = (code[1:] + code[:-1]) / 2
+    out = code[np.searchsorted(mid, v)] * absmax
+    return out.reshape(-1)[: x.size].astype(np.float32)
+
+
+def reference_accuracy(data: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for label, x in data.items():
+        x64 = x.astype(np.float64)
+        norm = float((x64**2).sum())
+        out[label] = {
+            name: float(((fn(x).astype(np.float64) - x64) ** 2).sum() / norm)
+            for name, fn in [
+                ("uint8-uniform", hivemind_uniform),
+                ("uint8-quantile", hivemind_quantile),
+                ("uint8-blockwise", hivemind_blockwise),
+            ]
+        }
+        print(f"hivemind reference {label:11s} {out[label]}", file=sys.stderr)
+    return out
+
+
 def ratio_to_copy(
     fn: Callable[[], object], x: np.ndarray, repeats: int, clock: Callable[[], float]
 ) -> tuple[float, float]:
@@ -177,6 +255,11 @@ def main() -> None:
     parser.add_argument("--tensors", default="normal,student_t3,gradients")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--elements", type=int, default=N)
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="also compute the relative MSE of hivemind's 8-bit algorithms (numpy port)",
+    )
     args = parser.parse_args()
     names = [c for c in args.codecs.split(",") if c]
     data = {k: v for k, v in tensors(args.elements).items() if k in args.tensors.split(",")}
@@ -188,6 +271,7 @@ def main() -> None:
             for label, x in data.items():
                 results[name][label] = measure(name, x, args.repeats, pool)
                 print(f"{name:22s} {label:11s} {results[name][label]}", file=sys.stderr)
+    reference = reference_accuracy(data) if args.reference else None
     x = next(iter(data.values()))
     copies = []
     for _ in range(args.repeats):
@@ -203,6 +287,7 @@ def main() -> None:
                 "threads": threads,
                 "memcpy_MBps_1t": x.nbytes / 1e6 / max(copy_s, 1e-9),
                 "results": results,
+                "hivemind_reference_rel_mse": reference,
             }
         )
     )

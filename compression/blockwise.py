@@ -1,22 +1,24 @@
 """Blockwise absmax quantisation: ``uint8-blockwise`` and ``uint4-blockwise``.
 
 The flattened tensor is cut into blocks (4096 elements for 8-bit, 64 for 4-bit); each
-block is divided by its largest magnitude and every value is replaced by the index of
-the nearest level of a fixed non-linear code. An outlier therefore only costs precision
+block is divided by its scale, the element of largest magnitude *with its sign* (so that
+this element lands exactly on level +1.0 whatever its sign: both codes have more
+resolution on the positive side), and every value is replaced by the index of the
+nearest level of a fixed non-linear code. An outlier therefore only costs precision
 inside its own block, which is why blockwise codes beat per-tensor ones on heavy tails
 (Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization").
 
 Codes (named in ``meta["map"]``, so a decoder never guesses):
 
-- ``dynamic8``: the dynamic tree code of Dettmers (2016), re-derived: a sign and, per
-  decade ``10**(i-6) .. 10**(i-5)`` for i = 0..6, ``2**i`` linearly spaced magnitudes
-  (the upper ends of equal sub-intervals, so that 1.0 itself is exact), plus zero: 255
-  levels, symmetric. Code 255 is unused by encoders and decodes as 1.0.
+- ``dynamic8``: the dynamic tree code of Dettmers (2016) as bitsandbytes builds it
+  (``create_dynamic_map``), re-derived: per decade ``10**(i-6) .. 10**(i-5)`` for
+  i = 0..6, the centres of ``2**i`` equal sub-intervals, with both signs, plus 0 and
+  1.0: 256 levels.
 - ``nf4``: the 4-bit NormalFloat code of QLoRA (Dettmers et al. 2023): levels at
   quantiles of N(0, 1) so that each is equally likely for normal data, with an exact 0,
   normalised to [-1, 1]. Two codes per byte, first element in the high nibble.
 
-Payload: the codes, then one float32 absmax per block (little-endian).
+Payload: the codes, then one float32 scale per block (little-endian).
 """
 
 from __future__ import annotations
@@ -44,13 +46,13 @@ __all__ = ["Blockwise4BitCodec", "Blockwise8BitCodec", "dynamic8_levels", "nf4_l
 
 
 def dynamic8_levels() -> np.ndarray:
-    """The 255 sorted levels of the ``dynamic8`` code (float64, in [-1, 1])."""
-    magnitudes = [0.0]
+    """The 256 sorted levels of the ``dynamic8`` code (float64, in [-1, 1])."""
+    levels = [0.0, 1.0]
     for i in range(7):
-        k = 2**i
-        magnitudes += [10.0 ** (i - 6) * (0.1 + 0.9 * j / k) for j in range(1, k + 1)]
-    m = np.array(sorted(magnitudes))
-    return np.concatenate([-m[:0:-1], m])
+        edges = np.linspace(0.1, 1.0, 2**i + 1)
+        centres = 10.0 ** (i - 6) * (edges[:-1] + edges[1:]) / 2
+        levels += [*centres, *(-centres)]
+    return np.array(sorted(levels))
 
 
 def nf4_levels() -> np.ndarray:
@@ -67,7 +69,7 @@ def nf4_levels() -> np.ndarray:
 
 
 _DYNAMIC8 = NearestLevel(dynamic8_levels())
-_DYNAMIC8_TABLE = np.concatenate([_DYNAMIC8.levels, _DYNAMIC8.levels[-1:]]).astype(np.float32)
+_DYNAMIC8_TABLE = _DYNAMIC8.levels.astype(np.float32)
 _NF4 = NearestLevel(nf4_levels())
 _NF4_TABLE = _NF4.levels.astype(np.float32)
 # Decoding table for packed bytes: byte -> (value of high nibble, value of low nibble).
@@ -78,8 +80,8 @@ _NF4_PAIRS = np.stack([np.repeat(_NF4_TABLE, 16), np.tile(_NF4_TABLE, 16)], axis
 _F32_TINY = float(np.finfo(np.float32).tiny)
 
 
-def _row_absmax(rows: np.ndarray) -> np.ndarray:
-    """Largest magnitude of each row of a 2-D float32 array."""
+def _row_scale(rows: np.ndarray) -> np.ndarray:
+    """The signed element of largest magnitude of each row of a 2-D float32 array."""
     width = rows.shape[1]
     if width <= 256 and width & (width - 1) == 0:
         # Short rows: numpy's per-row reductions are slow (fixed cost per row), so fold
@@ -89,36 +91,36 @@ def _row_absmax(rows: np.ndarray) -> np.ndarray:
             width //= 2
             hi = np.maximum(hi[:, :width], hi[:, width:])
             lo = np.minimum(lo[:, :width], lo[:, width:])
-        folded: np.ndarray = np.maximum(hi[:, 0], -lo[:, 0])
-        return folded
-    reduced: np.ndarray = np.maximum(rows.max(axis=1), -rows.min(axis=1))
-    return reduced
+        hi, lo = hi[:, 0], lo[:, 0]
+    else:
+        hi, lo = rows.max(axis=1), rows.min(axis=1)
+    scale: np.ndarray = np.where(hi >= -lo, hi, lo)
+    return scale
 
 
-def _block_absmax(x: np.ndarray, block: int) -> np.ndarray:
-    """Largest magnitude of each block (the last block may be short)."""
+def _block_scales(x: np.ndarray, block: int) -> np.ndarray:
+    """Signed largest-magnitude element of each block (the last block may be short)."""
     n = x.size
     full = n // block
     out = np.empty(-(-n // block), np.float32)
     rows_per_slab = max(1, SLAB // block)
     for first in range(0, full, rows_per_slab):
         last = min(first + rows_per_slab, full)
-        out[first:last] = _row_absmax(x[first * block : last * block].reshape(-1, block))
+        out[first:last] = _row_scale(x[first * block : last * block].reshape(-1, block))
     if n % block:
-        tail = x[full * block :]
-        out[full] = max(tail.max(), -tail.min())
+        out[full] = _row_scale(x[full * block :].reshape(1, -1))[0]
     return out
 
 
 def _encode_codes(x: np.ndarray, block: int, code: NearestLevel) -> tuple[np.ndarray, np.ndarray]:
-    """Per-block absmax and one uint8 level index per element."""
+    """Per-block signed scale and one uint8 level index per element."""
     with np.errstate(invalid="ignore"):
-        absmax = _block_absmax(x, block)
-    if not np.isfinite(absmax).all():
+        scales = _block_scales(x, block)
+    if not np.isfinite(scales).all():
         raise CodecError("input contains NaN or Inf (or values beyond float32 range)")
-    # Blocks of zeros, or so tiny that 1/absmax overflows, encode as zeros.
+    # Blocks of zeros, or so tiny that 1/scale overflows, encode as zeros.
     with np.errstate(divide="ignore", over="ignore"):
-        inverse = np.where(absmax >= _F32_TINY, np.float32(1) / absmax, np.float32(0))
+        inverse = np.where(np.abs(scales) >= _F32_TINY, np.float32(1) / scales, np.float32(0))
     inverse = inverse.astype(np.float32)
     n = x.size
     codes = np.empty(n, np.uint8)
@@ -141,13 +143,13 @@ def _encode_codes(x: np.ndarray, block: int, code: NearestLevel) -> tuple[np.nda
             tail = slice(start + full * block, stop)
             np.multiply(x[tail], inverse[first + full], out=v[full * block :])
         code.encode_into(v, codes[start:stop])
-    return absmax.astype("<f4"), codes
+    return scales.astype("<f4"), codes
 
 
 def _decode_levels(
-    codes: np.ndarray, table: np.ndarray, absmax: np.ndarray, block: int, n: int
+    codes: np.ndarray, table: np.ndarray, scales: np.ndarray, block: int, n: int
 ) -> np.ndarray:
-    """Look up level values and scale each block by its absmax, slab by slab.
+    """Look up level values and multiply each block by its scale, slab by slab.
 
     ``table`` maps a code (one row per byte value) to 1 value, or to 2 for packed 4-bit
     codes, so ``codes`` holds ``n`` or ``ceil(n/2)`` bytes.
@@ -168,21 +170,21 @@ def _decode_levels(
         first = start // block
         full = (stop - start) // block
         if full:
-            values[: full * block].reshape(full, block)[...] *= absmax[first : first + full, None]
+            values[: full * block].reshape(full, block)[...] *= scales[first : first + full, None]
         if (stop - start) % block:
-            values[full * block :] *= absmax[first + full]
+            values[full * block :] *= scales[first + full]
     return out[:n]
 
 
-def _read_absmax(header: Header, payload: Buffer, offset: int, count: int) -> np.ndarray:
-    absmax = np.frombuffer(payload, dtype="<f4", count=count, offset=offset).astype(np.float32)
-    if not np.isfinite(absmax).all() or (absmax < 0).any():
-        raise CodecError(f"{header.codec}: block scales must be finite and >= 0")
-    return absmax
+def _read_scales(header: Header, payload: Buffer, offset: int, count: int) -> np.ndarray:
+    scales = np.frombuffer(payload, dtype="<f4", count=count, offset=offset).astype(np.float32)
+    if not np.isfinite(scales).all():
+        raise CodecError(f"{header.codec}: block scales must be finite")
+    return scales
 
 
 class Blockwise8BitCodec(Codec):
-    """Blockwise absmax scaling with the dynamic 8-bit code; ~1.001 bytes per value."""
+    """Blockwise scaling with the dynamic 8-bit code; ~1.001 bytes per value."""
 
     name = "uint8-blockwise"
 
@@ -193,10 +195,10 @@ class Blockwise8BitCodec(Codec):
 
     def encode_payload(self, array: np.ndarray, info: CodecInfo) -> Encoded:
         flat, dtype = as_input(array, floating_only=True)
-        absmax, codes = _encode_codes(as_float32(flat), self.block, _DYNAMIC8)
+        scales, codes = _encode_codes(as_float32(flat), self.block, _DYNAMIC8)
         meta = {"block": self.block, "map": "dynamic8"}
         header = Header(self.name, dtype, tuple(np.shape(array)), meta)
-        return Encoded(header, b"".join((codes.data, absmax.data)))
+        return Encoded(header, b"".join((codes.data, scales.data)))
 
     def decode_payload(self, header: Header, payload: Buffer) -> np.ndarray:
         n = header.size
@@ -206,12 +208,12 @@ class Blockwise8BitCodec(Codec):
         nblocks = -(-n // block)
         check_payload_size(header, payload, n + 4 * nblocks)
         codes = np.frombuffer(payload, dtype=np.uint8, count=n)
-        absmax = _read_absmax(header, payload, n, nblocks)
-        return restore(_decode_levels(codes, _DYNAMIC8_TABLE, absmax, block, n), header)
+        scales = _read_scales(header, payload, n, nblocks)
+        return restore(_decode_levels(codes, _DYNAMIC8_TABLE, scales, block, n), header)
 
 
 class Blockwise4BitCodec(Codec):
-    """Blockwise absmax scaling with the 4-bit NormalFloat code, two codes per byte;
+    """Blockwise scaling with the 4-bit NormalFloat code, two codes per byte;
     ~0.56 bytes per value with the default block of 64."""
 
     name = "uint4-blockwise"
@@ -223,14 +225,14 @@ class Blockwise4BitCodec(Codec):
 
     def encode_payload(self, array: np.ndarray, info: CodecInfo) -> Encoded:
         flat, dtype = as_input(array, floating_only=True)
-        absmax, codes = _encode_codes(as_float32(flat), self.block, _NF4)
+        scales, codes = _encode_codes(as_float32(flat), self.block, _NF4)
         if codes.size % 2:
             codes = np.concatenate([codes, np.zeros(1, np.uint8)])
         pairs = codes.view("<u2")  # little-endian: element 2i in the low byte
         packed = ((pairs << 4) | (pairs >> 8)).astype(np.uint8)
         meta = {"block": self.block, "map": "nf4"}
         header = Header(self.name, dtype, tuple(np.shape(array)), meta)
-        return Encoded(header, b"".join((packed.data, absmax.data)))
+        return Encoded(header, b"".join((packed.data, scales.data)))
 
     def decode_payload(self, header: Header, payload: Buffer) -> np.ndarray:
         n = header.size
@@ -241,5 +243,5 @@ class Blockwise4BitCodec(Codec):
         nblocks = -(-n // block)
         check_payload_size(header, payload, nbytes + 4 * nblocks)
         packed = np.frombuffer(payload, dtype=np.uint8, count=nbytes)
-        absmax = _read_absmax(header, payload, nbytes, nblocks)
-        return restore(_decode_levels(packed, _NF4_PAIRS, absmax, block, n), header)
+        scales = _read_scales(header, payload, nbytes, nblocks)
+        return restore(_decode_levels(packed, _NF4_PAIRS, scales, block, n), header)
