@@ -51,7 +51,7 @@ from swarmavg.averaging.partition import (
     flatten,
     unflatten,
 )
-from swarmavg.averaging.reduce_service import AllReduceService, ReducerRound, _Abort
+from swarmavg.averaging.reduce_service import AllReduceService, ReducerRound, _Abort, offload
 from swarmavg.averaging.reduce_wire import (
     Reply,
     deserialize_reply,
@@ -229,17 +229,13 @@ class _Exchange:
             self.full_chunks[self.my_index] += 1
 
     async def contribute_local(self, round_: ReducerRound) -> None:
-        loop = asyncio.get_running_loop()
         for chunk in range(self.plan.num_chunks(self.my_index)):
-            values = await loop.run_in_executor(
-                self.service.executor, self._round_trip_local, chunk
-            )
+            values = await offload(self.service.executor, self._round_trip_local, chunk)
             round_.add_local(chunk, values)
 
     # ---- one remote part ----
 
     async def _send_part(self, part: int, call: grpc.aio.StreamStreamCall) -> None:
-        loop = asyncio.get_running_loop()
         for chunk in range(self.plan.num_chunks(part)):
             if self.fault_plan is not None:
                 if self.fault_plan.crashes(chunk):
@@ -247,9 +243,7 @@ class _Exchange:
                     await asyncio.Event().wait()
                 if self.fault_plan.stops_sending(chunk):
                     await asyncio.Event().wait()  # a stalled sender: the stream stays open
-            request = await loop.run_in_executor(
-                self.service.executor, self._encode_request, part, chunk
-            )
+            request = await offload(self.service.executor, self._encode_request, part, chunk)
             await call.write(request)
             self.bytes_sent += len(request)
         await call.done_writing()
@@ -326,9 +320,8 @@ class _Exchange:
         self.bytes_received += reply.nbytes
         if reply.num_senders == 0:
             return True  # nobody delivered this chunk in time: it stays local
-        loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(self.service.executor, self._decode_reply, part, reply)
+            await offload(self.service.executor, self._decode_reply, part, reply)
         except ValueError as e:  # CodecError included
             log.warning("part %d: reducer sent an invalid chunk: %s", part, e)
             return False
@@ -396,7 +389,7 @@ async def run_allreduce(
 
     probe_key = (codec.name, layout.dtype.name)
     if probe_key not in service.bytes_per_element:
-        service.bytes_per_element[probe_key] = await loop.run_in_executor(
+        service.bytes_per_element[probe_key] = await offload(
             executor, _bytes_per_element, codec, layout.dtype
         )
     chunk_elements = chunk_elements_for(
@@ -424,7 +417,7 @@ async def run_allreduce(
             raise ValueError("tensors hold NaN or Inf")
         ex.result = np.empty_like(ex.vector)
 
-    await loop.run_in_executor(executor, prepare)
+    await offload(executor, prepare)
     t_prepared = time.monotonic()
 
     round_: ReducerRound | None = None
@@ -497,7 +490,7 @@ async def run_allreduce(
         ex.fill_missing()
         return unflatten(ex.result, layout, copy=False)  # result is ours to hand over
 
-    out = await loop.run_in_executor(executor, finish)
+    out = await offload(executor, finish)
     t_done = time.monotonic()
     return AllReduceOutcome(
         tensors=out,

@@ -13,7 +13,7 @@ class AllReduceConfig:
 
     Attributes:
         chunk_bytes: target size of one encoded chunk on the wire (gRPC's 4 MiB message
-            cap stays; see docs/benchmarks-allreduce.md for why 512 KiB).
+            cap stays; see docs/benchmarks-allreduce.md for why 1 MiB).
         min_stall: a sender that delivers nothing new for this long (and for
             ``stall_factor`` times its own mean interval between chunks) is dropped by
             the reducer; a reducer that returns nothing for three times this long (and
@@ -26,7 +26,8 @@ class AllReduceConfig:
             averaged chunks still reach the senders in time.
         max_waiting_streams: inbound streams allowed to wait for an unknown group at
             once; more are refused with RESOURCE_EXHAUSTED.
-        executor_threads: threads for codec work and reduction, off the event loop.
+        executor_threads: threads for codec work and reduction, off the event loop; 0
+            runs it on the loop (less thread switching on a machine with few cores).
     """
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -45,5 +46,5 @@ class AllReduceConfig:
                 raise ValueError(f"{name} must be positive")
         if self.finalize_margin < 0:
             raise ValueError("finalize_margin must be >= 0")
-        if self.max_waiting_streams < 1 or self.executor_threads < 1:
-            raise ValueError("max_waiting_streams and executor_threads must be >= 1")
+        if self.max_waiting_streams < 1 or self.executor_threads < 0:
+            raise ValueError("max_waiting_streams must be >= 1 and executor_threads >= 0")

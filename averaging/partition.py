@@ -31,7 +31,7 @@ _WIDEN_TO_F32: set[np.dtype] = {
 _WIDEN_TO_F64: set[np.dtype] = {np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.int64)}
 SUPPORTED_DTYPES: frozenset[np.dtype] = frozenset(_WIDEN_TO_F32 | _WIDEN_TO_F64)
 
-DEFAULT_CHUNK_BYTES = 512 * 1024
+DEFAULT_CHUNK_BYTES = 1024 * 1024
 """Target size of one encoded chunk on the wire (see docs/benchmarks-allreduce.md)."""
 MIN_CHUNK_ELEMENTS = 1024
 

@@ -29,7 +29,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 import numpy as np
@@ -48,6 +48,7 @@ from swarmavg.proto import averaging_pb2, common_pb2, tensor_pb2
 log = logging.getLogger(__name__)
 
 _RECENT_ROUNDS = 256
+_T = TypeVar("_T")
 ResultCallback = Callable[[int, np.ndarray, int], None]
 """Called with (chunk index, decoded averaged values, number of senders) on the loop."""
 
@@ -124,6 +125,13 @@ def encode_response(
     return response, decoded, len(payload) + len(message.meta)
 
 
+async def offload(executor: ThreadPoolExecutor | None, fn: Callable[..., _T], *args: Any) -> _T:
+    """Run CPU work (codecs, reduction) in ``executor``, or inline when it is ``None``."""
+    if executor is None:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+
 class ReducerRound:
     """This member's part of one round: accumulate, finalise, return (one per round).
 
@@ -139,7 +147,7 @@ class ReducerRound:
         dtype: np.dtype,
         codec: Codec,
         config: AllReduceConfig,
-        executor: ThreadPoolExecutor,
+        executor: ThreadPoolExecutor | None,
         deadline: float,
         on_result: ResultCallback,
         fault_plan: FaultPlan | None = None,
@@ -290,8 +298,7 @@ class ReducerRound:
         if chunk >= self.reducer.num_chunks:
             raise ContributionError(f"chunk index {chunk} out of range")
         start, end = self.plan.chunk_bounds(self.my_index, chunk)
-        loop = asyncio.get_running_loop()
-        values, nbytes = await loop.run_in_executor(
+        values, nbytes = await offload(
             self.executor, decode_checked, self.codec, request.chunk, end - start
         )
         self.bytes_received += nbytes
@@ -312,7 +319,6 @@ class ReducerRound:
         return encode_response(self.codec, values, info, chunk, contributors)
 
     async def _emit(self) -> None:
-        loop = asyncio.get_running_loop()
         while self.returned < self.reducer.num_chunks:
             chunk = await self._final.get()
             if self.fault_plan is not None and self.fault_plan.stops_reducing(self.returned):
@@ -322,7 +328,7 @@ class ReducerRound:
             if values is None:
                 response = averaging_pb2.ReduceResponse(chunk_index=chunk, num_senders=0)
             else:
-                response, decoded, nbytes = await loop.run_in_executor(
+                response, decoded, nbytes = await offload(
                     self.executor, self._encode_result, chunk, values, contributors
                 )
                 self.on_result(chunk, decoded, contributors)
@@ -383,9 +389,11 @@ class AllReduceService:
         self.run_id = run_id
         self.config = config or AllReduceConfig()
         self._verify = verify or (lambda header: verify_header(header, run_id))
-        self.executor = ThreadPoolExecutor(
-            self.config.executor_threads, thread_name_prefix="swarmavg-allreduce"
-        )
+        self.executor: ThreadPoolExecutor | None = None
+        if self.config.executor_threads > 0:
+            self.executor = ThreadPoolExecutor(
+                self.config.executor_threads, thread_name_prefix="swarmavg-allreduce"
+            )
         self._rounds: dict[bytes, ReducerRound] = {}
         self._recent: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._registered = asyncio.Event()
@@ -420,7 +428,8 @@ class AllReduceService:
         await asyncio.gather(
             *(r.close(_Abort(grpc.StatusCode.UNAVAILABLE, "peer is shutting down")) for r in rounds)
         )
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
 
     async def _find_round(self, group_id: bytes, until: float) -> ReducerRound | None:
         while True:

@@ -117,8 +117,10 @@ class PartReducer:
             target = self._acc[start:end]
             if self._weight_sum[chunk] == 0.0:
                 np.multiply(values, self.dtype.type(weight), out=target)
-            else:
-                target += values * self.dtype.type(weight) if weight != 1.0 else values
+            elif weight == 1.0:
+                target += values
+            else:  # never scale `values` in place: it may be a view of the caller's data
+                target += values * self.dtype.type(weight)
             self._weight_sum[chunk] += weight
         else:
             if self._zero_acc is None:

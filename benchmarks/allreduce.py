@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import cProfile
 import hashlib
+import itertools
 import json
 import multiprocessing as mp
 import multiprocessing.connection
@@ -104,11 +105,15 @@ async def _worker(rank: int, n: int, elements: int, conn: mp.connection.Connecti
                 if service is not None:
                     await service.close()
                 service = AllReduceService(
-                    "bench", AllReduceConfig(chunk_bytes=command["chunk_bytes"])
+                    "bench",
+                    AllReduceConfig(
+                        chunk_bytes=command["chunk_bytes"],
+                        executor_threads=command["threads"],
+                    ),
                 )
                 servicer.service = service
                 if command.get("profile") and rank == 0:
-                    profiler = cProfile.Profile()
+                    profiler = cProfile.Profile(time.thread_time)  # CPU, not wall
                 _send(conn, {"ok": True})
                 continue
             if command["op"] == "round":
@@ -222,6 +227,7 @@ def bench_group(
     elements: int,
     codecs: list[str],
     chunk_kib: list[int],
+    executor_threads: list[int],
     rounds: int,
     profile: str | None,
 ) -> list[dict[str, Any]]:
@@ -243,11 +249,19 @@ def bench_group(
             _send(c, {"op": "gloo", "port": gloo_port, "rounds": rounds})
         gloo_runs = [_recv(c)["seconds"] for c in conns]
         gloo = statistics.median(max(t) for t in zip(*gloo_runs, strict=True))
-        for kib in chunk_kib:
+        for kib, threads in itertools.product(chunk_kib, executor_threads):
             for codec in codecs:
                 want_profile = profile is not None and codec == codecs[0] and kib == chunk_kib[0]
                 for c in conns:
-                    _send(c, {"op": "config", "chunk_bytes": kib * 1024, "profile": want_profile})
+                    _send(
+                        c,
+                        {
+                            "op": "config",
+                            "chunk_bytes": kib * 1024,
+                            "profile": want_profile,
+                            "threads": threads,
+                        },
+                    )
                     _recv(c)
                 times, errors, partial, identical, timings = [], [], False, True, []
                 cpus: list[float] = []
@@ -284,6 +298,7 @@ def bench_group(
                         "peers": n,
                         "codec": codec,
                         "chunk_kib": kib,
+                        "executor_threads": threads,
                         "seconds_median": round(seconds, 4),
                         "seconds_all": [round(t, 4) for t in times],
                         "cpu_seconds_all_peers_median": round(statistics.median(cpus), 4),
@@ -317,6 +332,7 @@ def main() -> int:
     parser.add_argument("--mb", type=float, default=64.0, help="MB of float32 per peer")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--chunk-kib", default="512", help="encoded chunk target(s), KiB")
+    parser.add_argument("--threads", default="2", help="executor thread count(s) per peer")
     parser.add_argument("--profile", default=None, help="folder for rank 0's cProfile dumps")
     args = parser.parse_args()
     elements = int(args.mb * 1e6) // 4
@@ -327,6 +343,7 @@ def main() -> int:
             elements,
             args.codecs.split(","),
             [int(x) for x in args.chunk_kib.split(",")],
+            [int(x) for x in args.threads.split(",")],
             args.rounds,
             args.profile,
         )

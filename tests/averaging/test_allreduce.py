@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -15,7 +16,13 @@ from swarmavg.averaging.partition import TensorLayout, flatten
 from swarmavg.averaging.reducer import weighted_mean
 from swarmavg.compression import known_codecs
 from swarmavg.dht import ChannelPool
-from tests.averaging.allreduce_peers import close_peers, make_group, run_group, start_peers
+from tests.averaging.allreduce_peers import (
+    FAST,
+    close_peers,
+    make_group,
+    run_group,
+    start_peers,
+)
 from tests.harness import GrpcServerPool
 
 pytestmark = pytest.mark.timeout(60)
@@ -260,3 +267,23 @@ async def test_input_validation(grpc_servers: GrpcServerPool, channels: ChannelP
             )
     finally:
         await close_peers(peers)
+
+
+async def test_inline_codec_work_gives_the_same_bits(
+    grpc_servers: GrpcServerPool, channels: ChannelPool
+) -> None:
+    """executor_threads=0 (codecs on the loop) changes where work runs, not the result."""
+    inputs = _inputs(3, SHAPES_MIXED, seed=9)
+    weights = [1.0, 0.5, 2.0]
+    outcomes = []
+    for threads in (2, 0):
+        config = dataclasses.replace(FAST, executor_threads=threads)
+        peers = await start_peers(grpc_servers, 3, config)
+        try:
+            group = make_group(peers, inputs[0], codec="float16")
+            results = await run_group(peers, group, inputs, weights, channels)
+            assert all(isinstance(r, AllReduceOutcome) and not r.partial for r in results)
+            outcomes.append(results[0])
+        finally:
+            await close_peers(peers)
+    _assert_bit_identical(outcomes)  # type: ignore[arg-type]
