@@ -13,7 +13,13 @@ import grpc
 
 from swarmavg.dht import BootstrapError, ChannelPool, DHTConfig, DHTNode, Identity
 from swarmavg.peer.config import PeerConfig
-from swarmavg.peer.daemon import SERVER_OPTIONS, StartupError, _bounded, bootstrap_message
+from swarmavg.peer.daemon import (
+    SERVER_OPTIONS,
+    StartupError,
+    _bounded,
+    _pools,
+    bootstrap_message,
+)
 from swarmavg.peer.netutil import announce_address, explain_bind_failure
 
 log = logging.getLogger(__name__)
@@ -100,5 +106,5 @@ class BareDHT:
             await _bounded(self.node.shutdown(), 1.0, "DHT shutdown")
         if self._server is not None:
             await _bounded(self._server.stop(0.2), 1.0, "server")
-        if self._channels is not None:
-            await _bounded(self._channels.close(), 1.0, "channels")
+        for pool in _pools(self._channels, self.node):
+            await _bounded(pool.close(), 2.0, "channels")
