@@ -321,9 +321,11 @@ class Proc:
         self.popen.stdin.flush()
         return mark
 
-    def position(self) -> int:
+    def position(self, since: int = 0) -> int:
+        """The newest training position this process reported (from line ``since`` on)."""
         with self.cond:
-            return max((int(r["position"]) for r in self.lines if "position" in r), default=-1)
+            lines = self.lines[since:]
+        return max((int(r["position"]) for r in lines if "position" in r), default=-1)
 
     def signal(self, sig: int) -> None:
         if self.popen.poll() is None:
@@ -427,7 +429,7 @@ def run_scenario(
             victim.wait_for(lambda r: r.get("position", -1) >= steps // 2, opts.budget, marks[-1])
             victim.signal(signal.SIGKILL)
             daemons[-1][0].signal(signal.SIGKILL)
-            extra["killed_at"] = victim.position()
+            extra["killed_at"] = victim.position(marks[-1])
             (new_daemon,) = start_daemons(workdir, 1, log, join=daemon_address(daemons[0][0]))
             daemons.append(new_daemon)
             spare = workers[PEERS]
@@ -454,6 +456,8 @@ def run_scenario(
         "failed_rounds": sum(r["failed"] for r in results),
         "partial_rounds": sum(r["partial"] for r in results),
         "mean_group_size": round(float(np.mean(sizes)), 2) if sizes else 0.0,
+        "smallest_group": min(sizes, default=0),
+        "parameter_checksum": round(results[0]["checksum"], 6),
         "parameters_identical": len({r["checksum"] for r in results}) == 1,
         "train_seconds": round(max(r["train_seconds"] for r in results), 1),
         "round_seconds_per_peer": round(float(np.mean([r["round_seconds"] for r in results])), 1),

@@ -69,7 +69,7 @@ def train(args: argparse.Namespace, control: str) -> float:
     torch.manual_seed(0)  # the same initial parameters on every peer
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
     x, y, x_test, y_test = load_shard(args.shard, args.num_shards)
-    batch = max(1, GLOBAL_BATCH // args.num_shards)
+    batch = math.ceil(GLOBAL_BATCH / args.num_shards)  # the shards together fill a global batch
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     generator = torch.Generator().manual_seed(args.shard)
     with connect(control) as client:
