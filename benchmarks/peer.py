@@ -121,32 +121,39 @@ def partner_main(control: str, keys: list[str]) -> int:
     return 0
 
 
-async def inprocess_rounds(join: str, tmp: Path, keys: list[str]) -> list[float]:
-    from swarmavg.peer import Peer, PeerConfig
+class InProcessPeer:
+    """A ``Peer`` running on its own event loop in a background thread of this process."""
 
-    config = PeerConfig(listen="127.0.0.1:0", join=[join], control=str(tmp / "inproc.sock"))
-    x = tensors(0)
-    times = []
-    async with Peer(config) as peer:
-        assert peer.averager is not None
-        for key in keys:
-            t0 = time.perf_counter()
-            await peer.averager.average(x, key, group_size=2, min_group_size=2, timeout=120)
-            times.append(time.perf_counter() - t0)
-    return times
+    def __init__(self, join: str, tmp: Path) -> None:
+        from swarmavg.peer import Peer, PeerConfig
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        config = PeerConfig(listen="127.0.0.1:0", join=[join], control=str(tmp / "inproc.sock"))
+        self.peer = Peer(config)
+        self._run(self.peer.start())
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def average(self, x: list[np.ndarray], key: str) -> float:
+        assert self.peer.averager is not None
+        t0 = time.perf_counter()
+        self._run(self.peer.averager.average(x, key, group_size=2, min_group_size=2, timeout=120))
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._run(self.peer.shutdown())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
 
 
-def daemon_rounds(control: str, keys: list[str], use_shm: bool) -> list[float]:
-    from swarmavg.peer import connect
-
-    x = tensors(0)
-    times = []
-    with connect(control, use_shm=use_shm) as client:
-        for key in keys:
-            t0 = time.perf_counter()
-            client.average(x, key=key, group_size=2, min_group_size=2, timeout=120)
-            times.append(time.perf_counter() - t0)
-    return times
+def daemon_round(client: Any, x: list[np.ndarray], key: str) -> float:
+    t0 = time.perf_counter()
+    client.average(x, key=key, group_size=2, min_group_size=2, timeout=120)
+    return time.perf_counter() - t0
 
 
 def measure_average(tmp: Path, rounds: int) -> dict[str, Any]:
@@ -159,18 +166,27 @@ def measure_average(tmp: Path, rounds: int) -> dict[str, Any]:
         [sys.executable, __file__, "--partner", partner.ready["control"], *[k for _, k in plan]]
     )
     results: dict[str, list[float]] = {m: [] for m in modes}
+    from swarmavg.peer import connect
+
+    x = tensors(0)
+    inproc = InProcessPeer(partner.ready["address"], tmp)
     try:
-        for r in range(rounds + 1):
-            for mode in modes:
-                key = f"{mode}-{r}"
-                if mode == "inprocess":
-                    took = asyncio.run(inprocess_rounds(partner.ready["address"], tmp, [key]))
-                else:
-                    took = daemon_rounds(measured.ready["control"], [key], mode == "shm")
-                if r > 0:  # round 0 warms up channels and caches
-                    results[mode] += took
+        with (
+            connect(measured.ready["control"], use_shm=False) as plain,
+            connect(measured.ready["control"], use_shm=True) as shm,
+        ):
+            for r in range(rounds + 1):
+                for mode in modes:
+                    key = f"{mode}-{r}"
+                    if mode == "inprocess":
+                        took = inproc.average(x, key)
+                    else:
+                        took = daemon_round(shm if mode == "shm" else plain, x, key)
+                    if r > 0:  # round 0 warms up channels and caches
+                        results[mode].append(took)
         helper.wait(timeout=300)
     finally:
+        inproc.close()
         if helper.poll() is None:
             helper.kill()
             helper.wait()
