@@ -178,6 +178,7 @@ class Peer:
             await self.dht.start(self.address)
         except BootstrapError as exc:
             raise StartupError(bootstrap_message(exc)) from None
+        self._report_unreachable(cfg.join)
         await self.averager.start()
         await self._start_control()
         if cfg.metrics:
@@ -191,6 +192,20 @@ class Peer:
             cfg.run_id,
             self.dht.num_known_peers(),
         )
+
+    def _report_unreachable(self, initial: list[str]) -> None:
+        """Warn about initial peers that are not in the routing table after joining
+        (the DHT's maintenance keeps retrying them, so a swarm split by them re-merges)."""
+        if self.dht is None or not initial:
+            return
+        known = {contact.address for contact in self.dht.routing}
+        missing = [a for a in initial if a not in known and a != self.address]
+        if missing:
+            log.warning(
+                "initial peer(s) %s did not answer; joined through the others (%d known peers)",
+                ", ".join(missing),
+                self.dht.num_known_peers(),
+            )
 
     async def _start_control(self) -> None:
         assert self.control is not None  # set in _start
