@@ -3,9 +3,11 @@
 Builds the multi-host test bed (``deploy.testbed``: one network namespace per host, every
 host's link shaped with tc tbf in both directions), starts one real ``swarmavg peer`` daemon
 per host through the CLI, and averages a float32 tensor of ``--mb`` megabytes among all hosts
-through the real client, once per round and codec. Also measures raw TCP through the same
-links in the same traffic pattern (every host sends 2/N of the tensor to every other host)
-as the reference for goodput. Prints ONE JSON line; progress goes to stderr.
+through the real client, once per round and codec: each host runs its own client process
+(the "training process") inside its namespace, talking to its daemon's control socket.
+Also measures raw TCP through the same links in the same traffic pattern (every host sends
+2/N of the tensor to every other host) as the reference for goodput. Prints ONE JSON line;
+progress goes to stderr.
 
     sudo .venv/bin/python benchmarks/bandwidth.py                       # the docs' figures
     sudo .venv/bin/python benchmarks/bandwidth.py --mb 8 --rounds 1     # a quick look
@@ -17,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +37,7 @@ if str(REPO) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from deploy.testbed import HostSpec, TestBed, missing_requirements  # noqa: E402
+from deploy.testbed import Host, HostSpec, TestBed, missing_requirements  # noqa: E402
 from deploy.testbed.goodput import all_to_all  # noqa: E402
 from swarmavg.peer import connect_async  # noqa: E402
 from tests.harness import ProcessPool, SwarmavgProcess  # noqa: E402
@@ -46,14 +50,110 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+SAMPLE_STRIDE = 997
+"""Workers report every 997th element of their result: enough for error statistics without
+shipping 64 MB back; a SHA-256 of the whole result checks that members agree bit for bit."""
+
+
+def make_input(seed: int, elements: int) -> np.ndarray:
+    """Host ``seed``'s tensor: the benchmark and the workers generate the same one."""
+    return np.random.default_rng(seed).standard_normal(elements, dtype=np.float32)
+
+
+# -- the training process of one host (runs inside the host's namespace) -----------------
+
+
+async def worker_main(control: str, seed: int, elements: int) -> int:
+    """Connect to the local daemon, then run one ``average`` per request line on stdin."""
+    tensor = make_input(seed, elements)
+    loop = asyncio.get_running_loop()
+    async with connect_async(control) as client:
+        print(json.dumps({"event": "ready"}), flush=True)
+        while line := await loop.run_in_executor(None, sys.stdin.readline):
+            request = json.loads(line)
+            started = time.monotonic()
+            try:
+                result = await client.average(
+                    [tensor[: request["elements"]]],
+                    key=request["key"],
+                    group_size=request["group_size"],
+                    min_group_size=request["group_size"],
+                    timeout=request["timeout"],
+                    codec=request["codec"],
+                )
+            except Exception as exc:  # reported to the benchmark, which reports it
+                print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+                continue
+            ended = time.monotonic()
+            out = np.ascontiguousarray(result.tensors[0])
+            record = {
+                "started_at": started,
+                "ended_at": ended,
+                "partial": result.partial,
+                "group_size": result.group_size,
+                "timings": result.timings,
+                "sha256": hashlib.sha256(out.tobytes()).hexdigest(),
+                "sample": out[::SAMPLE_STRIDE].astype(np.float64).tolist(),
+            }
+            print(json.dumps(record), flush=True)
+    return 0
+
+
+class Worker:
+    """A training process in one host, driven line by line."""
+
+    def __init__(self, host: Host, control: str, seed: int, elements: int) -> None:
+        args = [sys.executable, __file__, "worker", "--control", control]
+        args += ["--seed", str(seed), "--elements", str(elements)]
+        self.proc = subprocess.Popen(
+            host.command(args),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        if json.loads(self._readline()).get("event") != "ready":
+            raise RuntimeError("worker did not start")
+
+    def _readline(self) -> str:
+        if self.proc.stdout is None:
+            raise RuntimeError("worker stdout is not a pipe")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker exited with {self.proc.wait(10)}")
+        return line
+
+    def request(self, **fields: Any) -> None:
+        if self.proc.stdin is None:
+            raise RuntimeError("worker stdin is not a pipe")
+        self.proc.stdin.write(json.dumps(fields) + "\n")
+        self.proc.stdin.flush()
+
+    def result(self) -> dict[str, Any]:
+        record: dict[str, Any] = json.loads(self._readline())
+        return record
+
+    def close(self) -> None:
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+# -- the benchmark -------------------------------------------------------------------------
+
+
 @dataclass
 class Round:
-    seconds: float  # from the first call to the last result
+    seconds: float  # from the first call's start to the last call's end
     tx_bytes: list[int]  # per host, Ethernet bytes its link carried out during the round
     partial: bool
-    max_abs_error: float
-    rel_rms_error: float
-    timings: dict[str, float]  # one member's phase timings
+    bit_identical: bool  # every member got the same bytes
+    rel_rms_error: float  # vs the exact mean, on every 997th element
+    timings: dict[str, float]  # one member's phase timings as its daemon measured them
     cpu_seconds: float = 0.0  # CPU time of one daemon during the round (mean over hosts)
 
 
@@ -71,55 +171,55 @@ def start_daemons(
     daemons: list[SwarmavgProcess] = []
     for name, host in bed.hosts.items():
         args = ["peer", "--listen", f"{host.address}:{PORT}", "--run-id", run_id]
-        args += [
-            "--control",
-            str(workdir / f"{name}.sock"),
-            "--log-level",
-            os.environ.get("BW_LOG_LEVEL", "WARNING"),
-        ]
+        args += ["--control", str(workdir / f"{name}.sock")]
+        args += ["--log-level", os.environ.get("BW_LOG_LEVEL", "WARNING")]
         if daemons:
             args += ["--join", daemons[0].address]
         daemons.append(pool.start(args, executable=host.swarmavg_command()))
     return daemons
 
 
-async def one_round(
+def one_round(
     bed: TestBed,
     daemons: list[SwarmavgProcess],
-    inputs: list[np.ndarray],
+    workers: list[Worker],
+    expected_sample: np.ndarray | None,
+    *,
     key: str,
     codec: str,
+    elements: int,
     timeout: float,
 ) -> Round:
+    """Every host's worker averages at once; raises RuntimeError when any call failed."""
     hosts = list(bed.hosts.values())
-    expected = np.mean(np.stack(inputs), axis=0, dtype=np.float64)
-    clients = [await connect_async(d.control) for d in daemons]
-    try:
-        before = [host.link_bytes()[0] for host in hosts]
-        started = time.monotonic()
-        results = await asyncio.gather(
-            *(
-                client.average(
-                    [x], key=key, group_size=len(daemons), min_group_size=len(daemons),
-                    timeout=timeout, codec=codec,
-                )
-                for client, x in zip(clients, inputs, strict=True)
-            )
-        )  # fmt: skip
-        seconds = time.monotonic() - started
-        after = [host.link_bytes()[0] for host in hosts]
-    finally:
-        for client in clients:
-            await client.close()
-    errors = [np.asarray(r.tensors[0], dtype=np.float64) - expected for r in results]
-    scale = float(np.sqrt(np.mean(expected**2)))
+    before = [host.link_bytes()[0] for host in hosts]
+    cpu_before = [cpu_seconds(d) for d in daemons]
+    for worker in workers:
+        worker.request(
+            key=key, codec=codec, elements=elements, group_size=len(workers), timeout=timeout
+        )
+    records = [worker.result() for worker in workers]
+    after = [host.link_bytes()[0] for host in hosts]
+    errors = [r["error"] for r in records if "error" in r]
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    error = 0.0
+    if expected_sample is not None:
+        scale = float(np.sqrt(np.mean(expected_sample**2)))
+        error = max(
+            float(np.sqrt(np.mean((np.asarray(r["sample"]) - expected_sample) ** 2))) / scale
+            for r in records
+        )
     return Round(
-        seconds=seconds,
+        seconds=max(r["ended_at"] for r in records) - min(r["started_at"] for r in records),
         tx_bytes=[a - b for a, b in zip(after, before, strict=True)],
-        partial=any(r.partial for r in results),
-        max_abs_error=max(float(np.abs(e).max()) for e in errors),
-        rel_rms_error=max(float(np.sqrt(np.mean(e**2))) for e in errors) / scale,
-        timings=dict(results[0].timings),
+        partial=any(r["partial"] for r in records),
+        bit_identical=len({r["sha256"] for r in records}) == 1,
+        rel_rms_error=error,
+        timings={k: float(v) for k, v in records[0]["timings"].items()},
+        cpu_seconds=statistics.mean(
+            cpu_seconds(d) - c for d, c in zip(daemons, cpu_before, strict=True)
+        ),
     )
 
 
@@ -133,12 +233,13 @@ def raw_tcp(bed: TestBed, nbytes: int, repeats: int) -> dict[str, float]:
     return {"seconds": round(seconds, 3), "per_host_egress_mbit_s": egress * 8 / seconds / 1e6}
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     n, rate, nbytes = args.hosts, args.rate_mbit, int(args.mb * 1e6)
     codecs = [c for c in args.codecs.split(",") if c]
     figures: dict[str, Any] = {
         "benchmark": "bandwidth",
-        "path": "swarmavg peer daemons (CLI) + client, one daemon per network namespace",
+        "path": "swarmavg peer daemons (CLI) + one client process per host, "
+        "each pair in its own network namespace",
         "hosts": n,
         "rate_mbit": rate,
         "tensor_mb": args.mb,
@@ -153,17 +254,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         figures["raw_tcp"] = raw
         log(f"raw TCP, butterfly pattern: {raw}")
         pool = ProcessPool(workdir)
+        workers: list[Worker] = []
         try:
             daemons = start_daemons(bed, pool, workdir, "bandwidth")
-            rng = np.random.default_rng(0)
-            inputs = [rng.standard_normal(nbytes // 4, dtype=np.float32) for _ in range(n)]
-            warm = [x[: 1 << 18].copy() for x in inputs]
+            elements = nbytes // 4
+            expected = np.zeros(len(range(0, elements, SAMPLE_STRIDE)))
+            for seed in range(n):
+                expected += make_input(seed, elements)[::SAMPLE_STRIDE] / n
+            for seed, (host, daemon) in enumerate(zip(bed.hosts.values(), daemons, strict=True)):
+                workers.append(Worker(host, daemon.control, seed, elements))
             per_codec: dict[str, Any] = {}
             rounds: dict[str, list[Round]] = {}
             for codec in codecs:
                 try:
                     # Untimed: connections, lazy imports and first-use costs of the codec.
-                    await one_round(bed, daemons, warm, f"warm-{codec}", codec, args.timeout)
+                    one_round(
+                        bed, daemons, workers, None, key=f"warm-{codec}", codec=codec,
+                        elements=1 << 18, timeout=args.timeout,
+                    )  # fmt: skip
                     rounds[codec] = []
                 except Exception as exc:  # a codec that is missing or fails is reported
                     per_codec[codec] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -173,19 +281,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             failed: dict[str, list[str]] = {codec: [] for codec in rounds}
             for r in range(args.rounds):
                 for codec in rounds:
-                    cpu_before = [cpu_seconds(d) for d in daemons]
                     try:
-                        result = await one_round(
-                            bed, daemons, inputs, f"bw-{codec}-{r}", codec, args.timeout
-                        )
+                        result = one_round(
+                            bed, daemons, workers, expected, key=f"bw-{codec}-{r}",
+                            codec=codec, elements=elements, timeout=args.timeout,
+                        )  # fmt: skip
                     except Exception as exc:  # reported with the figures, never hidden
                         failed[codec].append(f"{type(exc).__name__}: {exc}")
                         log(f"{codec} round {r} failed: {exc!r}")
                         continue
-                    result.cpu_seconds = statistics.mean(
-                        cpu_seconds(d) - before
-                        for d, before in zip(daemons, cpu_before, strict=True)
-                    )
                     log(f"{codec} round {r}: {result}")
                     rounds[codec].append(result)
             for codec, done in rounds.items():
@@ -203,6 +307,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "daemon_cpu_seconds": round(statistics.median(r.cpu_seconds for r in done), 2),
                     "rel_rms_error": float(f"{max(r.rel_rms_error for r in done):.3g}"),
                     "partial": any(r.partial for r in done),
+                    "bit_identical": all(r.bit_identical for r in done),
                     # The daemon's phases in the median round (one member's view).
                     "timings": {
                         k: round(v, 3) for k, v in sorted(done[len(done) // 2].timings.items())
@@ -210,6 +315,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "failed_rounds": failed[codec],
                 }
         finally:
+            for worker in workers:
+                worker.close()
             handles = list(pool.processes)
             pool.close()
             for handle in handles:  # tests/harness.py leaves the stdout pipes open
@@ -235,6 +342,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        worker = argparse.ArgumentParser(prog="bandwidth.py worker")
+        worker.add_argument("--control", required=True)
+        worker.add_argument("--seed", type=int, required=True)
+        worker.add_argument("--elements", type=int, required=True)
+        wargs = worker.parse_args(sys.argv[2:])
+        return asyncio.run(worker_main(wargs.control, wargs.seed, wargs.elements))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--rate-mbit", type=float, default=100.0)
@@ -248,7 +362,7 @@ def main() -> int:
     if reason is not None:
         print(json.dumps({"benchmark": "bandwidth", "skipped": reason}))
         return 1
-    print(json.dumps(asyncio.run(run(args))), flush=True)
+    print(json.dumps(run(args)), flush=True)
     return 0
 
 
