@@ -159,6 +159,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.perf_counter()
             out[f"{label}_get_success"] = await get_all(survivors, keys, rng)
             out[f"{label}_get_mean_ms"] = round((time.perf_counter() - t0) * 1e3 / len(keys), 2)
+        progress("figures so far: " + json.dumps(out))
         for node in survivors:
             await node.shutdown()
         nodes = []
@@ -178,7 +179,6 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             await grow(nodes, size, config, channels, rng)
             took = time.perf_counter() - t0
             grow_total += took
-            progress(f"grown to {size} nodes")
             gc.collect()
             gc.freeze()
             probe = await store_get(nodes, args.scale_probes, rng, f"s{size}")
@@ -187,6 +187,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 target = rng.randbytes(20)
                 lookup = await traverse(rng.choice(nodes).protocol, [target], want_values=False)
                 find_hops.append(lookup[target].hops)
+            progress(f"grown to {size} nodes in {took:.1f} s; hops {probe['mean_hops']}")
             scale.append(
                 {
                     "n": size,
@@ -207,7 +208,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 
 IDLE_CHILD = r"""
-import asyncio, json, os, resource, sys, time
+import asyncio, json, os, sys, time
 t0 = time.perf_counter()
 from swarmavg.dht import DHTConfig, DHTNode
 async def main():
@@ -218,8 +219,9 @@ async def main():
     await asyncio.sleep(float(sys.argv[1]))
     c1 = os.times(); w1 = time.perf_counter()
     cpu = (c1.user - c0.user) + (c1.system - c0.system)
-    rss = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    status = open("/proc/self/status").read()
+    rss = int(status.split("VmRSS:")[1].split()[0]) / 1024
+    peak = int(status.split("VmHWM:")[1].split()[0]) / 1024  # ru_maxrss survives exec
     await second.shutdown()
     await first.shutdown()
     print(json.dumps({"start_s": round(ready, 3), "cpu_percent": round(100 * cpu / (w1 - w0), 3),

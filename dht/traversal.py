@@ -162,6 +162,7 @@ class Traversal:
         seeds: Sequence[Contact] = (),
         store: Mapping[bytes, Sequence[StoredRecord]] | None = None,
         replication: int = 0,
+        converge: int | None = None,
     ) -> None:
         config = protocol.config
         self.protocol = protocol
@@ -169,6 +170,7 @@ class Traversal:
         self.want_values = want_values
         self.quorum = quorum
         self.k = k or config.k
+        self.converge = min(converge or self.k, self.k)
         self.alpha = config.alpha
         self.seeds = list(seeds)
         self.batcher = FindBatcher(
@@ -222,7 +224,7 @@ class Traversal:
                 if cand.state == _NEW:
                     return cand
                 seen += 1
-                if seen >= self.k:
+                if seen >= self.converge:
                     return None
             return None
 
@@ -276,12 +278,16 @@ async def traverse(
     seeds: Sequence[Contact] = (),
     store: Mapping[bytes, Sequence[StoredRecord]] | None = None,
     replication: int = 0,
+    converge: int | None = None,
 ) -> dict[bytes, LookupResult]:
     """Look up every id in ``targets`` in one traversal; see :class:`Traversal`.
 
     ``store`` maps target ids to records that ride along with the Find requests; a queried
     node stores them if it is among the ``replication`` nodes nearest to the key it knows
     (see ``DHTProtocol._store_on_find``), and ``LookupResult.store_statuses`` says which did.
+
+    ``converge`` (default k) is how many of the nearest candidates must answer before a
+    lookup ends; every answer still names up to k peers.
     """
     return await Traversal(
         protocol,
@@ -292,4 +298,5 @@ async def traverse(
         seeds=seeds,
         store=store,
         replication=replication,
+        converge=converge,
     ).run()
