@@ -16,6 +16,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,15 @@ class Worker:
 
 
 def status(control: Path) -> dict[str, Any]:
+    """The daemon's status through a client in this process (cheap to poll)."""
+    from swarmavg.peer import connect
+
+    with connect(str(control), use_shm=False) as client:
+        return client.status()
+
+
+def status_cli(control: Path) -> dict[str, Any]:
+    """The daemon's status through ``swarmavg status --json``."""
     result = subprocess.run(
         [sys.executable, "-m", "swarmavg.peer.cli", "status", "--control", str(control), "--json"],
         capture_output=True,
@@ -121,6 +131,22 @@ def scrape(port: int) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             samples[name] = float(value)
     return samples
+
+
+def average_in_threads(
+    controls: list[str], shapes: list[list[int]], key: str, timeout: float = 30.0
+) -> list[Any]:
+    """One round with one client per daemon, each in a thread of this process (for
+    follow-up rounds that only check a daemon still serves; the main tests use processes)."""
+    from swarmavg.peer import connect
+
+    def one(index: int) -> Any:
+        with connect(controls[index]) as client:
+            tensors = make_tensors(index, shapes, "float32")
+            return client.average(tensors, key=key, group_size=len(controls), timeout=timeout)
+
+    with ThreadPoolExecutor(len(controls)) as pool:
+        return list(pool.map(one, range(len(controls))))
 
 
 def swarm(pool: ProcessPool, sock_dir: Path, n: int, *first_args: str) -> list[SwarmavgProcess]:
@@ -175,8 +201,8 @@ def test_four_daemons_four_clients_get_the_weighted_mean(
             for a, b in zip(outcomes[0]["tensors"], other["tensors"], strict=True):
                 assert a.tobytes() == b.tobytes()
         assert len({o["group_id"] for o in outcomes}) == 1
-    for p in peers:
-        figures = status(Path(p.control))
+    for index, p in enumerate(peers):
+        figures = (status_cli if index == 0 else status)(Path(p.control))
         assert figures["known_peers"] == 3, figures  # 4 peers: itself and 3 others
         assert figures["rounds_done"] == 2
         assert figures["bytes_sent"] > 0
@@ -251,24 +277,8 @@ def test_daemon_killed_mid_round_others_return_within_timeout(
     workers[2].kill()
     if phase == "matchmaking":
         return  # the all-reduce variant also checks that the survivors keep serving
-    again = [
-        Worker(
-            tmp_path,
-            f"again{i}",
-            control=p.control,
-            seed=i,
-            shapes=[[10]],
-            key="after",
-            group_size=2,
-            min_group_size=2,
-            timeout=30.0,
-        )
-        for i, p in enumerate(peers[:2])
-    ]
-    for w in again:
-        outcome = w.outcome(timeout=60)
-        assert outcome["ok"], outcome
-        assert outcome["group_size"] == 2
+    for result in average_in_threads([p.control for p in peers[:2]], [[10]], "after"):
+        assert result.group_size == 2
 
 
 @pytest.mark.timeout(90)
@@ -291,23 +301,9 @@ def test_client_killed_mid_round_leaves_no_segment(
     doomed.kill()
     assert segments_of(doomed.proc.pid) == []
     wait_for(lambda: status(Path(peers[0].control))["active_calls"] == 0, 40, "the call's end")
-    workers = [
-        Worker(
-            tmp_path,
-            f"ok{i}",
-            control=p.control,
-            seed=i,
-            shapes=[[1_000_000]],
-            key="fine",
-            group_size=2,
-            timeout=30.0,
-        )
-        for i, p in enumerate(peers)
-    ]
-    for w in workers:
-        outcome = w.outcome(timeout=60)
-        assert outcome["ok"], outcome
-        assert segments_of(w.proc.pid) == []
+    for result in average_in_threads([p.control for p in peers], [[1_000_000]], "fine"):
+        assert result.group_size == 2
+    assert segments_of(os.getpid()) == []
 
 
 @pytest.mark.timeout(60)
@@ -356,42 +352,26 @@ def test_bad_input_gets_a_clear_error_and_the_daemon_keeps_serving(
             with pytest.raises(ValidationError, match=message):
                 client.average(tensors, **kwargs)
         assert client.status()["rounds_failed"] == 0  # nothing reached the daemon
+
     # shapes that differ between peers: both callers get an exception, nobody hangs
-    workers = [
-        Worker(
-            tmp_path,
-            f"shape{i}",
-            control=p.control,
-            seed=i,
-            shapes=[[10 + i]],
-            key="shapes",
-            group_size=2,
-            timeout=8.0,
-        )
-        for i, p in enumerate(peers)
-    ]
-    for w in workers:
-        outcome = w.outcome(timeout=40)
-        assert not outcome["ok"], outcome
-        assert outcome["error"] in {"ValidationError", "NoGroupError"}, outcome
-        assert outcome["elapsed"] < 8.0 + 3.0
-    assert issubclass(NoGroupError, SwarmError)
-    good = [
-        Worker(
-            tmp_path,
-            f"good{i}",
-            control=p.control,
-            seed=i,
-            shapes=[[10]],
-            key="good",
-            group_size=2,
-            timeout=30.0,
-        )
-        for i, p in enumerate(peers)
-    ]
-    for w in good:
-        outcome = w.outcome(timeout=60)
-        assert outcome["ok"], outcome
+    def mismatched(index: int) -> BaseException | None:
+        with connect(peers[index].control) as client:
+            try:
+                client.average(
+                    [np.zeros(10 + index, np.float32)], key="shapes", group_size=2, timeout=8.0
+                )
+            except SwarmError as exc:
+                return exc
+        return None
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(2) as pool:
+        errors = list(pool.map(mismatched, range(2)))
+    assert time.monotonic() - started < 8.0 + 3.0
+    for error in errors:
+        assert isinstance(error, ValidationError | NoGroupError), error
+    for result in average_in_threads([p.control for p in peers], [[10]], "good"):
+        assert result.group_size == 2
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> Any:
