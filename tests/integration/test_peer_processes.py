@@ -457,6 +457,9 @@ def test_ready_line_and_bare_dht_bootstrap_node(procs: ProcessPool, sock_dir: Pa
     )
     assert client_mode.ready["address"] is None
     assert status(Path(client_mode.control))["client_mode"] is True
+    results = average_in_threads([peer.control, client_mode.control], [[1000]], "cm")
+    assert [r.group_size for r in results] == [2, 2]
+    assert results[0].tensors[0].tobytes() == results[1].tensors[0].tobytes()
 
 
 @pytest.mark.timeout(90)
