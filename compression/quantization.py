@@ -203,7 +203,7 @@ class _QuantileTable:
     def encode(self, x: np.ndarray, out: np.ndarray) -> None:
         m = min(x.size, SLAB)
         scratch = np.empty(m, np.float32)
-        cells = np.empty(m, np.int32)
+        cells = np.empty(m, np.intp)  # np.take is about twice as fast with native indices
         thr = np.empty(m, np.float32)
         above = np.empty(m, np.bool_)
         for s in slabs(x.size):
