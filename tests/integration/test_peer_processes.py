@@ -433,8 +433,12 @@ def test_identity_file_gives_the_same_peer_id(procs: ProcessPool, sock_dir: Path
     first.stop()
     second = start_peer(procs, sock_dir / "a.sock", env={"SWARMAVG_IDENTITY": str(key)})
     assert second.peer_id == first.peer_id
-    third = start_peer(procs, sock_dir / "b.sock")
+    third = procs.start(["peer", "--listen", "127.0.0.1:0", "--control", "127.0.0.1:0"])
     assert third.peer_id != first.peer_id
+    host, port = third.control.rsplit(":", 1)  # a loopback control port, the real one
+    assert host == "127.0.0.1"
+    assert int(port) > 0
+    assert status(Path(third.control))["peer_id"] == third.peer_id
 
 
 @pytest.mark.timeout(60)
