@@ -128,7 +128,7 @@ class GlobalProgress:
         samples_per_second: the swarm's total throughput (processes at ``epoch``).
         eta: seconds until ``samples`` reaches ``target`` at that throughput (0 when
             reached, ``inf`` when nobody is making progress).
-        peers: every valid record read, at any epoch.
+        peers: every valid record read of a process still training, at any epoch.
     """
 
     epoch: int
@@ -158,12 +158,14 @@ def aggregate(records: Iterable[PeerProgress], target: int) -> GlobalProgress:
 
     Only processes at the newest epoch count towards it: a process still at an older epoch
     is behind and will catch up (load state) rather than contribute. Processes that left
-    are ignored.
+    still say which epoch the run reached (a newcomer then loads the state instead of
+    starting over), but count for nothing else.
     """
     if target <= 0:
         raise ValueError(f"target must be positive, got {target}")
+    records = tuple(records)
+    epoch = max((p.epoch for p in records), default=0)
     peers = tuple(p for p in records if not p.left)
-    epoch = max((p.epoch for p in peers), default=0)
     current = [p for p in peers if p.epoch == epoch]
     active = [p for p in peers if p.epoch >= epoch - 1]
     samples = sum(p.samples for p in current)

@@ -14,7 +14,8 @@ cosine schedule; its accuracy is the median over 5 data orders. Scenarios:
 * ``diloco``: ``DiLoCo`` with H=20 inner SGD steps per peer, uint8-blockwise pseudo-gradients
   (outer Nesterov SGD lr 0.7; momentum 0.5, and the paper's 0.9 as ``diloco-paper``);
 * ``churn``: gradient averaging (uint8-blockwise); at half of the run one peer's trainer and
-  daemon are killed (SIGKILL) and a new peer with a fresh daemon joins and takes its shard.
+  daemon are killed (SIGKILL); the three survivors go on for 10 global steps, then a new
+  peer with a fresh daemon joins (loading the swarm's state) and takes the dead one's shard.
 
 Prints one JSON line: per scenario the final test accuracy (mean over the peers alive at
 the end), its distance to the reference, bytes sent per peer (from the daemons' status),
@@ -46,6 +47,8 @@ LOCAL_BATCH = GLOBAL_BATCH // PEERS
 HIDDEN = 32
 LR = 0.1
 DILOCO_H = 20
+CHURN_GAP = 10
+"""Global steps the three survivors take between the kill and the newcomer's start."""
 RUN_ID = "digits"
 
 
@@ -429,7 +432,13 @@ def run_scenario(
             victim.wait_for(lambda r: r.get("position", -1) >= steps // 2, opts.budget, marks[-1])
             victim.signal(signal.SIGKILL)
             daemons[-1][0].signal(signal.SIGKILL)
-            extra["killed_at"] = victim.position(marks[-1])
+            extra["killed_at"] = killed_at = victim.position(marks[-1])
+            # The survivors go on alone for a while (their first rounds still wait for the
+            # dead peer until its progress record expires), then a newcomer joins.
+            survivor = active[0]
+            survivor.wait_for(
+                lambda r: r.get("position", -1) >= killed_at + CHURN_GAP, opts.budget, marks[0]
+            )
             (new_daemon,) = start_daemons(workdir, 1, log, join=daemon_address(daemons[0][0]))
             daemons.append(new_daemon)
             spare = workers[PEERS]

@@ -201,3 +201,31 @@ def test_diloco_across_two_daemons_matches_the_hand_computed_outer_step(
         expected = p0.detach() - 0.7 * 1.9 * (d1 + d2) / 2  # first Nesterov outer step
         assert torch.allclose(pa.detach(), expected, atol=1e-5)
         assert torch.equal(pa, pb)
+
+
+@pytest.mark.timeout(120)
+def test_overlapped_rounds_across_two_daemons_stay_in_step(
+    daemon_pool: ProcessPool, clients: ExitStack
+) -> None:
+    # delay_updates: the client is used from the training thread and the round thread at once
+    daemons = start_daemons(daemon_pool, 2)
+    (ma, a), (mb, b) = (make_peer(open_client(clients, d), delay_updates=True) for d in daemons)
+    reference = linear_model()
+    ga, gb = gradients(reference, batch(10)), gradients(reference, batch(20))
+    run_in_threads(lambda: train_until(ma, a, 10, 1), lambda: train_until(mb, b, 20, 1))
+    a.close()
+    b.close()
+    for p0, pa, pb, g1, g2 in zip(
+        reference.parameters(), ma.parameters(), mb.parameters(), ga, gb, strict=True
+    ):
+        assert torch.allclose(pa.detach(), p0.detach() - LR * (g1 + g2) / 2, atol=1e-6)
+        assert torch.equal(pa, pb)
+
+    (ma, a), (mb, b) = (make_peer(open_client(clients, d), delay_updates=True) for d in daemons)
+    assert a.epoch == b.epoch == 1  # the state the first pair published
+    run_in_threads(lambda: train_until(ma, a, 10, 5), lambda: train_until(mb, b, 20, 5))
+    a.close()
+    b.close()
+    assert a.stats.failed == b.stats.failed == 0
+    for pa, pb in zip(ma.parameters(), mb.parameters(), strict=True):
+        assert torch.equal(pa, pb)

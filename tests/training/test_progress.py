@@ -141,6 +141,11 @@ def test_a_process_that_left_no_longer_counts() -> None:
     b.leave()
     progress = a.refresh()
     assert (progress.num_peers, progress.samples) == (1, 0)
+    b.set_epoch(3)
+    b.leave()
+    progress = a.refresh()
+    assert progress.epoch == 3  # the run got that far: "a" is behind and loads the state
+    assert (progress.num_peers, progress.samples) == (0, 0)
     assert PeerProgress.from_record({**b.local.to_record(), "left": "yes"}) is None
 
 
