@@ -1,10 +1,13 @@
-"""Pure parts of the test bed: tc command construction and host spec validation (no root)."""
+"""Pure parts of the test bed: tc commands, host spec validation, requirement checks (no root)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 
-from deploy.testbed import HostSpec, TestBed
+from deploy.testbed import HostSpec, TestBed, _system
 from deploy.testbed.shaping import MIN_BURST_BYTES, burst_bytes, tbf_command
 
 
@@ -47,3 +50,15 @@ def test_invalid_specs_are_rejected_before_anything_is_built(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         TestBed(hosts)
+
+
+def test_missing_requirements_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reason tests skip with, where the test bed cannot run (checked without root)."""
+    check = _system.missing_requirements.__wrapped__  # bypass the per-process cache
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert "needs root" in str(check())
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(
+        shutil, "which", lambda tool: None if tool == "iptables" else f"/bin/{tool}"
+    )
+    assert "apt-get install iptables" in str(check())

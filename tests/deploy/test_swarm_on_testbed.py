@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -88,10 +89,8 @@ def check_exact_mean(results: Sequence[AverageResult], inputs: Sequence[list[np.
 
 def status_inside(host: Host, daemon: SwarmavgProcess) -> dict[str, object]:
     """``swarmavg status --json`` run on the daemon's host, as an operator would."""
-    done = host.run(
-        [*host.swarmavg_command()[4:], "status", "--control", daemon.control, "--json"],
-        timeout=60,
-    )
+    command = [sys.executable, "-m", "swarmavg.peer.cli", "status", "--json"]
+    done = host.run([*command, "--control", daemon.control], timeout=60)
     status: dict[str, object] = json.loads(done.stdout)
     return status
 
