@@ -349,7 +349,7 @@ class CollaborativeOptimizer:
         self.tracker.meter.pause()
         if self._grads is not None:
             key = f"grads.{epoch}"
-            local = [(g / weight).numpy() for g in self._grads]
+            local = [(g / weight).cpu().numpy() for g in self._grads]
         else:
             key = f"params.{epoch}"
             local = to_arrays(self.params)
