@@ -178,6 +178,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
         cache drops the segments of exited client processes.
         """
         segment: shm.DaemonSegment | None = None
+        shm_name = ""
         self.active_calls += 1
         started = time.monotonic()
         try:
@@ -186,6 +187,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
             if first.WhichOneof("kind") != "start":
                 raise ValidationError("the first message of an Average call must be its start")
             start = first.start
+            shm_name = start.shm_name
             validate_key(start.key)
             group_size = start.group_size or None
             validate_round_params(start.weight, group_size, start.min_group_size, start.timeout)
@@ -225,6 +227,8 @@ class ControlService(control_pb2_grpc.ControlServicer):
         except BaseException as exc:
             if segment is not None:  # the client drops its side too; don't keep ours
                 self._backend.segments.drop(segment.name)
+            elif shm_name:  # never mapped: remove the file now if its client is gone
+                shm.unlink_if_orphaned(shm_name)
             if not isinstance(exc, Exception):
                 raise  # cancelled: the client went away
             _, reason = classify(exc)

@@ -302,6 +302,17 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+def unlink_if_orphaned(name: str, directory: Path = SHM_DIR) -> bool:
+    """Unlink segment ``name`` if the process that created it has exited."""
+    pid = pid_of(name)
+    if pid is None or _pid_alive(pid):
+        return False
+    with contextlib.suppress(FileNotFoundError, PermissionError):
+        os.unlink(directory / name)
+        return True
+    return False
+
+
 def sweep_stale(directory: Path = SHM_DIR) -> int:
     """Unlink segments whose creating process has exited; return how many were removed."""
     removed = 0

@@ -134,3 +134,21 @@ def test_layout_is_aligned() -> None:
     offsets, size = shm.segment_layout([np.dtype(np.float16), np.dtype(np.float64)], [(3,), (2,)])
     assert offsets == [0, 64]
     assert size == 80
+
+
+def test_unlink_if_orphaned_spares_live_creators() -> None:
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    orphan = shm.ClientSegment(64, shm.SHM_DIR)
+    orphan_path = shm.SHM_DIR / f"swarmavg-{int(dead.stdout)}-{'d' * 32}"
+    os.rename(orphan.path, orphan_path)
+    live = shm.ClientSegment(64, shm.SHM_DIR)
+    assert shm.unlink_if_orphaned(orphan_path.name) is True
+    assert not orphan_path.exists()
+    assert shm.unlink_if_orphaned(live.name) is False
+    assert live.path.exists()
+    live.unlink()
