@@ -271,7 +271,9 @@ def test_daemon_killed_mid_round_others_return_within_timeout(
         if outcome["ok"]:
             # killed in the all-reduce: the group had the victim (its part is then kept
             # local, partial=True, unless the round had just finished)
-            assert outcome["group_size"] == (3 if phase == "allreduce" else 2), outcome
+            # (a full group can form within milliseconds, so a "matchmaking" kill may
+            # land in the all-reduce too)
+            assert outcome["group_size"] in ({3} if phase == "allreduce" else {2, 3}), outcome
         else:
             assert outcome["error"] in {"NoGroupError", "AveragingError", "SwarmTimeoutError"}
     workers[2].kill()
