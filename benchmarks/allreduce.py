@@ -331,7 +331,7 @@ def main() -> int:
     parser.add_argument("--codecs", default="none,float16,uint8-blockwise")
     parser.add_argument("--mb", type=float, default=64.0, help="MB of float32 per peer")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--chunk-kib", default="512", help="encoded chunk target(s), KiB")
+    parser.add_argument("--chunk-kib", default="1024", help="encoded chunk target(s), KiB")
     parser.add_argument("--threads", default="2", help="executor thread count(s) per peer")
     parser.add_argument("--profile", default=None, help="folder for rank 0's cProfile dumps")
     args = parser.parse_args()
