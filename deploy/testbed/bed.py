@@ -205,7 +205,7 @@ class TestBed:
             _system.run(["ip", "-n", switch, "link", "set", "br0", "up"])
             for index, spec in enumerate(self.specs):
                 self.hosts[spec.name] = self._add_host(index, spec, switch)
-        except BaseException:
+        except BaseException:  # KeyboardInterrupt too: remove what was built, re-raise
             self.close()
             raise
         return self
