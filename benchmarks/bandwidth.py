@@ -247,8 +247,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load_average_at_start": round(os.getloadavg()[0], 1),
         "cpu_cores": os.cpu_count(),
     }
-    workdir = Path(tempfile.mkdtemp(prefix="swarmavg-bw-"))
-    with TestBed([HostSpec(f"h{i}", rate_mbit=rate) for i in range(n)]) as bed:
+    with (
+        tempfile.TemporaryDirectory(prefix="swarmavg-bw-") as tmp,
+        TestBed([HostSpec(f"h{i}", rate_mbit=rate) for i in range(n)]) as bed,
+    ):
+        workdir = Path(tmp)
         log(f"test bed {bed.prefix}: {n} hosts at {rate} Mbit/s")
         raw = raw_tcp(bed, nbytes, args.raw_repeats)
         figures["raw_tcp"] = raw
