@@ -25,12 +25,11 @@ import pytest
 
 from swarmavg.peer.shm import NAME_RE, SHM_DIR
 from tests.harness import ProcessPool, SwarmavgProcess
+from tests.integration.client_worker import make_tensors
 
 pytestmark = pytest.mark.integration
 
 WORKER = Path(__file__).with_name("client_worker.py")
-sys.path.insert(0, str(WORKER.parent))
-from client_worker import make_tensors  # noqa: E402
 
 
 @pytest.fixture
