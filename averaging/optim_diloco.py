@@ -270,7 +270,19 @@ class DiLoCo:
                 key=f"diloco.{epoch}",
                 weight=float(self.tracker.samples),
                 group_size=progress.num_peers,
+                warn=False,
             )
+            if result is None:
+                after = self.tracker.refresh()
+                if after.epoch > epoch:  # they stepped without us: take their state
+                    self._catch_up(after)
+                    return
+                warnings.warn(
+                    f"outer step {epoch} failed ({self.link.stats.last_error}); "
+                    "stepping with the local pseudo-gradient",
+                    SwarmRoundWarning,
+                    stacklevel=3,
+                )
         outer_step(
             self.params,
             self.anchor,

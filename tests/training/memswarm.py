@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +57,8 @@ class MemorySwarm:
         self.rounds: dict[str, _Round] = {}
         self.states: dict[str, tuple[Any, list[np.ndarray], int]] = {}
         self.fail_keys: set[str] = set()
+        self.before_failure: Callable[[str], None] | None = None
+        """Called (outside the lock) with the key of a round about to fail by injection."""
         self.publish_counter = 0
         self.calls: list[tuple[str, str, float, int | None]] = []
 
@@ -109,8 +111,12 @@ class MemoryClient:
         deadline = time.monotonic() + timeout
         with swarm.cond:
             swarm.calls.append((self.peer_id, key, weight, group_size))
-            if key in swarm.fail_keys:
-                raise NoGroupError(f"injected failure for {key}")
+            failing = key in swarm.fail_keys
+        if failing:
+            if swarm.before_failure is not None:
+                swarm.before_failure(key)
+            raise NoGroupError(f"injected failure for {key}")
+        with swarm.cond:
             rnd = swarm.rounds.setdefault(key, _Round(group_size or 16))
             if rnd.closed:
                 raise NoGroupError(f"round {key} closed before {self.peer_id} arrived")

@@ -117,6 +117,42 @@ def test_failed_round_is_a_local_step_with_a_warning() -> None:
         assert torch.allclose(p.detach(), p0.detach() - LR * gi, atol=1e-6)
 
 
+def test_a_round_the_others_finished_without_us_is_replaced_by_their_state() -> None:
+    swarm = MemorySwarm()
+    model, opt = make_peer(swarm, "a", max_wait=0.0)
+    other = swarm.client("b")
+    other.dht.store(
+        "run.progress",
+        {"peer": "b", "epoch": 0, "samples": 4, "sps": 1.0, "time": 0.0},
+        subkey="b.1",
+    )
+    theirs = linear_model(seed=5)
+
+    def others_step_without_a(key: str) -> None:
+        # "b" averaged without "a", stepped, published its state and moved to epoch 1
+        helper = CollaborativeOptimizer(
+            theirs.parameters(),
+            torch.optim.SGD(theirs.parameters(), lr=LR),
+            client=other,
+            run_id="run",
+            target_batch_size=8,
+            batch_size_per_step=4,
+            load_state_on_start=False,
+        )
+        helper.tracker.set_epoch(1)
+        helper._maybe_publish(1)
+        helper.tracker.report()
+
+    swarm.before_failure = others_step_without_a
+    swarm.fail_keys.add("run.grads.0")
+    backward(model, batch(1))
+    opt.step()  # no warning: it neither stepped alone nor lost track
+    assert opt.epoch == 1
+    assert opt.stats.states_loaded == 1
+    for p, q in zip(model.parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
 def test_late_joiner_and_laggard_load_the_newest_state() -> None:
     swarm = MemorySwarm()
     (ma, a), (mb, b) = make_peer(swarm, "a"), make_peer(swarm, "b")
@@ -219,6 +255,26 @@ def make_diloco(swarm: MemorySwarm, name: str, steps: int = 3) -> tuple[torch.nn
         averaging_timeout=10.0,
     )
     return model, opt
+
+
+def test_diloco_failed_round_is_a_local_outer_step_with_a_warning() -> None:
+    swarm = MemorySwarm()
+    model, opt = make_diloco(swarm, "a", steps=1)
+    swarm.client("b").dht.store(
+        "run.diloco.progress",
+        {"peer": "b", "epoch": 0, "samples": 0, "sps": 1.0, "time": 0.0},
+        subkey="b.1",
+    )
+    swarm.fail_keys.add("run.diloco.0")
+    start = [p.detach().clone() for p in model.parameters()]
+    g = gradients(linear_model(), batch(3))
+    backward(model, batch(3))
+    with pytest.warns(SwarmRoundWarning, match="local pseudo-gradient"):
+        opt.step()
+    assert opt.epoch == 1
+    for p, p0, gi in zip(model.parameters(), start, g, strict=True):
+        # one inner SGD step moved it by lr*g; the outer step applies 0.7 * 1.9 * that
+        assert torch.allclose(p.detach(), p0 - 0.7 * 1.9 * LR * gi, atol=1e-6)
 
 
 def test_diloco_outer_step_uses_the_mean_pseudo_gradient() -> None:
