@@ -97,6 +97,8 @@ class SwarmavgProcess:
                 self.proc.wait(timeout=timeout)
         if self._reader is not None:
             self._reader.join(timeout=timeout)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
         return self.proc.returncode
 
 

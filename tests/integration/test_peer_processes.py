@@ -156,10 +156,10 @@ def swarm(pool: ProcessPool, sock_dir: Path, n: int, *first_args: str) -> list[S
 
 @pytest.mark.timeout(120)
 def test_four_daemons_four_clients_get_the_weighted_mean(
-    procs: ProcessPool, sock_dir: Path, tmp_path: Path
+    swarmavg_processes: ProcessPool, sock_dir: Path, tmp_path: Path
 ) -> None:
     metrics_port = free_port()
-    peers = swarm(procs, sock_dir, 4, "--metrics", f"127.0.0.1:{metrics_port}")
+    peers = swarm(swarmavg_processes, sock_dir, 4, "--metrics", f"127.0.0.1:{metrics_port}")
     before = scrape(metrics_port)
     assert before["swarmavg_dht_size"] >= 1
     shapes = [[300, 1000], [17], [4, 5, 6]]  # 1.2 MB: the first round goes through shm
@@ -230,9 +230,9 @@ def test_four_daemons_four_clients_get_the_weighted_mean(
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("phase", ["matchmaking", "allreduce"])
 def test_daemon_killed_mid_round_others_return_within_timeout(
-    procs: ProcessPool, sock_dir: Path, tmp_path: Path, phase: str
+    swarmavg_processes: ProcessPool, sock_dir: Path, tmp_path: Path, phase: str
 ) -> None:
-    peers = swarm(procs, sock_dir, 3)
+    peers = swarm(swarmavg_processes, sock_dir, 3)
     timeout = 15.0
     workers = [
         Worker(
@@ -284,9 +284,9 @@ def test_daemon_killed_mid_round_others_return_within_timeout(
 
 @pytest.mark.timeout(90)
 def test_client_killed_mid_round_leaves_no_segment(
-    procs: ProcessPool, sock_dir: Path, tmp_path: Path
+    swarmavg_processes: ProcessPool, sock_dir: Path, tmp_path: Path
 ) -> None:
-    peers = swarm(procs, sock_dir, 2)
+    peers = swarm(swarmavg_processes, sock_dir, 2)
     doomed = Worker(
         tmp_path,
         "doomed",
@@ -311,9 +311,9 @@ def test_client_killed_mid_round_leaves_no_segment(
 
 @pytest.mark.timeout(60)
 def test_sigint_stops_a_daemon_mid_round_within_5s(
-    procs: ProcessPool, sock_dir: Path, tmp_path: Path
+    swarmavg_processes: ProcessPool, sock_dir: Path, tmp_path: Path
 ) -> None:
-    peers = swarm(procs, sock_dir, 2)
+    peers = swarm(swarmavg_processes, sock_dir, 2)
     waiting = Worker(
         tmp_path,
         "waiting",
@@ -338,11 +338,11 @@ def test_sigint_stops_a_daemon_mid_round_within_5s(
 
 @pytest.mark.timeout(90)
 def test_bad_input_gets_a_clear_error_and_the_daemon_keeps_serving(
-    procs: ProcessPool, sock_dir: Path, tmp_path: Path
+    swarmavg_processes: ProcessPool, sock_dir: Path, tmp_path: Path
 ) -> None:
     from swarmavg.peer import NoGroupError, SwarmError, ValidationError, connect
 
-    peers = swarm(procs, sock_dir, 2)
+    peers = swarm(swarmavg_processes, sock_dir, 2)
     with connect(peers[0].control) as client:
         cases: list[tuple[list[Any], dict[str, Any], str]] = [
             ([np.array([np.nan], np.float32)], {}, "NaN/Inf"),
@@ -389,8 +389,8 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) 
 
 
 @pytest.mark.timeout(90)
-def test_startup_errors_are_one_clear_line(procs: ProcessPool, sock_dir: Path) -> None:
-    first = start_peer(procs, sock_dir / "a.sock")
+def test_startup_errors_are_one_clear_line(swarmavg_processes: ProcessPool, sock_dir: Path) -> None:
+    first = start_peer(swarmavg_processes, sock_dir / "a.sock")
     port = first.address.rsplit(":", 1)[1]
     taken = run_cli("peer", "--listen", f"127.0.0.1:{port}", "--control", str(sock_dir / "b.sock"))
     assert taken.returncode != 0
@@ -424,19 +424,25 @@ def test_startup_errors_are_one_clear_line(procs: ProcessPool, sock_dir: Path) -
     first.proc.send_signal(signal.SIGKILL)
     first.wait(timeout=10)
     assert Path(first.control).exists()
-    again = start_peer(procs, Path(first.control))
+    again = start_peer(swarmavg_processes, Path(first.control))
     assert again.control == first.control
 
 
 @pytest.mark.timeout(60)
-def test_identity_file_gives_the_same_peer_id(procs: ProcessPool, sock_dir: Path) -> None:
+def test_identity_file_gives_the_same_peer_id(
+    swarmavg_processes: ProcessPool, sock_dir: Path
+) -> None:
     key = sock_dir / "id.key"
-    first = start_peer(procs, sock_dir / "a.sock", "--identity", str(key))
+    first = start_peer(swarmavg_processes, sock_dir / "a.sock", "--identity", str(key))
     assert key.stat().st_mode & 0o777 == 0o600
     first.stop()
-    second = start_peer(procs, sock_dir / "a.sock", env={"SWARMAVG_IDENTITY": str(key)})
+    second = start_peer(
+        swarmavg_processes, sock_dir / "a.sock", env={"SWARMAVG_IDENTITY": str(key)}
+    )
     assert second.peer_id == first.peer_id
-    third = procs.start(["peer", "--listen", "127.0.0.1:0", "--control", "127.0.0.1:0"])
+    third = swarmavg_processes.start(
+        ["peer", "--listen", "127.0.0.1:0", "--control", "127.0.0.1:0"]
+    )
     assert third.peer_id != first.peer_id
     host, port = third.control.rsplit(":", 1)  # a loopback control port, the real one
     assert host == "127.0.0.1"
@@ -445,13 +451,20 @@ def test_identity_file_gives_the_same_peer_id(procs: ProcessPool, sock_dir: Path
 
 
 @pytest.mark.timeout(60)
-def test_ready_line_and_bare_dht_bootstrap_node(procs: ProcessPool, sock_dir: Path) -> None:
-    boot = procs.start(["dht", "--listen", "127.0.0.1:0", "--run-id", "pub"])
+def test_ready_line_and_bare_dht_bootstrap_node(
+    swarmavg_processes: ProcessPool, sock_dir: Path
+) -> None:
+    boot = swarmavg_processes.start(["dht", "--listen", "127.0.0.1:0", "--run-id", "pub"])
     assert set(boot.ready) == {"event", "peer_id", "address", "control", "run_id"}
     assert boot.ready["control"] is None
     assert boot.ready["run_id"] == "pub"
     peer = start_peer(
-        procs, sock_dir / "a.sock", "--join", f"{boot.address},127.0.0.1:1", "--run-id", "pub"
+        swarmavg_processes,
+        sock_dir / "a.sock",
+        "--join",
+        f"{boot.address},127.0.0.1:1",
+        "--run-id",
+        "pub",
     )
     assert "initial peer(s) 127.0.0.1:1 did not answer" in peer.stderr()
     assert set(peer.ready) == {"event", "peer_id", "address", "control", "run_id"}
@@ -460,7 +473,13 @@ def test_ready_line_and_bare_dht_bootstrap_node(procs: ProcessPool, sock_dir: Pa
     assert len(peer.stdout_lines) == 1, "exactly one line on stdout"
     assert status(Path(peer.control))["known_peers"] == 1
     client_mode = start_peer(
-        procs, sock_dir / "c.sock", "--client-mode", "--join", peer.address, "--run-id", "pub"
+        swarmavg_processes,
+        sock_dir / "c.sock",
+        "--client-mode",
+        "--join",
+        peer.address,
+        "--run-id",
+        "pub",
     )
     assert client_mode.ready["address"] is None
     assert status(Path(client_mode.control))["client_mode"] is True
@@ -471,10 +490,10 @@ def test_ready_line_and_bare_dht_bootstrap_node(procs: ProcessPool, sock_dir: Pa
 
 @pytest.mark.timeout(90)
 def test_training_processes_on_one_machine_are_combined(
-    procs: ProcessPool, sock_dir: Path, tmp_path: Path
+    swarmavg_processes: ProcessPool, sock_dir: Path, tmp_path: Path
 ) -> None:
     """Two training processes on daemon A, one on daemon B: A contributes once."""
-    peers = swarm(procs, sock_dir, 2)
+    peers = swarm(swarmavg_processes, sock_dir, 2)
     go = tmp_path / "go"
     weights = [1.0, 2.0, 4.0]
     homes = [peers[0], peers[0], peers[1]]
