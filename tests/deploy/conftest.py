@@ -41,12 +41,7 @@ def peer_pool(make_testbed: MakeTestBed, swarmavg_processes: ProcessPool) -> Ite
     """``swarmavg_processes`` for daemons inside test bed hosts.
 
     Depends on ``make_testbed`` so that the daemons are stopped (gracefully, SIGTERM) before
-    their namespaces are deleted, and closes each process's stdout pipe, which
-    tests/harness.py leaves open (a ResourceWarning under ``filterwarnings=error``).
+    their namespaces are deleted.
     """
     yield swarmavg_processes
-    handles = list(swarmavg_processes.processes)
     swarmavg_processes.close()
-    for handle in handles:
-        if handle.proc.stdout is not None:
-            handle.proc.stdout.close()

@@ -101,9 +101,9 @@ def train_until(model: torch.nn.Module, opt: CollaborativeOptimizer, seed: int, 
 
 @pytest.mark.timeout(120)
 def test_two_daemons_average_gradients_keep_epochs_and_serve_a_late_joiner(
-    daemon_pool: ProcessPool, clients: ExitStack
+    swarmavg_processes: ProcessPool, clients: ExitStack
 ) -> None:
-    daemons = start_daemons(daemon_pool, 2)
+    daemons = start_daemons(swarmavg_processes, 2)
     ca, cb = (open_client(clients, d) for d in daemons)
     (ma, a), (mb, b) = make_peer(ca), make_peer(cb)
     reference = linear_model()
@@ -125,7 +125,7 @@ def test_two_daemons_average_gradients_keep_epochs_and_serve_a_late_joiner(
         assert torch.equal(pa, pb)
 
     # a late joiner behind its own daemon loads parameters, optimizer state and epoch
-    cc = open_client(clients, join_daemon(daemon_pool, daemons[0], 2))
+    cc = open_client(clients, join_daemon(swarmavg_processes, daemons[0], 2))
     torch.manual_seed(99)
     mc, c = make_peer(cc)
     assert c.epoch == 4
@@ -152,9 +152,9 @@ def test_two_daemons_average_gradients_keep_epochs_and_serve_a_late_joiner(
 
 @pytest.mark.timeout(120)
 def test_diloco_across_two_daemons_matches_the_hand_computed_outer_step(
-    daemon_pool: ProcessPool, clients: ExitStack
+    swarmavg_processes: ProcessPool, clients: ExitStack
 ) -> None:
-    daemons = start_daemons(daemon_pool, 2)
+    daemons = start_daemons(swarmavg_processes, 2)
     models, opts = [], []
     for d in daemons:
         model = linear_model()
@@ -205,10 +205,10 @@ def test_diloco_across_two_daemons_matches_the_hand_computed_outer_step(
 
 @pytest.mark.timeout(120)
 def test_overlapped_rounds_across_two_daemons_stay_in_step(
-    daemon_pool: ProcessPool, clients: ExitStack
+    swarmavg_processes: ProcessPool, clients: ExitStack
 ) -> None:
     # delay_updates: the client is used from the training thread and the round thread at once
-    daemons = start_daemons(daemon_pool, 2)
+    daemons = start_daemons(swarmavg_processes, 2)
     (ma, a), (mb, b) = (make_peer(open_client(clients, d), delay_updates=True) for d in daemons)
     reference = linear_model()
     ga, gb = gradients(reference, batch(10)), gradients(reference, batch(20))
