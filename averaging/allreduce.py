@@ -392,8 +392,11 @@ async def run_allreduce(
         service.bytes_per_element[probe_key] = await offload(
             executor, _bytes_per_element, codec, layout.dtype
         )
-    chunk_elements = chunk_elements_for(
-        service.bytes_per_element[probe_key], service.config.chunk_bytes
+    # A chunk is at most chunk_bytes on the wire AND in the reduction dtype, so that
+    # strongly compressing codecs keep enough chunks per part to pipeline.
+    chunk_elements = min(
+        chunk_elements_for(service.bytes_per_element[probe_key], service.config.chunk_bytes),
+        chunk_elements_for(float(layout.dtype.itemsize), service.config.chunk_bytes),
     )
     plan = PartPlan.build(part_sizes(group.members, layout.total), chunk_elements)
     ex = _Exchange(
