@@ -35,6 +35,8 @@ class DHTConfig:
         cache_on_lookup: after a successful get, cache the record on the nearest queried node
             that lacked it (paper 2.3).
         get_quorum: a non-``latest`` get stops once this many nodes returned the key.
+        stale_after: a contact without a replacement waiting is dropped after this many
+            failed requests in a row (paper 4.1); with a replacement, after one.
         limits: size caps on keys, values, batches and storage.
         validators: extra record checks (e.g. :class:`~swarmavg.dht.validation.SchemaValidator`).
     """
@@ -56,6 +58,7 @@ class DHTConfig:
     maintenance_interval: float = 30.0
     cache_on_lookup: bool = True
     get_quorum: int = 1
+    stale_after: int = 3
     limits: DHTLimits = field(default_factory=DHTLimits)
     validators: tuple[RecordValidator, ...] = ()
 
@@ -69,7 +72,7 @@ class DHTConfig:
                 raise ValueError(f"initial peer {address!r} is not HOST:PORT")
         if not self.run_id:
             raise ValueError("run_id must not be empty")
-        for name in ("k", "alpha", "b", "get_quorum"):
+        for name in ("k", "alpha", "b", "get_quorum", "stale_after"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.replication is not None and self.replication < 1:

@@ -247,8 +247,8 @@ class DHTNode:
                     failures[address] = answer
             if joined:
                 # paper 2.3: a joining node looks up its own id through the contacts it has
-                await traverse(self.protocol, [self.peer_id], want_values=False)
-                if len(self.routing) > 0:
+                join = await traverse(self.protocol, [self.peer_id], want_values=False)
+                if join[self.peer_id].nearest:  # someone answered the lookup
                     break
                 for address in joined:  # e.g. a peer that answers pings under another id
                     failures[address] = "answered a ping, then failed the join lookup"

@@ -350,7 +350,7 @@ class DHTProtocol:
 
     def _failed(self, address: str, expected_id: bytes | None, reason: str) -> DHTRPCError:
         if expected_id is not None:
-            self.routing.remove(expected_id)
+            self.routing.record_failure(expected_id, self.config.stale_after)
         return DHTRPCError(address, reason)
 
     # ---- client side ----

@@ -33,6 +33,7 @@ class Contact:
     address: str
     id_int: int = field(init=False)
     last_seen: float = 0.0
+    failures: int = 0  # failed requests in a row (paper 4.1)
 
     def __post_init__(self) -> None:
         self.id_int = id_to_int(self.peer_id)
@@ -144,6 +145,7 @@ class RoutingTable:
             if existing is not None:
                 existing.address = contact.address
                 existing.last_seen = contact.last_seen
+                existing.failures = 0
                 bucket.contacts.move_to_end(contact.peer_id)
                 return None
             if not bucket.is_full():
@@ -178,6 +180,26 @@ class RoutingTable:
             bucket.contacts[promoted_id] = promoted
             self._size += 1
         return True
+
+    def record_failure(self, peer_id: bytes, stale_after: int) -> bool:
+        """A request to ``peer_id`` failed; return whether the contact was dropped.
+
+        Paper 4.1: a contact that fails is replaced at once when its bucket has a replacement
+        waiting; otherwise it is kept until it fails ``stale_after`` times in a row, so that
+        one slow answer does not empty a sparse table (a node that just joined through a
+        single peer would otherwise lose its only contact).
+        """
+        if len(peer_id) != 20:
+            return False
+        bucket = self.buckets[self.bucket_index(id_to_int(peer_id))]
+        contact = bucket.contacts.get(peer_id)
+        if contact is None:
+            bucket.replacements.pop(peer_id, None)
+            return False
+        contact.failures += 1
+        if bucket.replacements or contact.failures >= stale_after:
+            return self.remove(peer_id)
+        return False
 
     def nearest(self, target: int, k: int, exclude: Iterable[bytes] = ()) -> list[Contact]:
         """The ``k`` known contacts nearest to ``target`` by XOR distance, nearest first."""

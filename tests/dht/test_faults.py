@@ -75,7 +75,7 @@ async def faulty(request: pytest.FixtureRequest) -> AsyncIterator[tuple[FaultyPe
 
 async def test_lookups_survive_a_misbehaving_peer(faulty: tuple[FaultyPeer, str]) -> None:
     peer, address = faulty
-    async with swarm(12, k=4, request_timeout=0.3) as s:
+    async with swarm(12, k=4, request_timeout=0.3, stale_after=1) as s:
         node = s.nodes[5]
         bad = Contact(peer.identity.peer_id, address)
         # plant the faulty contact in every table, as if it had behaved well before

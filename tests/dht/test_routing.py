@@ -127,3 +127,22 @@ def test_stale_buckets_and_lookup_marks() -> None:
     assert table.stale_buckets(10.0, now=bucket.last_lookup + 11) == [bucket]
     table.mark_lookup(123, now=bucket.last_lookup + 11)
     assert table.stale_buckets(10.0, now=bucket.last_lookup + 5) == []
+
+
+def test_failed_contact_kept_until_stale_unless_replaced() -> None:
+    own = bytes(20)
+    table = RoutingTable(own, k=3)
+    peer = b"\xff" * 20
+    table.add_or_update(_contact(peer))
+    assert not table.record_failure(peer, stale_after=3)
+    assert not table.record_failure(peer, stale_after=3)
+    table.add_or_update(_contact(peer))  # it answered again: the count starts over
+    assert not table.record_failure(peer, stale_after=3)
+    assert not table.record_failure(peer, stale_after=3)
+    assert table.record_failure(peer, stale_after=3)
+    assert peer not in table
+    # with a replacement waiting, one failure is enough (paper 4.1)
+    full, far = _fill_far_bucket(own, 3)
+    assert full.add_or_update(_contact(far[3])) is not None
+    assert full.record_failure(far[0], stale_after=3)
+    assert far[3] in full
