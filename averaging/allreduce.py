@@ -58,7 +58,7 @@ from swarmavg.averaging.reduce_wire import (
     encode_request,
     serialize_request,
 )
-from swarmavg.compression import Codec, CodecInfo, get_codec
+from swarmavg.compression import Codec, CodecInfo
 from swarmavg.compression.base import Encoded
 from swarmavg.compression.kernels import all_finite
 from swarmavg.proto import averaging_pb2, common_pb2
@@ -164,8 +164,10 @@ class _Exchange:
     def _encode(self, part: int, chunk: int) -> Encoded:
         base = self.plan.bounds[part][0]
         start, end = self.plan.chunk_bounds(part, chunk)
+        # Keyed by the tensors' schema and the chunk's place in them, so a stateful codec's
+        # residual (top-k error feedback) meets the same slice of the same tensors next round.
         info = CodecInfo(
-            key=f"flat[{base + start}:{base + end}]",
+            key=f"{self.group.schema_hash.hex()[:16]}/flat[{base + start}:{base + end}]",
             part_index=part,
             part_size=self.plan.part_size(part),
         )
@@ -383,7 +385,7 @@ async def run_allreduce(
     if deadline <= t0:
         raise AllReduceError("the round's deadline has already passed")
     layout = TensorLayout.of(tensors)
-    codec = get_codec(group.codec)
+    codec = service.codec(group.codec)
     loop = asyncio.get_running_loop()
     executor = service.executor
 

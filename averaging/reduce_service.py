@@ -39,7 +39,7 @@ from swarmavg.averaging.faults import FaultPlan
 from swarmavg.averaging.group import GroupInfo
 from swarmavg.averaging.partition import PartPlan
 from swarmavg.averaging.reducer import ContributionError, PartReducer
-from swarmavg.compression import Codec, CodecInfo
+from swarmavg.compression import Codec, CodecInfo, get_codec
 from swarmavg.compression.base import parse_header
 from swarmavg.compression.dtypes import dtype_to_proto
 from swarmavg.dht.identity import HeaderError, verify_header
@@ -313,8 +313,15 @@ class ReducerRound:
         self, chunk: int, values: np.ndarray, contributors: int
     ) -> tuple[averaging_pb2.ReduceResponse, np.ndarray, int]:
         start, end = self.plan.bounds[self.my_index]
+        chunk_start, chunk_end = self.plan.chunk_bounds(self.my_index, chunk)
+        # One stable key per chunk of the tensors' flat layout: a stateful codec adds each
+        # chunk's residual from the last round to the same chunk (two-way error feedback),
+        # never to another chunk.
+        schema = self.group.schema_hash.hex()[:16]
         info = CodecInfo(
-            key=f"average[{start}:{end}]", part_index=self.my_index, part_size=end - start
+            key=f"{schema}/average[{start + chunk_start}:{start + chunk_end}]",
+            part_index=self.my_index,
+            part_size=end - start,
         )
         return encode_response(self.codec, values, info, chunk, contributors)
 
@@ -400,6 +407,23 @@ class AllReduceService:
         self._waiting = 0
         self._closed = False
         self.bytes_per_element: dict[tuple[str, str], float] = {}
+        self._codecs: dict[str, Codec] = {}
+
+    def codec(self, name: str) -> Codec:
+        """The daemon's one instance of codec ``name``, for the chunks it sends and returns.
+
+        Kept across rounds because stateful codecs (``topk``) hold each chunk's
+        error-feedback residual in the instance: a fresh instance per round would drop the
+        residuals and turn error feedback into plain sparsification. Senders and the
+        reducer's return path use distinct keys, so their residuals never mix.
+
+        Raises:
+            ValueError: unknown codec name.
+        """
+        codec = self._codecs.get(name)
+        if codec is None:
+            codec = self._codecs[name] = get_codec(name)
+        return codec
 
     def register(self, round_: ReducerRound) -> None:
         """Make ``round_`` reachable by its group id (the runner calls this)."""

@@ -287,3 +287,30 @@ async def test_inline_codec_work_gives_the_same_bits(
         finally:
             await close_peers(peers)
     _assert_bit_identical(outcomes)  # type: ignore[arg-type]
+
+
+async def test_topk_error_feedback_carries_across_rounds(
+    grpc_servers: GrpcServerPool, channels: ChannelPool
+) -> None:
+    """Over many rounds of the same inputs, the sum of top-k averages tracks the true sum.
+
+    Each sender keeps its residuals in the daemon's codec instance, so every element is sent
+    eventually; with residuals dropped between rounds the small elements would never move.
+    """
+    peers = await start_peers(grpc_servers, 2)
+    rng = np.random.default_rng(7)
+    inputs = [[rng.standard_normal(2000).astype(np.float32)] for _ in range(2)]
+    expected = (inputs[0][0] + inputs[1][0]) / 2
+    rounds = 60
+    total = np.zeros_like(expected)
+    try:
+        for _ in range(rounds):
+            group = make_group(peers, inputs[0], codec="topk:fraction=0.05")
+            results = await run_group(peers, group, inputs, [1.0, 1.0], channels)
+            assert isinstance(results[0], AllReduceOutcome), results[0]
+            total += results[0].tensors[0]
+    finally:
+        await close_peers(peers)
+    # Without error feedback 95% of the elements would stay near 0 in every round.
+    relative = np.linalg.norm(total / rounds - expected) / np.linalg.norm(expected)
+    assert relative < 0.25, relative
