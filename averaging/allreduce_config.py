@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from swarmavg.averaging.partition import DEFAULT_CHUNK_BYTES
+
+
+def _default_executor_threads() -> int:
+    return 0 if (os.cpu_count() or 1) <= 2 else 2
 
 
 @dataclass(frozen=True)
@@ -27,7 +32,9 @@ class AllReduceConfig:
         max_waiting_streams: inbound streams allowed to wait for an unknown group at
             once; more are refused with RESOURCE_EXHAUSTED.
         executor_threads: threads for codec work and reduction, off the event loop; 0
-            runs it on the loop (less thread switching on a machine with few cores).
+            runs it on the loop. Default: 0 on machines with at most 2 cores, where the
+            thread pool cost 10-30% more CPU per round than inline work
+            (docs/benchmarks-allreduce.md), else 2.
     """
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -36,7 +43,7 @@ class AllReduceConfig:
     registration_wait: float = 5.0
     finalize_margin: float = 0.5
     max_waiting_streams: int = 64
-    executor_threads: int = 2
+    executor_threads: int = field(default_factory=_default_executor_threads)
 
     def __post_init__(self) -> None:
         if not 4096 <= self.chunk_bytes <= 3 * 1024 * 1024:
