@@ -86,7 +86,8 @@ class DHTNode:
         self.config = config
         self.identity = identity or Identity.generate()
         self._owns_channels = channels is None
-        self.channels = channels or ChannelPool()
+        # `is None`, not `or`: an empty pool is falsy (it has __len__) yet is the caller's.
+        self.channels = channels if channels is not None else ChannelPool()
         self.routing = RoutingTable(self.identity.peer_id, config.k, config.b)
         self.storage = Storage(config.limits.max_subkeys_per_key, config.limits.max_stored_bytes)
         self.protocol = DHTProtocol(

@@ -17,7 +17,6 @@ from swarmavg.peer.daemon import (
     SERVER_OPTIONS,
     StartupError,
     _bounded,
-    _pools,
     bootstrap_message,
 )
 from swarmavg.peer.netutil import announce_address, explain_bind_failure
@@ -106,5 +105,5 @@ class BareDHT:
             await _bounded(self.node.shutdown(), 1.0, "DHT shutdown")
         if self._server is not None:
             await _bounded(self._server.stop(0.2), 1.0, "server")
-        for pool in _pools(self._channels, self.node):
-            await _bounded(pool.close(), 2.0, "channels")
+        if self._channels is not None:
+            await _bounded(self._channels.close(), 2.0, "channels")

@@ -421,9 +421,9 @@ class Peer:
             await _bounded(self.dht.shutdown(), left(1.0), "DHT shutdown")
         if self._public_server is not None:
             await _bounded(self._public_server.stop(0.2), left(1.0), "public server")
-        for pool in _pools(self._channels, self.dht):
-            # Closing a pool also cancels its sweeper task: give it a real chance.
-            await _bounded(pool.close(), max(left(2.0), 0.5), "channels")
+        if self._channels is not None:
+            # Closing the pool also cancels its sweeper task: give it a real chance.
+            await _bounded(self._channels.close(), max(left(2.0), 0.5), "channels")
         if self._metrics is not None:
             await asyncio.to_thread(self._metrics.stop)
         if self.control is not None and self.control.path is not None and self._control_server:
@@ -442,18 +442,6 @@ class Peer:
         tb: TracebackType | None,
     ) -> None:
         await self.shutdown()
-
-
-def _pools(channels: ChannelPool | None, dht: DHTNode | None) -> list[ChannelPool]:
-    """The pools to close: ours, and the DHT node's when it made its own.
-
-    ``DHTNode`` tests ``channels or ChannelPool()``, and an empty pool is falsy (it has a
-    ``__len__``), so the node may have made a second pool that it does not close.
-    """
-    pools = [channels] if channels is not None else []
-    if dht is not None and all(dht.channels is not p for p in pools):
-        pools.append(dht.channels)
-    return pools
 
 
 async def _bounded(awaitable: Any, seconds: float, what: str) -> None:

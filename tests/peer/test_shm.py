@@ -63,8 +63,8 @@ def test_daemon_rejects_bad_segments(shm_dir: Path) -> None:
     seg.unlink()
 
 
-def test_pool_reuses_an_idle_segment_only() -> None:
-    pool = shm.SegmentPool()
+def test_pool_reuses_an_idle_segment_only(shm_dir: Path) -> None:
+    pool = shm.SegmentPool(shm_dir)  # segments it leaves unreleased stay in tmp_path
     x = [np.arange(4, dtype=np.float32)]
     first = pool.acquire(x)
     pool.release(first, ok=True)  # never mapped by a daemon: not kept
