@@ -14,12 +14,12 @@ import grpc
 from swarmavg.dht import BootstrapError, ChannelPool, DHTConfig, DHTNode, Identity
 from swarmavg.peer.config import PeerConfig
 from swarmavg.peer.daemon import (
-    SERVER_OPTIONS,
     StartupError,
     _bounded,
     bootstrap_message,
+    start_public_server,
 )
-from swarmavg.peer.netutil import announce_address, explain_bind_failure
+from swarmavg.peer.netutil import announce_address
 
 log = logging.getLogger(__name__)
 
@@ -75,20 +75,7 @@ class BareDHT:
             self._identity,
             self._channels,
         )
-        server = grpc.aio.server(options=SERVER_OPTIONS)
-        self.node.add_to_server(server)
-        try:
-            port = server.add_insecure_port(cfg.listen)
-        except RuntimeError:
-            port = 0
-        if port == 0:
-            await server.stop(None)
-            raise StartupError(
-                f"cannot listen on {cfg.listen}: {explain_bind_failure(cfg.listen)}; "
-                "choose another with --listen HOST:PORT (port 0 picks a free one)"
-            )
-        self._server = server
-        await server.start()
+        self._server, port = await start_public_server(cfg.listen, self.node.add_to_server)
         self.address = announce_address(cfg.listen, port, cfg.announce)
         try:
             await self.node.start(self.address)

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -68,6 +69,30 @@ def bootstrap_message(exc: BootstrapError) -> str:
         f"could not join the swarm: no initial peer answered after {exc.attempts} "
         f"attempt(s) ({reasons})"
     )
+
+
+async def start_public_server(
+    listen: str, register: Callable[[grpc.aio.Server], None]
+) -> tuple[grpc.aio.Server, int]:
+    """Bind ``listen``, let ``register`` add the public services, start; return server, port.
+
+    Raises:
+        StartupError: the address cannot be bound (the message says why and what to do).
+    """
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    register(server)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        await server.stop(None)
+        raise StartupError(
+            f"cannot listen on {listen}: {explain_bind_failure(listen)}; "
+            "choose another with --listen HOST:PORT (port 0 picks a free one)"
+        )
+    await server.start()
+    return server, port
 
 
 class Peer:
@@ -158,21 +183,13 @@ class Peer:
             self.dht, self._averager_config, self._channels, observer=self._on_matchmaking
         )
         if not cfg.client_mode:
-            server = grpc.aio.server(options=SERVER_OPTIONS)
-            self.dht.add_to_server(server)
-            self.averager.add_to_server(server)
-            try:
-                port = server.add_insecure_port(cfg.listen)
-            except RuntimeError:
-                port = 0
-            if port == 0:
-                await server.stop(None)
-                raise StartupError(
-                    f"cannot listen on {cfg.listen}: {explain_bind_failure(cfg.listen)}; "
-                    "choose another with --listen HOST:PORT (port 0 picks a free one)"
-                )
-            self._public_server = server
-            await server.start()
+            dht, averager = self.dht, self.averager
+
+            def register(server: grpc.aio.Server) -> None:
+                dht.add_to_server(server)
+                averager.add_to_server(server)
+
+            self._public_server, port = await start_public_server(cfg.listen, register)
             self.address = announce_address(cfg.listen, port, cfg.announce)
         try:
             await self.dht.start(self.address)
