@@ -45,6 +45,7 @@ from swarmavg.averaging.reduce_service import AllReduceService
 from swarmavg.averaging.service import AveragingServicer, Components, add_to_server
 from swarmavg.averaging.state_sharing import DonorFaults, StateSharer, StateSharingConfig
 from swarmavg.compression import get_codec
+from swarmavg.compression.kernels import all_finite
 from swarmavg.dht.channels import ChannelPool
 
 log = logging.getLogger(__name__)
@@ -165,11 +166,9 @@ def validate_tensors(tensors: object) -> list[np.ndarray]:
                 f"tensor {i} has unsupported dtype {array.dtype}; supported: "
                 f"{sorted(d.name for d in SUPPORTED_DTYPES)}"
             )
-        if array.dtype.kind == "f" or array.dtype.name == "bfloat16":
-            finite = np.isfinite(array)
-            if not finite.all():
-                bad = int(finite.size - np.count_nonzero(finite))
-                raise InvalidTensorsError(f"tensor {i} holds {bad} NaN or Inf value(s)")
+        if (array.dtype.kind == "f" or array.dtype.name == "bfloat16") and not all_finite(array):
+            bad = int(array.size - np.count_nonzero(np.isfinite(array)))
+            raise InvalidTensorsError(f"tensor {i} holds {bad} NaN or Inf value(s)")
         view = array.view()
         view.flags.writeable = False  # the round never writes into the caller's arrays
         views.append(view)

@@ -52,7 +52,7 @@ def all_finite(x: np.ndarray) -> bool:
     if x.size == 0:
         return True
     with np.errstate(over="ignore", invalid="ignore"):
-        s = np.add.reduce(x, dtype=np.float64 if x.dtype == np.float64 else np.float32)
+        s = np.add.reduce(x, axis=None, dtype=np.float64 if x.dtype == np.float64 else np.float32)
     return bool(np.isfinite(s)) or bool(np.isfinite(x).all())
 
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import ml_dtypes
 import numpy as np
 
+from swarmavg.compression.kernels import all_finite
 from swarmavg.peer.errors import ValidationError
 from swarmavg.proto import tensor_pb2
 
@@ -111,7 +112,8 @@ def validate_layout(dtypes: Sequence[np.dtype[np.generic]], shapes: Sequence[Seq
 def validate_finite(arrays: Sequence[np.ndarray]) -> None:
     """Reject NaN and Inf (one of them poisons the whole group's average)."""
     for i, array in enumerate(arrays):
-        if array.size and not bool(np.isfinite(array).all()):
+        floating = array.dtype.kind == "f" or array.dtype == ml_dtypes.bfloat16
+        if floating and not all_finite(array):
             bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
             raise ValidationError(f"tensor {i} holds {bad} NaN/Inf value(s)")
 
