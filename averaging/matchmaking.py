@@ -185,17 +185,7 @@ class Matchmaker:
         finally:
             if self._rounds.get(request.key) is rnd:
                 del self._rounds[request.key]
-            if not rnd.closed:
-                self._release_followers(
-                    rnd,
-                    averaging_pb2.JoinResponse(
-                        code=averaging_pb2.JOIN_DISBANDED,
-                        leader_id=self.peer_id,
-                        detail="the leader stopped matchmaking",
-                    ),
-                )
-            if not rnd.result.done():
-                rnd.result.cancel()
+            self._disband(rnd, "the leader stopped matchmaking")
 
     async def _declare(self, rnd: _Round) -> None:
         subkey = declaration_subkey(self.peer_id)
@@ -574,17 +564,19 @@ class Matchmaker:
     async def shutdown(self) -> None:
         """Disband every pending group here (followers are told at once)."""
         for rnd in list(self._rounds.values()):
-            if not rnd.closed:
-                self._release_followers(
-                    rnd,
-                    averaging_pb2.JoinResponse(
-                        code=averaging_pb2.JOIN_DISBANDED,
-                        leader_id=self.peer_id,
-                        detail="the leader is shutting down",
-                    ),
-                )
-            if not rnd.result.done():
-                rnd.result.cancel()
+            self._disband(rnd, "the leader is shutting down")
+
+    def _disband(self, rnd: _Round, detail: str) -> None:
+        """Tell the followers of a group that never closed that it is off; end the round."""
+        if not rnd.closed:
+            self._release_followers(
+                rnd,
+                averaging_pb2.JoinResponse(
+                    code=averaging_pb2.JOIN_DISBANDED, leader_id=self.peer_id, detail=detail
+                ),
+            )
+        if not rnd.result.done():
+            rnd.result.cancel()
 
     def _notify(self, event: MatchmakingEvent, key: str, peer_id: bytes) -> None:
         log.debug("%s %s %s", key, event.value, peer_id.hex()[:8])
