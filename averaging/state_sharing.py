@@ -10,6 +10,15 @@ whose sha256 is wrong) hands its unfinished batch back to the others. Chunks are
 content-addressed (:mod:`swarmavg.averaging.state_format`), so a peer that holds an older
 version fetches only the chunks that changed. hivemind sends every newcomer to one donor
 (its issue 169); here the load spreads over all donors of the freshest version.
+
+Peers republish every few steps, so a download must survive donors that move on while it
+runs. A donor keeps serving its superseded versions for a bounded grace
+(:mod:`swarmavg.averaging.state_store`: the last ``retain_versions``, each for
+``retain_seconds`` after its last use). When every donor of the version being downloaded
+has dropped it anyway, the joiner reads the DHT again and moves on to the freshest version
+advertised, keeping every chunk it already verified (content addressing makes them valid
+for any version that contains them). The result is always exactly one manifest's chunks,
+each sha256-verified: never a mix of two versions.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,12 +44,12 @@ from swarmavg.averaging.state_format import (
     DEFAULT_CHUNK_SIZE,
     HASH_BYTES,
     Manifest,
-    PackedState,
     StateFormatError,
     chunk_hash,
     pack_state,
     unpack_state,
 )
+from swarmavg.averaging.state_store import StateStore
 from swarmavg.dht.channels import ChannelPool
 from swarmavg.dht.identity import HeaderError, verify_header
 from swarmavg.proto import averaging_pb2
@@ -63,6 +72,12 @@ class StateSharingConfig:
         max_uploads: concurrent downloads served; more get ``STATE_BUSY``.
         keep_loaded_chunks: keep the chunks of the last loaded state in memory, so that the
             next load fetches only the chunks that changed (costs one copy of the state).
+        retain_versions: superseded versions a donor keeps serving after it publishes a
+            new one, so that downloads in progress can finish (0: drop at once). A donor
+            holds at most ``retain_versions + 1`` states, shared chunks counted once.
+        retain_seconds: a superseded version is dropped this long after it was superseded
+            or last asked for, whichever is later (and earlier when ``retain_versions``
+            newer ones were superseded after it).
     """
 
     chunk_size: int = DEFAULT_CHUNK_SIZE
@@ -72,10 +87,16 @@ class StateSharingConfig:
     max_state_bytes: int = 16 << 30
     max_uploads: int = 8
     keep_loaded_chunks: bool = True
+    retain_versions: int = 2
+    retain_seconds: float = 30.0
 
     def __post_init__(self) -> None:
         if not (self.ttl > 0 and self.message_timeout > 0):
             raise ValueError("ttl and message_timeout must be positive")
+        if self.retain_versions < 0 or not (
+            math.isfinite(self.retain_seconds) and self.retain_seconds >= 0
+        ):
+            raise ValueError("retain_versions and retain_seconds must be finite and >= 0")
         if not 0 < self.batch_chunks <= MAX_CHUNKS_PER_REQUEST:
             raise ValueError(f"batch_chunks must be in 1..{MAX_CHUNKS_PER_REQUEST}")
         if self.max_uploads < 1 or self.max_state_bytes < 1:
@@ -90,10 +111,14 @@ class DonorFaults:
         fail_after_chunks: abort every download stream after this many chunks served in
             total by this donor (a donor dying mid-download).
         corrupt_chunks: flip a byte in every chunk served (a corrupting donor).
+        before_chunk: awaited before each requested chunk is looked up, with the number of
+            chunks this donor served so far; a test blocks or republishes in it to act at
+            an exact point of a download.
     """
 
     fail_after_chunks: int | None = None
     corrupt_chunks: bool = False
+    before_chunk: Callable[[int], Awaitable[None]] | None = None
 
 
 @dataclass(frozen=True)
@@ -162,19 +187,24 @@ class StateSharer:
         self.config = config or StateSharingConfig()
         self.faults = faults
         self.key = f"{run_id}.state"
-        self._published: PackedState | None = None
+        self.store = StateStore(self.config.retain_versions, self.config.retain_seconds)
+        """The published state and the superseded versions still served."""
         self._held: dict[bytes, bytes] = {}
         self._uploads = 0
         self.served_chunks = 0
         """Chunks this peer has served to others (a counter for status and tests)."""
         self.downloaded_chunks = 0
         """Chunks this peer has downloaded from others."""
+        self.load_switches = 0
+        """Times a load moved on to another advertised version because every donor of the
+        one it was downloading failed or no longer held it."""
         self._refresher: asyncio.Task[None] | None = None
+        self._prune_timer: asyncio.TimerHandle | None = None
 
     @property
     def published(self) -> Manifest | None:
         """Manifest of the state this peer serves, if any."""
-        return self._published.manifest if self._published is not None else None
+        return self.store.current
 
     async def publish(
         self, tensors: Sequence[np.ndarray], metadata: bytes, version: float | None = None
@@ -182,8 +212,10 @@ class StateSharer:
         """Serve ``(metadata, tensors)`` from now on and advertise it in the DHT.
 
         The tensors are copied into chunks at once; later changes to the arrays do not
-        affect what is served. Client-mode peers (no address) keep the state for
-        incremental downloads but cannot serve it, so they do not advertise.
+        affect what is served. The previous version stays servable for the grace of
+        ``retain_versions`` / ``retain_seconds`` so that downloads of it can finish.
+        Client-mode peers (no address) keep the state for incremental downloads but cannot
+        serve it, so they do not advertise.
 
         Raises:
             ValueError: unsupported dtype or a state over the format's limits.
@@ -192,22 +224,38 @@ class StateSharer:
         packed = await asyncio.to_thread(
             pack_state, tensors, bytes(metadata), version, self.config.chunk_size
         )
-        self._published = packed
-        self._held = dict(packed.chunks)
+        self.store.publish(packed)
+        self._held = {}  # superseded by what we publish; the store serves reuse from now on
+        self._schedule_prune()
         if self.address:
             await self._advertise()
             if self._refresher is None:
                 self._refresher = asyncio.get_running_loop().create_task(self._refresh())
         return packed.manifest
 
+    def _schedule_prune(self) -> None:
+        """Free retired versions when their grace ends, even if nobody asks again."""
+        if self._prune_timer is not None:
+            self._prune_timer.cancel()
+            self._prune_timer = None
+        expiry = self.store.next_expiry()
+        if expiry is not None:
+            delay = max(0.0, expiry - self.store.clock())
+            self._prune_timer = asyncio.get_running_loop().call_later(delay, self._prune_due)
+
+    def _prune_due(self) -> None:
+        self._prune_timer = None
+        self.store.prune()
+        self._schedule_prune()
+
     async def _advertise(self) -> None:
-        packed = self._published
-        if packed is None:
+        manifest = self.store.current
+        if manifest is None:
             return
         value = {
-            "root": packed.manifest.root,
-            "version": packed.manifest.version,
-            "size": packed.manifest.total_bytes,
+            "root": manifest.root,
+            "version": manifest.version,
+            "size": manifest.total_bytes,
             "addr": self.address,
         }
         try:
@@ -230,7 +278,10 @@ class StateSharer:
                 log.exception("refreshing the state advertisement failed")
 
     async def shutdown(self) -> None:
-        """Stop refreshing the advertisement (it then expires by itself)."""
+        """Stop refreshing the advertisement (it then expires by itself) and pruning."""
+        if self._prune_timer is not None:
+            self._prune_timer.cancel()
+            self._prune_timer = None
         if self._refresher is not None:
             self._refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -242,56 +293,86 @@ class StateSharer:
     async def load(self, timeout: float) -> tuple[bytes, list[np.ndarray]]:
         """Download the freshest state in the run; return ``(metadata, tensors)``.
 
+        The result is exactly the state named by one advertised root: every chunk is
+        checked against that root's manifest, never mixed with another version. When every
+        donor of the version being downloaded fails or has dropped it (donors republish),
+        the DHT is read again and the freshest version not yet tried is downloaded,
+        reusing the chunks already verified; this goes on until ``timeout``.
+
         Raises:
             StateNotFoundError: nobody advertises a state.
             StateDownloadError: every donor of every advertised state failed.
             TimeoutError: ``timeout`` seconds passed.
         """
+        failed: set[bytes] = set()
+        errors: list[str] = []
+        verified: dict[bytes, bytes] = {}
         async with asyncio.timeout(timeout):
-            async with asyncio.timeout(self.config.message_timeout):
-                record = await self.dht.get(self.key, latest=True)
-            ads = [
-                ad
-                for sk, v in dictionary_entries(record).items()
-                if (ad := parse_advertisement(sk, v)) is not None
-            ]
-            groups = choose_donors(ads, exclude=self.dht.peer_id)
-            if not groups:
-                raise StateNotFoundError(f"no peer advertises state under {self.key!r}")
-            errors: list[str] = []
-            for donors in groups:
-                donors = random.sample(donors, len(donors))  # spread joiners over donors
+            while True:
+                groups = [g for g in await self._advertised_groups() if g[0].root not in failed]
+                if not groups:
+                    if not failed:
+                        raise StateNotFoundError(f"no peer advertises state under {self.key!r}")
+                    raise StateDownloadError("; ".join(errors))
+                if failed:
+                    self.load_switches += 1
+                donors = random.sample(groups[0], len(groups[0]))  # spread joiners over donors
                 try:
-                    return await self._load_root(donors)
+                    return await self._load_root(donors, verified)
                 except StateDownloadError as error:
+                    failed.add(donors[0].root)
                     errors.append(str(error))
-            raise StateDownloadError("; ".join(errors))
+                    log.info("moving on from state %s: %s", donors[0].root.hex()[:12], error)
 
-    async def _load_root(self, donors: list[Advertisement]) -> tuple[bytes, list[np.ndarray]]:
+    async def _advertised_groups(self) -> list[list[Advertisement]]:
+        async with asyncio.timeout(self.config.message_timeout):
+            record = await self.dht.get(self.key, latest=True)
+        ads = [
+            ad
+            for sk, v in dictionary_entries(record).items()
+            if (ad := parse_advertisement(sk, v)) is not None
+        ]
+        return choose_donors(ads, exclude=self.dht.peer_id)
+
+    def _local_chunks(self) -> Mapping[bytes, bytes]:
+        """Chunks this peer holds already: the last loaded state and what it serves."""
+        if not self._held:
+            return self.store.chunks
+        local = dict(self._held)
+        local.update(self.store.chunks)
+        return local
+
+    async def _load_root(
+        self, donors: list[Advertisement], verified: dict[bytes, bytes]
+    ) -> tuple[bytes, list[np.ndarray]]:
+        """Download the state ``donors[0].root`` into ``verified`` (kept on failure)."""
         root = donors[0].root
         manifest: Manifest | None = None
         live: list[Advertisement] = []
-        for donor in donors:
+        for i, donor in enumerate(donors):
             try:
                 manifest = await self._fetch_manifest(donor, root)
-                live = [donor, *(d for d in donors if d is not donor)]
+                live = donors[i:]
                 break
             except _DonorFailed as error:
                 log.info("donor %s has no usable manifest: %s", donor.peer_id.hex()[:8], error)
         if manifest is None:
             raise StateDownloadError(f"no donor of state {root.hex()[:12]} sent a valid manifest")
-        local = dict(self._held)
-        if self._published is not None:  # what we serve counts too
-            local.update(self._published.chunks)
-        have = {h: local[h] for h in manifest.chunk_hashes if h in local}
-        needed = list(dict.fromkeys(h for h in manifest.chunk_hashes if h not in have))
+        wanted = set(manifest.chunk_hashes)
+        for digest in [h for h in verified if h not in wanted]:
+            del verified[digest]  # an abandoned version's own chunks: bounds memory to one state
+        local = self._local_chunks()
+        for digest in wanted:
+            if digest not in verified and digest in local:
+                verified[digest] = local[digest]
+        needed = [h for h in dict.fromkeys(manifest.chunk_hashes) if h not in verified]
         if needed:
-            have.update(await self._download(needed, live))
+            await self._download(needed, live, verified)
         try:
-            metadata, tensors = await asyncio.to_thread(unpack_state, manifest, have)
+            metadata, tensors = await asyncio.to_thread(unpack_state, manifest, verified)
         except StateFormatError as error:
             raise StateDownloadError(f"state {root.hex()[:12]} is malformed: {error}") from None
-        self._held = have if self.config.keep_loaded_chunks else {}
+        self._held = verified if self.config.keep_loaded_chunks else {}
         return metadata, tensors
 
     def _download_call(self, donor: Advertisement) -> grpc.aio.UnaryStreamMultiCallable:
@@ -315,11 +396,18 @@ class StateSharer:
             call.cancel()
 
     async def _download(
-        self, needed: list[bytes], donors: list[Advertisement]
-    ) -> dict[bytes, bytes]:
-        """Fetch ``needed`` chunks from ``donors`` in parallel; verify every sha256."""
+        self, needed: list[bytes], donors: list[Advertisement], got: dict[bytes, bytes]
+    ) -> None:
+        """Fetch ``needed`` chunks from ``donors`` in parallel into ``got``; verify every sha256.
+
+        A donor that fails (including one that no longer holds a chunk) hands its
+        unfinished batch back to the others. Chunks received before a failure stay in
+        ``got``.
+
+        Raises:
+            StateDownloadError: some chunks could not be fetched from any donor.
+        """
         pending = list(needed)
-        got: dict[bytes, bytes] = {}
         in_flight = 0
         changed = asyncio.Event()
         failures: list[str] = []
@@ -352,10 +440,9 @@ class StateSharer:
                 tasks.create_task(worker(donor))
         if pending:
             raise StateDownloadError(
-                f"{len(pending)} of {len(needed)} chunks could not be downloaded: "
-                + "; ".join(failures)
+                f"{len(pending)} of {len(needed)} chunks of state {donors[0].root.hex()[:12]} "
+                "could not be downloaded: " + "; ".join(failures)
             )
-        return got
 
     async def _fetch_batch(
         self, donor: Advertisement, batch: list[bytes], got: dict[bytes, bytes]
@@ -386,7 +473,8 @@ class StateSharer:
     async def rpc_download_state(
         self, request: averaging_pb2.StateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[averaging_pb2.StateResponse]:
-        """Serve the manifest and/or chunks of the published state, by content hash."""
+        """Serve the manifest and/or chunks, by content hash, of the published state or of a
+        superseded version still within its grace (``STATE_NOT_FOUND`` once dropped)."""
         try:
             verify_header(request.header, self.run_id)
         except HeaderError as error:
@@ -402,10 +490,14 @@ class StateSharer:
                 detail=f"at most {MAX_CHUNKS_PER_REQUEST} chunk hashes of 32 bytes",
             )
             return
-        packed = self._published
-        if packed is None or (request.want_manifest and request.root != packed.manifest.root):
+        manifest: Manifest | None = None
+        if request.want_manifest:
+            manifest = self.store.manifest(bytes(request.root))
+        elif request.root:
+            self.store.touch(bytes(request.root))  # a download in progress keeps its grace
+        if self.store.current is None or (request.want_manifest and manifest is None):
             yield averaging_pb2.StateResponse(
-                code=averaging_pb2.STATE_NOT_FOUND, detail="that state is not published here"
+                code=averaging_pb2.STATE_NOT_FOUND, detail="that state is not held here"
             )
             return
         if self._uploads >= self.config.max_uploads:
@@ -413,15 +505,19 @@ class StateSharer:
             return
         self._uploads += 1
         try:
-            if request.want_manifest:
+            if manifest is not None:
                 yield averaging_pb2.StateResponse(
-                    code=averaging_pb2.STATE_OK, manifest=packed.manifest.to_proto()
+                    code=averaging_pb2.STATE_OK, manifest=manifest.to_proto()
                 )
             for wanted in request.chunk_hashes:
-                data = packed.chunks.get(bytes(wanted))
+                if self.faults is not None and self.faults.before_chunk is not None:
+                    await self.faults.before_chunk(self.served_chunks)
+                # looked up per chunk: a version dropped mid-stream is not served on
+                data = self.store.chunk(bytes(wanted))
                 if data is None:
                     yield averaging_pb2.StateResponse(
-                        code=averaging_pb2.STATE_NOT_FOUND, detail="chunk not held here"
+                        code=averaging_pb2.STATE_NOT_FOUND,
+                        detail="chunk not held here (its version was superseded)",
                     )
                     return
                 if self.faults is not None:
