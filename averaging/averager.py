@@ -385,7 +385,9 @@ class Averager:
         """Serve ``(metadata, tensors)`` to late joiners and advertise it in the DHT.
 
         ``version`` orders publications (default: the current unix time; the freshest
-        wins). Publishing again replaces what this peer serves.
+        wins). Publishing again replaces what this peer advertises; the previous version
+        stays servable for a bounded grace (``StateSharingConfig.retain_versions`` and
+        ``retain_seconds``) so that downloads of it in progress can finish.
 
         Raises:
             ValueError: unsupported dtype or a state over the size limits.
