@@ -188,7 +188,10 @@ class Client:
             except grpc.RpcError as exc:
                 error = error_from_rpc(exc, str(self.endpoint))
                 if attempt == 0 and _segment_lost(call, error):
-                    continue  # the daemon dropped our mapping: retry with a fresh segment
+                    # The daemon dropped our mapping (and, after a restart, all of them):
+                    # retry with a fresh segment.
+                    self._segments.clear()
+                    continue
                 raise error from None
             finally:
                 call.cleanup()
@@ -350,7 +353,10 @@ class AsyncClient:
             except grpc.RpcError as exc:
                 error = error_from_rpc(exc, str(self.endpoint))
                 if attempt == 0 and _segment_lost(call, error):
-                    continue  # the daemon dropped our mapping: retry with a fresh segment
+                    # The daemon dropped our mapping (and, after a restart, all of them):
+                    # retry with a fresh segment.
+                    self._segments.clear()
+                    continue
                 raise error from None
             finally:
                 call.cleanup()

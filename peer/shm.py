@@ -11,8 +11,9 @@ creator process is gone (:func:`sweep_stale`).
 
 **Reuse.** Faulting in fresh tmpfs pages costs more than copying the tensors, and a
 training loop averages the same layout every step. So both sides keep their mapping after
-a call: the client reuses its segment for the next call of the same size (when none of the
-previous results still points into it) and tells the daemon, which reuses its own mapping
+a call: the client reuses an idle segment of the same size for a later call (one that no
+earlier result still points into; it keeps two, so a caller holding the previous result
+alternates between them) and tells the daemon, which reuses its own mapping
 (:class:`DaemonSegmentCache`). The daemon drops mappings whose client process has exited.
 """
 
@@ -142,30 +143,62 @@ class ClientSegment:
 
 
 class SegmentPool:
-    """One reusable segment per client (thread-safe); callers get a fresh one when it is
-    busy, of another size, or still referenced by earlier results."""
+    """Reusable segments of one client (thread-safe).
 
-    def __init__(self, directory: Path = SHM_DIR) -> None:
+    Keeps up to ``keep`` idle segments, not one: a training loop usually still holds the
+    previous call's result (``res = client.average(...)`` is rebound only after the next
+    call returns), and that result points into the previous segment. With a single idle
+    segment every such call would create, fault in and hand over a fresh one (about 60 ms
+    for 64 MB, twice: the client fills it and the daemon maps it); with two, calls
+    alternate between them. A caller gets a fresh segment only when every idle one is of
+    another size or still referenced by results.
+    """
+
+    def __init__(self, directory: Path = SHM_DIR, keep: int = 2) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
         self._directory = directory
+        self._keep = keep
         self._lock = threading.Lock()
-        self._idle: ClientSegment | None = None
+        self._idle: list[ClientSegment] = []  # oldest first
 
     def acquire(self, arrays: Sequence[np.ndarray]) -> ClientSegment:
-        """A segment holding copies of ``arrays``."""
+        """A segment holding copies of ``arrays``: an idle one when it fits, else a fresh one."""
         _, size = segment_layout([a.dtype for a in arrays], [a.shape for a in arrays])
+        segment: ClientSegment | None = None
         with self._lock:
-            segment, self._idle = self._idle, None
-        if segment is not None and segment.size == size and not segment.in_use():
+            for index, idle in enumerate(self._idle):
+                if idle.size == size and not idle.in_use():
+                    segment = self._idle.pop(index)
+                    break
+        if segment is not None:
             segment.fill(arrays)
             return segment
         return ClientSegment.holding(arrays, self._directory)
 
     def release(self, segment: ClientSegment, ok: bool) -> None:
-        """Return ``segment`` after a call; a failed call's segment is dropped."""
+        """Return ``segment`` after a call; a failed call's segment is dropped.
+
+        Only segments the daemon has mapped are kept (the daemon maps each segment once
+        and reuses its mapping); beyond ``keep`` idle ones the oldest is dropped.
+        """
         segment.unlink()
-        if ok and segment.daemon_mapped:
-            with self._lock:
-                self._idle = segment
+        with self._lock:
+            self._idle = [s for s in self._idle if s is not segment]
+            if ok and segment.daemon_mapped:
+                self._idle.append(segment)
+                del self._idle[: max(len(self._idle) - self._keep, 0)]
+
+    def clear(self) -> None:
+        """Forget every idle segment (the daemon lost its mappings: it restarted or evicted
+        them), so that the next call hands over a fresh one."""
+        with self._lock:
+            self._idle.clear()
+
+    def __len__(self) -> int:
+        """How many idle segments the pool keeps now."""
+        with self._lock:
+            return len(self._idle)
 
 
 class DaemonSegment:

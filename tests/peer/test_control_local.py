@@ -300,7 +300,8 @@ async def test_shm_segments_are_reused_across_calls(daemon: Daemon) -> None:
         assert len(daemon.backend.segments) == 2, "the idle segment was reused"
         np.testing.assert_array_equal(third.tensors[0], x[0])
         del third
-        daemon.backend.segments.close()  # as if the daemon restarted or evicted it
+        assert len(client._segments) == 2, "both segments are kept for reuse"
+        daemon.backend.segments.close()  # as if the daemon restarted or evicted them
         fourth = await client.average(y, key="d", min_group_size=1)  # retried transparently
         np.testing.assert_array_equal(fourth.tensors[0], y[0])
     assert my_segments() == []

@@ -68,6 +68,7 @@ def test_pool_reuses_an_idle_segment_only(shm_dir: Path) -> None:
     x = [np.arange(4, dtype=np.float32)]
     first = pool.acquire(x)
     pool.release(first, ok=True)  # never mapped by a daemon: not kept
+    assert len(pool) == 0
     assert pool.acquire(x) is not first
     first.daemon_mapped = True
     pool.release(first, ok=True)
@@ -76,10 +77,48 @@ def test_pool_reuses_an_idle_segment_only(shm_dir: Path) -> None:
     held = again.results([np.dtype(np.float32)], [(4,)])
     np.testing.assert_array_equal(held[0], [1, 2, 3, 4])
     pool.release(again, ok=True)
-    assert pool.acquire(x) is not first, "results still point into it"
+    other = pool.acquire(x)
+    assert other is not first, "results still point into it"
+    np.testing.assert_array_equal(held[0], [1, 2, 3, 4])  # and they are left untouched
+    assert pool.acquire([np.arange(5, dtype=np.float32)]) is not first, "another size"
     del held
+    assert pool.acquire(x) is first, "free again once the results are gone"
     pool.release(first, ok=False)  # a failed call drops it
+    assert len(pool) == 0
     assert pool.acquire(x) is not first
+    other.unlink()
+
+
+def test_pool_alternates_when_the_previous_result_is_held(shm_dir: Path) -> None:
+    """The training-loop pattern: ``res`` of call k is alive while call k + 1 runs."""
+    pool = shm.SegmentPool(shm_dir)
+    layout = ([np.dtype(np.float32)], [(8,)])
+    used: list[shm.ClientSegment] = []
+    result: list[np.ndarray] | None = None
+    for step in range(6):
+        segment = pool.acquire([np.full(8, step, np.float32)])
+        segment.daemon_mapped = True  # as after the daemon's "accepted"
+        used.append(segment)
+        pool.release(segment, ok=True)
+        result = segment.results(*layout)  # rebinding drops the previous call's result
+        np.testing.assert_array_equal(result[0], np.full(8, step))
+    assert len({id(s) for s in used}) == 2, "two segments, used in turn"
+    assert used[2:] == used[:2] * 2
+    assert len(pool) == 2
+    del result
+
+
+def test_pool_keeps_at_most_keep_idle_segments(shm_dir: Path) -> None:
+    pool = shm.SegmentPool(shm_dir, keep=2)
+    segments = [pool.acquire([np.zeros(n, np.float32)]) for n in (1, 2, 3)]
+    for segment in segments:
+        segment.daemon_mapped = True
+        pool.release(segment, ok=True)
+    assert len(pool) == 2
+    assert pool.acquire([np.zeros(1, np.float32)]) is not segments[0], "the oldest went first"
+    assert pool.acquire([np.zeros(3, np.float32)]) is segments[2]
+    with pytest.raises(ValueError, match="keep"):
+        shm.SegmentPool(shm_dir, keep=0)
 
 
 def test_daemon_cache_bounds_and_sweeps() -> None:
