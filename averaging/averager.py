@@ -347,6 +347,7 @@ class Averager:
                     channels=self._channels_or_fail(),
                     header=self.dht.make_header(),
                     fault_plan=self._fault_plan,
+                    checked=True,  # validate_tensors checked every tensor
                 )
         except TimeoutError:
             if phase == "matchmaking":

@@ -38,12 +38,11 @@ from swarmavg.averaging.allreduce_config import AllReduceConfig
 from swarmavg.averaging.faults import FaultPlan
 from swarmavg.averaging.group import GroupInfo
 from swarmavg.averaging.partition import PartPlan
+from swarmavg.averaging.reduce_wire import Request, encode_response
 from swarmavg.averaging.reducer import ContributionError, PartReducer
 from swarmavg.compression import Codec, CodecInfo, get_codec
-from swarmavg.compression.base import parse_header
-from swarmavg.compression.dtypes import dtype_to_proto
 from swarmavg.dht.identity import HeaderError, verify_header
-from swarmavg.proto import averaging_pb2, common_pb2, tensor_pb2
+from swarmavg.proto import common_pb2
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +60,10 @@ class _Abort:
 
 @dataclass
 class _Stream:
-    """One attached sender's outbound queue (responses, then ``None`` or an abort)."""
+    """One attached sender's outbound queue (reply wire bytes, then ``None`` or an abort)."""
 
     sender: int
-    queue: asyncio.Queue[averaging_pb2.ReduceResponse | _Abort | None] = field(
-        default_factory=asyncio.Queue
-    )
+    queue: asyncio.Queue[bytes | _Abort | None] = field(default_factory=asyncio.Queue)
     done: bool = False
 
 
@@ -78,51 +75,42 @@ async def _abort(
     raise RuntimeError("context.abort returned")
 
 
-def decode_checked(
-    codec: Codec, message: tensor_pb2.TensorChunk, size: int
-) -> tuple[np.ndarray, int]:
-    """Decode one chunk that must hold ``size`` elements; return it and its payload bytes.
+def decode_checked(codec: Codec, request: Request, size: int) -> tuple[np.ndarray, int]:
+    """Decode one inbound chunk that must hold ``size`` elements; return it and its bytes.
 
     The declared codec and shape are checked before decoding, so a lying header costs
-    nothing. Raises ``ContributionError`` for anything malformed.
+    nothing. The values may be a read-only view of the received bytes. Raises
+    ``ContributionError`` for anything malformed.
     """
-    if not codec.accepts(message.codec):
-        raise ContributionError(f"chunk uses codec {message.codec!r}, round uses {codec.name!r}")
-    if list(message.shape) != [size]:
-        raise ContributionError(f"chunk declares shape {list(message.shape)}, expected [{size}]")
+    header, payload = request.chunk, request.payload
+    if header is None or payload is None:
+        raise ContributionError("message carries no chunk")
+    if not codec.accepts(header.codec):
+        raise ContributionError(f"chunk uses codec {header.codec!r}, round uses {codec.name!r}")
+    if header.shape != (size,):
+        raise ContributionError(f"chunk declares shape {list(header.shape)}, expected [{size}]")
     try:
-        header = parse_header(message)
-        buffer = message.buffer  # the one copy out of the protobuf message
-        values = codec.decode_payload(header, buffer)
+        values = codec.decode_payload(header, payload)
     except ValueError as e:  # CodecError derives from ValueError
         raise ContributionError(f"chunk does not decode: {e}") from e
     if values.shape != (size,):
         raise ContributionError(f"chunk decodes to shape {values.shape}, expected ({size},)")
-    return values, len(buffer) + len(message.meta)
+    return values, request.nbytes
 
 
-def encode_response(
+def encode_result(
     codec: Codec, values: np.ndarray, info: CodecInfo, chunk: int, contributors: int
-) -> tuple[averaging_pb2.ReduceResponse, np.ndarray, int]:
-    """Encode an averaged chunk once; return the reply, its decoded values, payload bytes.
+) -> tuple[bytes, np.ndarray]:
+    """Encode an averaged chunk once; return the reply's wire bytes and its decoded values.
 
     The reducer keeps the values decoded from the very payload the senders receive, so
     every member ends bit-identical (decoding is deterministic).
     """
     encoded = codec.encode_payload(values, info)
-    header = encoded.header
-    payload = bytes(encoded.payload)
-    response = averaging_pb2.ReduceResponse(chunk_index=chunk, num_senders=contributors)
-    message = response.chunk
-    message.codec = header.codec
-    message.dtype = dtype_to_proto(header.dtype)  # type: ignore[assignment]
-    message.shape.extend(header.shape)
-    message.buffer = payload
-    message.meta = header.meta_bytes()
-    message.num_chunks = 1
-    message.total_bytes = len(payload)
-    decoded = codec.decode_payload(header, payload)
-    return response, decoded, len(payload) + len(message.meta)
+    reply = encode_response(encoded, chunk, contributors)
+    # Decode our copy from the reply itself: its payload is the last bytes of the reply.
+    payload = memoryview(reply)[len(reply) - len(memoryview(encoded.payload).cast("B")) :]
+    return reply, codec.decode_payload(encoded.header, payload)
 
 
 async def offload(executor: ThreadPoolExecutor | None, fn: Callable[..., _T], *args: Any) -> _T:
@@ -207,7 +195,8 @@ class ReducerRound:
 
     def add_local(self, chunk: int, values: np.ndarray) -> None:
         """Accumulate this member's own (codec round-tripped) copy of ``chunk``."""
-        self._queue_final(self.reducer.add(self.my_index, chunk, values))
+        finite = self.codec.decodes_finite
+        self._queue_final(self.reducer.add(self.my_index, chunk, values, finite=finite))
 
     def drop(self, sender: int, reason: str) -> None:
         """Stop waiting for ``sender``; its weight renormalises away from chunks it owes."""
@@ -225,8 +214,8 @@ class ReducerRound:
     async def serve(
         self,
         sender: int,
-        first: averaging_pb2.ReduceRequest,
-        requests: AsyncIterator[averaging_pb2.ReduceRequest],
+        first: Request,
+        requests: AsyncIterator[Request],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> None:
         """Run one attached sender's stream until the round returned every chunk to it."""
@@ -270,15 +259,17 @@ class ReducerRound:
     async def _read(
         self,
         stream: _Stream,
-        first: averaging_pb2.ReduceRequest,
-        requests: AsyncIterator[averaging_pb2.ReduceRequest],
+        first: Request,
+        requests: AsyncIterator[Request],
     ) -> None:
         sender = stream.sender
         try:
-            if first.HasField("chunk"):
+            if first.chunk is not None:
                 await self._accept(sender, first)
             async for request in requests:
-                if request.HasField("header") or request.group_id:
+                if request.error:
+                    raise ContributionError(request.error)
+                if request.names_round:
                     raise ContributionError("only the first message may name the round")
                 await self._accept(sender, request)
         except ContributionError as e:
@@ -291,27 +282,26 @@ class ReducerRound:
         if self.reducer.delivered(sender) < self.reducer.num_chunks:
             self.drop(sender, "sender closed its stream before its last chunk")
 
-    async def _accept(self, sender: int, request: averaging_pb2.ReduceRequest) -> None:
-        if not request.HasField("chunk"):
-            raise ContributionError("message carries no chunk")
+    async def _accept(self, sender: int, request: Request) -> None:
         chunk = request.chunk_index
         if chunk >= self.reducer.num_chunks:
             raise ContributionError(f"chunk index {chunk} out of range")
         start, end = self.plan.chunk_bounds(self.my_index, chunk)
         values, nbytes = await offload(
-            self.executor, decode_checked, self.codec, request.chunk, end - start
+            self.executor, decode_checked, self.codec, request, end - start
         )
         self.bytes_received += nbytes
         if sender not in self.reducer.live_senders:
             return  # dropped while decoding (too slow): its late chunks are ignored
-        self._queue_final(self.reducer.add(sender, chunk, values))
+        finite = self.codec.decodes_finite  # decode_checked's decoder checked already
+        self._queue_final(self.reducer.add(sender, chunk, values, finite=finite))
         self._progress[sender] = time.monotonic()
 
     # ---- output ----
 
     def _encode_result(
         self, chunk: int, values: np.ndarray, contributors: int
-    ) -> tuple[averaging_pb2.ReduceResponse, np.ndarray, int]:
+    ) -> tuple[bytes, np.ndarray]:
         start, end = self.plan.bounds[self.my_index]
         chunk_start, chunk_end = self.plan.chunk_bounds(self.my_index, chunk)
         # One stable key per chunk of the tensors' flat layout: a stateful codec adds each
@@ -323,7 +313,7 @@ class ReducerRound:
             part_index=self.my_index,
             part_size=end - start,
         )
-        return encode_response(self.codec, values, info, chunk, contributors)
+        return encode_result(self.codec, values, info, chunk, contributors)
 
     async def _emit(self) -> None:
         while self.returned < self.reducer.num_chunks:
@@ -333,13 +323,13 @@ class ReducerRound:
             values = self.reducer.result(chunk)
             contributors = self.reducer.contributors(chunk)
             if values is None:
-                response = averaging_pb2.ReduceResponse(chunk_index=chunk, num_senders=0)
+                response = encode_response(None, chunk, 0)
             else:
-                response, decoded, nbytes = await offload(
+                response, decoded = await offload(
                     self.executor, self._encode_result, chunk, values, contributors
                 )
                 self.on_result(chunk, decoded, contributors)
-                self.bytes_sent += nbytes * len(self.streams)
+            self.bytes_sent += len(response) * len(self.streams)
             for stream in self.streams.values():
                 stream.queue.put_nowait(response)
             self.returned += 1
@@ -468,7 +458,7 @@ class AllReduceService:
 
     async def rpc_reduce(
         self,
-        request_iterator: AsyncIterator[averaging_pb2.ReduceRequest],
+        request_iterator: AsyncIterator[Request],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> None:
         """Serve one sender's ``Reduce`` stream (see the module docstring).
@@ -491,11 +481,13 @@ class AllReduceService:
                 first = None
             if first is None:
                 await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "no first message")
+            if first.error:
+                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, first.error)
             try:
-                peer_id = self._verify(first.header)
+                peer_id = self._verify(first.header or common_pb2.RequestHeader())
             except HeaderError as e:
                 await _abort(context, grpc.StatusCode.UNAUTHENTICATED, str(e))
-            round_ = await self._find_round(bytes(first.group_id), until)
+            round_ = await self._find_round(first.group_id, until)
         finally:
             self._waiting -= 1
         if round_ is None:

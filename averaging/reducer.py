@@ -85,8 +85,11 @@ class PartReducer:
             raise ContributionError(f"weight must be finite and >= 0, got {weight}")
         self._weights[sender] = float(weight)
 
-    def check(self, sender: int, chunk: int, values: np.ndarray) -> None:
-        """Raise :class:`ContributionError` unless ``add(sender, chunk, values)`` is valid."""
+    def check(self, sender: int, chunk: int, values: np.ndarray, *, finite: bool = False) -> None:
+        """Raise :class:`ContributionError` unless ``add(sender, chunk, values)`` is valid.
+
+        ``finite=True`` says the caller already checked ``values`` for NaN/Inf.
+        """
         if sender not in self._live:
             raise ContributionError(f"member {sender} is not a live sender of this part")
         if sender not in self._weights:
@@ -101,16 +104,21 @@ class PartReducer:
                 f"chunk {chunk} must be {self.dtype}[{end - start}], "
                 f"got {values.dtype}{list(values.shape)}"
             )
-        if not all_finite(values):
+        if not finite and not all_finite(values):
             raise ContributionError(f"chunk {chunk} holds NaN or Inf")
 
-    def add(self, sender: int, chunk: int, values: np.ndarray) -> list[int]:
+    def add(
+        self, sender: int, chunk: int, values: np.ndarray, *, finite: bool = False
+    ) -> list[int]:
         """Accumulate ``sender``'s copy of ``chunk``; return chunks that became final.
+
+        ``finite=True`` skips the NaN/Inf check when the caller already made it (the
+        codec's decoder, for codecs that check their output).
 
         Raises:
             ContributionError: see :meth:`check`; nothing is accumulated then.
         """
-        self.check(sender, chunk, values)
+        self.check(sender, chunk, values, finite=finite)
         start, end = self.plan.chunk_bounds(self.part, chunk)
         weight = self._weights[sender]
         if weight > 0.0:

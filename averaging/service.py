@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from swarmavg.averaging.reduce_wire import Request, deserialize_request, pass_bytes
 from swarmavg.proto import averaging_pb2, averaging_pb2_grpc
 
 if TYPE_CHECKING:  # the components import this module for the outbound call helpers
@@ -63,9 +64,9 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
         async for response in matchmaker.rpc_join_group(request, context):
             yield response
 
-    async def Reduce(
+    async def Reduce(  # raw wire messages: see add_to_server
         self,
-        request_iterator: AsyncIterator[averaging_pb2.ReduceRequest],
+        request_iterator: AsyncIterator[Request],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> None:
         _, allreduce, _ = await self._get(context)
@@ -79,6 +80,45 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
             yield response
 
 
+def reduce_method_handler(
+    behavior: Callable[[AsyncIterator[Request], grpc.aio.ServicerContext[Any, Any]], Any],
+) -> grpc.RpcMethodHandler:
+    """The ``Reduce`` handler: requests scanned in place, replies sent as prebuilt bytes."""
+    return grpc.stream_stream_rpc_method_handler(
+        behavior, request_deserializer=deserialize_request, response_serializer=pass_bytes
+    )
+
+
+def add_reduce_to_server(service: AllReduceService, server: grpc.aio.Server) -> None:
+    """Serve only ``Reduce``, by ``service`` (a reducer without matchmaking: tests, benchmarks)."""
+    handlers = {"Reduce": reduce_method_handler(service.rpc_reduce)}
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("swarmavg.v1.Averaging", handlers),)
+    )
+    server.add_registered_method_handlers("swarmavg.v1.Averaging", handlers)
+
+
 def add_to_server(servicer: AveragingServicer, server: grpc.aio.Server) -> None:
-    """Register ``servicer`` on ``server`` (before the server starts)."""
-    averaging_pb2_grpc.add_AveragingServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    """Register ``servicer`` on ``server`` (before the server starts).
+
+    ``Reduce`` carries the bulk of a round's bytes, so its messages skip the generated
+    classes: requests are scanned in place and replies are written as prebuilt wire
+    bytes (:mod:`~swarmavg.averaging.reduce_wire`). The wire format is unchanged.
+    """
+    handlers = {
+        "JoinGroup": grpc.unary_stream_rpc_method_handler(
+            servicer.JoinGroup,
+            request_deserializer=averaging_pb2.JoinRequest.FromString,
+            response_serializer=averaging_pb2.JoinResponse.SerializeToString,
+        ),
+        "Reduce": reduce_method_handler(servicer.Reduce),
+        "DownloadState": grpc.unary_stream_rpc_method_handler(
+            servicer.DownloadState,
+            request_deserializer=averaging_pb2.StateRequest.FromString,
+            response_serializer=averaging_pb2.StateResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("swarmavg.v1.Averaging", handlers),)
+    )
+    server.add_registered_method_handlers("swarmavg.v1.Averaging", handlers)

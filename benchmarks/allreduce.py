@@ -69,10 +69,10 @@ async def _worker(rank: int, n: int, elements: int, conn: mp.connection.Connecti
     from swarmavg.averaging.allreduce_config import AllReduceConfig
     from swarmavg.averaging.group import GroupInfo, Member, Mode, schema_hash
     from swarmavg.averaging.reduce_service import AllReduceService
+    from swarmavg.averaging.service import reduce_method_handler
     from swarmavg.dht import ChannelPool, Identity
-    from swarmavg.proto import averaging_pb2_grpc
 
-    class Servicer(averaging_pb2_grpc.AveragingServicer):  # type: ignore[misc]
+    class Servicer:
         def __init__(self) -> None:
             self.service: AllReduceService | None = None
 
@@ -84,7 +84,13 @@ async def _worker(rank: int, n: int, elements: int, conn: mp.connection.Connecti
     identity = Identity.generate()
     servicer = Servicer()
     server = grpc.aio.server()
-    averaging_pb2_grpc.add_AveragingServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "swarmavg.v1.Averaging", {"Reduce": reduce_method_handler(servicer.Reduce)}
+            ),
+        )
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     address = f"127.0.0.1:{port}"

@@ -73,12 +73,15 @@ class CodecInfo:
             ``"gradient"`` is accepted and converted.
         part_index: which part of the flattened tensors this is (all-reduce partition).
         part_size: number of elements in that part.
+        finite: the caller has already checked that the array holds no NaN/Inf, so the
+            codec may skip its own input check (one pass over the data fewer).
     """
 
     key: str = ""
     role: Role = Role.OTHER
     part_index: int = 0
     part_size: int = 0
+    finite: bool = False
 
     def __post_init__(self) -> None:
         role: object = self.role
@@ -221,6 +224,10 @@ class Codec(ABC):
     name: str
     """Registry name; written into every message this codec produces."""
 
+    decodes_finite: bool = False
+    """Whether ``decode_payload`` itself refuses payloads that decode to NaN/Inf, so that
+    callers checking hostile input need not check its output again."""
+
     def encode(self, array: np.ndarray, info: CodecInfo | None = None) -> tensor_pb2.TensorChunk:
         """Encode ``array`` into one complete message.
 
@@ -242,7 +249,7 @@ class Codec(ABC):
         header = parse_header(message, max_elements)
         if not self.accepts(header.codec):
             raise CodecError(f"codec {self.name!r} cannot decode a {header.codec!r} message")
-        return self.decode_payload(header, message.buffer)
+        return writable(self.decode_payload(header, message.buffer))
 
     def accepts(self, codec_name: str) -> bool:
         """Whether this codec decodes messages labelled ``codec_name``."""
@@ -254,7 +261,11 @@ class Codec(ABC):
 
     @abstractmethod
     def decode_payload(self, header: Header, payload: Buffer) -> np.ndarray:
-        """Decode a payload whose header was validated by :func:`parse_header`."""
+        """Decode a payload whose header was validated by :func:`parse_header`.
+
+        The result may be a read-only view of ``payload`` (``none`` avoids a copy that
+        way); :func:`writable` gives an array the caller owns.
+        """
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
@@ -282,6 +293,11 @@ def as_input(array: np.ndarray, *, floating_only: bool) -> tuple[np.ndarray, np.
     if a.dtype != dtype:
         a = a.astype(dtype)
     return np.ascontiguousarray(a).reshape(-1), dtype
+
+
+def writable(x: np.ndarray) -> np.ndarray:
+    """``x`` itself when it is writable, else a copy (decoded views of received bytes)."""
+    return x if x.flags.writeable else x.copy()
 
 
 def require_finite(x: np.ndarray, what: str) -> None:

@@ -55,19 +55,18 @@ class NoneCodec(Codec):
     """
 
     name = "none"
+    decodes_finite = True
 
     def encode_payload(self, array: np.ndarray, info: CodecInfo) -> Encoded:
         flat, dtype = as_input(array, floating_only=False)
-        if dtype in FLOATING:
+        if dtype in FLOATING and not info.finite:
             require_finite(flat, "input")
         header = Header(self.name, dtype, tuple(np.shape(array)))
         return Encoded(header, _bytes_view(flat))
 
     def decode_payload(self, header: Header, payload: Buffer) -> np.ndarray:
         check_payload_size(header, payload, header.size * header.dtype.itemsize)
-        out = _frombuffer(payload, header.dtype)
-        if not out.flags.writeable:
-            out = out.copy()
+        out = _frombuffer(payload, header.dtype)  # a view: decode() copies if it must
         if header.dtype in FLOATING:
             require_finite(out, "decoded tensor")
         return out.reshape(header.shape)  # type: ignore[no-any-return]

@@ -130,7 +130,8 @@ class Uniform8BitCodec(Codec):
     def encode_payload(self, array: np.ndarray, info: CodecInfo) -> Encoded:
         flat, dtype = as_input(array, floating_only=True)
         x = as_float32(flat)
-        _check_input(x)
+        if not (info.finite and flat.dtype == np.float32):  # float64 may overflow float32
+            _check_input(x)
         smp = sample(x).astype(np.float64)
         mean = float(smp.mean()) if smp.size else 0.0
         std = float(smp.std()) if smp.size else 0.0
@@ -225,7 +226,8 @@ class Quantile8BitCodec(Codec):
     def encode_payload(self, array: np.ndarray, info: CodecInfo) -> Encoded:
         flat, dtype = as_input(array, floating_only=True)
         x = as_float32(flat)
-        _check_input(x)
+        if not (info.finite and flat.dtype == np.float32):  # float64 may overflow float32
+            _check_input(x)
         n = x.size
         codes = np.empty(n, np.uint8)
         codebook = np.zeros(N_BINS, "<f4")

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from swarmavg.compression.base import DEFAULT_MAX_ELEMENTS, Codec, parse_header
+from swarmavg.compression.base import DEFAULT_MAX_ELEMENTS, Codec, parse_header, writable
 from swarmavg.compression.errors import CodecError
 from swarmavg.proto import tensor_pb2
 
@@ -149,4 +149,4 @@ def decode_chunk(
         CodecError: unknown codec or malformed message.
     """
     header = parse_header(message, max_elements)
-    return decoder_for(header.codec).decode_payload(header, message.buffer)
+    return writable(decoder_for(header.codec).decode_payload(header, message.buffer))

@@ -31,6 +31,7 @@ from swarmavg.compression.base import (
     Header,
     check_shape,
     parse_meta,
+    writable,
 )
 from swarmavg.compression.dtypes import dtype_from_proto, dtype_to_proto
 from swarmavg.compression.errors import CodecError
@@ -350,4 +351,4 @@ def deserialize_array(
     if result is None:  # pragma: no cover - finish() raises for an unfinished tensor
         raise SerializationError("stream ended before the tensor was complete")
     header, payload = result
-    return decoder_for(header.codec).decode_payload(header, payload)
+    return writable(decoder_for(header.codec).decode_payload(header, payload))

@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 import numpy as np
@@ -17,26 +16,13 @@ from swarmavg.averaging.allreduce_config import AllReduceConfig
 from swarmavg.averaging.faults import FaultPlan
 from swarmavg.averaging.group import GroupInfo, Member, Mode, schema_hash
 from swarmavg.averaging.reduce_service import AllReduceService
+from swarmavg.averaging.service import add_reduce_to_server
 from swarmavg.dht import ChannelPool, Identity
-from swarmavg.proto import averaging_pb2, averaging_pb2_grpc, common_pb2
+from swarmavg.proto import common_pb2
 from tests.harness import GrpcServerPool
 
 RUN_ID = "test-allreduce"
 FAST = AllReduceConfig(min_stall=1.0, stall_factor=8.0, registration_wait=3.0, chunk_bytes=4096)
-
-
-class ReduceServicer(averaging_pb2_grpc.AveragingServicer):  # type: ignore[misc]
-    """Serves only ``Reduce`` (A2's full servicer delegates the same way)."""
-
-    def __init__(self, service: AllReduceService) -> None:
-        self.service = service
-
-    async def Reduce(
-        self,
-        request_iterator: AsyncIterator[averaging_pb2.ReduceRequest],
-        context: grpc.aio.ServicerContext[Any, Any],
-    ) -> None:
-        await self.service.rpc_reduce(request_iterator, context)
 
 
 @dataclass
@@ -56,7 +42,7 @@ async def start_peers(
     services = [AllReduceService(RUN_ID, config) for _ in range(n)]
 
     def register(server: grpc.aio.Server, i: int) -> None:
-        averaging_pb2_grpc.add_AveragingServicer_to_server(ReduceServicer(services[i]), server)
+        add_reduce_to_server(services[i], server)
 
     addresses = await servers.start(n, register)
     return [LocalPeer(Identity.generate(), services[i], addresses[i]) for i in range(n)]

@@ -7,7 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmavg.averaging.reduce_wire import deserialize_reply, encode_request, serialize_request
+from swarmavg.averaging.reduce_wire import (
+    deserialize_reply,
+    deserialize_request,
+    encode_request,
+    encode_response,
+    serialize_request,
+)
 from swarmavg.compression import CodecInfo, get_codec
 from swarmavg.dht import Identity
 from swarmavg.proto import averaging_pb2
@@ -85,8 +91,69 @@ def test_truncated_and_lying_replies_are_reported() -> None:
     assert deserialize_reply(split.SerializeToString()).error
 
 
+@pytest.mark.parametrize("codec_name", ["none", "float16", "uint8-blockwise"])
+@pytest.mark.parametrize("first", [True, False])
+def test_request_scan_matches_protobuf(codec_name: str, first: bool) -> None:
+    codec = get_codec(codec_name)
+    values = np.random.default_rng(2).standard_normal(4000).astype(np.float32)
+    message = averaging_pb2.ReduceRequest(chunk=codec.encode(values, CodecInfo()), chunk_index=9)
+    if first:
+        message.header.CopyFrom(Identity.generate().make_header("r", "h:1"))
+        message.group_id = b"g" * 16
+        message.part_index = 5
+        message.weight = -0.75  # the parser reports it; the reducer refuses it
+    data = message.SerializeToString()
+    request = deserialize_request(data)
+    assert request.error == ""
+    assert request.chunk_index == 9
+    assert request.nbytes == len(data)
+    assert request.chunk is not None
+    assert request.payload is not None
+    np.testing.assert_array_equal(
+        codec.decode_payload(request.chunk, request.payload), codec.decode(message.chunk)
+    )
+    assert request.names_round is first
+    if first:
+        assert request.header == message.header
+        assert (request.group_id, request.part_index, request.weight) == (b"g" * 16, 5, -0.75)
+    else:
+        assert request.header is None
+
+
+def test_request_without_chunk_and_lying_requests() -> None:
+    bare = deserialize_request(averaging_pb2.ReduceRequest(chunk_index=3).SerializeToString())
+    assert (bare.error, bare.chunk, bare.chunk_index) == ("", None, 3)
+    codec = get_codec("none")
+    good = averaging_pb2.ReduceRequest(
+        chunk=codec.encode(np.ones(100, np.float32), CodecInfo()), chunk_index=1
+    ).SerializeToString()
+    for cut in (1, 5, len(good) // 2, len(good) - 1):
+        assert deserialize_request(good[:cut]).error
+    lying = averaging_pb2.ReduceRequest(chunk=codec.encode(np.ones(100, np.float32)))
+    lying.chunk.total_bytes = 9999
+    assert "total_bytes" in deserialize_request(lying.SerializeToString()).error
+    bad_header = (
+        averaging_pb2.ReduceRequest(chunk_index=1).SerializeToString() + b"\x0a\x02\xff\xff"
+    )
+    assert deserialize_request(bad_header).error
+
+
+@pytest.mark.parametrize("codec_name", ["none", "float16", "uint8-blockwise"])
+def test_response_bytes_parse_as_reduce_response(codec_name: str) -> None:
+    codec = get_codec(codec_name)
+    values = np.random.default_rng(3).standard_normal(3000).astype(np.float32)
+    wire = encode_response(codec.encode_payload(values, CodecInfo()), 11, 4)
+    parsed = averaging_pb2.ReduceResponse.FromString(wire)
+    assert (parsed.chunk_index, parsed.num_senders) == (11, 4)
+    assert parsed.chunk == codec.encode(values, CodecInfo())
+    empty = averaging_pb2.ReduceResponse.FromString(encode_response(None, 2, 0))
+    assert (empty.chunk_index, empty.num_senders, empty.HasField("chunk")) == (2, 0, False)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=200))
 def test_arbitrary_bytes_never_raise(data: bytes) -> None:
     reply = deserialize_reply(data)
     assert reply.nbytes == len(data) or reply.error
+    request = deserialize_request(data)
+    assert request.nbytes == len(data) or request.error

@@ -1,0 +1,56 @@
+"""The two finite-check shortcuts: ``CodecInfo.finite`` and ``Codec.decodes_finite``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from swarmavg.compression import CodecError, CodecInfo, get_codec, known_codecs
+from swarmavg.compression.base import Header
+
+
+@pytest.mark.parametrize("name", ["none", "float16", "uint8-blockwise", "uint8-quantile", "topk"])
+def test_finite_hint_changes_nothing_for_finite_input(name: str) -> None:
+    x = np.random.default_rng(0).standard_normal(10_000).astype(np.float32)
+    plain = get_codec(name).encode_payload(x, CodecInfo(key="k"))
+    hinted = get_codec(name).encode_payload(x, CodecInfo(key="k", finite=True))
+    assert plain.header == hinted.header
+    assert bytes(plain.payload) == bytes(hinted.payload)
+
+
+def test_without_the_hint_nan_input_is_refused() -> None:
+    x = np.array([1.0, np.nan], np.float32)
+    for name in ("none", "uint8-quantile", "topk"):
+        with pytest.raises(CodecError, match="NaN or Inf"):
+            get_codec(name).encode_payload(x, CodecInfo())
+
+
+def test_float64_input_that_overflows_float32_is_refused_despite_the_hint() -> None:
+    x = np.array([1.0, 1e300], np.float64)  # finite, but not in float32
+    for name in ("uint8-quantile", "topk"):
+        with pytest.raises(CodecError, match="NaN or Inf"):
+            get_codec(name).encode_payload(x, CodecInfo(finite=True))
+
+
+def test_codecs_that_claim_finite_output_refuse_nan_payloads() -> None:
+    names = [n for n in known_codecs() if "<" not in n]
+    claiming = [n for n in names if get_codec(n).decodes_finite]
+    assert "none" in claiming
+    for name in claiming:
+        codec = get_codec(name)
+        bad = np.array([0.5, np.nan, np.inf], np.float32)
+        header = Header(codec.name, np.dtype(np.float32), bad.shape)
+        with pytest.raises(CodecError, match="NaN or Inf"):
+            codec.decode_payload(header, bad.tobytes())
+
+
+def test_decoded_views_are_read_only_but_public_decode_is_writable() -> None:
+    codec = get_codec("none")
+    x = np.arange(6, dtype=np.float32)
+    message = codec.encode(x)
+    view = codec.decode_payload(Header("none", np.dtype(np.float32), (6,)), message.buffer)
+    assert not view.flags.writeable
+    out = codec.decode(message)
+    assert out.flags.writeable
+    out[0] = 42.0  # owned: does not touch the message
+    np.testing.assert_array_equal(codec.decode(message), x)
