@@ -236,6 +236,10 @@ class _Exchange:
         for chunk in range(self.plan.num_chunks(self.my_index)):
             values = await offload(self.service.executor, self._round_trip_local, chunk)
             round_.add_local(chunk, values)
+            if self.service.executor is None:
+                # Inline codec work never suspends: yield, so that the sends to the other
+                # reducers start now instead of after our whole part was encoded.
+                await asyncio.sleep(0)
 
     # ---- one remote part ----
 
