@@ -253,6 +253,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ):
         workdir = Path(tmp)
         log(f"test bed {bed.prefix}: {n} hosts at {rate} Mbit/s")
+        # The figures depend on it: with BBR, connections reused from round to round carry a
+        # stale minimum-RTT estimate (docs/benchmarks-bandwidth.md).
+        first = next(iter(bed.hosts.values()))
+        figures["tcp_congestion_control"] = first.run(
+            ["sysctl", "-n", "net.ipv4.tcp_congestion_control"], check=False
+        ).stdout.strip()
         raw = raw_tcp(bed, nbytes, args.raw_repeats)
         figures["raw_tcp"] = raw
         log(f"raw TCP, butterfly pattern: {raw}")
