@@ -189,9 +189,12 @@ class _Exchange:
 
     def _round_trip_local(self, chunk: int) -> np.ndarray:
         """This member's own copy of one chunk of its part, through the codec and back."""
+        start, end = self.plan.chunk_bounds(self.my_index, chunk)
+        if self.codec.exact:  # the round trip would give back these very values
+            base = self.plan.bounds[self.my_index][0]
+            return self.vector[base + start : base + end]
         encoded = self._encode(self.my_index, chunk)
         values = self.codec.decode_payload(encoded.header, encoded.payload)
-        start, end = self.plan.chunk_bounds(self.my_index, chunk)
         if values.shape != (end - start,) or values.dtype != self.layout.dtype:
             raise ValueError(f"codec {self.codec.name} changed the shape or dtype of a chunk")
         return values

@@ -228,6 +228,11 @@ class Codec(ABC):
     """Whether ``decode_payload`` itself refuses payloads that decode to NaN/Inf, so that
     callers checking hostile input need not check its output again."""
 
+    exact: bool = False
+    """Whether decoding an encoding gives back the input bit for bit (and encoding has no
+    state), so a caller that needs "what the others will decode" of its own array may use
+    the array itself instead of decoding its own message."""
+
     def encode(self, array: np.ndarray, info: CodecInfo | None = None) -> tensor_pb2.TensorChunk:
         """Encode ``array`` into one complete message.
 
