@@ -61,6 +61,10 @@ def _border_probabilities() -> np.ndarray:
 _BORDER_PROBS = _border_probabilities()
 
 
+_MIN_BIN_WIDTH = 4.0 / float(np.finfo(np.float32).max)
+"""Narrowest uniform bin whose inverse (the float32 scale) stays finite with margin."""
+
+
 def _check_input(x: np.ndarray) -> None:
     if not all_finite(x):
         raise CodecError("input contains NaN or Inf (or values beyond float32 range)")
@@ -138,6 +142,9 @@ class Uniform8BitCodec(Codec):
         width = 2 * RANGE_IN_SIGMAS * std / N_BINS
         if not width > 0 or not np.isfinite(width):
             width = 1.0  # constant tensor: every value lands in one bin whose mean is exact
+        # Spreads of subnormal size would make 1/width overflow float32; bins this narrow
+        # lose nothing (the codebook stores each bin's exact mean anyway).
+        width = max(width, _MIN_BIN_WIDTH)
         lo = mean - RANGE_IN_SIGMAS * std
         scale = np.float32(1.0 / width)
         shift = np.float32(-lo / width)

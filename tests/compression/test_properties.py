@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -60,6 +60,7 @@ def test_round_trip_error_is_bounded(name: str, x: np.ndarray) -> None:
 @pytest.mark.parametrize("name", ["uint8-uniform", "uint8-quantile", "topk:fraction=0.5"])
 @SETTINGS
 @given(x=arrays32)
+@example(x=np.array([0.0, 1.1754944e-38], np.float32))  # a spread whose 1/width overflowed
 def test_codebook_and_sparse_codecs_stay_in_range(name: str, x: np.ndarray) -> None:
     y = decode_chunk(get_codec(name).encode(x))
     assert y.shape == x.shape
