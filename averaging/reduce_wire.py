@@ -37,6 +37,9 @@ _RESPONSE_INDEX_FIELD = 2  # ReduceResponse.chunk_index
 _RESPONSE_SENDERS_FIELD = 3  # ReduceResponse.num_senders
 _CHUNK_BUFFER_FIELD = 4  # TensorChunk.buffer
 _CHUNK_TOTAL_BYTES_FIELD = 9  # TensorChunk.total_bytes
+_MAX_FIELDS = 64
+"""Fields scanned per message level at most: ours carry fewer than 10, and a hostile peer
+must not make the scanner walk millions of one-byte fields."""
 
 
 def _varint(value: int) -> bytes:
@@ -155,9 +158,11 @@ def _fields(data: memoryview, start: int, end: int) -> list[tuple[int, int, int,
     Varints give ``(value, end)``; length-delimited and fixed-width fields give the
     ``(start, end)`` of their bytes.
     """
-    out = []
+    out: list[tuple[int, int, int, int]] = []
     pos = start
     while pos < end:
+        if len(out) == _MAX_FIELDS:
+            raise _Malformed(f"more than {_MAX_FIELDS} fields")
         key, pos = _read_varint(data, pos, end)
         field, wire_type = key >> 3, key & 7
         if wire_type == _VARINT:
