@@ -1,0 +1,132 @@
+"""A hostile reducer's replies are refused: its part keeps local values, the rest is exact.
+
+The hostile member is a ``NODE`` of the group whose server answers every chunk the honest
+members send it with a forged reply (NaN, wrong size, duplicate, out of range, garbage,
+a flood of tiny fields) and never sends anything itself, so the honest reducers drop it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from swarmavg.averaging.allreduce import AllReduceOutcome
+from swarmavg.averaging.group import GroupInfo, Member, Mode
+from swarmavg.averaging.reduce_wire import Request, encode_response
+from swarmavg.averaging.reducer import weighted_mean
+from swarmavg.averaging.service import reduce_method_handler
+from swarmavg.compression import CodecInfo, get_codec
+from swarmavg.dht import ChannelPool, Identity
+from swarmavg.proto import averaging_pb2
+from tests.averaging.allreduce_peers import close_peers, make_group, run_group, start_peers
+from tests.harness import GrpcServerPool
+
+pytestmark = pytest.mark.timeout(60)
+
+HONEST = 3
+CODEC = get_codec("none")
+
+
+def _encoded(values: np.ndarray, index: int, senders: int = HONEST) -> bytes:
+    return encode_response(CODEC.encode_payload(values, CodecInfo()), index, senders)
+
+
+def _nan(request: Request, size: int) -> list[bytes]:
+    values = np.zeros(size, np.float32)
+    wire = bytearray(_encoded(values, request.chunk_index))
+    wire[-4:] = np.array([np.nan], np.float32).tobytes()  # codecs refuse to encode NaN
+    return [bytes(wire)]
+
+
+FORGERIES: dict[str, Callable[[Request, int], list[bytes]]] = {
+    "nan": _nan,
+    "wrong-size": lambda r, n: [_encoded(np.zeros(n + 1, np.float32), r.chunk_index)],
+    "wrong-dtype": lambda r, n: [_encoded(np.zeros(n, np.float64), r.chunk_index)],
+    # The first reply echoes the sender's own values (a reducer's data cannot be checked,
+    # only its form), the duplicate is refused.
+    "twice": lambda r, n: (
+        [_encoded(np.frombuffer(r.payload or b"", np.float32), r.chunk_index)] * 2
+    ),
+    "out-of-range": lambda r, n: [_encoded(np.zeros(n, np.float32), 10**6)],
+    "garbage": lambda r, n: [b"\xff" * 64],
+    "field-flood": lambda r, n: [b"\x78\x00" * (1 << 20)],
+    "other-codec": lambda r, n: [
+        averaging_pb2.ReduceResponse(
+            chunk=get_codec("float16").encode(np.zeros(n, np.float32)),
+            chunk_index=r.chunk_index,
+            num_senders=HONEST,
+        ).SerializeToString()
+    ],
+}
+
+
+def _hostile_reducer(forge: Callable[[Request, int], list[bytes]]) -> Any:
+    async def reduce(
+        requests: AsyncIterator[Request], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> None:
+        async for request in requests:
+            if request.chunk is None:
+                continue
+            for reply in forge(request, request.chunk.size):
+                await context.write(reply)
+
+    return reduce
+
+
+@pytest.fixture
+async def channels() -> AsyncIterator[ChannelPool]:
+    pool = ChannelPool()
+    try:
+        yield pool
+    finally:
+        await pool.close()
+
+
+@pytest.mark.parametrize("forgery", list(FORGERIES))
+async def test_hostile_reducer_leaves_its_part_local(
+    grpc_servers: GrpcServerPool, channels: ChannelPool, forgery: str
+) -> None:
+    def register(server: grpc.aio.Server, _: int) -> None:
+        handlers = {"Reduce": reduce_method_handler(_hostile_reducer(FORGERIES[forgery]))}
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("swarmavg.v1.Averaging", handlers),)
+        )
+
+    peers = await start_peers(grpc_servers, HONEST)
+    [hostile_address] = await grpc_servers.start(1, register)
+    try:
+        rng = np.random.default_rng(11)
+        inputs = [[rng.standard_normal(9000).astype(np.float32)] for _ in range(HONEST + 1)]
+        weights = [1.0, 2.0, 0.5, 1.0]
+        honest_group = make_group(peers, inputs[0])
+        hostile = Member(Identity.generate().peer_id, hostile_address, Mode.NODE, 1.0)
+        group = GroupInfo(
+            honest_group.group_id,
+            (*honest_group.members, hostile),
+            honest_group.schema_hash,
+            honest_group.codec,
+        )
+        started = time.monotonic()
+        results = await run_group(
+            [*peers, peers[0]], group, inputs, weights, channels, timeout=20, skip=[HONEST]
+        )
+        assert time.monotonic() - started < 20 + 2
+        mean = weighted_mean([x[0] for x in inputs[:HONEST]], weights[:HONEST])
+        honest = [r for r in results if r is not None]
+        assert len(honest) == HONEST
+        for i, r in enumerate(honest):
+            assert isinstance(r, AllReduceOutcome), r
+            assert r.partial
+            assert r.failed_parts == (HONEST,)
+            out, own = r.tensors[0], inputs[i][0]
+            kept = out == own  # the hostile part: this member's own values
+            assert kept.sum() >= 9000 // (HONEST + 1) - 1
+            np.testing.assert_allclose(out[~kept], mean[~kept], rtol=1e-5, atol=1e-6)
+            assert np.isfinite(out).all()
+    finally:
+        await close_peers(peers)
