@@ -55,7 +55,10 @@ def _send(conn: mp.connection.Connection, message: dict[str, Any]) -> None:
 
 
 def _recv(conn: mp.connection.Connection) -> dict[str, Any]:
-    message: dict[str, Any] = json.loads(conn.recv_bytes())
+    try:
+        message: dict[str, Any] = json.loads(conn.recv_bytes())
+    except EOFError:
+        raise RuntimeError("a benchmark worker died (see its traceback above)") from None
     return message
 
 
@@ -254,6 +257,8 @@ def bench_group(
     ]
     for p in procs:
         p.start()
+    for _, child in pipes:
+        child.close()  # so that a worker that dies reads as EOF here instead of a hang
     conns = [parent for parent, _ in pipes]
     results: list[dict[str, Any]] = []
     try:
