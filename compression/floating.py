@@ -113,16 +113,158 @@ def _row_length(shape: tuple[int, ...], size: int) -> int:
     return max(size, 1)
 
 
-def _tiles(rows: int, row: int) -> Iterator[tuple[int, int, int, int]]:
-    """Cache-sized tiles ``(r0, r1, c0, c1)`` of a (rows, row) array, in memory order."""
-    if row >= halfconv.HALF_SLAB:
+_STATS_SLAB = 1 << 16
+"""Elements per tile of the scaled-float16 encoder: its scratch (about 7 bytes per
+element) and the input tile stay inside a core's L2 cache."""
+
+_TWO_M112 = np.float32(2.0**-112)
+_MIN_FAST_INVERSE = np.float32(2.0**-14)  # inverse * 2**-112 is still a normal float32
+_FAST_BOUND = 32768.0  # |z| below this (with margin) never rounds to binary16 Inf
+
+
+def _tiles(rows: int, row: int, size: int) -> Iterator[tuple[int, int, int, int]]:
+    """Cache-sized tiles ``(r0, r1, c0, c1)`` of a (rows, row) array, in memory order:
+    whole rows grouped up to ``size`` elements, or segments of ``size`` of one long row."""
+    if row >= size:
         for r in range(rows):
-            for c in range(0, row, halfconv.HALF_SLAB):
-                yield r, r + 1, c, min(c + halfconv.HALF_SLAB, row)
+            for c in range(0, row, size):
+                yield r, r + 1, c, min(c + size, row)
     else:
-        group = halfconv.HALF_SLAB // row
+        group = size // row
         for r in range(0, rows, group):
             yield r, min(r + group, rows), 0, row
+
+
+class _RowStats:
+    """Per-row mean, sum of squared deviations and a bound on ``|x - mean|``, in one pass.
+
+    Rows that fit in one tile get the exact two-pass statistics (float32 pairwise mean,
+    then the squares of the deviations from it) while the tile is in cache. Longer rows
+    are split into segments whose two-pass statistics are combined exactly in float64
+    (Chan et al.'s pairwise update), so the input is read from memory once.
+
+    ``spread[r]`` bounds ``|x - means[r]|`` over row r: within a segment centred on c,
+    ``|x - c| <= sqrt(sum((x - c)**2))``, plus ``|c - means[r]|`` (float64, rounding up
+    to a few ulps; callers keep a factor 2 of margin).
+    """
+
+    def __init__(self, x: np.ndarray) -> None:
+        rows, row = x.shape
+        self.means = np.zeros(rows, np.float32)
+        self.squares = np.zeros(rows, np.float64)
+        self.spread = np.zeros(rows, np.float64)
+        scratch = np.empty(min(x.size, _STATS_SLAB), np.float32)
+        seg_sums: list[float] = []
+        seg_counts: list[int] = []
+        seg_squares: list[float] = []
+        seg_centres: list[float] = []
+        with np.errstate(over="ignore", invalid="ignore"):
+            for r0, r1, c0, c1 in _tiles(rows, row, _STATS_SLAB):
+                tile = x[r0:r1, c0:c1]
+                cols = c1 - c0
+                sums = np.add.reduce(tile, axis=1, dtype=np.float32)
+                centre = sums / np.float32(cols)
+                d = scratch[: (r1 - r0) * cols].reshape(r1 - r0, cols)
+                np.subtract(tile, centre[:, None], out=d)
+                squares = np.einsum("ij,ij->i", d, d)
+                if cols == row:
+                    self.means[r0:r1] = centre
+                    self.squares[r0:r1] = squares
+                    self.spread[r0:r1] = np.sqrt(squares.astype(np.float64))
+                    continue
+                seg_sums.append(float(sums[0]))
+                seg_counts.append(cols)
+                seg_squares.append(float(squares[0]))
+                seg_centres.append(float(centre[0]))
+                if c1 == row:
+                    self._combine(r0, seg_sums, seg_counts, seg_squares, seg_centres, row)
+                    seg_sums, seg_counts, seg_squares, seg_centres = [], [], [], []
+
+    def _combine(
+        self,
+        r: int,
+        sums: list[float],
+        counts: list[int],
+        squares: list[float],
+        centres: list[float],
+        row: int,
+    ) -> None:
+        s = np.array(sums)
+        c = np.array(counts, np.float64)
+        q = np.array(squares)
+        mean = s.sum() / row
+        with np.errstate(over="ignore", invalid="ignore"):
+            self.means[r] = mean
+            self.squares[r] = q.sum() + np.sum(c * (s / c - mean) ** 2)
+            offsets = np.abs(np.array(centres) - float(self.means[r]))
+            self.spread[r] = np.max(np.sqrt(q) + offsets)
+
+
+def _fast_path_safe(stats: _RowStats, inverse: np.ndarray) -> bool:
+    """Whether every row's ``|x - mean| * inverse`` stays below half of binary16's
+    overflow threshold (a factor 2 of margin for float32 rounding in the statistics),
+    and ``inverse * 2**-112`` is a normal float32.
+
+    Always true for exact statistics of rows shorter than 2**28 elements (``|x - mean|
+    <= sqrt(row) * std``); false for huge-spread rows (std > 2**14) and pathological
+    inputs, which take the saturating path.
+    """
+    if inverse.size == 0:
+        return True
+    if inverse.min() < _MIN_FAST_INVERSE:
+        return False
+    with np.errstate(over="ignore", invalid="ignore"):
+        bound = stats.spread * inverse.astype(np.float64)
+    return bool((bound < _FAST_BOUND).all())
+
+
+def _encode_scaled_fast(x: np.ndarray, means: np.ndarray, k: np.ndarray, words: np.ndarray) -> None:
+    """binary16 words of ``(x - mean) * inverse`` per row, rounded to nearest even.
+
+    ``k = inverse * 2**-112`` (exact: a power-of-two scale of a normal float) makes the
+    product's float32 bits hold binary16's exponent and mantissa in bits 13..27 (a
+    binary16 subnormal becomes the float32 subnormal with the same bits), so rounding is
+    an integer add of 0xFFF plus the lowest kept bit. The caller guarantees that no
+    product reaches binary16's overflow threshold (``_fast_path_safe``).
+    """
+    rows, row = x.shape
+    m = min(x.size, _STATS_SLAB)
+    y = np.empty(m, np.float32)
+    t = np.empty(m, np.uint32)
+    sign = np.empty(m, np.uint16)
+    bits = y.view(np.uint32)
+    for r0, r1, c0, c1 in _tiles(rows, row, _STATS_SLAB):
+        size = (r1 - r0) * (c1 - c0)
+        yt = y[:size].reshape(r1 - r0, c1 - c0)
+        np.subtract(x[r0:r1, c0:c1], means[r0:r1, None], out=yt)
+        np.multiply(yt, k[r0:r1, None], out=yt)
+        u, tt, s = bits[:size], t[:size], sign[:size]
+        start = r0 * row + c0
+        out = words[start : start + size]
+        np.right_shift(u, 13, out=tt)
+        np.bitwise_and(tt, np.uint32(1), out=tt)
+        np.add(tt, u, out=tt)
+        np.add(tt, np.uint32(0xFFF), out=tt)
+        np.right_shift(tt, 13, out=out, casting="unsafe")  # drops the sign (now bit 18)
+        np.right_shift(u, 16, out=s, casting="unsafe")
+        np.bitwise_and(s, np.uint16(0x8000), out=s)
+        np.bitwise_or(out, s, out=out)
+
+
+def _encode_scaled_checked(
+    x: np.ndarray, means: np.ndarray, inverse: np.ndarray, words: np.ndarray
+) -> None:
+    """The general path: saturates at +/-65504 (rows of billions of elements, or
+    statistics too inaccurate for the fast path's bound) and handles huge spreads."""
+    rows, row = x.shape
+    scratch = np.empty(min(x.size, halfconv.HALF_SLAB), np.float32)
+    half = halfconv.HalfScratch(x.size)
+    for r0, r1, c0, c1 in _tiles(rows, row, halfconv.HALF_SLAB):
+        d = scratch[: (r1 - r0) * (c1 - c0)].reshape(r1 - r0, c1 - c0)
+        np.subtract(x[r0:r1, c0:c1], means[r0:r1, None], out=d)
+        np.multiply(d, inverse[r0:r1, None], out=d)
+        start = r0 * row + c0
+        halfconv.encode_half_slab(d.reshape(-1), words[start : start + d.size], half)
 
 
 class ScaledFloat16Codec(Codec):
@@ -141,19 +283,11 @@ class ScaledFloat16Codec(Codec):
         row = _row_length(shape, n)
         rows = n // row
         x = halfconv.as_float32(flat).reshape(rows, row)
-        with np.errstate(over="ignore", invalid="ignore"):
-            means = np.add.reduce(x, axis=1, dtype=np.float32) / np.float32(row)
+        stats = _RowStats(x)
+        means = stats.means
         if not np.isfinite(means).all():
             raise CodecError("input contains NaN or Inf (or values beyond float32 range)")
-        # Exact variance about the mean, two-pass for accuracy, slab by slab so that the
-        # centred values never exist in full.
-        scratch = np.empty(min(n, halfconv.HALF_SLAB), np.float32)
-        squares = np.zeros(rows, np.float64)
-        for r0, r1, c0, c1 in _tiles(rows, row):
-            d = scratch[: (r1 - r0) * (c1 - c0)].reshape(r1 - r0, c1 - c0)
-            np.subtract(x[r0:r1, c0:c1], means[r0:r1, None], out=d)
-            squares[r0:r1] += np.einsum("ij,ij->i", d, d)
-        stds = np.sqrt(squares / row).astype(np.float32)
+        stds = np.sqrt(stats.squares / row).astype(np.float32)
         if not np.isfinite(stds).all():
             raise CodecError("input values are too large for float32 statistics")
         # A constant row has std 0: keep the scale at 1 so that z is exactly 0.
@@ -161,13 +295,10 @@ class ScaledFloat16Codec(Codec):
         inverse = (np.float32(1) / scales).astype(np.float32)
         payload = np.empty(2 * n + 8 * rows, np.uint8)
         words = payload[: 2 * n].view("<u2")
-        half = halfconv.HalfScratch(n)
-        for r0, r1, c0, c1 in _tiles(rows, row):
-            d = scratch[: (r1 - r0) * (c1 - c0)].reshape(r1 - r0, c1 - c0)
-            np.subtract(x[r0:r1, c0:c1], means[r0:r1, None], out=d)
-            np.multiply(d, inverse[r0:r1, None], out=d)
-            start = r0 * row + c0
-            halfconv.encode_half_slab(d.reshape(-1), words[start : start + d.size], half)
+        if _fast_path_safe(stats, inverse):
+            _encode_scaled_fast(x, means, inverse * _TWO_M112, words)
+        else:
+            _encode_scaled_checked(x, means, inverse, words)
         payload[2 * n : 2 * n + 4 * rows] = means.astype("<f4").view(np.uint8)
         payload[2 * n + 4 * rows :] = scales.astype("<f4").view(np.uint8)
         return Encoded(Header(self.name, dtype, shape, {"row": row}), payload.data)
