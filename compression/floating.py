@@ -230,7 +230,6 @@ def _encode_scaled_fast(x: np.ndarray, means: np.ndarray, k: np.ndarray, words: 
     rows, row = x.shape
     m = min(x.size, _STATS_SLAB)
     y = np.empty(m, np.float32)
-    t = np.empty(m, np.uint32)
     sign = np.empty(m, np.uint16)
     bits = y.view(np.uint32)
     for r0, r1, c0, c1 in _tiles(rows, row, _STATS_SLAB):
@@ -238,16 +237,17 @@ def _encode_scaled_fast(x: np.ndarray, means: np.ndarray, k: np.ndarray, words: 
         yt = y[:size].reshape(r1 - r0, c1 - c0)
         np.subtract(x[r0:r1, c0:c1], means[r0:r1, None], out=yt)
         np.multiply(yt, k[r0:r1, None], out=yt)
-        u, tt, s = bits[:size], t[:size], sign[:size]
+        u, s = bits[:size], sign[:size]
         start = r0 * row + c0
         out = words[start : start + size]
-        np.right_shift(u, 13, out=tt)
-        np.bitwise_and(tt, np.uint32(1), out=tt)
-        np.add(tt, u, out=tt)
-        np.add(tt, np.uint32(0xFFF), out=tt)
-        np.right_shift(tt, 13, out=out, casting="unsafe")  # drops the sign (now bit 18)
+        # The output slice doubles as scratch for the lowest kept bit (bit 13 of u).
+        np.right_shift(u, 13, out=out, casting="unsafe")
+        np.bitwise_and(out, np.uint16(1), out=out)
+        np.add(u, out, out=u)
+        np.add(u, np.uint32(0xFFF), out=u)  # magnitude < 2**28: no carry into the sign
         np.right_shift(u, 16, out=s, casting="unsafe")
         np.bitwise_and(s, np.uint16(0x8000), out=s)
+        np.right_shift(u, 13, out=out, casting="unsafe")  # drops the sign (now bit 18)
         np.bitwise_or(out, s, out=out)
 
 
