@@ -113,9 +113,11 @@ def _row_length(shape: tuple[int, ...], size: int) -> int:
     return max(size, 1)
 
 
-_STATS_SLAB = 1 << 16
-"""Elements per tile of the scaled-float16 encoder: its scratch (about 7 bytes per
-element) and the input tile stay inside a core's L2 cache."""
+_STATS_SLAB = 1 << 17
+"""Elements per tile of the scaled-float16 encoder. Each numpy call costs 1-2 us, and
+the encoder makes 13 per tile: tiles of 2**17 elements keep that under 10% of the
+time, while the tile and its 6 bytes per element of scratch stay in L2 (or close to
+it, in a large L3); 2**16 measured about 10% slower, 2**18 no faster."""
 
 _TWO_M112 = np.float32(2.0**-112)
 _MIN_FAST_INVERSE = np.float32(2.0**-14)  # inverse * 2**-112 is still a normal float32
