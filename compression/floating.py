@@ -107,8 +107,9 @@ class BFloat16Codec(Codec):
 
 def _row_length(shape: tuple[int, ...], size: int) -> int:
     """Rows run along the last axis when it is long enough to be worth its 8 bytes of
-    statistics; otherwise the whole tensor is one row."""
-    if len(shape) >= 2 and shape[-1] >= 64:
+    statistics; otherwise the whole tensor is one row (also when it is empty: the decoder
+    accepts only row lengths up to the element count)."""
+    if len(shape) >= 2 and shape[-1] >= 64 and size:
         return shape[-1]
     return max(size, 1)
 

@@ -214,3 +214,11 @@ def test_quantile_concentrated_borders_use_the_exact_table() -> None:
     np.testing.assert_array_equal(
         np.frombuffer(msg.buffer, np.uint8), _exact_codes(borders, x).astype(np.uint8)
     )
+
+
+@pytest.mark.parametrize("shape", [(0, 100), (100, 0), (0,), (2, 0, 64)])
+def test_scaled_empty_tensors_round_trip(shape: tuple[int, ...]) -> None:
+    x = np.zeros(shape, np.float32)
+    y = decode_chunk(get_codec("scaled-float16").encode(x, CodecInfo()))
+    assert y.shape == shape
+    assert y.dtype == np.float32
