@@ -1,13 +1,13 @@
 """A/B timing of encoders: a git revision's codec modules against the working tree's.
 
-Not a test (no ``test_`` prefix): a measurement helper for docs/benchmarks-compression.md.
+A measurement helper for docs/benchmarks-compression.md.
 Loads ``compression/floating.py`` and ``compression/quantization.py`` as they were at
 ``--before`` (via ``git show``) next to the current ones, and on benchmarks/compression.py's
 three tensors interleaves before/after encodes in one process, each timed (thread CPU time)
 right after an ``np.copy`` of the same array. Prints ONE JSON line: per codec and tensor,
 the median ratio to memcpy, relative MSE and max abs error, before and after.
 
-    python tests/compression/ab_encoders.py --before e5d223b --repeats 9
+    python benchmarks/compression_ab.py --before e5d223b --repeats 9
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 from swarmavg.compression import CodecInfo, get_codec
 from swarmavg.compression.base import Codec
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _old_module(revision: str, path: str, directory: Path) -> ModuleType:
