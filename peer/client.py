@@ -27,7 +27,12 @@ from swarmavg.peer.calls import (
     unpack_get,
 )
 from swarmavg.peer.endpoint import DEFAULT_RUN_ID, ControlEndpoint, parse_control_endpoint
-from swarmavg.peer.errors import DaemonUnavailableError, ValidationError, error_from_rpc
+from swarmavg.peer.errors import (
+    DaemonUnavailableError,
+    SwarmError,
+    ValidationError,
+    error_from_rpc,
+)
 from swarmavg.peer.shm import SegmentPool
 from swarmavg.peer.validation import validate_key
 from swarmavg.proto import control_pb2, control_pb2_grpc
@@ -74,9 +79,22 @@ def _unavailable(endpoint: ControlEndpoint, reason: object) -> DaemonUnavailable
     )
 
 
-def _segment_lost(call: PreparedAverage, error: Exception) -> bool:
-    """A reused segment the daemon no longer maps (it restarted or evicted it)."""
-    return call.reused_segment and isinstance(error, ValidationError) and "not mapped" in str(error)
+def _average_failure(
+    call: PreparedAverage,
+    exc: grpc.RpcError,
+    endpoint: ControlEndpoint,
+    segments: SegmentPool,
+    attempt: int,
+) -> SwarmError | None:
+    """The error a failed ``average`` call raises, or ``None`` to retry it once: when the
+    daemon no longer maps the reused segment (it restarted or evicted it), every idle
+    segment is forgotten and the retry hands over a fresh one."""
+    error = error_from_rpc(exc, str(endpoint))
+    lost = call.reused_segment and isinstance(error, ValidationError) and "not mapped" in str(error)
+    if attempt == 0 and lost:
+        segments.clear()
+        return None
+    return error
 
 
 def _check_socket_exists(endpoint: ControlEndpoint) -> None:
@@ -186,11 +204,8 @@ class Client:
                     call.feed(response)
                 return call.result()
             except grpc.RpcError as exc:
-                error = error_from_rpc(exc, str(self.endpoint))
-                if attempt == 0 and _segment_lost(call, error):
-                    # The daemon dropped our mapping (and, after a restart, all of them):
-                    # retry with a fresh segment.
-                    self._segments.clear()
+                error = _average_failure(call, exc, self.endpoint, self._segments, attempt)
+                if error is None:
                     continue
                 raise error from None
             finally:
@@ -351,11 +366,8 @@ class AsyncClient:
                     call.feed(response)
                 return call.result()
             except grpc.RpcError as exc:
-                error = error_from_rpc(exc, str(self.endpoint))
-                if attempt == 0 and _segment_lost(call, error):
-                    # The daemon dropped our mapping (and, after a restart, all of them):
-                    # retry with a fresh segment.
-                    self._segments.clear()
+                error = _average_failure(call, exc, self.endpoint, self._segments, attempt)
+                if error is None:
                     continue
                 raise error from None
             finally:
