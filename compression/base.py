@@ -272,6 +272,65 @@ class Codec(ABC):
         way); :func:`writable` gives an array the caller owns.
         """
 
+    def encode_payload_and_values(
+        self, array: np.ndarray, info: CodecInfo
+    ) -> tuple[Encoded, np.ndarray]:
+        """Encode ``array`` and also return what decoding that encoding gives.
+
+        Contract: ``encoded`` is exactly what :meth:`encode_payload` returns for the same
+        arguments (same header, same payload bytes), with the same side effects on codec
+        state (top-k error feedback is updated once). ``values`` is bit for bit the array
+        ``decode_payload(encoded.header, encoded.payload)`` would return: same dtype (the
+        header's), same shape, same bits. It may be read-only, and for ``exact`` codecs
+        it may be a view of the input (the caller must not mutate the input while it
+        still uses ``values``).
+
+        The default encodes, then decodes its own payload (for ``exact`` codecs it
+        returns the input itself). Codecs override it to compute the values while
+        encoding, without parsing the payload again.
+
+        Args:
+            array: the tensor to encode (any shape, a dtype the codec accepts).
+            info: what the caller knows about the tensor (see :class:`CodecInfo`).
+
+        Returns:
+            ``(encoded, values)``.
+
+        Raises:
+            CodecError: exactly when :meth:`encode_payload` raises, or when decoding the
+                encoding would raise (e.g. a float16 header dtype that the decoded values
+                overflow).
+        """
+        encoded = self.encode_payload(array, info)
+        header = encoded.header
+        if self.exact:
+            values = np.asarray(array)
+            if values.dtype != header.dtype:
+                values = values.astype(header.dtype)
+            return encoded, values.reshape(header.shape)
+        return encoded, self.decode_payload(header, encoded.payload)
+
+    def round_trip(self, array: np.ndarray, info: CodecInfo) -> np.ndarray:
+        """What the other members decode from this member's encoding of ``array``.
+
+        Contract: bit-identical to ``decode_payload(*encode_payload(array, info))``
+        (dtype, shape and bits), with the same side effects on codec state as one
+        :meth:`encode_payload` call (top-k's error feedback is updated exactly as if the
+        encoding had been sent). The result may be read-only, and for ``exact`` codecs
+        it may be a view of ``array``.
+
+        The default calls :meth:`encode_payload_and_values` and drops the encoding;
+        codecs override it to skip producing the payload at all.
+
+        Args:
+            array: the tensor to pass through the codec.
+            info: what the caller knows about the tensor (see :class:`CodecInfo`).
+
+        Raises:
+            CodecError: exactly when encoding then decoding would raise.
+        """
+        return self.encode_payload_and_values(array, info)[1]
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
 
