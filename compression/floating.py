@@ -88,6 +88,37 @@ class Float16Codec(Codec):
         words = _frombuffer(payload, np.dtype(np.uint16))
         return halfconv.half_words_to(words, header.dtype).reshape(header.shape)
 
+    def encode_payload_and_values(
+        self, array: np.ndarray, info: CodecInfo
+    ) -> tuple[Encoded, np.ndarray]:
+        """The words and their decoded values from one rounding pass (no decode).
+
+        float16 inputs are their own words, so their values are the input itself.
+        """
+        flat, dtype = as_input(array, floating_only=True)
+        shape = tuple(np.shape(array))
+        header = Header(self.name, dtype, shape)
+        if dtype == np.float16:
+            words = halfconv.float_to_half_words(flat)  # a view, checked for Inf/NaN
+            return Encoded(header, _bytes_view(words)), flat.reshape(shape)
+        words, values = halfconv.float_to_half_words_and_values(flat)
+        return Encoded(header, _bytes_view(words)), _widen(values, dtype).reshape(shape)
+
+    def round_trip(self, array: np.ndarray, info: CodecInfo) -> np.ndarray:
+        """The rounded values without the words (one pass of float32 arithmetic)."""
+        flat, dtype = as_input(array, floating_only=True)
+        shape = tuple(np.shape(array))
+        if dtype == np.float16:
+            halfconv.float_to_half_words(flat)  # raises on Inf/NaN, as encoding does
+            return flat.reshape(shape)
+        return _widen(halfconv.round_to_half(flat), dtype).reshape(shape)
+
+
+def _widen(values: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
+    """float32 values of binary16 words as ``dtype``, cast exactly as the decoder casts
+    them (float64 widens exactly; bfloat16 rounds to nearest even)."""
+    return values if dtype == np.float32 else values.astype(dtype)
+
 
 class BFloat16Codec(Codec):
     """bfloat16 (8-bit exponent, 7-bit mantissa), round to nearest even, 2 bytes/element."""

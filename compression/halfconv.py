@@ -12,6 +12,7 @@ exponent is all ones (Inf/NaN), so a decoded tensor is always finite.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,9 @@ __all__ = [
     "encode_half_slab",
     "float_to_bf16_words",
     "float_to_half_words",
+    "float_to_half_words_and_values",
     "half_words_to",
+    "round_to_half",
 ]
 
 F16_MAX = 65504.0
@@ -56,31 +59,69 @@ def as_float32(flat: np.ndarray) -> np.ndarray:
         return flat.astype(np.float32)
 
 
-def _f32_bits_to_half(u: np.ndarray, out: np.ndarray, a: np.ndarray, t: np.ndarray) -> bool:
-    """Convert float32 bit patterns ``u`` to binary16 words in ``out``.
+_F16_FLOOR = np.full(HALF_SLAB, _F16_MIN_NORMAL_AS_F32, np.uint32)
+_F16_FLOOR.flags.writeable = False
+"""2**-14 (as bits) per element: numpy's ``maximum`` against an array is several times
+faster than against a scalar."""
 
-    ``a`` and ``t`` are uint32 scratch of the same length. Returns False when a value
-    overflows the binary16 range or is Inf/NaN (``out`` is then garbage).
+
+def _round_magnitude(u: np.ndarray, a: np.ndarray, t: np.ndarray) -> bool:
+    """Round the magnitudes of float32 bit patterns ``u`` to binary16 precision.
+
+    Leaves in ``a`` (uint32, read as float32) ``|x|`` rounded to nearest even at
+    binary16's precision, subnormals included; ``t`` is uint32 scratch of the same
+    length. Returns False when a value overflows the binary16 range or is Inf/NaN
+    (``a`` is then garbage). ``a`` may be the memory of ``u`` itself.
 
     Rounding is float32's own: adding ``M = 2**(max(e, -14) + 13)`` to ``|x|`` (exponent
     e) leaves exactly binary16's precision, so ``(|x| + M) - M`` is ``|x|`` rounded to
-    nearest even, subnormals included. Scaling that by 2**-112 (exact) puts binary16's
-    exponent and mantissa in float32 bits 13..27.
+    nearest even.
     """
     np.bitwise_and(u, np.uint32(0x7FFFFFFF), out=a)
     if a.size and a.max() >= _F16_OVERFLOW_AS_F32:
         return False
     np.bitwise_and(a, _F32_EXP_MASK, out=t)
-    np.maximum(t, _F16_MIN_NORMAL_AS_F32, out=t)
+    np.maximum(t, _F16_FLOOR[: t.size], out=t)
     np.add(t, _THIRTEEN_BINADES, out=t)
     magnitude, magic = a.view(np.float32), t.view(np.float32)
     np.add(magnitude, magic, out=magnitude)
     np.subtract(magnitude, magic, out=magnitude)
-    np.multiply(magnitude, _TWO_MINUS_112, out=magnitude)
+    return True
+
+
+def _magnitude_to_words(u: np.ndarray, a: np.ndarray, out: np.ndarray, t: np.ndarray) -> None:
+    """Binary16 words from rounded magnitudes ``a`` (see :func:`_round_magnitude`) and
+    the signs of the float32 bit patterns ``u``. ``a`` is overwritten; ``t`` is uint32
+    scratch of the same length.
+
+    Scaling the rounded magnitude by 2**-112 (exact) puts binary16's exponent and
+    mantissa in float32 bits 13..27 (a binary16 subnormal becomes the float32 subnormal
+    with the same bits).
+    """
+    np.multiply(a.view(np.float32), _TWO_MINUS_112, out=a.view(np.float32))
     np.right_shift(a, 13, out=a)
     np.right_shift(u, 16, out=t)
     np.bitwise_and(t, np.uint32(0x8000), out=t)
     np.bitwise_or(a, t, out=out, casting="unsafe")
+
+
+def _with_sign(u: np.ndarray, a: np.ndarray, out: np.ndarray, t: np.ndarray) -> None:
+    """Float32 bits ``out`` = magnitude bits ``a`` with the sign bits of ``u`` (``-0.0``
+    and values rounded to zero keep their sign, as their binary16 words do). Two integer
+    passes: numpy's ``copysign`` is several times slower. ``out`` may be ``a``."""
+    np.bitwise_and(u, np.uint32(0x80000000), out=t)
+    np.bitwise_or(a, t, out=out)
+
+
+def _f32_bits_to_half(u: np.ndarray, out: np.ndarray, a: np.ndarray, t: np.ndarray) -> bool:
+    """Convert float32 bit patterns ``u`` to binary16 words in ``out``.
+
+    ``a`` and ``t`` are uint32 scratch of the same length. Returns False when a value
+    overflows the binary16 range or is Inf/NaN (``out`` is then garbage).
+    """
+    if not _round_magnitude(u, a, t):
+        return False
+    _magnitude_to_words(u, a, out, t)
     return True
 
 
@@ -94,6 +135,27 @@ class HalfScratch:
         self.wide = np.empty(size, np.float32)
 
 
+def _round_slab(src: np.ndarray, a: np.ndarray, scratch: HalfScratch) -> np.ndarray:
+    """Round up to ``HALF_SLAB`` float32 values to binary16 precision, saturating at
+    +/-65504: leaves the rounded magnitudes in ``a`` (uint32 bits, which may be the
+    memory of ``src``) and returns the float32 values whose bits and signs decide the
+    words (``src``, or a clipped copy of it).
+
+    Raises:
+        CodecError: ``src`` contains NaN or Inf.
+    """
+    k = src.size
+    t = scratch.t[:k]
+    if _round_magnitude(src.view(np.uint32), a, t):
+        return src
+    if not np.isfinite(src).all():
+        raise CodecError("input contains NaN or Inf")
+    clipped = scratch.wide[:k]
+    np.clip(src, -F16_MAX, F16_MAX, out=clipped)
+    _round_magnitude(clipped.view(np.uint32), a, t)
+    return clipped
+
+
 def encode_half_slab(src: np.ndarray, out: np.ndarray, scratch: HalfScratch) -> None:
     """Round up to ``HALF_SLAB`` contiguous float32 values to binary16 words in ``out``,
     saturating at +/-65504. ``src`` is left unchanged.
@@ -102,13 +164,32 @@ def encode_half_slab(src: np.ndarray, out: np.ndarray, scratch: HalfScratch) -> 
         CodecError: ``src`` contains NaN or Inf.
     """
     k = src.size
-    a, t = scratch.a[:k], scratch.t[:k]
-    if not _f32_bits_to_half(src.view(np.uint32), out, a, t):
-        if not np.isfinite(src).all():
-            raise CodecError("input contains NaN or Inf")
-        clipped = scratch.wide[:k]
-        np.clip(src, -F16_MAX, F16_MAX, out=clipped)
-        _f32_bits_to_half(clipped.view(np.uint32), out, a, t)
+    a = scratch.a[:k]
+    signed = _round_slab(src, a, scratch)
+    _magnitude_to_words(signed.view(np.uint32), a, out, scratch.t[:k])
+
+
+def _narrow_slabs(flat: np.ndarray) -> Iterator[tuple[slice, np.ndarray]]:
+    """``(slice, float32 values)`` per slab of a float32/float64/bfloat16 array; float64
+    is clipped to +/-65504 first (a huge float64 is finite but overflows float32).
+
+    Raises:
+        CodecError: a float64 slab contains NaN or Inf.
+    """
+    n = flat.size
+    narrow = np.empty(min(n, HALF_SLAB), np.float32) if flat.dtype != np.float32 else None
+    for s in slabs(n, HALF_SLAB):
+        src = flat[s]
+        if narrow is not None:
+            k = s.stop - s.start
+            if src.dtype == np.float64:
+                if not all_finite(src):
+                    raise CodecError("input contains NaN or Inf")
+                np.clip(src, -F16_MAX, F16_MAX, out=narrow[:k], casting="unsafe")
+            else:
+                narrow[:k] = src  # bfloat16 widens exactly
+            src = narrow[:k]
+        yield s, src
 
 
 def float_to_half_words(flat: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -133,21 +214,54 @@ def float_to_half_words(flat: np.ndarray, out: np.ndarray | None = None) -> np.n
     if out is None:
         out = np.empty(n, np.uint16)
     scratch = HalfScratch(n)
-    narrow = np.empty(min(n, HALF_SLAB), np.float32) if flat.dtype != np.float32 else None
-    for s in slabs(n, HALF_SLAB):
-        src = flat[s]
-        if narrow is not None:
-            k = s.stop - s.start
-            if src.dtype == np.float64:
-                # Saturate in float64 first: a huge float64 is finite but overflows float32.
-                if not all_finite(src):
-                    raise CodecError("input contains NaN or Inf")
-                np.clip(src, -F16_MAX, F16_MAX, out=narrow[:k], casting="unsafe")
-            else:
-                narrow[:k] = src  # bfloat16 widens exactly
-            src = narrow[:k]
+    for s, src in _narrow_slabs(flat):
         encode_half_slab(src, out[s], scratch)
     return out
+
+
+def float_to_half_words_and_values(flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`float_to_half_words` and, in the same pass, the float32 values of those
+    words (bit-identical to ``half_words_to(words, float32)``).
+
+    Args:
+        flat: float32, float64 or bfloat16 values.
+
+    Raises:
+        CodecError: the input contains NaN or Inf.
+    """
+    n = flat.size
+    words = np.empty(n, np.uint16)
+    values = np.empty(n, np.float32)
+    scratch = HalfScratch(n)
+    for s, src in _narrow_slabs(flat):
+        k = s.stop - s.start
+        a = scratch.a[:k]
+        u = _round_slab(src, a, scratch).view(np.uint32)
+        t = scratch.t[:k]
+        _with_sign(u, a, values[s].view(np.uint32), t)
+        _magnitude_to_words(u, a, words[s], t)
+    return words, values
+
+
+def round_to_half(flat: np.ndarray) -> np.ndarray:
+    """The float32 values of ``float_to_half_words(flat)``, without making the words
+    (bit-identical to ``half_words_to(float_to_half_words(flat), float32)``).
+
+    Args:
+        flat: float32, float64 or bfloat16 values.
+
+    Raises:
+        CodecError: the input contains NaN or Inf.
+    """
+    n = flat.size
+    values = np.empty(n, np.float32)
+    bits = values.view(np.uint32)
+    scratch = HalfScratch(n)
+    for s, src in _narrow_slabs(flat):
+        a = bits[s]
+        u = _round_slab(src, a, scratch).view(np.uint32)
+        _with_sign(u, a, a, scratch.t[: a.size])
+    return values
 
 
 def _half_to_f32(h: np.ndarray, out: np.ndarray, b: np.ndarray) -> None:
