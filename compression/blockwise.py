@@ -112,8 +112,67 @@ def _block_scales(x: np.ndarray, block: int) -> np.ndarray:
     return out
 
 
-def _encode_codes(x: np.ndarray, block: int, code: NearestLevel) -> tuple[np.ndarray, np.ndarray]:
-    """Per-block signed scale and one uint8 level index per element."""
+def _pair_table(table: np.ndarray) -> np.ndarray:
+    """For a 256-entry float32 table: the 65536 pairs ``(table[c0], table[c1])`` as one
+    uint64 each, indexed by the uint16 that reads the bytes ``c0, c1`` in memory, so
+    that one lookup decodes two codes (numpy's ``take`` costs per index, not per byte).
+    """
+    word = np.arange(1 << 16)
+    first, second = (word & 255, word >> 8) if np.little_endian else (word >> 8, word & 255)
+    pairs = np.stack([table[first], table[second]], axis=1).astype(np.float32)
+    out: np.ndarray = pairs.view(np.uint64).reshape(-1)
+    out.flags.writeable = False
+    return out
+
+
+_DYNAMIC8_PAIRS = _pair_table(_DYNAMIC8_TABLE)
+
+
+def _lookup8(codes: np.ndarray, out: np.ndarray) -> None:
+    """``out[i] = _DYNAMIC8_TABLE[codes[i]]`` (float32), two codes per lookup."""
+    even = codes.size & ~1
+    if even:
+        # uint16 indices into 2**16 entries: "clip" never clips; it skips the bounds check.
+        pairs = codes[:even].view(np.uint16)
+        np.take(_DYNAMIC8_PAIRS, pairs, out=out[:even].view(np.uint64), mode="clip")
+    if even < codes.size:
+        out[even] = _DYNAMIC8_TABLE[codes[even]]
+
+
+def _scale_blocks(values: np.ndarray, scales: np.ndarray, first: int, block: int) -> None:
+    """Multiply a slab of dequantized levels starting at block ``first`` by the block
+    scales, in place: the float32 products every decoder computes."""
+    m = values.size
+    full = m // block
+    if full:
+        values[: full * block].reshape(full, block)[...] *= scales[first : first + full, None]
+    if m % block:
+        values[full * block :] *= scales[first + full]
+
+
+def _quantize(
+    x: np.ndarray,
+    block: int,
+    code: NearestLevel,
+    codes: np.ndarray | None,
+    values: np.ndarray | None = None,
+) -> np.ndarray:
+    """Quantize float32 ``x`` blockwise; return the per-block signed scales
+    (little-endian float32).
+
+    Args:
+        x: the flat float32 input.
+        block: elements per block.
+        code: the levels.
+        codes: if given, a uint8 array of ``x.size`` that receives the level indices.
+        values: if given, a float32 array of ``x.size`` that receives the dequantized
+            values the decoder computes: each level times its block's scale, the same
+            float32 lookups and products as :func:`_decode_levels` (codes of at most
+            8 bits, unpacked).
+
+    Raises:
+        CodecError: ``x`` holds NaN or Inf (or values beyond float32 range).
+    """
     with np.errstate(invalid="ignore"):
         scales = _block_scales(x, block)
     if not np.isfinite(scales).all():
@@ -123,9 +182,10 @@ def _encode_codes(x: np.ndarray, block: int, code: NearestLevel) -> tuple[np.nda
         inverse = np.where(np.abs(scales) >= _F32_TINY, np.float32(1) / scales, np.float32(0))
     inverse = inverse.astype(np.float32)
     n = x.size
-    codes = np.empty(n, np.uint8)
     rows = max(1, SLAB // block)
     step = rows * block
+    if step % 2 and step < n:
+        step *= 2  # slabs start on even elements: two codes per lookup in _lookup8
     scratch = np.empty(min(step, n), np.float32)
     for start in range(0, n, step):
         stop = min(start + step, n)
@@ -142,8 +202,15 @@ def _encode_codes(x: np.ndarray, block: int, code: NearestLevel) -> tuple[np.nda
         if m % block:
             tail = slice(start + full * block, stop)
             np.multiply(x[tail], inverse[first + full], out=v[full * block :])
-        code.encode_into(v, codes[start:stop])
-    return scales.astype("<f4"), codes
+        if codes is not None:
+            code.encode_into(v, codes[start:stop])
+            if values is not None:
+                _lookup8(codes[start:stop], values[start:stop])
+        elif values is not None:
+            code.levels_into(v, values[start:stop])
+        if values is not None:
+            _scale_blocks(values[start:stop], scales, first, block)
+    return scales.astype("<f4")
 
 
 def _decode_levels(
@@ -152,27 +219,30 @@ def _decode_levels(
     """Look up level values and multiply each block by its scale, slab by slab.
 
     ``table`` maps a code (one row per byte value) to 1 value, or to 2 for packed 4-bit
-    codes, so ``codes`` holds ``n`` or ``ceil(n/2)`` bytes.
+    codes, so ``codes`` holds ``n`` or ``ceil(n/2)`` bytes. The dynamic 8-bit table is
+    looked up two codes at a time (same values).
     """
     per_code = 1 if table.ndim == 1 else table.shape[1]
     out = np.empty(codes.size * per_code, np.float32)
     step = max(1, SLAB // block) * block * per_code  # whole blocks and whole bytes per slab
+    if step % 2 and step < n:
+        step *= 2  # even slab starts for two codes per lookup
+    pairs = table is _DYNAMIC8_TABLE
     for start in range(0, n, step):
         stop = min(start + step, n)
         values = out[start : start + -(-(stop - start) // per_code) * per_code]
-        np.take(
-            table,
-            codes[start // per_code : -(-stop // per_code)],
-            axis=0,
-            out=values.reshape(-1, per_code) if per_code > 1 else values,
-        )
-        values = values[: stop - start]
-        first = start // block
-        full = (stop - start) // block
-        if full:
-            values[: full * block].reshape(full, block)[...] *= scales[first : first + full, None]
-        if (stop - start) % block:
-            values[full * block :] *= scales[first + full]
+        slab_codes = codes[start // per_code : -(-stop // per_code)]
+        if pairs:
+            _lookup8(slab_codes, values)
+        else:
+            np.take(
+                table,
+                slab_codes,
+                axis=0,
+                out=values.reshape(-1, per_code) if per_code > 1 else values,
+                mode="clip",  # byte codes index 256 rows: never clips, no bounds check
+            )
+        _scale_blocks(values[: stop - start], scales, start // block, block)
     return out[:n]
 
 
@@ -194,11 +264,37 @@ class Blockwise8BitCodec(Codec):
         self.block = block
 
     def encode_payload(self, array: np.ndarray, info: CodecInfo) -> Encoded:
-        flat, dtype = as_input(array, floating_only=True)
-        scales, codes = _encode_codes(as_float32(flat), self.block, _DYNAMIC8)
-        meta = {"block": self.block, "map": "dynamic8"}
-        header = Header(self.name, dtype, tuple(np.shape(array)), meta)
+        flat, header = self._input(array)
+        x = as_float32(flat)
+        codes = np.empty(x.size, np.uint8)
+        scales = _quantize(x, self.block, _DYNAMIC8, codes)
         return Encoded(header, b"".join((codes.data, scales.data)))
+
+    def encode_payload_and_values(
+        self, array: np.ndarray, info: CodecInfo
+    ) -> tuple[Encoded, np.ndarray]:
+        """The codes and, slab by slab while they are in cache, their dequantized values
+        (the same float32 lookups and products as the decoder; no payload parsing)."""
+        flat, header = self._input(array)
+        x = as_float32(flat)
+        codes = np.empty(x.size, np.uint8)
+        values = np.empty(x.size, np.float32)
+        scales = _quantize(x, self.block, _DYNAMIC8, codes, values)
+        return Encoded(header, b"".join((codes.data, scales.data))), restore(values, header)
+
+    def round_trip(self, array: np.ndarray, info: CodecInfo) -> np.ndarray:
+        """The dequantized values without the codes: one lookup from the scaled value's
+        bits straight to its level (``levels[lut]``), then the block scale."""
+        flat, header = self._input(array)
+        x = as_float32(flat)
+        values = np.empty(x.size, np.float32)
+        _quantize(x, self.block, _DYNAMIC8, None, values)
+        return restore(values, header)
+
+    def _input(self, array: np.ndarray) -> tuple[np.ndarray, Header]:
+        flat, dtype = as_input(array, floating_only=True)
+        meta = {"block": self.block, "map": "dynamic8"}
+        return flat, Header(self.name, dtype, tuple(np.shape(array)), meta)
 
     def decode_payload(self, header: Header, payload: Buffer) -> np.ndarray:
         n = header.size
@@ -225,7 +321,9 @@ class Blockwise4BitCodec(Codec):
 
     def encode_payload(self, array: np.ndarray, info: CodecInfo) -> Encoded:
         flat, dtype = as_input(array, floating_only=True)
-        scales, codes = _encode_codes(as_float32(flat), self.block, _NF4)
+        x = as_float32(flat)
+        codes = np.empty(x.size, np.uint8)
+        scales = _quantize(x, self.block, _NF4, codes)
         if codes.size % 2:
             codes = np.concatenate([codes, np.zeros(1, np.uint8)])
         pairs = codes.view("<u2")  # little-endian: element 2i in the low byte

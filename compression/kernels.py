@@ -77,6 +77,7 @@ class NearestLevel:
         self.levels = levels.astype(np.float32)
         self._lock = threading.Lock()
         self._lut: np.ndarray | None = None
+        self._values_lut: np.ndarray | None = None
 
     @property
     def lut(self) -> np.ndarray:
@@ -100,6 +101,31 @@ class NearestLevel:
         midpoints = (levels[1:] + levels[:-1]) / 2
         return np.searchsorted(midpoints, centres, side="left").astype(np.uint8)
 
+    @property
+    def values_lut(self) -> np.ndarray:
+        """``levels[lut]``: the float32 level each table cell maps to (2 MiB, built on
+        first use), so that the round trip of a value is one lookup instead of two."""
+        table = self._values_lut
+        if table is None:
+            codes = self.lut  # outside the lock: it takes the lock itself
+            with self._lock:
+                if self._values_lut is None:
+                    values = np.take(self.levels, codes)
+                    values.flags.writeable = False
+                    self._values_lut = values
+                table = self._values_lut
+        return table
+
+    def levels_into(self, v: np.ndarray, out: np.ndarray) -> None:
+        """Write the level nearest to each element of float32 ``v`` into float32 ``out``
+        (bit-identical to ``levels[codes]`` of :meth:`encode_into`'s codes).
+
+        ``v`` is used as scratch space and is overwritten.
+        """
+        bits = v.view(np.uint32)
+        np.right_shift(bits, self.SHIFT, out=bits)
+        np.take(self.values_lut, bits, out=out, mode="clip")  # in range: see encode_into
+
     def encode_into(self, v: np.ndarray, out: np.ndarray) -> None:
         """Write the level index of each element of float32 ``v`` into uint8 ``out``.
 
@@ -107,4 +133,6 @@ class NearestLevel:
         """
         bits = v.view(np.uint32)
         np.right_shift(bits, self.SHIFT, out=bits)
-        np.take(self.lut, bits, out=out)
+        # Every index is below 2**19, the table's length: "clip" never clips, and it
+        # skips the per-element bounds check of the default mode (much faster).
+        np.take(self.lut, bits, out=out, mode="clip")

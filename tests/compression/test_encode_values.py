@@ -224,3 +224,34 @@ def test_random_magnitudes(name: str, scale: float, seed: int, n: int) -> None:
         x = (rng.standard_normal(n) * scale).astype(np.float32)
     x = np.nan_to_num(x, posinf=3e38, neginf=-3e38)
     check_all_paths(name, x)
+
+
+@pytest.mark.parametrize("name", ["uint8-blockwise", "uint8-blockwise:block=7", "float16"])
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_decode_from_unaligned_payload(name: str, offset: int) -> None:
+    # Decoders read payloads at any offset of a reply (two codes per lookup included).
+    x = np.random.default_rng(5).standard_normal(70001).astype(np.float32)
+    codec = get_codec(name)
+    enc, want = reference(codec, x)
+    raw = bytes(memoryview(enc.payload).cast("B"))
+    buffer = memoryview(bytes(offset) + raw)[offset:]
+    assert_same(codec.decode_payload(enc.header, buffer), want)
+    assert_same(codec.decode_payload(enc.header, bytearray(raw)), want)
+
+
+def test_pair_table_matches_the_level_table() -> None:
+    from swarmavg.compression import blockwise
+
+    codes = np.arange(256, dtype=np.uint8)
+    every_pair = np.stack(np.meshgrid(codes, codes), axis=-1).reshape(-1)
+    out = np.empty(every_pair.size, np.float32)
+    blockwise._lookup8(every_pair, out)
+    assert_same(out, blockwise._DYNAMIC8_TABLE[every_pair])
+    blockwise._lookup8(every_pair[:-1], out[:-1])  # odd count: the last code alone
+    assert_same(out[:-1], blockwise._DYNAMIC8_TABLE[every_pair[:-1]])
+
+
+def test_values_lut_is_levels_of_codes() -> None:
+    from swarmavg.compression.blockwise import _DYNAMIC8
+
+    assert_same(_DYNAMIC8.values_lut, _DYNAMIC8.levels[_DYNAMIC8.lut])
