@@ -40,7 +40,7 @@ from swarmavg.compression.base import (
 )
 from swarmavg.compression.errors import CodecError
 from swarmavg.compression.halfconv import as_float32
-from swarmavg.compression.kernels import SLAB, NearestLevel
+from swarmavg.compression.kernels import NearestLevel
 
 __all__ = ["Blockwise4BitCodec", "Blockwise8BitCodec", "dynamic8_levels", "nf4_levels"]
 
@@ -78,6 +78,10 @@ _NF4_PAIRS = np.stack([np.repeat(_NF4_TABLE, 16), np.tile(_NF4_TABLE, 16)], axis
 )
 
 _F32_TINY = float(np.finfo(np.float32).tiny)
+
+SLAB = 1 << 17
+"""Elements per slab: whole blocks, scaled and looked up while in cache. Twice the
+shared ``kernels.SLAB``: measured 5-10% faster here (fewer numpy calls per chunk)."""
 
 
 def _row_scale(rows: np.ndarray) -> np.ndarray:

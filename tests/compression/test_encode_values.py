@@ -255,3 +255,51 @@ def test_values_lut_is_levels_of_codes() -> None:
     from swarmavg.compression.blockwise import _DYNAMIC8
 
     assert_same(_DYNAMIC8.values_lut, _DYNAMIC8.levels[_DYNAMIC8.lut])
+
+
+def _boundaries() -> np.ndarray:
+    """Every finite binary16 value, every midpoint between neighbours (the ties) and
+    the float32 values just either side of each midpoint, both signs."""
+    words = np.arange(0x7C00, dtype=np.uint16)  # +0 .. 65504
+    h = words.view(np.float16).astype(np.float32)
+    mid = (h[:-1].astype(np.float64) + h[1:]) / 2
+    mid32 = mid.astype(np.float32)  # exact: a binary16 midpoint has 12 significant bits
+    below = np.nextafter(mid32, np.float32(0))
+    above = np.nextafter(mid32, np.float32(np.inf))
+    beyond = np.array([65519.996, 65520.0, 65536.0, 1e6, 3.4e38], np.float32)
+    tiny = np.array([1e-45, 2.0**-25, 2.0**-26, 1e-30], np.float32)
+    x = np.concatenate([h, mid32, below, above, beyond, tiny])
+    return np.concatenate([x, -x])
+
+
+def test_float16_kernels_match_numpy_on_every_boundary() -> None:
+    from swarmavg.compression import halfconv
+
+    x = _boundaries()
+    want = np.clip(x, -65504, 65504).astype(np.float16)  # saturate, then numpy's rounding
+    words = halfconv.float_to_half_words(x)
+    assert np.array_equal(words, want.view(np.uint16))
+    words2, values = halfconv.float_to_half_words_and_values(x)
+    assert np.array_equal(words2, words)
+    assert_same(values, want.astype(np.float32))
+    assert_same(halfconv.round_to_half(x), want.astype(np.float32))
+
+
+def test_float16_decoder_on_every_word() -> None:
+    from swarmavg.compression import halfconv
+
+    words = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    special = (words & 0x7C00) == 0x7C00
+    finite = words[~special]
+    assert_same(
+        halfconv.half_words_to(finite, np.dtype(np.float32)),
+        finite.view(np.float16).astype(np.float32),
+    )
+    little = finite.astype("<u2")[1:]  # a little-endian view at an odd element offset
+    assert_same(
+        halfconv.half_words_to(little, np.dtype(np.float32)),
+        finite[1:].view(np.float16).astype(np.float32),
+    )
+    for w in words[special][::97]:
+        with pytest.raises(CodecError):
+            halfconv.half_words_to(np.array([0, w, 0], np.uint16), np.dtype(np.float32))
