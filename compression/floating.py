@@ -31,7 +31,7 @@ from swarmavg.compression.base import (
     require_finite,
     restore,
 )
-from swarmavg.compression.dtypes import FLOATING
+from swarmavg.compression.dtypes import BFLOAT16, FLOATING
 from swarmavg.compression.errors import CodecError
 
 __all__ = ["BFloat16Codec", "Float16Codec", "NoneCodec", "ScaledFloat16Codec"]
@@ -134,6 +134,22 @@ class BFloat16Codec(Codec):
         check_payload_size(header, payload, header.size * 2)
         words = _frombuffer(payload, np.dtype(np.uint16))
         return halfconv.bf16_words_to(words, header.dtype).reshape(header.shape)
+
+    def encode_payload_and_values(
+        self, array: np.ndarray, info: CodecInfo
+    ) -> tuple[Encoded, np.ndarray]:
+        """The words, and their values widened without re-checking them (the encoder
+        never writes Inf/NaN words); bfloat16 inputs are their own values. float16
+        inputs take the default path (their decoding saturates at the float16 range)."""
+        flat, dtype = as_input(array, floating_only=True)
+        if dtype == np.float16:
+            return super().encode_payload_and_values(array, info)
+        shape = tuple(np.shape(array))
+        words = halfconv.float_to_bf16_words(flat)
+        encoded = Encoded(Header(self.name, dtype, shape), _bytes_view(words))
+        if dtype == BFLOAT16:
+            return encoded, flat.reshape(shape)  # the words are the input's own
+        return encoded, halfconv.bf16_words_to_unchecked(words, dtype).reshape(shape)
 
 
 def _row_length(shape: tuple[int, ...], size: int) -> int:

@@ -25,6 +25,7 @@ __all__ = [
     "HalfScratch",
     "as_float32",
     "bf16_words_to",
+    "bf16_words_to_unchecked",
     "encode_half_slab",
     "float_to_bf16_words",
     "float_to_half_words",
@@ -360,6 +361,12 @@ def bf16_words_to(words: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
     """
     if _has_special(words, _BF16_EXP):
         raise CodecError("bfloat16 payload contains Inf or NaN")
+    return bf16_words_to_unchecked(words, dtype)
+
+
+def bf16_words_to_unchecked(words: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
+    """:func:`bf16_words_to` for words known to be finite (an encoder's own output):
+    the same values, without the check for Inf/NaN words."""
     if dtype == BFLOAT16:
         return words.copy().view(BFLOAT16)
     n = words.size
@@ -370,7 +377,7 @@ def bf16_words_to(words: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
             bits[s] = words[s]
             bits[s] <<= 16
         return out
-    wide = bf16_words_to(words, np.dtype(np.float32))
+    wide = bf16_words_to_unchecked(words, np.dtype(np.float32))
     if dtype == np.float16:
         # bfloat16 rounding can lift 65504 to 65536: saturate, as the encoder would.
         return float_to_half_words(wide).view(np.float16)
