@@ -40,6 +40,7 @@ from typing import Protocol
 import grpc
 import numpy as np
 
+from swarmavg.averaging.data_plane import DataCall, DataStreamError, split_host
 from swarmavg.averaging.faults import FaultPlan, InjectedCrash
 from swarmavg.averaging.group import GroupInfo, schema_hash
 from swarmavg.averaging.load_balancing import part_sizes
@@ -53,6 +54,7 @@ from swarmavg.averaging.partition import (
 )
 from swarmavg.averaging.reduce_service import AllReduceService, ReducerRound, _Abort, offload
 from swarmavg.averaging.reduce_wire import (
+    OutgoingChunk,
     Reply,
     deserialize_reply,
     encode_request,
@@ -175,8 +177,8 @@ class _Exchange:
         )
         return self.codec.encode_payload(self.vector[base + start : base + end], info)
 
-    def _encode_request(self, part: int, chunk: int) -> bytes:
-        """One chunk of ``part`` as the serialised ``ReduceRequest`` (one payload copy)."""
+    def _encode_request(self, part: int, chunk: int) -> OutgoingChunk:
+        """One chunk of ``part`` as the wire pieces of its ``ReduceRequest``."""
         first = None
         if chunk == 0:
             first = averaging_pb2.ReduceRequest(
@@ -185,7 +187,7 @@ class _Exchange:
                 part_index=part,
                 weight=self.weight,
             )
-        return serialize_request(encode_request(self._encode(part, chunk), chunk, first))
+        return encode_request(self._encode(part, chunk), chunk, first)
 
     def _round_trip_local(self, chunk: int) -> np.ndarray:
         """This member's own copy of one chunk of its part, through the codec and back."""
@@ -246,7 +248,7 @@ class _Exchange:
 
     # ---- one remote part ----
 
-    async def _send_part(self, part: int, call: grpc.aio.StreamStreamCall) -> None:
+    async def _send_part(self, part: int, call: grpc.aio.StreamStreamCall | DataCall) -> None:
         for chunk in range(self.plan.num_chunks(part)):
             if self.fault_plan is not None:
                 if self.fault_plan.crashes(chunk):
@@ -255,9 +257,29 @@ class _Exchange:
                 if self.fault_plan.stops_sending(chunk):
                     await asyncio.Event().wait()  # a stalled sender: the stream stays open
             request = await offload(self.service.executor, self._encode_request, part, chunk)
-            await call.write(request)
-            self.bytes_sent += len(request)
+            if isinstance(call, DataCall):
+                await call.write_pieces(request.pieces)  # no join: the socket takes pieces
+            else:
+                await call.write(serialize_request(request))
+            self.bytes_sent += request.nbytes
         await call.done_writing()
+
+    async def _open_call(self, part: int, address: str) -> grpc.aio.StreamStreamCall | DataCall:
+        """A ``Reduce`` stream to the reducer of ``part``: over its data plane when it
+        serves one and we can reach it, else over gRPC."""
+        data_port = self.group.members[part].data_port
+        connector = self.service.data_connector
+        if data_port and connector is not None:
+            remaining = self.deadline - time.monotonic()
+            call = await connector.open(split_host(address), data_port, remaining)
+            if call is not None:
+                return call
+        method = self.channels.channel(address).stream_stream(
+            _REDUCE_METHOD,
+            request_serializer=pass_bytes,
+            response_deserializer=deserialize_reply,
+        )
+        return method(timeout=max(self.deadline - time.monotonic(), 0.001))
 
     def _reply_patience(self, started: float, replies: int) -> float:
         mean = (time.monotonic() - started) / replies if replies else 0.0
@@ -274,13 +296,10 @@ class _Exchange:
             return
         loop = asyncio.get_running_loop()
         num_chunks = self.plan.num_chunks(part)
-        remaining = self.deadline - time.monotonic()
-        method = self.channels.channel(address).stream_stream(
-            _REDUCE_METHOD,
-            request_serializer=pass_bytes,
-            response_deserializer=deserialize_reply,
-        )
-        call = method(timeout=max(remaining, 0.001))
+        if self.fault_plan is not None and self.fault_plan.crashes(0):
+            self.crashed.set()  # before connecting: a crash at the start sends nothing
+            return
+        call = await self._open_call(part, address)
         sender = loop.create_task(self._send_part(part, call))
         started = time.monotonic()
         replies = 0
@@ -305,9 +324,12 @@ class _Exchange:
                 replies += 1
                 if not await self._accept_reply(part, response):
                     return
+            if isinstance(call, DataCall):  # read its OK, so the connection can be reused
+                await call.finish(min(1.0, max(self.deadline - time.monotonic(), 0.0)))
         except grpc.RpcError as e:
-            code = e.code() if isinstance(e, grpc.aio.AioRpcError) else None
-            details = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            known = isinstance(e, grpc.aio.AioRpcError | DataStreamError)
+            code = e.code() if known else None
+            details = e.details() if known else str(e)
             log.info("part %d: stream to %s failed: %s %s", part, address, code, details)
         finally:
             sender.cancel()

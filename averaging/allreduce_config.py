@@ -35,6 +35,16 @@ class AllReduceConfig:
             runs it on the loop. Default: 0 on machines with at most 2 cores, where the
             thread pool cost 10-30% more CPU per round than inline work
             (docs/benchmarks-allreduce.md), else 2.
+        data_plane: also serve and use ``Reduce`` over framed TCP
+            (:mod:`~swarmavg.averaging.data_plane`), which costs less than half the CPU
+            per byte of gRPC; members that cannot reach it fall back to gRPC.
+        data_host: host the data plane listens on; ``None``: the host of the peer's
+            announced address.
+        data_port: port the data plane listens on (0: any free port). Set it when only
+            chosen ports are reachable (a firewall or NAT forwards them).
+        data_connect_timeout: how long a sender tries to connect to a reducer's data
+            plane before it uses gRPC for that reducer (for ``data_retry_after`` seconds).
+        data_retry_after: see ``data_connect_timeout``.
     """
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -44,6 +54,11 @@ class AllReduceConfig:
     finalize_margin: float = 0.5
     max_waiting_streams: int = 64
     executor_threads: int = field(default_factory=_default_executor_threads)
+    data_plane: bool = True
+    data_host: str | None = None
+    data_port: int = 0
+    data_connect_timeout: float = 1.0
+    data_retry_after: float = 300.0
 
     def __post_init__(self) -> None:
         if not 4096 <= self.chunk_bytes <= 3 * 1024 * 1024:
@@ -53,5 +68,9 @@ class AllReduceConfig:
                 raise ValueError(f"{name} must be positive")
         if self.finalize_margin < 0:
             raise ValueError("finalize_margin must be >= 0")
+        if not 0 <= self.data_port <= 65535:
+            raise ValueError("data_port must be a TCP port, or 0 for any free one")
+        if not (self.data_connect_timeout > 0 and self.data_retry_after >= 0):
+            raise ValueError("data_connect_timeout must be > 0 and data_retry_after >= 0")
         if self.max_waiting_streams < 1 or self.executor_threads < 0:
             raise ValueError("max_waiting_streams must be >= 1 and executor_threads >= 0")

@@ -29,6 +29,7 @@ import numpy as np
 
 from swarmavg.averaging.allreduce import run_allreduce
 from swarmavg.averaging.allreduce_config import AllReduceConfig
+from swarmavg.averaging.data_plane import split_host
 from swarmavg.averaging.errors import AveragingError, InvalidTensorsError, NoGroupError
 from swarmavg.averaging.faults import FaultPlan
 from swarmavg.averaging.group import MAX_GROUP_SIZE, Mode, schema_hash
@@ -248,6 +249,8 @@ class Averager:
             self.dht, self.run_id, address, self._channels, self.config.matchmaker, self._observer
         )
         allreduce = AllReduceService(self.run_id, self.config.allreduce)
+        if address is not None and self.config.mode.reduces:
+            await allreduce.start_data_plane(self.config.allreduce.data_host or split_host(address))
         sharer = StateSharer(
             self.dht, self.run_id, address, self._channels, self.config.state, self._donor_faults
         )
@@ -323,6 +326,7 @@ class Averager:
             user_data=self.config.user_data,
             window=min(self.config.matchmaking_time, share),
             give_up=share,
+            data_port=allreduce.data_port,
         )
         task = asyncio.current_task()
         if task is not None:

@@ -231,6 +231,7 @@ def group_to_proto(group: GroupInfo) -> averaging_pb2.GroupDescription:
                 mode=int(m.mode),
                 bandwidth=m.bandwidth,
                 user_data=m.user_data,
+                data_port=m.data_port,
             )
             for m in group.members
         ],
@@ -263,6 +264,7 @@ def group_from_proto(message: averaging_pb2.GroupDescription) -> GroupInfo:
                 mode=Mode(m.mode),
                 bandwidth=float(m.bandwidth),
                 user_data=bytes(m.user_data),
+                data_port=m.data_port,  # Member checks the range
             )
         )
     return GroupInfo(
@@ -299,6 +301,7 @@ def member_from_join_request(peer_id: bytes, request: averaging_pb2.JoinRequest)
         mode=mode,
         bandwidth=float(request.bandwidth),
         user_data=bytes(request.user_data),
+        data_port=request.data_port if mode is not Mode.CLIENT else 0,
     )
 
 

@@ -74,6 +74,8 @@ class Member:
         bandwidth: its reported bandwidth (any consistent unit, e.g. MB/s); parts are
             sized in proportion to it. 0 means "reduces nothing".
         user_data: opaque bytes the member attached when joining (not used here).
+        data_port: TCP port of its data plane on the host of ``address``
+            (:mod:`~swarmavg.averaging.data_plane`); 0 when it serves ``Reduce`` over gRPC only.
     """
 
     peer_id: bytes
@@ -81,12 +83,15 @@ class Member:
     mode: Mode
     bandwidth: float = 1.0
     user_data: bytes = b""
+    data_port: int = 0
 
     def __post_init__(self) -> None:
         if len(self.peer_id) != PEER_ID_BYTES:
             raise ValueError(f"peer_id must be {PEER_ID_BYTES} bytes, got {len(self.peer_id)}")
         if not (self.bandwidth >= 0.0 and np.isfinite(self.bandwidth)):
             raise ValueError(f"bandwidth must be finite and >= 0, got {self.bandwidth}")
+        if not 0 <= self.data_port <= 65535:
+            raise ValueError(f"data_port must be a TCP port or 0, got {self.data_port}")
         if self.mode.reduces and self.bandwidth > 0 and not self.address:
             raise ValueError("a member that reduces a part needs an address")
 

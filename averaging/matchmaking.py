@@ -312,6 +312,7 @@ class Matchmaker:
             bandwidth=req.bandwidth,
             user_data=req.user_data,
             declared_start=me.start,
+            data_port=req.data_port,
         )
         call = join_group_method(self.channels.channel(target.address))(
             request, timeout=max(0.1, me.give_up - time.time() + 1.0)
@@ -433,6 +434,7 @@ class Matchmaker:
             mode=req.mode,
             bandwidth=req.bandwidth,
             user_data=req.user_data,
+            data_port=req.data_port if rnd.me.address else 0,
         )
         members = sorted([me, *(f.member for f in rnd.followers.values())], key=lambda m: m.peer_id)
         try:

@@ -65,6 +65,7 @@ class MatchRequest:
         user_data: opaque bytes given to every member.
         window: seconds until this peer, as a leader, closes a group that is not full.
         give_up: seconds until it stops looking and raises.
+        data_port: this peer's data-plane port, advertised to the group (0: none).
     """
 
     key: str
@@ -77,6 +78,7 @@ class MatchRequest:
     user_data: bytes
     window: float
     give_up: float
+    data_port: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_group_size <= self.group_size <= MAX_GROUP_SIZE:

@@ -29,12 +29,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
 import numpy as np
 
 from swarmavg.averaging.allreduce_config import AllReduceConfig
+from swarmavg.averaging.data_plane import DataConnector, DataPlaneServer
 from swarmavg.averaging.faults import FaultPlan
 from swarmavg.averaging.group import GroupInfo
 from swarmavg.averaging.partition import PartPlan
@@ -67,9 +68,16 @@ class _Stream:
     done: bool = False
 
 
-async def _abort(
-    context: grpc.aio.ServicerContext[Any, Any], code: grpc.StatusCode, details: str
-) -> NoReturn:
+class ReduceContext(Protocol):
+    """What a ``Reduce`` handler needs of its stream: gRPC's servicer context, or the
+    data plane's stream (:mod:`~swarmavg.averaging.data_plane`)."""
+
+    async def write(self, message: bytes) -> None: ...
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn: ...
+
+
+async def _abort(context: ReduceContext, code: grpc.StatusCode, details: str) -> NoReturn:
     """End the stream with ``code``; ``context.abort`` raises, this says so to the checker."""
     await context.abort(code, details)
     raise RuntimeError("context.abort returned")
@@ -218,7 +226,7 @@ class ReducerRound:
         sender: int,
         first: Request,
         requests: AsyncIterator[Request],
-        context: grpc.aio.ServicerContext[Any, Any],
+        context: ReduceContext,
     ) -> None:
         """Run one attached sender's stream until the round returned every chunk to it."""
         if self.closed:
@@ -400,6 +408,36 @@ class AllReduceService:
         self._closed = False
         self.bytes_per_element: dict[tuple[str, str], float] = {}
         self._codecs: dict[str, Codec] = {}
+        self.data_connector: DataConnector | None = None
+        if self.config.data_plane:
+            self.data_connector = DataConnector(
+                self.config.data_connect_timeout, self.config.data_retry_after
+            )
+        self._data_server: DataPlaneServer | None = None
+        self.data_port = 0
+        """Port of this daemon's data plane (0: not serving one)."""
+
+    async def start_data_plane(self, host: str) -> int:
+        """Serve ``Reduce`` over framed TCP on ``host`` (and ``config.data_port``).
+
+        Returns the port, or 0 when the data plane is disabled or cannot listen there
+        (logged: the peer then serves ``Reduce`` over gRPC only).
+        """
+        if not self.config.data_plane or self._closed or self._data_server is not None:
+            return self.data_port
+        server = DataPlaneServer(self)
+        try:
+            self.data_port = await server.start(host, self.config.data_port)
+        except OSError as e:
+            log.warning(
+                "data plane cannot listen on %s:%d (%s); serving Reduce over gRPC only",
+                host,
+                self.config.data_port,
+                e,
+            )
+            return 0
+        self._data_server = server
+        return self.data_port
 
     def codec(self, name: str) -> Codec:
         """The daemon's one instance of codec ``name``, for the chunks it sends and returns.
@@ -444,6 +482,10 @@ class AllReduceService:
         await asyncio.gather(
             *(r.close(_Abort(grpc.StatusCode.UNAVAILABLE, "peer is shutting down")) for r in rounds)
         )
+        if self.data_connector is not None:
+            self.data_connector.close()
+        if self._data_server is not None:
+            await self._data_server.close()
         if self.executor is not None:
             self.executor.shutdown(wait=False, cancel_futures=True)
 
@@ -461,7 +503,7 @@ class AllReduceService:
     async def rpc_reduce(
         self,
         request_iterator: AsyncIterator[Request],
-        context: grpc.aio.ServicerContext[Any, Any],
+        context: ReduceContext,
     ) -> None:
         """Serve one sender's ``Reduce`` stream (see the module docstring).
 

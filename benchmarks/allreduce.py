@@ -119,18 +119,20 @@ async def _worker(rank: int, n: int, elements: int, conn: mp.connection.Connecti
                     AllReduceConfig(
                         chunk_bytes=command["chunk_bytes"],
                         executor_threads=command["threads"],
+                        data_plane=command["transport"] == "data",
                     ),
                 )
                 servicer.service = service
+                data_port = await service.start_data_plane("127.0.0.1")
                 if command.get("profile") and rank == 0:
                     profiler = cProfile.Profile(time.thread_time)  # CPU, not wall
-                _send(conn, {"ok": True})
+                _send(conn, {"ok": True, "data_port": data_port})
                 continue
             if command["op"] == "round":
                 assert service is not None
                 members = tuple(
-                    Member(bytes.fromhex(pid), addr, Mode.NODE, 1.0)
-                    for pid, addr in command["members"]
+                    Member(bytes.fromhex(pid), addr, Mode.NODE, 1.0, data_port=data_port)
+                    for pid, addr, data_port in command["members"]
                 )
                 group = GroupInfo(
                     bytes.fromhex(command["group_id"]),
@@ -246,6 +248,7 @@ def bench_group(
     codecs: list[str],
     chunk_kib: list[int],
     executor_threads: list[int],
+    transports: list[str],
     rounds: int,
     profile: str | None,
 ) -> list[dict[str, Any]]:
@@ -263,16 +266,17 @@ def bench_group(
     results: list[dict[str, Any]] = []
     try:
         hello = [_recv(c) for c in conns]
-        members = [[h["peer_id"], h["address"]] for h in hello]
+        peers = [(h["peer_id"], h["address"]) for h in hello]
         gloo_port = _free_port()
         for c in conns:
             _send(c, {"op": "gloo", "port": gloo_port, "rounds": rounds})
         gloo_runs = [_recv(c)["seconds"] for c in conns]
         gloo = statistics.median(max(t) for t in zip(*gloo_runs, strict=True))
-        for kib, threads in itertools.product(chunk_kib, executor_threads):
+        for transport, kib, threads in itertools.product(transports, chunk_kib, executor_threads):
             for codec in codecs:
                 want_profile = profile is not None and codec == codecs[0] and kib == chunk_kib[0]
-                for c in conns:
+                members = []
+                for c, (peer_id, address) in zip(conns, peers, strict=True):
                     _send(
                         c,
                         {
@@ -280,9 +284,10 @@ def bench_group(
                             "chunk_bytes": kib * 1024,
                             "profile": want_profile,
                             "threads": threads,
+                            "transport": transport,
                         },
                     )
-                    _recv(c)
+                    members.append([peer_id, address, _recv(c)["data_port"]])
                 times, errors, partial, identical, timings = [], [], False, True, []
                 cpus: list[float] = []
                 for r in range(rounds + 1):  # round 0 warms up channels and caches
@@ -313,7 +318,7 @@ def bench_group(
                     timings.append(replies[0]["timings"])
                     cpus.append(sum(x["cpu"] for x in replies))
                 if want_profile and profile is not None:
-                    path = f"{profile}/allreduce-{n}peers-{codec}.prof"
+                    path = f"{profile}/allreduce-{n}peers-{codec}-{transport}.prof"
                     _send(conns[0], {"op": "profile-dump", "path": path})
                     _recv(conns[0])
                 seconds = statistics.median(times)
@@ -321,6 +326,7 @@ def bench_group(
                     {
                         "peers": n,
                         "codec": codec,
+                        "transport": transport,
                         "chunk_kib": kib,
                         "executor_threads": threads,
                         "seconds_median": round(seconds, 4),
@@ -358,6 +364,11 @@ def main() -> int:
     parser.add_argument("--chunk-kib", default="1024", help="encoded chunk target(s), KiB")
     parser.add_argument("--threads", default="2", help="executor thread count(s) per peer")
     parser.add_argument("--profile", default=None, help="folder for rank 0's cProfile dumps")
+    parser.add_argument(
+        "--transports",
+        default="data,grpc",
+        help="Reduce over the framed-TCP data plane (data) and/or gRPC (grpc)",
+    )
     args = parser.parse_args()
     elements = int(args.mb * 1e6) // 4
     results = []
@@ -368,6 +379,7 @@ def main() -> int:
             args.codecs.split(","),
             [int(x) for x in args.chunk_kib.split(",")],
             [int(x) for x in args.threads.split(",")],
+            args.transports.split(","),
             args.rounds,
             args.profile,
         )

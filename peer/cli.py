@@ -49,6 +49,14 @@ def _add_network_flags(parser: argparse.ArgumentParser, *, peer: bool) -> None:
         metavar="HOST:PORT",
         help=f"address other peers should dial (default: the listen address) {env('announce')}",
     )
+    if peer:
+        parser.add_argument(
+            "--data-port",
+            metavar="PORT",
+            type=int,
+            help="port of the all-reduce data plane (plain TCP on the listen host): 0 picks "
+            f"a free one (default), -1 turns it off {env('data_port')}",
+        )
     parser.add_argument(
         "--join",
         metavar="ADDR",
@@ -136,7 +144,7 @@ def _config_from_args(args: argparse.Namespace) -> PeerConfig:
         "identity": args.identity,
         "log_level": args.log_level,
     }
-    for name in ("control", "client_mode", "metrics"):
+    for name in ("control", "client_mode", "metrics", "data_port"):
         if hasattr(args, name):
             flags[name] = getattr(args, name)
     return resolve_config(flags, os.environ, args.config)

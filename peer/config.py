@@ -27,6 +27,9 @@ class PeerConfig:
     Attributes:
         listen: ``HOST:PORT`` the public gRPC server binds; port 0 picks a free port.
         announce: ``HOST:PORT`` other peers should dial; ``None``: derived from ``listen``.
+        data_port: TCP port of the data plane (all-reduce streams over plain TCP, on the
+            listen host; the announced host is advertised with it): 0 picks a free port,
+            -1 turns it off (all-reduce streams then use the gRPC port only).
         join: initial peers (``HOST:PORT``); empty starts a new swarm.
         run_id: the collaboration's name; everything stored or averaged is namespaced by it.
         control: control endpoint (unix socket path or ``127.0.0.1:PORT``); ``None``: the
@@ -45,6 +48,7 @@ class PeerConfig:
 
     listen: str = DEFAULT_LISTEN
     announce: str | None = None
+    data_port: int = 0
     join: list[str] = field(default_factory=list)
     run_id: str = "default"
     control: str | None = None
@@ -67,6 +71,8 @@ class PeerConfig:
         parse_host_port(self.listen, "listen", allow_port_zero=True)
         if self.announce is not None:
             parse_host_port(self.announce, "announce")
+        if not -1 <= self.data_port <= 65535:
+            raise ValueError(f"data_port {self.data_port}: a TCP port, 0 (any free) or -1 (off)")
         for address in self.join:
             parse_host_port(address, "join")
         if self.metrics is not None:

@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from swarmavg.averaging.allreduce_config import AllReduceConfig
 from swarmavg.averaging.averager import Averager, AveragerConfig
 from swarmavg.averaging.group import Mode
 from swarmavg.averaging.matchmaking import MatchmakingEvent
@@ -39,7 +40,7 @@ from swarmavg.dht import (
 from swarmavg.peer import __version__, shm
 from swarmavg.peer.client import AsyncClient
 from swarmavg.peer.combiner import LocalCombiner, RoundOutcome, RoundParams
-from swarmavg.peer.config import PeerConfig
+from swarmavg.peer.config import PeerConfig, parse_host_port
 from swarmavg.peer.control import ControlService, classify
 from swarmavg.peer.endpoint import ControlEndpoint, parse_control_endpoint, prepare_unix_socket
 from swarmavg.peer.netutil import announce_address, explain_bind_failure
@@ -175,9 +176,15 @@ class Peer:
             bootstrap_timeout=cfg.bootstrap_timeout,
         )
         self.dht = DHTNode(dht_config, self.identity, self._channels)
+        listen_host, _ = parse_host_port(cfg.listen, "listen", allow_port_zero=True)
         self._averager_config = AveragerConfig(
             mode=Mode.CLIENT if cfg.client_mode else Mode.NODE,
             target_group_size=cfg.group_size,
+            allreduce=AllReduceConfig(
+                data_plane=cfg.data_port >= 0,
+                data_host=listen_host,
+                data_port=max(cfg.data_port, 0),
+            ),
         )
         self.averager = Averager(
             self.dht, self._averager_config, self._channels, observer=self._on_matchmaking

@@ -46,7 +46,7 @@ STATE_BAD_REQUEST: StateCode
 STATE_BUSY: StateCode
 
 class JoinRequest(_message.Message):
-    __slots__ = ("header", "key", "schema_hash", "mode", "bandwidth", "user_data", "declared_start")
+    __slots__ = ("header", "key", "schema_hash", "mode", "bandwidth", "user_data", "declared_start", "data_port")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class JoinRequest(_message.Message):
     BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     USER_DATA_FIELD_NUMBER: _ClassVar[int]
     DECLARED_START_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     header: _common_pb2.RequestHeader
     key: str
     schema_hash: bytes
@@ -61,21 +62,24 @@ class JoinRequest(_message.Message):
     bandwidth: float
     user_data: bytes
     declared_start: float
-    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., key: _Optional[str] = ..., schema_hash: _Optional[bytes] = ..., mode: _Optional[int] = ..., bandwidth: _Optional[float] = ..., user_data: _Optional[bytes] = ..., declared_start: _Optional[float] = ...) -> None: ...
+    data_port: int
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., key: _Optional[str] = ..., schema_hash: _Optional[bytes] = ..., mode: _Optional[int] = ..., bandwidth: _Optional[float] = ..., user_data: _Optional[bytes] = ..., declared_start: _Optional[float] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class GroupMember(_message.Message):
-    __slots__ = ("peer_id", "address", "mode", "bandwidth", "user_data")
+    __slots__ = ("peer_id", "address", "mode", "bandwidth", "user_data", "data_port")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     USER_DATA_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     peer_id: bytes
     address: str
     mode: int
     bandwidth: float
     user_data: bytes
-    def __init__(self, peer_id: _Optional[bytes] = ..., address: _Optional[str] = ..., mode: _Optional[int] = ..., bandwidth: _Optional[float] = ..., user_data: _Optional[bytes] = ...) -> None: ...
+    data_port: int
+    def __init__(self, peer_id: _Optional[bytes] = ..., address: _Optional[str] = ..., mode: _Optional[int] = ..., bandwidth: _Optional[float] = ..., user_data: _Optional[bytes] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class GroupDescription(_message.Message):
     __slots__ = ("group_id", "members", "schema_hash", "codec")

@@ -22,6 +22,9 @@ from swarmavg.proto import common_pb2
 from tests.harness import GrpcServerPool
 
 RUN_ID = "test-allreduce"
+DATA_PLANE = False
+"""Whether :func:`start_peers` serves the data plane by default (the ``allreduce_transport``
+fixture of tests/averaging/conftest.py runs whole modules over both transports)."""
 FAST = AllReduceConfig(min_stall=1.0, stall_factor=8.0, registration_wait=3.0, chunk_bytes=4096)
 
 
@@ -30,6 +33,7 @@ class LocalPeer:
     identity: Identity
     service: AllReduceService
     address: str
+    data_port: int = 0
 
     @property
     def header(self) -> common_pb2.RequestHeader:
@@ -37,15 +41,24 @@ class LocalPeer:
 
 
 async def start_peers(
-    servers: GrpcServerPool, n: int, config: AllReduceConfig = FAST
+    servers: GrpcServerPool,
+    n: int,
+    config: AllReduceConfig = FAST,
+    *,
+    data_plane: bool | None = None,
 ) -> list[LocalPeer]:
+    """``n`` reducers on gRPC servers; with ``data_plane`` (default: :data:`DATA_PLANE`)
+    each also serves the framed-TCP data plane, which its group membership advertises."""
     services = [AllReduceService(RUN_ID, config) for _ in range(n)]
 
     def register(server: grpc.aio.Server, i: int) -> None:
         add_reduce_to_server(services[i], server)
 
     addresses = await servers.start(n, register)
-    return [LocalPeer(Identity.generate(), services[i], addresses[i]) for i in range(n)]
+    ports = [0] * n
+    if DATA_PLANE if data_plane is None else data_plane:
+        ports = [await s.start_data_plane("127.0.0.1") for s in services]
+    return [LocalPeer(Identity.generate(), services[i], addresses[i], ports[i]) for i in range(n)]
 
 
 async def close_peers(peers: Sequence[LocalPeer]) -> None:
@@ -67,6 +80,7 @@ def make_group(
             None if mode is Mode.CLIENT else p.address,
             mode,
             0.0 if mode is Mode.CLIENT else bw,
+            data_port=0 if mode is Mode.CLIENT else p.data_port,
         )
         for p, mode, bw in zip(peers, modes, bandwidths, strict=True)
     )

@@ -23,7 +23,7 @@ from swarmavg.dht import ChannelPool
 from tests.averaging.allreduce_peers import FAST, close_peers, make_group, run_group, start_peers
 from tests.harness import GrpcServerPool
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("allreduce_transport")]
 
 N = 4
 FAULTY = 1

@@ -63,6 +63,7 @@ def test_every_field_has_env_and_toml_spelling(tmp_path: Path) -> None:
     values = {
         "listen": '"127.0.0.1:5"',
         "announce": '"1.2.3.4:5"',
+        "data_port": "31338",
         "join": '["1.2.3.4:6"]',
         "run_id": '"r"',
         "control": '"/tmp/x.sock"',
@@ -85,6 +86,7 @@ def test_every_field_has_env_and_toml_spelling(tmp_path: Path) -> None:
     from_env = resolve_config({}, env)
     assert from_file == from_env
     assert from_file.group_size == 8
+    assert from_file.data_port == 31338
     assert from_file.client_mode is True
 
 
@@ -97,6 +99,7 @@ def test_every_field_has_env_and_toml_spelling(tmp_path: Path) -> None:
         ({}, {"SWARMAVG_CLIENT_MODE": "maybe"}, "true/false"),
         ({}, {"SWARMAVG_LOG_LEVEL": "loud"}, "log_level"),
         ({"listen": "1.2.3.4:70000"}, {}, "port"),
+        ({}, {"SWARMAVG_DATA_PORT": "-2"}, "data_port"),
     ],
 )
 def test_bad_values_name_the_setting(

@@ -1,0 +1,522 @@
+"""The data plane: ``Reduce`` streams over plain framed TCP, beside the gRPC service.
+
+Why it exists: on fast links a round is CPU-bound, and gRPC's HTTP/2 stack costs about
+2.2-2.6x the CPU per byte of a plain TCP stream (``benchmarks/transport_floor.py``: a
+64 MB butterfly between 4 processes on loopback takes 0.26 s over gRPC streams and
+0.12 s over sockets, before any averaging). The data plane carries exactly the messages
+of the gRPC ``Reduce`` stream, byte for byte, so the reducer code, its checks of hostile
+input and its fault handling are the same for both transports; only the framing differs.
+
+It is opportunistic: a member that serves it advertises its port in matchmaking
+(``JoinRequest.data_port`` -> ``GroupMember.data_port``); a sender that cannot connect
+within ``AllReduceConfig.data_connect_timeout`` remembers that for a while and uses the
+gRPC ``Reduce`` method, which every member always serves.
+
+Wire, version 1. Every connection starts with a HELLO frame from the client. Frames::
+
+    <u32 little-endian body length> <u8 kind> <body>
+
+    HELLO  (0)  client -> server, body ``swarmavg-reduce/1``, once per connection
+    MSG    (1)  one ``ReduceRequest`` (client -> server) or ``ReduceResponse``
+                (server -> client), the bytes the gRPC stream would carry
+    CLOSE  (2)  client -> server, empty: the client wrote its last message (half-close)
+    STATUS (3)  server -> client: <u8 gRPC status code> <UTF-8 details>: the stream
+                ended; ``OK`` after every averaged chunk was sent
+
+A connection carries one stream at a time. When a stream ended with ``OK`` and both
+sides saw its end, the client keeps the connection for the next stream to the same
+reducer (across rounds); anything else closes it. Bodies above :data:`MAX_BODY` (gRPC's
+message cap here) and unknown kinds close the connection at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import struct
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, cast
+
+import grpc
+import numpy as np
+
+from swarmavg.averaging.reduce_wire import Request, deserialize_reply, deserialize_request
+
+if TYPE_CHECKING:
+    from swarmavg.averaging.reduce_service import AllReduceService
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "MAX_BODY",
+    "DataCall",
+    "DataConnector",
+    "DataPlaneServer",
+    "DataStreamError",
+    "split_host",
+]
+
+HELLO, MSG, CLOSE, STATUS = 0, 1, 2, 3
+_KINDS = frozenset((HELLO, MSG, CLOSE, STATUS))
+_HEAD = struct.Struct("<IB")
+MAGIC = b"swarmavg-reduce/1"
+MAX_BODY = 8 << 20
+"""Largest frame body accepted (the gRPC services' message cap)."""
+_MAX_DETAILS = 1024
+_QUEUE_HIGH = 16  # frames buffered before the socket stops being read (flow control)
+_QUEUE_LOW = 4
+_WRITE_HIGH = 4 << 20
+_WRITE_LOW = 1 << 20
+_END_WAIT = 2.0  # seconds the server waits for a client's CLOSE after the stream ended
+_IDLE_CLIENT = 30.0  # a client reuses a connection idle for less than this...
+_IDLE_SERVER = 120.0  # ...and the server closes one idle for longer than this
+_MAX_IDLE_PER_PEER = 8
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class DataStreamError(grpc.RpcError):  # type: ignore[misc]  # grpc has no stubs
+    """A data-plane stream ended with an error status, or its connection broke."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class _ProtocolError(ValueError):
+    pass
+
+
+class _StreamAborted(Exception):
+    """Raised by :meth:`_ServerStream.abort`, as ``context.abort`` does in gRPC."""
+
+
+def split_host(address: str) -> str:
+    """The host of ``HOST:PORT`` (brackets of an IPv6 literal removed)."""
+    host = address.rsplit(":", 1)[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def _status_body(code: grpc.StatusCode, details: str) -> bytes:
+    return bytes((code.value[0],)) + details.encode("utf-8", "replace")[:_MAX_DETAILS]
+
+
+def _parse_status(body: memoryview) -> tuple[grpc.StatusCode, str]:
+    if len(body) < 1 or len(body) > 1 + _MAX_DETAILS or body[0] not in _CODES:
+        return grpc.StatusCode.INTERNAL, "malformed status frame"
+    return _CODES[body[0]], bytes(body[1:]).decode("utf-8", "replace")
+
+
+class _FrameProtocol(asyncio.BufferedProtocol):
+    """Frames in (read straight into their final buffers) and out, with flow control."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._head = bytearray(_HEAD.size)
+        self._body: np.ndarray | None = None
+        self._kind = 0
+        self._filled = 0
+        self._frames: collections.deque[tuple[int, memoryview]] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._writable: asyncio.Future[None] | None = None
+        self._reading_paused = False
+        self.error: Exception | None = None
+        self.closed = asyncio.Event()
+
+    # ---- asyncio callbacks ----
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self.transport.set_write_buffer_limits(high=_WRITE_HIGH, low=_WRITE_LOW)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._body is None:
+            return memoryview(self._head)[self._filled :]
+        return self._body.data[self._filled :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._filled += nbytes
+        if self._body is None:
+            if self._filled < _HEAD.size:
+                return
+            length, kind = _HEAD.unpack(self._head)
+            self._filled = 0
+            if length > MAX_BODY or kind not in _KINDS:
+                self._fail(_ProtocolError(f"bad frame (kind {kind}, {length} bytes)"))
+                return
+            self._kind = kind
+            if length:
+                self._body = np.empty(length, np.uint8)  # no zero-fill: recv writes it all
+                return
+            self._deliver(memoryview(b""))
+        elif self._filled == self._body.size:
+            body, self._body, self._filled = self._body, None, 0
+            self._deliver(body.data)
+
+    def _deliver(self, body: memoryview) -> None:
+        self._frames.append((self._kind, body))
+        if len(self._frames) >= _QUEUE_HIGH and not self._reading_paused and self.transport:
+            self._reading_paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self._fail(ConnectionResetError("connection closed by the other side"))
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(exc or ConnectionResetError("connection closed"))
+        self.closed.set()
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+
+    def pause_writing(self) -> None:
+        if self._writable is None or self._writable.done():
+            self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+
+    # ---- used by streams ----
+
+    def _fail(self, error: Exception) -> None:
+        if self.error is None:
+            self.error = error
+        if self.transport is not None:
+            self.transport.close()
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    @property
+    def usable(self) -> bool:
+        return self.error is None and self.transport is not None and not self.transport.is_closing()
+
+    async def next_frame(self) -> tuple[int, memoryview]:
+        """The next frame; raises the connection's error once no frame is left."""
+        await self.wait_for_frame()
+        frame = self._frames.popleft()
+        if self._reading_paused and len(self._frames) <= _QUEUE_LOW and self.transport:
+            self._reading_paused = False
+            self.transport.resume_reading()
+        return frame
+
+    def send(self, kind: int, pieces: Sequence[bytes | memoryview]) -> None:
+        """Queue one frame (never blocks; :meth:`drain` waits for room)."""
+        if not self.usable or self.transport is None:
+            raise self.error or ConnectionResetError("connection closed")
+        size = sum(memoryview(p).nbytes for p in pieces)
+        self.transport.writelines([_HEAD.pack(size, kind), *pieces])
+
+    async def drain(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            await self._writable
+        if self.error is not None:
+            raise self.error
+
+    async def wait_for_frame(self) -> None:
+        """Wait until a frame is buffered (not taking it), or raise the connection's error."""
+        while not self._frames:
+            if self.error is not None:
+                raise self.error
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    def close(self, *, discard: bool = False) -> None:
+        """Close the connection; ``discard`` drops unsent bytes instead of flushing them
+        (a sender's unsent chunks may be views of its caller's tensors)."""
+        if self.transport is not None:
+            if discard:
+                self.transport.abort()
+            else:
+                self.transport.close()
+
+
+def _connection_error(error: BaseException) -> DataStreamError:
+    return DataStreamError(grpc.StatusCode.UNAVAILABLE, f"data connection failed: {error!r}")
+
+
+# ---------------------------------------------------------------------------------------
+# Client side
+
+
+class DataCall:
+    """One ``Reduce`` stream on a data connection; quacks like the gRPC call for the sender.
+
+    ``read`` returns :class:`~swarmavg.averaging.reduce_wire.Reply` objects and then
+    ``grpc.aio.EOF``; an error status raises :class:`DataStreamError`. Always
+    :meth:`cancel` it at the end: a cleanly finished stream gives its connection back for
+    reuse, anything else closes the connection.
+    """
+
+    def __init__(self, protocol: _FrameProtocol, release: Callable[[_FrameProtocol], None]):
+        self._protocol = protocol
+        self._release = release
+        self._wrote_close = False
+        self._finished_ok = False
+        self._done = False
+
+    async def write_pieces(self, pieces: Sequence[bytes | memoryview]) -> None:
+        """Send one ``ReduceRequest`` given as the pieces of its wire bytes."""
+        try:
+            self._protocol.send(MSG, pieces)
+            await self._protocol.drain()
+        except (OSError, _ProtocolError) as e:
+            raise _connection_error(e) from e
+
+    async def write(self, message: bytes) -> None:
+        await self.write_pieces((message,))
+
+    async def done_writing(self) -> None:
+        try:
+            self._protocol.send(CLOSE, ())
+        except (OSError, _ProtocolError) as e:
+            raise _connection_error(e) from e
+        self._wrote_close = True
+
+    async def read(self) -> Any:  # Reply | grpc.aio.EOF, as the gRPC call (untyped)
+        """The next :class:`Reply`, or ``grpc.aio.EOF`` after an ``OK`` status."""
+        if self._finished_ok:
+            return grpc.aio.EOF
+        try:
+            kind, body = await self._protocol.next_frame()
+        except (OSError, _ProtocolError) as e:
+            raise _connection_error(e) from e
+        if kind == MSG:
+            return deserialize_reply(body)  # type: ignore[arg-type]  # scans any buffer
+        if kind == STATUS:
+            code, details = _parse_status(body)
+            if code is grpc.StatusCode.OK:
+                self._finished_ok = True
+                return grpc.aio.EOF
+            raise DataStreamError(code, details)
+        self._protocol.close(discard=True)
+        raise DataStreamError(grpc.StatusCode.INTERNAL, f"unexpected frame kind {kind}")
+
+    async def finish(self, timeout: float) -> bool:
+        """After the last reply: read the stream's final status (at most ``timeout``
+        seconds); return whether it ended cleanly (the connection is then reusable)."""
+        try:
+            async with asyncio.timeout(timeout):
+                while await self.read() is not grpc.aio.EOF:
+                    self._protocol.close(discard=True)  # a reply too many
+                    return False
+        except (TimeoutError, DataStreamError):
+            return False
+        return True
+
+    def cancel(self) -> None:
+        """End the call: reuse the connection if the stream finished cleanly, else close it."""
+        if self._done:
+            return
+        self._done = True
+        if self._finished_ok and self._wrote_close and self._protocol.usable:
+            self._release(self._protocol)
+        else:
+            self._protocol.close(discard=True)
+
+
+class DataConnector:
+    """Opens data-plane streams to reducers, reusing idle connections (one per daemon)."""
+
+    def __init__(self, connect_timeout: float = 1.0, retry_after: float = 300.0) -> None:
+        """Args:
+        connect_timeout: at most this long to open a connection.
+        retry_after: after a failed connect, use gRPC for this reducer this long.
+        """
+        self.connect_timeout = connect_timeout
+        self.retry_after = retry_after
+        self._idle: dict[tuple[str, int], list[tuple[float, _FrameProtocol]]] = {}
+        self._unreachable: dict[tuple[str, int], float] = {}
+        self._closed = False
+        self.opened = 0
+        """Connections opened so far (the rest of the streams reused one)."""
+
+    async def open(self, host: str, port: int, timeout: float) -> DataCall | None:
+        """A new stream to ``host:port``, or ``None`` (unreachable now: use gRPC)."""
+        key = (host, port)
+        now = time.monotonic()
+        if self._closed or self._unreachable.get(key, 0.0) > now:
+            return None
+        idle = self._idle.get(key, [])
+        while idle:
+            since, protocol = idle.pop()
+            if protocol.usable and now - since < _IDLE_CLIENT:
+                return DataCall(protocol, self._release_to(key))
+            protocol.close()
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(max(min(timeout, self.connect_timeout), 0.001)):
+                _, protocol = await loop.create_connection(_FrameProtocol, host, port)
+            protocol.send(HELLO, (MAGIC,))
+            self.opened += 1
+        except (OSError, TimeoutError) as e:
+            log.info("data plane %s:%d unreachable (%r); using gRPC", host, port, e)
+            self._unreachable[key] = now + self.retry_after
+            return None
+        return DataCall(protocol, self._release_to(key))
+
+    def _release_to(self, key: tuple[str, int]) -> Callable[[_FrameProtocol], None]:
+        def release(protocol: _FrameProtocol) -> None:
+            idle = self._idle.setdefault(key, [])
+            if self._closed or len(idle) >= _MAX_IDLE_PER_PEER:
+                protocol.close()
+            else:
+                idle.append((time.monotonic(), protocol))
+
+        return release
+
+    def close(self) -> None:
+        """Close every idle connection; later :meth:`open` calls return ``None``."""
+        self._closed = True
+        for idle in self._idle.values():
+            for _, protocol in idle:
+                protocol.close()
+        self._idle.clear()
+
+
+# ---------------------------------------------------------------------------------------
+# Server side
+
+
+class _ServerStream:
+    """The context and request iterator of one inbound stream (as gRPC gives a handler)."""
+
+    def __init__(self, protocol: _FrameProtocol, write_timeout: float) -> None:
+        self._protocol = protocol
+        self._write_timeout = write_timeout
+        self.client_closed = False
+        self.status_sent = False
+
+    async def requests(self) -> AsyncIterator[Request]:
+        while True:
+            kind, body = await self._protocol.next_frame()
+            if kind == CLOSE:
+                self.client_closed = True
+                return
+            if kind != MSG:
+                raise _ProtocolError(f"unexpected frame kind {kind} in a stream")
+            yield deserialize_request(body)  # type: ignore[arg-type]  # scans any buffer
+
+    async def write(self, message: bytes) -> None:
+        self._protocol.send(MSG, (message,))
+        async with asyncio.timeout(self._write_timeout):  # a sender that stops reading
+            await self._protocol.drain()
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
+        self.finish(code, details)
+        raise _StreamAborted(details)
+
+    def finish(self, code: grpc.StatusCode, details: str = "") -> None:
+        if not self.status_sent:
+            self.status_sent = True
+            with contextlib.suppress(OSError):
+                self._protocol.send(STATUS, (_status_body(code, details),))
+
+
+class DataPlaneServer:
+    """Accepts data-plane connections and hands their streams to the all-reduce service."""
+
+    def __init__(self, service: AllReduceService, max_connections: int = 256) -> None:
+        self._service = service
+        self._max_connections = max_connections
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._protocols: set[_FrameProtocol] = set()
+        self.port = 0
+
+    async def start(self, host: str, port: int = 0) -> int:
+        """Listen on ``host:port`` (0: any free port); return the port."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._accept, host or None, port)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self.port
+
+    def _accept(self) -> _FrameProtocol:
+        protocol = _FrameProtocol()
+        if len(self._protocols) >= self._max_connections:
+            asyncio.get_running_loop().call_soon(protocol.close)
+            return protocol
+        self._protocols.add(protocol)
+        task = asyncio.get_running_loop().create_task(self._serve_connection(protocol))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return protocol
+
+    async def _serve_connection(self, protocol: _FrameProtocol) -> None:
+        config = self._service.config
+        try:
+            async with asyncio.timeout(config.registration_wait):
+                kind, body = await protocol.next_frame()
+            if kind != HELLO or bytes(body) != MAGIC:
+                return
+            while True:
+                try:
+                    async with asyncio.timeout(_IDLE_SERVER):
+                        await protocol.wait_for_frame()
+                except TimeoutError:
+                    return
+                if not await self._serve_stream(protocol):
+                    return
+        except (OSError, TimeoutError, _ProtocolError):
+            return
+        finally:
+            protocol.close()
+            self._protocols.discard(protocol)
+
+    async def _serve_stream(self, protocol: _FrameProtocol) -> bool:
+        """Run one stream; return whether the connection may carry another."""
+        config = self._service.config
+        write_timeout = max(3 * config.min_stall, config.registration_wait)
+        stream = _ServerStream(protocol, write_timeout)
+        try:
+            await self._service.rpc_reduce(stream.requests(), stream)
+        except _StreamAborted:
+            return False  # the client may still be writing: do not resync, close
+        except (OSError, TimeoutError, _ProtocolError) as e:
+            stream.finish(grpc.StatusCode.UNAVAILABLE, f"stream failed: {e!r}")
+            return False
+        except Exception:
+            log.exception("data plane: Reduce handler failed")
+            stream.finish(grpc.StatusCode.INTERNAL, "internal error")
+            return False
+        stream.finish(grpc.StatusCode.OK)
+        # The client half-closes right after its last chunk; skip to its CLOSE.
+        try:
+            async with asyncio.timeout(_END_WAIT):
+                while not stream.client_closed:
+                    kind, _ = await protocol.next_frame()
+                    if kind == CLOSE:
+                        stream.client_closed = True
+                    elif kind != MSG:
+                        return False
+        except TimeoutError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        """Stop listening, close every connection and wait for their tasks."""
+        if self._server is not None:
+            self._server.close()
+        for protocol in list(self._protocols):
+            protocol.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
