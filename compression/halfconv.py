@@ -12,6 +12,7 @@ exponent is all ones (Inf/NaN), so a decoded tensor is always finite.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -138,6 +139,25 @@ class HalfScratch:
         self.a = np.empty(size, np.uint32)
         self.t = np.empty(size, np.uint32)
         self.wide = np.empty(size, np.float32)
+        self.narrow = np.empty(size, np.float32)
+
+
+_local = threading.local()
+
+
+def _thread_scratch() -> HalfScratch:
+    """This thread's full-size scratch, reused across calls (never shared between
+    threads, so the kernels stay thread-safe).
+
+    Fresh megabyte-sized temporaries on every call cost page faults whenever the
+    allocator has handed the memory back to the OS in between, which glibc does for
+    memory at the top of the heap: measured, that made a chunk's encode 2-3x slower.
+    """
+    scratch: HalfScratch | None = getattr(_local, "scratch", None)
+    if scratch is None:
+        scratch = HalfScratch(HALF_SLAB)
+        _local.scratch = scratch
+    return scratch
 
 
 def _round_slab(src: np.ndarray, a: np.ndarray, scratch: HalfScratch) -> np.ndarray:
@@ -182,7 +202,7 @@ def _narrow_slabs(flat: np.ndarray) -> Iterator[tuple[slice, np.ndarray]]:
         CodecError: a float64 slab contains NaN or Inf.
     """
     n = flat.size
-    narrow = np.empty(min(n, HALF_SLAB), np.float32) if flat.dtype != np.float32 else None
+    narrow = _thread_scratch().narrow if flat.dtype != np.float32 else None
     for s in slabs(n, HALF_SLAB):
         src = flat[s]
         if narrow is not None:
@@ -218,7 +238,7 @@ def float_to_half_words(flat: np.ndarray, out: np.ndarray | None = None) -> np.n
         return out
     if out is None:
         out = np.empty(n, np.uint16)
-    scratch = HalfScratch(n)
+    scratch = _thread_scratch()
     for s, src in _narrow_slabs(flat):
         encode_half_slab(src, out[s], scratch)
     return out
@@ -237,7 +257,7 @@ def float_to_half_words_and_values(flat: np.ndarray) -> tuple[np.ndarray, np.nda
     n = flat.size
     words = np.empty(n, np.uint16)
     values = np.empty(n, np.float32)
-    scratch = HalfScratch(n)
+    scratch = _thread_scratch()
     for s, src in _narrow_slabs(flat):
         k = s.stop - s.start
         a = scratch.a[:k]
@@ -261,7 +281,7 @@ def round_to_half(flat: np.ndarray) -> np.ndarray:
     n = flat.size
     values = np.empty(n, np.float32)
     bits = values.view(np.uint32)
-    scratch = HalfScratch(n)
+    scratch = _thread_scratch()
     for s, src in _narrow_slabs(flat):
         a = bits[s]
         u = _round_slab(src, a, scratch).view(np.uint32)
@@ -307,9 +327,9 @@ def half_words_to(words: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
         return words.view(np.float16).copy()
     n = words.size
     out = np.empty(n, dtype)
-    m = min(n, HALF_SLAB)
-    b = np.empty(m, np.uint32)
-    wide = out if dtype == np.float32 else np.empty(m, np.float32)
+    scratch = _thread_scratch()
+    b = scratch.t
+    wide = out if dtype == np.float32 else scratch.wide
     for s in slabs(n, HALF_SLAB):
         k = s.stop - s.start
         if dtype == np.float32:
