@@ -37,6 +37,7 @@ from swarmavg.compression.errors import CodecError
 __all__ = ["BFloat16Codec", "Float16Codec", "NoneCodec", "ScaledFloat16Codec"]
 
 _F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = np.float32(np.finfo(np.float32).tiny)
 
 
 def _bytes_view(a: np.ndarray) -> memoryview:
@@ -168,6 +169,10 @@ time, while the tile and its 6 bytes per element of scratch stay in L2 (or close
 it, in a large L3); 2**16 measured about 10% slower, 2**18 no faster."""
 
 _TWO_M112 = np.float32(2.0**-112)
+_TINY_SQUARES = 2.0**-100
+"""Below this, a float32 sum of squared deviations may have lost precision to
+subnormals (each term's error is up to 2**-150): such rows are summed in float64."""
+_SUBNORMAL_VARIANCE = 2.0**-252  # (2**-126)**2: the variance of a std at float32's tiny
 _MIN_FAST_INVERSE = np.float32(2.0**-14)  # inverse * 2**-112 is still a normal float32
 _FAST_BOUND = 32768.0  # |z| below this (with margin) never rounds to binary16 Inf
 
@@ -216,7 +221,13 @@ class _RowStats:
                 centre = sums / np.float32(cols)
                 d = scratch[: (r1 - r0) * cols].reshape(r1 - r0, cols)
                 np.subtract(tile, centre[:, None], out=d)
-                squares = np.einsum("ij,ij->i", d, d)
+                squares = np.einsum("ij,ij->i", d, d).astype(np.float64)
+                tiny = squares < _TINY_SQUARES
+                if tiny.any():
+                    # Squares of deviations below ~2**-63 underflow float32 (to 0 for
+                    # a row of values around 1e-30): redo those rows in float64.
+                    wide = d[tiny].astype(np.float64)
+                    squares[tiny] = np.einsum("ij,ij->i", wide, wide)
                 if cols == row:
                     self.means[r0:r1] = centre
                     self.squares[r0:r1] = squares
@@ -229,6 +240,9 @@ class _RowStats:
                 if c1 == row:
                     self._combine(r0, seg_sums, seg_counts, seg_squares, seg_centres, row)
                     seg_sums, seg_counts, seg_squares, seg_centres = [], [], [], []
+        # A std below float32's smallest normal (values within ~1e-38 of their mean)
+        # cannot be inverted: such rows count as constant.
+        self.squares[self.squares < row * _SUBNORMAL_VARIANCE] = 0.0
 
     def _combine(
         self,
@@ -340,8 +354,10 @@ class ScaledFloat16Codec(Codec):
         stds = np.sqrt(stats.squares / row).astype(np.float32)
         if not np.isfinite(stds).all():
             raise CodecError("input values are too large for float32 statistics")
-        # A constant row has std 0: keep the scale at 1 so that z is exactly 0.
-        scales = np.where(stds > 0, stds, np.float32(1)).astype(np.float32)
+        # A constant row has std 0: keep the scale at 1 so that z is exactly 0. So does
+        # a row whose std is subnormal (1/std would overflow): every |x - mean| there
+        # is below sqrt(row) * 2**-126, which z = x - mean then rounds away.
+        scales = np.where(stds >= _F32_TINY, stds, np.float32(1)).astype(np.float32)
         inverse = (np.float32(1) / scales).astype(np.float32)
         payload = np.empty(2 * n + 8 * rows, np.uint8)
         words = payload[: 2 * n].view("<u2")

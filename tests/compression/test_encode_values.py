@@ -303,3 +303,21 @@ def test_float16_decoder_on_every_word() -> None:
     for w in words[special][::97]:
         with pytest.raises(CodecError):
             halfconv.half_words_to(np.array([0, w, 0], np.uint16), np.dtype(np.float32))
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        np.array([0.0, 4.4525857e-30], np.float32),  # squares underflowed float32 to 0
+        np.array([[1.1754944e-38] + [0.0] * 14], np.float32),  # std below float32's tiny
+        np.array([1e-20, -3e-20, 2e-20, 0.0], np.float32),
+        np.zeros((3, 100), np.float32),
+    ],
+)
+def test_scaled_float16_rows_of_tiny_values(x: np.ndarray) -> None:
+    codec = get_codec("scaled-float16")
+    y = codec.decode(codec.encode(x))
+    spread = float(np.abs(x - x.mean()).max())
+    # binary16 keeps 11 bits of each deviation; subnormal stds count as constant rows.
+    assert np.all(np.abs(y.astype(np.float64) - x) <= spread * 2.0**-10 + 1e-37)
+    check_all_paths("scaled-float16", x)
