@@ -281,9 +281,9 @@ class Codec(ABC):
         arguments (same header, same payload bytes), with the same side effects on codec
         state (top-k error feedback is updated once). ``values`` is bit for bit the array
         ``decode_payload(encoded.header, encoded.payload)`` would return: same dtype (the
-        header's), same shape, same bits. It may be read-only, and for ``exact`` codecs
-        it may be a view of the input (the caller must not mutate the input while it
-        still uses ``values``).
+        header's), same shape, same bits. It may be read-only, and it may share memory
+        with the input (``exact`` codecs, or a 16-bit float input that is its own
+        encoding): the caller must not mutate the input while it still uses ``values``.
 
         The default encodes, then decodes its own payload (for ``exact`` codecs it
         returns the input itself). Codecs override it to compute the values while
@@ -316,8 +316,8 @@ class Codec(ABC):
         Contract: bit-identical to ``decode_payload(*encode_payload(array, info))``
         (dtype, shape and bits), with the same side effects on codec state as one
         :meth:`encode_payload` call (top-k's error feedback is updated exactly as if the
-        encoding had been sent). The result may be read-only, and for ``exact`` codecs
-        it may be a view of ``array``.
+        encoding had been sent). The result may be read-only, and it may share memory
+        with ``array`` (see :meth:`encode_payload_and_values`).
 
         The default calls :meth:`encode_payload_and_values` and drops the encoding;
         codecs override it to skip producing the payload at all.
