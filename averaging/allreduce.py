@@ -164,7 +164,8 @@ class _Exchange:
 
     # ---- helpers run in the executor ----
 
-    def _encode(self, part: int, chunk: int) -> Encoded:
+    def _chunk(self, part: int, chunk: int) -> tuple[np.ndarray, CodecInfo]:
+        """Our values of one chunk of ``part``, and what the codec is told about them."""
         base = self.plan.bounds[part][0]
         start, end = self.plan.chunk_bounds(part, chunk)
         # Keyed by the tensors' schema and the chunk's place in them, so a stateful codec's
@@ -175,7 +176,10 @@ class _Exchange:
             part_size=self.plan.part_size(part),
             finite=True,  # run_allreduce checked the whole vector once
         )
-        return self.codec.encode_payload(self.vector[base + start : base + end], info)
+        return self.vector[base + start : base + end], info
+
+    def _encode(self, part: int, chunk: int) -> Encoded:
+        return self.codec.encode_payload(*self._chunk(part, chunk))
 
     def _encode_request(self, part: int, chunk: int) -> OutgoingChunk:
         """One chunk of ``part`` as the wire pieces of its ``ReduceRequest``."""
@@ -192,11 +196,7 @@ class _Exchange:
     def _round_trip_local(self, chunk: int) -> np.ndarray:
         """This member's own copy of one chunk of its part, through the codec and back."""
         start, end = self.plan.chunk_bounds(self.my_index, chunk)
-        if self.codec.exact:  # the round trip would give back these very values
-            base = self.plan.bounds[self.my_index][0]
-            return self.vector[base + start : base + end]
-        encoded = self._encode(self.my_index, chunk)
-        values = self.codec.decode_payload(encoded.header, encoded.payload)
+        values = self.codec.round_trip(*self._chunk(self.my_index, chunk))
         if values.shape != (end - start,) or values.dtype != self.layout.dtype:
             raise ValueError(f"codec {self.codec.name} changed the shape or dtype of a chunk")
         return values

@@ -114,13 +114,9 @@ def encode_result(
     The reducer keeps the values decoded from the very payload the senders receive, so
     every member ends bit-identical (decoding is deterministic).
     """
-    encoded = codec.encode_payload(values, info)
-    reply = encode_response(encoded, chunk, contributors)
-    if codec.exact:  # decoding the reply would give back these very values
-        return reply, values
-    # Decode our copy from the reply itself: its payload is the last bytes of the reply.
-    payload = memoryview(reply)[len(reply) - len(memoryview(encoded.payload).cast("B")) :]
-    return reply, codec.decode_payload(encoded.header, payload)
+    # The codec gives the values that decoding its payload gives, without decoding it.
+    encoded, decoded = codec.encode_payload_and_values(values, info)
+    return encode_response(encoded, chunk, contributors), decoded
 
 
 async def offload(executor: ThreadPoolExecutor | None, fn: Callable[..., _T], *args: Any) -> _T:
