@@ -433,6 +433,7 @@ class AllReduceService:
             )
             return 0
         self._data_server = server
+        log.info("data plane listening on %s:%d", host, self.data_port)
         return self.data_port
 
     def codec(self, name: str) -> Codec:
