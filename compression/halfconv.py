@@ -47,6 +47,7 @@ per call) the value-producing paths turned 4x slower in one measurement."""
 _BF16_SLAB = 1 << 17
 
 _F32_EXP_MASK = np.uint32(0x7F800000)
+_F32_SIGN = np.uint32(0x80000000)
 _F16_MIN_NORMAL_AS_F32 = np.uint32(113 << 23)  # 2**-14
 _THIRTEEN_BINADES = np.uint32(13 << 23)
 _TWO_MINUS_112 = np.float32(2.0**-112)
@@ -98,7 +99,14 @@ def _round_magnitude(u: np.ndarray, a: np.ndarray, t: np.ndarray) -> bool:
 def _magnitude_to_words(u: np.ndarray, a: np.ndarray, out: np.ndarray, t: np.ndarray) -> None:
     """Binary16 words from rounded magnitudes ``a`` (see :func:`_round_magnitude`) and
     the signs of the float32 bit patterns ``u``. ``a`` is overwritten; ``t`` is uint32
-    scratch of the same length.
+    scratch of the same length."""
+    np.bitwise_and(u, _F32_SIGN, out=t)
+    _signed_words(a, t, out)
+
+
+def _signed_words(a: np.ndarray, sign: np.ndarray, out: np.ndarray) -> None:
+    """Binary16 words from rounded magnitudes ``a`` and float32 sign bits ``sign``
+    (``u & 0x80000000``); both are overwritten.
 
     Scaling the rounded magnitude by 2**-112 (exact) puts binary16's exponent and
     mantissa in float32 bits 13..27 (a binary16 subnormal becomes the float32 subnormal
@@ -106,16 +114,16 @@ def _magnitude_to_words(u: np.ndarray, a: np.ndarray, out: np.ndarray, t: np.nda
     """
     np.multiply(a.view(np.float32), _TWO_MINUS_112, out=a.view(np.float32))
     np.right_shift(a, 13, out=a)
-    np.right_shift(u, 16, out=t)
-    np.bitwise_and(t, np.uint32(0x8000), out=t)
-    np.bitwise_or(a, t, out=out, casting="unsafe")
+    np.right_shift(sign, 16, out=sign)
+    np.bitwise_or(a, sign, out=out, casting="unsafe")
 
 
 def _with_sign(u: np.ndarray, a: np.ndarray, out: np.ndarray, t: np.ndarray) -> None:
     """Float32 bits ``out`` = magnitude bits ``a`` with the sign bits of ``u`` (``-0.0``
-    and values rounded to zero keep their sign, as their binary16 words do). Two integer
-    passes: numpy's ``copysign`` measured about twice as slow. ``out`` may be ``a``."""
-    np.bitwise_and(u, np.uint32(0x80000000), out=t)
+    and values rounded to zero keep their sign, as their binary16 words do); leaves the
+    sign bits in ``t``. Two integer passes: numpy's ``copysign`` measured about twice as
+    slow. ``out`` may be ``a``."""
+    np.bitwise_and(u, _F32_SIGN, out=t)
     np.bitwise_or(a, t, out=out)
 
 
@@ -264,7 +272,7 @@ def float_to_half_words_and_values(flat: np.ndarray) -> tuple[np.ndarray, np.nda
         u = _round_slab(src, a, scratch).view(np.uint32)
         t = scratch.t[:k]
         _with_sign(u, a, values[s].view(np.uint32), t)
-        _magnitude_to_words(u, a, words[s], t)
+        _signed_words(a, t, words[s])
     return words, values
 
 
