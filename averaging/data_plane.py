@@ -278,6 +278,10 @@ class DataCall:
             await self._protocol.drain()
         except (OSError, _ProtocolError) as e:
             raise _connection_error(e) from e
+        # Yield even when the socket took everything: a sender that encodes chunk after
+        # chunk without suspending would starve this peer's reads (its reducer and the
+        # replies), and the other peers would then wait on it instead of working.
+        await asyncio.sleep(0)
 
     async def write(self, message: bytes) -> None:
         await self.write_pieces((message,))
