@@ -261,6 +261,7 @@ class Blockwise8BitCodec(Codec):
     """Blockwise scaling with the dynamic 8-bit code; ~1.001 bytes per value."""
 
     name = "uint8-blockwise"
+    decodes_finite = True  # levels in [-1, 1] times finite scales; restore() checks 16-bit
 
     def __init__(self, block: int = 4096) -> None:
         if not 1 <= block <= 1 << 24:
@@ -317,6 +318,7 @@ class Blockwise4BitCodec(Codec):
     ~0.56 bytes per value with the default block of 64."""
 
     name = "uint4-blockwise"
+    decodes_finite = True  # levels in [-1, 1] times finite scales; restore() checks 16-bit
 
     def __init__(self, block: int = 64) -> None:
         if not 1 <= block <= 1 << 24:

@@ -78,6 +78,7 @@ class Float16Codec(Codec):
     """IEEE half precision, 2 bytes per element; inputs saturate at +/-65504."""
 
     name = "float16"
+    decodes_finite = True  # Inf/NaN words are refused
 
     def encode_payload(self, array: np.ndarray, info: CodecInfo) -> Encoded:
         flat, dtype = as_input(array, floating_only=True)
@@ -125,6 +126,7 @@ class BFloat16Codec(Codec):
     """bfloat16 (8-bit exponent, 7-bit mantissa), round to nearest even, 2 bytes/element."""
 
     name = "bfloat16"
+    decodes_finite = True  # Inf/NaN words are refused
 
     def encode_payload(self, array: np.ndarray, info: CodecInfo) -> Encoded:
         flat, dtype = as_input(array, floating_only=True)
