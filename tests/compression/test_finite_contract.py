@@ -57,7 +57,7 @@ def test_codecs_that_claim_finite_output_refuse_nan_payloads() -> None:
         codec = get_codec(name)
         encoded = codec.encode_payload(x, CodecInfo())
         assert np.isfinite(codec.decode_payload(encoded.header, encoded.payload)).all()
-        with pytest.raises(CodecError, match="NaN or Inf|Inf or NaN|must be finite"):
+        with pytest.raises(CodecError, match=r"NaN or Inf|Inf or NaN|must be finite"):
             codec.decode_payload(encoded.header, _forge_nan(name, bytes(encoded.payload)))
 
 
