@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
+from swarmavg.dht import ChannelPool
 from tests.averaging import allreduce_peers
+
+
+@pytest.fixture
+async def channels() -> AsyncIterator[ChannelPool]:
+    """One channel pool for every peer of a test (closed at teardown)."""
+    pool = ChannelPool()
+    try:
+        yield pool
+    finally:
+        await pool.close()
 
 
 @pytest.fixture(params=["grpc", "data-plane"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import ml_dtypes
 import numpy as np
@@ -36,15 +36,6 @@ SHAPES_MIXED = [
     ((0, 4), np.float16),
 ]
 SHAPES_WIDE = [((40, 3), np.float64), ((17,), np.int32), ((9,), np.int8), ((600,), np.float32)]
-
-
-@pytest.fixture
-async def channels() -> AsyncIterator[ChannelPool]:
-    pool = ChannelPool()
-    try:
-        yield pool
-    finally:
-        await pool.close()
 
 
 def _inputs(

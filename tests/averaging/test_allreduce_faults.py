@@ -8,7 +8,6 @@ bit-identical across survivors, ``partial=True``, and their inputs untouched.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -31,15 +30,6 @@ SIZE = 9000  # 4 parts of 2250 elements: chunks of 1024, 1024, 202
 TIMEOUT = 10.0
 GRACE = 3.0
 WEIGHTS = [1.0, 2.0, 0.5, 1.5]
-
-
-@pytest.fixture
-async def channels() -> AsyncIterator[ChannelPool]:
-    pool = ChannelPool()
-    try:
-        yield pool
-    finally:
-        await pool.close()
 
 
 def _chunks(group_members: tuple, chunk_elements: int = 1024) -> PartPlan:  # type: ignore[type-arg]

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -40,15 +40,6 @@ pytestmark = pytest.mark.timeout(60)
 
 HONEST = 3
 CODEC = get_codec("none")
-
-
-@pytest.fixture
-async def channels() -> AsyncIterator[ChannelPool]:
-    pool = ChannelPool()
-    try:
-        yield pool
-    finally:
-        await pool.close()
 
 
 class Hostile:

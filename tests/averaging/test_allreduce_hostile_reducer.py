@@ -78,15 +78,6 @@ def _hostile_reducer(forge: Callable[[Request, int], list[bytes]]) -> Any:
     return reduce
 
 
-@pytest.fixture
-async def channels() -> AsyncIterator[ChannelPool]:
-    pool = ChannelPool()
-    try:
-        yield pool
-    finally:
-        await pool.close()
-
-
 @pytest.mark.parametrize("forgery", list(FORGERIES))
 async def test_hostile_reducer_leaves_its_part_local(
     grpc_servers: GrpcServerPool, channels: ChannelPool, forgery: str

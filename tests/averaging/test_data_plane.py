@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import socket
 import struct
-from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
@@ -41,15 +40,6 @@ HEAD = struct.Struct("<IB")
 QUICK = AllReduceConfig(
     min_stall=1.0, stall_factor=8.0, registration_wait=0.5, chunk_bytes=4096
 )  # a silent connection is closed after registration_wait
-
-
-@pytest.fixture
-async def channels() -> AsyncIterator[ChannelPool]:
-    pool = ChannelPool()
-    try:
-        yield pool
-    finally:
-        await pool.close()
 
 
 def _frame(kind: int, body: bytes = b"") -> bytes:
