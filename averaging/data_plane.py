@@ -63,11 +63,14 @@ HELLO, MSG, CLOSE, STATUS = 0, 1, 2, 3
 _KINDS = frozenset((HELLO, MSG, CLOSE, STATUS))
 _HEAD = struct.Struct("<IB")
 MAGIC = b"swarmavg-reduce/1"
-MAX_BODY = 8 << 20
-"""Largest frame body accepted (the gRPC services' message cap)."""
+MAX_BODY = (4 << 20) + (64 << 10)
+"""Largest frame body accepted: gRPC's 4 MiB message cap, which every chunk respects
+(``AllReduceConfig.chunk_bytes`` is at most 3 MiB), plus room for headers."""
 _MAX_DETAILS = 1024
-_QUEUE_HIGH = 16  # frames buffered before the socket stops being read (flow control)
-_QUEUE_LOW = 4
+# Flow control: a connection stops being read while this much is buffered, so that a
+# peer that sends faster than we reduce (or a hostile one) holds little memory here.
+_QUEUE_HIGH_FRAMES = 16
+_QUEUE_HIGH_BYTES = 4 << 20
 _WRITE_HIGH = 4 << 20
 _WRITE_LOW = 1 << 20
 _END_WAIT = 2.0  # seconds the server waits for a client's CLOSE after the stream ended
@@ -128,7 +131,10 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self._frames: collections.deque[tuple[int, memoryview]] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._writable: asyncio.Future[None] | None = None
+        self._queued_bytes = 0
         self._reading_paused = False
+        self.reject = False
+        """Close the connection as soon as it is made (the server is at its limit)."""
         self.error: Exception | None = None
         self.closed = asyncio.Event()
 
@@ -137,6 +143,8 @@ class _FrameProtocol(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self.transport.set_write_buffer_limits(high=_WRITE_HIGH, low=_WRITE_LOW)
+        if self.reject:
+            self.transport.abort()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._body is None:
@@ -164,10 +172,14 @@ class _FrameProtocol(asyncio.BufferedProtocol):
 
     def _deliver(self, body: memoryview) -> None:
         self._frames.append((self._kind, body))
-        if len(self._frames) >= _QUEUE_HIGH and not self._reading_paused and self.transport:
+        self._queued_bytes += body.nbytes
+        if self._over_high_water() and not self._reading_paused and self.transport:
             self._reading_paused = True
             self.transport.pause_reading()
         self._wake()
+
+    def _over_high_water(self) -> bool:
+        return len(self._frames) >= _QUEUE_HIGH_FRAMES or self._queued_bytes >= _QUEUE_HIGH_BYTES
 
     def eof_received(self) -> bool:
         self._fail(ConnectionResetError("connection closed by the other side"))
@@ -208,7 +220,8 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         """The next frame; raises the connection's error once no frame is left."""
         await self.wait_for_frame()
         frame = self._frames.popleft()
-        if self._reading_paused and len(self._frames) <= _QUEUE_LOW and self.transport:
+        self._queued_bytes -= frame[1].nbytes
+        if self._reading_paused and not self._over_high_water() and self.transport:
             self._reading_paused = False
             self.transport.resume_reading()
         return frame
@@ -454,7 +467,7 @@ class DataPlaneServer:
     def _accept(self) -> _FrameProtocol:
         protocol = _FrameProtocol()
         if len(self._protocols) >= self._max_connections:
-            asyncio.get_running_loop().call_soon(protocol.close)
+            protocol.reject = True  # closed in connection_made
             return protocol
         self._protocols.add(protocol)
         task = asyncio.get_running_loop().create_task(self._serve_connection(protocol))

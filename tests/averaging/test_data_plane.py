@@ -22,6 +22,7 @@ from swarmavg.averaging.data_plane import (
     MAGIC,
     MAX_BODY,
     DataConnector,
+    DataPlaneServer,
     DataStreamError,
     _parse_status,
     _status_body,
@@ -174,6 +175,27 @@ async def test_close_ends_idle_and_busy_connections(grpc_servers: GrpcServerPool
             await writer.wait_closed()
     finally:
         connector.close()
+        await close_peers(peers)
+
+
+async def test_connections_beyond_the_limit_are_refused(grpc_servers: GrpcServerPool) -> None:
+    peers = await start_peers(grpc_servers, 1, FAST, data_plane=False)
+    server = DataPlaneServer(peers[0].service, max_connections=1)
+    port = await server.start("127.0.0.1")
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(_frame(0, MAGIC))
+        await writer.drain()
+        # The first connection is served (it idles, open); the second is cut at once.
+        assert await _closed_by_server(port, _frame(0, MAGIC), within=5.0)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.5):
+                await reader.read(1)
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    finally:
+        await server.close()
         await close_peers(peers)
 
 
