@@ -274,6 +274,9 @@ class _Exchange:
             call = await connector.open(split_host(address), data_port, remaining)
             if call is not None:
                 return call
+        return self._grpc_call(address)
+
+    def _grpc_call(self, address: str) -> grpc.aio.StreamStreamCall:
         method = self.channels.channel(address).stream_stream(
             _REDUCE_METHOD,
             request_serializer=pass_bytes,
@@ -294,12 +297,27 @@ class _Exchange:
         address = self.group.members[part].address
         if address is None:  # GroupInfo guarantees reducers have one; keep mypy honest
             return
-        loop = asyncio.get_running_loop()
-        num_chunks = self.plan.num_chunks(part)
         if self.fault_plan is not None and self.fault_plan.crashes(0):
             self.crashed.set()  # before connecting: a crash at the start sends nothing
             return
         call = await self._open_call(part, address)
+        if await self._exchange(part, address, call) and isinstance(call, DataCall):
+            # Refused before the stream started (the reducer's data plane is full): nothing
+            # we sent was processed, so the same stream over gRPC is not a duplicate.
+            log.info("part %d: %s refused a data-plane stream; using gRPC", part, address)
+            connector = self.service.data_connector
+            if connector is not None:
+                connector.refused(split_host(address), self.group.members[part].data_port)
+            await self._exchange(part, address, self._grpc_call(address))
+
+    async def _exchange(
+        self, part: int, address: str, call: grpc.aio.StreamStreamCall | DataCall
+    ) -> bool:
+        """Run one ``Reduce`` stream for ``part``; return whether the reducer refused it
+        before starting it (``RESOURCE_EXHAUSTED`` before any reply). Never raises
+        (except CancelledError)."""
+        loop = asyncio.get_running_loop()
+        num_chunks = self.plan.num_chunks(part)
         sender = loop.create_task(self._send_part(part, call))
         started = time.monotonic()
         replies = 0
@@ -317,18 +335,20 @@ class _Exchange:
                         address,
                         wait,
                     )
-                    return
+                    return False
                 if response is grpc.aio.EOF:
                     log.info("part %d: reducer %s ended the stream early", part, address)
-                    return
+                    return False
                 replies += 1
                 if not await self._accept_reply(part, response):
-                    return
+                    return False
             if isinstance(call, DataCall):  # read its OK, so the connection can be reused
                 await call.finish(min(1.0, max(self.deadline - time.monotonic(), 0.0)))
         except grpc.RpcError as e:
             known = isinstance(e, grpc.aio.AioRpcError | DataStreamError)
             code = e.code() if known else None
+            if code is grpc.StatusCode.RESOURCE_EXHAUSTED and replies == 0:
+                return True
             details = e.details() if known else str(e)
             log.info("part %d: stream to %s failed: %s %s", part, address, code, details)
         finally:
@@ -340,6 +360,7 @@ class _Exchange:
             except Exception:  # the stream is gone either way; keep the round alive
                 log.exception("part %d: sending to %s failed", part, address)
             call.cancel()
+        return False
 
     async def _accept_reply(self, part: int, reply: Reply) -> bool:
         """Validate and store one averaged chunk; ``False`` means "stop trusting it"."""

@@ -134,7 +134,8 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self._queued_bytes = 0
         self._reading_paused = False
         self.reject = False
-        """Close the connection as soon as it is made (the server is at its limit)."""
+        """Refuse the connection as soon as it is made (the server is at its limit): send a
+        ``RESOURCE_EXHAUSTED`` status, discard what arrives, close when the client does."""
         self.error: Exception | None = None
         self.closed = asyncio.Event()
 
@@ -144,14 +145,23 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self.transport.set_write_buffer_limits(high=_WRITE_HIGH, low=_WRITE_LOW)
         if self.reject:
-            self.transport.abort()
+            # A status the client can read before it has sent anything that was processed,
+            # so it knows it may use gRPC instead. Closing at once, with its bytes unread,
+            # would reset the connection and lose the status: drain until it closes.
+            body = _status_body(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many data connections")
+            self.transport.writelines([_HEAD.pack(len(body), STATUS), body])
+            asyncio.get_running_loop().call_later(_END_WAIT, self.transport.abort)
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self.reject:
+            return memoryview(self._head)  # scratch: a refused connection's bytes are dropped
         if self._body is None:
             return memoryview(self._head)[self._filled :]
         return self._body.data[self._filled :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self.reject:
+            return
         self._filled += nbytes
         if self._body is None:
             if self._filled < _HEAD.size:
@@ -364,6 +374,10 @@ class DataConnector:
         self.opened = 0
         """Connections opened so far (the rest of the streams reused one)."""
 
+    def refused(self, host: str, port: int) -> None:
+        """The reducer at ``host:port`` refused a stream: use gRPC for it for a while."""
+        self._unreachable[(host, port)] = time.monotonic() + self.retry_after
+
     async def open(self, host: str, port: int, timeout: float) -> DataCall | None:
         """A new stream to ``host:port``, or ``None`` (unreachable now: use gRPC)."""
         key = (host, port)
@@ -455,6 +469,7 @@ class DataPlaneServer:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._protocols: set[_FrameProtocol] = set()
+        self._refused: set[_FrameProtocol] = set()  # closing themselves (see reject)
         self.port = 0
 
     async def start(self, host: str, port: int = 0) -> int:
@@ -467,7 +482,9 @@ class DataPlaneServer:
     def _accept(self) -> _FrameProtocol:
         protocol = _FrameProtocol()
         if len(self._protocols) >= self._max_connections:
-            protocol.reject = True  # closed in connection_made
+            protocol.reject = True  # refused in connection_made
+            self._refused = {p for p in self._refused if not p.closed.is_set()}
+            self._refused.add(protocol)
             return protocol
         self._protocols.add(protocol)
         task = asyncio.get_running_loop().create_task(self._serve_connection(protocol))
@@ -532,6 +549,8 @@ class DataPlaneServer:
             self._server.close()
         for protocol in list(self._protocols):
             protocol.close()
+        for protocol in self._refused:
+            protocol.close(discard=True)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

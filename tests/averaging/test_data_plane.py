@@ -199,6 +199,38 @@ async def test_connections_beyond_the_limit_are_refused(grpc_servers: GrpcServer
         await close_peers(peers)
 
 
+async def test_a_full_data_plane_refuses_with_a_status_and_senders_use_grpc(
+    grpc_servers: GrpcServerPool, channels: ChannelPool
+) -> None:
+    """A reducer whose data plane is at its connection limit answers RESOURCE_EXHAUSTED
+    before processing anything; senders then stream that part over gRPC: nothing partial."""
+    peers = await start_peers(grpc_servers, 3, FAST, data_plane=False)
+    full = DataPlaneServer(peers[0].service, max_connections=0)
+    full_port = await full.start("127.0.0.1")
+    try:
+        rng = np.random.default_rng(5)
+        inputs = [[rng.standard_normal(9000).astype(np.float32)] for _ in peers]
+        group = make_group(peers, inputs[0])
+        members = tuple(
+            Member(m.peer_id, m.address, m.mode, m.bandwidth, data_port=full_port if i == 0 else 0)
+            for i, m in enumerate(group.members)
+        )
+        group = GroupInfo(group.group_id, members, group.schema_hash, group.codec)
+        results = await run_group(peers, group, inputs, [1.0, 2.0, 3.0], channels)
+        mean = weighted_mean([x[0] for x in inputs], [1.0, 2.0, 3.0])
+        for r in results:
+            assert isinstance(r, AllReduceOutcome), r
+            assert not r.partial
+            np.testing.assert_allclose(r.tensors[0], mean, rtol=1e-5, atol=1e-6)
+        for p in peers[1:]:  # they tried the data plane once, then remembered the refusal
+            assert p.service.data_connector is not None
+            assert p.service.data_connector.opened == 1
+            assert await p.service.data_connector.open("127.0.0.1", full_port, 1.0) is None
+    finally:
+        await full.close()
+        await close_peers(peers)
+
+
 def test_status_frames_round_trip_and_reject_junk() -> None:
     code, details = _parse_status(memoryview(_status_body(grpc.StatusCode.NOT_FOUND, "gone")))
     assert (code, details) == (grpc.StatusCode.NOT_FOUND, "gone")
