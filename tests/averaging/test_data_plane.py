@@ -31,7 +31,14 @@ from swarmavg.averaging.data_plane import (
 from swarmavg.averaging.group import GroupInfo, Member
 from swarmavg.averaging.reducer import weighted_mean
 from swarmavg.dht import ChannelPool
-from tests.averaging.allreduce_peers import FAST, close_peers, make_group, run_group, start_peers
+from tests.averaging.allreduce_peers import (
+    FAST,
+    LocalPeer,
+    close_peers,
+    make_group,
+    run_group,
+    start_peers,
+)
 from tests.averaging.averager_swarm import averager_swarm, fast_config
 from tests.harness import GrpcServerPool
 
@@ -67,11 +74,24 @@ async def _closed_by_server(port: int, data: bytes, within: float = 10.0) -> boo
             await writer.wait_closed()
 
 
-async def _round_is_exact(peers: list, channels: ChannelPool, seed: int = 0) -> None:  # type: ignore[type-arg]
+async def _round_is_exact(
+    peers: list[LocalPeer],
+    channels: ChannelPool,
+    seed: int = 0,
+    data_ports: list[int] | None = None,
+) -> None:
+    """One round among ``peers`` gives every member the exact weighted mean, complete and
+    bit-identical; ``data_ports`` overrides the data ports the group advertises."""
     rng = np.random.default_rng(seed)
     inputs = [[rng.standard_normal(5000).astype(np.float32)] for _ in peers]
     weights = [1.0 + i for i in range(len(peers))]
     group = make_group(peers, inputs[0])
+    if data_ports is not None:
+        members = tuple(
+            Member(m.peer_id, m.address, m.mode, m.bandwidth, data_port=port)
+            for m, port in zip(group.members, data_ports, strict=True)
+        )
+        group = GroupInfo(group.group_id, members, group.schema_hash, group.codec)
     results = await run_group(peers, group, inputs, weights, channels, timeout=20)
     mean = weighted_mean([x[0] for x in inputs], weights)
     for r in results:
@@ -132,20 +152,7 @@ async def test_unreachable_data_port_falls_back_to_grpc_and_is_remembered(
         dead_port = probe.getsockname()[1]
     try:
         for seed in range(2):
-            rng = np.random.default_rng(seed)
-            inputs = [[rng.standard_normal(5000).astype(np.float32)] for _ in peers]
-            group = make_group(peers, inputs[0])
-            members = tuple(
-                Member(m.peer_id, m.address, m.mode, m.bandwidth, data_port=dead_port)
-                for m in group.members
-            )
-            group = GroupInfo(group.group_id, members, group.schema_hash, group.codec)
-            results = await run_group(peers, group, inputs, [1.0, 1.0, 1.0], channels)
-            mean = weighted_mean([x[0] for x in inputs], [1.0, 1.0, 1.0])
-            for r in results:
-                assert isinstance(r, AllReduceOutcome), r
-                assert not r.partial
-                np.testing.assert_allclose(r.tensors[0], mean, rtol=1e-5, atol=1e-6)
+            await _round_is_exact(peers, channels, seed, data_ports=[dead_port] * 3)
         for p in peers:
             assert p.service.data_connector is not None
             assert p.service.data_connector.opened == 0
@@ -208,20 +215,7 @@ async def test_a_full_data_plane_refuses_with_a_status_and_senders_use_grpc(
     full = DataPlaneServer(peers[0].service, max_connections=0)
     full_port = await full.start("127.0.0.1")
     try:
-        rng = np.random.default_rng(5)
-        inputs = [[rng.standard_normal(9000).astype(np.float32)] for _ in peers]
-        group = make_group(peers, inputs[0])
-        members = tuple(
-            Member(m.peer_id, m.address, m.mode, m.bandwidth, data_port=full_port if i == 0 else 0)
-            for i, m in enumerate(group.members)
-        )
-        group = GroupInfo(group.group_id, members, group.schema_hash, group.codec)
-        results = await run_group(peers, group, inputs, [1.0, 2.0, 3.0], channels)
-        mean = weighted_mean([x[0] for x in inputs], [1.0, 2.0, 3.0])
-        for r in results:
-            assert isinstance(r, AllReduceOutcome), r
-            assert not r.partial
-            np.testing.assert_allclose(r.tensors[0], mean, rtol=1e-5, atol=1e-6)
+        await _round_is_exact(peers, channels, 5, data_ports=[full_port, 0, 0])
         for p in peers[1:]:  # they tried the data plane once, then remembered the refusal
             assert p.service.data_connector is not None
             assert p.service.data_connector.opened == 1
