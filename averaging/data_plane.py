@@ -375,7 +375,8 @@ class DataConnector:
         """Connections opened so far (the rest of the streams reused one)."""
 
     def refused(self, host: str, port: int) -> None:
-        """The reducer at ``host:port`` refused a stream: use gRPC for it for a while."""
+        """The reducer at ``host:port`` refused or could not take a stream: use gRPC for
+        it for ``retry_after`` seconds."""
         self._unreachable[(host, port)] = time.monotonic() + self.retry_after
 
     async def open(self, host: str, port: int, timeout: float) -> DataCall | None:
@@ -398,7 +399,7 @@ class DataConnector:
             self.opened += 1
         except (OSError, TimeoutError) as e:
             log.info("data plane %s:%d unreachable (%r); using gRPC", host, port, e)
-            self._unreachable[key] = now + self.retry_after
+            self.refused(host, port)
             return None
         return DataCall(protocol, self._release_to(key))
 
