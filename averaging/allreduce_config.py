@@ -20,9 +20,10 @@ class AllReduceConfig:
         chunk_bytes: target size of one encoded chunk on the wire (gRPC's 4 MiB message
             cap stays; see docs/benchmarks-allreduce.md for why 1 MiB).
         min_stall: a sender that delivers nothing new for this long (and for
-            ``stall_factor`` times its own mean interval between chunks) is dropped by
-            the reducer; a reducer that returns nothing for three times this long (and
-            ``stall_factor`` times its mean interval) is given up by the sender.
+            ``stall_factor`` times its own mean interval between chunks; twice this long
+            before its first chunk) is dropped by the reducer; a reducer that returns
+            nothing for three times this long (and ``stall_factor`` times its mean
+            interval) is given up by the sender.
         stall_factor: how many mean inter-chunk intervals of silence count as a stall.
         registration_wait: how long an inbound stream waits for the local side of its
             round to start (members leave matchmaking at slightly different times).

@@ -364,8 +364,15 @@ class ReducerRound:
                 if delivered == self.reducer.num_chunks:
                     continue
                 last = self._progress[sender]
-                mean_interval = (last - self.start_time) / delivered if delivered else 0.0
-                patience = max(self.config.min_stall, self.config.stall_factor * mean_interval)
+                if delivered:
+                    mean_interval = (last - self.start_time) / delivered
+                    patience = max(self.config.min_stall, self.config.stall_factor * mean_interval)
+                else:
+                    # The first chunk crosses the link while every other stream of the round
+                    # starts too (1 MiB to each of 3 reducers is 2.5 s at 10 Mbit/s). Kept
+                    # below the senders' patience for a first reply (3 x min_stall), so that
+                    # they still get this part averaged without the silent one.
+                    patience = 2 * self.config.min_stall
                 if now - last > patience:
                     self.drop(sender, f"no chunk for {now - last:.1f}s")
             await asyncio.sleep(min(tick, max(self.reduce_deadline - now, 0.0)))
