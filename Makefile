@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup demo peer test lint proto clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py compression/_native.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch pinned: a CPU build is cached on the project's machines; an unpinned one pulls CUDA wheels.

@@ -208,15 +208,19 @@ class _Exchange:
         if not self.codec.accepts(reply.header.codec):
             raise ValueError(f"reply uses codec {reply.header.codec!r}")
         start, end = self.plan.chunk_bounds(part, reply.chunk_index)
-        if reply.header.shape != (end - start,):
-            raise ValueError(f"reply declares shape {reply.header.shape}, expected {end - start}")
-        values = self.codec.decode_payload(reply.header, reply.payload)
-        if values.shape != (end - start,) or values.dtype != self.layout.dtype:
-            raise ValueError(f"reply decodes to {values.dtype}{list(values.shape)}")
+        header = reply.header
+        if header.shape != (end - start,) or header.dtype != self.layout.dtype:
+            raise ValueError(
+                f"reply declares {header.dtype}{list(header.shape)}, "
+                f"expected {self.layout.dtype}[{end - start}]"
+            )
+        base = self.plan.bounds[part][0]
+        # Straight into the result: if this raises, the chunk stays unreceived and
+        # fill_missing() puts the local values back over whatever was written.
+        values = self.result[base + start : base + end]
+        self.codec.decode_payload_into(header, reply.payload, values)
         if not self.codec.decodes_finite and not all_finite(values):
             raise ValueError("reply holds NaN or Inf")
-        base = self.plan.bounds[part][0]
-        self.result[base + start : base + end] = values
 
     def fill_missing(self) -> None:
         """Copy local values into every chunk that no reducer returned."""

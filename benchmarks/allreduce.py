@@ -318,6 +318,7 @@ def bench_group(
                     timings.append(replies[0]["timings"])
                     cpus.append(sum(x["cpu"] for x in replies))
                 if want_profile and profile is not None:
+                    os.makedirs(profile, exist_ok=True)
                     path = f"{profile}/allreduce-{n}peers-{codec}-{transport}.prof"
                     _send(conns[0], {"op": "profile-dump", "path": path})
                     _recv(conns[0])

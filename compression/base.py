@@ -272,6 +272,23 @@ class Codec(ABC):
         way); :func:`writable` gives an array the caller owns.
         """
 
+    def decode_payload_into(self, header: Header, payload: Buffer, out: np.ndarray) -> None:
+        """Decode a payload (header validated as for :meth:`decode_payload`) into ``out``.
+
+        For callers that gather many chunks into one buffer: codecs override it to write
+        their output there directly instead of into a new array that is then copied.
+
+        Args:
+            out: a writable, C-contiguous array of the header's dtype and size (its
+                shape may differ). Its contents are unspecified if this raises.
+
+        Raises:
+            CodecError: exactly when :meth:`decode_payload` raises.
+            ValueError: ``out`` does not have the header's dtype and size.
+        """
+        check_output(header, out)
+        np.copyto(out.reshape(-1), self.decode_payload(header, payload).reshape(-1))
+
     def encode_payload_and_values(
         self, array: np.ndarray, info: CodecInfo
     ) -> tuple[Encoded, np.ndarray]:
@@ -368,6 +385,17 @@ def require_finite(x: np.ndarray, what: str) -> None:
     """Raise CodecError naming ``what`` unless every element is finite."""
     if not all_finite(x):
         raise CodecError(f"{what} contains NaN or Inf")
+
+
+def check_output(header: Header, out: np.ndarray) -> None:
+    """Raise ValueError unless ``out`` can receive the header's decoded values in place."""
+    if out.dtype != header.dtype or out.size != header.size:
+        raise ValueError(
+            f"{header.codec}: output must be {header.dtype}[{header.size}], "
+            f"got {out.dtype}{list(out.shape)}"
+        )
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"{header.codec}: output must be C-contiguous and writable")
 
 
 def check_payload_size(header: Header, payload: Buffer, expected: int) -> None:

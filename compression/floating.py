@@ -26,6 +26,7 @@ from swarmavg.compression.base import (
     Encoded,
     Header,
     as_input,
+    check_output,
     check_payload_size,
     meta_int,
     require_finite,
@@ -89,6 +90,14 @@ class Float16Codec(Codec):
         check_payload_size(header, payload, header.size * 2)
         words = _frombuffer(payload, np.dtype(np.uint16))
         return halfconv.half_words_to(words, header.dtype).reshape(header.shape)
+
+    def decode_payload_into(self, header: Header, payload: Buffer, out: np.ndarray) -> None:
+        if header.dtype != np.float32:
+            super().decode_payload_into(header, payload, out)
+            return
+        check_output(header, out)
+        check_payload_size(header, payload, header.size * 2)
+        halfconv.half_words_into(_frombuffer(payload, np.dtype(np.uint16)), out.reshape(-1))
 
     def encode_payload_and_values(
         self, array: np.ndarray, info: CodecInfo

@@ -5,6 +5,9 @@ a fraction of memory speed. The kernels here do the IEEE conversion with integer
 float32 operations on cache-sized slabs instead (F. Giesen, "Half to float done quic",
 2012): bit-identical to numpy's round-to-nearest-even cast, several times faster.
 
+Where the compiled kernels are built (:mod:`swarmavg.compression.native`), float32 and
+binary16 arrays take them instead: the same operations in one pass, bit-identical.
+
 Encoders saturate finite values beyond the 16-bit range at the largest finite value
 (instead of producing Inf) and reject NaN/Inf inputs. Decoders reject words whose
 exponent is all ones (Inf/NaN), so a decoded tensor is always finite.
@@ -21,6 +24,7 @@ import numpy as np
 from swarmavg.compression.dtypes import BFLOAT16
 from swarmavg.compression.errors import CodecError
 from swarmavg.compression.kernels import all_finite, slabs
+from swarmavg.compression.native import kernels as native
 
 __all__ = [
     "HalfScratch",
@@ -31,6 +35,7 @@ __all__ = [
     "float_to_bf16_words",
     "float_to_half_words",
     "float_to_half_words_and_values",
+    "half_words_into",
     "half_words_to",
     "round_to_half",
 ]
@@ -225,6 +230,23 @@ def _narrow_slabs(flat: np.ndarray) -> Iterator[tuple[slice, np.ndarray]]:
         yield s, src
 
 
+def _native_ok(*arrays: np.ndarray) -> bool:
+    """Whether the compiled kernels can take these arrays: built, and every array
+    contiguous in native byte order (the kernels read raw buffers)."""
+    return native is not None and all(a.flags.c_contiguous and a.dtype.isnative for a in arrays)
+
+
+def _native_encode(flat: np.ndarray, words: np.ndarray | None, values: np.ndarray | None) -> None:
+    """The compiled :func:`float_to_half_words` / values of float32 ``flat``.
+
+    Raises:
+        CodecError: the input contains NaN or Inf.
+    """
+    assert native is not None
+    if not native.f32_to_f16(flat, words, values):
+        raise CodecError("input contains NaN or Inf")
+
+
 def float_to_half_words(flat: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Round a flat floating array to binary16 words, saturating at +/-65504.
 
@@ -246,6 +268,9 @@ def float_to_half_words(flat: np.ndarray, out: np.ndarray | None = None) -> np.n
         return out
     if out is None:
         out = np.empty(n, np.uint16)
+    if flat.dtype == np.float32 and _native_ok(flat, out):
+        _native_encode(flat, out, None)
+        return out
     scratch = _thread_scratch()
     for s, src in _narrow_slabs(flat):
         encode_half_slab(src, out[s], scratch)
@@ -265,6 +290,9 @@ def float_to_half_words_and_values(flat: np.ndarray) -> tuple[np.ndarray, np.nda
     n = flat.size
     words = np.empty(n, np.uint16)
     values = np.empty(n, np.float32)
+    if flat.dtype == np.float32 and _native_ok(flat):
+        _native_encode(flat, words, values)
+        return words, values
     scratch = _thread_scratch()
     for s, src in _narrow_slabs(flat):
         k = s.stop - s.start
@@ -288,6 +316,9 @@ def round_to_half(flat: np.ndarray) -> np.ndarray:
     """
     n = flat.size
     values = np.empty(n, np.float32)
+    if flat.dtype == np.float32 and _native_ok(flat):
+        _native_encode(flat, None, values)
+        return values
     bits = values.view(np.uint32)
     scratch = _thread_scratch()
     for s, src in _narrow_slabs(flat):
@@ -335,17 +366,31 @@ def half_words_to(words: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
         return words.view(np.float16).copy()
     n = words.size
     out = np.empty(n, dtype)
+    if dtype == np.float32:
+        half_words_into(words, out)
+        return out
     scratch = _thread_scratch()
-    b = scratch.t
-    wide = out if dtype == np.float32 else scratch.wide
+    wide = scratch.wide
     for s in slabs(n, HALF_SLAB):
         k = s.stop - s.start
-        if dtype == np.float32:
-            _half_to_f32(words[s], wide[s], b[:k])
-        else:
-            _half_to_f32(words[s], wide[:k], b[:k])
-            out[s] = wide[:k]
+        _half_to_f32(words[s], wide[:k], scratch.t[:k])
+        out[s] = wide[:k]
     return out
+
+
+def half_words_into(words: np.ndarray, out: np.ndarray) -> None:
+    """Decode binary16 words into the contiguous float32 array ``out`` of their length.
+
+    Raises:
+        CodecError: a word encodes Inf or NaN (``out`` then holds garbage).
+    """
+    if native is not None and _native_ok(words, out):
+        if not native.f16_to_f32(words, out):
+            raise CodecError("float16 payload contains Inf or NaN")
+        return
+    b = _thread_scratch().t
+    for s in slabs(words.size, HALF_SLAB):
+        _half_to_f32(words[s], out[s], b[: s.stop - s.start])
 
 
 def _has_special(words: np.ndarray, exp_mask: np.uint16) -> bool:

@@ -1,0 +1,363 @@
+/* Compiled inner loops of the float16 and uint8-blockwise codecs.
+ *
+ * Optional: the package builds without it (no compiler) and then runs the numpy kernels
+ * in halfconv.py and blockwise.py. Every function here is bit-identical to its numpy
+ * counterpart (tests/compression/test_native.py checks both on the same inputs): only
+ * exactly rounded single IEEE operations and table lookups, and the build passes
+ * -ffp-contract=off so that no multiply and add fuse into one differently rounded FMA.
+ *
+ * Why: numpy makes one pass over memory per operation. A blockwise encode is four of
+ * them after the block scales (scale, shift, gather, store); here it is one, and the all-reduce's codec
+ * time is the largest part of a 2-peer round on two cores.
+ *
+ * Interface: contiguous buffers (the buffer protocol, no numpy headers at build time),
+ * lengths checked against each other, the GIL released around every loop.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* The hot loops are also compiled for AVX2 and picked at load time where the CPU has it
+ * (same IEEE operations, so the same bits); SSE2 lacks the narrowing stores they need. */
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__)
+#define CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define CLONES
+#endif
+
+/* ---------------------------------------------------------------------------------
+ * Buffer helpers. */
+
+typedef struct {
+    Py_buffer view;
+    int held;
+} Buf;
+
+static void release(Buf *b) {
+    if (b->held) PyBuffer_Release(&b->view);
+    b->held = 0;
+}
+
+/* Get a contiguous buffer of `itemsize`-byte items from `obj`; NULL-safe for None when
+ * `optional`. Returns the item count, or -1 with an exception set. */
+static Py_ssize_t get(PyObject *obj, Buf *b, int writable, Py_ssize_t itemsize,
+                      int optional, const char *name) {
+    b->held = 0;
+    if (obj == Py_None && optional) return 0;
+    if (PyObject_GetBuffer(obj, &b->view, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0)
+        return -1;
+    b->held = 1;
+    if (b->view.len % itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes is not a whole number of %zd-byte items",
+                     name, b->view.len, itemsize);
+        release(b);
+        return -1;
+    }
+    return b->view.len / itemsize;
+}
+
+/* ---------------------------------------------------------------------------------
+ * float32 <-> binary16. */
+
+#define F16_OVERFLOW 0x477FF000u /* 65520: rounds to Inf in binary16 */
+#define F32_INF 0x7F800000u
+#define F16_MIN_NORMAL (113u << 23) /* 2**-14 */
+#define F16_MAX_BITS 0x477FE000u /* 65504 */
+
+/* The magnitude `a` (float32 bits, finite) rounded to binary16 precision, nearest even,
+ * saturating at 65504; still float32 bits. Adding M = 2**(max(e, -14) + 13) to a value
+ * of exponent e leaves exactly binary16's precision, so (a + M) - M is a rounded by the
+ * FPU, subnormals included (the numpy kernel in halfconv.py does the same operations). */
+static inline uint32_t half_round(uint32_t a) {
+    uint32_t e = a & F32_INF;
+    float m = u2f((e > F16_MIN_NORMAL ? e : F16_MIN_NORMAL) + (13u << 23));
+    uint32_t r = f2u((u2f(a) + m) - m);
+    return a >= F16_OVERFLOW ? F16_MAX_BITS : r;
+}
+
+/* The binary16 word of a rounded magnitude (see half_round) with float32 sign bits:
+ * times 2**-112 (exact) puts binary16's exponent and mantissa in bits 13..27. */
+static inline uint16_t half_word(uint32_t rounded, uint32_t sign) {
+    return (uint16_t)((f2u(u2f(rounded) * 0x1p-112f) >> 13) | (sign >> 16));
+}
+
+/* A binary16 word (finite) to float32: the word, sign-extended and shifted, is the value
+ * times 2**-112 once bits 28..30 are cleared; one exact multiply rebiases it. */
+static inline float half_value(uint16_t h) {
+    int32_t s = (int32_t)(int16_t)h * 8192; /* << 13, sign-extended */
+    return u2f((uint32_t)s & 0x8FFFFFFFu) * 0x1p112f;
+}
+
+/* float32 bits to binary16 words and/or their float32 values; nonzero if an input is
+ * NaN/Inf (the outputs are then garbage and the caller raises). One loop per combination
+ * of outputs: a test inside the loop stops vectorisation. */
+CLONES static uint32_t half_loop(const uint32_t *x, uint16_t *w, float *v, Py_ssize_t n) {
+    uint32_t special = 0;
+#define HALF_LOOP(STORE)                                                 \
+    for (Py_ssize_t i = 0; i < n; i++) {                                 \
+        uint32_t sign = x[i] & 0x80000000u, a = x[i] ^ sign;             \
+        special |= a >= F32_INF;                                         \
+        uint32_t r = half_round(a);                                      \
+        STORE;                                                           \
+    }
+    if (w && v) {
+        HALF_LOOP(w[i] = half_word(r, sign); v[i] = u2f(r | sign))
+    } else if (w) {
+        HALF_LOOP(w[i] = half_word(r, sign))
+    } else if (v) {
+        HALF_LOOP(v[i] = u2f(r | sign))
+    } else {
+        HALF_LOOP((void)r)
+    }
+#undef HALF_LOOP
+    return special;
+}
+
+static PyObject *f32_to_f16(PyObject *self, PyObject *args) {
+    PyObject *src_o, *words_o, *values_o;
+    if (!PyArg_ParseTuple(args, "OOO:f32_to_f16", &src_o, &words_o, &values_o)) return NULL;
+    Buf src, words, values;
+    Py_ssize_t n = get(src_o, &src, 0, 4, 0, "src");
+    if (n < 0) return NULL;
+    Py_ssize_t nw = get(words_o, &words, 1, 2, 1, "words");
+    if (nw < 0) { release(&src); return NULL; }
+    Py_ssize_t nv = get(values_o, &values, 1, 4, 1, "values");
+    if (nv < 0) { release(&src); release(&words); return NULL; }
+    if ((words.held && nw != n) || (values.held && nv != n)) {
+        PyErr_SetString(PyExc_ValueError, "f32_to_f16: words and values need src's length");
+        release(&src); release(&words); release(&values);
+        return NULL;
+    }
+    const uint32_t *x = src.view.buf;
+    uint16_t *w = words.held ? words.view.buf : NULL;
+    float *v = values.held ? values.view.buf : NULL;
+    uint32_t special = 0;
+    Py_BEGIN_ALLOW_THREADS
+    special = half_loop(x, w, v, n);
+    Py_END_ALLOW_THREADS
+    release(&src); release(&words); release(&values);
+    return PyBool_FromLong(!special);
+}
+
+/* Binary16 words to float32; nonzero if a word is Inf/NaN. */
+CLONES static uint16_t half_values_loop(const uint16_t *h, float *o, Py_ssize_t n) {
+    uint16_t special = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        special |= (uint16_t)((h[i] & 0x7C00u) == 0x7C00u);
+        o[i] = half_value(h[i]);
+    }
+    return special;
+}
+
+static PyObject *f16_to_f32(PyObject *self, PyObject *args) {
+    PyObject *words_o, *out_o;
+    if (!PyArg_ParseTuple(args, "OO:f16_to_f32", &words_o, &out_o)) return NULL;
+    Buf words, out;
+    Py_ssize_t n = get(words_o, &words, 0, 2, 0, "words");
+    if (n < 0) return NULL;
+    Py_ssize_t no = get(out_o, &out, 1, 4, 0, "out");
+    if (no < 0) { release(&words); return NULL; }
+    if (no != n) {
+        PyErr_SetString(PyExc_ValueError, "f16_to_f32: out needs the words' length");
+        release(&words); release(&out);
+        return NULL;
+    }
+    const uint16_t *h = words.view.buf;
+    float *o = out.view.buf;
+    uint16_t special;
+    Py_BEGIN_ALLOW_THREADS
+    special = half_values_loop(h, o, n);
+    Py_END_ALLOW_THREADS
+    release(&words); release(&out);
+    return PyBool_FromLong(!special);
+}
+
+/* ---------------------------------------------------------------------------------
+ * Blockwise 8-bit quantisation. */
+
+#define LUT_SHIFT 13
+#define LUT_SIZE (1u << (32 - LUT_SHIFT))
+
+/* Per block, the signed element of largest magnitude (the positive one on a tie, +0.0
+ * for a block of zeros); nonzero if x holds NaN/Inf. Magnitudes compare as integers
+ * (IEEE order for finite values), which vectorises where float max would not. */
+CLONES static uint32_t scales_loop(const uint32_t *x, Py_ssize_t n, Py_ssize_t block,
+                                   float *out) {
+    uint32_t special = 0;
+    Py_ssize_t nblocks = (n + block - 1) / block;
+    for (Py_ssize_t b = 0; b < nblocks; b++) {
+        Py_ssize_t start = b * block, stop = start + block < n ? start + block : n;
+        int32_t pos = 0, neg = 0;
+        for (Py_ssize_t i = start; i < stop; i++) {
+            int32_t a = (int32_t)(x[i] & 0x7FFFFFFFu);
+            int32_t negative = (int32_t)x[i] >> 31; /* all ones or zero */
+            int32_t pa = a & ~negative, na = a & negative;
+            special |= a >= (int32_t)F32_INF;
+            pos = pa > pos ? pa : pos;
+            neg = na > neg ? na : neg;
+        }
+        out[b] = u2f(pos >= neg ? (uint32_t)pos : (uint32_t)neg | 0x80000000u);
+    }
+    return special;
+}
+
+static PyObject *block_scales(PyObject *self, PyObject *args) {
+    PyObject *x_o, *out_o;
+    Py_ssize_t block;
+    if (!PyArg_ParseTuple(args, "OnO:block_scales", &x_o, &block, &out_o)) return NULL;
+    if (block < 1) { PyErr_SetString(PyExc_ValueError, "block must be >= 1"); return NULL; }
+    Buf xb, ob;
+    Py_ssize_t n = get(x_o, &xb, 0, 4, 0, "x");
+    if (n < 0) return NULL;
+    Py_ssize_t nb = get(out_o, &ob, 1, 4, 0, "out");
+    if (nb < 0) { release(&xb); return NULL; }
+    if (nb != (n + block - 1) / block) {
+        PyErr_SetString(PyExc_ValueError, "block_scales: out needs one item per block");
+        release(&xb); release(&ob);
+        return NULL;
+    }
+    uint32_t special;
+    Py_BEGIN_ALLOW_THREADS
+    special = scales_loop(xb.view.buf, n, block, ob.view.buf);
+    Py_END_ALLOW_THREADS
+    release(&xb); release(&ob);
+    return PyBool_FromLong(!special);
+}
+
+/* One block: codes and/or values (see quantize8). */
+CLONES static void quantize_block(const float *x, float k, float s, const uint8_t *lut,
+                                  const float *table, uint8_t *codes, float *values,
+                                  Py_ssize_t n) {
+    if (codes && values) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint8_t c = lut[f2u(x[i] * k) >> LUT_SHIFT];
+            codes[i] = c;
+            values[i] = table[c] * s;
+        }
+    } else if (codes) {
+        for (Py_ssize_t i = 0; i < n; i++) codes[i] = lut[f2u(x[i] * k) >> LUT_SHIFT];
+    } else if (values) {
+        for (Py_ssize_t i = 0; i < n; i++) values[i] = table[lut[f2u(x[i] * k) >> LUT_SHIFT]] * s;
+    }
+}
+
+static PyObject *quantize8(PyObject *self, PyObject *args) {
+    PyObject *x_o, *inv_o, *scales_o, *lut_o, *table_o, *codes_o, *values_o;
+    Py_ssize_t block;
+    if (!PyArg_ParseTuple(args, "OOOnOOOO:quantize8", &x_o, &inv_o, &scales_o, &block, &lut_o,
+                          &table_o, &codes_o, &values_o))
+        return NULL;
+    if (block < 1) { PyErr_SetString(PyExc_ValueError, "block must be >= 1"); return NULL; }
+    Buf xb = {0}, ib = {0}, sb = {0}, lb = {0}, tb = {0}, cb = {0}, vb = {0};
+    PyObject *result = NULL;
+    Py_ssize_t n = get(x_o, &xb, 0, 4, 0, "x");
+    if (n < 0) goto done;
+    Py_ssize_t nblocks = (n + block - 1) / block;
+    if (get(inv_o, &ib, 0, 4, 0, "inverse") != nblocks ||
+        get(scales_o, &sb, 0, 4, 0, "scales") != nblocks ||
+        get(lut_o, &lb, 0, 1, 0, "lut") != (Py_ssize_t)LUT_SIZE ||
+        get(table_o, &tb, 0, 4, 0, "table") != 256) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError,
+                            "quantize8: inverse and scales need one item per block, "
+                            "lut 2**19 bytes and table 256 float32");
+        goto done;
+    }
+    Py_ssize_t nc = get(codes_o, &cb, 1, 1, 1, "codes");
+    Py_ssize_t nv = nc < 0 ? -1 : get(values_o, &vb, 1, 4, 1, "values");
+    if (nc < 0 || nv < 0) goto done;
+    if ((cb.held && nc != n) || (vb.held && nv != n)) {
+        PyErr_SetString(PyExc_ValueError, "quantize8: codes and values need x's length");
+        goto done;
+    }
+    const float *x = xb.view.buf, *inv = ib.view.buf, *scales = sb.view.buf;
+    const float *table = tb.view.buf;
+    const uint8_t *lut = lb.view.buf;
+    uint8_t *codes = cb.held ? cb.view.buf : NULL;
+    float *values = vb.held ? vb.view.buf : NULL;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t b = 0; b < nblocks; b++) {
+        Py_ssize_t start = b * block, len = start + block < n ? block : n - start;
+        quantize_block(x + start, inv[b], scales[b], lut, table, codes ? codes + start : NULL,
+                       values ? values + start : NULL, len);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release(&xb); release(&ib); release(&sb); release(&lb); release(&tb);
+    release(&cb); release(&vb);
+    return result;
+}
+
+/* One block: out[i] = table[codes[i]] * s. */
+CLONES static void dequantize_block(const uint8_t *codes, const float *table, float s,
+                                    float *out, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) out[i] = table[codes[i]] * s;
+}
+
+static PyObject *dequantize8(PyObject *self, PyObject *args) {
+    PyObject *codes_o, *table_o, *scales_o, *out_o;
+    Py_ssize_t block;
+    if (!PyArg_ParseTuple(args, "OOOnO:dequantize8", &codes_o, &table_o, &scales_o, &block,
+                          &out_o))
+        return NULL;
+    if (block < 1) { PyErr_SetString(PyExc_ValueError, "block must be >= 1"); return NULL; }
+    Buf cb = {0}, tb = {0}, sb = {0}, ob = {0};
+    PyObject *result = NULL;
+    Py_ssize_t n = get(codes_o, &cb, 0, 1, 0, "codes");
+    if (n < 0) goto done;
+    Py_ssize_t nblocks = (n + block - 1) / block;
+    if (get(table_o, &tb, 0, 4, 0, "table") != 256 ||
+        get(scales_o, &sb, 0, 4, 0, "scales") != nblocks ||
+        get(out_o, &ob, 1, 4, 0, "out") != n) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError,
+                            "dequantize8: table needs 256 float32, scales one per block "
+                            "and out the codes' length");
+        goto done;
+    }
+    const uint8_t *codes = cb.view.buf;
+    const float *table = tb.view.buf, *scales = sb.view.buf;
+    float *out = ob.view.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t b = 0; b < nblocks; b++) {
+        Py_ssize_t start = b * block, stop = start + block < n ? start + block : n;
+        dequantize_block(codes + start, table, scales[b], out + start, stop - start);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release(&cb); release(&tb); release(&sb); release(&ob);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"f32_to_f16", f32_to_f16, METH_VARARGS,
+     "f32_to_f16(src, words, values) -> bool: float32 to binary16 words (nearest even, "
+     "saturating at +/-65504) and/or their float32 values; False if src holds NaN/Inf."},
+    {"f16_to_f32", f16_to_f32, METH_VARARGS,
+     "f16_to_f32(words, out) -> bool: binary16 words to float32; False if a word is "
+     "Inf/NaN."},
+    {"block_scales", block_scales, METH_VARARGS,
+     "block_scales(x, block, out) -> bool: per block, the signed element of largest "
+     "magnitude (positive on a tie, +0.0 for zeros); False if x holds NaN/Inf."},
+    {"quantize8", quantize8, METH_VARARGS,
+     "quantize8(x, inverse, scales, block, lut, table, codes, values): codes[i] = "
+     "lut[bits(x[i] * inverse[b]) >> 13] and/or values[i] = table[code] * scales[b]."},
+    {"dequantize8", dequantize8, METH_VARARGS,
+     "dequantize8(codes, table, scales, block, out): out[i] = table[codes[i]] * scales[b]."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_native", "Compiled codec kernels (optional).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

@@ -1,0 +1,19 @@
+# Signatures of the optional compiled kernels in _native.c (see native.py).
+import numpy as np
+
+def f32_to_f16(src: np.ndarray, words: np.ndarray | None, values: np.ndarray | None) -> bool: ...
+def f16_to_f32(words: np.ndarray, out: np.ndarray) -> bool: ...
+def quantize8(
+    x: np.ndarray,
+    inverse: np.ndarray,
+    scales: np.ndarray,
+    block: int,
+    lut: np.ndarray,
+    table: np.ndarray,
+    codes: np.ndarray | None,
+    values: np.ndarray | None,
+) -> None: ...
+def dequantize8(
+    codes: np.ndarray, table: np.ndarray, scales: np.ndarray, block: int, out: np.ndarray
+) -> None: ...
+def block_scales(x: np.ndarray, block: int, out: np.ndarray) -> bool: ...

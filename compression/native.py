@@ -1,0 +1,31 @@
+"""The compiled codec kernels, when this installation has them.
+
+``compression/_native.c`` is built by ``pip install`` where a C compiler is present and
+skipped where it is not (it is declared optional). Every kernel there is bit-identical
+to the numpy code it replaces, so peers with and without it interoperate exactly; the
+numpy code remains the reference and the fallback.
+
+``SWARMAVG_NATIVE=0`` in the environment turns the kernels off (to compare, or to rule
+them out when debugging).
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+__all__ = ["kernels"]
+
+
+def _load() -> ModuleType | None:
+    if os.environ.get("SWARMAVG_NATIVE", "1") == "0":
+        return None
+    try:
+        from swarmavg.compression import _native
+    except ImportError:
+        return None
+    return _native
+
+
+kernels: ModuleType | None = _load()
+"""The ``_native`` module, or None: then every codec runs its numpy kernels."""

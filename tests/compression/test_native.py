@@ -1,0 +1,206 @@
+"""The compiled kernels (compression/_native.c) give the same bits as the numpy kernels
+they replace, on every input, and reject the same bad inputs.
+
+Peers with and without the kernels average together, and every member must end
+bit-identical, so "the same bits" is the whole contract. Each test runs a codec twice,
+once as installed and once with the kernels switched off in the modules that use them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TypeVar
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from swarmavg.compression import CodecInfo, blockwise, get_codec, halfconv
+from swarmavg.compression.errors import CodecError
+from swarmavg.compression.native import kernels
+
+pytestmark = pytest.mark.skipif(kernels is None, reason="compiled kernels not built")
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+T = TypeVar("T")
+
+
+def both(fn: Callable[[], T]) -> tuple[T, T]:
+    """``fn()`` with the compiled kernels, then with the numpy kernels."""
+    compiled = fn()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(halfconv, "native", None)
+        m.setattr(blockwise, "native", None)
+        reference = fn()
+    return compiled, reference
+
+
+def assert_same_bits(a: np.ndarray, b: np.ndarray) -> None:
+    assert a.dtype == b.dtype
+    assert a.shape == b.shape
+    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_ci_builds_the_kernels() -> None:
+    # Guards against CI silently testing only the fallback (the build is optional).
+    if os.environ.get("CI") == "true":
+        assert kernels is not None
+
+
+# --- float32 <-> binary16 ----------------------------------------------------------------
+
+
+def _float32_sweep() -> np.ndarray:
+    """Every 251st float32 bit pattern that is finite, plus the edges of binary16."""
+    bits = np.arange(0, 1 << 32, 251, dtype=np.uint64).astype(np.uint32)
+    x = bits.view(np.float32)
+    edges = np.array(
+        [0.0, -0.0, 65504, 65519.996, 65520, -65520, 3.4e38, 2.0**-14, 2.0**-24, 2.0**-25,
+         2.0**-25 * 1.0000001, 2.0**-26, 1e-45, -1e-45, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11],
+        np.float32,
+    )  # fmt: skip
+    return np.concatenate([x[np.isfinite(x)], edges])
+
+
+def test_half_encoders_match_numpy_on_a_sweep_of_float32() -> None:
+    x = _float32_sweep()
+    words = both(lambda: halfconv.float_to_half_words(x))
+    assert_same_bits(*words)
+    pairs = both(lambda: halfconv.float_to_half_words_and_values(x))
+    assert_same_bits(pairs[0][0], pairs[1][0])
+    assert_same_bits(pairs[0][1], pairs[1][1])
+    assert_same_bits(pairs[0][0], words[0])
+    assert_same_bits(*both(lambda: halfconv.round_to_half(x)))
+
+
+def test_half_decoder_matches_numpy_on_every_finite_word() -> None:
+    words = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    finite = words[(words & 0x7C00) != 0x7C00]
+    assert_same_bits(*both(lambda: halfconv.half_words_to(finite, np.dtype(np.float32))))
+
+
+@pytest.mark.parametrize("word", [0x7C00, 0xFC00, 0x7C01, 0xFFFF, 0x7E00])
+def test_half_decoder_rejects_inf_and_nan_words(word: int) -> None:
+    words = np.zeros(1000, np.uint16)
+    words[777] = word
+    with pytest.raises(CodecError, match="Inf or NaN"):
+        halfconv.half_words_to(words, np.dtype(np.float32))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize(
+    "encode",
+    [
+        halfconv.float_to_half_words,
+        halfconv.float_to_half_words_and_values,
+        halfconv.round_to_half,
+    ],
+)
+def test_half_encoders_reject_nan_and_inf(bad: float, encode: Callable[..., object]) -> None:
+    x = np.ones(5000, np.float32)
+    x[4321] = bad
+    with pytest.raises(CodecError, match="NaN or Inf"):
+        encode(x)
+
+
+finite32 = st.floats(allow_nan=False, allow_infinity=False, width=32)
+
+
+@SETTINGS
+@given(x=hnp.arrays(np.float32, st.integers(0, 3000), elements=finite32))
+@example(x=np.array([], np.float32))
+def test_float16_codec_matches_numpy(x: np.ndarray) -> None:
+    codec = get_codec("float16")
+    info = CodecInfo()
+    enc = both(lambda: codec.encode_payload(x, info))
+    assert bytes(enc[0].payload) == bytes(enc[1].payload)
+    assert_same_bits(*both(lambda: codec.decode_payload(enc[0].header, enc[0].payload)))
+    assert_same_bits(*both(lambda: codec.round_trip(x, info)))
+    ev = both(lambda: codec.encode_payload_and_values(x, info))
+    assert_same_bits(ev[0][1], ev[1][1])
+
+
+# --- uint8-blockwise ---------------------------------------------------------------------
+
+
+def _blocky(rng: np.random.Generator, n: int, block: int) -> np.ndarray:
+    """Normal values whose blocks span 1e-40 (subnormal scales) to 1e30, with zero
+    blocks, single outliers and both signs of largest element."""
+    nblocks = -(-n // block)
+    magnitude = rng.choice([0.0, 1e-40, 1e-20, 1e-3, 1.0, 1e3, 1e30], nblocks)
+    x = (rng.standard_normal(n) * np.repeat(magnitude, block)[:n]).astype(np.float32)
+    x[:: max(1, block // 3)] *= -7
+    return x
+
+
+SIZES_AND_BLOCKS = [(1, 1), (7, 3), (4096, 4096), (100_003, 4096), (65_537, 1), (10_000, 64),
+                    (300_000, 1 << 17)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("n", "block"), SIZES_AND_BLOCKS)
+def test_blockwise_codec_matches_numpy(n: int, block: int) -> None:
+    codec = blockwise.Blockwise8BitCodec(block)
+    x = _blocky(np.random.default_rng(n + block), n, block)
+    info = CodecInfo()
+    enc = both(lambda: codec.encode_payload(x, info))
+    assert bytes(enc[0].payload) == bytes(enc[1].payload)
+    assert_same_bits(*both(lambda: codec.decode_payload(enc[0].header, enc[0].payload)))
+    assert_same_bits(*both(lambda: codec.round_trip(x, info)))
+    ev = both(lambda: codec.encode_payload_and_values(x, info))
+    assert bytes(ev[0][0].payload) == bytes(enc[1].payload)
+    assert_same_bits(ev[0][1], ev[1][1])
+    assert_same_bits(ev[0][1], codec.decode_payload(enc[1].header, enc[1].payload))
+
+
+@SETTINGS
+@given(
+    x=hnp.arrays(np.float32, st.integers(1, 2000), elements=finite32),
+    block=st.sampled_from([1, 2, 5, 64, 4096]),
+)
+def test_blockwise_codec_matches_numpy_on_any_finite_input(x: np.ndarray, block: int) -> None:
+    codec = blockwise.Blockwise8BitCodec(block)
+    info = CodecInfo()
+    enc = both(lambda: codec.encode_payload(x, info))
+    assert bytes(enc[0].payload) == bytes(enc[1].payload)
+    assert_same_bits(*both(lambda: codec.decode_payload(enc[0].header, enc[0].payload)))
+    assert_same_bits(*both(lambda: codec.round_trip(x, info)))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_blockwise_rejects_nan_and_inf(bad: float) -> None:
+    x = np.ones(10_000, np.float32)
+    x[9999] = bad
+    with pytest.raises(CodecError, match="NaN or Inf"):
+        get_codec("uint8-blockwise").encode(x)
+
+
+# --- the kernels' own argument checks -----------------------------------------------------
+
+
+def test_kernels_reject_mismatched_lengths() -> None:
+    assert kernels is not None
+    x = np.ones(10, np.float32)
+    with pytest.raises(ValueError, match="length"):
+        kernels.f32_to_f16(x, np.empty(9, np.uint16), None)
+    with pytest.raises(ValueError, match="length"):
+        kernels.f16_to_f32(np.zeros(10, np.uint16), np.empty(11, np.float32))
+    with pytest.raises(ValueError, match="whole number"):
+        kernels.f16_to_f32(np.zeros(3, np.uint8), np.empty(1, np.float32))
+    lut, table = blockwise._DYNAMIC8.lut, blockwise._DYNAMIC8_TABLE
+    one = np.ones(1, np.float32)
+    with pytest.raises(ValueError, match="one item per block"):
+        kernels.quantize8(x, np.ones(2, np.float32), one, 10, lut, table, None, None)
+    with pytest.raises(ValueError, match="lut"):
+        kernels.quantize8(x, one, one, 10, lut[:-1], table, None, None)
+    with pytest.raises(ValueError, match="block"):
+        kernels.quantize8(x, one, one, 0, lut, table, None, None)
+    with pytest.raises(ValueError, match="out"):
+        kernels.dequantize8(np.zeros(10, np.uint8), table, one, 10, np.empty(5, np.float32))
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.f16_to_f32(np.zeros(10, np.uint16), np.empty(20, np.float32)[::2])
+    read_only = np.frombuffer(bytes(40), np.float32)
+    with pytest.raises(ValueError, match="read-only"):
+        kernels.f16_to_f32(np.zeros(10, np.uint16), read_only)
