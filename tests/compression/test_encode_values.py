@@ -46,7 +46,7 @@ def reference(codec: Codec, x: np.ndarray, info: CodecInfo = INFO) -> tuple[Enco
 
 
 def check_all_paths(name: str, x: np.ndarray) -> None:
-    """The three paths (each on a fresh codec) give the same encoding, values, error."""
+    """The three paths, and decoding into a given array, (each on a fresh codec) give the same encoding, values, error."""
     try:
         want_enc, want = reference(get_codec(name), x)
     except CodecError:
@@ -59,6 +59,9 @@ def check_all_paths(name: str, x: np.ndarray) -> None:
     assert_same_encoding(enc, want_enc)
     assert_same(values, want)
     assert_same(get_codec(name).round_trip(x, INFO), want)
+    into = np.full(want.size, 7, want.dtype)  # not zeros: every element must be written
+    get_codec(name).decode_payload_into(want_enc.header, want_enc.payload, into)
+    assert_same(into.reshape(want.shape), want)
 
 
 def awkward(dtype: Any) -> np.ndarray:
@@ -321,3 +324,36 @@ def test_scaled_float16_rows_of_tiny_values(x: np.ndarray) -> None:
     # binary16 keeps 11 bits of each deviation; subnormal stds count as constant rows.
     assert np.all(np.abs(y.astype(np.float64) - x) <= spread * 2.0**-10 + 1e-37)
     check_all_paths("scaled-float16", x)
+
+
+@pytest.mark.parametrize("name", ["none", "float16", "uint8-blockwise", "bfloat16"])
+def test_decode_into_rejects_an_unfit_output(name: str) -> None:
+    encoded = get_codec(name).encode_payload(np.ones(100, np.float32), INFO)
+    codec = get_codec(name)
+    for out in (
+        np.empty(99, np.float32),
+        np.empty(100, np.float64),
+        np.empty(200, np.float32)[::2],
+        np.frombuffer(bytes(400), np.float32),
+    ):
+        with pytest.raises(ValueError, match="output must be"):
+            codec.decode_payload_into(encoded.header, encoded.payload, out)
+
+
+@pytest.mark.parametrize("name", ["float16", "uint8-blockwise"])
+def test_decode_into_rejects_a_bad_payload(name: str) -> None:
+    codec = get_codec(name)
+    encoded = codec.encode_payload(np.ones(100, np.float32), INFO)
+    payload = bytes(memoryview(encoded.payload).cast("B"))
+    out = np.empty(100, np.float32)
+    with pytest.raises(CodecError, match="payload is"):
+        codec.decode_payload_into(encoded.header, payload[:-1], out)
+    if name == "float16":
+        nan = bytearray(payload)
+        nan[2 * 57 : 2 * 58] = np.array([0x7E00], "<u2").tobytes()
+        with pytest.raises(CodecError, match="Inf or NaN"):
+            codec.decode_payload_into(encoded.header, bytes(nan), out)
+    else:
+        inf_scale = payload[:-4] + np.array([np.inf], "<f4").tobytes()
+        with pytest.raises(CodecError, match="finite"):
+            codec.decode_payload_into(encoded.header, inf_scale, out)

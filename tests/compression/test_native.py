@@ -169,6 +169,22 @@ def test_blockwise_codec_matches_numpy_on_any_finite_input(x: np.ndarray, block:
     assert_same_bits(*both(lambda: codec.round_trip(x, info)))
 
 
+def test_blockwise_scale_of_a_block_of_zeros_is_positive_zero() -> None:
+    x = np.concatenate([np.full(64, -0.0), np.zeros(64), np.array([0.0, -0.0] * 32)])
+    x = x.astype(np.float32)
+    enc = both(lambda: blockwise.Blockwise8BitCodec(64).encode_payload(x, CodecInfo()))
+    for e in enc:
+        scales = np.frombuffer(e.payload, "<f4", offset=x.size)
+        np.testing.assert_array_equal(scales.view(np.uint32), 0)
+
+
+def test_blockwise_scale_prefers_the_positive_element_on_a_tie() -> None:
+    x = np.array([-3.0, 1.0, 3.0, -3.0, 2.0, -5.0], np.float32)
+    enc = both(lambda: blockwise.Blockwise8BitCodec(3).encode_payload(x, CodecInfo()))
+    for e in enc:
+        np.testing.assert_array_equal(np.frombuffer(e.payload, "<f4", offset=6), [3.0, -5.0])
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_blockwise_rejects_nan_and_inf(bad: float) -> None:
     x = np.ones(10_000, np.float32)
@@ -197,6 +213,8 @@ def test_kernels_reject_mismatched_lengths() -> None:
         kernels.quantize8(x, one, one, 10, lut[:-1], table, None, None)
     with pytest.raises(ValueError, match="block"):
         kernels.quantize8(x, one, one, 0, lut, table, None, None)
+    with pytest.raises(ValueError, match="one item per block"):
+        kernels.block_scales(x, 3, np.empty(3, np.float32))
     with pytest.raises(ValueError, match="out"):
         kernels.dequantize8(np.zeros(10, np.uint8), table, one, 10, np.empty(5, np.float32))
     with pytest.raises(ValueError, match="contiguous"):
