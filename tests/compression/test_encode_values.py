@@ -46,7 +46,8 @@ def reference(codec: Codec, x: np.ndarray, info: CodecInfo = INFO) -> tuple[Enco
 
 
 def check_all_paths(name: str, x: np.ndarray) -> None:
-    """The three paths, and decoding into a given array, (each on a fresh codec) give the same encoding, values, error."""
+    """The three paths (each on a fresh codec) give the same encoding, values, error;
+    decoding into a given array gives the same values."""
     try:
         want_enc, want = reference(get_codec(name), x)
     except CodecError:
