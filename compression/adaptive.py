@@ -55,7 +55,23 @@ class SelectorCodec(Codec):
     def encode_payload(self, array: np.ndarray, info: CodecInfo) -> Encoded:
         return self.select(array, info).encode_payload(array, info)
 
+    def encode_payload_and_values(
+        self, array: np.ndarray, info: CodecInfo
+    ) -> tuple[Encoded, np.ndarray]:
+        return self.select(array, info).encode_payload_and_values(array, info)
+
+    def round_trip(self, array: np.ndarray, info: CodecInfo) -> np.ndarray:
+        return self.select(array, info).round_trip(array, info)
+
     def decode_payload(self, header: Header, payload: Buffer) -> np.ndarray:
+        return self._decoder(header).decode_payload(header, payload)
+
+    def decode_payload_into(self, header: Header, payload: Buffer, out: np.ndarray) -> None:
+        self._decoder(header).decode_payload_into(header, payload, out)
+
+    @staticmethod
+    def _decoder(header: Header) -> Codec:
+        """The codec a message names (never a selector: messages name what was picked)."""
         from swarmavg.compression.registry import decoder_for  # registry imports this module
 
         decoder = decoder_for(header.codec)
@@ -63,7 +79,7 @@ class SelectorCodec(Codec):
             raise CodecError(
                 f"{header.codec!r} is a selector; a message names the codec it selected"
             )
-        return decoder.decode_payload(header, payload)
+        return decoder
 
 
 class SizeAdaptiveCodec(SelectorCodec):

@@ -74,7 +74,18 @@ class LosslessCodec(Codec):
         return bytes(out)
 
     def encode_payload(self, array: np.ndarray, info: CodecInfo) -> Encoded:
-        enc = self.inner.encode_payload(array, info)
+        return self._wrap(self.inner.encode_payload(array, info))
+
+    def encode_payload_and_values(
+        self, array: np.ndarray, info: CodecInfo
+    ) -> tuple[Encoded, np.ndarray]:
+        """The inner codec's encoding, compressed, and its values: compression is
+        lossless, so they are what decoding the compressed payload gives."""
+        enc, values = self.inner.encode_payload_and_values(array, info)
+        return self._wrap(enc), values
+
+    def _wrap(self, enc: Encoded) -> Encoded:
+        """The inner codec's encoding with its payload compressed."""
         h = enc.header
         if _RAW_KEY in h.meta:
             raise CodecError(f"codec {h.codec!r} uses the reserved meta key {_RAW_KEY!r}")
@@ -84,6 +95,20 @@ class LosslessCodec(Codec):
         return Encoded(header, self._compress(raw))
 
     def decode_payload(self, header: Header, payload: Buffer) -> np.ndarray:
+        inner, inner_header, data = self._unwrap(header, payload)
+        return inner.decode_payload(inner_header, data)
+
+    def decode_payload_into(self, header: Header, payload: Buffer, out: np.ndarray) -> None:
+        inner, inner_header, data = self._unwrap(header, payload)
+        inner.decode_payload_into(inner_header, data, out)
+
+    def _unwrap(self, header: Header, payload: Buffer) -> tuple[Codec, Header, bytes]:
+        """The inner codec, header and decompressed payload of a message.
+
+        Raises:
+            CodecError: not this wrapper's message, nested wrappers, corrupt or
+                mis-sized compressed data.
+        """
         from swarmavg.compression.registry import decoder_for  # registry imports this module
 
         prefix, _, inner_name = header.codec.partition("+")
@@ -99,4 +124,4 @@ class LosslessCodec(Codec):
                 f"{self.kind}: payload decompressed to {len(data)} bytes, declared {raw}"
             )
         meta = {k: v for k, v in header.meta.items() if k != _RAW_KEY}
-        return inner.decode_payload(Header(inner_name, header.dtype, header.shape, meta), data)
+        return inner, Header(inner_name, header.dtype, header.shape, meta), data
