@@ -86,12 +86,18 @@ def _affine_cells(
 
 
 def _codebook(values: np.ndarray, codes: np.ndarray, fallback: np.ndarray) -> np.ndarray:
-    """Mean of ``values`` per code; ``fallback`` for codes that never occur."""
+    """Mean of ``values`` per code; ``fallback`` for codes that never occur.
+
+    A fallback beyond float32's range (bin centres of a tensor that spans nearly all of
+    it) is clipped to it: no element uses such a bin, and an infinite codebook entry
+    would make every decoder reject the message.
+    """
     counts = np.bincount(codes, minlength=N_BINS)
     sums = np.bincount(codes, weights=values, minlength=N_BINS)
     with np.errstate(invalid="ignore", divide="ignore"):
         means = sums / counts
-    return np.where(counts > 0, means, fallback).astype("<f4")
+    f32_max = float(np.finfo(np.float32).max)
+    return np.clip(np.where(counts > 0, means, fallback), -f32_max, f32_max).astype("<f4")
 
 
 def _exact_tail_means(
