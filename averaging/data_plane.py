@@ -122,7 +122,12 @@ def _parse_status(body: memoryview) -> tuple[grpc.StatusCode, str]:
 class _FrameProtocol(asyncio.BufferedProtocol):
     """Frames in (read straight into their final buffers) and out, with flow control."""
 
-    def __init__(self) -> None:
+    def __init__(self, admit: Callable[[_FrameProtocol, str], bool] | None = None) -> None:
+        """Args:
+        admit: on a server, called with the client's host once connected; ``False``
+            refuses the connection (see :attr:`reject`).
+        """
+        self._admit = admit
         self.transport: asyncio.Transport | None = None
         self._head = bytearray(_HEAD.size)
         self._body: np.ndarray | None = None
@@ -144,6 +149,10 @@ class _FrameProtocol(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self.transport.set_write_buffer_limits(high=_WRITE_HIGH, low=_WRITE_LOW)
+        if self._admit is not None:
+            peer = self.transport.get_extra_info("peername")
+            host = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+            self.reject = not self._admit(self, host)
         if self.reject:
             # A status the client can read before it has sent anything that was processed,
             # so it knows it may use gRPC instead. Closing at once, with its bytes unread,
@@ -464,12 +473,25 @@ class _ServerStream:
 class DataPlaneServer:
     """Accepts data-plane connections and hands their streams to the all-reduce service."""
 
-    def __init__(self, service: AllReduceService, max_connections: int = 256) -> None:
+    def __init__(
+        self,
+        service: AllReduceService,
+        max_connections: int = 256,
+        max_connections_per_host: int = 64,
+    ) -> None:
+        """Args:
+        max_connections: open connections in all; more are refused.
+        max_connections_per_host: open connections from one IP address. An honest
+            member holds one per concurrent stream to this peer; the cap keeps one
+            host from taking every slot (and the memory each may buffer, about 12 MiB).
+        """
         self._service = service
         self._max_connections = max_connections
+        self._max_per_host = max_connections_per_host
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._protocols: set[_FrameProtocol] = set()
+        self._per_host: collections.Counter[str] = collections.Counter()
         self._refused: set[_FrameProtocol] = set()  # closing themselves (see reject)
         self.port = 0
 
@@ -481,19 +503,24 @@ class DataPlaneServer:
         return self.port
 
     def _accept(self) -> _FrameProtocol:
-        protocol = _FrameProtocol()
-        if len(self._protocols) >= self._max_connections:
-            protocol.reject = True  # refused in connection_made
+        return _FrameProtocol(admit=self._admit)
+
+    def _admit(self, protocol: _FrameProtocol, host: str) -> bool:
+        """Serve a new connection from ``host``, or refuse it (at a limit)."""
+        if len(self._protocols) >= self._max_connections or (
+            self._per_host[host] >= self._max_per_host
+        ):
             self._refused = {p for p in self._refused if not p.closed.is_set()}
             self._refused.add(protocol)
-            return protocol
+            return False
         self._protocols.add(protocol)
-        task = asyncio.get_running_loop().create_task(self._serve_connection(protocol))
+        self._per_host[host] += 1
+        task = asyncio.get_running_loop().create_task(self._serve_connection(protocol, host))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return protocol
+        return True
 
-    async def _serve_connection(self, protocol: _FrameProtocol) -> None:
+    async def _serve_connection(self, protocol: _FrameProtocol, host: str) -> None:
         config = self._service.config
         try:
             async with asyncio.timeout(config.registration_wait):
@@ -513,6 +540,9 @@ class DataPlaneServer:
         finally:
             protocol.close()
             self._protocols.discard(protocol)
+            self._per_host[host] -= 1
+            if self._per_host[host] <= 0:
+                del self._per_host[host]
 
     async def _serve_stream(self, protocol: _FrameProtocol) -> bool:
         """Run one stream; return whether the connection may carry another."""

@@ -54,9 +54,12 @@ def _frame(kind: int, body: bytes = b"") -> bytes:
     return HEAD.pack(len(body), kind) + body
 
 
-async def _closed_by_server(port: int, data: bytes, within: float = 10.0) -> bool:
-    """Send ``data`` on a fresh connection; whether the server closes it within ``within``."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+async def _closed_by_server(
+    port: int, data: bytes, within: float = 10.0, source: str = "127.0.0.1"
+) -> bool:
+    """Send ``data`` on a fresh connection from ``source``; whether the server closes it
+    within ``within``."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
     try:
         writer.write(data)
         await writer.drain()
@@ -201,6 +204,30 @@ async def test_connections_beyond_the_limit_are_refused(grpc_servers: GrpcServer
         writer.close()
         with contextlib.suppress(ConnectionError):
             await writer.wait_closed()
+    finally:
+        await server.close()
+        await close_peers(peers)
+
+
+async def test_one_host_cannot_take_every_connection(grpc_servers: GrpcServerPool) -> None:
+    peers = await start_peers(grpc_servers, 1, FAST, data_plane=False)
+    server = DataPlaneServer(peers[0].service, max_connections=10, max_connections_per_host=1)
+    port = await server.start("127.0.0.1")
+    try:
+        for _ in range(2):  # the slot is given back when the first connection closes
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(_frame(0, MAGIC))
+            await writer.drain()
+            # A second connection from the same host is refused; another host is served.
+            assert await _closed_by_server(port, _frame(0, MAGIC), within=5.0)
+            assert not await _closed_by_server(port, _frame(0, MAGIC), 0.5, "127.0.0.2")
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+            # Both served connections are closed by their clients: their tasks end.
+            async with asyncio.timeout(5.0):
+                await asyncio.gather(*server._tasks)
+            assert not server._per_host
     finally:
         await server.close()
         await close_peers(peers)
