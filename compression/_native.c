@@ -57,6 +57,13 @@ static Py_ssize_t get(PyObject *obj, Buf *b, int writable, Py_ssize_t itemsize,
         release(b);
         return -1;
     }
+    /* The vectorised loops may assume items at their natural alignment. */
+    if ((uintptr_t)b->view.buf % (uintptr_t)itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s: buffer is not aligned to its %zd-byte items",
+                     name, itemsize);
+        release(b);
+        return -1;
+    }
     return b->view.len / itemsize;
 }
 

@@ -186,7 +186,7 @@ def _quantize(
     Raises:
         CodecError: ``x`` holds NaN or Inf (or values beyond float32 range).
     """
-    compiled = native if code is _DYNAMIC8 and x.flags.c_contiguous else None
+    compiled = native if code is _DYNAMIC8 and x.flags.c_contiguous and x.flags.aligned else None
     if compiled is not None:
         scales = np.empty(-(-x.size // block), np.float32)
         finite = compiled.block_scales(x, block, scales)
@@ -251,7 +251,7 @@ def _decode_levels(
     float32 array of ``n`` elements that receives the values (8-bit codes only).
     """
     per_code = 1 if table.ndim == 1 else table.shape[1]
-    if table is _DYNAMIC8_TABLE and native is not None:
+    if table is _DYNAMIC8_TABLE and native is not None and (into is None or into.flags.aligned):
         out = into if into is not None else np.empty(n, np.float32)
         native.dequantize8(codes, table, scales, block, out)
         return out

@@ -232,8 +232,11 @@ def _narrow_slabs(flat: np.ndarray) -> Iterator[tuple[slice, np.ndarray]]:
 
 def _native_ok(*arrays: np.ndarray) -> bool:
     """Whether the compiled kernels can take these arrays: built, and every array
-    contiguous in native byte order (the kernels read raw buffers)."""
-    return native is not None and all(a.flags.c_contiguous and a.dtype.isnative for a in arrays)
+    contiguous, aligned and in native byte order (the kernels read raw buffers; a payload
+    at an odd offset of a message is not aligned)."""
+    return native is not None and all(
+        a.flags.c_contiguous and a.flags.aligned and a.dtype.isnative for a in arrays
+    )
 
 
 def _native_encode(flat: np.ndarray, words: np.ndarray | None, values: np.ndarray | None) -> None:

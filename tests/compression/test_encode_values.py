@@ -237,6 +237,9 @@ def test_decode_from_unaligned_payload(name: str, offset: int) -> None:
     buffer = memoryview(bytes(offset) + raw)[offset:]
     assert_same(codec.decode_payload(enc.header, buffer), want)
     assert_same(codec.decode_payload(enc.header, bytearray(raw)), want)
+    into = np.empty(want.size, want.dtype)
+    codec.decode_payload_into(enc.header, buffer, into)
+    assert_same(into, want)
 
 
 def test_pair_table_matches_the_level_table() -> None:

@@ -190,7 +190,7 @@ def test_blockwise_rejects_nan_and_inf(bad: float) -> None:
 # --- the kernels' own argument checks -----------------------------------------------------
 
 
-def test_kernels_reject_mismatched_lengths() -> None:
+def test_kernels_reject_unfit_buffers() -> None:
     assert kernels is not None
     x = np.ones(10, np.float32)
     with pytest.raises(ValueError, match="length"):
@@ -213,6 +213,11 @@ def test_kernels_reject_mismatched_lengths() -> None:
         kernels.dequantize8(np.zeros(10, np.uint8), table, one, 10, np.empty(5, np.float32))
     with pytest.raises(ValueError, match="contiguous"):
         kernels.f16_to_f32(np.zeros(10, np.uint16), np.empty(20, np.float32)[::2])
+    unaligned = np.zeros(41, np.uint8)[1:].view(np.float32)
+    with pytest.raises(ValueError, match="aligned"):
+        kernels.f16_to_f32(np.zeros(10, np.uint16), unaligned)
+    with pytest.raises(ValueError, match="aligned"):
+        kernels.f16_to_f32(np.zeros(21, np.uint8)[1:].view(np.uint16), np.zeros(10, np.float32))
     read_only = np.frombuffer(bytes(40), np.float32)
     with pytest.raises(ValueError, match="read-only"):
         kernels.f16_to_f32(np.zeros(10, np.uint16), read_only)
