@@ -21,6 +21,22 @@
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
+/* Element types that may sit at any address: a payload starts wherever its message
+ * header ends, so its float16 words are often at an odd offset. With these types gcc and
+ * clang use unaligned vector loads and never assume more alignment than 1 byte. Other
+ * compilers get the plain types, and get() refuses unaligned buffers for them. */
+#if defined(__GNUC__)
+typedef uint16_t u16 __attribute__((aligned(1)));
+typedef uint32_t u32 __attribute__((aligned(1)));
+typedef float f32 __attribute__((aligned(1)));
+#define ANY_ALIGNMENT 1
+#else
+typedef uint16_t u16;
+typedef uint32_t u32;
+typedef float f32;
+#define ANY_ALIGNMENT 0
+#endif
+
 /* The hot loops are also compiled for AVX2 and picked at load time where the CPU has it
  * (same IEEE operations, so the same bits); SSE2 lacks the narrowing stores they need. */
 #if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__)
@@ -57,8 +73,7 @@ static Py_ssize_t get(PyObject *obj, Buf *b, int writable, Py_ssize_t itemsize,
         release(b);
         return -1;
     }
-    /* The vectorised loops may assume items at their natural alignment. */
-    if ((uintptr_t)b->view.buf % (uintptr_t)itemsize) {
+    if (!ANY_ALIGNMENT && (uintptr_t)b->view.buf % (uintptr_t)itemsize) {
         PyErr_Format(PyExc_ValueError, "%s: buffer is not aligned to its %zd-byte items",
                      name, itemsize);
         release(b);
@@ -102,7 +117,7 @@ static inline float half_value(uint16_t h) {
 /* float32 bits to binary16 words and/or their float32 values; nonzero if an input is
  * NaN/Inf (the outputs are then garbage and the caller raises). One loop per combination
  * of outputs: a test inside the loop stops vectorisation. */
-CLONES static uint32_t half_loop(const uint32_t *x, uint16_t *w, float *v, Py_ssize_t n) {
+CLONES static uint32_t half_loop(const u32 *x, u16 *w, f32 *v, Py_ssize_t n) {
     uint32_t special = 0;
 #define HALF_LOOP(STORE)                                                 \
     for (Py_ssize_t i = 0; i < n; i++) {                                 \
@@ -139,9 +154,9 @@ static PyObject *f32_to_f16(PyObject *self, PyObject *args) {
         release(&src); release(&words); release(&values);
         return NULL;
     }
-    const uint32_t *x = src.view.buf;
-    uint16_t *w = words.held ? words.view.buf : NULL;
-    float *v = values.held ? values.view.buf : NULL;
+    const u32 *x = src.view.buf;
+    u16 *w = words.held ? words.view.buf : NULL;
+    f32 *v = values.held ? values.view.buf : NULL;
     uint32_t special = 0;
     Py_BEGIN_ALLOW_THREADS
     special = half_loop(x, w, v, n);
@@ -151,7 +166,7 @@ static PyObject *f32_to_f16(PyObject *self, PyObject *args) {
 }
 
 /* Binary16 words to float32; nonzero if a word is Inf/NaN. */
-CLONES static uint16_t half_values_loop(const uint16_t *h, float *o, Py_ssize_t n) {
+CLONES static uint16_t half_values_loop(const u16 *h, f32 *o, Py_ssize_t n) {
     uint16_t special = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         special |= (uint16_t)((h[i] & 0x7C00u) == 0x7C00u);
@@ -173,8 +188,8 @@ static PyObject *f16_to_f32(PyObject *self, PyObject *args) {
         release(&words); release(&out);
         return NULL;
     }
-    const uint16_t *h = words.view.buf;
-    float *o = out.view.buf;
+    const u16 *h = words.view.buf;
+    f32 *o = out.view.buf;
     uint16_t special;
     Py_BEGIN_ALLOW_THREADS
     special = half_values_loop(h, o, n);
@@ -192,8 +207,7 @@ static PyObject *f16_to_f32(PyObject *self, PyObject *args) {
 /* Per block, the signed element of largest magnitude (the positive one on a tie, +0.0
  * for a block of zeros); nonzero if x holds NaN/Inf. Magnitudes compare as integers
  * (IEEE order for finite values), which vectorises where float max would not. */
-CLONES static uint32_t scales_loop(const uint32_t *x, Py_ssize_t n, Py_ssize_t block,
-                                   float *out) {
+CLONES static uint32_t scales_loop(const u32 *x, Py_ssize_t n, Py_ssize_t block, f32 *out) {
     uint32_t special = 0;
     Py_ssize_t nblocks = (n + block - 1) / block;
     for (Py_ssize_t b = 0; b < nblocks; b++) {
@@ -237,13 +251,13 @@ static PyObject *block_scales(PyObject *self, PyObject *args) {
 
 /* The 256 levels of a block times its scale: the float32 products every decoder makes,
  * made once per block so that the per-element work is a lookup. */
-static inline void scaled_levels(const float *table, float s, float *scaled) {
+static inline void scaled_levels(const f32 *table, float s, float *scaled) {
     for (int c = 0; c < 256; c++) scaled[c] = table[c] * s;
 }
 
 /* One block: codes and/or values (see quantize8). */
-CLONES static void quantize_block(const float *x, float k, float s, const uint8_t *lut,
-                                  const float *table, uint8_t *codes, float *values,
+CLONES static void quantize_block(const f32 *x, float k, float s, const uint8_t *lut,
+                                  const f32 *table, uint8_t *codes, f32 *values,
                                   Py_ssize_t n) {
     float scaled[256];
     if (values) scaled_levels(table, s, scaled);
@@ -289,11 +303,11 @@ static PyObject *quantize8(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "quantize8: codes and values need x's length");
         goto done;
     }
-    const float *x = xb.view.buf, *inv = ib.view.buf, *scales = sb.view.buf;
-    const float *table = tb.view.buf;
+    const f32 *x = xb.view.buf, *inv = ib.view.buf, *scales = sb.view.buf;
+    const f32 *table = tb.view.buf;
     const uint8_t *lut = lb.view.buf;
     uint8_t *codes = cb.held ? cb.view.buf : NULL;
-    float *values = vb.held ? vb.view.buf : NULL;
+    f32 *values = vb.held ? vb.view.buf : NULL;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t b = 0; b < nblocks; b++) {
         Py_ssize_t start = b * block, len = start + block < n ? block : n - start;
@@ -310,8 +324,8 @@ done:
 }
 
 /* One block: out[i] = table[codes[i]] * s. */
-CLONES static void dequantize_block(const uint8_t *codes, const float *table, float s,
-                                    float *out, Py_ssize_t n) {
+CLONES static void dequantize_block(const uint8_t *codes, const f32 *table, float s,
+                                    f32 *out, Py_ssize_t n) {
     float scaled[256];
     scaled_levels(table, s, scaled);
     for (Py_ssize_t i = 0; i < n; i++) out[i] = scaled[codes[i]];
@@ -339,8 +353,8 @@ static PyObject *dequantize8(PyObject *self, PyObject *args) {
         goto done;
     }
     const uint8_t *codes = cb.view.buf;
-    const float *table = tb.view.buf, *scales = sb.view.buf;
-    float *out = ob.view.buf;
+    const f32 *table = tb.view.buf, *scales = sb.view.buf;
+    f32 *out = ob.view.buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t b = 0; b < nblocks; b++) {
         Py_ssize_t start = b * block, stop = start + block < n ? start + block : n;
@@ -377,4 +391,12 @@ static struct PyModuleDef module = {
     NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&module);
+    /* Whether the kernels take buffers at any address (see u16/u32/f32 above). */
+    if (m && PyModule_AddIntConstant(m, "any_alignment", ANY_ALIGNMENT) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,6 +1,8 @@
 # Signatures of the optional compiled kernels in _native.c (see native.py).
 import numpy as np
 
+any_alignment: int  # 1: buffers may sit at any address; 0: aligned to their items
+
 def f32_to_f16(src: np.ndarray, words: np.ndarray | None, values: np.ndarray | None) -> bool: ...
 def f16_to_f32(words: np.ndarray, out: np.ndarray) -> bool: ...
 def quantize8(
