@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -161,6 +162,11 @@ class _Exchange:
         self.crashed = asyncio.Event()
         self.bytes_sent = 0
         self.bytes_received = 0
+        # Replies decode straight into `result` in executor threads, which outlive the
+        # round's cancelled tasks: the lock lets fill_missing() wait for a decode in
+        # flight, and `_sealed` keeps any later one from writing over the final result.
+        self._result_lock = threading.Lock()
+        self._sealed = False
 
     # ---- helpers run in the executor ----
 
@@ -218,12 +224,18 @@ class _Exchange:
         # Straight into the result: if this raises, the chunk stays unreceived and
         # fill_missing() puts the local values back over whatever was written.
         values = self.result[base + start : base + end]
-        self.codec.decode_payload_into(header, reply.payload, values)
-        if not self.codec.decodes_finite and not all_finite(values):
-            raise ValueError("reply holds NaN or Inf")
+        with self._result_lock:
+            if self._sealed:
+                raise ValueError("the round is over")
+            self.codec.decode_payload_into(header, reply.payload, values)
+            if not self.codec.decodes_finite and not all_finite(values):
+                raise ValueError("reply holds NaN or Inf")
 
     def fill_missing(self) -> None:
-        """Copy local values into every chunk that no reducer returned."""
+        """Copy local values into every chunk that no reducer returned, once no reply is
+        being decoded any more and none will be."""
+        with self._result_lock:
+            self._sealed = True
         for part, received in self.received.items():
             base = self.plan.bounds[part][0]
             for chunk in np.flatnonzero(~received):
