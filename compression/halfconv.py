@@ -232,8 +232,8 @@ def _narrow_slabs(flat: np.ndarray) -> Iterator[tuple[slice, np.ndarray]]:
 
 def _native_ok(*arrays: np.ndarray) -> bool:
     """Whether the compiled kernels can take these arrays: built, and every array
-    contiguous, aligned and in native byte order (the kernels read raw buffers; a payload
-    at an odd offset of a message is not aligned)."""
+    contiguous and in native byte order (the kernels read raw buffers), and aligned
+    unless the build takes any address (a payload at an odd offset of a message)."""
     return native is not None and all(
         a.flags.c_contiguous
         and a.dtype.isnative
