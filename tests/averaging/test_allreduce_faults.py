@@ -7,6 +7,9 @@ bit-identical across survivors, ``partial=True``, and their inputs untouched.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import threading
 import time
 
 import numpy as np
@@ -18,6 +21,8 @@ from swarmavg.averaging.faults import Fault, FaultPlan, InjectedCrash
 from swarmavg.averaging.load_balancing import part_sizes
 from swarmavg.averaging.partition import PartPlan
 from swarmavg.averaging.reducer import weighted_mean
+from swarmavg.compression.base import Buffer, Header
+from swarmavg.compression.floating import Float16Codec
 from swarmavg.dht import ChannelPool
 from tests.averaging.allreduce_peers import FAST, close_peers, make_group, run_group, start_peers
 from tests.harness import GrpcServerPool
@@ -178,3 +183,55 @@ async def test_the_deadline_bounds_a_stalled_round(
 
 def test_fast_config_is_what_the_matrix_assumes() -> None:
     assert FAST.chunk_bytes == 4096  # 1024-element chunks of float32 with codec "none"
+
+
+class _StalledReplyDecoder(Float16Codec):
+    """float16 whose first reply decode blocks until released: a decode still running in
+    an executor thread when the round's deadline passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.done = threading.Event()
+        self._first = threading.Lock()
+
+    def decode_payload_into(self, header: Header, payload: Buffer, out: np.ndarray) -> None:
+        if not self._first.acquire(blocking=False):
+            super().decode_payload_into(header, payload, out)
+            return
+        self.release.wait(30)
+        super().decode_payload_into(header, payload, out)
+        self.done.set()
+
+
+async def test_a_reply_decoded_after_the_deadline_cannot_change_the_result(
+    grpc_servers: GrpcServerPool, channels: ChannelPool
+) -> None:
+    """Replies decode straight into the result in executor threads, which a cancelled
+    round cannot stop: the round must not hand out a result such a thread still writes."""
+    config = dataclasses.replace(FAST, executor_threads=4)
+    peers = await start_peers(grpc_servers, 2, config)
+    stalled = _StalledReplyDecoder()
+    peers[0].service._codecs["float16"] = stalled  # the service's per-name codec instance
+    try:
+        rng = np.random.default_rng(5)
+        inputs = [[rng.standard_normal(SIZE).astype(np.float32)] for _ in range(2)]
+        group = make_group(peers, inputs[0], codec="float16")
+        timeout = 2.0
+        # Released only after member 0's deadline: its round ends with the decode running.
+        asyncio.get_running_loop().call_later(timeout + 0.5, stalled.release.set)
+        results = await run_group(peers, group, inputs, [1.0, 1.0], channels, timeout=timeout)
+        outcome = results[0]
+        assert isinstance(outcome, AllReduceOutcome), outcome
+        assert outcome.partial
+        handed_out = outcome.tensors[0].copy()
+        assert await asyncio.to_thread(stalled.done.wait, 10)
+        # The late decode finished before the round returned, or never wrote: either way
+        # the tensors the caller holds do not change afterwards.
+        np.testing.assert_array_equal(outcome.tensors[0], handed_out)
+        # Part 1 (averaged by member 1) was never received by member 0: its local values.
+        lo, hi = _chunks(group.members).bounds[1]
+        np.testing.assert_array_equal(handed_out[lo:hi], inputs[0][0][lo:hi])
+    finally:
+        stalled.release.set()
+        await close_peers(peers)
