@@ -47,6 +47,7 @@ from swarmavg.compression.errors import CodecError
 from swarmavg.compression.halfconv import as_float32
 from swarmavg.compression.kernels import NearestLevel
 from swarmavg.compression.native import kernels as native
+from swarmavg.compression.native import takes
 
 __all__ = ["Blockwise4BitCodec", "Blockwise8BitCodec", "dynamic8_levels", "nf4_levels"]
 
@@ -163,11 +164,6 @@ def _scale_blocks(values: np.ndarray, scales: np.ndarray, first: int, block: int
         values[full * block :] *= scales[first + full]
 
 
-def _fits(a: np.ndarray) -> bool:
-    """Whether the compiled kernels take this (contiguous) array at its address."""
-    return native is not None and (a.flags.aligned or bool(native.any_alignment))
-
-
 def _quantize(
     x: np.ndarray,
     block: int,
@@ -191,7 +187,7 @@ def _quantize(
     Raises:
         CodecError: ``x`` holds NaN or Inf (or values beyond float32 range).
     """
-    compiled = native if code is _DYNAMIC8 and x.flags.c_contiguous and _fits(x) else None
+    compiled = native if code is _DYNAMIC8 and takes(x) else None
     if compiled is not None:
         scales = np.empty(-(-x.size // block), np.float32)
         finite = compiled.block_scales(x, block, scales)
@@ -256,7 +252,7 @@ def _decode_levels(
     float32 array of ``n`` elements that receives the values (8-bit codes only).
     """
     per_code = 1 if table.ndim == 1 else table.shape[1]
-    if table is _DYNAMIC8_TABLE and native is not None and (into is None or _fits(into)):
+    if table is _DYNAMIC8_TABLE and native is not None and (into is None or takes(into)):
         out = into if into is not None else np.empty(n, np.float32)
         native.dequantize8(codes, table, scales, block, out)
         return out

@@ -25,6 +25,7 @@ from swarmavg.compression.dtypes import BFLOAT16
 from swarmavg.compression.errors import CodecError
 from swarmavg.compression.kernels import all_finite, slabs
 from swarmavg.compression.native import kernels as native
+from swarmavg.compression.native import takes
 
 __all__ = [
     "HalfScratch",
@@ -231,15 +232,9 @@ def _narrow_slabs(flat: np.ndarray) -> Iterator[tuple[slice, np.ndarray]]:
 
 
 def _native_ok(*arrays: np.ndarray) -> bool:
-    """Whether the compiled kernels can take these arrays: built, and every array
-    contiguous and in native byte order (the kernels read raw buffers), and aligned
-    unless the build takes any address (a payload at an odd offset of a message)."""
-    return native is not None and all(
-        a.flags.c_contiguous
-        and a.dtype.isnative
-        and (a.flags.aligned or bool(native.any_alignment))
-        for a in arrays
-    )
+    """The compiled kernels are in use here (``native``: tests switch them off) and take
+    these arrays."""
+    return native is not None and takes(*arrays)
 
 
 def _native_encode(flat: np.ndarray, words: np.ndarray | None, values: np.ndarray | None) -> None:

@@ -14,7 +14,9 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-__all__ = ["kernels"]
+import numpy as np
+
+__all__ = ["kernels", "takes"]
 
 
 def _load() -> ModuleType | None:
@@ -29,3 +31,15 @@ def _load() -> ModuleType | None:
 
 kernels: ModuleType | None = _load()
 """The ``_native`` module, or None: then every codec runs its numpy kernels."""
+
+
+def takes(*arrays: np.ndarray) -> bool:
+    """Whether the kernels are built and can read these arrays' raw buffers: every array
+    contiguous, in native byte order, and aligned unless the build takes any address (a
+    payload at an odd offset of a message)."""
+    return kernels is not None and all(
+        a.flags.c_contiguous
+        and a.dtype.isnative
+        and (a.flags.aligned or bool(kernels.any_alignment))
+        for a in arrays
+    )
