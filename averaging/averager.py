@@ -27,24 +27,24 @@ from typing import Any, Protocol
 import grpc
 import numpy as np
 
-from swarmavg.averaging.allreduce import run_allreduce
-from swarmavg.averaging.allreduce_config import AllReduceConfig
-from swarmavg.averaging.data_plane import split_host
+from swarmavg.averaging.allreduce.config import AllReduceConfig
+from swarmavg.averaging.allreduce.data_plane import split_host
+from swarmavg.averaging.allreduce.faults import FaultPlan
+from swarmavg.averaging.allreduce.partition import SUPPORTED_DTYPES
+from swarmavg.averaging.allreduce.runner import run_allreduce
+from swarmavg.averaging.allreduce.service import AllReduceService
 from swarmavg.averaging.errors import AveragingError, InvalidTensorsError, NoGroupError
-from swarmavg.averaging.faults import FaultPlan
 from swarmavg.averaging.group import MAX_GROUP_SIZE, Mode, schema_hash
-from swarmavg.averaging.group_keys import GroupKeyManager, validate_bits
-from swarmavg.averaging.matchmaking import (
+from swarmavg.averaging.matchmaking.keys import GroupKeyManager, validate_bits
+from swarmavg.averaging.matchmaking.matchmaker import (
     DHTAccess,
     Matchmaker,
     MatchmakerConfig,
     MatchRequest,
     Observer,
 )
-from swarmavg.averaging.partition import SUPPORTED_DTYPES
-from swarmavg.averaging.reduce_service import AllReduceService
 from swarmavg.averaging.service import AveragingServicer, Components, add_to_server
-from swarmavg.averaging.state_sharing import DonorFaults, StateSharer, StateSharingConfig
+from swarmavg.averaging.state.sharer import DonorFaults, StateSharer, StateSharingConfig
 from swarmavg.compression import get_codec
 from swarmavg.compression.kernels import all_finite
 from swarmavg.dht.channels import ChannelPool
@@ -85,7 +85,7 @@ class AveragerConfig:
             the leader's wait is ``min(matchmaking_time, share * timeout)``, and a peer that
             found no group by ``share * timeout`` raises :class:`NoGroupError`.
         default_codec: codec of groups this peer leads when ``average`` names none.
-        group_bits: initial Moshpit group bits (see :mod:`swarmavg.averaging.group_keys`);
+        group_bits: initial Moshpit group bits (see :mod:`swarmavg.averaging.matchmaking.keys`);
             empty: every peer of the run meets under one key.
         user_data: opaque bytes given to every member of our groups.
         timeout_grace: extra seconds a round may take past its timeout to cancel its

@@ -1,7 +1,7 @@
 """A formed averaging group: who is in it, in which order, and what they agreed on.
 
-Matchmaking (``averaging/matchmaking.py``) produces a :class:`GroupInfo`; the butterfly
-all-reduce (``averaging/allreduce.py``) consumes it. Every member of a group must hold an
+Matchmaking (``averaging/matchmaking/matchmaker.py``) produces a :class:`GroupInfo`; the butterfly
+all-reduce (``averaging/allreduce/runner.py``) consumes it. Every member of a group must hold an
 identical ``GroupInfo`` (same member order, same codec, same schema hash): the partition
 of the flattened tensors into parts and chunks is computed from it deterministically on
 every member, so nothing about the layout travels on the wire during the all-reduce.
@@ -9,7 +9,7 @@ every member, so nothing about the layout travels on the wire during the all-red
 API used by the matchmaking side (engineer A2)::
 
     from swarmavg.averaging.group import GroupInfo, Member, Mode, schema_hash
-    from swarmavg.averaging.allreduce import AllReduceService, AllReduceOutcome, run_allreduce
+    from swarmavg.averaging.allreduce.runner import AllReduceOutcome, run_allreduce
 
     service = AllReduceService()            # one per daemon, created inside the loop
     # in the Averaging servicer (a coroutine handler, not an async generator):
@@ -75,7 +75,8 @@ class Member:
             sized in proportion to it. 0 means "reduces nothing".
         user_data: opaque bytes the member attached when joining (not used here).
         data_port: TCP port of its data plane on the host of ``address``
-            (:mod:`~swarmavg.averaging.data_plane`); 0 when it serves ``Reduce`` over gRPC only.
+            (:mod:`~swarmavg.averaging.allreduce.data_plane`); 0 when it serves ``Reduce``
+            over gRPC only.
     """
 
     peer_id: bytes

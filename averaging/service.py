@@ -9,39 +9,17 @@ refused with ``UNAVAILABLE``.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
-from swarmavg.averaging.reduce_wire import Request, deserialize_request, pass_bytes
+from swarmavg.averaging.allreduce.service import AllReduceService
+from swarmavg.averaging.allreduce.wire import Request, deserialize_request, pass_bytes
+from swarmavg.averaging.matchmaking.matchmaker import Matchmaker
+from swarmavg.averaging.state.sharer import StateSharer
 from swarmavg.proto import averaging_pb2, averaging_pb2_grpc
 
-if TYPE_CHECKING:  # the components import this module for the outbound call helpers
-    from swarmavg.averaging.matchmaking import Matchmaker
-    from swarmavg.averaging.reduce_service import AllReduceService
-    from swarmavg.averaging.state_sharing import StateSharer
-
-Components = tuple["Matchmaker", "AllReduceService", "StateSharer"]
-
-_SERVICE = "/swarmavg.v1.Averaging/"
-
-
-def join_group_method(channel: grpc.aio.Channel) -> grpc.aio.UnaryStreamMultiCallable:
-    """Outbound ``JoinGroup`` on ``channel`` (typed; the generated stub is not)."""
-    return channel.unary_stream(
-        _SERVICE + "JoinGroup",
-        request_serializer=averaging_pb2.JoinRequest.SerializeToString,
-        response_deserializer=averaging_pb2.JoinResponse.FromString,
-    )
-
-
-def download_state_method(channel: grpc.aio.Channel) -> grpc.aio.UnaryStreamMultiCallable:
-    """Outbound ``DownloadState`` on ``channel``."""
-    return channel.unary_stream(
-        _SERVICE + "DownloadState",
-        request_serializer=averaging_pb2.StateRequest.SerializeToString,
-        response_deserializer=averaging_pb2.StateResponse.FromString,
-    )
+Components = tuple[Matchmaker, AllReduceService, StateSharer]
 
 
 class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
@@ -103,7 +81,7 @@ def add_to_server(servicer: AveragingServicer, server: grpc.aio.Server) -> None:
 
     ``Reduce`` carries the bulk of a round's bytes, so its messages skip the generated
     classes: requests are scanned in place and replies are written as prebuilt wire
-    bytes (:mod:`~swarmavg.averaging.reduce_wire`). The wire format is unchanged.
+    bytes (:mod:`~swarmavg.averaging.allreduce.wire`). The wire format is unchanged.
     """
     handlers = {
         "JoinGroup": grpc.unary_stream_rpc_method_handler(

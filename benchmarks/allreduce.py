@@ -68,10 +68,10 @@ async def _worker(rank: int, n: int, elements: int, conn: mp.connection.Connecti
     logging.basicConfig(level=os.environ.get("BENCH_LOG", "WARNING"))
     import grpc
 
-    from swarmavg.averaging.allreduce import run_allreduce
-    from swarmavg.averaging.allreduce_config import AllReduceConfig
+    from swarmavg.averaging.allreduce.config import AllReduceConfig
+    from swarmavg.averaging.allreduce.runner import run_allreduce
+    from swarmavg.averaging.allreduce.service import AllReduceService
     from swarmavg.averaging.group import GroupInfo, Member, Mode, schema_hash
-    from swarmavg.averaging.reduce_service import AllReduceService
     from swarmavg.averaging.service import reduce_method_handler
     from swarmavg.dht import ChannelPool, Identity
 

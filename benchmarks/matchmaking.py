@@ -48,8 +48,8 @@ async def worker(join: list[str], fault: str | None) -> None:
     import grpc
 
     from swarmavg.averaging import Averager, AveragerConfig
-    from swarmavg.averaging.faults import Fault, FaultPlan
-    from swarmavg.averaging.matchmaking import MatchmakingEvent
+    from swarmavg.averaging.allreduce.faults import Fault, FaultPlan
+    from swarmavg.averaging.matchmaking.matchmaker import MatchmakingEvent
     from swarmavg.dht import ChannelPool, DHTConfig, DHTNode
 
     loop = asyncio.get_running_loop()

@@ -118,6 +118,16 @@ def named_owner(name: bytes | str | int) -> bytes | None:
     return bytes.fromhex(match.group(1).decode()) if match else None
 
 
+def subkey_owner(subkey: object) -> bytes | None:
+    """The peer id that a whole owned subkey (``[owner:<hex>]`` and nothing else) belongs to.
+
+    ``None`` for any other value, so it takes untrusted, undecoded-type input.
+    """
+    if not isinstance(subkey, str | bytes) or len(subkey) != len(owner_suffix(bytes(20))):
+        return None
+    return named_owner(subkey)
+
+
 def signing_payload(key: bytes, subkey: bytes, value: bytes, expiration: float) -> bytes:
     """The bytes an owner signs: every field, length-prefixed, with a domain tag."""
     if not math.isfinite(expiration):

@@ -15,8 +15,8 @@ from swarmavg.dht import BootstrapError, ChannelPool, DHTConfig, DHTNode, Identi
 from swarmavg.peer.config import PeerConfig
 from swarmavg.peer.daemon import (
     StartupError,
-    _bounded,
     bootstrap_message,
+    bounded_step,
     start_public_server,
 )
 from swarmavg.peer.netutil import announce_address
@@ -89,8 +89,8 @@ class BareDHT:
             return
         self._stopped = True
         if self.node is not None:
-            await _bounded(self.node.shutdown(), 1.0, "DHT shutdown")
+            await bounded_step(self.node.shutdown(), 1.0, "DHT shutdown")
         if self._server is not None:
-            await _bounded(self._server.stop(0.2), 1.0, "server")
+            await bounded_step(self._server.stop(0.2), 1.0, "server")
         if self._channels is not None:
-            await _bounded(self._channels.close(), 2.0, "channels")
+            await bounded_step(self._channels.close(), 2.0, "channels")

@@ -25,10 +25,10 @@ from typing import Any
 import grpc
 import numpy as np
 
-from swarmavg.averaging.allreduce_config import AllReduceConfig
+from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.averager import Averager, AveragerConfig
 from swarmavg.averaging.group import Mode
-from swarmavg.averaging.matchmaking import MatchmakingEvent
+from swarmavg.averaging.matchmaking.matchmaker import MatchmakingEvent
 from swarmavg.dht import (
     BootstrapError,
     ChannelPool,
@@ -431,10 +431,12 @@ class Peer:
         if self._control_service is not None:
             self._control_service.stop_accepting()
         if self.averager is not None:
-            await _bounded(self.averager.shutdown(grace), left(grace + 0.5), "averager shutdown")
-        await _bounded(self.combiner.close(), left(1.0), "local rounds")
+            await bounded_step(
+                self.averager.shutdown(grace), left(grace + 0.5), "averager shutdown"
+            )
+        await bounded_step(self.combiner.close(), left(1.0), "local rounds")
         if self._control_server is not None:
-            await _bounded(self._control_server.stop(0.2), left(1.0), "control server")
+            await bounded_step(self._control_server.stop(0.2), left(1.0), "control server")
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):
@@ -442,12 +444,12 @@ class Peer:
                 await task
         self.segments.close()
         if self.dht is not None:
-            await _bounded(self.dht.shutdown(), left(1.0), "DHT shutdown")
+            await bounded_step(self.dht.shutdown(), left(1.0), "DHT shutdown")
         if self._public_server is not None:
-            await _bounded(self._public_server.stop(0.2), left(1.0), "public server")
+            await bounded_step(self._public_server.stop(0.2), left(1.0), "public server")
         if self._channels is not None:
             # Closing the pool also cancels its sweeper task: give it a real chance.
-            await _bounded(self._channels.close(), max(left(2.0), 0.5), "channels")
+            await bounded_step(self._channels.close(), max(left(2.0), 0.5), "channels")
         if self._metrics is not None:
             await asyncio.to_thread(self._metrics.stop)
         if self.control is not None and self.control.path is not None and self._control_server:
@@ -468,7 +470,7 @@ class Peer:
         await self.shutdown()
 
 
-async def _bounded(awaitable: Any, seconds: float, what: str) -> None:
+async def bounded_step(awaitable: Any, seconds: float, what: str) -> None:
     """Await one shutdown step for at most ``seconds``; log and move on if it fails."""
     try:
         await asyncio.wait_for(awaitable, timeout=max(seconds, 0.1))

@@ -9,16 +9,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from swarmavg.averaging import errors as layer
 
-class SwarmError(Exception):
+# Each client error is also the averaging layer's error of the same meaning, so code inside
+# ``swarmavg.averaging`` that sees both (the training wrappers call the client) catches one
+# hierarchy without importing ``swarmavg.peer`` (DESIGN section 2, dependency direction).
+
+
+class SwarmError(layer.AveragingError):
     """Base of every error raised by the swarmavg client."""
 
 
-class ValidationError(SwarmError, ValueError):
+class ValidationError(SwarmError, layer.InvalidTensorsError):
     """Bad input: unsupported dtype, NaN/Inf, empty list, key too long, layout mismatch."""
 
 
-class NoGroupError(SwarmError):
+class NoGroupError(SwarmError, layer.NoGroupError):
     """Fewer than ``min_group_size`` peers were found before the call's timeout."""
 
 
@@ -30,7 +36,7 @@ class SwarmTimeoutError(SwarmError, TimeoutError):
     """The call did not finish within its timeout."""
 
 
-class NoStateError(SwarmError):
+class NoStateError(SwarmError, layer.StateNotFoundError):
     """No peer in the run has published state (``load_state``)."""
 
 

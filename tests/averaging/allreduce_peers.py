@@ -11,11 +11,11 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from swarmavg.averaging.allreduce import AllReduceOutcome, run_allreduce
-from swarmavg.averaging.allreduce_config import AllReduceConfig
-from swarmavg.averaging.faults import FaultPlan
+from swarmavg.averaging.allreduce.config import AllReduceConfig
+from swarmavg.averaging.allreduce.faults import FaultPlan
+from swarmavg.averaging.allreduce.runner import AllReduceOutcome, run_allreduce
+from swarmavg.averaging.allreduce.service import AllReduceService
 from swarmavg.averaging.group import GroupInfo, Member, Mode, schema_hash
-from swarmavg.averaging.reduce_service import AllReduceService
 from swarmavg.averaging.service import add_reduce_to_server
 from swarmavg.dht import ChannelPool, Identity
 from swarmavg.proto import common_pb2

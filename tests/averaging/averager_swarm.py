@@ -14,9 +14,9 @@ from typing import Any
 
 import grpc
 
-from swarmavg.averaging.allreduce_config import AllReduceConfig
+from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.averager import Averager, AveragerConfig
-from swarmavg.averaging.matchmaking import MatchmakerConfig, MatchmakingEvent
+from swarmavg.averaging.matchmaking.matchmaker import MatchmakerConfig, MatchmakingEvent
 from swarmavg.dht import ChannelPool, DHTConfig, DHTNode
 
 RUN_ID = "test"

@@ -10,10 +10,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from swarmavg.averaging.allreduce import AllReduceError, AllReduceOutcome, run_allreduce
+from swarmavg.averaging.allreduce.partition import TensorLayout, flatten
+from swarmavg.averaging.allreduce.reducer import weighted_mean
+from swarmavg.averaging.allreduce.runner import AllReduceError, AllReduceOutcome, run_allreduce
 from swarmavg.averaging.group import Mode
-from swarmavg.averaging.partition import TensorLayout, flatten
-from swarmavg.averaging.reducer import weighted_mean
 from swarmavg.compression import known_codecs
 from swarmavg.dht import ChannelPool
 from tests.averaging.allreduce_peers import (

@@ -15,12 +15,12 @@ import time
 import numpy as np
 import pytest
 
-from swarmavg.averaging.allreduce import AllReduceOutcome
-from swarmavg.averaging.allreduce_config import AllReduceConfig
-from swarmavg.averaging.faults import Fault, FaultPlan, InjectedCrash
-from swarmavg.averaging.load_balancing import part_sizes
-from swarmavg.averaging.partition import PartPlan
-from swarmavg.averaging.reducer import weighted_mean
+from swarmavg.averaging.allreduce.config import AllReduceConfig
+from swarmavg.averaging.allreduce.faults import Fault, FaultPlan, InjectedCrash
+from swarmavg.averaging.allreduce.load_balancing import part_sizes
+from swarmavg.averaging.allreduce.partition import PartPlan
+from swarmavg.averaging.allreduce.reducer import weighted_mean
+from swarmavg.averaging.allreduce.runner import AllReduceOutcome
 from swarmavg.compression.base import Buffer, Header
 from swarmavg.compression.floating import Float16Codec
 from swarmavg.dht import ChannelPool

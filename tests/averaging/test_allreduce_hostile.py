@@ -17,12 +17,12 @@ import grpc
 import numpy as np
 import pytest
 
-from swarmavg.averaging.allreduce import AllReduceOutcome, _bytes_per_element
-from swarmavg.averaging.data_plane import DataConnector, DataStreamError
+from swarmavg.averaging.allreduce.data_plane import DataConnector, DataStreamError
+from swarmavg.averaging.allreduce.load_balancing import part_sizes
+from swarmavg.averaging.allreduce.partition import PartPlan, chunk_elements_for
+from swarmavg.averaging.allreduce.reducer import weighted_mean
+from swarmavg.averaging.allreduce.runner import AllReduceOutcome, _bytes_per_element
 from swarmavg.averaging.group import GroupInfo, Mode
-from swarmavg.averaging.load_balancing import part_sizes
-from swarmavg.averaging.partition import PartPlan, chunk_elements_for
-from swarmavg.averaging.reducer import weighted_mean
 from swarmavg.compression import CodecInfo, get_codec
 from swarmavg.dht import ChannelPool, Identity
 from swarmavg.proto import averaging_pb2

@@ -15,10 +15,10 @@ import grpc
 import numpy as np
 import pytest
 
-from swarmavg.averaging.allreduce import AllReduceOutcome
+from swarmavg.averaging.allreduce.reducer import weighted_mean
+from swarmavg.averaging.allreduce.runner import AllReduceOutcome
+from swarmavg.averaging.allreduce.wire import Request, encode_response
 from swarmavg.averaging.group import GroupInfo, Member, Mode
-from swarmavg.averaging.reduce_wire import Request, encode_response
-from swarmavg.averaging.reducer import weighted_mean
 from swarmavg.averaging.service import reduce_method_handler
 from swarmavg.compression import CodecInfo, get_codec
 from swarmavg.dht import ChannelPool, Identity

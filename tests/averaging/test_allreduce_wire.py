@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmavg.averaging.reduce_wire import (
+from swarmavg.averaging.allreduce.wire import (
     deserialize_reply,
     deserialize_request,
     encode_request,

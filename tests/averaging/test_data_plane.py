@@ -16,9 +16,8 @@ import grpc
 import numpy as np
 import pytest
 
-from swarmavg.averaging.allreduce import AllReduceOutcome
-from swarmavg.averaging.allreduce_config import AllReduceConfig
-from swarmavg.averaging.data_plane import (
+from swarmavg.averaging.allreduce.config import AllReduceConfig
+from swarmavg.averaging.allreduce.data_plane import (
     MAGIC,
     MAX_BODY,
     DataConnector,
@@ -28,8 +27,9 @@ from swarmavg.averaging.data_plane import (
     _status_body,
     split_host,
 )
+from swarmavg.averaging.allreduce.reducer import weighted_mean
+from swarmavg.averaging.allreduce.runner import AllReduceOutcome
 from swarmavg.averaging.group import GroupInfo, Member
-from swarmavg.averaging.reducer import weighted_mean
 from swarmavg.dht import ChannelPool
 from tests.averaging.allreduce_peers import (
     FAST,

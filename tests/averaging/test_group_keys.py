@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-from swarmavg.averaging.group_keys import (
+from swarmavg.averaging.matchmaking.keys import (
     GroupKeyManager,
     bits_for_group_size,
     bucket_for_member,

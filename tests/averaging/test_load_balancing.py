@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from swarmavg.averaging.allreduce.load_balancing import _load_coefficients, part_sizes
 from swarmavg.averaging.group import Member, Mode
-from swarmavg.averaging.load_balancing import _load_coefficients, part_sizes
 
 
 def _members(spec: list[tuple[Mode, float]]) -> list[Member]:

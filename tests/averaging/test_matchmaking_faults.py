@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from swarmavg.averaging.averager import AveragingResult
-from swarmavg.averaging.matchmaking import MatchmakingEvent
+from swarmavg.averaging.matchmaking.matchmaker import MatchmakingEvent
 from tests.averaging.averager_swarm import Peer, averager_swarm
 
 

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from swarmavg.averaging.declarations import (
+from swarmavg.averaging.group import GroupInfo, Member, Mode
+from swarmavg.averaging.matchmaking.declarations import (
     Declaration,
     JoinState,
     check_formed_group,
@@ -18,7 +19,6 @@ from swarmavg.averaging.declarations import (
     leader_candidates,
     mismatched_schemas,
 )
-from swarmavg.averaging.group import GroupInfo, Member, Mode
 from swarmavg.proto import averaging_pb2
 
 SCHEMA = b"s" * 32

@@ -8,8 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmavg.averaging.group import Member, Mode, schema_hash
-from swarmavg.averaging.partition import (
+from swarmavg.averaging.allreduce.partition import (
     MIN_CHUNK_ELEMENTS,
     PartPlan,
     TensorLayout,
@@ -17,6 +16,7 @@ from swarmavg.averaging.partition import (
     flatten,
     unflatten,
 )
+from swarmavg.averaging.group import Member, Mode, schema_hash
 
 FLOATS = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
 INTS = [np.int8, np.uint8, np.int32, np.int64]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from swarmavg.averaging.partition import PartPlan
-from swarmavg.averaging.reducer import ContributionError, PartReducer, weighted_mean
+from swarmavg.averaging.allreduce.partition import PartPlan
+from swarmavg.averaging.allreduce.reducer import ContributionError, PartReducer, weighted_mean
 
 
 def _setup(

@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from swarmavg.averaging.state_format import (
+from swarmavg.averaging.state.format import (
     Manifest,
     StateFormatError,
     pack_state,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from swarmavg.averaging.state_format import PackedState, pack_state
-from swarmavg.averaging.state_store import StateStore
+from swarmavg.averaging.state.format import PackedState, pack_state
+from swarmavg.averaging.state.store import StateStore
 
 CHUNK = 1024
 

@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from swarmavg.averaging.optim_diloco import (  # noqa: E402
+from swarmavg.averaging.training.diloco import (  # noqa: E402
     OUTER_LR,
     OUTER_MOMENTUM,
     default_outer_optimizer,

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from swarmavg.averaging.progress import (
+from swarmavg.averaging.training.progress import (
     PeerProgress,
     ProgressTracker,
     RateMeter,

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from swarmavg.averaging.optim_state import (  # noqa: E402
+from swarmavg.averaging.training.state import (  # noqa: E402
     StateFormatError,
     TrainingState,
     pack_state,

@@ -7,8 +7,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from swarmavg.averaging.declarations import MAX_USER_DATA_BYTES, SCHEMA_HASH_BYTES
 from swarmavg.averaging.group import MAX_GROUP_SIZE, Mode
+from swarmavg.averaging.matchmaking.declarations import MAX_USER_DATA_BYTES, SCHEMA_HASH_BYTES
 
 
 class MatchmakingEvent(enum.Enum):
@@ -55,7 +55,7 @@ class MatchRequest:
     """One peer's wish to average under one key.
 
     Attributes:
-        key: full matchmaking key (see :func:`swarmavg.averaging.group_keys.matchmaking_key`).
+        key: full matchmaking key (see :func:`swarmavg.averaging.matchmaking.keys.matchmaking_key`).
         schema_hash: :func:`swarmavg.averaging.group.schema_hash` of the tensors.
         group_size: the most members a group led by this peer takes (itself included).
         min_group_size: the fewest members with which it closes a group at its deadline.

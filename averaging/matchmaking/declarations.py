@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmavg.averaging.group import GroupInfo, Member, Mode
-from swarmavg.dht.records import named_owner, owner_suffix
+from swarmavg.dht.records import owner_suffix, subkey_owner
 from swarmavg.proto import averaging_pb2
 
 DECLARATION_VERSION = 1
@@ -94,13 +94,6 @@ def declaration_subkey(peer_id: bytes) -> str:
     """The subkey a peer declares under: owned (signed) by it, so no one else can forge or
     overwrite its declaration (the DHT checks owner signatures, see dht/validation.py)."""
     return owner_suffix(peer_id)
-
-
-def subkey_owner(subkey: object) -> bytes | None:
-    """The peer id that an owned subkey belongs to; ``None`` for any other subkey."""
-    if not isinstance(subkey, str | bytes) or len(subkey) != len(owner_suffix(bytes(20))):
-        return None
-    return named_owner(subkey)
 
 
 def decode_declaration(subkey: object, value: object) -> Declaration | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from swarmavg.averaging.partition import DEFAULT_CHUNK_BYTES
+from swarmavg.averaging.allreduce.partition import DEFAULT_CHUNK_BYTES
 
 
 def _default_executor_threads() -> int:
@@ -37,7 +37,7 @@ class AllReduceConfig:
             thread pool cost 10-30% more CPU per round than inline work
             (docs/benchmarks-allreduce.md), else 2.
         data_plane: also serve and use ``Reduce`` over framed TCP
-            (:mod:`~swarmavg.averaging.data_plane`), which costs less than half the CPU
+            (:mod:`~swarmavg.averaging.allreduce.data_plane`), which costs less than half the CPU
             per byte of gRPC; members that cannot reach it fall back to gRPC.
         data_host: host the data plane listens on; ``None``: the host of the peer's
             announced address.

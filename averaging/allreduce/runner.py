@@ -1,11 +1,11 @@
 """The butterfly all-reduce runner: one member's side of one round (DESIGN 5.2).
 
 Given a formed :class:`~swarmavg.averaging.group.GroupInfo`, every member flattens its
-tensors (:mod:`~swarmavg.averaging.partition`), cuts the vector into one part per
-reducing member sized by bandwidth (:mod:`~swarmavg.averaging.load_balancing`), streams
+tensors (:mod:`~swarmavg.averaging.allreduce.partition`), cuts the vector into one part per
+reducing member sized by bandwidth (:mod:`~swarmavg.averaging.allreduce.load_balancing`), streams
 its chunks of part ``j`` to member ``j`` over one ``Reduce`` stream, and writes the
 averaged chunks that come back into its result. Its own part is reduced locally by a
-:class:`~swarmavg.averaging.reduce_service.ReducerRound` that the inbound streams of the
+:class:`~swarmavg.averaging.allreduce.service.ReducerRound` that the inbound streams of the
 other members feed.
 
 Pipelining: the sender encodes chunk ``c + 1`` while chunk ``c`` is on the wire, reads
@@ -41,11 +41,10 @@ from typing import Protocol
 import grpc
 import numpy as np
 
-from swarmavg.averaging.data_plane import DataCall, DataStreamError, split_host
-from swarmavg.averaging.faults import FaultPlan, InjectedCrash
-from swarmavg.averaging.group import GroupInfo, schema_hash
-from swarmavg.averaging.load_balancing import part_sizes
-from swarmavg.averaging.partition import (
+from swarmavg.averaging.allreduce.data_plane import DataCall, DataStreamError, split_host
+from swarmavg.averaging.allreduce.faults import FaultPlan, InjectedCrash
+from swarmavg.averaging.allreduce.load_balancing import part_sizes
+from swarmavg.averaging.allreduce.partition import (
     PartPlan,
     TensorLayout,
     chunk_elements_for,
@@ -53,15 +52,16 @@ from swarmavg.averaging.partition import (
     flatten,
     unflatten,
 )
-from swarmavg.averaging.reduce_service import AllReduceService, ReducerRound, _Abort, offload
-from swarmavg.averaging.reduce_wire import (
+from swarmavg.averaging.allreduce.round import Abort, ReducerRound, offload
+from swarmavg.averaging.allreduce.service import AllReduceService
+from swarmavg.averaging.allreduce.wire import (
     OutgoingChunk,
     Reply,
-    deserialize_reply,
     encode_request,
-    pass_bytes,
     serialize_request,
 )
+from swarmavg.averaging.group import GroupInfo, schema_hash
+from swarmavg.averaging.stubs import reduce_method
 from swarmavg.compression import Codec, CodecInfo
 from swarmavg.compression.base import Encoded
 from swarmavg.compression.kernels import all_finite
@@ -78,7 +78,6 @@ __all__ = [
 ]
 
 _PROBE_ELEMENTS = 65536
-_REDUCE_METHOD = "/swarmavg.v1.Averaging/Reduce"
 
 
 class ChannelSource(Protocol):
@@ -293,11 +292,7 @@ class _Exchange:
         return self._grpc_call(address)
 
     def _grpc_call(self, address: str) -> grpc.aio.StreamStreamCall:
-        method = self.channels.channel(address).stream_stream(
-            _REDUCE_METHOD,
-            request_serializer=pass_bytes,
-            response_deserializer=deserialize_reply,
-        )
+        method = reduce_method(self.channels.channel(address))
         return method(timeout=max(self.deadline - time.monotonic(), 0.001))
 
     def _reply_patience(self, started: float, replies: int) -> float:
@@ -540,9 +535,9 @@ async def run_allreduce(
         if round_ is not None:
             abort = None
             if ex.crashed.is_set():
-                abort = _Abort(grpc.StatusCode.UNAVAILABLE, "peer crashed (injected)")
+                abort = Abort(grpc.StatusCode.UNAVAILABLE, "peer crashed (injected)")
             elif not round_.finished.is_set():
-                abort = _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "round deadline passed")
+                abort = Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "round deadline passed")
             await round_.close(abort)
             service.unregister(round_)
     if ex.crashed.is_set():

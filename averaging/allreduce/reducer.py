@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from swarmavg.averaging.partition import PartPlan
+from swarmavg.averaging.allreduce.partition import PartPlan
 from swarmavg.compression.kernels import all_finite
 
 

@@ -7,13 +7,13 @@ holding it and checks it against the advertised root, then downloads the chunks 
 from every donor holding that root at once: each donor serves small batches pulled from a
 shared queue, so fast donors serve more, and a donor that fails (error, timeout, a chunk
 whose sha256 is wrong) hands its unfinished batch back to the others. Chunks are
-content-addressed (:mod:`swarmavg.averaging.state_format`), so a peer that holds an older
+content-addressed (:mod:`swarmavg.averaging.state.format`), so a peer that holds an older
 version fetches only the chunks that changed. hivemind sends every newcomer to one donor
 (its issue 169); here the load spreads over all donors of the freshest version.
 
 Peers republish every few steps, so a download must survive donors that move on while it
 runs. A donor keeps serving its superseded versions for a bounded grace
-(:mod:`swarmavg.averaging.state_store`: the last ``retain_versions``, each for
+(:mod:`swarmavg.averaging.state.store`: the last ``retain_versions``, each for
 ``retain_seconds`` after its last use). When every donor of the version being downloaded
 has dropped it anyway, the joiner reads the DHT again and moves on to the freshest version
 advertised, keeping every chunk it already verified (content addressing makes them valid
@@ -36,11 +36,9 @@ from typing import Any
 import grpc
 import numpy as np
 
-from swarmavg.averaging.declarations import declaration_subkey, subkey_owner
 from swarmavg.averaging.dht_access import DHTAccess, dictionary_entries
 from swarmavg.averaging.errors import StateDownloadError, StateNotFoundError
-from swarmavg.averaging.service import download_state_method
-from swarmavg.averaging.state_format import (
+from swarmavg.averaging.state.format import (
     DEFAULT_CHUNK_SIZE,
     HASH_BYTES,
     Manifest,
@@ -49,9 +47,11 @@ from swarmavg.averaging.state_format import (
     pack_state,
     unpack_state,
 )
-from swarmavg.averaging.state_store import StateStore
+from swarmavg.averaging.state.store import StateStore
+from swarmavg.averaging.stubs import download_state_method
 from swarmavg.dht.channels import ChannelPool
 from swarmavg.dht.identity import HeaderError, verify_header
+from swarmavg.dht.records import owner_suffix, subkey_owner
 from swarmavg.proto import averaging_pb2
 
 log = logging.getLogger(__name__)
@@ -264,7 +264,7 @@ class StateSharer:
                     self.key,
                     value,
                     time.time() + self.config.ttl,
-                    subkey=declaration_subkey(self.dht.peer_id),
+                    subkey=owner_suffix(self.dht.peer_id),
                 )
         except (TimeoutError, grpc.aio.AioRpcError) as error:
             log.warning("advertising published state failed: %r", error)

@@ -3,7 +3,7 @@
 :class:`SwarmLink` turns the client's calls (DESIGN 3.2) into what a training loop wants:
 a round that either returns averaged arrays or reports why it failed (never raises a
 swarm failure into the training loop), state published and loaded in the format of
-:mod:`swarmavg.averaging.optim_state`, and counters of what happened. It works on numpy
+:mod:`swarmavg.averaging.training.state`, and counters of what happened. It works on numpy
 arrays only; the wrappers convert torch tensors.
 """
 
@@ -18,8 +18,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from swarmavg.averaging.optim_state import StateFormatError, TrainingState, pack_state, unpack_state
-from swarmavg.averaging.progress import DHTLike
+from swarmavg.averaging.errors import AveragingError, InvalidTensorsError, StateNotFoundError
+from swarmavg.averaging.training.progress import DHTLike
+from swarmavg.averaging.training.state import (
+    StateFormatError,
+    TrainingState,
+    pack_state,
+    unpack_state,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -64,11 +70,8 @@ LOAD_ATTEMPTS = 3
 
 
 def _is_no_state(exc: Exception) -> bool:
-    """Nobody has published state: retrying cannot help."""
-    from swarmavg.averaging.errors import StateNotFoundError
-    from swarmavg.peer.errors import NoStateError
-
-    return isinstance(exc, NoStateError | StateNotFoundError)
+    """Nobody has published state: retrying cannot help (the client's ``NoStateError`` is one)."""
+    return isinstance(exc, StateNotFoundError)
 
 
 class SwarmRoundWarning(UserWarning):
@@ -102,20 +105,14 @@ class RoundStats:
 def swarm_errors() -> tuple[type[Exception], ...]:
     """Errors that mean "this round failed", not "the caller has a bug".
 
-    Imported here, not at module level: ``swarmavg.peer`` sits above ``swarmavg.averaging``
-    in the dependency order (DESIGN section 2), and only the training process needs it.
+    The client's ``SwarmError`` derives from the layer's ``AveragingError``, so one class
+    covers errors raised in this process and those reported by the daemon.
     """
-    from swarmavg.averaging.errors import AveragingError as LayerError
-    from swarmavg.peer.errors import SwarmError
-
-    return (SwarmError, LayerError)
+    return (AveragingError,)
 
 
 def _validation_errors() -> tuple[type[Exception], ...]:
-    from swarmavg.averaging.errors import InvalidTensorsError
-    from swarmavg.peer.errors import ValidationError
-
-    return (ValidationError, InvalidTensorsError)
+    return (InvalidTensorsError,)
 
 
 class SwarmLink:

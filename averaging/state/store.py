@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from swarmavg.averaging.state_format import Manifest, PackedState
+from swarmavg.averaging.state.format import Manifest, PackedState
 
 
 @dataclass

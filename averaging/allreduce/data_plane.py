@@ -38,15 +38,14 @@ import logging
 import struct
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from typing import Any, NoReturn, Protocol, cast
 
 import grpc
 import numpy as np
 
-from swarmavg.averaging.reduce_wire import Request, deserialize_reply, deserialize_request
-
-if TYPE_CHECKING:
-    from swarmavg.averaging.reduce_service import AllReduceService
+from swarmavg.averaging.allreduce.config import AllReduceConfig
+from swarmavg.averaging.allreduce.round import ReduceContext
+from swarmavg.averaging.allreduce.wire import Request, deserialize_reply, deserialize_request
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +55,7 @@ __all__ = [
     "DataConnector",
     "DataPlaneServer",
     "DataStreamError",
+    "ReduceHandler",
     "split_host",
 ]
 
@@ -290,7 +290,7 @@ def _connection_error(error: BaseException) -> DataStreamError:
 class DataCall:
     """One ``Reduce`` stream on a data connection; quacks like the gRPC call for the sender.
 
-    ``read`` returns :class:`~swarmavg.averaging.reduce_wire.Reply` objects and then
+    ``read`` returns :class:`~swarmavg.averaging.allreduce.wire.Reply` objects and then
     ``grpc.aio.EOF``; an error status raises :class:`DataStreamError`. Always
     :meth:`cancel` it at the end: a cleanly finished stream gives its connection back for
     reuse, anything else closes the connection.
@@ -470,12 +470,24 @@ class _ServerStream:
                 self._protocol.send(STATUS, (_status_body(code, details),))
 
 
+class ReduceHandler(Protocol):
+    """What the data plane needs of the reducer side: its timings and its stream handler
+    (:class:`~swarmavg.averaging.allreduce.service.AllReduceService` is one)."""
+
+    @property
+    def config(self) -> AllReduceConfig: ...
+
+    async def rpc_reduce(
+        self, request_iterator: AsyncIterator[Request], context: ReduceContext
+    ) -> None: ...
+
+
 class DataPlaneServer:
-    """Accepts data-plane connections and hands their streams to the all-reduce service."""
+    """Accepts data-plane connections and hands their streams to the reduce handler."""
 
     def __init__(
         self,
-        service: AllReduceService,
+        service: ReduceHandler,
         max_connections: int = 256,
         max_connections_per_host: int = 64,
     ) -> None:

@@ -1,6 +1,6 @@
 """Fault injection seam for the butterfly all-reduce (DESIGN 8: faults are a fixture).
 
-A :class:`FaultPlan` is passed to :func:`swarmavg.averaging.allreduce.run_allreduce`;
+A :class:`FaultPlan` is passed to :func:`swarmavg.averaging.allreduce.runner.run_allreduce`;
 the runner consults it at two points (before it sends a chunk of its tensors, before it
 returns an averaged chunk of its own part). Production code passes ``None`` and never
 pays for it. Tests and benchmarks use it to make one member misbehave the way a dying

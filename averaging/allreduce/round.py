@@ -1,30 +1,18 @@
-"""The reducer side of the butterfly all-reduce: inbound ``Reduce`` streams (DESIGN 5.2).
+"""One member's reducing side of one round: accumulate its part, return the average.
 
-One :class:`AllReduceService` per daemon receives every inbound ``Reduce`` stream and
-hands it to the :class:`ReducerRound` of its group, which the local runner registered
-when its round started. A round accumulates the senders' chunks of this member's part
-(:class:`~swarmavg.averaging.reducer.PartReducer`), and as soon as a chunk is final it
-encodes the average once and streams the same bytes back to every sender (and decodes
-them for itself), so all members end bit-identical.
-
-Hostile input never reaches the accumulator: the header, the group id, the sender's
-membership, the part index, the weight, the codec, each chunk's index and size, its
-dtype and its values (NaN/Inf) are checked first, and a sender that breaks a rule is cut
-off with an error status. Only that sender's stream ends; the round goes on without it.
-
-A2's Averaging servicer delegates with a coroutine handler::
-
-    async def Reduce(self, request_iterator, context):
-        await all_reduce_service.rpc_reduce(request_iterator, context)
+A :class:`ReducerRound` accumulates the senders' chunks of this member's part
+(:class:`~swarmavg.averaging.allreduce.reducer.PartReducer`), and as soon as a chunk is final
+it encodes the average once and streams the same bytes back to every sender (and decodes
+them for itself), so all members end bit-identical. Senders reach it through
+:class:`~swarmavg.averaging.allreduce.service.AllReduceService`, which checks who they are
+first.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -34,27 +22,25 @@ from typing import Any, NoReturn, Protocol, TypeVar
 import grpc
 import numpy as np
 
-from swarmavg.averaging.allreduce_config import AllReduceConfig
-from swarmavg.averaging.data_plane import DataConnector, DataPlaneServer
-from swarmavg.averaging.faults import FaultPlan
+from swarmavg.averaging.allreduce.config import AllReduceConfig
+from swarmavg.averaging.allreduce.faults import FaultPlan
+from swarmavg.averaging.allreduce.partition import PartPlan
+from swarmavg.averaging.allreduce.reducer import ContributionError, PartReducer
+from swarmavg.averaging.allreduce.wire import Request, encode_response
 from swarmavg.averaging.group import GroupInfo
-from swarmavg.averaging.partition import PartPlan
-from swarmavg.averaging.reduce_wire import Request, encode_response
-from swarmavg.averaging.reducer import ContributionError, PartReducer
-from swarmavg.compression import Codec, CodecInfo, get_codec
-from swarmavg.dht.identity import HeaderError, verify_header
-from swarmavg.proto import common_pb2
+from swarmavg.compression import Codec, CodecInfo
 
 log = logging.getLogger(__name__)
 
-_RECENT_ROUNDS = 256
 _T = TypeVar("_T")
 ResultCallback = Callable[[int, np.ndarray, int], None]
 """Called with (chunk index, decoded averaged values, number of senders) on the loop."""
 
 
 @dataclass
-class _Abort:
+class Abort:
+    """How the round ends a sender's stream when it cannot finish it (an error status)."""
+
     code: grpc.StatusCode
     details: str
 
@@ -64,20 +50,20 @@ class _Stream:
     """One attached sender's outbound queue (reply wire bytes, then ``None`` or an abort)."""
 
     sender: int
-    queue: asyncio.Queue[bytes | _Abort | None] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[bytes | Abort | None] = field(default_factory=asyncio.Queue)
     done: bool = False
 
 
 class ReduceContext(Protocol):
     """What a ``Reduce`` handler needs of its stream: gRPC's servicer context, or the
-    data plane's stream (:mod:`~swarmavg.averaging.data_plane`)."""
+    data plane's stream (:mod:`~swarmavg.averaging.allreduce.data_plane`)."""
 
     async def write(self, message: bytes) -> None: ...
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn: ...
 
 
-async def _abort(context: ReduceContext, code: grpc.StatusCode, details: str) -> NoReturn:
+async def abort_stream(context: ReduceContext, code: grpc.StatusCode, details: str) -> NoReturn:
     """End the stream with ``code``; ``context.abort`` raises, this says so to the checker."""
     await context.abort(code, details)
     raise RuntimeError("context.abort returned")
@@ -129,7 +115,7 @@ async def offload(executor: ThreadPoolExecutor | None, fn: Callable[..., _T], *a
 class ReducerRound:
     """This member's part of one round: accumulate, finalise, return (one per round).
 
-    Owned by :func:`~swarmavg.averaging.allreduce.run_allreduce`, which creates it,
+    Owned by :func:`~swarmavg.averaging.allreduce.runner.run_allreduce`, which creates it,
     :meth:`start`\\ s it, waits for :attr:`finished` and always :meth:`close`\\ s it.
     """
 
@@ -181,7 +167,7 @@ class ReducerRound:
             task = loop.create_task(coro)
             self._tasks.add(task)
 
-    async def close(self, abort: _Abort | None = None) -> None:
+    async def close(self, abort: Abort | None = None) -> None:
         """Stop the round: end every stream (with ``abort``, or OK) and stop its tasks.
 
         Idempotent. Streams that already received every chunk end with OK whatever
@@ -226,11 +212,13 @@ class ReducerRound:
     ) -> None:
         """Run one attached sender's stream until the round returned every chunk to it."""
         if self.closed:
-            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, "round is over")
+            await abort_stream(context, grpc.StatusCode.FAILED_PRECONDITION, "round is over")
         if sender in self.streams:
-            await _abort(context, grpc.StatusCode.ALREADY_EXISTS, "sender is already attached")
+            await abort_stream(
+                context, grpc.StatusCode.ALREADY_EXISTS, "sender is already attached"
+            )
         if sender in self.dropped or sender not in self.reducer.live_senders:
-            await _abort(
+            await abort_stream(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"sender was dropped from this part: {self.dropped.get(sender, 'not a sender')}",
@@ -239,7 +227,7 @@ class ReducerRound:
             self.reducer.set_weight(sender, first.weight)
         except ContributionError as e:
             self.drop(sender, str(e))
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await abort_stream(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         stream = _Stream(sender)
         self.streams[sender] = stream
         # Chunks finalised without this sender (it was too late) cannot happen: a live
@@ -250,8 +238,8 @@ class ReducerRound:
                 item = await stream.queue.get()
                 if item is None:
                     return
-                if isinstance(item, _Abort):
-                    await _abort(context, item.code, item.details)
+                if isinstance(item, Abort):
+                    await abort_stream(context, item.code, item.details)
                 await context.write(item)
         finally:
             reader.cancel()
@@ -280,7 +268,7 @@ class ReducerRound:
                 await self._accept(sender, request)
         except ContributionError as e:
             self.drop(sender, str(e))
-            stream.queue.put_nowait(_Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+            stream.queue.put_nowait(Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
             return
         except Exception as e:  # a broken stream or a stopped executor: lose this sender only
             self.drop(sender, f"stream failed: {e!r}")
@@ -376,179 +364,3 @@ class ReducerRound:
                 if now - last > patience:
                     self.drop(sender, f"no chunk for {now - last:.1f}s")
             await asyncio.sleep(min(tick, max(self.reduce_deadline - now, 0.0)))
-
-
-class AllReduceService:
-    """Routes inbound ``Reduce`` streams to the local rounds (one service per daemon).
-
-    Create it inside the running loop; :meth:`close` when the daemon stops.
-    """
-
-    def __init__(
-        self,
-        run_id: str,
-        config: AllReduceConfig | None = None,
-        verify: Callable[[common_pb2.RequestHeader], bytes] | None = None,
-    ) -> None:
-        """Args:
-        run_id: the run this daemon serves; headers of another run are refused.
-        config: timings and sizes of every round.
-        verify: header check returning the sender's peer id (default:
-            :func:`swarmavg.dht.identity.verify_header` for ``run_id``).
-        """
-        self.run_id = run_id
-        self.config = config or AllReduceConfig()
-        self._verify = verify or (lambda header: verify_header(header, run_id))
-        self.executor: ThreadPoolExecutor | None = None
-        if self.config.executor_threads > 0:
-            self.executor = ThreadPoolExecutor(
-                self.config.executor_threads, thread_name_prefix="swarmavg-allreduce"
-            )
-        self._rounds: dict[bytes, ReducerRound] = {}
-        self._recent: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-        self._registered = asyncio.Event()
-        self._waiting = 0
-        self._closed = False
-        self.bytes_per_element: dict[tuple[str, str], float] = {}
-        self._codecs: dict[str, Codec] = {}
-        self.data_connector: DataConnector | None = None
-        if self.config.data_plane:
-            self.data_connector = DataConnector(
-                self.config.data_connect_timeout, self.config.data_retry_after
-            )
-        self._data_server: DataPlaneServer | None = None
-        self.data_port = 0
-        """Port of this daemon's data plane (0: not serving one)."""
-
-    async def start_data_plane(self, host: str) -> int:
-        """Serve ``Reduce`` over framed TCP on ``host`` (and ``config.data_port``).
-
-        Returns the port, or 0 when the data plane is disabled or cannot listen there
-        (logged: the peer then serves ``Reduce`` over gRPC only).
-        """
-        if not self.config.data_plane or self._closed or self._data_server is not None:
-            return self.data_port
-        server = DataPlaneServer(self)
-        try:
-            self.data_port = await server.start(host, self.config.data_port)
-        except OSError as e:
-            log.warning(
-                "data plane cannot listen on %s:%d (%s); serving Reduce over gRPC only",
-                host,
-                self.config.data_port,
-                e,
-            )
-            return 0
-        self._data_server = server
-        log.info("data plane listening on %s:%d", host, self.data_port)
-        return self.data_port
-
-    def codec(self, name: str) -> Codec:
-        """The daemon's one instance of codec ``name``, for the chunks it sends and returns.
-
-        Kept across rounds because stateful codecs (``topk``) hold each chunk's
-        error-feedback residual in the instance: a fresh instance per round would drop the
-        residuals and turn error feedback into plain sparsification. Senders and the
-        reducer's return path use distinct keys, so their residuals never mix.
-
-        Raises:
-            ValueError: unknown codec name.
-        """
-        codec = self._codecs.get(name)
-        if codec is None:
-            codec = self._codecs[name] = get_codec(name)
-        return codec
-
-    def register(self, round_: ReducerRound) -> None:
-        """Make ``round_`` reachable by its group id (the runner calls this)."""
-        if self._closed:
-            raise RuntimeError("AllReduceService is closed")
-        group_id = round_.group.group_id
-        if group_id in self._rounds or group_id in self._recent:
-            raise ValueError(f"group {group_id.hex()} already ran on this peer")
-        self._rounds[group_id] = round_
-        self._registered.set()
-        self._registered = asyncio.Event()
-
-    def unregister(self, round_: ReducerRound) -> None:
-        """Forget ``round_``; later streams for its group are refused at once."""
-        group_id = round_.group.group_id
-        if self._rounds.get(group_id) is round_:
-            del self._rounds[group_id]
-        self._recent[group_id] = None
-        while len(self._recent) > _RECENT_ROUNDS:
-            self._recent.popitem(last=False)
-
-    async def close(self) -> None:
-        """Abort every round in flight and stop the worker threads. Idempotent."""
-        self._closed = True
-        rounds = list(self._rounds.values())
-        await asyncio.gather(
-            *(r.close(_Abort(grpc.StatusCode.UNAVAILABLE, "peer is shutting down")) for r in rounds)
-        )
-        if self.data_connector is not None:
-            self.data_connector.close()
-        if self._data_server is not None:
-            await self._data_server.close()
-        if self.executor is not None:
-            self.executor.shutdown(wait=False, cancel_futures=True)
-
-    async def _find_round(self, group_id: bytes, until: float) -> ReducerRound | None:
-        while True:
-            round_ = self._rounds.get(group_id)
-            if round_ is not None or group_id in self._recent or self._closed:
-                return round_
-            remaining = until - time.monotonic()
-            if remaining <= 0:
-                return None
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._registered.wait(), remaining)
-
-    async def rpc_reduce(
-        self,
-        request_iterator: AsyncIterator[Request],
-        context: ReduceContext,
-    ) -> None:
-        """Serve one sender's ``Reduce`` stream (see the module docstring).
-
-        Ends with OK once the sender got every averaged chunk of this part; otherwise
-        aborts with INVALID_ARGUMENT (bad input), UNAUTHENTICATED (bad header),
-        NOT_FOUND (unknown group), PERMISSION_DENIED (not a sender of the group),
-        FAILED_PRECONDITION (round over, sender dropped), RESOURCE_EXHAUSTED (too many
-        streams waiting), or UNAVAILABLE (this peer is shutting down).
-        """
-        until = time.monotonic() + self.config.registration_wait
-        iterator = request_iterator.__aiter__()
-        if self._waiting >= self.config.max_waiting_streams:
-            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many pending streams")
-        self._waiting += 1
-        try:
-            try:
-                first = await asyncio.wait_for(iterator.__anext__(), self.config.registration_wait)
-            except (StopAsyncIteration, TimeoutError):
-                first = None
-            if first is None:
-                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "no first message")
-            if first.error:
-                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, first.error)
-            try:
-                peer_id = self._verify(first.header or common_pb2.RequestHeader())
-            except HeaderError as e:
-                await _abort(context, grpc.StatusCode.UNAUTHENTICATED, str(e))
-            round_ = await self._find_round(first.group_id, until)
-        finally:
-            self._waiting -= 1
-        if round_ is None:
-            await _abort(context, grpc.StatusCode.NOT_FOUND, "unknown group id")
-        sender = round_.group.index_of(peer_id)
-        if sender is None or sender == round_.my_index or sender not in round_.group.senders:
-            await _abort(context, grpc.StatusCode.PERMISSION_DENIED, "not a sender of this group")
-        if first.part_index != round_.my_index:
-            await _abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"part {first.part_index} is not reduced here (this is part {round_.my_index})",
-            )
-        if not math.isfinite(first.weight):
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "weight is not finite")
-        await round_.serve(sender, first, iterator, context)

@@ -22,16 +22,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from swarmavg.averaging.optim_state import TrainingState
-from swarmavg.averaging.optim_swarm import (
+from swarmavg.averaging.training.progress import GlobalProgress, ProgressTracker
+from swarmavg.averaging.training.state import TrainingState
+from swarmavg.averaging.training.swarm import (
     RoundStats,
     SwarmClient,
     SwarmLink,
     SwarmRoundWarning,
     swarm_errors,
 )
-from swarmavg.averaging.optim_tensors import collect_params, copy_into, to_arrays
-from swarmavg.averaging.progress import GlobalProgress, ProgressTracker
+from swarmavg.averaging.training.tensors import collect_params, copy_into, to_arrays
 
 if TYPE_CHECKING:
     import torch

@@ -1,6 +1,6 @@
 """Matchmaking over the DHT: peers averaging under one key form groups (DESIGN 5.2).
 
-Protocol (rules in :mod:`swarmavg.averaging.declarations`):
+Protocol (rules in :mod:`swarmavg.averaging.matchmaking.declarations`):
 
 1. A peer declares itself under the round's matchmaking key (dictionary value, one subkey
    per declarer) with an expiration at its give-up time.
@@ -34,7 +34,16 @@ from typing import Any
 
 import grpc
 
-from swarmavg.averaging.declarations import (
+from swarmavg.averaging.dht_access import DHTAccess, dictionary_entries
+from swarmavg.averaging.errors import MatchmakingError, NoGroupError, SchemaMismatchError
+from swarmavg.averaging.group import GroupInfo, Member, Mode
+from swarmavg.averaging.matchmaking.config import (
+    MatchmakerConfig,
+    MatchmakingEvent,
+    MatchRequest,
+    Observer,
+)
+from swarmavg.averaging.matchmaking.declarations import (
     MAX_ADDRESS_CHARS,
     Declaration,
     JoinState,
@@ -47,16 +56,7 @@ from swarmavg.averaging.declarations import (
     member_from_join_request,
     mismatched_schemas,
 )
-from swarmavg.averaging.dht_access import DHTAccess, dictionary_entries
-from swarmavg.averaging.errors import MatchmakingError, NoGroupError, SchemaMismatchError
-from swarmavg.averaging.group import GroupInfo, Member, Mode
-from swarmavg.averaging.matchmaking_config import (
-    MatchmakerConfig,
-    MatchmakingEvent,
-    MatchRequest,
-    Observer,
-)
-from swarmavg.averaging.service import join_group_method
+from swarmavg.averaging.stubs import join_group_method
 from swarmavg.dht.channels import ChannelPool
 from swarmavg.dht.identity import HeaderError, verify_header
 from swarmavg.proto import averaging_pb2

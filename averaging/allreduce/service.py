@@ -1,0 +1,216 @@
+"""The daemon-wide reducer service: routes inbound ``Reduce`` streams to local rounds (DESIGN 5.2).
+
+One :class:`AllReduceService` per daemon receives every inbound ``Reduce`` stream, over gRPC
+or the data plane, and hands it to the :class:`~swarmavg.averaging.allreduce.round.ReducerRound`
+of its group, which the local runner registered when its round started.
+
+Hostile input never reaches the accumulator: the header, the group id, the sender's
+membership, the part index, the weight, the codec, each chunk's index and size, its
+dtype and its values (NaN/Inf) are checked first, and a sender that breaks a rule is cut
+off with an error status. Only that sender's stream ends; the round goes on without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from swarmavg.averaging.allreduce.config import AllReduceConfig
+from swarmavg.averaging.allreduce.data_plane import DataConnector, DataPlaneServer
+from swarmavg.averaging.allreduce.round import Abort, ReduceContext, ReducerRound, abort_stream
+from swarmavg.averaging.allreduce.wire import Request
+from swarmavg.compression import Codec, get_codec
+from swarmavg.dht.identity import HeaderError, verify_header
+from swarmavg.proto import common_pb2
+
+log = logging.getLogger(__name__)
+
+_RECENT_ROUNDS = 256
+
+
+class AllReduceService:
+    """Routes inbound ``Reduce`` streams to the local rounds (one service per daemon).
+
+    Create it inside the running loop; :meth:`close` when the daemon stops.
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        config: AllReduceConfig | None = None,
+        verify: Callable[[common_pb2.RequestHeader], bytes] | None = None,
+    ) -> None:
+        """Args:
+        run_id: the run this daemon serves; headers of another run are refused.
+        config: timings and sizes of every round.
+        verify: header check returning the sender's peer id (default:
+            :func:`swarmavg.dht.identity.verify_header` for ``run_id``).
+        """
+        self.run_id = run_id
+        self.config = config or AllReduceConfig()
+        self._verify = verify or (lambda header: verify_header(header, run_id))
+        self.executor: ThreadPoolExecutor | None = None
+        if self.config.executor_threads > 0:
+            self.executor = ThreadPoolExecutor(
+                self.config.executor_threads, thread_name_prefix="swarmavg-allreduce"
+            )
+        self._rounds: dict[bytes, ReducerRound] = {}
+        self._recent: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._registered = asyncio.Event()
+        self._waiting = 0
+        self._closed = False
+        self.bytes_per_element: dict[tuple[str, str], float] = {}
+        self._codecs: dict[str, Codec] = {}
+        self.data_connector: DataConnector | None = None
+        if self.config.data_plane:
+            self.data_connector = DataConnector(
+                self.config.data_connect_timeout, self.config.data_retry_after
+            )
+        self._data_server: DataPlaneServer | None = None
+        self.data_port = 0
+        """Port of this daemon's data plane (0: not serving one)."""
+
+    async def start_data_plane(self, host: str) -> int:
+        """Serve ``Reduce`` over framed TCP on ``host`` (and ``config.data_port``).
+
+        Returns the port, or 0 when the data plane is disabled or cannot listen there
+        (logged: the peer then serves ``Reduce`` over gRPC only).
+        """
+        if not self.config.data_plane or self._closed or self._data_server is not None:
+            return self.data_port
+        server = DataPlaneServer(self)
+        try:
+            self.data_port = await server.start(host, self.config.data_port)
+        except OSError as e:
+            log.warning(
+                "data plane cannot listen on %s:%d (%s); serving Reduce over gRPC only",
+                host,
+                self.config.data_port,
+                e,
+            )
+            return 0
+        self._data_server = server
+        log.info("data plane listening on %s:%d", host, self.data_port)
+        return self.data_port
+
+    def codec(self, name: str) -> Codec:
+        """The daemon's one instance of codec ``name``, for the chunks it sends and returns.
+
+        Kept across rounds because stateful codecs (``topk``) hold each chunk's
+        error-feedback residual in the instance: a fresh instance per round would drop the
+        residuals and turn error feedback into plain sparsification. Senders and the
+        reducer's return path use distinct keys, so their residuals never mix.
+
+        Raises:
+            ValueError: unknown codec name.
+        """
+        codec = self._codecs.get(name)
+        if codec is None:
+            codec = self._codecs[name] = get_codec(name)
+        return codec
+
+    def register(self, round_: ReducerRound) -> None:
+        """Make ``round_`` reachable by its group id (the runner calls this)."""
+        if self._closed:
+            raise RuntimeError("AllReduceService is closed")
+        group_id = round_.group.group_id
+        if group_id in self._rounds or group_id in self._recent:
+            raise ValueError(f"group {group_id.hex()} already ran on this peer")
+        self._rounds[group_id] = round_
+        self._registered.set()
+        self._registered = asyncio.Event()
+
+    def unregister(self, round_: ReducerRound) -> None:
+        """Forget ``round_``; later streams for its group are refused at once."""
+        group_id = round_.group.group_id
+        if self._rounds.get(group_id) is round_:
+            del self._rounds[group_id]
+        self._recent[group_id] = None
+        while len(self._recent) > _RECENT_ROUNDS:
+            self._recent.popitem(last=False)
+
+    async def close(self) -> None:
+        """Abort every round in flight and stop the worker threads. Idempotent."""
+        self._closed = True
+        rounds = list(self._rounds.values())
+        await asyncio.gather(
+            *(r.close(Abort(grpc.StatusCode.UNAVAILABLE, "peer is shutting down")) for r in rounds)
+        )
+        if self.data_connector is not None:
+            self.data_connector.close()
+        if self._data_server is not None:
+            await self._data_server.close()
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _find_round(self, group_id: bytes, until: float) -> ReducerRound | None:
+        while True:
+            round_ = self._rounds.get(group_id)
+            if round_ is not None or group_id in self._recent or self._closed:
+                return round_
+            remaining = until - time.monotonic()
+            if remaining <= 0:
+                return None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._registered.wait(), remaining)
+
+    async def rpc_reduce(
+        self,
+        request_iterator: AsyncIterator[Request],
+        context: ReduceContext,
+    ) -> None:
+        """Serve one sender's ``Reduce`` stream (see the module docstring).
+
+        Ends with OK once the sender got every averaged chunk of this part; otherwise
+        aborts with INVALID_ARGUMENT (bad input), UNAUTHENTICATED (bad header),
+        NOT_FOUND (unknown group), PERMISSION_DENIED (not a sender of the group),
+        FAILED_PRECONDITION (round over, sender dropped), RESOURCE_EXHAUSTED (too many
+        streams waiting), or UNAVAILABLE (this peer is shutting down).
+        """
+        until = time.monotonic() + self.config.registration_wait
+        iterator = request_iterator.__aiter__()
+        if self._waiting >= self.config.max_waiting_streams:
+            await abort_stream(
+                context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many pending streams"
+            )
+        self._waiting += 1
+        try:
+            try:
+                first = await asyncio.wait_for(iterator.__anext__(), self.config.registration_wait)
+            except (StopAsyncIteration, TimeoutError):
+                first = None
+            if first is None:
+                await abort_stream(context, grpc.StatusCode.INVALID_ARGUMENT, "no first message")
+            if first.error:
+                await abort_stream(context, grpc.StatusCode.INVALID_ARGUMENT, first.error)
+            try:
+                peer_id = self._verify(first.header or common_pb2.RequestHeader())
+            except HeaderError as e:
+                await abort_stream(context, grpc.StatusCode.UNAUTHENTICATED, str(e))
+            round_ = await self._find_round(first.group_id, until)
+        finally:
+            self._waiting -= 1
+        if round_ is None:
+            await abort_stream(context, grpc.StatusCode.NOT_FOUND, "unknown group id")
+        sender = round_.group.index_of(peer_id)
+        if sender is None or sender == round_.my_index or sender not in round_.group.senders:
+            await abort_stream(
+                context, grpc.StatusCode.PERMISSION_DENIED, "not a sender of this group"
+            )
+        if first.part_index != round_.my_index:
+            await abort_stream(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"part {first.part_index} is not reduced here (this is part {round_.my_index})",
+            )
+        if not math.isfinite(first.weight):
+            await abort_stream(context, grpc.StatusCode.INVALID_ARGUMENT, "weight is not finite")
+        await round_.serve(sender, first, iterator, context)

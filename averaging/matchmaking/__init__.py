@@ -1,0 +1,1 @@
+"""Matchmaking over the DHT: declarations, Moshpit group keys, the matchmaker and its settings."""

@@ -1,0 +1,474 @@
+"""Training wrappers (DESIGN 3.3): collaborative large-batch training over a swarm.
+
+:class:`CollaborativeOptimizer` wraps any ``torch.optim.Optimizer``. Every process trains
+on its own data and calls ``step()`` after each backward pass, as usual. The wrapper
+accumulates the local gradients and reports the samples it has processed to the DHT
+(:mod:`swarmavg.averaging.training.progress`). When the swarm as a whole has processed
+``target_batch_size`` samples for the current global step ("epoch"), every process joins one
+averaging round under a key derived from the run and the epoch, weighted by its sample
+count, and applies the wrapped optimizer to the averaged gradient: one large-batch step,
+taken together (the scheme of hivemind's Optimizer and of "Distributed Deep Learning in
+Open Collaborations", Diskin et al. 2021). With ``average="parameters"`` each process
+steps locally on every batch and the swarm averages parameters at every epoch instead.
+
+:class:`DiLoCo` (:mod:`swarmavg.averaging.training.diloco`) averages pseudo-gradients every H
+local steps and applies an outer optimizer (Douillard et al. 2023).
+
+torch is imported inside functions only: ``swarmavg.averaging`` is imported by the daemon,
+which never loads torch (DESIGN section 2).
+
+Synchronisation rules (one place, so they can be checked):
+
+* A process at epoch ``e`` that sees a newer epoch in the DHT is behind: it drops its
+  accumulated gradients, loads the newest published state (parameters, optimizer state,
+  epoch) through ``client.load_state`` and continues at the swarm's epoch.
+* The round of epoch ``e`` is expected to gather every daemon that reported epoch ``e``
+  (``group_size``), so it closes as soon as they are all in.
+* A round that fails (``NoGroupError`` or any other ``SwarmError``) becomes a local step
+  with a :class:`SwarmRoundWarning`; the epoch still advances, so the process stays in
+  step with the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from swarmavg.averaging.training.progress import GlobalProgress, ProgressTracker
+from swarmavg.averaging.training.state import TrainingState
+from swarmavg.averaging.training.swarm import (
+    RoundResultLike,
+    RoundStats,
+    SwarmClient,
+    SwarmLink,
+    SwarmRoundWarning,
+    swarm_errors,
+)
+from swarmavg.averaging.training.tensors import collect_params, copy_into, to_arrays
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+ZERO_WEIGHT = 1e-3
+"""Weight of a process that has no samples in a round (the daemon requires weight > 0)."""
+
+
+@dataclass
+class _PendingRound:
+    """A round running in the background (``delay_updates=True``)."""
+
+    epoch: int
+    local: list[np.ndarray]
+    future: Future[tuple[RoundResultLike | None, str]]
+
+
+class CollaborativeOptimizer:
+    """Wraps a torch optimizer so that a swarm of processes takes large-batch steps together.
+
+    Args:
+        params: the parameters the wrapped optimizer trains (``model.parameters()``).
+        optimizer: any ``torch.optim.Optimizer`` over those parameters.
+        client: a connected swarmavg client (``swarmavg.peer.connect()``).
+        run_id: the training run. Processes with the same ``run_id`` train together.
+        target_batch_size: samples the swarm processes per global step.
+        batch_size_per_step: samples behind one ``step()`` call (override per call with
+            ``step(batch_size=...)``).
+        average: ``"gradients"`` (accumulate, average gradients, step together) or
+            ``"parameters"`` (step locally on every batch, average parameters every epoch).
+        codec: codec for the rounds (None: the daemon's default).
+        delay_updates: overlap communication with compute: the round of epoch ``e`` runs in
+            a background thread while training continues, and its result is applied one
+            step late (delayed update), at the first ``step()`` after it finished.
+            Gradients mode only.
+        averaging_timeout: seconds one round may take, matchmaking included.
+        min_group_size: a round with fewer peers fails (and becomes a local step).
+        progress_ttl: seconds a progress record lives in the DHT; keep it above the
+            longest pause between two ``step()`` calls plus a round.
+        publish_state_every: publish the state for late joiners every this many epochs
+            (0: never).
+        load_state_on_start: a process that finds the swarm past epoch 0 loads the newest
+            state before its first step.
+        state_timeout: seconds ``load_state`` may take.
+        max_wait: at most this many seconds per ``step()`` spent waiting for the others to
+            finish the epoch when they are about to (instead of computing one more batch,
+            which would make the global batch larger than ``target_batch_size``).
+        peer_id: the daemon's peer id (read from ``client.status()`` when None).
+
+    Call ``zero_grad()`` after ``step()`` as usual. ``step()`` returns the closure's loss
+    (or None). Not thread-safe: use it from the training thread. Close it (or use it as a
+    context manager) to finish a background round.
+    """
+
+    KIND = "collaborative"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer: torch.optim.Optimizer,
+        client: SwarmClient,
+        run_id: str,
+        target_batch_size: int,
+        batch_size_per_step: int,
+        average: Literal["gradients", "parameters"] = "gradients",
+        codec: str | None = None,
+        *,
+        delay_updates: bool = False,
+        averaging_timeout: float = 30.0,
+        min_group_size: int = 2,
+        progress_ttl: float = 30.0,
+        publish_state_every: int = 1,
+        load_state_on_start: bool = True,
+        state_timeout: float = 60.0,
+        max_wait: float = 1.0,
+        peer_id: str | None = None,
+    ) -> None:
+        if average not in ("gradients", "parameters"):
+            raise ValueError(f"average must be 'gradients' or 'parameters', got {average!r}")
+        if batch_size_per_step <= 0:
+            raise ValueError(f"batch_size_per_step must be positive, got {batch_size_per_step}")
+        if delay_updates and average != "gradients":
+            raise ValueError("delay_updates needs average='gradients'")
+        if publish_state_every < 0 or max_wait < 0:
+            raise ValueError("publish_state_every and max_wait must not be negative")
+        self.params = collect_params(params)
+        self.optimizer = optimizer
+        self.average = average
+        self.batch_size_per_step = batch_size_per_step
+        self.publish_state_every = publish_state_every
+        self.max_wait = max_wait
+        self.link = SwarmLink(
+            client,
+            run_id,
+            codec=codec,
+            timeout=averaging_timeout,
+            min_group_size=min_group_size,
+            state_timeout=state_timeout,
+        )
+        self.tracker = ProgressTracker(
+            client, run_id, target_batch_size, ttl=progress_ttl, peer_id=peer_id
+        )
+        self._grads: list[torch.Tensor] | None = None
+        if average == "gradients":
+            import torch
+
+            self._grads = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        self._executor = ThreadPoolExecutor(1, "swarmavg-round") if delay_updates else None
+        self._pending: _PendingRound | None = None
+        self._closed = False
+        if load_state_on_start:
+            progress = self.tracker.refresh()
+            if progress.epoch > self.epoch:
+                self._catch_up(progress)
+        self.tracker.report()
+        self.tracker.meter.start()
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def epoch(self) -> int:
+        """The global step this process is accumulating towards (equal across the swarm)."""
+        return self.tracker.epoch
+
+    @property
+    def stats(self) -> RoundStats:
+        """Counters of this process's rounds and state transfers."""
+        return self.link.stats
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's parameter groups (for learning-rate schedules)."""
+        groups: list[dict[str, Any]] = self.optimizer.param_groups
+        return groups
+
+    def global_progress(self) -> GlobalProgress:
+        """The swarm's progress as last read (samples, rates, ETA)."""
+        return self.tracker.last
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the parameters' ``.grad`` (the accumulated gradients are kept)."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
+        """Take one local step; when the swarm completes an epoch, take the global step.
+
+        Args:
+            closure: recomputes the loss (as for torch optimizers); its value is returned.
+            batch_size: samples behind this step (default ``batch_size_per_step``).
+
+        Returns:
+            The closure's loss, or None.
+
+        Raises:
+            ValueError: a bad batch size, or gradients the daemon rejects (NaN/Inf).
+            RuntimeError: the optimizer was closed.
+        """
+        import torch
+
+        if self._closed:
+            raise RuntimeError("step() on a closed CollaborativeOptimizer")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        samples = self.batch_size_per_step if batch_size is None else batch_size
+        if samples <= 0:
+            raise ValueError(f"batch_size must be positive, got {samples}")
+        self._apply_pending(block=False)
+        if self._grads is not None:
+            with torch.no_grad():
+                for acc, p in zip(self._grads, self.params, strict=True):
+                    if p.grad is not None:
+                        acc.add_(p.grad.to(acc.dtype), alpha=float(samples))
+        else:
+            self.optimizer.step()
+        self.tracker.add_samples(samples)
+        self.tracker.report()
+        progress = self.tracker.refresh()
+        if progress.epoch == self.epoch and not progress.ready:
+            progress = self._wait_for_swarm(progress)
+        if progress.epoch > self.epoch + 1:
+            self._catch_up(progress)
+        elif progress.epoch == self.epoch + 1:
+            # The others have just started the round of our epoch: join it late.
+            self._global_step(progress, late=True)
+        elif progress.ready:
+            self._global_step(progress)
+        self.tracker.meter.start()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch, samples, wrapped optimizer state and accumulated gradients (a checkpoint).
+
+        A round still running in the background is finished and applied first.
+        """
+        self._apply_pending(block=True)
+        return {
+            "kind": self.KIND,
+            "epoch": self.epoch,
+            "samples": self.tracker.samples,
+            "optimizer": self.optimizer.state_dict(),
+            "accumulators": None if self._grads is None else [g.clone() for g in self._grads],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (parameters are the model's business).
+
+        Raises:
+            ValueError: a state of another kind or with mismatched accumulators.
+        """
+        if state.get("kind") != self.KIND:
+            raise ValueError(f"not a {self.KIND} optimizer state: kind={state.get('kind')!r}")
+        self._apply_pending(block=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        accumulators = state.get("accumulators")
+        if self._grads is not None and accumulators is not None:
+            copy_into(self._grads, accumulators)
+        elif self._grads is not None:
+            for g in self._grads:
+                g.zero_()
+        self.tracker.set_epoch(int(state["epoch"]), int(state.get("samples", 0)))
+        self.tracker.report()
+
+    def close(self) -> None:
+        """Finish and apply a round still running in the background, and tell the swarm this
+        process stopped (its progress record no longer counts); idempotent."""
+        if self._closed:
+            return
+        try:
+            self._apply_pending(block=True)
+        finally:
+            self._closed = True
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+        self._leave()
+
+    def _leave(self) -> None:
+        """Withdraw from the swarm's progress so that nobody waits for this process."""
+        try:
+            self.tracker.leave()
+        except swarm_errors() as exc:
+            log.warning("could not withdraw the progress record: %s", exc)
+
+    def __enter__(self) -> CollaborativeOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the state machine
+
+    def _wait_for_swarm(self, progress: GlobalProgress) -> GlobalProgress:
+        """Wait (briefly) for the others when they are about to complete the epoch.
+
+        Without this, a process that checks just before the last report of an epoch arrives
+        computes one more batch, and the global batch grows beyond ``target_batch_size``.
+        It waits only after delivering its fair share (``target / processes``); it stops
+        waiting when the epoch completes, when the others' throughput says they need longer
+        than its own next batch (a fast peer then contributes more, as it should), or
+        after ``max_wait`` seconds (a straggler or a dead peer whose record lingers).
+        """
+        if progress.num_processes <= 1 or self.max_wait == 0:
+            return progress
+        own_rate = self.tracker.meter.rate
+        own_step = self.batch_size_per_step / own_rate if own_rate > 0 else None
+        poll = 0.01 if own_step is None else min(max(own_step / 4, 0.002), 0.05)
+        deadline = time.monotonic() + self.max_wait
+        while not progress.ready and progress.epoch == self.epoch:
+            if self.tracker.samples < progress.target / progress.num_processes:
+                break
+            others = progress.samples_per_second - own_rate
+            remaining = progress.target - progress.samples
+            if own_step is not None and others > 0 and remaining / others > own_step:
+                break
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(poll)
+            progress = self.tracker.refresh()
+        return progress
+
+    def _global_step(self, progress: GlobalProgress, *, late: bool = False) -> None:
+        """Average and step for the current epoch.
+
+        ``late``: the others have moved on already. The round runs in the foreground even
+        with ``delay_updates``, and when it fails this process loads the swarm's state
+        instead of stepping alone (a local step would leave it off the others' parameters).
+        """
+        epoch = self.epoch
+        weight = float(self.tracker.samples) or ZERO_WEIGHT
+        group_size = progress.num_peers
+        self.tracker.meter.pause()
+        if self._grads is not None:
+            key = f"grads.{epoch}"
+            local = [(g / weight).cpu().numpy() for g in self._grads]
+        else:
+            key = f"params.{epoch}"
+            local = to_arrays(self.params)
+        if self._executor is not None and not late:
+            self._apply_pending(block=True)
+            future = self._executor.submit(self._round, local, key, weight, group_size)
+            self._pending = _PendingRound(epoch, local, future)
+            self._advance(epoch + 1, publish=False)
+            return
+        self._apply_pending(block=True)
+        result, error = self._round(local, key, weight, group_size)
+        if result is None and (late or (error and self._others_moved_on())):
+            self._catch_up(progress if late else self.tracker.last)
+            return
+        if error:
+            _warn_local_step(key, error)
+        averaged = local if result is None else result.tensors
+        if self._grads is not None:
+            self._apply_gradients(averaged)
+        else:
+            copy_into(self.params, averaged)
+        self._advance(epoch + 1, publish=True)
+
+    def _others_moved_on(self) -> bool:
+        """After a failed round: did the others step without us?
+
+        Then this process takes their state (published right after their step) instead of
+        stepping alone, which would leave it off the others' parameters for good.
+        """
+        return self.tracker.refresh().epoch > self.epoch
+
+    def _round(
+        self, arrays: list[np.ndarray], key: str, weight: float, group_size: int
+    ) -> tuple[RoundResultLike | None, str]:
+        """One round: the result, or None and why it failed ("" when alone in the swarm).
+
+        Runs in the background thread with ``delay_updates``: it only reads its arguments
+        and the link (whose counters no other thread writes meanwhile).
+        """
+        if group_size <= 1:
+            log.debug("alone in the swarm at %s: stepping locally", key)
+            return None, ""
+        failed = self.link.stats.failed
+        result = self.link.average(
+            arrays, key=key, weight=weight, group_size=group_size, warn=False
+        )
+        error = self.link.stats.last_error if self.link.stats.failed > failed else ""
+        return result, error
+
+    def _apply_gradients(self, grads: list[Any]) -> None:
+        import torch
+
+        with torch.no_grad():
+            for p, g in zip(self.params, grads, strict=True):
+                source = g if isinstance(g, torch.Tensor) else torch.from_numpy(np.asarray(g))
+                p.grad = source.to(device=p.device, dtype=p.dtype).reshape(p.shape).clone()
+        self.optimizer.step()
+        for p in self.params:
+            p.grad = None
+
+    def _apply_pending(self, *, block: bool) -> None:
+        pending = self._pending
+        if pending is None or (not block and not pending.future.done()):
+            return
+        self._pending = None
+        result, error = pending.future.result()
+        if error:
+            _warn_local_step(f"grads.{pending.epoch}", error)
+        self._apply_gradients(pending.local if result is None else result.tensors)
+        self._maybe_publish(pending.epoch + 1)
+
+    def _advance(self, epoch: int, *, publish: bool) -> None:
+        self.tracker.set_epoch(epoch)
+        if self._grads is not None:
+            for g in self._grads:
+                g.zero_()
+        if publish:
+            self._maybe_publish(epoch)
+        self.tracker.report()
+
+    def _maybe_publish(self, epoch: int) -> None:
+        if self.publish_state_every and epoch % self.publish_state_every == 0:
+            self.link.publish(
+                TrainingState(
+                    kind=self.KIND,
+                    epoch=epoch,
+                    params=self.params,
+                    optimizers={"optimizer": self.optimizer.state_dict()},
+                )
+            )
+
+    def _catch_up(self, progress: GlobalProgress) -> None:
+        """Behind the swarm: drop local work, load the newest state, continue at its epoch."""
+        self.tracker.meter.pause()
+        if self._pending is not None:
+            self._pending.future.result()  # bounded by the round's timeout; superseded below
+            self._pending = None
+        log.info("at epoch %d, the swarm is at %d: loading its state", self.epoch, progress.epoch)
+        state = self.link.load(self.KIND, self.params)
+        epoch = progress.epoch
+        if state is not None:
+            copy_into(self.params, state.params)
+            if "optimizer" in state.optimizers:
+                self.optimizer.load_state_dict(state.optimizers["optimizer"])
+            # A state older than the swarm's epoch (published a moment ago) is still the
+            # best there is; continuing at the swarm's epoch avoids loading again at once.
+            epoch = max(state.epoch, progress.epoch)
+        else:
+            warnings.warn(
+                f"behind the swarm (epoch {self.epoch} < {progress.epoch}) and no state "
+                "could be loaded; continuing with local parameters",
+                SwarmRoundWarning,
+                stacklevel=3,
+            )
+        self._advance(epoch, publish=False)
+
+
+def _warn_local_step(key: str, error: str) -> None:
+    warnings.warn(
+        f"averaging round {key!r} failed ({error}); stepping with local values",
+        SwarmRoundWarning,
+        stacklevel=4,
+    )

@@ -1,0 +1,128 @@
+"""The package layout's rules (docs/architecture.md), checked on the source itself.
+
+- No import cycle between modules, counting imports under ``TYPE_CHECKING`` and inside
+  functions: a cycle hidden from the interpreter still ties two modules together.
+- Packages import only downward: proto <- compression <- dht <- averaging <- peer.
+- No module imports another module's private (underscore) names.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("proto", "compression", "dht", "averaging", "peer")
+RANK = {name: i for i, name in enumerate(PACKAGES)}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(["swarmavg", *parts])
+
+
+def _sources() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if not path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                found[_module_name(path)] = path
+    return found
+
+
+MODULES = _sources()
+
+
+def _imports(module: str, path: Path) -> list[tuple[str, list[str], int]]:
+    """(imported module, names taken from it, line) for every swarmavg import in ``path``."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, [], node.lineno) for a in node.names if a.name.startswith("swarmavg.")]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            if not base.startswith("swarmavg"):
+                continue
+            names = [a.name for a in node.names]
+            submodules = [f"{base}.{n}" for n in names if f"{base}.{n}" in MODULES]
+            out += [(sub, [], node.lineno) for sub in submodules]
+            rest = [n for n in names if f"{base}.{n}" not in MODULES]
+            if rest:
+                out.append((base, rest, node.lineno))
+    return out
+
+
+GRAPH = {
+    module: {target for target, _, _ in _imports(module, path) if target in MODULES}
+    for module, path in MODULES.items()
+}
+
+
+def _cycle() -> list[str] | None:
+    """One import cycle between distinct modules, or None (package ``__init__`` re-exports
+    of their own submodules are not edges back: importing ``a.b`` runs ``a`` first anyway)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        stack.append(module)
+        for target in sorted(GRAPH[module]):
+            if module.startswith(target + ".") or target.startswith(module + "."):
+                continue
+            if state.get(target) == 1:
+                return [*stack[stack.index(target) :], target]
+            if target not in state and (found := visit(target)):
+                return found
+        stack.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(GRAPH):
+        if module not in state and (found := visit(module)):
+            return found
+    return None
+
+
+def test_no_import_cycle() -> None:
+    assert _cycle() is None
+
+
+def test_sources_found() -> None:
+    # The checks below mean nothing if the walk found nothing.
+    assert "swarmavg.averaging.allreduce.runner" in MODULES
+    assert "swarmavg.peer.daemon" in MODULES
+    assert GRAPH["swarmavg.peer.daemon"]
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_only_downward(module: str) -> None:
+    own = RANK[module.split(".")[1]]
+    upward = [
+        (target, line)
+        for target, _, line in _imports(module, MODULES[module])
+        if target.split(".")[1] in RANK and RANK[target.split(".")[1]] > own
+    ]
+    assert upward == []
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_private_name_from_another_module(module: str) -> None:
+    private = [
+        (target, name, line)
+        for target, names, line in _imports(module, MODULES[module])
+        for name in names
+        if name.startswith("_") and not name.startswith("__") and target != module
+    ]
+    # Importing a private C extension module of one's own package is its normal use.
+    private = [p for p in private if p[1] != "_native"]
+    assert private == []
