@@ -6,9 +6,10 @@ Public API::
     from swarmavg.averaging import AveragingError, NoGroupError, SchemaMismatchError, ...
 """
 
-from swarmavg.averaging.averager import Averager, AveragerConfig, AveragingResult
+from swarmavg.averaging.averager import Averager, AveragerConfig
 from swarmavg.averaging.errors import (
     AveragingError,
+    InvalidRequestError,
     InvalidTensorsError,
     MatchmakingError,
     NoGroupError,
@@ -17,6 +18,8 @@ from swarmavg.averaging.errors import (
     StateNotFoundError,
 )
 from swarmavg.averaging.group import GroupInfo, Member, Mode
+from swarmavg.averaging.request import RoundRequest
+from swarmavg.averaging.result import AveragingResult
 
 __all__ = [
     "Averager",
@@ -24,11 +27,13 @@ __all__ = [
     "AveragingError",
     "AveragingResult",
     "GroupInfo",
+    "InvalidRequestError",
     "InvalidTensorsError",
     "MatchmakingError",
     "Member",
     "Mode",
     "NoGroupError",
+    "RoundRequest",
     "SchemaMismatchError",
     "StateDownloadError",
     "StateNotFoundError",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -30,10 +31,9 @@ import numpy as np
 from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.allreduce.data_plane import split_host
 from swarmavg.averaging.allreduce.faults import FaultPlan
-from swarmavg.averaging.allreduce.partition import SUPPORTED_DTYPES
 from swarmavg.averaging.allreduce.runner import run_allreduce
 from swarmavg.averaging.allreduce.service import AllReduceService
-from swarmavg.averaging.errors import AveragingError, InvalidTensorsError, NoGroupError
+from swarmavg.averaging.errors import AveragingError, InvalidRequestError, NoGroupError
 from swarmavg.averaging.group import MAX_GROUP_SIZE, Mode, schema_hash
 from swarmavg.averaging.matchmaking.keys import GroupKeyManager, validate_bits
 from swarmavg.averaging.matchmaking.matchmaker import (
@@ -43,16 +43,14 @@ from swarmavg.averaging.matchmaking.matchmaker import (
     MatchRequest,
     Observer,
 )
+from swarmavg.averaging.request import RoundRequest, check_finite, check_tensors
+from swarmavg.averaging.result import AveragingResult
 from swarmavg.averaging.service import AveragingServicer, Components, add_to_server
 from swarmavg.averaging.state.sharer import DonorFaults, StateSharer, StateSharingConfig
 from swarmavg.compression import get_codec
-from swarmavg.compression.kernels import all_finite
 from swarmavg.dht.channels import ChannelPool
 
 log = logging.getLogger(__name__)
-
-MAX_USER_KEY_BYTES = 256
-"""Longest ``key`` accepted by :meth:`Averager.average` (the DHT caps whole keys at 512)."""
 
 
 class _RunConfig(Protocol):
@@ -118,62 +116,6 @@ class AveragerConfig:
             raise ValueError("timeout_grace must be >= 0")
         validate_bits(self.group_bits)
         get_codec(self.default_codec)  # ValueError listing the known codecs
-
-
-@dataclass
-class AveragingResult:
-    """What one call of :meth:`Averager.average` returns.
-
-    Attributes:
-        tensors: new arrays, same shapes, dtypes and order as the input.
-        group_size: members of the group (those that contributed and reduced).
-        peers: the members' peer ids in hex, in group order.
-        group_id: the group's id in hex.
-        partial: some part was averaged without a member, or kept local values.
-        timings: seconds per phase: ``matchmaking``, ``allreduce`` and ``total``, plus the
-            all-reduce's own phases prefixed ``allreduce.``.
-        bytes_sent / bytes_received: payload bytes of the all-reduce.
-        gathered: every member's ``user_data`` by peer id hex.
-    """
-
-    tensors: list[np.ndarray]
-    group_size: int
-    peers: list[str]
-    group_id: str
-    partial: bool
-    timings: dict[str, float]
-    bytes_sent: int
-    bytes_received: int
-    gathered: dict[str, bytes] = field(default_factory=dict)
-
-
-def validate_tensors(tensors: object) -> list[np.ndarray]:
-    """Check the caller's tensors before anything is sent; return read-only views.
-
-    Raises:
-        InvalidTensorsError: not a non-empty list of numpy arrays of a supported dtype
-            with finite values.
-    """
-    if isinstance(tensors, np.ndarray) or not isinstance(tensors, Sequence):
-        raise InvalidTensorsError("tensors must be a list of numpy arrays")
-    if len(tensors) == 0:
-        raise InvalidTensorsError("nothing to average: the tensor list is empty")
-    views = []
-    for i, array in enumerate(tensors):
-        if not isinstance(array, np.ndarray):
-            raise InvalidTensorsError(f"tensor {i} is a {type(array).__name__}, not a numpy array")
-        if np.dtype(array.dtype) not in SUPPORTED_DTYPES:
-            raise InvalidTensorsError(
-                f"tensor {i} has unsupported dtype {array.dtype}; supported: "
-                f"{sorted(d.name for d in SUPPORTED_DTYPES)}"
-            )
-        if (array.dtype.kind == "f" or array.dtype.name == "bfloat16") and not all_finite(array):
-            bad = int(array.size - np.count_nonzero(np.isfinite(array)))
-            raise InvalidTensorsError(f"tensor {i} holds {bad} NaN or Inf value(s)")
-        view = array.view()
-        view.flags.writeable = False  # the round never writes into the caller's arrays
-        views.append(view)
-    return views
 
 
 class Averager:
@@ -273,13 +215,15 @@ class Averager:
     ) -> AveragingResult:
         """Average ``tensors`` with the peers that average under ``key`` now.
 
-        Every member gets ``sum(w_i * x_i) / sum(w_i)`` (within the codec's error),
-        bit-identical across members. The caller's arrays are never modified.
+        The in-process entry point: it checks its arguments as the daemon's control
+        service does (:class:`~swarmavg.averaging.request.RoundRequest`) and calls
+        :meth:`run`. Every member gets ``sum(w_i * x_i) / sum(w_i)`` (within the codec's
+        error), bit-identical across members. The caller's arrays are never modified.
 
         Args:
             tensors: numpy arrays (float16/bfloat16/float32/float64, int8/uint8/int32/int64).
             key: what is averaged (e.g. ``"step-42"``); peers meet under the same key.
-            weight: this peer's weight, finite and >= 0 (forced to 0 in ``AUX`` mode).
+            weight: this peer's weight, finite and >= 0 (0 in ``AUX`` mode, whatever is given).
             group_size: most members per group; ``None``: ``config.target_group_size``.
             min_group_size: fewest members with which a group may close.
             timeout: seconds for the whole call (matchmaking and all-reduce).
@@ -287,45 +231,58 @@ class Averager:
 
         Raises:
             InvalidTensorsError: empty list, unsupported dtype, NaN/Inf (nothing is sent).
-            ValueError: an invalid parameter.
+            InvalidRequestError: an invalid parameter (a ``ValueError``).
             NoGroupError: fewer than ``min_group_size`` peers by the matchmaking deadline.
             SchemaMismatchError: no group, and the peers found average another schema.
             AveragingError: the round failed or overran ``timeout`` (plus a small grace).
         """
+        request = RoundRequest.build(
+            key=key,
+            weight=weight,
+            timeout=timeout,
+            group_size=group_size,
+            min_group_size=min_group_size,
+            codec=codec,
+            allow_zero_weight=True,
+        )
+        arrays = check_tensors(tensors)
+        await asyncio.to_thread(check_finite, arrays)
+        return await self.run(arrays, request)
+
+    async def run(self, arrays: Sequence[np.ndarray], request: RoundRequest) -> AveragingResult:
+        """Run one round for a checked request: matchmaking, then the all-reduce.
+
+        Args:
+            arrays: tensors that passed :func:`~swarmavg.averaging.request.check_tensors`
+                and :func:`~swarmavg.averaging.request.check_finite` (not checked again).
+            request: the round's parameters; its ``deadline`` bounds the whole call.
+
+        Raises:
+            InvalidRequestError: ``min_group_size`` exceeds the default group size.
+            NoGroupError, SchemaMismatchError, AveragingError: as :meth:`average`.
+        """
         matchmaker, allreduce, _ = self._require()
         started = time.monotonic()
-        arrays = validate_tensors(tensors)
-        if not isinstance(key, str) or not key or len(key.encode()) > MAX_USER_KEY_BYTES:
-            raise ValueError(
-                f"key must be a non-empty string of at most {MAX_USER_KEY_BYTES} bytes"
+        size = self.config.target_group_size if request.group_size is None else request.group_size
+        if request.min_group_size > size:
+            raise InvalidRequestError(
+                f"min_group_size {request.min_group_size} is larger than the group size {size}"
             )
-        if not (math.isfinite(weight) and weight >= 0):
-            raise ValueError(f"weight must be finite and >= 0, got {weight}")
-        if not (math.isfinite(timeout) and timeout > 0):
-            raise ValueError(f"timeout must be positive, got {timeout}")
-        size = self.config.target_group_size if group_size is None else group_size
-        if not 1 <= size <= MAX_GROUP_SIZE:
-            raise ValueError(f"group_size must be in 1..{MAX_GROUP_SIZE}, got {size}")
-        if not 1 <= min_group_size <= size:
-            raise ValueError(
-                f"min_group_size must be in 1..group_size ({size}), got {min_group_size}"
-            )
-        codec_name = get_codec(codec or self.config.default_codec).name
+        codec = request.codec or self.config.default_codec
         mode = self.config.mode
-        if mode is Mode.AUX:
-            weight = 0.0
-        share = self.config.matchmaking_share * timeout
-        request = MatchRequest(
-            key=self._keys.key_for(key),
+        weight = 0.0 if mode is Mode.AUX else request.weight
+        give_up_by = started + self.config.matchmaking_share * (request.deadline - started)
+        match = MatchRequest(
+            key=self._keys.key_for(request.key),
             schema_hash=schema_hash(arrays),
             group_size=size,
-            min_group_size=min_group_size,
-            codec=codec_name,
+            min_group_size=request.min_group_size,
+            codec=codec,
             mode=mode,
             bandwidth=self.config.bandwidth,
             user_data=self.config.user_data,
-            window=min(self.config.matchmaking_time, share),
-            give_up=share,
+            close_by=min(started + self.config.matchmaking_time, give_up_by),
+            give_up_by=give_up_by,
             data_port=allreduce.data_port,
         )
         task = asyncio.current_task()
@@ -333,30 +290,32 @@ class Averager:
             self._rounds.add(task)
         phase = "matchmaking"
         try:
-            async with asyncio.timeout(timeout + self.config.timeout_grace):
-                group = await matchmaker.find_group(request)
+            async with asyncio.timeout(request.remaining() + self.config.timeout_grace):
+                group = await matchmaker.find_group(match)
                 matched = time.monotonic()
                 index = group.index_of(self.dht.peer_id)
                 if index is None:  # find_group checks this; keep mypy and -O honest
                     raise AveragingError("matchmaking returned a group without this peer")
                 self._keys.on_group_formed(group.group_id, index, group.size)
                 phase = "allreduce"
-                outcome = await run_allreduce(
+                result = await run_allreduce(
                     group,
                     index,
                     arrays,
                     weight,
-                    deadline=started + timeout,
+                    deadline=request.deadline,
                     service=allreduce,
                     channels=self._channels_or_fail(),
                     header=self.dht.make_header(),
                     fault_plan=self._fault_plan,
-                    checked=True,  # validate_tensors checked every tensor
+                    checked=True,
                 )
         except TimeoutError:
             if phase == "matchmaking":
-                raise NoGroupError(f"no group formed under {key!r} within {timeout}s") from None
-            raise AveragingError(f"round under {key!r} overran its {timeout}s timeout") from None
+                raise NoGroupError(
+                    f"no group formed under {request.key!r} by the call's deadline"
+                ) from None
+            raise AveragingError(f"round under {request.key!r} overran its deadline") from None
         finally:
             if task is not None:
                 self._rounds.discard(task)
@@ -365,19 +324,9 @@ class Averager:
             "matchmaking": matched - started,
             "allreduce": done - matched,
             "total": done - started,
+            **result.timings,
         }
-        timings.update({f"allreduce.{k}": v for k, v in outcome.timings.items()})
-        return AveragingResult(
-            tensors=outcome.tensors,
-            group_size=group.size,
-            peers=[m.peer_id.hex() for m in group.members],
-            group_id=group.group_id.hex(),
-            partial=outcome.partial,
-            timings=timings,
-            bytes_sent=outcome.bytes_sent,
-            bytes_received=outcome.bytes_received,
-            gathered={m.peer_id.hex(): m.user_data for m in group.members},
-        )
+        return dataclasses.replace(result, timings=timings)
 
     def _channels_or_fail(self) -> ChannelPool:
         if self._channels is None:

@@ -11,7 +11,14 @@ class AveragingError(Exception):
     """Base class of every error raised by ``swarmavg.averaging``."""
 
 
-class InvalidTensorsError(AveragingError, ValueError):
+class InvalidRequestError(AveragingError, ValueError):
+    """A caller's round parameters are invalid (key, weight, timeout, sizes, codec).
+
+    Raised before anything is sent; the daemon keeps serving.
+    """
+
+
+class InvalidTensorsError(InvalidRequestError):
     """The caller's tensors cannot be averaged: empty list, unsupported dtype, NaN/Inf, ...
 
     Raised before anything is sent; the daemon keeps serving.
@@ -45,6 +52,7 @@ class StateDownloadError(AveragingError):
 
 __all__ = [
     "AveragingError",
+    "InvalidRequestError",
     "InvalidTensorsError",
     "MatchmakingError",
     "NoGroupError",

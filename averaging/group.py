@@ -9,7 +9,7 @@ every member, so nothing about the layout travels on the wire during the all-red
 API used by the matchmaking side (engineer A2)::
 
     from swarmavg.averaging.group import GroupInfo, Member, Mode, schema_hash
-    from swarmavg.averaging.allreduce.runner import AllReduceOutcome, run_allreduce
+    from swarmavg.averaging.allreduce.runner import run_allreduce
 
     service = AllReduceService()            # one per daemon, created inside the loop
     # in the Averaging servicer (a coroutine handler, not an async generator):

@@ -16,6 +16,7 @@ from swarmavg.proto import tensor_pb2
 __all__ = [
     "BFLOAT16",
     "FLOATING",
+    "REDUCED_IN_FLOAT64",
     "SUPPORTED",
     "dtype_from_proto",
     "dtype_to_proto",
@@ -42,7 +43,13 @@ SUPPORTED: frozenset[np.dtype[np.generic]] = frozenset(_TO_PROTO)
 FLOATING: frozenset[np.dtype[np.generic]] = frozenset(
     {np.dtype(np.float32), np.dtype(np.float16), BFLOAT16, np.dtype(np.float64)}
 )
-"""The dtypes lossy codecs accept."""
+"""The dtypes lossy codecs accept, and the only ones a training process may average
+through the daemon (integer tensors would be truncated by the mean)."""
+
+REDUCED_IN_FLOAT64: frozenset[np.dtype[np.generic]] = frozenset(
+    {np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.int64)}
+)
+"""Dtypes whose presence makes a reduction run in float64 (float32 is exact for the rest)."""
 
 
 def normalize_dtype(dtype: DTypeLike) -> np.dtype[np.generic]:

@@ -16,6 +16,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from swarmavg.averaging.errors import InvalidRequestError
+from swarmavg.averaging.request import RoundRequest
 from swarmavg.peer import shm
 from swarmavg.peer.errors import SwarmError, ValidationError
 from swarmavg.peer.tensors import (
@@ -27,7 +29,7 @@ from swarmavg.peer.tensors import (
     specs_of,
     to_numpy,
 )
-from swarmavg.peer.validation import validate_arrays, validate_key, validate_round_params
+from swarmavg.peer.validation import validate_arrays
 from swarmavg.proto import control_pb2
 
 SHM_THRESHOLD = 1 << 20
@@ -46,6 +48,7 @@ class AverageResult:
         peers: their peer ids (hex).
         group_id: the group's id.
         partial: some parts were averaged without a peer that failed mid-round.
+        codec: the codec the group actually used (its leader's choice).
         timings: seconds per phase, as the daemon measured them.
         local_callers: training processes on this machine combined into the round.
     """
@@ -55,6 +58,7 @@ class AverageResult:
     peers: list[str]
     group_id: str
     partial: bool
+    codec: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     local_callers: int = 1
 
@@ -85,10 +89,17 @@ class PreparedAverage:
         Raises:
             ValidationError: bad key, parameters, tensor types, dtypes or values.
         """
-        validate_key(key)
-        validate_round_params(weight, group_size, min_group_size, timeout)
-        if codec is not None and (not isinstance(codec, str) or not codec or len(codec) > 64):
-            raise ValidationError(f"codec must be None or a codec name, got {codec!r}")
+        try:  # the daemon's rules, so a bad argument fails here, before anything is sent
+            request = RoundRequest.build(
+                key=key,
+                weight=weight,
+                timeout=timeout,
+                group_size=group_size,
+                min_group_size=min_group_size,
+                codec=codec,
+            )
+        except InvalidRequestError as exc:
+            raise ValidationError(str(exc)) from None
         arrays, self.origins = to_numpy(tensors)
         self.total_bytes = validate_arrays(arrays)
         self.timeout = float(timeout)
@@ -99,12 +110,12 @@ class PreparedAverage:
         if segments is not None and self.total_bytes >= shm_threshold:
             self.segment = segments.acquire(arrays)
         self.start = control_pb2.AverageStart(
-            key=key,
-            weight=float(weight),
-            group_size=group_size or 0,
-            min_group_size=min_group_size,
-            timeout=float(timeout),
-            codec=codec or "",
+            key=request.key,
+            weight=request.weight,
+            group_size=request.group_size or 0,
+            min_group_size=request.min_group_size,
+            timeout=self.timeout,
+            codec=request.codec or "",
             tensors=specs_of(arrays),
             shm_name=self.segment.name if self.segment is not None else "",
             shm_size=self.segment.size if self.segment is not None else 0,
@@ -161,6 +172,7 @@ class PreparedAverage:
             peers=list(done.peers),
             group_id=done.group_id,
             partial=done.partial,
+            codec=done.codec,
             timings=dict(done.timings),
             local_callers=done.local_callers,
         )

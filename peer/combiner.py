@@ -21,52 +21,25 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import time
+import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from swarmavg.averaging.request import RoundRequest
+from swarmavg.averaging.result import AveragingResult
 from swarmavg.peer.errors import DaemonUnavailableError, ValidationError
 from swarmavg.peer.validation import same_layout
 
-
-@dataclass(frozen=True)
-class RoundParams:
-    """What the swarm's round is asked for (taken from a batch's first caller)."""
-
-    key: str
-    weight: float
-    group_size: int | None
-    min_group_size: int
-    timeout: float
-    codec: str | None
-
-
-@dataclass
-class RoundOutcome:
-    """A finished round, as handed to every local caller of the batch."""
-
-    arrays: list[np.ndarray]
-    group_size: int
-    peers: list[str]
-    group_id: str
-    partial: bool
-    timings: dict[str, float] = field(default_factory=dict)
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    local_callers: int = 1
-
-
-AverageFn = Callable[[list[np.ndarray], RoundParams], Awaitable[RoundOutcome]]
+AverageFn = Callable[[list[np.ndarray], RoundRequest], Awaitable[AveragingResult]]
 
 
 @dataclass
 class _Member:
     arrays: list[np.ndarray]
-    params: RoundParams
-    deadline: float
-    future: asyncio.Future[RoundOutcome]
+    request: RoundRequest
+    future: asyncio.Future[AveragingResult]
 
 
 @dataclass
@@ -116,13 +89,13 @@ class LocalCombiner:
         return max(self._recent_sizes, default=1)
 
     async def submit(
-        self, arrays: list[np.ndarray], params: RoundParams, client_id: str = ""
-    ) -> RoundOutcome:
-        """Join (or open) the batch for ``params.key`` and wait for the round's outcome.
+        self, arrays: list[np.ndarray], request: RoundRequest, client_id: str = ""
+    ) -> AveragingResult:
+        """Join (or open) the batch for ``request.key`` and wait for the round's outcome.
 
         Args:
-            arrays: the caller's tensors (validated).
-            params: the caller's round parameters.
+            arrays: the caller's tensors (checked).
+            request: the caller's round parameters (checked).
             client_id: the calling client's id ("" counts as one anonymous caller).
 
         Raises:
@@ -138,21 +111,21 @@ class LocalCombiner:
             self._known[client_id] = None
             if len(self._known) > self.MAX_KNOWN_CLIENTS:
                 del self._known[next(iter(self._known))]
-        batch = self._open.get(params.key)
+        batch = self._open.get(request.key)
         if batch is None:
-            batch = _Batch(params.key, asyncio.Event())
-            self._open[params.key] = batch
-            task = loop.create_task(self._run(batch), name=f"local-batch:{params.key}")
+            batch = _Batch(request.key, asyncio.Event())
+            self._open[request.key] = batch
+            task = loop.create_task(self._run(batch), name=f"local-batch:{request.key}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         else:
             difference = same_layout(batch.members[0].arrays, arrays)
             if difference is not None:
                 raise ValidationError(
-                    f"tensors for key {params.key!r} differ from those another local "
+                    f"tensors for key {request.key!r} differ from those another local "
                     f"process is averaging: {difference}"
                 )
-        member = _Member(arrays, params, time.monotonic() + params.timeout, loop.create_future())
+        member = _Member(arrays, request, loop.create_future())
         batch.members.append(member)
         batch.has_newcomer |= newcomer
         if not batch.has_newcomer and len(batch.members) >= self.expected_callers():
@@ -184,27 +157,22 @@ class LocalCombiner:
             if not m.future.done():
                 m.future.set_result(outcome)
 
-    async def _round(self, members: list[_Member]) -> RoundOutcome:
-        first = members[0].params
-        remaining = min(m.deadline for m in members) - time.monotonic()
+    async def _round(self, members: list[_Member]) -> AveragingResult:
+        # The batch takes its first caller's parameters, the sum of the weights and the
+        # earliest deadline, so no caller waits past its own timeout.
+        request = members[0].request
         if len(members) == 1:
             arrays = members[0].arrays
-            weight = first.weight
         else:
-            weights = [m.params.weight for m in members]
+            weights = [m.request.weight for m in members]
             arrays = await asyncio.to_thread(combine, [m.arrays for m in members], weights)
-            weight = float(sum(weights))
-        params = RoundParams(
-            key=first.key,
-            weight=weight,
-            group_size=first.group_size,
-            min_group_size=first.min_group_size,
-            timeout=max(remaining, 0.001),
-            codec=first.codec,
-        )
-        outcome = await self._average(arrays, params)
-        outcome.local_callers = len(members)
-        return outcome
+            request = dataclasses.replace(
+                request,
+                weight=float(sum(weights)),
+                deadline=min(m.request.deadline for m in members),
+            )
+        result = await self._average(arrays, request)
+        return dataclasses.replace(result, local_callers=len(members))
 
     async def close(self) -> None:
         """Cancel open batches and rounds (their callers get ``DaemonUnavailableError``)."""

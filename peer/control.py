@@ -19,8 +19,10 @@ import msgpack
 import numpy as np
 
 from swarmavg.averaging import errors as averaging_errors
+from swarmavg.averaging.request import RoundRequest, check_finite
+from swarmavg.averaging.result import AveragingResult
 from swarmavg.peer import shm
-from swarmavg.peer.combiner import LocalCombiner, RoundOutcome, RoundParams
+from swarmavg.peer.combiner import LocalCombiner
 from swarmavg.peer.errors import (
     STATUS_FOR_ERROR,
     DaemonUnavailableError,
@@ -28,7 +30,7 @@ from swarmavg.peer.errors import (
     ValidationError,
 )
 from swarmavg.peer.tensors import TensorAssembler, iter_bytes, layout_from_specs, specs_of
-from swarmavg.peer.validation import validate_finite, validate_key, validate_round_params
+from swarmavg.peer.validation import validate_finite, validate_key
 from swarmavg.proto import control_pb2, control_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -61,7 +63,7 @@ def classify(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode[code], reason
     if isinstance(exc, averaging_errors.SchemaMismatchError):
         return grpc.StatusCode.INVALID_ARGUMENT, "schema_mismatch"
-    if isinstance(exc, averaging_errors.InvalidTensorsError):
+    if isinstance(exc, averaging_errors.InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, "invalid_input"
     if isinstance(exc, averaging_errors.NoGroupError):
         return grpc.StatusCode.FAILED_PRECONDITION, "no_group"
@@ -188,9 +190,17 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 raise ValidationError("the first message of an Average call must be its start")
             start = first.start
             shm_name = start.shm_name
-            validate_key(start.key)
-            group_size = start.group_size or None
-            validate_round_params(start.weight, group_size, start.min_group_size, start.timeout)
+            # The one place a call's parameters are checked and its timeout becomes a
+            # deadline; the combiner, matchmaking and the all-reduce take them as they are.
+            request = RoundRequest.build(
+                key=start.key,
+                weight=start.weight,
+                timeout=start.timeout,
+                group_size=start.group_size or None,
+                min_group_size=start.min_group_size,
+                codec=start.codec or None,
+                now=started,
+            )
             dtypes, shapes, _ = layout_from_specs(start.tensors)
             if start.shm_name:
                 segment = self._backend.segments.open(
@@ -206,22 +216,12 @@ class ControlService(control_pb2_grpc.ControlServicer):
                     assembler.add(message.data)
                 arrays = assembler.finish()
             yield control_pb2.AverageResponse(accepted=control_pb2.AverageAccepted())
-            await asyncio.to_thread(validate_finite, arrays)
-            params = RoundParams(
-                key=start.key,
-                weight=start.weight,
-                group_size=group_size,
-                min_group_size=start.min_group_size,
-                timeout=max(start.timeout - (time.monotonic() - started), 0.001),
-                codec=start.codec or None,
-            )
-            outcome: RoundOutcome = await self._backend.combiner.submit(
-                arrays, params, start.client_id[:64]
-            )
+            await asyncio.to_thread(check_finite, arrays)
+            outcome = await self._backend.combiner.submit(arrays, request, start.client_id[:64])
             if segment is not None:
-                await asyncio.to_thread(segment.write_results, outcome.arrays)
+                await asyncio.to_thread(segment.write_results, outcome.tensors)
             else:
-                for piece in iter_bytes(outcome.arrays):
+                for piece in iter_bytes(outcome.tensors):
                     yield control_pb2.AverageResponse(data=piece)
             yield control_pb2.AverageResponse(done=_done_message(outcome))
         except BaseException as exc:
@@ -306,12 +306,13 @@ def _unpack(data: bytes, what: str) -> Any:
         raise ValidationError(f"{what} is not valid msgpack: {exc}") from None
 
 
-def _done_message(outcome: RoundOutcome) -> control_pb2.AverageDone:
+def _done_message(outcome: AveragingResult) -> control_pb2.AverageDone:
     return control_pb2.AverageDone(
         group_size=outcome.group_size,
         peers=outcome.peers,
         group_id=outcome.group_id,
         partial=outcome.partial,
+        codec=outcome.codec,
         timings=outcome.timings,
         bytes_sent=outcome.bytes_sent,
         bytes_received=outcome.bytes_received,

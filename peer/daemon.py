@@ -29,6 +29,8 @@ from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.averager import Averager, AveragerConfig
 from swarmavg.averaging.group import Mode
 from swarmavg.averaging.matchmaking.matchmaker import MatchmakingEvent
+from swarmavg.averaging.request import RoundRequest
+from swarmavg.averaging.result import AveragingResult
 from swarmavg.dht import (
     BootstrapError,
     ChannelPool,
@@ -39,7 +41,7 @@ from swarmavg.dht import (
 )
 from swarmavg.peer import __version__, shm
 from swarmavg.peer.client import AsyncClient
-from swarmavg.peer.combiner import LocalCombiner, RoundOutcome, RoundParams
+from swarmavg.peer.combiner import LocalCombiner
 from swarmavg.peer.config import PeerConfig, parse_host_port
 from swarmavg.peer.control import ControlService, classify
 from swarmavg.peer.endpoint import ControlEndpoint, parse_control_endpoint, prepare_unix_socket
@@ -293,22 +295,14 @@ class Peer:
 
     # ---- what the control service calls ----
 
-    async def _average(self, arrays: list[np.ndarray], params: RoundParams) -> RoundOutcome:
-        """One swarm round for a local batch; counts it in the stats."""
+    async def _average(self, arrays: list[np.ndarray], request: RoundRequest) -> AveragingResult:
+        """One swarm round for a local batch; counts it in the stats under the codec the
+        group used (its leader's choice)."""
         if self.averager is None:
             raise RuntimeError("the peer is not started")
         started = time.monotonic()
-        codec = params.codec or self._averager_config.default_codec
         try:
-            result = await self.averager.average(
-                arrays,
-                params.key,
-                weight=params.weight,
-                group_size=params.group_size,
-                min_group_size=params.min_group_size,
-                timeout=params.timeout,
-                codec=params.codec,
-            )
+            result = await self.averager.run(arrays, request)
         except asyncio.CancelledError:
             self.stats.record_failure("cancelled")
             raise
@@ -316,22 +310,13 @@ class Peer:
             self.stats.record_failure(classify(exc)[1])
             raise
         self.stats.record_round(
-            codec,
+            result.codec,
             time.monotonic() - started,
-            int(result.bytes_sent),
-            int(result.bytes_received),
-            dict(result.timings),
+            result.bytes_sent,
+            result.bytes_received,
+            result.timings,
         )
-        return RoundOutcome(
-            arrays=list(result.tensors),
-            group_size=int(result.group_size),
-            peers=list(result.peers),
-            group_id=str(result.group_id),
-            partial=bool(result.partial),
-            timings={k: float(v) for k, v in result.timings.items()},
-            bytes_sent=int(result.bytes_sent),
-            bytes_received=int(result.bytes_received),
-        )
+        return result
 
     def record_failure(self, reason: str) -> None:
         self.stats.record_failure(reason)

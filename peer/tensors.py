@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from swarmavg.compression.dtypes import BFLOAT16
 from swarmavg.peer.errors import ValidationError
 from swarmavg.peer.validation import (
-    BFLOAT16,
     MAX_TOTAL_BYTES,
     dtype_from_proto,
     dtype_to_proto,

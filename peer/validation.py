@@ -10,50 +10,44 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import ml_dtypes
 import numpy as np
 
-from swarmavg.compression.kernels import all_finite
+from swarmavg.averaging.errors import InvalidTensorsError
+from swarmavg.averaging.request import MAX_KEY_BYTES, check_finite
+from swarmavg.compression import dtypes
+from swarmavg.compression.dtypes import FLOATING
+from swarmavg.compression.errors import CodecError
 from swarmavg.peer.errors import ValidationError
-from swarmavg.proto import tensor_pb2
 
-MAX_KEY_BYTES = 256
-"""Round keys end up inside DHT keys (``{run}.{key}.{bits}``), whose size is capped."""
 MAX_TENSORS = 65536
 MAX_NDIM = 32
 MAX_TOTAL_BYTES = 16 << 30
 """The daemon refuses to allocate more than this for one call."""
 
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-# Averaging is defined for floating types only; integer tensors would be silently
-# truncated by the mean, so they are rejected rather than guessed at.
-_DTYPE_TO_PROTO: dict[np.dtype[np.generic], int] = {
-    np.dtype(np.float32): tensor_pb2.FLOAT32,
-    np.dtype(np.float16): tensor_pb2.FLOAT16,
-    np.dtype(np.float64): tensor_pb2.FLOAT64,
-    BFLOAT16: tensor_pb2.BFLOAT16,
-}
-_PROTO_TO_DTYPE = {v: k for k, v in _DTYPE_TO_PROTO.items()}
-SUPPORTED_DTYPES = ("float32", "float16", "bfloat16", "float64")
+SUPPORTED_DTYPES = tuple(sorted(d.name for d in FLOATING))
+"""What a training process may average: the floating wire dtypes. Integer tensors would be
+silently truncated by the mean, so they are rejected rather than guessed at."""
 
 
 def dtype_to_proto(dtype: np.dtype[np.generic], where: str) -> int:
-    """The wire enum for a supported dtype; ``ValidationError`` otherwise."""
-    try:
-        return _DTYPE_TO_PROTO[np.dtype(dtype)]
-    except KeyError:
+    """The wire enum for a dtype a training process may average; ``ValidationError`` otherwise."""
+    if np.dtype(dtype) not in FLOATING:
         raise ValidationError(
             f"{where}: unsupported dtype {np.dtype(dtype).name}; "
             f"supported: {', '.join(SUPPORTED_DTYPES)}"
-        ) from None
+        )
+    return dtypes.dtype_to_proto(dtype)
 
 
 def dtype_from_proto(value: int, where: str) -> np.dtype[np.generic]:
-    """The numpy dtype for a wire enum value; ``ValidationError`` for others."""
+    """The numpy dtype for a wire enum value of a floating dtype; ``ValidationError`` else."""
     try:
-        return _PROTO_TO_DTYPE[value]
-    except KeyError:
-        raise ValidationError(f"{where}: unsupported dtype code {value}") from None
+        dtype = dtypes.dtype_from_proto(value)
+    except CodecError:
+        dtype = None
+    if dtype not in FLOATING:
+        raise ValidationError(f"{where}: unsupported dtype code {value}")
+    return dtype
 
 
 def validate_key(key: object) -> str:
@@ -66,27 +60,6 @@ def validate_key(key: object) -> str:
     if size > MAX_KEY_BYTES:
         raise ValidationError(f"key is {size} bytes long; the limit is {MAX_KEY_BYTES}")
     return key
-
-
-def validate_round_params(
-    weight: float,
-    group_size: int | None,
-    min_group_size: int,
-    timeout: float,
-) -> None:
-    """Check the scalar arguments of ``average``."""
-    if not isinstance(weight, int | float) or not math.isfinite(weight) or weight <= 0:
-        raise ValidationError(f"weight must be a finite number > 0, got {weight!r}")
-    if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
-        raise ValidationError(f"group_size must be None or an int >= 1, got {group_size!r}")
-    if not isinstance(min_group_size, int) or min_group_size < 1:
-        raise ValidationError(f"min_group_size must be an int >= 1, got {min_group_size!r}")
-    if group_size is not None and min_group_size > group_size:
-        raise ValidationError(
-            f"min_group_size {min_group_size} is larger than group_size {group_size}"
-        )
-    if not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout <= 0:
-        raise ValidationError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
 
 
 def validate_layout(dtypes: Sequence[np.dtype[np.generic]], shapes: Sequence[Sequence[int]]) -> int:
@@ -110,12 +83,12 @@ def validate_layout(dtypes: Sequence[np.dtype[np.generic]], shapes: Sequence[Seq
 
 
 def validate_finite(arrays: Sequence[np.ndarray]) -> None:
-    """Reject NaN and Inf (one of them poisons the whole group's average)."""
-    for i, array in enumerate(arrays):
-        floating = array.dtype.kind == "f" or array.dtype == ml_dtypes.bfloat16
-        if floating and not all_finite(array):
-            bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
-            raise ValidationError(f"tensor {i} holds {bad} NaN/Inf value(s)")
+    """Reject NaN and Inf (:func:`swarmavg.averaging.request.check_finite`, as a
+    ``ValidationError``)."""
+    try:
+        check_finite(arrays)
+    except InvalidTensorsError as exc:
+        raise ValidationError(str(exc)) from None
 
 
 def validate_arrays(arrays: Sequence[np.ndarray]) -> int:

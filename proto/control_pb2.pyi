@@ -64,7 +64,7 @@ class AverageAccepted(_message.Message):
     def __init__(self) -> None: ...
 
 class AverageDone(_message.Message):
-    __slots__ = ("group_size", "peers", "group_id", "partial", "timings", "bytes_sent", "bytes_received", "local_callers")
+    __slots__ = ("group_size", "peers", "group_id", "partial", "timings", "bytes_sent", "bytes_received", "local_callers", "codec")
     class TimingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class AverageDone(_message.Message):
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     LOCAL_CALLERS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     group_size: int
     peers: _containers.RepeatedScalarFieldContainer[str]
     group_id: str
@@ -88,7 +89,8 @@ class AverageDone(_message.Message):
     bytes_sent: int
     bytes_received: int
     local_callers: int
-    def __init__(self, group_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., group_id: _Optional[str] = ..., partial: _Optional[bool] = ..., timings: _Optional[_Mapping[str, float]] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., local_callers: _Optional[int] = ...) -> None: ...
+    codec: str
+    def __init__(self, group_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., group_id: _Optional[str] = ..., partial: _Optional[bool] = ..., timings: _Optional[_Mapping[str, float]] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., local_callers: _Optional[int] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class AverageResponse(_message.Message):
     __slots__ = ("accepted", "data", "done")

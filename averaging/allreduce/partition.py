@@ -16,20 +16,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-
-_WIDEN_TO_F32: set[np.dtype] = {
-    np.dtype(np.float16),
-    BFLOAT16,
-    np.dtype(np.float32),
-    np.dtype(np.int8),
-    np.dtype(np.uint8),
-}
-_WIDEN_TO_F64: set[np.dtype] = {np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.int64)}
-SUPPORTED_DTYPES: frozenset[np.dtype] = frozenset(_WIDEN_TO_F32 | _WIDEN_TO_F64)
+from swarmavg.compression.dtypes import REDUCED_IN_FLOAT64, SUPPORTED
 
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 """Target size of one encoded chunk on the wire (see docs/benchmarks-allreduce.md)."""
@@ -39,11 +28,11 @@ MIN_CHUNK_ELEMENTS = 1024
 def reduction_dtype(dtypes: Sequence[np.dtype]) -> np.dtype:
     """The dtype in which tensors of ``dtypes`` are reduced: float64 or float32."""
     for dtype in dtypes:
-        if np.dtype(dtype) not in SUPPORTED_DTYPES:
+        if np.dtype(dtype) not in SUPPORTED:
             raise ValueError(
-                f"unsupported dtype {dtype}; supported: {sorted(d.name for d in SUPPORTED_DTYPES)}"
+                f"unsupported dtype {dtype}; supported: {sorted(d.name for d in SUPPORTED)}"
             )
-    if any(np.dtype(d) in _WIDEN_TO_F64 for d in dtypes):
+    if any(np.dtype(d) in REDUCED_IN_FLOAT64 for d in dtypes):
         return np.dtype(np.float64)
     return np.dtype(np.float32)
 

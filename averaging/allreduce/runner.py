@@ -35,7 +35,6 @@ import math
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
@@ -61,6 +60,7 @@ from swarmavg.averaging.allreduce.wire import (
     serialize_request,
 )
 from swarmavg.averaging.group import GroupInfo, schema_hash
+from swarmavg.averaging.result import AveragingResult
 from swarmavg.averaging.stubs import reduce_method
 from swarmavg.compression import Codec, CodecInfo
 from swarmavg.compression.base import Encoded
@@ -71,7 +71,6 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "AllReduceError",
-    "AllReduceOutcome",
     "AllReduceService",
     "ChannelSource",
     "run_allreduce",
@@ -88,30 +87,6 @@ class ChannelSource(Protocol):
 
 class AllReduceError(RuntimeError):
     """The round could not run at all (e.g. its deadline had already passed)."""
-
-
-@dataclass
-class AllReduceOutcome:
-    """What one member got out of a round.
-
-    Attributes:
-        tensors: new arrays with the caller's shapes, dtypes and order: the average for
-            every chunk that came back, the caller's own values for the rest.
-        partial: some chunk kept local values, or was averaged without some sender.
-        failed_parts: parts (member indices) of which some chunk kept local values.
-        dropped: senders this member's reducer dropped, with the reason.
-        bytes_sent / bytes_received: payload bytes this member put on / took off the
-            wire (both directions of every stream, as serialised messages).
-        timings: seconds per phase (``prepare``, ``exchange``, ``finish``, ``total``).
-    """
-
-    tensors: list[np.ndarray]
-    partial: bool
-    failed_parts: tuple[int, ...] = ()
-    dropped: dict[int, str] = field(default_factory=dict)
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 def _bytes_per_element(codec: Codec, dtype: np.dtype) -> float:
@@ -408,7 +383,7 @@ async def run_allreduce(
     header: common_pb2.RequestHeader,
     fault_plan: FaultPlan | None = None,
     checked: bool = False,
-) -> AllReduceOutcome:
+) -> AveragingResult:
     """Run this member's side of one butterfly all-reduce round.
 
     Args:
@@ -560,17 +535,22 @@ async def run_allreduce(
 
     out = await offload(executor, finish)
     t_done = time.monotonic()
-    return AllReduceOutcome(
+    return AveragingResult(
         tensors=out,
+        group_size=group.size,
+        peers=[m.peer_id.hex() for m in group.members],
+        group_id=group.group_id.hex(),
+        codec=group.codec,
         partial=bool(failed) or not averaged_by_all,
-        failed_parts=failed,
-        dropped=dict(round_.dropped) if round_ is not None else {},
+        timings={
+            "allreduce.prepare": t_prepared - t0,
+            "allreduce.exchange": t_exchanged - t_prepared,
+            "allreduce.finish": t_done - t_exchanged,
+            "allreduce.total": t_done - t0,
+        },
         bytes_sent=ex.bytes_sent + (round_.bytes_sent if round_ is not None else 0),
         bytes_received=ex.bytes_received + (round_.bytes_received if round_ is not None else 0),
-        timings={
-            "prepare": t_prepared - t0,
-            "exchange": t_exchanged - t_prepared,
-            "finish": t_done - t_exchanged,
-            "total": t_done - t0,
-        },
+        gathered={m.peer_id.hex(): m.user_data for m in group.members},
+        failed_parts=failed,
+        dropped=dict(round_.dropped) if round_ is not None else {},
     )

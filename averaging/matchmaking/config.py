@@ -63,8 +63,9 @@ class MatchRequest:
         mode: this peer's averaging mode.
         bandwidth: this peer's reported bandwidth.
         user_data: opaque bytes given to every member.
-        window: seconds until this peer, as a leader, closes a group that is not full.
-        give_up: seconds until it stops looking and raises.
+        close_by: ``time.monotonic()`` instant at which this peer, as a leader, closes a
+            group that is not full.
+        give_up_by: ``time.monotonic()`` instant at which it stops looking and raises.
         data_port: this peer's data-plane port, advertised to the group (0: none).
     """
 
@@ -76,8 +77,8 @@ class MatchRequest:
     mode: Mode
     bandwidth: float
     user_data: bytes
-    window: float
-    give_up: float
+    close_by: float
+    give_up_by: float
     data_port: int = 0
 
     def __post_init__(self) -> None:
@@ -90,5 +91,5 @@ class MatchRequest:
             raise ValueError("schema_hash must be 32 bytes")
         if len(self.user_data) > MAX_USER_DATA_BYTES:
             raise ValueError(f"user_data is limited to {MAX_USER_DATA_BYTES} bytes")
-        if not (0 <= self.window <= self.give_up and math.isfinite(self.give_up)):
-            raise ValueError("need 0 <= window <= give_up (seconds)")
+        if not (self.close_by <= self.give_up_by and math.isfinite(self.give_up_by)):
+            raise ValueError("need close_by <= give_up_by, both finite")

@@ -156,7 +156,7 @@ class Matchmaker:
     async def find_group(self, request: MatchRequest) -> GroupInfo:
         """Find or lead a group under ``request.key``; return it once it is formed.
 
-        Returns within ``request.give_up`` seconds (plus one DHT or RPC deadline at most).
+        Returns by ``request.give_up_by`` (plus one DHT or RPC deadline at most).
 
         Raises:
             NoGroupError: fewer than ``min_group_size`` peers before the give-up time.
@@ -165,13 +165,16 @@ class Matchmaker:
         """
         if request.key in self._rounds:
             raise ValueError(f"already matchmaking under {request.key!r}")
+        # Declarations are read by other peers, so they carry wall-clock times: the one
+        # place where the round's monotonic instants move onto the DHT's clock.
         now = time.time()
+        to_wall = now - time.monotonic()
         me = Declaration(
             peer_id=self.peer_id,
             address="" if request.mode is Mode.CLIENT else self.address,
             start=now,
-            deadline=now + request.window,
-            give_up=now + request.give_up,
+            deadline=max(now, request.close_by + to_wall),
+            give_up=max(now, request.give_up_by + to_wall),
             mode=request.mode,
             bandwidth=request.bandwidth,
             schema_hash=request.schema_hash,
@@ -420,7 +423,7 @@ class Matchmaker:
             )
         return NoGroupError(
             f"only {rnd.num_members} peer(s) gathered under {req.key!r} within "
-            f"{req.give_up:.1f}s; min_group_size is {req.min_group_size}"
+            f"{rnd.me.give_up - rnd.me.start:.1f}s; min_group_size is {req.min_group_size}"
         )
 
     # ------------------------------------------------------------------ leader side

@@ -13,9 +13,10 @@ import numpy as np
 
 from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.allreduce.faults import FaultPlan
-from swarmavg.averaging.allreduce.runner import AllReduceOutcome, run_allreduce
+from swarmavg.averaging.allreduce.runner import run_allreduce
 from swarmavg.averaging.allreduce.service import AllReduceService
 from swarmavg.averaging.group import GroupInfo, Member, Mode, schema_hash
+from swarmavg.averaging.result import AveragingResult
 from swarmavg.averaging.service import add_reduce_to_server
 from swarmavg.dht import ChannelPool, Identity
 from swarmavg.proto import common_pb2
@@ -96,12 +97,12 @@ async def run_group(
     timeout: float = 20.0,
     faults: dict[int, FaultPlan] | None = None,
     skip: Sequence[int] = (),
-) -> list[AllReduceOutcome | BaseException | None]:
+) -> list[AveragingResult | BaseException | None]:
     """Run every member's side at once; ``skip`` members never start (None in results)."""
     deadline = time.monotonic() + timeout
     faults = faults or {}
 
-    async def one(i: int) -> AllReduceOutcome | None:
+    async def one(i: int) -> AveragingResult | None:
         if i in skip:
             return None
         return await run_allreduce(

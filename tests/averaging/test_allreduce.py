@@ -12,8 +12,9 @@ import pytest
 
 from swarmavg.averaging.allreduce.partition import TensorLayout, flatten
 from swarmavg.averaging.allreduce.reducer import weighted_mean
-from swarmavg.averaging.allreduce.runner import AllReduceError, AllReduceOutcome, run_allreduce
+from swarmavg.averaging.allreduce.runner import AllReduceError, run_allreduce
 from swarmavg.averaging.group import Mode
+from swarmavg.averaging.result import AveragingResult
 from swarmavg.compression import known_codecs
 from swarmavg.dht import ChannelPool
 from tests.averaging.allreduce_peers import (
@@ -63,7 +64,7 @@ def _expected(inputs: list[list[np.ndarray]], weights: Sequence[float], senders:
     return weighted_mean([_flat(inputs[i]) for i in senders], [weights[i] for i in senders])
 
 
-def _assert_close_to(outcome: AllReduceOutcome, expected: np.ndarray, like: Sequence[np.ndarray]):
+def _assert_close_to(outcome: AveragingResult, expected: np.ndarray, like: Sequence[np.ndarray]):
     layout = TensorLayout.of(like)
     for out, ref, offset, shape, dtype in zip(
         outcome.tensors, like, layout.offsets, layout.shapes, layout.dtypes, strict=True
@@ -78,7 +79,7 @@ def _assert_close_to(outcome: AllReduceOutcome, expected: np.ndarray, like: Sequ
             np.testing.assert_allclose(out.astype(np.float64), want, rtol=2 * eps, atol=4 * eps)
 
 
-def _assert_bit_identical(outcomes: Sequence[AllReduceOutcome]) -> None:
+def _assert_bit_identical(outcomes: Sequence[AveragingResult]) -> None:
     for other in outcomes[1:]:
         for a, b in zip(outcomes[0].tensors, other.tensors, strict=True):
             assert a.tobytes() == b.tobytes()
@@ -121,7 +122,7 @@ async def test_exact_weighted_mean(
         expected = _expected(inputs, weights, senders)
         outcomes = []
         for i, result in enumerate(results):
-            assert isinstance(result, AllReduceOutcome), result
+            assert isinstance(result, AveragingResult), result
             if modes[i] is Mode.AUX:
                 continue
             assert not result.partial
@@ -148,7 +149,7 @@ async def test_parts_of_a_single_element(
         results = await run_group(peers, group, inputs, weights, channels)
         expected = _expected(inputs, weights, range(n))
         for r in results:
-            assert isinstance(r, AllReduceOutcome), r
+            assert isinstance(r, AveragingResult), r
             assert not r.partial
             _assert_close_to(r, expected, inputs[0])
         _assert_bit_identical(results)  # type: ignore[arg-type]
@@ -183,7 +184,7 @@ async def test_codecs_give_bit_identical_results_within_bound(
         results = await run_group(peers, group, inputs, weights, channels)
         expected = _expected(inputs, weights, range(n))
         for r in results:
-            assert isinstance(r, AllReduceOutcome), r
+            assert isinstance(r, AveragingResult), r
             assert not r.partial
             got = _flat(r.tensors)
             assert np.isfinite(got).all()
@@ -206,7 +207,7 @@ async def test_two_rounds_reuse_the_service_and_channels(
             results = await run_group(peers, group, inputs, [1.0, 1.0, 1.0], channels)
             expected = _expected(inputs, [1.0] * 3, range(3))
             for r in results:
-                assert isinstance(r, AllReduceOutcome), r
+                assert isinstance(r, AveragingResult), r
                 _assert_close_to(r, expected, inputs[0])
         if peers[0].data_port:  # one connection per (sender, reducer), reused by round 2
             opened = [p.service.data_connector.opened for p in peers if p.service.data_connector]
@@ -278,7 +279,7 @@ async def test_inline_codec_work_gives_the_same_bits(
         try:
             group = make_group(peers, inputs[0], codec="float16")
             results = await run_group(peers, group, inputs, weights, channels)
-            assert all(isinstance(r, AllReduceOutcome) and not r.partial for r in results)
+            assert all(isinstance(r, AveragingResult) and not r.partial for r in results)
             outcomes.append(results[0])
         finally:
             await close_peers(peers)
@@ -303,7 +304,7 @@ async def test_topk_error_feedback_carries_across_rounds(
         for _ in range(rounds):
             group = make_group(peers, inputs[0], codec="topk:fraction=0.05")
             results = await run_group(peers, group, inputs, [1.0, 1.0], channels)
-            assert isinstance(results[0], AllReduceOutcome), results[0]
+            assert isinstance(results[0], AveragingResult), results[0]
             total += results[0].tensors[0]
     finally:
         await close_peers(peers)

@@ -20,7 +20,7 @@ from swarmavg.averaging.allreduce.faults import Fault, FaultPlan, InjectedCrash
 from swarmavg.averaging.allreduce.load_balancing import part_sizes
 from swarmavg.averaging.allreduce.partition import PartPlan
 from swarmavg.averaging.allreduce.reducer import weighted_mean
-from swarmavg.averaging.allreduce.runner import AllReduceOutcome
+from swarmavg.averaging.result import AveragingResult
 from swarmavg.compression.base import Buffer, Header
 from swarmavg.compression.floating import Float16Codec
 from swarmavg.dht import ChannelPool
@@ -91,12 +91,12 @@ async def test_survivors_finish_with_the_mean_of_what_arrived(
         elif plan_.fault is Fault.CRASH:
             assert isinstance(results[FAULTY], InjectedCrash)
         else:
-            assert isinstance(results[FAULTY], AllReduceOutcome)
+            assert isinstance(results[FAULTY], AveragingResult)
             assert results[FAULTY].partial  # type: ignore[union-attr]
 
         outcomes = [results[i] for i in survivors]
         for i, r in zip(survivors, outcomes, strict=True):
-            assert isinstance(r, AllReduceOutcome), r
+            assert isinstance(r, AveragingResult), r
             assert r.partial
             if expected_failed is not None:
                 assert set(r.failed_parts) == expected_failed
@@ -165,7 +165,7 @@ async def test_the_deadline_bounds_a_stalled_round(
         assert time.monotonic() - started <= timeout + GRACE
         plan = _chunks(group.members)
         for i, r in enumerate(results):
-            assert isinstance(r, AllReduceOutcome), r
+            assert isinstance(r, AveragingResult), r
             assert r.partial
             # Chunk 0 of part 0 was delivered by everyone: averaged. The later chunks
             # waited for member 2 until the reducers' deadline, then averaged the others.
@@ -222,7 +222,7 @@ async def test_a_reply_decoded_after_the_deadline_cannot_change_the_result(
         asyncio.get_running_loop().call_later(timeout + 0.5, stalled.release.set)
         results = await run_group(peers, group, inputs, [1.0, 1.0], channels, timeout=timeout)
         outcome = results[0]
-        assert isinstance(outcome, AllReduceOutcome), outcome
+        assert isinstance(outcome, AveragingResult), outcome
         assert outcome.partial
         handed_out = outcome.tensors[0].copy()
         assert await asyncio.to_thread(stalled.done.wait, 10)

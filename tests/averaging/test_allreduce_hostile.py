@@ -21,8 +21,9 @@ from swarmavg.averaging.allreduce.data_plane import DataConnector, DataStreamErr
 from swarmavg.averaging.allreduce.load_balancing import part_sizes
 from swarmavg.averaging.allreduce.partition import PartPlan, chunk_elements_for
 from swarmavg.averaging.allreduce.reducer import weighted_mean
-from swarmavg.averaging.allreduce.runner import AllReduceOutcome, _bytes_per_element
+from swarmavg.averaging.allreduce.runner import _bytes_per_element
 from swarmavg.averaging.group import GroupInfo, Mode
+from swarmavg.averaging.result import AveragingResult
 from swarmavg.compression import CodecInfo, get_codec
 from swarmavg.dht import ChannelPool, Identity
 from swarmavg.proto import averaging_pb2
@@ -240,7 +241,7 @@ async def test_hostile_sender_is_cut_off(
         honest = [r for r in results if r is not None]
         assert len(honest) == HONEST
         for r in honest:
-            assert isinstance(r, AllReduceOutcome), r
+            assert isinstance(r, AveragingResult), r
             assert r.failed_parts == ()
             np.testing.assert_allclose(r.tensors[0], mean, rtol=1e-5, atol=1e-6)
             assert r.tensors[0].tobytes() == honest[0].tensors[0].tobytes()

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from swarmavg.averaging.allreduce.reducer import weighted_mean
-from swarmavg.averaging.allreduce.runner import AllReduceOutcome
 from swarmavg.averaging.allreduce.wire import Request, encode_response
 from swarmavg.averaging.group import GroupInfo, Member, Mode
+from swarmavg.averaging.result import AveragingResult
 from swarmavg.averaging.service import reduce_method_handler
 from swarmavg.compression import CodecInfo, get_codec
 from swarmavg.dht import ChannelPool, Identity
@@ -111,7 +111,7 @@ async def test_hostile_reducer_leaves_its_part_local(
         honest = [r for r in results if r is not None]
         assert len(honest) == HONEST
         for i, r in enumerate(honest):
-            assert isinstance(r, AllReduceOutcome), r
+            assert isinstance(r, AveragingResult), r
             assert r.partial
             assert r.failed_parts == (HONEST,)
             out, own = r.tensors[0], inputs[i][0]

@@ -100,8 +100,8 @@ async def test_input_validation_before_anything_is_sent() -> None:
         bad_inputs: list[tuple[object, str]] = [
             ([], "empty"),
             ([np.zeros(3, np.complex64)], "unsupported dtype"),
-            ([np.array([1.0, np.nan], np.float32)], "NaN or Inf"),
-            ([np.array([np.inf], ml_dtypes.bfloat16)], "NaN or Inf"),
+            ([np.array([1.0, np.nan], np.float32)], "NaN/Inf"),
+            ([np.array([np.inf], ml_dtypes.bfloat16)], "NaN/Inf"),
             ([[1.0, 2.0]], "not a numpy array"),
         ]
         for tensors, message in bad_inputs:

@@ -28,8 +28,8 @@ from swarmavg.averaging.allreduce.data_plane import (
     split_host,
 )
 from swarmavg.averaging.allreduce.reducer import weighted_mean
-from swarmavg.averaging.allreduce.runner import AllReduceOutcome
 from swarmavg.averaging.group import GroupInfo, Member
+from swarmavg.averaging.result import AveragingResult
 from swarmavg.dht import ChannelPool
 from tests.averaging.allreduce_peers import (
     FAST,
@@ -98,7 +98,7 @@ async def _round_is_exact(
     results = await run_group(peers, group, inputs, weights, channels, timeout=20)
     mean = weighted_mean([x[0] for x in inputs], weights)
     for r in results:
-        assert isinstance(r, AllReduceOutcome), r
+        assert isinstance(r, AveragingResult), r
         assert not r.partial
         np.testing.assert_allclose(r.tensors[0], mean, rtol=1e-5, atol=1e-6)
         assert r.tensors[0].tobytes() == results[0].tensors[0].tobytes()  # type: ignore[union-attr]

@@ -9,11 +9,11 @@ import grpc
 import numpy as np
 import pytest
 
-from swarmavg.averaging.averager import AveragingResult
 from swarmavg.averaging.errors import NoGroupError, SchemaMismatchError
 from swarmavg.averaging.matchmaking.declarations import Declaration, decode_declaration
 from swarmavg.averaging.matchmaking.keys import matchmaking_key
 from swarmavg.averaging.matchmaking.matchmaker import MatchmakingEvent, dictionary_entries
+from swarmavg.averaging.result import AveragingResult
 from swarmavg.averaging.stubs import join_group_method
 from swarmavg.proto import averaging_pb2
 from tests.averaging.averager_swarm import RUN_ID, AveragerSwarm, Peer, averager_swarm

@@ -13,8 +13,8 @@ import enum
 import numpy as np
 import pytest
 
-from swarmavg.averaging.averager import AveragingResult
 from swarmavg.averaging.matchmaking.matchmaker import MatchmakingEvent
+from swarmavg.averaging.result import AveragingResult
 from tests.averaging.averager_swarm import Peer, averager_swarm
 
 

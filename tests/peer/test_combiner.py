@@ -7,34 +7,36 @@ import asyncio
 import numpy as np
 import pytest
 
-from swarmavg.peer.combiner import LocalCombiner, RoundOutcome, RoundParams, combine
+from swarmavg.averaging.request import RoundRequest
+from swarmavg.averaging.result import AveragingResult
+from swarmavg.peer.combiner import LocalCombiner, combine
 from swarmavg.peer.errors import DaemonUnavailableError, ValidationError
 
 pytestmark = pytest.mark.timeout(20)
 
 
-def params(key: str = "k", weight: float = 1.0, timeout: float = 5.0) -> RoundParams:
-    return RoundParams(key, weight, None, 1, timeout, None)
+def params(key: str = "k", weight: float = 1.0, timeout: float = 5.0) -> RoundRequest:
+    return RoundRequest.build(key=key, weight=weight, timeout=timeout, min_group_size=1)
 
 
 class Recorder:
     """A round function that records its calls; optionally blocks until released."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[list[np.ndarray], RoundParams]] = []
+        self.calls: list[tuple[list[np.ndarray], RoundRequest]] = []
         self.entered = asyncio.Event()
         self.release = asyncio.Event()
         self.block = False
         self.fail: Exception | None = None
 
-    async def __call__(self, arrays: list[np.ndarray], p: RoundParams) -> RoundOutcome:
+    async def __call__(self, arrays: list[np.ndarray], p: RoundRequest) -> AveragingResult:
         self.calls.append((arrays, p))
         self.entered.set()
         if self.block:
             await self.release.wait()
         if self.fail is not None:
             raise self.fail
-        return RoundOutcome(arrays, 1, ["me"], "g", False)
+        return AveragingResult(arrays, 1, ["me"], "g", "none", False)
 
 
 def test_combine_is_the_weighted_mean_in_the_input_dtype() -> None:
@@ -150,3 +152,15 @@ async def test_a_first_call_waits_the_window_for_the_others() -> None:
     assert second.local_callers == 2
     assert len(rec.calls) == 1
     await combiner.close()
+
+
+async def test_a_batch_takes_the_earliest_deadline_and_the_summed_weight() -> None:
+    rec = Recorder()
+    combiner = LocalCombiner(rec, window=0.2)
+    x = [np.ones(2, np.float32)]
+    early = RoundRequest.build(key="k", weight=1.0, timeout=3.0, min_group_size=1)
+    late = RoundRequest.build(key="k", weight=2.0, timeout=9.0, min_group_size=1)
+    await asyncio.gather(combiner.submit(x, late, "gpu0"), combiner.submit(x, early, "gpu1"))
+    ((_, request),) = rec.calls
+    assert request.deadline == early.deadline
+    assert request.weight == 3.0

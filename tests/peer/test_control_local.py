@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+from swarmavg.averaging.request import RoundRequest
+from swarmavg.averaging.result import AveragingResult
 from swarmavg.peer import (
     DaemonUnavailableError,
     NoStateError,
@@ -26,7 +28,7 @@ from swarmavg.peer import (
     connect,
     connect_async,
 )
-from swarmavg.peer.combiner import LocalCombiner, RoundOutcome, RoundParams
+from swarmavg.peer.combiner import LocalCombiner
 from swarmavg.peer.control import ControlService
 from swarmavg.peer.errors import NoGroupError
 from swarmavg.peer.shm import NAME_RE, SHM_DIR, DaemonSegmentCache
@@ -39,22 +41,23 @@ class SoloBackend:
     def __init__(self, window: float = 0.0) -> None:
         self.combiner = LocalCombiner(self._average, window)
         self.segments = DaemonSegmentCache()
-        self.rounds: list[RoundParams] = []
+        self.rounds: list[RoundRequest] = []
         self.store: dict[str, Any] = {}
         self.state: tuple[bytes, list[np.ndarray]] | None = None
         self.failures: list[str] = []
 
-    async def _average(self, arrays: list[np.ndarray], params: RoundParams) -> RoundOutcome:
+    async def _average(self, arrays: list[np.ndarray], params: RoundRequest) -> AveragingResult:
         self.rounds.append(params)
         if params.min_group_size > 1:
             from swarmavg.averaging.errors import NoGroupError as AveragingNoGroup
 
             raise AveragingNoGroup(f"no peers for {params.key}")
-        return RoundOutcome(
-            arrays=[a.copy() for a in arrays],
+        return AveragingResult(
+            tensors=[a.copy() for a in arrays],
             group_size=1,
             peers=["solo"],
             group_id="g",
+            codec=params.codec or "none",
             partial=False,
         )
 

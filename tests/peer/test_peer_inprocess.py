@@ -58,3 +58,25 @@ def test_daemon_never_imports_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+async def test_result_and_stats_name_the_codec_the_group_used(sock_dir: Path) -> None:
+    # Each peer asks for another codec; the group uses its leader's. Both results and both
+    # daemons' per-codec figures must name that one, also on the peer that asked otherwise.
+    first = PeerConfig(listen="127.0.0.1:0", control=str(sock_dir / "a.sock"), run_id="t")
+    async with Peer(first) as a:
+        assert a.address is not None
+        second = PeerConfig(
+            listen="127.0.0.1:0", control=str(sock_dir / "b.sock"), run_id="t", join=[a.address]
+        )
+        async with Peer(second) as b, a.client() as ca, b.client() as cb:
+            x = np.linspace(-1, 1, 4096, dtype=np.float32)
+            ra, rb = await asyncio.gather(
+                ca.average([x], key="c", group_size=2, timeout=20, codec="float16"),
+                cb.average([x], key="c", group_size=2, timeout=20, codec="none"),
+            )
+            assert ra.codec == rb.codec
+            assert ra.codec in {"float16", "none"}
+            for client in (ca, cb):
+                status = await client.status()
+                assert set(status["codecs"]) == {ra.codec}

@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from swarmavg.averaging.request import RoundRequest
 from swarmavg.peer.calls import PreparedAverage
 from swarmavg.peer.errors import SwarmError, ValidationError
 from swarmavg.peer.validation import (
@@ -13,7 +14,6 @@ from swarmavg.peer.validation import (
     same_layout,
     validate_arrays,
     validate_key,
-    validate_round_params,
 )
 
 
@@ -75,7 +75,7 @@ def test_bad_parameters(overrides: dict[str, object], message: str) -> None:
 
 def test_good_inputs_pass() -> None:
     validate_key("é" * (MAX_KEY_BYTES // 2))
-    validate_round_params(0.5, 4, 2, 1.0)
+    RoundRequest.build(key="k", weight=0.5, group_size=4, min_group_size=2, timeout=1.0)
     arrays = [np.zeros((2, 3), np.float32), np.ones(4, ml_dtypes.bfloat16), np.zeros(0, np.float64)]
     assert validate_arrays(arrays) == 24 + 8 + 0
 

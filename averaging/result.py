@@ -1,0 +1,51 @@
+"""What one round gives back: one record from the all-reduce up to the client.
+
+The all-reduce runner fills it, the averager adds the matchmaking phase, the daemon's local
+combiner hands the same record to every local caller, and the control service turns it
+into the ``AverageDone`` message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class AveragingResult:
+    """The outcome of one round for this peer.
+
+    Attributes:
+        tensors: new arrays with the caller's shapes, dtypes and order: the average for
+            every chunk that came back, the caller's own values for the rest.
+        group_size: members of the group.
+        peers: the members' peer ids in hex, in group order.
+        group_id: the group's id in hex.
+        codec: the codec the group used (its leader's choice, which may differ from the
+            one this peer asked for).
+        partial: some chunk kept local values, or was averaged without some sender.
+        timings: seconds per phase: the all-reduce's ``allreduce.prepare``,
+            ``allreduce.exchange``, ``allreduce.finish`` and ``allreduce.total``; the
+            averager adds ``matchmaking``, ``allreduce`` and ``total``.
+        bytes_sent / bytes_received: payload bytes this member put on / took off the
+            wire (both directions of every stream, as serialised messages).
+        gathered: every member's ``user_data`` by peer id hex.
+        failed_parts: parts (member indices) of which some chunk kept local values.
+        dropped: senders this member's reducer dropped, with the reason.
+        local_callers: training processes of this machine combined into the round.
+    """
+
+    tensors: list[np.ndarray]
+    group_size: int
+    peers: list[str]
+    group_id: str
+    codec: str
+    partial: bool
+    timings: dict[str, float] = field(default_factory=dict)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    gathered: dict[str, bytes] = field(default_factory=dict)
+    failed_parts: tuple[int, ...] = ()
+    dropped: dict[int, str] = field(default_factory=dict)
+    local_callers: int = 1
