@@ -33,6 +33,7 @@ from swarmavg.averaging.allreduce.data_plane import split_host
 from swarmavg.averaging.allreduce.faults import FaultPlan
 from swarmavg.averaging.allreduce.runner import run_allreduce
 from swarmavg.averaging.allreduce.service import AllReduceService
+from swarmavg.averaging.allreduce.throughput import ThroughputEstimator
 from swarmavg.averaging.errors import AveragingError, InvalidRequestError, NoGroupError
 from swarmavg.averaging.group import MAX_GROUP_SIZE, Mode, schema_hash
 from swarmavg.averaging.matchmaking.keys import GroupKeyManager, validate_bits
@@ -76,6 +77,8 @@ class AveragerConfig:
         mode: ``NODE`` (send and reduce), ``CLIENT`` (send only; set it for peers that
             cannot accept connections) or ``AUX`` (reduce only, weight 0).
         bandwidth: this peer's bandwidth in MB/s; parts are sized in proportion to it.
+            ``None``: measured from this peer's rounds
+            (:class:`~swarmavg.averaging.allreduce.throughput.ThroughputEstimator`).
         target_group_size: group size when ``average`` is called with ``group_size=None``.
         matchmaking_time: seconds a leader waits for more peers before it closes a group
             that is not full (it closes at once when full).
@@ -91,7 +94,7 @@ class AveragerConfig:
     """
 
     mode: Mode = Mode.NODE
-    bandwidth: float = 100.0
+    bandwidth: float | None = None
     target_group_size: int = 16
     matchmaking_time: float = 5.0
     matchmaking_share: float = 0.5
@@ -104,7 +107,9 @@ class AveragerConfig:
     state: StateSharingConfig = field(default_factory=StateSharingConfig)
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.bandwidth) and self.bandwidth >= 0):
+        if self.bandwidth is not None and not (
+            math.isfinite(self.bandwidth) and self.bandwidth >= 0
+        ):
             raise ValueError(f"bandwidth must be finite and >= 0, got {self.bandwidth}")
         if not 1 <= self.target_group_size <= MAX_GROUP_SIZE:
             raise ValueError(f"target_group_size must be in 1..{MAX_GROUP_SIZE}")
@@ -153,6 +158,8 @@ class Averager:
         self._fault_plan = fault_plan
         self._donor_faults = donor_faults
         self._keys = GroupKeyManager(self.run_id, self.config.group_bits)
+        self.bandwidth = ThroughputEstimator(self.config.bandwidth)
+        """What this peer advertises in matchmaking (MB/s): set, or measured from rounds."""
         self._components: Components | None = None
         self._servicer = AveragingServicer(lambda: self._components)
         self._rounds: set[asyncio.Task[Any]] = set()
@@ -279,7 +286,7 @@ class Averager:
             min_group_size=request.min_group_size,
             codec=codec,
             mode=mode,
-            bandwidth=self.config.bandwidth,
+            bandwidth=self.bandwidth.value,
             user_data=self.config.user_data,
             close_by=min(started + self.config.matchmaking_time, give_up_by),
             give_up_by=give_up_by,
@@ -320,6 +327,8 @@ class Averager:
             if task is not None:
                 self._rounds.discard(task)
         done = time.monotonic()
+        busier = max(result.bytes_sent, result.bytes_received)
+        self.bandwidth.observe(busier, result.timings["allreduce.exchange"], partial=result.partial)
         timings = {
             "matchmaking": matched - started,
             "allreduce": done - matched,
