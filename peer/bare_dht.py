@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from swarmavg.dht import BootstrapError, ChannelPool, DHTConfig, DHTNode, Identity
+from swarmavg.dht import BootstrapError, ChannelPool, DHTNode, Identity
 from swarmavg.peer.config import PeerConfig
 from swarmavg.peer.daemon import (
     StartupError,
@@ -66,15 +66,7 @@ class BareDHT:
         except (OSError, ValueError) as exc:
             raise StartupError(f"identity file {cfg.identity}: {exc}") from None
         self._channels = ChannelPool()
-        self.node = DHTNode(
-            DHTConfig(
-                run_id=cfg.run_id,
-                initial_peers=tuple(cfg.join),
-                bootstrap_timeout=cfg.bootstrap_timeout,
-            ),
-            self._identity,
-            self._channels,
-        )
+        self.node = DHTNode(cfg.dht_config(), self._identity, self._channels)
         self._server, port = await start_public_server(cfg.listen, self.node.add_to_server)
         self.address = announce_address(cfg.listen, port, cfg.announce)
         try:

@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from swarmavg.peer import __version__
-from swarmavg.peer.config import DEFAULT_LISTEN, LOG_LEVELS, PeerConfig, env_name, resolve_config
+from swarmavg.peer.config import PeerConfig
+from swarmavg.peer.settings import CONFIG_ENV, add_flags, flags_from_args, resolve_config
 
 EXIT_STARTUP = 1
 EXIT_USAGE = 2
@@ -34,73 +35,10 @@ class Daemon(Protocol):
     def ready_record(self) -> dict[str, Any]: ...
 
 
-def _add_network_flags(parser: argparse.ArgumentParser, *, peer: bool) -> None:
-    def env(name: str) -> str:
-        return f"(env {env_name(name)})"
-
+def _add_daemon_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    add_flags(parser, command)
     parser.add_argument(
-        "--listen",
-        metavar="HOST:PORT",
-        help=f"public gRPC address to bind; port 0 picks a free one "
-        f"(default {DEFAULT_LISTEN}) {env('listen')}",
-    )
-    parser.add_argument(
-        "--announce",
-        metavar="HOST:PORT",
-        help=f"address other peers should dial (default: the listen address) {env('announce')}",
-    )
-    if peer:
-        parser.add_argument(
-            "--data-port",
-            metavar="PORT",
-            type=int,
-            help="port of the all-reduce data plane (plain TCP on the listen host): 0 picks "
-            f"a free one (default), -1 turns it off {env('data_port')}",
-        )
-    parser.add_argument(
-        "--join",
-        metavar="ADDR",
-        action="append",
-        default=[],
-        help=f"initial peer HOST:PORT; repeatable or comma-separated; none starts a new "
-        f"swarm {env('join')}",
-    )
-    parser.add_argument(
-        "--run-id", metavar="NAME", help=f"run name (default 'default') {env('run_id')}"
-    )
-    parser.add_argument(
-        "--identity",
-        metavar="FILE",
-        help=f"Ed25519 key file, created (mode 600) when missing {env('identity')}",
-    )
-    if peer:
-        parser.add_argument(
-            "--control",
-            metavar="ENDPOINT",
-            help="local control endpoint: a unix socket path or 127.0.0.1:PORT (default "
-            f"$XDG_RUNTIME_DIR/swarmavg/<run-id>.sock or ~/.swarmavg/<run-id>.sock) "
-            f"{env('control')}",
-        )
-        parser.add_argument(
-            "--client-mode",
-            action="store_true",
-            default=None,
-            help=f"accept no incoming connections (behind NAT) {env('client_mode')}",
-        )
-        parser.add_argument(
-            "--metrics",
-            metavar="HOST:PORT",
-            help=f"serve Prometheus metrics at http://HOST:PORT/metrics {env('metrics')}",
-        )
-    parser.add_argument(
-        "--config", metavar="FILE.toml", help="TOML config file (env SWARMAVG_CONFIG)"
-    )
-    parser.add_argument(
-        "--log-level",
-        metavar="LEVEL",
-        type=str.upper,
-        choices=LOG_LEVELS,
-        help=f"one of {', '.join(LOG_LEVELS)} (default INFO) {env('log_level')}",
+        "--config", metavar="FILE.toml", help=f"TOML config file (env {CONFIG_ENV})"
     )
 
 
@@ -117,13 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a peer daemon until SIGINT/SIGTERM (a second signal exits at once). "
         "Precedence: flag > env var > config file > default.",
     )
-    _add_network_flags(peer, peer=True)
+    _add_daemon_flags(peer, "peer")
     dht = sub.add_parser(
         "dht",
         help="run a bare DHT node (a long-lived bootstrap peer)",
         description="Run a DHT node without an averager, e.g. a bootstrap peer for a public run.",
     )
-    _add_network_flags(dht, peer=False)
+    _add_daemon_flags(dht, "dht")
     status = sub.add_parser("status", help="show a running daemon's figures")
     status.add_argument(
         "--control",
@@ -136,18 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config_from_args(args: argparse.Namespace) -> PeerConfig:
-    flags = {
-        "listen": args.listen,
-        "announce": args.announce,
-        "join": args.join,
-        "run_id": args.run_id,
-        "identity": args.identity,
-        "log_level": args.log_level,
-    }
-    for name in ("control", "client_mode", "metrics", "data_port"):
-        if hasattr(args, name):
-            flags[name] = getattr(args, name)
-    return resolve_config(flags, os.environ, args.config)
+    return resolve_config(flags_from_args(args, args.command), os.environ, args.config)
 
 
 def _setup_logging(level: str) -> None:

@@ -1,35 +1,186 @@
-"""``PeerConfig``: the daemon's settings, and how flags, env vars and TOML map onto it.
+"""``PeerConfig``: the daemon's settings as one tree, and how it maps onto the components.
 
-Precedence (DESIGN 3.1): command-line flag > ``SWARMAVG_*`` env var > TOML file > default.
-Every field has all three spellings: field ``run_id`` is flag ``--run-id``, env var
-``SWARMAVG_RUN_ID`` and TOML key ``run_id`` (a top-level key, or under a ``[peer]`` table).
+The tree has one section per component, each a small frozen dataclass of the settings a
+user may need, mapping onto one component config:
+
+- ``[peer]``: ``PeerConfig``'s own fields: the daemon (``peer/daemon.py``), its run and
+  addresses;
+- ``[dht]``: ``config.dht`` -> :class:`~swarmavg.dht.config.DHTConfig`;
+- ``[averaging]``: ``config.averaging`` -> :class:`~swarmavg.averaging.averager.AveragerConfig`;
+- ``[allreduce]``: ``config.allreduce`` ->
+  :class:`~swarmavg.averaging.allreduce.config.AllReduceConfig` (with the data plane);
+- ``[state]``: ``config.state`` -> :class:`~swarmavg.averaging.state.sharer.StateSharingConfig`.
+
+:meth:`PeerConfig.dht_config` and :meth:`PeerConfig.averager_config` build the component
+configs; every component field no section reaches is listed in :data:`INTERNAL` (on
+purpose: see there). Defaults are the component configs' own, so the two cannot drift.
+Where each setting comes from (flag, ``SWARMAVG_*`` env var, TOML key) is
+:mod:`swarmavg.peer.settings`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+
+from swarmavg.averaging.allreduce.config import AllReduceConfig
+from swarmavg.averaging.averager import AveragerConfig
+from swarmavg.averaging.group import Mode
+from swarmavg.averaging.matchmaking.config import MatchmakerConfig
+from swarmavg.averaging.matchmaking.keys import validate_bits
+from swarmavg.averaging.state.sharer import StateSharingConfig
+from swarmavg.compression import get_codec
+from swarmavg.dht.config import DHTConfig
 
 DEFAULT_LISTEN = "0.0.0.0:31337"
-ENV_PREFIX = "SWARMAVG_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+MAX_BANDWIDTH = 1e6
+"""MB/s; a set bandwidth above 1 TB/s is a typo (the unit is MB/s, not bit/s)."""
+
+
+def _check(ok: bool, name: str, value: object, expected: str) -> None:
+    """Raise ``ValueError`` naming the setting unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{name} {value!r}: {expected}")
+
+
+@dataclass(frozen=True)
+class DHTSettings:
+    """``[dht]``: the DHT node (:class:`~swarmavg.dht.config.DHTConfig`).
+
+    Attributes:
+        bootstrap_timeout: seconds to keep retrying the initial peers before giving up.
+    """
+
+    bootstrap_timeout: float = DHTConfig.bootstrap_timeout
+
+    def __post_init__(self) -> None:
+        _check(
+            0 < self.bootstrap_timeout <= 3600,
+            "bootstrap_timeout",
+            self.bootstrap_timeout,
+            "(0, 3600] seconds",
+        )
+
+
+@dataclass(frozen=True)
+class AveragingSettings:
+    """``[averaging]``: matchmaking and rounds
+    (:class:`~swarmavg.averaging.averager.AveragerConfig`).
+
+    Attributes:
+        group_size: the target group size when a caller passes ``group_size=None``.
+        bandwidth: MB/s this peer advertises; parts of a round are sized in proportion to
+            the members' bandwidths. ``None``: measured from this peer's rounds, starting
+            from a conservative 10 MB/s
+            (:class:`~swarmavg.averaging.allreduce.throughput.ThroughputEstimator`).
+        default_codec: codec of the groups this peer leads when a caller names none.
+        matchmaking_time: seconds a leader waits for more peers before it closes a group
+            that is not full (it closes at once when full).
+        group_bits: initial Moshpit group bits (a string of 0/1, docs/averaging.md);
+            empty: every peer of the run meets under one key.
+    """
+
+    group_size: int = AveragerConfig.target_group_size
+    bandwidth: float | None = AveragerConfig.bandwidth
+    default_codec: str = AveragerConfig.default_codec
+    matchmaking_time: float = AveragerConfig.matchmaking_time
+    group_bits: str = AveragerConfig.group_bits
+
+    def __post_init__(self) -> None:
+        _check(2 <= self.group_size <= 256, "group_size", self.group_size, "between 2 and 256")
+        if self.bandwidth is not None:
+            _check(
+                math.isfinite(self.bandwidth) and 0 < self.bandwidth <= MAX_BANDWIDTH,
+                "bandwidth",
+                self.bandwidth,
+                f"MB/s, > 0 and <= {MAX_BANDWIDTH:g} (unset: measured)",
+            )
+        try:
+            get_codec(self.default_codec)
+        except ValueError as exc:
+            raise ValueError(f"default_codec {self.default_codec!r}: {exc}") from None
+        _check(
+            0 < self.matchmaking_time <= 300,
+            "matchmaking_time",
+            self.matchmaking_time,
+            "(0, 300] seconds",
+        )
+        try:
+            validate_bits(self.group_bits)
+        except ValueError as exc:
+            raise ValueError(f"group_bits {self.group_bits!r}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class AllReduceSettings:
+    """``[allreduce]``: the all-reduce and its data plane
+    (:class:`~swarmavg.averaging.allreduce.config.AllReduceConfig`).
+
+    Attributes:
+        data_port: TCP port of the data plane (all-reduce streams over plain TCP on the
+            listen host; the announced host is advertised with it): 0 picks a free port,
+            -1 turns it off (all-reduce streams then use the gRPC port only).
+        executor_threads: threads for codec work and reduction, off the event loop; 0 runs
+            it on the loop. ``None``: 0 on machines with at most 2 cores, else 2.
+        min_stall: seconds without progress after which a sender or reducer counts as
+            stalled and is dropped (longer on slow links; see ``AllReduceConfig``).
+    """
+
+    data_port: int = AllReduceConfig.data_port
+    executor_threads: int | None = None
+    min_stall: float = AllReduceConfig.min_stall
+
+    def __post_init__(self) -> None:
+        _check(
+            -1 <= self.data_port <= 65535,
+            "data_port",
+            self.data_port,
+            "a TCP port, 0 (any free) or -1 (off)",
+        )
+        if self.executor_threads is not None:
+            _check(
+                0 <= self.executor_threads <= 64,
+                "executor_threads",
+                self.executor_threads,
+                "between 0 (on the event loop) and 64",
+            )
+        _check(0 < self.min_stall <= 600, "min_stall", self.min_stall, "(0, 600] seconds")
+
+
+@dataclass(frozen=True)
+class StateSettings:
+    """``[state]``: publishing and loading state
+    (:class:`~swarmavg.averaging.state.sharer.StateSharingConfig`).
+
+    Attributes:
+        max_state_bytes: the largest state ``load_state`` accepts (checked on the manifest
+            before anything is downloaded).
+        max_uploads: downloads of this peer's published state served at once; more are
+            refused and go to other donors.
+        keep_loaded_chunks: keep the last loaded state's chunks, so that the next load
+            fetches only the chunks that changed (costs one copy of the state in memory).
+    """
+
+    max_state_bytes: int = StateSharingConfig.max_state_bytes
+    max_uploads: int = StateSharingConfig.max_uploads
+    keep_loaded_chunks: bool = StateSharingConfig.keep_loaded_chunks
+
+    def __post_init__(self) -> None:
+        _check(self.max_state_bytes >= 1, "max_state_bytes", self.max_state_bytes, ">= 1 byte")
+        _check(1 <= self.max_uploads <= 1024, "max_uploads", self.max_uploads, "1..1024")
 
 
 @dataclass
 class PeerConfig:
-    """Settings of one ``swarmavg peer`` daemon.
+    """Settings of one ``swarmavg peer`` daemon (its own fields are the ``[peer]`` section).
 
     Attributes:
         listen: ``HOST:PORT`` the public gRPC server binds; port 0 picks a free port.
         announce: ``HOST:PORT`` other peers should dial; ``None``: derived from ``listen``.
-        data_port: TCP port of the data plane (all-reduce streams over plain TCP, on the
-            listen host; the announced host is advertised with it): 0 picks a free port,
-            -1 turns it off (all-reduce streams then use the gRPC port only).
         join: initial peers (``HOST:PORT``); empty starts a new swarm.
         run_id: the collaboration's name; everything stored or averaged is namespaced by it.
         control: control endpoint (unix socket path or ``127.0.0.1:PORT``); ``None``: the
@@ -38,17 +189,18 @@ class PeerConfig:
         identity: file holding the Ed25519 key; ``None``: a fresh identity per start.
         metrics: ``HOST:PORT`` for the Prometheus endpoint; ``None``: no metrics server.
         log_level: Python logging level name.
-        group_size: the default target group size when a caller passes ``None``.
         local_window: the longest a round waits for the other local training processes
             (those seen recently) to call with the same key before the daemon contributes
             their combined tensors; a lone process never waits.
         shutdown_grace: seconds the first SIGINT/SIGTERM gives rounds in flight.
-        bootstrap_timeout: seconds to keep retrying the initial peers before giving up.
+        dht: the ``[dht]`` section.
+        averaging: the ``[averaging]`` section.
+        allreduce: the ``[allreduce]`` section.
+        state: the ``[state]`` section.
     """
 
     listen: str = DEFAULT_LISTEN
     announce: str | None = None
-    data_port: int = 0
     join: list[str] = field(default_factory=list)
     run_id: str = "default"
     control: str | None = None
@@ -56,10 +208,12 @@ class PeerConfig:
     identity: str | None = None
     metrics: str | None = None
     log_level: str = "INFO"
-    group_size: int = 16
     local_window: float = 0.5
     shutdown_grace: float = 2.0
-    bootstrap_timeout: float = 30.0
+    dht: DHTSettings = field(default_factory=DHTSettings)
+    averaging: AveragingSettings = field(default_factory=AveragingSettings)
+    allreduce: AllReduceSettings = field(default_factory=AllReduceSettings)
+    state: StateSettings = field(default_factory=StateSettings)
 
     def __post_init__(self) -> None:
         self.join = split_addresses(self.join)
@@ -67,12 +221,14 @@ class PeerConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Check every field; raise ``ValueError`` naming the bad one."""
+        """Check the ``[peer]`` fields (sections check themselves when built).
+
+        Raises:
+            ValueError: naming the bad setting.
+        """
         parse_host_port(self.listen, "listen", allow_port_zero=True)
         if self.announce is not None:
             parse_host_port(self.announce, "announce")
-        if not -1 <= self.data_port <= 65535:
-            raise ValueError(f"data_port {self.data_port}: a TCP port, 0 (any free) or -1 (off)")
         for address in self.join:
             parse_host_port(address, "join")
         if self.metrics is not None:
@@ -81,27 +237,112 @@ class PeerConfig:
             raise ValueError(f"run_id {self.run_id!r}: 1-128 characters, no '/'")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level {self.log_level!r}: one of {', '.join(LOG_LEVELS)}")
-        if not 2 <= self.group_size <= 256:
-            raise ValueError(f"group_size {self.group_size}: between 2 and 256")
         if not 0 <= self.local_window <= 10:
             raise ValueError(f"local_window {self.local_window}: between 0 and 10 seconds")
-        if not 0 < self.bootstrap_timeout <= 3600:
-            raise ValueError(f"bootstrap_timeout {self.bootstrap_timeout}: (0, 3600] seconds")
         if not 0 <= self.shutdown_grace <= 60:
             raise ValueError(f"shutdown_grace {self.shutdown_grace}: between 0 and 60 seconds")
 
+    def dht_config(self) -> DHTConfig:
+        """The DHT node's config: run, initial peers and client mode come from ``[peer]``."""
+        return DHTConfig(
+            run_id=self.run_id,
+            initial_peers=tuple(self.join),
+            client_mode=self.client_mode,
+            bootstrap_timeout=self.dht.bootstrap_timeout,
+        )
 
-FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(PeerConfig))
+    def averager_config(self) -> AveragerConfig:
+        """The averager's config, with its all-reduce and state-sharing configs.
+
+        Derived rather than set: ``mode`` from ``client_mode``; the data plane is on unless
+        ``data_port`` is -1, and listens on the host of ``listen``.
+        """
+        listen_host, _ = parse_host_port(self.listen, "listen", allow_port_zero=True)
+        averaging, allreduce, state = self.averaging, self.allreduce, self.state
+        allreduce_config = AllReduceConfig(
+            min_stall=allreduce.min_stall,
+            data_plane=allreduce.data_port >= 0,
+            data_host=listen_host,
+            data_port=max(allreduce.data_port, 0),
+        )
+        if allreduce.executor_threads is not None:  # else the default by core count
+            allreduce_config = dataclasses.replace(
+                allreduce_config, executor_threads=allreduce.executor_threads
+            )
+        return AveragerConfig(
+            mode=Mode.CLIENT if self.client_mode else Mode.NODE,
+            bandwidth=averaging.bandwidth,
+            target_group_size=averaging.group_size,
+            matchmaking_time=averaging.matchmaking_time,
+            default_codec=averaging.default_codec,
+            group_bits=averaging.group_bits,
+            allreduce=allreduce_config,
+            state=StateSharingConfig(
+                max_state_bytes=state.max_state_bytes,
+                max_uploads=state.max_uploads,
+                keep_loaded_chunks=state.keep_loaded_chunks,
+            ),
+        )
 
 
-def flag_name(field_name: str) -> str:
-    """``run_id`` -> ``--run-id``."""
-    return "--" + field_name.replace("_", "-")
-
-
-def env_name(field_name: str) -> str:
-    """``run_id`` -> ``SWARMAVG_RUN_ID``."""
-    return ENV_PREFIX + field_name.upper()
+INTERNAL: Mapping[type, tuple[str, ...]] = MappingProxyType(
+    {
+        # Kademlia's parameters and timers: k, alpha and b shape the whole swarm's routing
+        # and must not differ per peer on a whim; the timers follow the paper (dht/config.py).
+        DHTConfig: (
+            "k",
+            "alpha",
+            "replication",
+            "b",
+            "request_timeout",
+            "lookup_timeout",
+            "bootstrap_backoff",
+            "bootstrap_backoff_max",
+            "refresh_interval",
+            "republish_interval",
+            "maintenance_interval",
+            "cache_on_lookup",
+            "get_quorum",
+            "stale_after",
+            "limits",
+            "validators",
+        ),
+        # matchmaking_share splits the caller's own timeout (a per-call budget, not a
+        # daemon property); user_data is a Python API; timeout_grace only closes streams.
+        AveragerConfig: ("matchmaking_share", "user_data", "timeout_grace"),
+        # Protocol timing: answered from local state, far above any real round trip.
+        MatchmakerConfig: (
+            "poll_interval",
+            "join_timeout",
+            "retry_after",
+            "dht_timeout",
+            "max_redirects",
+        ),
+        # Sizes and patience measured in docs/benchmarks-allreduce.md; min_stall is the one
+        # a slow link needs, and it is in [allreduce].
+        AllReduceConfig: (
+            "chunk_bytes",
+            "stall_factor",
+            "registration_wait",
+            "finalize_margin",
+            "max_waiting_streams",
+            "data_connect_timeout",
+            "data_retry_after",
+        ),
+        # Wire and retention details of state sharing (docs/averaging.md, state sharing).
+        StateSharingConfig: (
+            "chunk_size",
+            "ttl",
+            "batch_chunks",
+            "message_timeout",
+            "retain_versions",
+            "retain_seconds",
+        ),
+    }
+)
+"""Component settings that no flag, env var or TOML key reaches, on purpose (the comments
+say why). Python code can still set them on the component configs. The averager's ``AUX``
+mode is also Python-only (``mode`` follows ``client_mode``)."""
 
 
 def parse_host_port(text: str, what: str, *, allow_port_zero: bool = False) -> tuple[str, int]:
@@ -125,113 +366,3 @@ def split_addresses(values: str | list[str] | tuple[str, ...]) -> list[str]:
             if part and part not in out:
                 out.append(part)
     return out
-
-
-def _parse_bool(text: str, name: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in {"1", "true", "yes", "on"}:
-        return True
-    if lowered in {"0", "false", "no", "off", ""}:
-        return False
-    raise ValueError(f"{name}={text!r}: expected true/false")
-
-
-def _coerce(name: str, value: Any, source: str) -> Any:
-    """Convert a raw env/TOML value to the type of field ``name``."""
-    default = PeerConfig.__dataclass_fields__[name]
-    kind = default.type if isinstance(default.type, str) else str(default.type)
-    where = f"{source} {name}"
-    if name == "join":
-        if isinstance(value, str | list | tuple):
-            return split_addresses(value)
-        raise ValueError(f"{where}: expected a list of HOST:PORT")
-    if kind == "bool":
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            return _parse_bool(value, where)
-        raise ValueError(f"{where}: expected true/false")
-    if kind == "int":
-        try:
-            return int(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{where}={value!r}: expected an integer") from None
-    if kind == "float":
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{where}={value!r}: expected a number") from None
-    if not isinstance(value, str):
-        raise ValueError(f"{where}={value!r}: expected a string")
-    return value
-
-
-def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a TOML config file: top-level keys, or keys under a ``[peer]`` table.
-
-    Raises:
-        ValueError: unreadable or malformed file, or an unknown key.
-    """
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover - Python 3.10
-        import tomli as tomllib
-    try:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
-    except OSError as exc:
-        raise ValueError(f"config file {os.fspath(path)!r}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"config file {os.fspath(path)!r}: {exc}") from None
-    table = data.get("peer", data)
-    if not isinstance(table, dict):
-        raise ValueError(f"config file {os.fspath(path)!r}: [peer] must be a table")
-    unknown = sorted(set(table) - set(FIELDS) - {"peer"})
-    if unknown:
-        raise ValueError(
-            f"config file {os.fspath(path)!r}: unknown key(s) {', '.join(unknown)}; "
-            f"known: {', '.join(FIELDS)}"
-        )
-    return {k: _coerce(k, v, "config file key") for k, v in table.items() if k in FIELDS}
-
-
-def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
-    """The ``SWARMAVG_*`` variables that name a config field (blank ones are ignored)."""
-    out: dict[str, Any] = {}
-    for name in FIELDS:
-        raw = environ.get(env_name(name))
-        if raw is not None and raw.strip() != "":
-            out[name] = _coerce(name, raw, "env var " + ENV_PREFIX)
-    return out
-
-
-def resolve_config(
-    flags: Mapping[str, Any],
-    environ: Mapping[str, str] | None = None,
-    config_file: str | os.PathLike[str] | None = None,
-) -> PeerConfig:
-    """Merge the sources: flag > env > file > default.
-
-    Args:
-        flags: field -> value for the flags the user actually gave (``None`` = not given;
-            for ``join`` an empty list = not given).
-        environ: environment (default ``os.environ``); ``SWARMAVG_CONFIG`` names the
-            TOML file when ``config_file`` is ``None``.
-        config_file: the ``--config`` file.
-
-    Raises:
-        ValueError: a bad value in any source, or an unknown config-file key.
-    """
-    env = os.environ if environ is None else environ
-    path = config_file if config_file is not None else env.get(ENV_PREFIX + "CONFIG") or None
-    merged: dict[str, Any] = {}
-    if path is not None:
-        merged.update(read_toml(Path(path)))
-    merged.update(read_env(env))
-    for name, value in flags.items():
-        if name not in FIELDS:
-            raise ValueError(f"unknown setting {name!r}")
-        if value is None or (name == "join" and not value) or (value is False):
-            continue
-        merged[name] = value
-    return PeerConfig(**merged)

@@ -25,16 +25,13 @@ from typing import Any
 import grpc
 import numpy as np
 
-from swarmavg.averaging.allreduce.config import AllReduceConfig
-from swarmavg.averaging.averager import Averager, AveragerConfig
-from swarmavg.averaging.group import Mode
+from swarmavg.averaging.averager import Averager
 from swarmavg.averaging.matchmaking.matchmaker import MatchmakingEvent
 from swarmavg.averaging.request import RoundRequest
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.dht import (
     BootstrapError,
     ChannelPool,
-    DHTConfig,
     DHTNode,
     Identity,
     ValueWithExpiration,
@@ -42,7 +39,7 @@ from swarmavg.dht import (
 from swarmavg.peer import __version__, shm
 from swarmavg.peer.client import AsyncClient
 from swarmavg.peer.combiner import LocalCombiner
-from swarmavg.peer.config import PeerConfig, parse_host_port
+from swarmavg.peer.config import PeerConfig
 from swarmavg.peer.control import ControlService, classify
 from swarmavg.peer.endpoint import ControlEndpoint, parse_control_endpoint, prepare_unix_socket
 from swarmavg.peer.netutil import announce_address, explain_bind_failure
@@ -115,7 +112,7 @@ class Peer:
         self.averager: Averager | None = None
         self.combiner = LocalCombiner(self._average, config.local_window)
         self.segments = shm.DaemonSegmentCache()
-        self._averager_config = AveragerConfig()
+        self._averager_config = config.averager_config()
         self._control_service: ControlService | None = None
         self._public_server: grpc.aio.Server | None = None
         self._control_server: grpc.aio.Server | None = None
@@ -171,23 +168,8 @@ class Peer:
         except (OSError, ValueError) as exc:
             raise StartupError(f"identity file {cfg.identity}: {exc}") from None
         self._channels = ChannelPool()
-        dht_config = DHTConfig(
-            run_id=cfg.run_id,
-            initial_peers=tuple(cfg.join),
-            client_mode=cfg.client_mode,
-            bootstrap_timeout=cfg.bootstrap_timeout,
-        )
-        self.dht = DHTNode(dht_config, self.identity, self._channels)
-        listen_host, _ = parse_host_port(cfg.listen, "listen", allow_port_zero=True)
-        self._averager_config = AveragerConfig(
-            mode=Mode.CLIENT if cfg.client_mode else Mode.NODE,
-            target_group_size=cfg.group_size,
-            allreduce=AllReduceConfig(
-                data_plane=cfg.data_port >= 0,
-                data_host=listen_host,
-                data_port=max(cfg.data_port, 0),
-            ),
-        )
+        self.dht = DHTNode(cfg.dht_config(), self.identity, self._channels)
+        self._averager_config = cfg.averager_config()
         self.averager = Averager(
             self.dht, self._averager_config, self._channels, observer=self._on_matchmaking
         )

@@ -83,5 +83,5 @@ def test_bad_settings_exit_with_usage_error(tmp_path: Path) -> None:
     bad.write_text("colour = 'blue'\n")
     result = run_cli("peer", "--config", str(bad))
     assert result.returncode == 2
-    assert "unknown key(s) colour" in result.stderr
+    assert "unknown top-level key colour" in result.stderr
     assert result.stdout == ""

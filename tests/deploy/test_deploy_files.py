@@ -21,11 +21,12 @@ from typing import Any
 
 import pytest
 
-from swarmavg.peer.config import ENV_PREFIX, FIELDS, env_name
+from swarmavg.peer import settings as peer_settings
+from swarmavg.peer.settings import CONFIG_ENV, ENV_PREFIX
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
-SETTINGS = {env_name(name) for name in FIELDS} | {ENV_PREFIX + "CONFIG"}
+SETTINGS = {s.env for s in peer_settings.SETTINGS} | {CONFIG_ENV}
 SWARMAVG = Path(sys.executable).with_name("swarmavg")
 
 
