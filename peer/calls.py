@@ -273,6 +273,9 @@ def status_to_dict(status: control_pb2.StatusResponse) -> dict[str, Any]:
         "version": status.version,
         "active_calls": status.active_calls,
         "pid": status.pid,
+        "bandwidth": status.bandwidth,
+        "bandwidth_measured": status.bandwidth_measured,
+        "bandwidth_samples": status.bandwidth_samples,
     }
 
 

@@ -355,6 +355,10 @@ class Peer:
             version=__version__,
             pid=os.getpid(),
         )
+        if self.averager is not None:
+            response.bandwidth = self.averager.bandwidth.value
+            response.bandwidth_measured = self.averager.bandwidth.measured
+            response.bandwidth_samples = self.averager.bandwidth.samples
         for name, figures in s.codecs.items():
             response.codecs[name].CopyFrom(
                 control_pb2.CodecStats(

@@ -13,6 +13,17 @@ def _bytes(n: float) -> str:
     return f"{n:.1f} TiB"  # pragma: no cover - unreachable
 
 
+def _bandwidth(status: dict[str, Any]) -> str:
+    """``250.0 MB/s (set)``, or how the measured figure came about."""
+    value = f"{status['bandwidth']:.1f} MB/s"
+    if not status["bandwidth_measured"]:
+        return f"{value} (set)"
+    samples = int(status["bandwidth_samples"])
+    if samples == 0:
+        return f"{value} (measured; starting value until a round is measured)"
+    return f"{value} (measured from {samples} round{'s' if samples != 1 else ''})"
+
+
 def format_status(status: dict[str, Any]) -> str:
     """A small table of the figures ``client.status()`` returns."""
     known = int(status["known_peers"])
@@ -23,6 +34,7 @@ def format_status(status: dict[str, Any]) -> str:
         ("control", status["control"]),
         ("peers", f"{known + 1} ({known} known + this one)"),
         ("DHT size estimate", f"{status['dht_size_estimate']:.0f}"),
+        ("bandwidth", _bandwidth(status)),
         ("rounds done", str(status["rounds_done"])),
         ("rounds failed", str(status["rounds_failed"])),
         ("bytes sent", _bytes(status["bytes_sent"])),

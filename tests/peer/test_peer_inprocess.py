@@ -13,6 +13,9 @@ import numpy as np
 import pytest
 
 from swarmavg.peer import Peer, PeerConfig
+from swarmavg.peer.cli import build_parser
+from swarmavg.peer.settings import flags_from_args, resolve_config
+from swarmavg.peer.status import format_status
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,6 +50,83 @@ async def test_two_in_process_peers_average(sock_dir: Path) -> None:
             assert status["known_peers"] == 1
             assert status["rounds_done"] == 1
     assert not (sock_dir / "a.sock").exists()
+
+
+def peer_config(*argv: str) -> PeerConfig:
+    """The config ``swarmavg peer ARGV...`` runs with (no env vars, no file)."""
+    return resolve_config(flags_from_args(build_parser().parse_args(["peer", *argv]), "peer"), {})
+
+
+async def test_bandwidth_flag_is_advertised_and_unset_bandwidth_is_measured(
+    sock_dir: Path,
+) -> None:
+    """`--bandwidth 250` goes into every matchmaking request unchanged by rounds; a peer
+    without it starts from the conservative default and measures its rounds."""
+    common = ("--listen", "127.0.0.1:0", "--run-id", "bw")
+    fixed = peer_config(*common, "--control", str(sock_dir / "a.sock"), "--bandwidth", "250")
+    async with Peer(fixed) as a:
+        assert a.address is not None
+        assert a.averager is not None
+        measured = peer_config(*common, "--control", str(sock_dir / "b.sock"), "--join", a.address)
+        async with Peer(measured) as b, a.client() as ca, b.client() as cb:
+            assert b.averager is not None
+            assert a.averager.config.bandwidth == 250.0
+            assert b.averager.config.bandwidth is None
+            before = await cb.status()
+            assert before["bandwidth_measured"] is True
+            assert before["bandwidth_samples"] == 0
+            assert before["bandwidth"] == b.averager.bandwidth.value
+            assert "(measured; starting value" in format_status(before)
+            x = np.zeros(2_000_000, dtype=np.float32)  # 8 MB: 4 MB each way, well measurable
+            ra, rb = await asyncio.gather(
+                ca.average([x], key="k", group_size=2, timeout=30),
+                cb.average([x + 1], key="k", group_size=2, timeout=30),
+            )
+            assert ra.group_size == rb.group_size == 2
+            status_a, status_b = await ca.status(), await cb.status()
+    assert a.averager.bandwidth.value == 250.0  # what the matchmaking request carries
+    assert (status_a["bandwidth"], status_a["bandwidth_measured"]) == (250.0, False)
+    assert status_a["bandwidth_samples"] == 0
+    assert "250.0 MB/s (set)" in format_status(status_a)
+    assert status_b["bandwidth_measured"] is True
+    # A partial round (a member stalled on a loaded machine) is deliberately not measured.
+    assert status_b["bandwidth_samples"] == (0 if rb.partial else 1)
+    assert status_b["bandwidth"] == b.averager.bandwidth.value > 0
+
+
+@pytest.mark.parametrize(
+    ("measured", "samples", "shown"),
+    [
+        (False, 0, "250.0 MB/s (set)"),
+        (True, 0, "250.0 MB/s (measured; starting value until a round"),
+        (True, 1, "250.0 MB/s (measured from 1 round)"),
+        (True, 7, "250.0 MB/s (measured from 7 rounds)"),
+    ],
+)
+def test_status_shows_the_bandwidth_and_where_it_comes_from(
+    measured: bool, samples: int, shown: str
+) -> None:
+    status = {
+        "peer_id": "ab",
+        "run_id": "r",
+        "address": None,
+        "control": "/tmp/x.sock",
+        "known_peers": 0,
+        "dht_size_estimate": 1.0,
+        "bandwidth": 250.0,
+        "bandwidth_measured": measured,
+        "bandwidth_samples": samples,
+        "rounds_done": 0,
+        "rounds_failed": 0,
+        "bytes_sent": 0,
+        "bytes_received": 0,
+        "uptime": 1.0,
+        "version": "0",
+        "failures": {},
+        "codecs": {},
+    }
+    row = next(line for line in format_status(status).splitlines() if line.startswith("bandw"))
+    assert row.split(None, 1)[1].startswith(shown)
 
 
 def test_daemon_never_imports_torch() -> None:
