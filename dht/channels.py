@@ -14,6 +14,8 @@ import time
 
 import grpc
 
+from swarmavg.dht.tasks import TaskSet
+
 log = logging.getLogger(__name__)
 
 DEFAULT_OPTIONS: tuple[tuple[str, int], ...] = (
@@ -50,7 +52,7 @@ class ChannelPool:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._last_used: dict[str, float] = {}
         self._sweeper: asyncio.Task[None] | None = None
-        self._closing: set[asyncio.Task[None]] = set()
+        self._closing = TaskSet()  # channel.close() of discarded channels: awaited, not cancelled
         self._closed = False
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -94,12 +96,11 @@ class ChannelPool:
         channels = list(self._channels.values())
         self._channels.clear()
         self._last_used.clear()
-        await asyncio.gather(*(ch.close() for ch in channels), *self._closing)
+        await asyncio.gather(*(ch.close() for ch in channels))
+        await self._closing.join()
 
     def _close_later(self, channel: grpc.aio.Channel) -> None:
-        task = asyncio.get_running_loop().create_task(channel.close())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        self._closing.spawn(channel.close(), name="close-channel")
 
     def close_idle(self, now: float | None = None) -> list[str]:
         """Close the channels unused for more than ``idle_timeout``; return their addresses.
