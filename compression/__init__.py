@@ -1,4 +1,4 @@
-"""swarmavg.compression: tensor codecs, their registry, and the tensor wire format.
+"""swarmavg.compression: tensor codecs and their registry.
 
 Public API (DESIGN section 5.3)::
 
