@@ -66,7 +66,8 @@ _HEAD = struct.Struct("<IB")
 MAGIC = b"swarmavg-reduce/1"
 MAX_BODY = (4 << 20) + (64 << 10)
 """Largest frame body accepted: gRPC's 4 MiB message cap, which every chunk respects
-(``AllReduceConfig.chunk_bytes`` is at most 3 MiB), plus room for headers."""
+(``AllReduceConfig.chunk_bytes`` is at most ``partition.MAX_CHUNK_BYTES``, 3 MiB), plus
+room for headers."""
 _MAX_DETAILS = 1024
 # Flow control: a connection stops being read while this much is buffered, so that a
 # peer that sends faster than we reduce (or a hostile one) holds little memory here.

@@ -32,7 +32,14 @@ _WIDEN_TO_F64: set[np.dtype] = {np.dtype(np.float64), np.dtype(np.int32), np.dty
 SUPPORTED_DTYPES: frozenset[np.dtype] = frozenset(_WIDEN_TO_F32 | _WIDEN_TO_F64)
 
 DEFAULT_CHUNK_BYTES = 1024 * 1024
-"""Target size of one encoded chunk on the wire (see docs/benchmarks-allreduce.md)."""
+"""Target size of one encoded chunk on the wire, the default of
+``AllReduceConfig.chunk_bytes``: smaller chunks cost more CPU per byte (per-message
+overhead), bigger ones save CPU but slow rounds on 100 Mbit/s links, which volunteers
+have (docs/benchmarks-allreduce.md, docs/benchmarks-bandwidth.md)."""
+MIN_CHUNK_BYTES = 4096
+MAX_CHUNK_BYTES = 3 * 1024 * 1024
+"""Largest chunk target accepted: an encoded chunk plus its message headers must stay
+under gRPC's 4 MiB message cap, which the data plane enforces too (``MAX_BODY``)."""
 MIN_CHUNK_ELEMENTS = 1024
 
 
