@@ -10,7 +10,7 @@ How a group is run (``run_allreduce``) and how a daemon serves ``Reduce`` for it
 (``AllReduceService``, registered by ``swarmavg.averaging.service``): docs/averaging.md,
 "Runner API".
 
-Modes (DESIGN 5.2): a ``NODE`` sends its tensors and reduces a part; a ``CLIENT`` only
+Modes: a ``NODE`` sends its tensors and reduces a part; a ``CLIENT`` only
 sends (it is never dialled, so its address may be ``None``); an ``AUX`` peer only reduces
 and contributes nothing (its weight is 0).
 """

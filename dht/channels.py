@@ -19,7 +19,7 @@ from swarmavg.dht.tasks import TaskSet
 log = logging.getLogger(__name__)
 
 DEFAULT_OPTIONS: tuple[tuple[str, int], ...] = (
-    # Keep the 4 MiB default receive cap explicitly (DESIGN 4); sending is capped by callers.
+    # Keep gRPC's 4 MiB default receive cap explicitly; sending is capped by callers.
     ("grpc.max_receive_message_length", 4 * 1024 * 1024),
     ("grpc.max_send_message_length", 4 * 1024 * 1024),
     # Don't let a dead peer keep a connection attempt alive for minutes.

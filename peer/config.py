@@ -1,6 +1,6 @@
 """``PeerConfig``: the daemon's settings, and how flags, env vars and TOML map onto it.
 
-Precedence (DESIGN 3.1): command-line flag > ``SWARMAVG_*`` env var > TOML file > default.
+Precedence (docs/peer.md): command-line flag > ``SWARMAVG_*`` env var > TOML file > default.
 Every field has all three spellings: field ``run_id`` is flag ``--run-id``, env var
 ``SWARMAVG_RUN_ID`` and TOML key ``run_id`` (a top-level key, or under a ``[peer]`` table).
 """

@@ -1,13 +1,13 @@
 """``Peer``: one daemon composing the DHT, the averager and the control service.
 
-One process, one event loop (DESIGN 6.1). The DHT and Averaging services share one public
+One process, one event loop. The DHT and Averaging services share one public
 gRPC server; the control service has its own server on the local endpoint. Use it in
 process as ``async with Peer(PeerConfig(...)) as peer:`` (``peer.client()`` talks to it), or
 through ``swarmavg peer`` (``swarmavg.peer.cli``).
 
 Start order: control endpoint checked first (fail fast when another daemon owns it), then
 the public server is bound, the DHT bootstraps, the averager starts, the control service
-opens. Shutdown (DESIGN 6.3): stop accepting control calls, let rounds in flight finish
+opens. Shutdown (docs/peer.md): stop accepting control calls, let rounds in flight finish
 within the grace period (then cancel them), leave the DHT, close servers and channels.
 """
 
@@ -132,7 +132,7 @@ class Peer:
         return self.identity.peer_id_hex
 
     def ready_record(self) -> dict[str, Any]:
-        """The JSON ready line's fields (DESIGN 3.1)."""
+        """The JSON ready line's fields (docs/peer.md)."""
         return {
             "event": "ready",
             "peer_id": self.peer_id,

@@ -1,4 +1,4 @@
-"""Training wrappers (DESIGN 3.3): collaborative large-batch training over a swarm.
+"""Training wrappers (docs/training.md): collaborative large-batch training over a swarm.
 
 :class:`CollaborativeOptimizer` wraps any ``torch.optim.Optimizer``. Every process trains
 on its own data and calls ``step()`` after each backward pass, as usual. The wrapper
@@ -15,7 +15,7 @@ steps locally on every batch and the swarm averages parameters at every epoch in
 local steps and applies an outer optimizer (Douillard et al. 2023).
 
 torch is imported inside functions only: ``swarmavg.averaging`` is imported by the daemon,
-which never loads torch (DESIGN section 2).
+which never loads torch.
 
 Synchronisation rules (one place, so they can be checked):
 
