@@ -1,6 +1,6 @@
-"""swarmavg.averaging: matchmaking, the butterfly all-reduce and state sharing (DESIGN 5.2).
+"""swarmavg.averaging: matchmaking, the butterfly all-reduce and state sharing.
 
-Public API::
+See docs/averaging.md. Public API::
 
     from swarmavg.averaging import Averager, AveragerConfig, AveragingResult
     from swarmavg.averaging import AveragingError, NoGroupError, SchemaMismatchError, ...

@@ -1,4 +1,4 @@
-"""The averager: the daemon-side facade of ``swarmavg.averaging`` (DESIGN 3.2, 5.2).
+"""The averager: the daemon-side facade of ``swarmavg.averaging`` (docs/averaging.md).
 
 One :class:`Averager` per daemon composes matchmaking (who averages with whom), the
 butterfly all-reduce (moving and reducing the bytes) and state sharing, over one DHT node

@@ -1,7 +1,8 @@
 """Errors raised by the averaging layer (matchmaking, all-reduce facade, state sharing).
 
 The daemon (``swarmavg.peer``) maps these onto its public ``SwarmError`` hierarchy; this
-package does not import ``swarmavg.peer`` (DESIGN section 2, dependency direction).
+package does not import ``swarmavg.peer`` (docs/architecture.md, "Packages and their
+direction").
 """
 
 from __future__ import annotations

@@ -6,24 +6,11 @@ identical ``GroupInfo`` (same member order, same codec, same schema hash): the p
 of the flattened tensors into parts and chunks is computed from it deterministically on
 every member, so nothing about the layout travels on the wire during the all-reduce.
 
-API used by the matchmaking side (engineer A2)::
+How a group is run (``run_allreduce``) and how a daemon serves ``Reduce`` for it
+(``AllReduceService``, registered by ``swarmavg.averaging.service``): docs/averaging.md,
+"Runner API".
 
-    from swarmavg.averaging.group import GroupInfo, Member, Mode, schema_hash
-    from swarmavg.averaging.allreduce.runner import run_allreduce
-
-    service = AllReduceService()            # one per daemon, created inside the loop
-    # in the Averaging servicer (a coroutine handler, not an async generator):
-    async def Reduce(self, request_iterator, context):
-        await service.rpc_reduce(request_iterator, context)
-
-    outcome = await run_allreduce(
-        group, my_index, tensors, weight,
-        deadline=time.monotonic() + timeout,   # absolute, time.monotonic() clock
-        service=service, channels=channel_pool, header=dht_node.make_header(),
-    )
-    outcome.tensors, outcome.partial, outcome.bytes_sent, outcome.bytes_received, ...
-
-Modes (DESIGN 5.2): a ``NODE`` sends its tensors and reduces a part; a ``CLIENT`` only
+Modes: a ``NODE`` sends its tensors and reduces a part; a ``CLIENT`` only
 sends (it is never dialled, so its address may be ``None``); an ``AUX`` peer only reduces
 and contributes nothing (its weight is 0).
 """

@@ -1,4 +1,4 @@
-"""Training wrappers (DESIGN 3.3): the public import path ``swarmavg.averaging.optim``.
+"""Training wrappers (docs/training.md): the public import path ``swarmavg.averaging.optim``.
 
 The code lives in :mod:`swarmavg.averaging.training`; this module only names what users import.
 """

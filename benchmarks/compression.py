@@ -19,8 +19,7 @@ noisy. Single-thread times are the thread's CPU time (``time.thread_time``), so 
 processes on a shared machine do not inflate them; all-core times are wall-clock.
 
 Codec cost is measured on ``encode_payload``/``decode_payload``: the codec's own work,
-without the protobuf copy that ``encode`` adds (the wire format has its own benchmark,
-benchmarks/serialization.py).
+without the protobuf copy that ``encode`` adds.
 
     python benchmarks/compression.py                    # everything (~2-4 min)
     python benchmarks/compression.py --codecs float16,uint8-blockwise --repeats 3

@@ -1,6 +1,6 @@
-"""swarmavg.compression: tensor codecs, their registry, and the tensor wire format.
+"""swarmavg.compression: tensor codecs and their registry.
 
-Public API (DESIGN section 5.3)::
+Public API::
 
     from swarmavg.compression import get_codec, decode_chunk, CodecInfo, Role
     codec = get_codec("uint8-blockwise")

@@ -3,8 +3,8 @@
 A codec is split in two layers. The public ``encode``/``decode`` speak
 ``tensor_pb2.TensorChunk``. Underneath, ``encode_payload``/``decode_payload`` speak a
 :class:`Header` (codec name, dtype, shape, parameters) plus a byte buffer, so that the
-stream layer (``serialization.py``) and the wrapper codecs (``lossless.py``) can pass
-payloads around without copying them into protobuf messages.
+all-reduce's wire (``swarmavg.averaging.allreduce.wire``) and the wrapper codecs
+(``lossless.py``) can pass payloads around without copying them into protobuf messages.
 
 Messages are self-describing: ``message.codec`` names the codec that produced the
 buffer and ``message.meta`` (a msgpack map) holds its parameters, so any peer decodes
@@ -193,7 +193,7 @@ def parse_header(
     if message.num_chunks > 1 or message.offset != 0 or message.seq != 0:
         raise CodecError(
             f"message is chunk {message.seq} of {message.num_chunks} of a stream; "
-            "reassemble it with serialization.ChunkAssembler first"
+            "only whole messages are decoded"
         )
     if message.total_bytes and message.total_bytes != len(message.buffer):
         raise CodecError(

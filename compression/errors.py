@@ -1,4 +1,4 @@
-"""Exceptions raised by codecs and the tensor wire format."""
+"""Exceptions raised by codecs."""
 
 from __future__ import annotations
 

@@ -14,10 +14,12 @@ import time
 
 import grpc
 
+from swarmavg.dht.tasks import TaskSet
+
 log = logging.getLogger(__name__)
 
 DEFAULT_OPTIONS: tuple[tuple[str, int], ...] = (
-    # Keep the 4 MiB default receive cap explicitly (DESIGN 4); sending is capped by callers.
+    # Keep gRPC's 4 MiB default receive cap explicitly; sending is capped by callers.
     ("grpc.max_receive_message_length", 4 * 1024 * 1024),
     ("grpc.max_send_message_length", 4 * 1024 * 1024),
     # Don't let a dead peer keep a connection attempt alive for minutes.
@@ -50,7 +52,7 @@ class ChannelPool:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._last_used: dict[str, float] = {}
         self._sweeper: asyncio.Task[None] | None = None
-        self._closing: set[asyncio.Task[None]] = set()
+        self._closing = TaskSet()  # channel.close() of discarded channels: awaited, not cancelled
         self._closed = False
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -94,12 +96,11 @@ class ChannelPool:
         channels = list(self._channels.values())
         self._channels.clear()
         self._last_used.clear()
-        await asyncio.gather(*(ch.close() for ch in channels), *self._closing)
+        await asyncio.gather(*(ch.close() for ch in channels))
+        await self._closing.join()
 
     def _close_later(self, channel: grpc.aio.Channel) -> None:
-        task = asyncio.get_running_loop().create_task(channel.close())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        self._closing.spawn(channel.close(), name="close-channel")
 
     def close_idle(self, now: float | None = None) -> list[str]:
         """Close the channels unused for more than ``idle_timeout``; return their addresses.

@@ -1,7 +1,7 @@
 """A peer's identity: an Ed25519 key pair and the 160-bit peer id derived from it.
 
 The peer id is ``sha1(raw public key)`` (20 bytes), so a node cannot choose its place in
-the Kademlia keyspace (DESIGN 5.1) and anyone holding the public key can check a claimed id.
+the Kademlia keyspace and anyone holding the public key can check a claimed id.
 Every peer-to-peer request carries a :class:`~swarmavg.proto.common_pb2.RequestHeader`;
 :func:`verify_header` is the single check all services apply to it.
 

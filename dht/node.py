@@ -35,6 +35,7 @@ from swarmavg.dht.records import (
 )
 from swarmavg.dht.routing import Contact, RoutingTable
 from swarmavg.dht.storage import STORED, Storage
+from swarmavg.dht.tasks import TaskSet
 from swarmavg.dht.traversal import LookupResult, traverse
 from swarmavg.dht.validation import record_owner, validate_record
 from swarmavg.proto import common_pb2, dht_pb2
@@ -95,8 +96,7 @@ class DHTNode:
         )
         self.lookup_hops: collections.deque[int] = collections.deque(maxlen=10_000)
         self._server: grpc.aio.Server | None = None
-        self._maintenance: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = TaskSet()  # maintenance, caching along lookup paths
         self._state = "new"
 
     # ---- lifecycle ----
@@ -169,7 +169,7 @@ class DHTNode:
         self.protocol.set_address(announce_address or "")
         await self._bootstrap()
         self._state = "running"
-        self._maintenance = asyncio.get_running_loop().create_task(self._maintain())
+        self._tasks.spawn(self._maintain(), name="dht-maintenance")
 
     async def shutdown(self, grace: float | None = None) -> None:
         """Stop maintenance and background work, the own server (if any) and own channels.
@@ -179,10 +179,7 @@ class DHTNode:
         if self._state == "stopped":
             return
         self._state = "stopped"
-        tasks = [t for t in (self._maintenance, *self._tasks) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.close()
         await self.protocol.close()
         if self._server is not None:
             await self._server.stop(grace)
@@ -531,9 +528,7 @@ class DHTNode:
         if not lookup.lacking or self._state != "running":
             return
         target = lookup.lacking[0]
-        task = asyncio.get_running_loop().create_task(self._cache_on(target, records))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._cache_on(target, records), name="dht-cache-on-path")
 
     async def _cache_on(self, contact: Contact, records: list[StoredRecord]) -> None:
         try:

@@ -16,7 +16,6 @@ the routing table. The service is registered with raw-bytes handlers for exactly
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import OrderedDict
@@ -40,6 +39,7 @@ from swarmavg.dht.ids import ID_BYTES, id_to_int, key_id
 from swarmavg.dht.records import StoredRecord
 from swarmavg.dht.routing import Contact, RoutingTable
 from swarmavg.dht.storage import Storage
+from swarmavg.dht.tasks import TaskSet
 from swarmavg.dht.validation import ValidationError, check_sizes, validate_record
 from swarmavg.proto import common_pb2, dht_pb2
 
@@ -126,7 +126,7 @@ class DHTProtocol:
         self.address = ""
         self._bindings: OrderedDict[bytes, tuple[str, bytes]] = OrderedDict()
         self._pinging: set[bytes] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
         self._closed = False
         self.rpcs_sent = 0
         self.rpcs_received = 0
@@ -336,9 +336,7 @@ class DHTProtocol:
         lrs = self.routing.add_or_update(contact)
         if lrs is not None and lrs.peer_id not in self._pinging and not self._closed:
             self._pinging.add(lrs.peer_id)
-            task = asyncio.get_running_loop().create_task(self._ping_lrs(lrs))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._tasks.spawn(self._ping_lrs(lrs), name="ping-lrs")
 
     async def _ping_lrs(self, contact: Contact) -> None:
         try:
@@ -494,7 +492,4 @@ class DHTProtocol:
     async def close(self) -> None:
         """Stop pinging; cancel and await the background pings. Idempotent."""
         self._closed = True
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.close()

@@ -1,4 +1,4 @@
-"""Local record storage: expiring plain values and dictionaries of subkeys (DESIGN 5.1).
+"""Local record storage: expiring plain values and dictionaries of subkeys (docs/dht.md).
 
 Rules (pure, synchronous, unit-tested):
 

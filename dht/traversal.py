@@ -26,6 +26,7 @@ from swarmavg.dht.ids import id_to_int
 from swarmavg.dht.protocol import DHTProtocol, DHTRPCError, FindAnswer
 from swarmavg.dht.records import StoredRecord
 from swarmavg.dht.routing import Contact
+from swarmavg.dht.tasks import TaskSet
 from swarmavg.proto import dht_pb2
 
 _NEW, _IN_FLIGHT, _ANSWERED, _FAILED = range(4)
@@ -83,7 +84,7 @@ class FindBatcher:
         ]
         self._pending = {}
         self._scheduled = False
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
         self.rpcs = 0
 
     def find(self, contact: Contact, target: bytes) -> asyncio.Future[FindAnswer | None]:
@@ -102,12 +103,9 @@ class FindBatcher:
     def _flush(self) -> None:
         self._scheduled = False
         pending, self._pending = self._pending, {}
-        loop = asyncio.get_running_loop()
         for contact, items in pending.values():
             for start in range(0, len(items), self.max_keys):
-                task = loop.create_task(self._send(contact, items[start : start + self.max_keys]))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._tasks.spawn(self._send(contact, items[start : start + self.max_keys]))
 
     async def _send(self, contact: Contact, items: list[_Request]) -> None:
         self.rpcs += 1
@@ -142,10 +140,7 @@ class FindBatcher:
                     future.set_result(None)
 
     async def close(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.close()
 
 
 class Traversal:

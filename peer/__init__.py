@@ -1,6 +1,6 @@
 """The swarmavg peer daemon, its local control service, the client library and the CLI.
 
-Public API (DESIGN 3.2)::
+Public API (docs/peer.md)::
 
     from swarmavg.peer import connect, connect_async, Peer, PeerConfig
     from swarmavg.peer import SwarmError, NoGroupError, DaemonUnavailableError, ValidationError

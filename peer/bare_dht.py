@@ -12,13 +12,9 @@ from typing import Any
 import grpc
 
 from swarmavg.dht import BootstrapError, ChannelPool, DHTNode, Identity
+from swarmavg.dht.tasks import bounded_step
 from swarmavg.peer.config import PeerConfig
-from swarmavg.peer.daemon import (
-    StartupError,
-    bootstrap_message,
-    bounded_step,
-    start_public_server,
-)
+from swarmavg.peer.daemon import StartupError, bootstrap_message, start_public_server
 from swarmavg.peer.netutil import announce_address
 
 log = logging.getLogger(__name__)

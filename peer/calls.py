@@ -40,7 +40,7 @@ CALL_MARGIN = 10.0
 
 @dataclass
 class AverageResult:
-    """What ``client.average`` returns (DESIGN 3.2).
+    """What ``client.average`` returns (docs/peer.md, "The client").
 
     Attributes:
         tensors: the averaged tensors: same type, shape, dtype, device and order as the input.

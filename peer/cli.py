@@ -1,4 +1,4 @@
-"""The ``swarmavg`` command line (DESIGN section 3.1).
+"""The ``swarmavg`` command line (docs/peer.md).
 
 ``swarmavg peer`` runs a daemon in the foreground, ``swarmavg dht`` a bare DHT node,
 ``swarmavg status`` asks a running daemon for its figures. The daemon prints exactly one
@@ -90,7 +90,7 @@ def _error(command: str, message: str) -> None:
 
 
 def _run_loop(main: Any) -> int:
-    """Run ``main`` on uvloop when importable (DESIGN 6.1), else the default loop."""
+    """Run ``main`` on uvloop when importable, else the default loop."""
     factory: Any = None
     try:
         import uvloop

@@ -1,4 +1,4 @@
-"""The client a training process uses to talk to its local daemon (DESIGN 3.2).
+"""The client a training process uses to talk to its local daemon (docs/peer.md).
 
 ``connect()`` gives a blocking :class:`Client`, ``connect_async()`` an :class:`AsyncClient`;
 both have the same methods (the async ones are coroutines). Inputs are validated here,
@@ -178,7 +178,7 @@ class Client:
         timeout: float = 30.0,
         codec: str | None = None,
     ) -> AverageResult:
-        """Average ``tensors`` with the peers that use the same ``key`` (DESIGN 3.2).
+        """Average ``tensors`` with the peers that use the same ``key``.
 
         Raises:
             ValidationError: bad input (nothing was sent).

@@ -29,6 +29,7 @@ import numpy as np
 
 from swarmavg.averaging.request import RoundRequest
 from swarmavg.averaging.result import AveragingResult
+from swarmavg.dht.tasks import TaskSet
 from swarmavg.peer.errors import DaemonUnavailableError, ValidationError
 from swarmavg.peer.validation import same_layout
 
@@ -81,7 +82,7 @@ class LocalCombiner:
         self._known: dict[str, None] = {}  # client ids seen, oldest first
         self._recent_sizes: collections.deque[int] = collections.deque(maxlen=self.HISTORY)
         self._open: dict[str, _Batch] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
         self._closed = False
 
     def expected_callers(self) -> int:
@@ -115,9 +116,7 @@ class LocalCombiner:
         if batch is None:
             batch = _Batch(request.key, asyncio.Event())
             self._open[request.key] = batch
-            task = loop.create_task(self._run(batch), name=f"local-batch:{request.key}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._tasks.spawn(self._run(batch), name=f"local-batch:{request.key}")
         else:
             difference = same_layout(batch.members[0].arrays, arrays)
             if difference is not None:
@@ -177,12 +176,7 @@ class LocalCombiner:
     async def close(self) -> None:
         """Cancel open batches and rounds (their callers get ``DaemonUnavailableError``)."""
         self._closed = True
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._tasks.close()
         for batch in self._open.values():
             _fail(batch.members, DaemonUnavailableError("the daemon is shutting down"))
         self._open.clear()

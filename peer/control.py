@@ -1,4 +1,4 @@
-"""The local control service (DESIGN 4, 6.4): what training processes call on the daemon.
+"""The local control service: what training processes call on the daemon.
 
 Inbound handlers are ``rpc_<verb>``; the generated servicer names map onto them. The
 daemon trusts no caller: every request is validated again here (layout, sizes, values)

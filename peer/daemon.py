@@ -1,13 +1,13 @@
 """``Peer``: one daemon composing the DHT, the averager and the control service.
 
-One process, one event loop (DESIGN 6.1). The DHT and Averaging services share one public
+One process, one event loop. The DHT and Averaging services share one public
 gRPC server; the control service has its own server on the local endpoint. Use it in
 process as ``async with Peer(PeerConfig(...)) as peer:`` (``peer.client()`` talks to it), or
 through ``swarmavg peer`` (``swarmavg.peer.cli``).
 
 Start order: control endpoint checked first (fail fast when another daemon owns it), then
 the public server is bound, the DHT bootstraps, the averager starts, the control service
-opens. Shutdown (DESIGN 6.3): stop accepting control calls, let rounds in flight finish
+opens. Shutdown (docs/peer.md): stop accepting control calls, let rounds in flight finish
 within the grace period (then cancel them), leave the DHT, close servers and channels.
 """
 
@@ -36,6 +36,7 @@ from swarmavg.dht import (
     Identity,
     ValueWithExpiration,
 )
+from swarmavg.dht.tasks import TaskSet, bounded_step
 from swarmavg.peer import __version__, shm
 from swarmavg.peer.client import AsyncClient
 from swarmavg.peer.combiner import LocalCombiner
@@ -118,7 +119,7 @@ class Peer:
         self._control_server: grpc.aio.Server | None = None
         self._channels: ChannelPool | None = None
         self._metrics: Any = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()  # shm sweeper, metrics sync
         self._started_at = 0.0
         self._stopped = False
 
@@ -130,7 +131,7 @@ class Peer:
         return self.identity.peer_id_hex
 
     def ready_record(self) -> dict[str, Any]:
-        """The JSON ready line's fields (DESIGN 3.1)."""
+        """The JSON ready line's fields (docs/peer.md)."""
         return {
             "event": "ready",
             "peer_id": self.peer_id,
@@ -191,7 +192,7 @@ class Peer:
         await self._start_control()
         if cfg.metrics:
             await self._start_metrics(cfg.metrics)
-        self._spawn(self._sweep_shm(), "shm-sweeper")
+        self._tasks.spawn(self._sweep_shm(), name="shm-sweeper")
         log.info(
             "peer %s ready: address=%s control=%s run=%s known_peers=%d",
             self.peer_id,
@@ -250,12 +251,7 @@ class Peer:
         except OSError as exc:
             raise StartupError(f"cannot serve metrics on {address}: {exc.strerror}") from None
         self._metrics = metrics
-        self._spawn(self._sync_metrics(metrics), "metrics-sync")
-
-    def _spawn(self, coro: Any, name: str) -> None:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._sync_metrics(metrics), name="metrics-sync")
 
     async def _sweep_shm(self) -> None:
         """Drop mappings and unlink files of client processes that have exited."""
@@ -408,11 +404,7 @@ class Peer:
         await bounded_step(self.combiner.close(), left(1.0), "local rounds")
         if self._control_server is not None:
             await bounded_step(self._control_server.stop(0.2), left(1.0), "control server")
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._tasks.close()
         self.segments.close()
         if self.dht is not None:
             await bounded_step(self.dht.shutdown(), left(1.0), "DHT shutdown")
@@ -439,13 +431,3 @@ class Peer:
         tb: TracebackType | None,
     ) -> None:
         await self.shutdown()
-
-
-async def bounded_step(awaitable: Any, seconds: float, what: str) -> None:
-    """Await one shutdown step for at most ``seconds``; log and move on if it fails."""
-    try:
-        await asyncio.wait_for(awaitable, timeout=max(seconds, 0.1))
-    except TimeoutError:
-        log.warning("%s did not finish within %.1f s", what, seconds)
-    except Exception:
-        log.warning("%s failed", what, exc_info=True)

@@ -1,4 +1,4 @@
-"""Control endpoints: where a training process reaches its local daemon (DESIGN 3.1).
+"""Control endpoints: where a training process reaches its local daemon (docs/peer.md).
 
 An endpoint is either a unix socket path or ``127.0.0.1:PORT`` (any loopback address).
 It is never a public interface: the control service moves tensors and DHT writes for

@@ -1,4 +1,4 @@
-"""The client's exception hierarchy and its mapping from gRPC status codes (DESIGN 3.2).
+"""The client's exception hierarchy and its mapping from gRPC status codes (docs/peer.md).
 
 Everything a client call raises derives from :class:`SwarmError`. The daemon reports a
 failure as a gRPC status code plus a one-line reason; :func:`error_from_status` turns it
@@ -13,7 +13,8 @@ from swarmavg.averaging import errors as layer
 
 # Each client error is also the averaging layer's error of the same meaning, so code inside
 # ``swarmavg.averaging`` that sees both (the training wrappers call the client) catches one
-# hierarchy without importing ``swarmavg.peer`` (DESIGN section 2, dependency direction).
+# hierarchy without importing ``swarmavg.peer`` (docs/architecture.md, "Packages and their
+# direction").
 
 
 class SwarmError(layer.AveragingError):

@@ -1,4 +1,4 @@
-"""Prometheus export of a daemon's figures (``--metrics HOST:PORT``, DESIGN 6.6).
+"""Prometheus export of a daemon's figures (``--metrics HOST:PORT``, docs/peer.md).
 
 prometheus-client is imported only here, and this module only when metrics are enabled.
 Counters come from :class:`~swarmavg.peer.stats.PeerStats`; gauges (DHT size, known peers)

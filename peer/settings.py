@@ -1,6 +1,6 @@
 """Where each setting of ``PeerConfig`` comes from: a flag, an env var, a TOML key.
 
-Precedence (DESIGN 3.1): command-line flag > ``SWARMAVG_*`` env var > TOML file > default,
+Precedence (docs/peer.md): command-line flag > ``SWARMAVG_*`` env var > TOML file > default,
 decided per setting. Every user-facing setting has one name, unique across the tree, and
 all three spellings follow from it and from its section: setting ``bandwidth`` of
 ``[averaging]`` is flag ``--bandwidth``, env var ``SWARMAVG_BANDWIDTH`` and TOML key

@@ -1,4 +1,4 @@
-"""Shared-memory segments for tensors between a client and its daemon (DESIGN 6.4).
+"""Shared-memory segments for tensors between a client and its daemon (docs/peer.md).
 
 A segment is a file in ``/dev/shm`` named ``swarmavg-<client pid>-<random>``. The client
 creates it (mode 600, ``O_EXCL``), copies its inputs in and sends the name. The daemon

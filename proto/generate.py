@@ -3,7 +3,7 @@
 Run ``python -m swarmavg.proto.generate`` (needs the ``dev`` extra for grpcio-tools).
 The `.proto` files are compiled with the include root mapped to ``swarmavg/proto`` so
 that generated imports read ``from swarmavg.proto import x_pb2`` and resolve inside
-the installed namespace (DESIGN section 4).
+the installed namespace (``swarmavg.proto``).
 """
 
 from __future__ import annotations

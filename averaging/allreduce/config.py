@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from swarmavg.averaging.allreduce.partition import DEFAULT_CHUNK_BYTES
+from swarmavg.averaging.allreduce.partition import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+)
 
 
 def _default_executor_threads() -> int:
@@ -62,7 +66,7 @@ class AllReduceConfig:
     data_retry_after: float = 300.0
 
     def __post_init__(self) -> None:
-        if not 4096 <= self.chunk_bytes <= 3 * 1024 * 1024:
+        if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError("chunk_bytes must be within 4 KiB..3 MiB (gRPC caps messages at 4)")
         for name in ("min_stall", "stall_factor", "registration_wait"):
             if not getattr(self, name) > 0:

@@ -46,6 +46,7 @@ import numpy as np
 from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.allreduce.round import ReduceContext
 from swarmavg.averaging.allreduce.wire import Request, deserialize_reply, deserialize_request
+from swarmavg.dht.tasks import TaskSet
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,8 @@ _HEAD = struct.Struct("<IB")
 MAGIC = b"swarmavg-reduce/1"
 MAX_BODY = (4 << 20) + (64 << 10)
 """Largest frame body accepted: gRPC's 4 MiB message cap, which every chunk respects
-(``AllReduceConfig.chunk_bytes`` is at most 3 MiB), plus room for headers."""
+(``AllReduceConfig.chunk_bytes`` is at most ``partition.MAX_CHUNK_BYTES``, 3 MiB), plus
+room for headers."""
 _MAX_DETAILS = 1024
 # Flow control: a connection stops being read while this much is buffered, so that a
 # peer that sends faster than we reduce (or a hostile one) holds little memory here.
@@ -501,7 +503,7 @@ class DataPlaneServer:
         self._max_connections = max_connections
         self._max_per_host = max_connections_per_host
         self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()  # one per served connection
         self._protocols: set[_FrameProtocol] = set()
         self._per_host: collections.Counter[str] = collections.Counter()
         self._refused: set[_FrameProtocol] = set()  # closing themselves (see reject)
@@ -527,9 +529,7 @@ class DataPlaneServer:
             return False
         self._protocols.add(protocol)
         self._per_host[host] += 1
-        task = asyncio.get_running_loop().create_task(self._serve_connection(protocol, host))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._serve_connection(protocol, host), name=f"data-plane:{host}")
         return True
 
     async def _serve_connection(self, protocol: _FrameProtocol, host: str) -> None:
@@ -594,8 +594,6 @@ class DataPlaneServer:
             protocol.close()
         for protocol in self._refused:
             protocol.close(discard=True)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.close()
         if self._server is not None:
             await self._server.wait_closed()

@@ -1,4 +1,4 @@
-"""Fault injection seam for the butterfly all-reduce (DESIGN 8: faults are a fixture).
+"""Fault injection seam for the butterfly all-reduce (a fixture for tests and benchmarks).
 
 A :class:`FaultPlan` is passed to :func:`swarmavg.averaging.allreduce.runner.run_allreduce`;
 the runner consults it at two points (before it sends a chunk of its tensors, before it

@@ -1,4 +1,4 @@
-"""Size each member's part by its reported bandwidth (DESIGN 5.2).
+"""Size each member's part by its reported bandwidth.
 
 A member ``i`` that reduces ``x_i`` elements of a vector of ``total`` elements receives,
 per direction, about ``total - x_i`` averaged elements of the other parts (when it

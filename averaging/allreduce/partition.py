@@ -1,10 +1,10 @@
 """Flatten tensors into one reduction vector, cut it into parts and chunks, and back.
 
-Pure, synchronous logic shared by every member of a group (DESIGN 5.2). Every member
-computes the same :class:`TensorLayout` and :class:`PartPlan` from the same inputs, so
-the layout never travels on the wire: a chunk is named only by (part, chunk index).
+Pure, synchronous logic shared by every member of a group. Every member computes the same
+:class:`TensorLayout` and :class:`PartPlan` from the same inputs, so the layout never
+travels on the wire: a chunk is named only by (part, chunk index).
 
-Reduction precision (DESIGN 5.3): floats narrower than 32 bits (float16, bfloat16) and
+Reduction precision (docs/averaging.md): floats narrower than 32 bits (float16, bfloat16) and
 small integers (int8, uint8) are widened to float32; float64 and wide integers (int32,
 int64) make the whole vector float64. Integer results are rounded to nearest and
 clipped to the dtype's range; int64 values beyond 2**53 lose precision.
@@ -21,7 +21,14 @@ import numpy as np
 from swarmavg.compression.dtypes import REDUCED_IN_FLOAT64, SUPPORTED
 
 DEFAULT_CHUNK_BYTES = 1024 * 1024
-"""Target size of one encoded chunk on the wire (see docs/benchmarks-allreduce.md)."""
+"""Target size of one encoded chunk on the wire, the default of
+``AllReduceConfig.chunk_bytes``: smaller chunks cost more CPU per byte (per-message
+overhead), bigger ones save CPU but slow rounds on 100 Mbit/s links, which volunteers
+have (docs/benchmarks-allreduce.md, docs/benchmarks-bandwidth.md)."""
+MIN_CHUNK_BYTES = 4096
+MAX_CHUNK_BYTES = 3 * 1024 * 1024
+"""Largest chunk target accepted: an encoded chunk plus its message headers must stay
+under gRPC's 4 MiB message cap, which the data plane enforces too (``MAX_BODY``)."""
 MIN_CHUNK_ELEMENTS = 1024
 
 

@@ -2,10 +2,10 @@
 
 The reducer of part ``j`` receives every sender's copy of each chunk of part ``j`` and
 keeps ``sum_i w_i x_i`` in a preallocated accumulator (float32, or float64 for float64
-layouts; DESIGN 5.3). A chunk is *final* as soon as every sender that is still live has
+layouts). A chunk is *final* as soon as every sender that is still live has
 delivered it; its average is ``sum w_i x_i / sum w_i`` over the senders that delivered
 that chunk, so a dropped sender's weight is renormalised away only for the chunks it did
-not deliver (DESIGN 5.2, "Failure"). When every delivering sender has weight 0, the
+not deliver (docs/averaging.md, "Failures"). When every delivering sender has weight 0, the
 chunk is the plain mean of their copies.
 
 Errors in a contribution raise :class:`ContributionError` before anything is

@@ -29,6 +29,7 @@ from swarmavg.averaging.allreduce.reducer import ContributionError, PartReducer
 from swarmavg.averaging.allreduce.wire import Request, encode_response
 from swarmavg.averaging.group import GroupInfo
 from swarmavg.compression import Codec, CodecInfo
+from swarmavg.dht.tasks import TaskSet
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class ReducerRound:
         self.bytes_sent = 0
         self.returned = 0
         self._final: asyncio.Queue[int] = asyncio.Queue()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
         self._progress: dict[int, float] = dict.fromkeys(group.senders, self.start_time)
         self._all_returned = asyncio.Event()
         self.finished = asyncio.Event()
@@ -162,10 +163,8 @@ class ReducerRound:
 
     def start(self) -> None:
         """Start the emitter and the watchdog (owned by this round, stopped by close)."""
-        loop = asyncio.get_running_loop()
-        for coro in (self._emit(), self._watchdog()):
-            task = loop.create_task(coro)
-            self._tasks.add(task)
+        self._tasks.spawn(self._emit(), name="reducer-emit")
+        self._tasks.spawn(self._watchdog(), name="reducer-watchdog")
 
     async def close(self, abort: Abort | None = None) -> None:
         """Stop the round: end every stream (with ``abort``, or OK) and stop its tasks.
@@ -178,10 +177,7 @@ class ReducerRound:
         self.closed = True
         for stream in self.streams.values():
             stream.queue.put_nowait(abort)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
+        await self._tasks.close()
 
     # ---- contributions ----
 

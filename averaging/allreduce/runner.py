@@ -1,4 +1,4 @@
-"""The butterfly all-reduce runner: one member's side of one round (DESIGN 5.2).
+"""The butterfly all-reduce runner: one member's side of one round (docs/averaging.md).
 
 Given a formed :class:`~swarmavg.averaging.group.GroupInfo`, every member flattens its
 tensors (:mod:`~swarmavg.averaging.allreduce.partition`), cuts the vector into one part per

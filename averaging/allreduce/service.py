@@ -1,4 +1,4 @@
-"""The daemon-wide reducer service: routes inbound ``Reduce`` streams to local rounds (DESIGN 5.2).
+"""The daemon-wide reducer service: routes inbound ``Reduce`` streams to local rounds.
 
 One :class:`AllReduceService` per daemon receives every inbound ``Reduce`` stream, over gRPC
 or the data plane, and hands it to the :class:`~swarmavg.averaging.allreduce.round.ReducerRound`

@@ -1,4 +1,4 @@
-"""Settings, requests and progress events of matchmaking (used by ``matchmaking.py``)."""
+"""Settings, requests and progress events of matchmaking (used by ``matchmaker.py``)."""
 
 from __future__ import annotations
 

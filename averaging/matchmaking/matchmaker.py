@@ -1,4 +1,4 @@
-"""Matchmaking over the DHT: peers averaging under one key form groups (DESIGN 5.2).
+"""Matchmaking over the DHT: peers averaging under one key form groups (docs/averaging.md).
 
 Protocol (rules in :mod:`swarmavg.averaging.matchmaking.declarations`):
 

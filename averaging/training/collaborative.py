@@ -1,4 +1,4 @@
-"""Training wrappers (DESIGN 3.3): collaborative large-batch training over a swarm.
+"""Training wrappers (docs/training.md): collaborative large-batch training over a swarm.
 
 :class:`CollaborativeOptimizer` wraps any ``torch.optim.Optimizer``. Every process trains
 on its own data and calls ``step()`` after each backward pass, as usual. The wrapper
@@ -15,7 +15,7 @@ steps locally on every batch and the swarm averages parameters at every epoch in
 local steps and applies an outer optimizer (Douillard et al. 2023).
 
 torch is imported inside functions only: ``swarmavg.averaging`` is imported by the daemon,
-which never loads torch (DESIGN section 2).
+which never loads torch.
 
 Synchronisation rules (one place, so they can be checked):
 
@@ -41,17 +41,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from swarmavg.averaging.training.progress import GlobalProgress, ProgressTracker
+from swarmavg.averaging.training.base import SwarmOptimizer
+from swarmavg.averaging.training.progress import GlobalProgress
 from swarmavg.averaging.training.state import TrainingState
-from swarmavg.averaging.training.swarm import (
-    RoundResultLike,
-    RoundStats,
-    SwarmClient,
-    SwarmLink,
-    SwarmRoundWarning,
-    swarm_errors,
-)
-from swarmavg.averaging.training.tensors import collect_params, copy_into, to_arrays
+from swarmavg.averaging.training.swarm import RoundResultLike, SwarmClient, SwarmRoundWarning
+from swarmavg.averaging.training.tensors import copy_into, to_arrays
 
 if TYPE_CHECKING:
     import torch
@@ -71,7 +65,7 @@ class _PendingRound:
     future: Future[tuple[RoundResultLike | None, str]]
 
 
-class CollaborativeOptimizer:
+class CollaborativeOptimizer(SwarmOptimizer):
     """Wraps a torch optimizer so that a swarm of processes takes large-batch steps together.
 
     Args:
@@ -133,29 +127,29 @@ class CollaborativeOptimizer:
     ) -> None:
         if average not in ("gradients", "parameters"):
             raise ValueError(f"average must be 'gradients' or 'parameters', got {average!r}")
-        if batch_size_per_step <= 0:
-            raise ValueError(f"batch_size_per_step must be positive, got {batch_size_per_step}")
         if delay_updates and average != "gradients":
             raise ValueError("delay_updates needs average='gradients'")
-        if publish_state_every < 0 or max_wait < 0:
-            raise ValueError("publish_state_every and max_wait must not be negative")
-        self.params = collect_params(params)
-        self.optimizer = optimizer
-        self.average = average
-        self.batch_size_per_step = batch_size_per_step
-        self.publish_state_every = publish_state_every
-        self.max_wait = max_wait
-        self.link = SwarmLink(
+        if max_wait < 0:
+            raise ValueError("max_wait must not be negative")
+        super().__init__(
+            params,
+            optimizer,
             client,
             run_id,
+            progress_key=run_id,
+            target_samples=target_batch_size,
+            batch_size_per_step=batch_size_per_step,
             codec=codec,
-            timeout=averaging_timeout,
+            averaging_timeout=averaging_timeout,
             min_group_size=min_group_size,
+            progress_ttl=progress_ttl,
+            publish_state_every=publish_state_every,
             state_timeout=state_timeout,
+            peer_id=peer_id,
         )
-        self.tracker = ProgressTracker(
-            client, run_id, target_batch_size, ttl=progress_ttl, peer_id=peer_id
-        )
+        self.optimizer = optimizer
+        self.average = average
+        self.max_wait = max_wait
         self._grads: list[torch.Tensor] | None = None
         if average == "gradients":
             import torch
@@ -163,39 +157,15 @@ class CollaborativeOptimizer:
             self._grads = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         self._executor = ThreadPoolExecutor(1, "swarmavg-round") if delay_updates else None
         self._pending: _PendingRound | None = None
-        self._closed = False
-        if load_state_on_start:
-            progress = self.tracker.refresh()
-            if progress.epoch > self.epoch:
-                self._catch_up(progress)
-        self.tracker.report()
-        self.tracker.meter.start()
+        self._join_swarm(load_state_on_start)
 
     # ------------------------------------------------------------------ public API
-
-    @property
-    def epoch(self) -> int:
-        """The global step this process is accumulating towards (equal across the swarm)."""
-        return self.tracker.epoch
-
-    @property
-    def stats(self) -> RoundStats:
-        """Counters of this process's rounds and state transfers."""
-        return self.link.stats
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The wrapped optimizer's parameter groups (for learning-rate schedules)."""
         groups: list[dict[str, Any]] = self.optimizer.param_groups
         return groups
-
-    def global_progress(self) -> GlobalProgress:
-        """The swarm's progress as last read (samples, rates, ETA)."""
-        return self.tracker.last
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the parameters' ``.grad`` (the accumulated gradients are kept)."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
         """Take one local step; when the swarm completes an epoch, take the global step.
@@ -215,13 +185,8 @@ class CollaborativeOptimizer:
 
         if self._closed:
             raise RuntimeError("step() on a closed CollaborativeOptimizer")
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        samples = self.batch_size_per_step if batch_size is None else batch_size
-        if samples <= 0:
-            raise ValueError(f"batch_size must be positive, got {samples}")
+        loss = self._run_closure(closure)
+        samples = self._samples(batch_size)
         self._apply_pending(block=False)
         if self._grads is not None:
             with torch.no_grad():
@@ -265,8 +230,7 @@ class CollaborativeOptimizer:
         Raises:
             ValueError: a state of another kind or with mismatched accumulators.
         """
-        if state.get("kind") != self.KIND:
-            raise ValueError(f"not a {self.KIND} optimizer state: kind={state.get('kind')!r}")
+        self._check_kind(state, "optimizer state")
         self._apply_pending(block=True)
         self.optimizer.load_state_dict(state["optimizer"])
         accumulators = state.get("accumulators")
@@ -281,28 +245,14 @@ class CollaborativeOptimizer:
     def close(self) -> None:
         """Finish and apply a round still running in the background, and tell the swarm this
         process stopped (its progress record no longer counts); idempotent."""
-        if self._closed:
-            return
+        super().close()
+
+    def _finish(self) -> None:
         try:
             self._apply_pending(block=True)
         finally:
-            self._closed = True
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
-        self._leave()
-
-    def _leave(self) -> None:
-        """Withdraw from the swarm's progress so that nobody waits for this process."""
-        try:
-            self.tracker.leave()
-        except swarm_errors() as exc:
-            log.warning("could not withdraw the progress record: %s", exc)
-
-    def __enter__(self) -> CollaborativeOptimizer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ the state machine
 
@@ -429,16 +379,13 @@ class CollaborativeOptimizer:
             self._maybe_publish(epoch)
         self.tracker.report()
 
-    def _maybe_publish(self, epoch: int) -> None:
-        if self.publish_state_every and epoch % self.publish_state_every == 0:
-            self.link.publish(
-                TrainingState(
-                    kind=self.KIND,
-                    epoch=epoch,
-                    params=self.params,
-                    optimizers={"optimizer": self.optimizer.state_dict()},
-                )
-            )
+    def _training_state(self, epoch: int) -> TrainingState:
+        return TrainingState(
+            kind=self.KIND,
+            epoch=epoch,
+            params=self.params,
+            optimizers={"optimizer": self.optimizer.state_dict()},
+        )
 
     def _catch_up(self, progress: GlobalProgress) -> None:
         """Behind the swarm: drop local work, load the newest state, continue at its epoch."""
@@ -447,7 +394,7 @@ class CollaborativeOptimizer:
             self._pending.future.result()  # bounded by the round's timeout; superseded below
             self._pending = None
         log.info("at epoch %d, the swarm is at %d: loading its state", self.epoch, progress.epoch)
-        state = self.link.load(self.KIND, self.params)
+        state = self._load_swarm_state(self.params, f"epoch {self.epoch} < {progress.epoch}")
         epoch = progress.epoch
         if state is not None:
             copy_into(self.params, state.params)
@@ -456,13 +403,6 @@ class CollaborativeOptimizer:
             # A state older than the swarm's epoch (published a moment ago) is still the
             # best there is; continuing at the swarm's epoch avoids loading again at once.
             epoch = max(state.epoch, progress.epoch)
-        else:
-            warnings.warn(
-                f"behind the swarm (epoch {self.epoch} < {progress.epoch}) and no state "
-                "could be loaded; continuing with local parameters",
-                SwarmRoundWarning,
-                stacklevel=3,
-            )
         self._advance(epoch, publish=False)
 
 

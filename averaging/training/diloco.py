@@ -15,28 +15,20 @@ torch is imported inside functions only.
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from swarmavg.averaging.training.progress import GlobalProgress, ProgressTracker
+from swarmavg.averaging.training.base import SwarmOptimizer
+from swarmavg.averaging.training.progress import GlobalProgress
 from swarmavg.averaging.training.state import TrainingState
-from swarmavg.averaging.training.swarm import (
-    RoundStats,
-    SwarmClient,
-    SwarmLink,
-    SwarmRoundWarning,
-    swarm_errors,
-)
-from swarmavg.averaging.training.tensors import collect_params, copy_into, to_arrays
+from swarmavg.averaging.training.swarm import SwarmClient, SwarmRoundWarning
+from swarmavg.averaging.training.tensors import copy_into, to_arrays
 
 if TYPE_CHECKING:
     import torch
-
-log = logging.getLogger(__name__)
 
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
@@ -94,7 +86,7 @@ def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer
     return torch.optim.SGD(params, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
 
 
-class DiLoCo:
+class DiLoCo(SwarmOptimizer):
     """Train with H local steps between averaged outer steps (DiLoCo).
 
     Args:
@@ -138,56 +130,31 @@ class DiLoCo:
         state_timeout: float = 60.0,
         peer_id: str | None = None,
     ) -> None:
-        if local_steps <= 0 or batch_size_per_step <= 0:
-            raise ValueError("local_steps and batch_size_per_step must be positive")
-        if publish_state_every < 0:
-            raise ValueError("publish_state_every must not be negative")
-        self.params = collect_params(params)
-        self.inner_optimizer = inner_optimizer
-        self.local_steps = local_steps
-        self.batch_size_per_step = batch_size_per_step
-        self.publish_state_every = publish_state_every
-        self.outer_optimizer = (outer_optimizer or default_outer_optimizer)(self.params)
-        self.anchor = [p.detach().clone() for p in self.params]
-        self.link = SwarmLink(
+        if local_steps <= 0:
+            raise ValueError(f"local_steps must be positive, got {local_steps}")
+        super().__init__(
+            params,
+            inner_optimizer,
             client,
             run_id,
+            progress_key=f"{run_id}.diloco",
+            target_samples=local_steps * batch_size_per_step,
+            batch_size_per_step=batch_size_per_step,
             codec=codec,
-            timeout=averaging_timeout,
+            averaging_timeout=averaging_timeout,
             min_group_size=min_group_size,
+            progress_ttl=progress_ttl,
+            publish_state_every=publish_state_every,
             state_timeout=state_timeout,
-        )
-        self.tracker = ProgressTracker(
-            client,
-            f"{run_id}.diloco",
-            local_steps * batch_size_per_step,
-            ttl=progress_ttl,
             peer_id=peer_id,
         )
+        self.inner_optimizer = inner_optimizer
+        self.local_steps = local_steps
+        self.outer_optimizer = (outer_optimizer or default_outer_optimizer)(self.params)
+        self.anchor = [p.detach().clone() for p in self.params]
         self.inner_steps = 0
         self.steps_this_round = local_steps
-        self._closed = False
-        if load_state_on_start:
-            progress = self.tracker.refresh()
-            if progress.epoch > self.epoch:
-                self._catch_up(progress)
-        self.tracker.report()
-        self.tracker.meter.start()
-
-    @property
-    def epoch(self) -> int:
-        """Outer steps taken (equal across the swarm)."""
-        return self.tracker.epoch
-
-    @property
-    def stats(self) -> RoundStats:
-        return self.link.stats
-
-    def global_progress(self) -> GlobalProgress:
-        return self.tracker.last
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner_optimizer.zero_grad(set_to_none=set_to_none)
+        self._join_swarm(load_state_on_start)
 
     def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
         """One inner step; every H of them, the averaged outer step.
@@ -195,15 +162,8 @@ class DiLoCo:
         Returns:
             The closure's loss, or None.
         """
-        import torch
-
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        samples = self.batch_size_per_step if batch_size is None else batch_size
-        if samples <= 0:
-            raise ValueError(f"batch_size must be positive, got {samples}")
+        loss = self._run_closure(closure)
+        samples = self._samples(batch_size)
         self.inner_optimizer.step()
         self.inner_steps += 1
         self.tracker.add_samples(samples)
@@ -228,8 +188,7 @@ class DiLoCo:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
-        if state.get("kind") != self.KIND:
-            raise ValueError(f"not a {self.KIND} state: kind={state.get('kind')!r}")
+        self._check_kind(state, "state")
         copy_into(self.anchor, state["anchor"])
         self.outer_optimizer.load_state_dict(state["outer"])
         self.inner_optimizer.load_state_dict(state["inner"])
@@ -237,22 +196,6 @@ class DiLoCo:
         self.steps_this_round = self.local_steps
         self.tracker.set_epoch(int(state["epoch"]), int(state.get("samples", 0)))
         self.tracker.report()
-
-    def close(self) -> None:
-        """Tell the swarm this process stopped, so no round waits for it; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self.tracker.leave()
-        except swarm_errors() as exc:
-            log.warning("could not withdraw the progress record: %s", exc)
-
-    def __enter__(self) -> DiLoCo:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _outer_sync(self) -> None:
         self.tracker.report()
@@ -292,14 +235,13 @@ class DiLoCo:
         self.inner_steps = 0
         self.steps_this_round = self.local_steps
         self.tracker.set_epoch(epoch + 1)
-        if self.publish_state_every and self.epoch % self.publish_state_every == 0:
-            self.link.publish(self._training_state())
+        self._maybe_publish(self.epoch)
         self.tracker.report()
 
-    def _training_state(self) -> TrainingState:
+    def _training_state(self, epoch: int) -> TrainingState:
         return TrainingState(
             kind=self.KIND,
-            epoch=self.epoch,
+            epoch=epoch,
             params=self.anchor,
             optimizers={
                 "outer": self.outer_optimizer.state_dict(),
@@ -310,7 +252,7 @@ class DiLoCo:
     def _catch_up(self, progress: GlobalProgress) -> None:
         """Load the swarm's last synchronised state and run only the inner steps left."""
         self.tracker.meter.pause()
-        state = self.link.load(self.KIND, self.params)
+        state = self._load_swarm_state(self.params, f"outer step {self.epoch} < {progress.epoch}")
         epoch = progress.epoch
         if state is not None:
             copy_into(self.anchor, state.params)
@@ -321,12 +263,6 @@ class DiLoCo:
                 self.inner_optimizer.load_state_dict(state.optimizers["inner"])
             epoch = max(state.epoch, progress.epoch)
         else:
-            warnings.warn(
-                f"behind the swarm (outer step {self.epoch} < {progress.epoch}) and no state "
-                "could be loaded; continuing with local parameters",
-                SwarmRoundWarning,
-                stacklevel=3,
-            )
             copy_into(self.anchor, [p.detach() for p in self.params])
         # Arrive at the round with the others: skip the inner steps they have already done.
         done = max(

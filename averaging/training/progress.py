@@ -2,7 +2,7 @@
 
 Every training process reports how many samples it has accumulated towards the run's
 current global step ("epoch") under one DHT key, with its own subkey, so the records of
-all peers live side by side (DESIGN 5.1, dictionary values). Reading that key back gives
+all peers live side by side (dictionary values, docs/dht.md). Reading that key back gives
 the swarm's global progress: the newest epoch, how many samples the swarm has gathered
 towards it, how fast, and when it will reach ``target_batch_size``.
 
@@ -36,7 +36,7 @@ MAX_EPOCH = 2**53
 
 
 class DHTLike(Protocol):
-    """The part of the client's ``dht`` attribute (DESIGN 3.2) the tracker uses."""
+    """The part of the client's ``dht`` attribute (docs/peer.md) the tracker uses."""
 
     def store(self, key: str, value: Any, ttl: float = 60.0, subkey: str | None = None) -> bool: ...
 
@@ -44,7 +44,7 @@ class DHTLike(Protocol):
 
 
 class ClientLike(Protocol):
-    """The part of the swarmavg client (DESIGN 3.2) the tracker uses."""
+    """The part of the swarmavg client (docs/peer.md) the tracker uses."""
 
     @property
     def dht(self) -> DHTLike: ...
@@ -228,7 +228,7 @@ class ProgressTracker:
     """Reports this process's progress to the DHT and reads the swarm's.
 
     Args:
-        client: a connected swarmavg client (DESIGN 3.2).
+        client: a connected swarmavg client.
         run_id: the training run; the records live under ``"{run_id}.progress"``.
         target_batch_size: samples per global step.
         ttl: seconds a record stays in the DHT without being refreshed. A process that

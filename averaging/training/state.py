@@ -1,6 +1,6 @@
 """Training state <-> (metadata bytes, list of arrays): what peers publish to late joiners.
 
-``client.publish_state(tensors, metadata)`` (DESIGN 3.2) carries a flat list of arrays and
+``client.publish_state(tensors, metadata)`` (docs/peer.md) carries a flat list of arrays and
 one bytes blob. A training state is the model's parameters, one or two optimizers' state
 dicts and a few numbers (epoch, ...). This module flattens it: every tensor goes into the
 list (0-d tensors as one-element arrays, so the daemon only sees ordinary arrays), every

@@ -1,6 +1,6 @@
 """The swarm side shared by the training wrappers: rounds, state sharing, statistics.
 
-:class:`SwarmLink` turns the client's calls (DESIGN 3.2) into what a training loop wants:
+:class:`SwarmLink` turns the client's calls (docs/peer.md) into what a training loop wants:
 a round that either returns averaged arrays or reports why it failed (never raises a
 swarm failure into the training loop), state published and loaded in the format of
 :mod:`swarmavg.averaging.training.state`, and counters of what happened. It works on numpy
@@ -43,7 +43,7 @@ class RoundResultLike(Protocol):
 
 
 class SwarmClient(Protocol):
-    """The client API of DESIGN 3.2, as used by the training wrappers."""
+    """The client API (docs/peer.md, "The client"), as used by the training wrappers."""
 
     @property
     def dht(self) -> DHTLike: ...

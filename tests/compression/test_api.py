@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from swarmavg.compression import CodecError, CodecInfo, Role, decode_chunk, get_codec
-from swarmavg.compression.serialization import dtype_from_proto, dtype_to_proto
+from swarmavg.compression.dtypes import dtype_from_proto, dtype_to_proto
 from swarmavg.proto import tensor_pb2
 
 

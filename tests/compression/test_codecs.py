@@ -150,6 +150,37 @@ def test_integers_pass_through_none_and_are_rejected_by_lossy_codecs(name: str) 
             codec.encode(x)
 
 
+WIRE_DTYPES = [*FLOAT_DTYPES, np.int8, np.uint8, np.int32, np.int64]
+
+
+def _full_range(dtype: type, shape: tuple[int, ...]) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    if np.dtype(dtype).kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", WIRE_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("shape", [(), (0,), (1,), (3, 0, 2), (257, 3)], ids=str)
+def test_none_round_trips_every_wire_dtype_exactly(dtype: type, shape: tuple[int, ...]) -> None:
+    x = _full_range(dtype, shape)
+    y = decode_chunk(get_codec("none").encode(x))
+    assert y.dtype == x.dtype
+    assert y.shape == x.shape
+    assert y.flags.writeable
+    assert x.tobytes() == y.tobytes()
+
+
+def test_none_takes_non_contiguous_and_big_endian_input() -> None:
+    x = _full_range(np.float64, (40, 30))[::3, ::2]
+    assert np.array_equal(decode_chunk(get_codec("none").encode(x)), x)
+    be = np.arange(10, dtype=">i4")
+    y = decode_chunk(get_codec("none").encode(be))
+    assert y.dtype == np.int32  # decoded in native byte order
+    assert np.array_equal(y, be)
+
+
 @pytest.mark.parametrize("name", ALL_CODECS)
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_input_is_rejected(name: str, bad: float) -> None:

@@ -205,9 +205,9 @@ async def test_link_cut_mid_round_the_others_finish_within_their_timeout(
 
     survivors = [r for i, r in enumerate(results) if i != victim]
     assert all(isinstance(r, AverageResult) for r in survivors), survivors
-    # The contract (DESIGN 3.2): a member that fails never makes the others hang; they
-    # finish within their own timeout, with partial results. The client would have raised
-    # a deadline error otherwise; the elapsed check only restates that.
+    # The contract (docs/averaging.md, "Failures"): a member that fails never makes the
+    # others hang; they finish within their own timeout, with partial results. The client
+    # would have raised a deadline error otherwise; the elapsed check only restates that.
     assert elapsed < timeout + 5
     ok = [r for r in survivors if isinstance(r, AverageResult)]
     mean_all = np.mean([t[0] for t in inputs], axis=0, dtype=np.float64)

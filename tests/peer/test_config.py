@@ -111,7 +111,7 @@ def test_names_of_flags_and_env_vars() -> None:
         assert setting.flag == "--" + setting.name.replace("_", "-")
     assert env_name("group_size") == "SWARMAVG_GROUP_SIZE"
     assert flag_name("data_port") == "--data-port"
-    assert flag_name("bandwidth") == "--bandwidth"  # DESIGN 3.1: --bandwidth MBPS
+    assert flag_name("bandwidth") == "--bandwidth"  # docs/peer.md: --bandwidth MBPS
 
 
 def test_every_setting_has_a_flag_an_env_var_and_a_toml_key(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""An in-memory swarm with the client API of DESIGN 3.2, for the wrappers' state-machine tests.
+"""An in-memory swarm with the client's API (docs/peer.md), for the wrappers' state-machine tests.
 
 It is the seam where the fast tests inject faults (a round that fails, a state that is
 missing) without daemons; the same wrappers run against real daemons in
