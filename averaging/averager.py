@@ -36,6 +36,7 @@ from swarmavg.averaging.allreduce.service import AllReduceService
 from swarmavg.averaging.allreduce.throughput import ThroughputEstimator
 from swarmavg.averaging.errors import AveragingError, InvalidRequestError, NoGroupError
 from swarmavg.averaging.group import MAX_GROUP_SIZE, Mode, schema_hash
+from swarmavg.averaging.matchmaking.closing import key_family
 from swarmavg.averaging.matchmaking.keys import GroupKeyManager, validate_bits
 from swarmavg.averaging.matchmaking.matchmaker import (
     DHTAccess,
@@ -171,6 +172,15 @@ class Averager:
         return self._keys.group_bits
 
     @property
+    def matchmaker(self) -> Matchmaker:
+        """The matchmaking component (counters: ``closes`` by reason, measured latencies).
+
+        Raises:
+            RuntimeError: the averager is not running.
+        """
+        return self._require()[0]
+
+    @property
     def state_sharer(self) -> StateSharer:
         """The state-sharing component (counters: ``served_chunks``, ``downloaded_chunks``).
 
@@ -291,6 +301,8 @@ class Averager:
             close_by=min(started + self.config.matchmaking_time, give_up_by),
             give_up_by=give_up_by,
             data_port=allreduce.data_port,
+            wanted=request.group_size or 0,
+            family=self._keys.key_for(key_family(request.key)),
         )
         task = asyncio.current_task()
         if task is not None:

@@ -310,13 +310,15 @@ INTERNAL: Mapping[type, tuple[str, ...]] = MappingProxyType(
         # matchmaking_share splits the caller's own timeout (a per-call budget, not a
         # daemon property); user_data is a Python API; timeout_grace only closes streams.
         AveragerConfig: ("matchmaking_share", "user_data", "timeout_grace"),
-        # Protocol timing: answered from local state, far above any real round trip.
+        # Protocol timing: answered from local state, far above any real round trip;
+        # initial_latency is only a first guess, replaced by measured latency at once.
         MatchmakerConfig: (
             "poll_interval",
             "join_timeout",
             "retry_after",
             "dht_timeout",
             "max_redirects",
+            "initial_latency",
         ),
         # Sizes and patience measured in docs/benchmarks-allreduce.md; min_stall is the one
         # a slow link needs, and it is in [allreduce].

@@ -94,20 +94,22 @@ class GroupDescription(_message.Message):
     def __init__(self, group_id: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ..., schema_hash: _Optional[bytes] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("code", "leader_id", "leader_address", "deadline", "group", "detail")
+    __slots__ = ("code", "leader_id", "leader_address", "deadline", "group", "detail", "taken")
     CODE_FIELD_NUMBER: _ClassVar[int]
     LEADER_ID_FIELD_NUMBER: _ClassVar[int]
     LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_FIELD_NUMBER: _ClassVar[int]
     code: JoinCode
     leader_id: bytes
     leader_address: str
     deadline: float
     group: GroupDescription
     detail: str
-    def __init__(self, code: _Optional[_Union[JoinCode, str]] = ..., leader_id: _Optional[bytes] = ..., leader_address: _Optional[str] = ..., deadline: _Optional[float] = ..., group: _Optional[_Union[GroupDescription, _Mapping]] = ..., detail: _Optional[str] = ...) -> None: ...
+    taken: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, code: _Optional[_Union[JoinCode, str]] = ..., leader_id: _Optional[bytes] = ..., leader_address: _Optional[str] = ..., deadline: _Optional[float] = ..., group: _Optional[_Union[GroupDescription, _Mapping]] = ..., detail: _Optional[str] = ..., taken: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ReduceRequest(_message.Message):
     __slots__ = ("header", "chunk", "group_id", "part_index", "weight", "chunk_index")

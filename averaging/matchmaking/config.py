@@ -36,6 +36,8 @@ class MatchmakerConfig:
         retry_after: seconds before asking again a peer that redirected us or disbanded.
         dht_timeout: deadline of one DHT store or get.
         max_redirects: redirects followed in a row before reading the DHT again.
+        initial_latency: seconds assumed for one DHT or RPC round trip until this peer
+            measured its own (the settle time derives from them, see ``closing``).
     """
 
     poll_interval: float = 0.5
@@ -43,9 +45,16 @@ class MatchmakerConfig:
     retry_after: float = 0.4
     dht_timeout: float = 3.0
     max_redirects: int = 4
+    initial_latency: float = 0.02
 
     def __post_init__(self) -> None:
-        for name in ("poll_interval", "join_timeout", "retry_after", "dht_timeout"):
+        for name in (
+            "poll_interval",
+            "join_timeout",
+            "retry_after",
+            "dht_timeout",
+            "initial_latency",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
 
@@ -67,6 +76,10 @@ class MatchRequest:
             group that is not full.
         give_up_by: ``time.monotonic()`` instant at which it stops looking and raises.
         data_port: this peer's data-plane port, advertised to the group (0: none).
+        wanted: members the caller expects (a ``group_size`` it gave; 0: none): the
+            leader waits for them until ``close_by``, not only for the declared peers.
+        family: rounds of one loop (``step-41``, ``step-42``) share it; a leader expects
+            the members of its previous round of the family (default: ``key``).
     """
 
     key: str
@@ -80,6 +93,8 @@ class MatchRequest:
     close_by: float
     give_up_by: float
     data_port: int = 0
+    wanted: int = 0
+    family: str = ""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_group_size <= self.group_size <= MAX_GROUP_SIZE:

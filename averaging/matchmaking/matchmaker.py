@@ -11,8 +11,13 @@ Protocol (rules in :mod:`swarmavg.averaging.matchmaking.declarations`):
    leader, or an explicit reject code), so two peers that ask each other never wait on each
    other. An accepted follower keeps the stream open; the leader streams the outcome on it.
 4. When a peer is accepted, it redirects its own followers to its new leader.
-5. The leader closes the group when ``group_size`` is reached, or at its deadline once it
-   has ``min_group_size`` members, and streams the :class:`GroupInfo` to every follower.
+5. The leader closes the group as soon as every peer it expects is in (the rule is in
+   :mod:`~swarmavg.averaging.matchmaking.closing`), when ``group_size`` is reached, or at
+   its deadline (``matchmaking_time``, an upper bound) once it has ``min_group_size``
+   members, and streams the :class:`GroupInfo` to every follower.
+6. A peer that asks a leader whose group already closed learns it at once
+   (``JOIN_REJECT_FULL`` with the group's members); when no one else is left to average
+   with, it fails at once instead of waiting out its timeout alone.
 
 Failures: a follower whose stream breaks is removed from the leader's pending group at once
 (the handler's ``finally``); a follower whose leader dies (stream error) or disbands returns
@@ -23,6 +28,7 @@ without a deadline: every call has one and the whole search ends at the peer's g
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import math
@@ -36,7 +42,16 @@ import grpc
 
 from swarmavg.averaging.dht_access import DHTAccess, dictionary_entries
 from swarmavg.averaging.errors import MatchmakingError, NoGroupError, SchemaMismatchError
-from swarmavg.averaging.group import GroupInfo, Member, Mode
+from swarmavg.averaging.group import MAX_GROUP_SIZE, GroupInfo, Member, Mode
+from swarmavg.averaging.matchmaking.closing import (
+    Latency,
+    LeaderView,
+    assign_leaders,
+    close_reason,
+    expected_members,
+    settle_time,
+    short_ids,
+)
 from swarmavg.averaging.matchmaking.config import (
     MatchmakerConfig,
     MatchmakingEvent,
@@ -75,6 +90,8 @@ __all__ = [
 
 MAX_BACKOFF = 2.0
 """Longest pause before asking again a leader whose call failed (seconds)."""
+_REMEMBERED_KEYS = 256
+"""Closed rounds and previous groups kept per matchmaker (one entry per key or family)."""
 FINAL_CODES_TEXT = {
     averaging_pb2.JOIN_REJECT_NOT_LOOKING: "not matchmaking under that key",
     averaging_pb2.JOIN_REJECT_NOT_LEADER: "you lead, not I",
@@ -108,16 +125,31 @@ class _Round:
     request: MatchRequest
     me: Declaration
     result: asyncio.Future[GroupInfo]
+    started: float
+    """``time.monotonic()`` when this peer started looking."""
+    previous: frozenset[bytes] = frozenset()
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     followers: dict[bytes, _Follower] = field(default_factory=dict)
     leader: tuple[bytes, str] | None = None
     closed: bool = False
     mismatched: dict[bytes, bytes] = field(default_factory=dict)
     failures: dict[bytes, int] = field(default_factory=dict)
+    declarations: tuple[Declaration, ...] = ()
+    """The live declarations of our schema at the last read, our own included."""
+    first_seen: dict[bytes, float] = field(default_factory=dict)
+    last_read: float = -math.inf
+    """``time.monotonic()`` when the last successful read of the declarations started."""
+    last_change: float = -math.inf
+    """``time.monotonic()`` when a follower last joined or left."""
+    taken: set[bytes] = field(default_factory=set)
+    """Peers that closed leaders told us are in their (already formed) group."""
 
     @property
     def num_members(self) -> int:
         return 1 + len(self.followers)
+
+    def member_ids(self) -> frozenset[bytes]:
+        return frozenset((self.me.peer_id, *self.followers))
 
 
 @dataclass(frozen=True)
@@ -150,6 +182,26 @@ class Matchmaker:
         self.config = config or MatchmakerConfig()
         self.observer = observer
         self._rounds: dict[str, _Round] = {}
+        self.dht_latency = Latency(initial=self.config.initial_latency)
+        """Seconds one DHT read or write of a declaration takes here (measured)."""
+        self.rpc_latency = Latency(initial=self.config.initial_latency)
+        """Seconds a leader takes to answer ``JoinGroup`` (measured)."""
+        self.closes: collections.Counter[str] = collections.Counter()
+        """Groups this peer closed as leader, by reason (full, quorum, complete, deadline)."""
+        # key -> (monotonic expiry, members): answers late joiners of a closed group.
+        self._closed: collections.OrderedDict[str, tuple[float, frozenset[bytes]]] = (
+            collections.OrderedDict()
+        )
+        # family -> the other members of our last group in it (the fast quorum).
+        self._previous: collections.OrderedDict[str, frozenset[bytes]] = collections.OrderedDict()
+
+    def settle_time(self) -> float:
+        """How long a new leader waits before its first close (from measured latency)."""
+        return settle_time(self.dht_latency.value, self.rpc_latency.value)
+
+    def _patience(self) -> float:
+        """How long a declared peer stays expected before it joins (see ``closing``)."""
+        return 2 * self.config.poll_interval + self.settle_time()
 
     # ------------------------------------------------------------------ follower side
 
@@ -180,11 +232,22 @@ class Matchmaker:
             schema_hash=request.schema_hash,
             group_size=request.group_size,
         )
-        rnd = _Round(request, me, asyncio.get_running_loop().create_future())
+        family = request.family or request.key
+        rnd = _Round(
+            request,
+            me,
+            asyncio.get_running_loop().create_future(),
+            started=time.monotonic(),
+            previous=self._previous.get(family, frozenset()),
+        )
         self._rounds[request.key] = rnd
         try:
             await self._declare(rnd)
-            return await self._search(rnd)
+            group = await self._search(rnd)
+            members = frozenset(m.peer_id for m in group.members)
+            _remember(self._previous, family, members - {self.peer_id})
+            _remember(self._closed, request.key, (rnd.started + _give_up_seconds(me), members))
+            return group
         finally:
             if self._rounds.get(request.key) is rnd:
                 del self._rounds[request.key]
@@ -194,10 +257,12 @@ class Matchmaker:
         subkey = declaration_subkey(self.peer_id)
         budget = min(self.config.dht_timeout, max(0.05, rnd.me.give_up - time.time()))
         try:
+            started = time.monotonic()
             async with asyncio.timeout(budget):
                 ok = await self.dht.store(
                     rnd.request.key, rnd.me.encode(), rnd.me.give_up, subkey=subkey
                 )
+            self.dht_latency.observe(time.monotonic() - started)
         except (TimeoutError, grpc.aio.AioRpcError) as error:
             ok = False
             log.warning("declaring under %s failed: %r", rnd.request.key, error)
@@ -208,8 +273,10 @@ class Matchmaker:
     async def _read_declarations(self, key: str, give_up: float) -> list[Declaration]:
         budget = min(self.config.dht_timeout, max(0.05, give_up - time.time()))
         try:
+            started = time.monotonic()
             async with asyncio.timeout(budget):
                 record = await self.dht.get(key, latest=True)
+            self.dht_latency.observe(time.monotonic() - started)
         except (TimeoutError, grpc.aio.AioRpcError) as error:
             log.debug("reading declarations under %s failed: %r", key, error)
             return []
@@ -221,41 +288,43 @@ class Matchmaker:
         return found
 
     async def _search(self, rnd: _Round) -> GroupInfo:
-        key, me = rnd.request.key, rnd.me
+        me = rnd.me
         banned: dict[bytes, float] = {}  # peer id -> unix time until which we skip it
         redirect: _Redirect | None = None
         redirects = 0
-        declarations: list[Declaration] = []
-        next_poll = 0.0
+        next_read = 0.0  # time.monotonic() of the next read of the declarations
         while True:
             if rnd.result.done():
                 return rnd.result.result()
-            now = time.time()
-            if (
-                rnd.leader is None
-                and me.can_lead
-                and now >= me.deadline
-                and rnd.num_members >= rnd.request.min_group_size
-            ):
-                return self._close(rnd)
-            if now >= me.give_up:
+            now = time.monotonic()
+            if rnd.leader is None and me.can_lead:
+                reason = self._close_reason(rnd, now)
+                if (
+                    reason is None
+                    and now >= rnd.request.close_by
+                    and rnd.num_members >= rnd.request.min_group_size
+                ):
+                    reason = "deadline"
+                if reason is not None:
+                    return self._close(rnd, reason)
+                if self._waits_for_a_fresh_read(rnd):
+                    next_read = min(next_read, max(now, rnd.started + self.settle_time()))
+            if now >= rnd.request.give_up_by:
                 raise self._no_group_error(rnd)
-            if redirect is None and now >= next_poll:
-                declarations = await self._read_declarations(key, me.give_up)
-                next_poll = time.time() + self.config.poll_interval
-                # Remembered across reads: a later read may fail or miss them.
-                for other in mismatched_schemas(declarations, me):
-                    rnd.mismatched[other.peer_id] = other.schema_hash
+            if redirect is None and now >= next_read:
+                await self._refresh_declarations(rnd)
+                next_read = time.monotonic() + self.config.poll_interval
+                continue  # decide again on what we just read
+            late = self._round_is_gone(rnd)
+            if late is not None:
+                raise late
             target: _Redirect | None = redirect
             redirect = None
             if target is None:
-                excluded = {p for p, until in banned.items() if until > time.time()}
-                candidates = leader_candidates(declarations, me, time.time(), excluded)
-                if candidates:
-                    target = _Redirect(candidates[0].peer_id, candidates[0].address)
-                    redirects = 0
+                target = self._pick_leader(rnd, banned)
+                redirects = 0
             if target is None:
-                await self._wait_as_leader(rnd, next_poll)
+                await self._wait_as_leader(rnd, next_read)
                 continue
             outcome = await self._race_with_result(rnd, self._try_leader(rnd, target, banned))
             if isinstance(outcome, GroupInfo):
@@ -265,12 +334,94 @@ class Matchmaker:
                 if redirects <= self.config.max_redirects and outcome.peer_id != self.peer_id:
                     redirect = outcome
 
-    async def _wait_as_leader(self, rnd: _Round, next_poll: float) -> None:
+    async def _refresh_declarations(self, rnd: _Round) -> None:
+        """Read the declarations under our key; keep the live ones of our schema."""
+        started = time.monotonic()
+        found = await self._read_declarations(rnd.request.key, rnd.me.give_up)
+        now_wall = time.time()
+        # Remembered across reads: a later read may fail or miss them.
+        for other in mismatched_schemas(found, rnd.me):
+            rnd.mismatched[other.peer_id] = other.schema_hash
+        live = {
+            d.peer_id: d
+            for d in found
+            if d.give_up > now_wall and d.schema_hash == rnd.me.schema_hash
+        }
+        live[self.peer_id] = rnd.me  # our own write may not be readable yet
+        for peer_id in live:
+            rnd.first_seen.setdefault(peer_id, started)
+        rnd.declarations = tuple(live.values())
+        rnd.last_read = started
+
+    def _leader_view(self, rnd: _Round) -> LeaderView:
+        return LeaderView(
+            me=rnd.me,
+            members=rnd.member_ids(),
+            declarations=rnd.declarations or (rnd.me,),
+            first_seen=rnd.first_seen,
+            previous=rnd.previous,
+            taken=frozenset(rnd.taken),
+            group_size=rnd.request.group_size,
+            min_group_size=rnd.request.min_group_size,
+            wanted=rnd.request.wanted,
+        )
+
+    def _close_reason(self, rnd: _Round, now: float) -> str | None:
+        fresh = rnd.last_read >= max(rnd.last_change, rnd.started + self.settle_time())
+        return close_reason(
+            self._leader_view(rnd),
+            now,
+            rnd.started,
+            self.settle_time(),
+            self._patience(),
+            fresh=fresh,
+        )
+
+    def _waits_for_a_fresh_read(self, rnd: _Round) -> bool:
+        """Everyone expected is in, but the last read may have missed a newcomer."""
+        if rnd.num_members < rnd.request.min_group_size:
+            return False
+        view = self._leader_view(rnd)
+        return expected_members(view, time.monotonic(), self._patience()) <= view.members
+
+    def _pick_leader(self, rnd: _Round, banned: dict[bytes, float]) -> _Redirect | None:
+        """The leader to ask next: the one the balanced assignment gives us, else the best
+        other candidate; ``None`` when we lead (or nobody can)."""
+        me = rnd.me
+        now_wall = time.time()
+        assignment = assign_leaders(rnd.declarations or (me,), rnd.request.group_size)
+        mine = assignment.get(self.peer_id)
+        if mine == self.peer_id:
+            return None  # we lead a group of the split; our followers come to us
+        excluded = {p for p, until in banned.items() if until > now_wall} | rnd.taken
+        candidates = leader_candidates(rnd.declarations, me, now_wall, excluded)
+        candidates.sort(key=lambda d: d.peer_id != mine)  # stable: our assigned leader first
+        if not candidates:
+            return None
+        return _Redirect(candidates[0].peer_id, candidates[0].address)
+
+    def _round_is_gone(self, rnd: _Round) -> NoGroupError | None:
+        """Fail at once when the group we belonged to closed without us and nobody is left
+        to average with (a late peer must not sit out its whole timeout alone)."""
+        if not rnd.taken or rnd.followers or rnd.leader is not None:
+            return None
+        others = [
+            d for d in rnd.declarations if d.peer_id != self.peer_id and d.peer_id not in rnd.taken
+        ]
+        if 1 + len(others) >= rnd.request.min_group_size:
+            return None
+        return NoGroupError(
+            f"the round under {rnd.request.key!r} closed before this peer joined: "
+            f"{len(rnd.taken)} peer(s) ({short_ids(rnd.taken)}) averaged without it and no "
+            f"other peer is looking; min_group_size is {rnd.request.min_group_size}"
+        )
+
+    async def _wait_as_leader(self, rnd: _Round, next_read: float) -> None:
         """Sleep until a follower arrives or leaves, the group forms, or the next check."""
-        now = time.time()
-        wake = min(next_poll, rnd.me.give_up)
-        if rnd.me.deadline > now:
-            wake = min(wake, rnd.me.deadline)
+        now = time.monotonic()
+        wake = min(next_read, rnd.request.give_up_by)
+        if rnd.request.close_by > now:
+            wake = min(wake, rnd.request.close_by)
         rnd.changed.clear()
         changed: asyncio.Future[Any] = asyncio.ensure_future(rnd.changed.wait())
         waits: set[asyncio.Future[Any]] = {changed, rnd.result}
@@ -322,8 +473,10 @@ class Matchmaker:
         )
         following = False
         try:
+            asked = time.monotonic()
             async with asyncio.timeout(self.config.join_timeout):
                 first = await call.read()
+            self.rpc_latency.observe(time.monotonic() - asked)
             if first is grpc.aio.EOF:
                 banned[target.peer_id] = time.time() + self.config.retry_after
                 return None
@@ -340,6 +493,8 @@ class Matchmaker:
                 rnd.mismatched[target.peer_id] = b""
                 banned[target.peer_id] = forever
                 return None
+            if code == averaging_pb2.JOIN_REJECT_FULL and first.taken:
+                rnd.taken |= _peer_ids(first.taken)
             if code != averaging_pb2.JOIN_ACCEPTED:
                 log.debug(
                     "%s rejected us: %s %s",
@@ -421,16 +576,27 @@ class Matchmaker:
                 f"schema (different count, order, shapes or dtypes; our schema hash "
                 f"{req.schema_hash.hex()[:12]}); every peer must pass the same tensor layout"
             )
+        came = rnd.member_ids()
+        expected = expected_members(self._leader_view(rnd), time.monotonic(), self._patience())
         return NoGroupError(
             f"only {rnd.num_members} peer(s) gathered under {req.key!r} within "
-            f"{rnd.me.give_up - rnd.me.start:.1f}s; min_group_size is {req.min_group_size}"
+            f"{_give_up_seconds(rnd.me):.1f}s; min_group_size is {req.min_group_size} "
+            f"(expected: {short_ids(expected)}; came: {short_ids(came)}; declared: "
+            f"{short_ids({d.peer_id for d in rnd.declarations})})"
         )
 
     # ------------------------------------------------------------------ leader side
 
-    def _close(self, rnd: _Round) -> GroupInfo:
+    def _close(self, rnd: _Round, reason: str = "full") -> GroupInfo:
         """Freeze the member list, answer every follower, resolve our own result."""
         req = rnd.request
+        log.debug(
+            "closing %s with %d member(s) (%s) after %.3fs",
+            req.key,
+            rnd.num_members,
+            reason,
+            time.monotonic() - rnd.started,
+        )
         me = Member(
             peer_id=self.peer_id,
             address=rnd.me.address or None,
@@ -451,6 +617,7 @@ class Matchmaker:
             # e.g. only aux members: no one sends. Not a group anyone can use.
             raise MatchmakingError(f"cannot form a group: {error}") from None
         rnd.closed = True
+        self.closes[reason] += 1
         self._release_followers(
             rnd,
             averaging_pb2.JoinResponse(
@@ -486,6 +653,17 @@ class Matchmaker:
             return
         rnd = self._rounds.get(request.key)
         if rnd is None or rnd.result.done():
+            taken = self._closed_members(request.key)
+            if rnd is not None and rnd.result.done() and not rnd.result.cancelled():
+                taken = frozenset(m.peer_id for m in rnd.result.result().members)
+            if taken is not None:  # our group under that key already formed
+                yield averaging_pb2.JoinResponse(
+                    code=averaging_pb2.JOIN_REJECT_FULL,
+                    leader_id=self.peer_id,
+                    taken=sorted(taken),
+                    detail="the group under that key already formed",
+                )
+                return
             code = (
                 averaging_pb2.JOIN_REJECT_FULL
                 if rnd is not None and rnd.closed
@@ -539,6 +717,7 @@ class Matchmaker:
             return
         follower = _Follower(member, asyncio.get_running_loop().create_future())
         rnd.followers[peer_id] = follower
+        rnd.last_change = time.monotonic()
         rnd.changed.set()
         self._notify(MatchmakingEvent.FOLLOWER_ACCEPTED, request.key, peer_id)
         try:
@@ -563,8 +742,16 @@ class Matchmaker:
             # it never blocks the group (issue 5).
             if not rnd.closed and rnd.followers.get(peer_id) is follower:
                 del rnd.followers[peer_id]
+                rnd.last_change = time.monotonic()
                 rnd.changed.set()
                 self._notify(MatchmakingEvent.FOLLOWER_LEFT, request.key, peer_id)
+
+    def _closed_members(self, key: str) -> frozenset[bytes] | None:
+        """Members of our group that formed under ``key``, while late joiners may ask."""
+        entry = self._closed.get(key)
+        if entry is None or entry[0] < time.monotonic():
+            return None
+        return entry[1]
 
     async def shutdown(self) -> None:
         """Disband every pending group here (followers are told at once)."""
@@ -587,3 +774,19 @@ class Matchmaker:
         log.debug("%s %s %s", key, event.value, peer_id.hex()[:8])
         if self.observer is not None:
             self.observer(event, key, peer_id)
+
+
+def _give_up_seconds(me: Declaration) -> float:
+    return me.give_up - me.start
+
+
+def _peer_ids(raw: Any) -> set[bytes]:
+    """Peer ids from a peer's message: 20 bytes each, at most a group's worth."""
+    return {bytes(p) for p in list(raw)[:MAX_GROUP_SIZE] if len(p) == 20}
+
+
+def _remember(table: collections.OrderedDict[str, Any], key: str, value: Any) -> None:
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > _REMEMBERED_KEYS:
+        table.popitem(last=False)

@@ -1,0 +1,190 @@
+"""Which leader each declarer joins, and when a leader closes its group (pure logic).
+
+A leader closes as soon as every peer it has reason to expect is in, instead of waiting
+out a fixed window (docs/averaging.md, "When a group closes"). It expects:
+
+- the peers declared under the key that the balanced assignment (:func:`assign_leaders`)
+  gives to it, once it has seen their declarations;
+- the members of its previous round under the same key family (``step-41`` and
+  ``step-42`` are one family) that have not declared yet: the fast quorum, so that a
+  peer whose declaration is still on its way is not left out;
+- whatever the caller expects: a ``group_size`` given with the call is a number of peers
+  the caller knows of (the training wrappers count them in the progress records), so
+  the leader waits for that many (up to the upper bound) and a full group closes at once;
+  the daemon's default group size is only a cap.
+
+Two guards keep a fast close from splitting a swarm. A leader never closes earlier than
+one *settle time* after it started looking, so peers that called at about the same time
+have declared; the settle time is derived from the DHT and RPC latencies this peer
+measured (:class:`Latency`), not a constant. And a declared peer that does not join within
+its *patience* (it went to another leader, or died) stops being expected, so one lost
+peer cannot hold a group until the upper bound, ``matchmaking_time``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+
+from swarmavg.averaging.matchmaking.declarations import Declaration
+
+MIN_SETTLE = 0.02
+"""Seconds: the settle time never goes below this, however fast the DHT answered."""
+MAX_SETTLE = 1.0
+"""Seconds: nor above this, however slow: a slower swarm relies on the fast quorum."""
+_FAMILY_TAIL = re.compile(r"\d+$")
+
+
+class Latency:
+    """A smoothed latency (seconds) measured by this peer: an exponential moving average
+    that follows increases at once and decreases slowly, so one fast sample on a loaded
+    machine does not make the next settle time too short."""
+
+    def __init__(self, initial: float, smoothing: float = 0.25) -> None:
+        if not (initial > 0 and math.isfinite(initial)) or not 0 < smoothing <= 1:
+            raise ValueError("need initial > 0 (finite) and 0 < smoothing <= 1")
+        self.value = initial
+        self._smoothing = smoothing
+        self.samples = 0
+
+    def observe(self, seconds: float) -> None:
+        """Add one measurement; negative, NaN and infinite ones are ignored."""
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            return
+        self.samples += 1
+        if seconds > self.value:
+            self.value = seconds
+        else:
+            self.value += self._smoothing * (seconds - self.value)
+
+
+def settle_time(dht_latency: float, rpc_latency: float) -> float:
+    """How long a new leader waits before its first close.
+
+    A peer that called at the same moment as the leader becomes visible after one DHT
+    write, and arrives after one DHT read and one ``JoinGroup`` call; twice the sum
+    covers the jitter of a loaded machine.
+    """
+    return min(MAX_SETTLE, max(MIN_SETTLE, 2.0 * (2.0 * dht_latency + rpc_latency)))
+
+
+def key_family(key: str) -> str:
+    """The key without its trailing number: consecutive rounds of one loop share it."""
+    return _FAMILY_TAIL.sub("", key)
+
+
+def assign_leaders(declarations: Iterable[Declaration], group_size: int) -> dict[bytes, bytes]:
+    """Split the declarers into balanced groups; map each peer id to its leader's id.
+
+    Every peer reads the same declarations, so every peer computes the same split. With
+    ``n`` declarers there are ``k = ceil(n / group_size)`` groups whose sizes differ by at
+    most one (17 with a size of 16: 9 + 8, never 16 + 1). The leaders are the first ``k``
+    declarers (in leader order) that can lead; the others are dealt to them in turn, in
+    leader order. Each member therefore comes after its leader or cannot lead itself,
+    which keeps the join protocol's deadlock freedom (see ``declarations``).
+
+    Args:
+        declarations: live declarations of one schema (the caller's own included).
+        group_size: the most members per group.
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    ordered = sorted({d.peer_id: d for d in declarations}.values(), key=lambda d: d.order)
+    leaders = [d.peer_id for d in ordered if d.can_lead]
+    if not leaders:
+        return {}
+    leaders = leaders[: min(len(leaders), math.ceil(len(ordered) / group_size))]
+    assignment = {leader: leader for leader in leaders}
+    others = [d.peer_id for d in ordered if d.peer_id not in assignment]
+    for i, peer_id in enumerate(others):
+        assignment[peer_id] = leaders[i % len(leaders)]
+    return assignment
+
+
+@dataclass(frozen=True)
+class LeaderView:
+    """What a leader knows when it decides whether to close (a snapshot of its round).
+
+    Attributes:
+        me: the leader's own declaration.
+        members: peer ids in its group so far, itself included.
+        declarations: the live same-schema declarations it read last (its own included).
+        first_seen: when (``time.monotonic()``) it first saw each declaration.
+        previous: members of its previous round under the same key family.
+        taken: peers known to be in a group that already closed elsewhere.
+        group_size: the most members it takes.
+        min_group_size: the fewest members it may close with.
+        wanted: members the caller expects (0: none beyond the declared ones).
+    """
+
+    me: Declaration
+    members: frozenset[bytes]
+    declarations: tuple[Declaration, ...]
+    first_seen: Mapping[bytes, float]
+    previous: frozenset[bytes]
+    taken: frozenset[bytes]
+    group_size: int
+    min_group_size: int
+    wanted: int = 0
+
+
+def expected_members(view: LeaderView, now: float, patience: float) -> frozenset[bytes]:
+    """The peers the leader still waits for (members already in included).
+
+    A declarer counts while the assignment gives it to this leader and it was seen less
+    than ``patience`` seconds ago (or has joined); a previous member counts until it has
+    declared, after which the declarer rule decides.
+    """
+    assignment = assign_leaders(view.declarations, view.group_size)
+    declared = {d.peer_id for d in view.declarations}
+    expected = set(view.members)
+    for d in view.declarations:
+        if d.peer_id in view.taken or assignment.get(d.peer_id) != view.me.peer_id:
+            continue
+        if now - view.first_seen.get(d.peer_id, now) <= patience:
+            expected.add(d.peer_id)
+    expected |= {p for p in view.previous if p not in declared and p not in view.taken}
+    return frozenset(expected)
+
+
+def close_reason(
+    view: LeaderView,
+    now: float,
+    started: float,
+    settle: float,
+    patience: float,
+    *,
+    fresh: bool,
+) -> str | None:
+    """Why the leader should close now, or ``None``.
+
+    - ``"full"``: ``group_size`` members.
+    - ``"quorum"``: every expected peer is in, and they include every member of the
+      previous round of the family that is not known to be elsewhere: the steady state of
+      a training loop closes the moment its last member joins.
+    - ``"complete"``: every expected peer is in, the settle time since ``started`` has
+      passed, and the last read of the declarations is ``fresh`` (it began after the last
+      join and after the settle time), so a peer that declared meanwhile would be seen.
+
+    The upper bound (``matchmaking_time``) is the caller's to enforce.
+    """
+    size = len(view.members)
+    if size >= view.group_size:
+        return "full"
+    if size < max(view.min_group_size, view.wanted):
+        return None
+    if not expected_members(view, now, patience) <= view.members:
+        return None
+    previous = view.previous - view.taken - {view.me.peer_id}
+    if previous and previous <= view.members:
+        return "quorum"
+    if now >= started + settle and fresh:
+        return "complete"
+    return None
+
+
+def short_ids(peer_ids: Collection[bytes]) -> str:
+    """Peer ids for a log line or an error message: sorted, 12 hex digits each."""
+    return ", ".join(sorted(p.hex()[:12] for p in peer_ids)) or "none"

@@ -1,0 +1,104 @@
+"""How groups form in the default configuration: no fixed wait, no split, no lost peer.
+
+Many real peers in one process (real DHT, real gRPC). ``matchmaking_time`` is set far
+above what any of these rounds needs, so a round that waited it out would show in the
+leader's close reason (``deadline``) rather than in a clock reading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from swarmavg.averaging.errors import NoGroupError
+from swarmavg.averaging.result import AveragingResult
+from tests.averaging.averager_swarm import AveragerSwarm, averager_swarm, fast_config
+
+SLOW_WINDOW = fast_config(matchmaking_time=40.0)
+
+
+def inputs(i: int) -> list[np.ndarray]:
+    return [np.full(64, float(i), dtype=np.float32)]
+
+
+async def round_of(swarm: AveragerSwarm, key: str, **kwargs: object) -> list[AveragingResult]:
+    results = await asyncio.gather(
+        *(p.averager.average(inputs(i), key, **kwargs) for i, p in enumerate(swarm.peers)),  # type: ignore[arg-type]
+        return_exceptions=True,
+    )
+    ok = [r for r in results if isinstance(r, AveragingResult)]
+    assert len(ok) == len(results), results
+    return ok
+
+
+def close_reasons(swarm: AveragerSwarm) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for peer in swarm.peers:
+        for reason, count in peer.averager.matchmaker.closes.items():
+            total[reason] = total.get(reason, 0) + count
+    return total
+
+
+def groups_of(results: list[AveragingResult]) -> list[frozenset[str]]:
+    """Distinct groups; every member of a group must report the same member list."""
+    by_id: dict[str, frozenset[str]] = {}
+    for r in results:
+        members = frozenset(r.peers)
+        assert by_id.setdefault(r.group_id, members) == members
+    return sorted(by_id.values(), key=len)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.timeout(90)
+async def test_default_group_size_closes_when_everyone_is_in(n: int) -> None:
+    async with averager_swarm(n, SLOW_WINDOW) as swarm:
+        for step in range(3):
+            results = await round_of(swarm, f"step-{step}", timeout=90.0)
+            assert [len(g) for g in groups_of(results)] == [n]
+            expected = np.mean([inputs(i)[0] for i in range(n)], axis=0)
+            for r in results:
+                np.testing.assert_array_equal(r.tensors[0], expected)
+        reasons = close_reasons(swarm)
+        assert "deadline" not in reasons, reasons
+        assert sum(reasons.values()) == 3
+        # From the second round on, the previous members are the quorum.
+        assert reasons.get("quorum", 0) >= 1, reasons
+
+
+@pytest.mark.timeout(120)
+async def test_one_more_peer_than_the_group_size_gives_balanced_groups() -> None:
+    async with averager_swarm(5, SLOW_WINDOW) as swarm:
+        for step in range(2):
+            results = await round_of(swarm, f"r{step}", group_size=4, timeout=90.0)
+            groups = groups_of(results)
+            assert [len(g) for g in groups] == [2, 3], groups
+            assert frozenset().union(*groups) == {p.peer_id.hex() for p in swarm.peers}
+
+
+@pytest.mark.timeout(120)
+async def test_groups_of_a_split_are_disjoint_and_cover_everyone() -> None:
+    # Two leaders count overlapping peers while their views converge; no peer may end up
+    # in both groups, and nobody is left out.
+    async with averager_swarm(6, SLOW_WINDOW) as swarm:
+        for step in range(3):
+            results = await round_of(swarm, f"s{step}", group_size=3, timeout=90.0)
+            groups = groups_of(results)
+            assert [len(g) for g in groups] == [3, 3], groups
+            assert not (groups[0] & groups[1])
+
+
+@pytest.mark.timeout(90)
+async def test_a_late_peer_learns_at_once_that_the_round_is_gone() -> None:
+    async with averager_swarm(3, SLOW_WINDOW) as swarm:
+        early, late = swarm.peers[:2], swarm.peers[2]
+        results = await asyncio.gather(
+            *(
+                p.averager.average(inputs(i), "gone", group_size=2, timeout=60.0)
+                for i, p in enumerate(early)
+            )
+        )
+        assert [len(g) for g in groups_of(list(results))] == [2]
+        with pytest.raises(NoGroupError, match="closed before this peer joined"):
+            await late.averager.average(inputs(2), "gone", group_size=2, timeout=60.0)
