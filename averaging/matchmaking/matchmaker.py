@@ -143,6 +143,8 @@ class _Round:
     """``time.monotonic()`` when a follower last joined or left."""
     taken: set[bytes] = field(default_factory=set)
     """Peers that closed leaders told us are in their (already formed) group."""
+    lonely_reads: int = 0
+    """Reads of the declarations in a row while alone (see ``_read_interval``)."""
 
     @property
     def num_members(self) -> int:
@@ -313,7 +315,7 @@ class Matchmaker:
                 raise self._no_group_error(rnd)
             if redirect is None and now >= next_read:
                 await self._refresh_declarations(rnd)
-                next_read = time.monotonic() + self.config.poll_interval
+                next_read = time.monotonic() + self._read_interval(rnd)
                 continue  # decide again on what we just read
             late = self._round_is_gone(rnd)
             if late is not None:
@@ -352,6 +354,22 @@ class Matchmaker:
             rnd.first_seen.setdefault(peer_id, started)
         rnd.declarations = tuple(live.values())
         rnd.last_read = started
+
+    def _read_interval(self, rnd: _Round) -> float:
+        """Seconds until the next read of the declarations.
+
+        A peer still alone reads again soon (one settle time, doubling up to
+        ``poll_interval``): it may have read before an earlier peer's declaration was
+        visible, and would otherwise sit as a leader nobody joins while its peers wait for
+        it. Once it has company, or follows someone, it polls at ``poll_interval``; the
+        doubling bounds the load a large swarm puts on the DHT.
+        """
+        if rnd.leader is not None or rnd.followers:
+            rnd.lonely_reads = 0
+            return self.config.poll_interval
+        interval = min(self.config.poll_interval, self.settle_time() * 2.0**rnd.lonely_reads)
+        rnd.lonely_reads += 1
+        return interval
 
     def _leader_view(self, rnd: _Round) -> LeaderView:
         return LeaderView(
