@@ -137,11 +137,13 @@ def expected_members(view: LeaderView, now: float, patience: float) -> frozenset
     than ``patience`` seconds ago (or has joined); a previous member counts until it has
     declared, after which the declarer rule decides.
     """
-    assignment = assign_leaders(view.declarations, view.group_size)
+    # Peers known to be in a closed group are out of the split: they are not coming.
+    pool = [d for d in view.declarations if d.peer_id not in view.taken]
+    assignment = assign_leaders(pool, view.group_size)
     declared = {d.peer_id for d in view.declarations}
     expected = set(view.members)
-    for d in view.declarations:
-        if d.peer_id in view.taken or assignment.get(d.peer_id) != view.me.peer_id:
+    for d in pool:
+        if assignment.get(d.peer_id) != view.me.peer_id:
             continue
         if now - view.first_seen.get(d.peer_id, now) <= patience:
             expected.add(d.peer_id)

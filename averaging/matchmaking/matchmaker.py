@@ -407,7 +407,8 @@ class Matchmaker:
         other candidate; ``None`` when we lead (or nobody can)."""
         me = rnd.me
         now_wall = time.time()
-        assignment = assign_leaders(rnd.declarations or (me,), rnd.request.group_size)
+        pool = [d for d in rnd.declarations if d.peer_id not in rnd.taken] or [me]
+        assignment = assign_leaders(pool, rnd.request.group_size)
         mine = assignment.get(self.peer_id)
         if mine == self.peer_id:
             return None  # we lead a group of the split; our followers come to us
