@@ -2,8 +2,9 @@
 
 * Size caps (:class:`DHTLimits`) are checked on lengths, before anything is decoded.
 * Owner-named records (see dht/records.py): the record's public key must hash to the owner id
-  named in its key or subkey, and its signature must verify. So an owner's record cannot be
-  overwritten, and cannot be displaced by a forged one with a later expiration.
+  named in its key or subkey, and its signature over (run id, record, issue time) must verify.
+  So an owner's record cannot be overwritten, cannot be displaced by a forged one with a later
+  expiration, and cannot be replayed into another run.
 * Optional schema validators run last, on the decoded value.
 
 The same checks run on records a peer sends us in Store and on records returned by Find, so a
@@ -113,8 +114,13 @@ def validate_record(
     limits: DHTLimits,
     now: float,
     validators: tuple[RecordValidator, ...] = (),
+    *,
+    run_id: str,
 ) -> None:
     """Run every check on one record.
+
+    Args:
+        run_id: this node's run; an owner's signature must have been made for it.
 
     Raises:
         ValidationError: with the reason.
@@ -122,21 +128,30 @@ def validate_record(
     check_sizes(record, limits)
     if record.expiration > now + limits.max_ttl:
         raise ValidationError(f"expiration is more than {limits.max_ttl:.0f} s in the future")
+    if not math.isfinite(record.issued):
+        raise ValidationError("issue time must be finite")
     owner = record_owner(record, limits)
     if owner is not None:
         if not record.public_key:
             raise ValidationError(f"record of owner {owner.hex()} is not signed")
+        if not 0 < record.issued <= record.expiration:
+            raise ValidationError("an owned record must be issued before it expires")
         try:
             signer = peer_id_from_public_key(record.public_key)
         except ValueError as e:
             raise ValidationError(str(e)) from e
         if signer != owner:
             raise ValidationError(f"record of owner {owner.hex()} signed by {signer.hex()}")
-        payload = signing_payload(record.key, record.subkey, record.value, record.expiration)
+        payload = signing_payload(
+            run_id, record.key, record.subkey, record.value, record.expiration, record.issued
+        )
         if not verify_signature(record.public_key, record.signature, payload):
-            raise ValidationError(f"bad signature on record of owner {owner.hex()}")
-    elif record.public_key or record.signature:
-        raise ValidationError("signature on a record that names no owner")
+            raise ValidationError(
+                f"bad signature on record of owner {owner.hex()} (forged, altered or "
+                "signed for another run)"
+            )
+    elif record.public_key or record.signature or record.issued:
+        raise ValidationError("signature or issue time on a record that names no owner")
     try:  # malformed msgpack is rejected here, not discovered by a reader later
         value = unpack(record.value, limits.max_value_bytes)
     except ValueError as e:
