@@ -161,7 +161,7 @@ class DHTProtocol:
         return header
 
     def validate(self, record: StoredRecord, now: float) -> None:
-        """Every check of dht/validation.py under this node's run.
+        """Every check of dht/validation.py under this node's run and key classes.
 
         Raises:
             ValidationError: with the reason.
@@ -173,6 +173,7 @@ class DHTProtocol:
             now,
             config.validators,
             run_id=config.run_id,
+            key_classes=config.key_classes,
         )
 
     # ---- server side ----
