@@ -2,7 +2,7 @@
 
 See docs/dht.md. Public names::
 
-    DHTNode, DHTConfig, Identity, ValueWithExpiration, ChannelPool, BootstrapError
+    DHTNode, DHTConfig, Identity, ValueWithExpiration, ChannelPool, BootstrapError, KeyClass
 """
 
 from swarmavg.dht.channels import ChannelPool
@@ -11,7 +11,7 @@ from swarmavg.dht.identity import HeaderError, Identity, verify_header
 from swarmavg.dht.node import BootstrapError, DHTNode
 from swarmavg.dht.records import ValueWithExpiration, owner_suffix
 from swarmavg.dht.routing import Contact
-from swarmavg.dht.validation import DHTLimits, SchemaValidator, ValidationError
+from swarmavg.dht.validation import DHTLimits, KeyClass, SchemaValidator, ValidationError
 
 __all__ = [
     "BootstrapError",
@@ -22,6 +22,7 @@ __all__ = [
     "DHTNode",
     "HeaderError",
     "Identity",
+    "KeyClass",
     "SchemaValidator",
     "ValidationError",
     "ValueWithExpiration",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from swarmavg.dht.validation import DHTLimits, RecordValidator
+from swarmavg.dht.validation import DHTLimits, KeyClass, RecordValidator
 
 
 @dataclass
@@ -39,6 +39,9 @@ class DHTConfig:
             failed requests in a row (paper 4.1); with a replacement, after one.
         limits: size caps on keys, values, batches and storage.
         validators: extra record checks (e.g. :class:`~swarmavg.dht.validation.SchemaValidator`).
+        key_classes: keys that accept only owner-signed dictionary entries
+            (:class:`~swarmavg.dht.validation.KeyClass`); the first matching class applies.
+            The peer daemon registers the averaging layer's protocol keys here.
     """
 
     run_id: str = "default"
@@ -61,11 +64,13 @@ class DHTConfig:
     stale_after: int = 3
     limits: DHTLimits = field(default_factory=DHTLimits)
     validators: tuple[RecordValidator, ...] = ()
+    key_classes: tuple[KeyClass, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.initial_peers, str):
             raise ValueError("initial_peers is a sequence of HOST:PORT strings, not one string")
         self.initial_peers = tuple(self.initial_peers)
+        self.key_classes = tuple(self.key_classes)
         for address in self.initial_peers:
             host, sep, port = address.rpartition(":")
             if not sep or not host or not port.isdigit():

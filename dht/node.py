@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -37,7 +38,7 @@ from swarmavg.dht.routing import Contact, RoutingTable
 from swarmavg.dht.storage import STORED, Storage
 from swarmavg.dht.tasks import TaskSet
 from swarmavg.dht.traversal import LookupResult, traverse
-from swarmavg.dht.validation import record_owner, validate_record
+from swarmavg.dht.validation import record_owner
 from swarmavg.proto import common_pb2, dht_pb2
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class DHTNode:
         self._server: grpc.aio.Server | None = None
         self._tasks = TaskSet()  # maintenance, caching along lookup paths
         self._state = "new"
+        self._last_issued = 0.0  # issue time of the last record we signed
 
     # ---- lifecycle ----
 
@@ -365,11 +367,22 @@ class DHTNode:
                 raise ValueError(
                     f"key {key!r} / subkey {subkey!r} is owned by {owner.hex()}, not by this peer"
                 )
+            # Strictly increasing, so that our newest version of a record always wins over
+            # the ones before it (records.py, StoredRecord.order), even within one clock tick.
+            self._last_issued = max(now, math.nextafter(self._last_issued, math.inf))
+            record.issued = min(self._last_issued, record.expiration)
             record.public_key = self.identity.public_key
             record.signature = self.identity.sign(
-                signing_payload(record.key, record.subkey, record.value, record.expiration)
+                signing_payload(
+                    self.config.run_id,
+                    record.key,
+                    record.subkey,
+                    record.value,
+                    record.expiration,
+                    record.issued,
+                )
             )
-        validate_record(record, self.config.limits, now, self.config.validators)
+        self.protocol.validate(record, now)
         return record
 
     async def store(

@@ -94,12 +94,13 @@ def record_to_proto(record: StoredRecord) -> dht_pb2.Record:
         expiration=record.expiration,
         public_key=record.public_key,
         signature=record.signature,
+        issued=record.issued,
     )
 
 
 def record_from_proto(msg: dht_pb2.Record) -> StoredRecord:
     return StoredRecord(
-        msg.key, msg.subkey, msg.value, msg.expiration, msg.public_key, msg.signature
+        msg.key, msg.subkey, msg.value, msg.expiration, msg.public_key, msg.signature, msg.issued
     )
 
 
@@ -158,6 +159,22 @@ class DHTProtocol:
         header = common_pb2.RequestHeader()
         header.CopyFrom(self.header)
         return header
+
+    def validate(self, record: StoredRecord, now: float) -> None:
+        """Every check of dht/validation.py under this node's run and key classes.
+
+        Raises:
+            ValidationError: with the reason.
+        """
+        config = self.config
+        validate_record(
+            record,
+            config.limits,
+            now,
+            config.validators,
+            run_id=config.run_id,
+            key_classes=config.key_classes,
+        )
 
     # ---- server side ----
 
@@ -236,7 +253,7 @@ class DHTProtocol:
         for i, proto in enumerate(msg.records):  # validate all first: all or nothing
             record = record_from_proto(proto)
             try:
-                validate_record(record, limits, now, self.config.validators)
+                self.validate(record, now)
             except ValidationError as e:
                 await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"record {i}: {e}")
             records.append(record)
@@ -302,7 +319,7 @@ class DHTProtocol:
         for i, proto in enumerate(msg.store):
             record = record_from_proto(proto)
             try:
-                validate_record(record, limits, now, self.config.validators)
+                self.validate(record, now)
             except ValidationError as e:
                 await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"record {i}: {e}")
             kid = key_id(record.key)
@@ -477,7 +494,7 @@ class DHTProtocol:
                     check_sizes(record, limits)
                     if key_id(record.key) != kid:
                         raise ValidationError("record for another key")
-                    validate_record(record, limits, now, self.config.validators)
+                    self.validate(record, now)
                 except ValidationError as e:
                     log.debug("dropping record from %s: %s", contact.address, e)
                     continue

@@ -7,8 +7,11 @@ expiration. Values are any msgpack-serialisable object; subkeys are ``str``, ``b
 
 Owner-named records: a key or a subkey that ends with ``[owner:<40 hex digits>]`` names the peer
 whose id those digits spell. Such a record must carry that peer's public key and its Ed25519
-signature over :func:`signing_payload`; nobody else can write (or, by writing a later
-expiration, replace) it. See dht/validation.py for the checks.
+signature over :func:`signing_payload`, which covers the run id and the time the owner signed
+it (``issued``); nobody else can write (or, by writing a later expiration, replace) it, and a
+record signed in one run is refused in every other. Of two versions of an owned record the
+later-issued one wins, whatever their expirations, so an owner can shorten or retire its own
+record and an old version replayed later loses. See dht/validation.py for the checks.
 """
 
 from __future__ import annotations
@@ -50,15 +53,21 @@ class StoredRecord:
     expiration: float
     public_key: bytes = b""
     signature: bytes = b""
+    issued: float = 0.0  # when the owner signed it; 0.0 for records that name no owner
 
-    def order(self) -> tuple[float, bytes]:
-        """Which of two records for the same key/subkey wins: the later expiration; on a tie,
-        the larger value bytes, so that every replica keeps the same record whatever the
-        order in which copies arrive."""
-        return (self.expiration, self.value)
+    def order(self) -> tuple[float, float, bytes]:
+        """Which of two records for the same key/subkey wins.
+
+        Owned records: the later-issued version (the owner's newest word), so that an owner
+        can replace its record by one that expires sooner and a replayed old version loses.
+        Open records (``issued`` is always 0) and equal issue times: the later expiration.
+        Last, the larger value bytes, so that every replica keeps the same record whatever the
+        order in which copies arrive.
+        """
+        return (self.issued, self.expiration, self.value)
 
     def size(self) -> int:
-        return len(self.key) + len(self.subkey) + len(self.value) + 96
+        return len(self.key) + len(self.subkey) + len(self.value) + 104
 
 
 def pack(obj: Any) -> bytes:
@@ -128,17 +137,25 @@ def subkey_owner(subkey: object) -> bytes | None:
     return named_owner(subkey)
 
 
-def signing_payload(key: bytes, subkey: bytes, value: bytes, expiration: float) -> bytes:
-    """The bytes an owner signs: every field, length-prefixed, with a domain tag."""
-    if not math.isfinite(expiration):
-        raise ValueError("expiration must be finite")
+def signing_payload(
+    run_id: str, key: bytes, subkey: bytes, value: bytes, expiration: float, issued: float
+) -> bytes:
+    """The bytes an owner signs: every field, length-prefixed, with a domain tag.
+
+    The run id is not stored in the record: each verifier puts in its own, so a record
+    signed for one run fails verification in any other (replay across runs).
+    """
+    if not (math.isfinite(expiration) and math.isfinite(issued)):
+        raise ValueError("expiration and issued must be finite")
+    run = run_id.encode()
     return b"".join(
         (
             b"swarmavg.v1.dht.record\x00",
-            struct.pack(">III", len(key), len(subkey), len(value)),
+            struct.pack(">IIII", len(run), len(key), len(subkey), len(value)),
+            run,
             key,
             subkey,
             value,
-            struct.pack(">d", expiration),
+            struct.pack(">dd", expiration, issued),
         )
     )

@@ -4,9 +4,11 @@ Rules (pure, synchronous, unit-tested):
 
 * Per key: either one plain value or a dictionary of subkeys.
 * A record replaces another for the same key (and subkey) only when it wins
-  :meth:`StoredRecord.order`: the later expiration, ties broken by value bytes so that every
-  replica converges on the same record whatever the arrival order. Storing the very same
-  record again reports ``STORED`` and changes nothing (stores are idempotent).
+  :meth:`StoredRecord.order`: for owner-signed records the later issue time (the owner's
+  newer version, even if it expires sooner), else the later expiration; ties broken by value
+  bytes so that every replica converges on the same record whatever the arrival order.
+  Storing the very same record again reports ``STORED`` and changes nothing (stores are
+  idempotent).
 * A plain value replaces a dictionary only when it expires later than every subkey; a subkey
   replaces a plain value only when it expires later than that value. Later expiration wins.
 * Expired records are never returned and are dropped by :meth:`Storage.sweep`.

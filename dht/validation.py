@@ -2,23 +2,38 @@
 
 * Size caps (:class:`DHTLimits`) are checked on lengths, before anything is decoded.
 * Owner-named records (see dht/records.py): the record's public key must hash to the owner id
-  named in its key or subkey, and its signature must verify. So an owner's record cannot be
-  overwritten, and cannot be displaced by a forged one with a later expiration.
+  named in its key or subkey, and its signature over (run id, record, issue time) must verify.
+  So an owner's record cannot be overwritten, cannot be displaced by a forged one with a later
+  expiration, and cannot be replayed into another run.
+* Key classes (:class:`KeyClass`): keys an upper layer relies on (the averaging layer's
+  protocol keys, docs/dht.md) accept only owner-signed dictionary entries, optionally of a
+  given value schema. A plain value or an unowned subkey there is refused: without this, one
+  plain value with a later expiration would replace every peer's entries and then refuse new
+  ones as outdated (dht/storage.py).
 * Optional schema validators run last, on the decoded value.
 
 The same checks run on records a peer sends us in Store and on records returned by Find, so a
-malicious peer can neither plant nor serve a forged record.
+malicious peer can neither plant nor serve a forged record, and readers never merge a record
+that the storing node should have refused.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from swarmavg.dht.identity import peer_id_from_public_key, verify_signature
-from swarmavg.dht.records import StoredRecord, named_owner, signing_payload, unpack, unpack_subkey
+from swarmavg.dht.records import (
+    StoredRecord,
+    Subkey,
+    named_owner,
+    signing_payload,
+    unpack,
+    unpack_subkey,
+)
 
 
 class ValidationError(ValueError):
@@ -78,6 +93,63 @@ class SchemaValidator:
                 return
 
 
+@dataclass(frozen=True)
+class KeyClass:
+    """A class of keys that accept only owner-signed dictionary entries.
+
+    The DHT itself knows no key names; an upper layer registers the keys it relies on
+    (``DHTConfig.key_classes``). A record under a matching key must have a subkey that names
+    its owner (``[owner:<hex>]`` at its end, so the usual signature check applies) and, if
+    ``check_value`` is given, a value it accepts.
+
+    Attributes:
+        name: what the keys are, for error messages ("matchmaking declarations").
+        pattern: a key belongs to the class when the pattern matches the whole raw key.
+        check_value: ``(decoded subkey, owner id, decoded value) -> bool``; ``False`` or an
+            exception refuses the record. ``None`` accepts any value.
+    """
+
+    name: str
+    pattern: re.Pattern[bytes]
+    check_value: Callable[[Subkey, bytes, Any], bool] | None = None
+
+    def matches(self, key: bytes) -> bool:
+        return self.pattern.fullmatch(key) is not None
+
+    def check(self, record: StoredRecord, value: Any, limits: DHTLimits) -> None:
+        """Raise :class:`ValidationError` unless ``record`` has the form this class requires.
+
+        Call after the ownership checks of :func:`validate_record` (the owner's signature is
+        then known to be good).
+        """
+        if not record.subkey:
+            raise ValidationError(
+                f"{self.name} accept only owner-signed dictionary entries, not a plain value"
+            )
+        subkey = unpack_subkey(record.subkey, limits.max_subkey_bytes)  # checked before
+        owner = named_owner(subkey)
+        if owner is None:
+            raise ValidationError(
+                f"{self.name} accept only subkeys that name their owner ([owner:<peer id hex>])"
+            )
+        if self.check_value is None:
+            return
+        try:
+            ok = bool(self.check_value(subkey, owner, value))
+        except Exception as e:  # a schema that chokes on hostile input rejects it
+            raise ValidationError(f"value does not match the schema of {self.name}: {e}") from e
+        if not ok:
+            raise ValidationError(f"value does not match the schema of {self.name}")
+
+
+def key_class_of(key: bytes, key_classes: tuple[KeyClass, ...]) -> KeyClass | None:
+    """The first class in ``key_classes`` whose pattern matches ``key``, or None."""
+    for key_class in key_classes:
+        if key_class.matches(key):
+            return key_class
+    return None
+
+
 def record_owner(record: StoredRecord, limits: DHTLimits) -> bytes | None:
     """The peer id that owns ``record`` (named by its key, else by its subkey), or None.
 
@@ -113,8 +185,15 @@ def validate_record(
     limits: DHTLimits,
     now: float,
     validators: tuple[RecordValidator, ...] = (),
+    *,
+    run_id: str,
+    key_classes: tuple[KeyClass, ...] = (),
 ) -> None:
     """Run every check on one record.
+
+    Args:
+        run_id: this node's run; an owner's signature must have been made for it.
+        key_classes: keys that accept only owner-signed dictionary entries.
 
     Raises:
         ValidationError: with the reason.
@@ -122,24 +201,36 @@ def validate_record(
     check_sizes(record, limits)
     if record.expiration > now + limits.max_ttl:
         raise ValidationError(f"expiration is more than {limits.max_ttl:.0f} s in the future")
+    if not math.isfinite(record.issued):
+        raise ValidationError("issue time must be finite")
     owner = record_owner(record, limits)
     if owner is not None:
         if not record.public_key:
             raise ValidationError(f"record of owner {owner.hex()} is not signed")
+        if not 0 < record.issued <= record.expiration:
+            raise ValidationError("an owned record must be issued before it expires")
         try:
             signer = peer_id_from_public_key(record.public_key)
         except ValueError as e:
             raise ValidationError(str(e)) from e
         if signer != owner:
             raise ValidationError(f"record of owner {owner.hex()} signed by {signer.hex()}")
-        payload = signing_payload(record.key, record.subkey, record.value, record.expiration)
+        payload = signing_payload(
+            run_id, record.key, record.subkey, record.value, record.expiration, record.issued
+        )
         if not verify_signature(record.public_key, record.signature, payload):
-            raise ValidationError(f"bad signature on record of owner {owner.hex()}")
-    elif record.public_key or record.signature:
-        raise ValidationError("signature on a record that names no owner")
+            raise ValidationError(
+                f"bad signature on record of owner {owner.hex()} (forged, altered or "
+                "signed for another run)"
+            )
+    elif record.public_key or record.signature or record.issued:
+        raise ValidationError("signature or issue time on a record that names no owner")
     try:  # malformed msgpack is rejected here, not discovered by a reader later
         value = unpack(record.value, limits.max_value_bytes)
     except ValueError as e:
         raise ValidationError(str(e)) from e
+    key_class = key_class_of(record.key, key_classes)
+    if key_class is not None:
+        key_class.check(record, value, limits)
     for validator in validators:
         validator.validate(record, value)

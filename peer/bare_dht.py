@@ -14,7 +14,12 @@ import grpc
 from swarmavg.dht import BootstrapError, ChannelPool, DHTNode, Identity
 from swarmavg.dht.tasks import bounded_step
 from swarmavg.peer.config import PeerConfig
-from swarmavg.peer.daemon import StartupError, bootstrap_message, start_public_server
+from swarmavg.peer.daemon import (
+    StartupError,
+    bootstrap_message,
+    node_dht_config,
+    start_public_server,
+)
 from swarmavg.peer.netutil import announce_address
 
 log = logging.getLogger(__name__)
@@ -62,7 +67,7 @@ class BareDHT:
         except (OSError, ValueError) as exc:
             raise StartupError(f"identity file {cfg.identity}: {exc}") from None
         self._channels = ChannelPool()
-        self.node = DHTNode(cfg.dht_config(), self._identity, self._channels)
+        self.node = DHTNode(node_dht_config(cfg), self._identity, self._channels)
         self._server, port = await start_public_server(cfg.listen, self.node.add_to_server)
         self.address = announce_address(cfg.listen, port, cfg.announce)
         try:

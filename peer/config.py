@@ -306,6 +306,8 @@ INTERNAL: Mapping[type, tuple[str, ...]] = MappingProxyType(
             "stale_after",
             "limits",
             "validators",
+            # The run's protocol keys, set by the daemon (peer/daemon.py, node_dht_config).
+            "key_classes",
         ),
         # matchmaking_share splits the caller's own timeout (a per-call budget, not a
         # daemon property); user_data is a Python API; timeout_grace only closes streams.

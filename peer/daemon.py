@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -27,11 +28,13 @@ import numpy as np
 
 from swarmavg.averaging.averager import Averager
 from swarmavg.averaging.matchmaking.matchmaker import MatchmakingEvent
+from swarmavg.averaging.protocol_keys import protocol_key_classes
 from swarmavg.averaging.request import RoundRequest
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.dht import (
     BootstrapError,
     ChannelPool,
+    DHTConfig,
     DHTNode,
     Identity,
     ValueWithExpiration,
@@ -61,6 +64,14 @@ SERVER_OPTIONS = [
 
 class StartupError(RuntimeError):
     """The daemon cannot start; the message is one line meant for the user."""
+
+
+def node_dht_config(cfg: PeerConfig) -> DHTConfig:
+    """The DHT config of a daemon or bare DHT node: ``cfg``'s DHT settings plus the run's
+    protocol keys (averaging/protocol_keys.py), so that every node of the run refuses, and
+    ignores in answers, any record there that is not an owner-signed entry of their schema.
+    """
+    return dataclasses.replace(cfg.dht_config(), key_classes=protocol_key_classes(cfg.run_id))
 
 
 def bootstrap_message(exc: BootstrapError) -> str:
@@ -169,7 +180,7 @@ class Peer:
         except (OSError, ValueError) as exc:
             raise StartupError(f"identity file {cfg.identity}: {exc}") from None
         self._channels = ChannelPool()
-        self.dht = DHTNode(cfg.dht_config(), self.identity, self._channels)
+        self.dht = DHTNode(node_dht_config(cfg), self.identity, self._channels)
         self._averager_config = cfg.averager_config()
         self.averager = Averager(
             self.dht, self._averager_config, self._channels, observer=self._on_matchmaking

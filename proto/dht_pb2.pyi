@@ -32,20 +32,22 @@ class PeerInfo(_message.Message):
     def __init__(self, peer_id: _Optional[bytes] = ..., address: _Optional[str] = ...) -> None: ...
 
 class Record(_message.Message):
-    __slots__ = ("key", "subkey", "value", "expiration", "public_key", "signature")
+    __slots__ = ("key", "subkey", "value", "expiration", "public_key", "signature", "issued")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SUBKEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     EXPIRATION_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     subkey: bytes
     value: bytes
     expiration: float
     public_key: bytes
     signature: bytes
-    def __init__(self, key: _Optional[bytes] = ..., subkey: _Optional[bytes] = ..., value: _Optional[bytes] = ..., expiration: _Optional[float] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    issued: float
+    def __init__(self, key: _Optional[bytes] = ..., subkey: _Optional[bytes] = ..., value: _Optional[bytes] = ..., expiration: _Optional[float] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., issued: _Optional[float] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ("header", "address_signature")

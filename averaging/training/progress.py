@@ -259,8 +259,10 @@ class ProgressTracker:
         self.target_batch_size = target_batch_size
         self.ttl = ttl
         self.peer_id = peer_id if peer_id is not None else _peer_id_of(client)
-        # Several processes may share one daemon: each writes its own subkey.
-        self.subkey = f"{self.peer_id}.{uuid.uuid4().hex[:12]}"
+        # Several processes may share one daemon: each writes its own subkey, which names
+        # the daemon as its owner (``[owner:<hex>]``, dht/records.py): the daemon signs it
+        # and the DHT accepts nothing else under a progress key (averaging/protocol_keys.py).
+        self.subkey = f"{uuid.uuid4().hex[:12]}[owner:{self.peer_id}]"
         self.key = f"{run_id}.progress"
         self.epoch = 0
         self.samples = 0

@@ -190,7 +190,8 @@ async def test_forged_owner_records_are_rejected(target: tuple[DHTNode, Attacker
         value=value,
         expiration=exp,
         public_key=owner.public_key,
-        signature=owner.sign(signing_payload(key, b"", value, exp)),
+        signature=owner.sign(signing_payload("test", key, b"", value, exp, exp - 60)),
+        issued=exp - 60,
     )
     await attacker.store([genuine])  # a correctly signed record may be relayed by anyone
     before = snapshot(node)
@@ -202,7 +203,10 @@ async def test_forged_owner_records_are_rejected(target: tuple[DHTNode, Attacker
         value=forged_value,
         expiration=later,
         public_key=attacker.identity.public_key,
-        signature=attacker.identity.sign(signing_payload(key, b"", forged_value, later)),
+        signature=attacker.identity.sign(
+            signing_payload("test", key, b"", forged_value, later, exp)
+        ),
+        issued=exp,
     )
     await expect_error(S.INVALID_ARGUMENT, lambda: attacker.store([forged]))
     replayed_sig = dht_pb2.Record()
@@ -228,7 +232,10 @@ async def test_records_riding_on_find_are_checked(target: tuple[DHTNode, Attacke
         value=forged_value,
         expiration=exp,
         public_key=attacker.identity.public_key,
-        signature=attacker.identity.sign(signing_payload(key, b"", forged_value, exp)),
+        signature=attacker.identity.sign(
+            signing_payload("test", key, b"", forged_value, exp, exp - 60)
+        ),
+        issued=exp - 60,
     )
     before = snapshot(node)
 

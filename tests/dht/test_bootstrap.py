@@ -53,13 +53,16 @@ async def test_bootstrap_error_lists_every_address() -> None:
     assert "UNAVAILABLE" in message
 
 
-async def test_bootstrap_reports_wrong_run() -> None:
-    other = await DHTNode.create(DHTConfig(run_id="other-run"))
+async def test_bootstrap_reports_wrong_run_without_naming_it() -> None:
+    """The answer says that the run differs, never which run the node serves: the run id is
+    a public run's only gate, and a prober must not learn it from an error (issue 16)."""
+    other = await DHTNode.create(DHTConfig(run_id="secret-run"))
     try:
         assert other.address is not None
-        config = DHTConfig(run_id="t", initial_peers=[other.address], bootstrap_timeout=0.3)
-        with pytest.raises(BootstrapError, match="other-run"):
+        config = DHTConfig(run_id="probe", initial_peers=[other.address], bootstrap_timeout=0.3)
+        with pytest.raises(BootstrapError, match="run id differs") as info:
             await DHTNode.create(config)
+        assert "secret-run" not in str(info.value)
     finally:
         await other.shutdown()
 

@@ -53,8 +53,9 @@ def test_verify_header_accepts_and_rejects() -> None:
     header = ident.make_header("run", "127.0.0.1:1")
     assert verify_header(header, "run") == ident.peer_id
 
-    with pytest.raises(HeaderError, match="run"):
+    with pytest.raises(HeaderError, match="run id differs") as info:
         verify_header(header, "other-run")
+    assert "other-run" not in str(info.value)
     bad_version = ident.make_header("run")
     bad_version.protocol_version = PROTOCOL_VERSION + 1
     with pytest.raises(HeaderError, match="protocol version"):

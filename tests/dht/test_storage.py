@@ -23,6 +23,7 @@ from swarmavg.dht.validation import (
 )
 
 NOW = 1_000_000.0
+RUN = "test"
 
 
 def rec(value: object, expiration: float, key: bytes = b"k", subkey: object = None) -> StoredRecord:
@@ -119,11 +120,19 @@ def test_republish_skips_recently_received_and_cached() -> None:
 LIMITS = DHTLimits()
 
 
-def signed(identity: Identity, key: bytes, subkey: object, value: object, exp: float):  # type: ignore[no-untyped-def]
+def signed(  # type: ignore[no-untyped-def]
+    identity: Identity,
+    key: bytes,
+    subkey: object,
+    value: object,
+    exp: float,
+    issued: float = NOW,
+    run_id: str = RUN,
+):
     sub = b"" if subkey is None else pack_subkey(subkey)  # type: ignore[arg-type]
     val = pack(value)
-    sig = identity.sign(signing_payload(key, sub, val, exp))
-    return StoredRecord(key, sub, val, exp, identity.public_key, sig)
+    sig = identity.sign(signing_payload(run_id, key, sub, val, exp, issued))
+    return StoredRecord(key, sub, val, exp, identity.public_key, sig, issued)
 
 
 def test_owner_names() -> None:
@@ -141,48 +150,84 @@ def test_owner_records_need_the_owner_signature(where: str) -> None:
     key = name.encode() if where == "key" else b"k"
     subkey = name if where == "subkey" else None
     good = signed(owner, key, subkey, {"x": 1}, NOW + 10)
-    validate_record(good, LIMITS, NOW)
+    validate_record(good, LIMITS, NOW, run_id=RUN)
 
     forged = signed(thief, key, subkey, {"x": 2}, NOW + 20)  # signed by someone else
     with pytest.raises(ValidationError, match="signed by"):
-        validate_record(forged, LIMITS, NOW)
+        validate_record(forged, LIMITS, NOW, run_id=RUN)
     stolen_key = StoredRecord(
-        key, good.subkey, pack({"x": 2}), NOW + 20, owner.public_key, thief.sign(b"junk")
+        key, good.subkey, pack({"x": 2}), NOW + 20, owner.public_key, thief.sign(b"junk"), NOW
     )
     with pytest.raises(ValidationError, match="bad signature"):
-        validate_record(stolen_key, LIMITS, NOW)
+        validate_record(stolen_key, LIMITS, NOW, run_id=RUN)
     tampered = StoredRecord(
-        key, good.subkey, good.value, NOW + 99, owner.public_key, good.signature
+        key, good.subkey, good.value, NOW + 99, owner.public_key, good.signature, NOW
     )
     with pytest.raises(ValidationError, match="bad signature"):
-        validate_record(tampered, LIMITS, NOW)
-    unsigned = StoredRecord(key, good.subkey, good.value, NOW + 10)
+        validate_record(tampered, LIMITS, NOW, run_id=RUN)
+    unsigned = StoredRecord(key, good.subkey, good.value, NOW + 10, issued=NOW)
     with pytest.raises(ValidationError, match="not signed"):
-        validate_record(unsigned, LIMITS, NOW)
+        validate_record(unsigned, LIMITS, NOW, run_id=RUN)
 
 
 def test_size_caps_and_expiration_limits() -> None:
     limits = DHTLimits(max_key_bytes=8, max_value_bytes=16, max_subkey_bytes=8, max_ttl=100)
-    validate_record(rec(1, NOW + 10), limits, NOW)
+    validate_record(rec(1, NOW + 10), limits, NOW, run_id=RUN)
     with pytest.raises(ValidationError, match="key"):
-        validate_record(rec(1, NOW + 10, key=b"k" * 9), limits, NOW)
+        validate_record(rec(1, NOW + 10, key=b"k" * 9), limits, NOW, run_id=RUN)
     with pytest.raises(ValidationError, match="value"):
-        validate_record(rec(b"v" * 20, NOW + 10), limits, NOW)
+        validate_record(rec(b"v" * 20, NOW + 10), limits, NOW, run_id=RUN)
     with pytest.raises(ValidationError, match="subkey"):
-        validate_record(rec(1, NOW + 10, subkey="s" * 10), limits, NOW)
+        validate_record(rec(1, NOW + 10, subkey="s" * 10), limits, NOW, run_id=RUN)
     with pytest.raises(ValidationError, match="future"):
-        validate_record(rec(1, NOW + 1000), limits, NOW)
+        validate_record(rec(1, NOW + 1000), limits, NOW, run_id=RUN)
     with pytest.raises(ValidationError, match="finite"):
-        validate_record(rec(1, float("nan")), limits, NOW)
+        validate_record(rec(1, float("nan")), limits, NOW, run_id=RUN)
     with pytest.raises(ValidationError, match="msgpack"):
-        validate_record(StoredRecord(b"k", b"", b"\xc1", NOW + 1), limits, NOW)
+        validate_record(StoredRecord(b"k", b"", b"\xc1", NOW + 1), limits, NOW, run_id=RUN)
     with pytest.raises(ValidationError, match="subkey must be"):
-        validate_record(StoredRecord(b"k", pack([1]), pack(1), NOW + 1), limits, NOW)
+        validate_record(StoredRecord(b"k", pack([1]), pack(1), NOW + 1), limits, NOW, run_id=RUN)
 
 
 def test_schema_validator() -> None:
     schema = SchemaValidator({b"progress.": lambda v: isinstance(v, dict) and "step" in v})
-    validate_record(rec({"step": 1}, NOW + 1, key=b"progress.x"), LIMITS, NOW, (schema,))
-    validate_record(rec("anything", NOW + 1, key=b"other"), LIMITS, NOW, (schema,))
+    validate_record(
+        rec({"step": 1}, NOW + 1, key=b"progress.x"), LIMITS, NOW, (schema,), run_id=RUN
+    )
+    validate_record(rec("anything", NOW + 1, key=b"other"), LIMITS, NOW, (schema,), run_id=RUN)
     with pytest.raises(ValidationError, match="schema"):
-        validate_record(rec({"no": 1}, NOW + 1, key=b"progress.x"), LIMITS, NOW, (schema,))
+        validate_record(
+            rec({"no": 1}, NOW + 1, key=b"progress.x"), LIMITS, NOW, (schema,), run_id=RUN
+        )
+
+
+def test_owner_signature_covers_the_run_and_the_issue_time() -> None:
+    owner = Identity.generate()
+    subkey = owner_suffix(owner.peer_id)
+    good = signed(owner, b"k", subkey, 1, NOW + 10, issued=NOW)
+    validate_record(good, LIMITS, NOW, run_id=RUN)
+    with pytest.raises(ValidationError, match="another run"):
+        validate_record(good, LIMITS, NOW, run_id="other")
+    backdated = StoredRecord(
+        good.key, good.subkey, good.value, good.expiration, good.public_key, good.signature, 1.0
+    )
+    with pytest.raises(ValidationError, match="bad signature"):
+        validate_record(backdated, LIMITS, NOW, run_id=RUN)
+    late = signed(owner, b"k", subkey, 1, NOW + 10, issued=NOW + 11)
+    with pytest.raises(ValidationError, match="issued before it expires"):
+        validate_record(late, LIMITS, NOW, run_id=RUN)
+    open_but_dated = StoredRecord(b"k", b"", pack(1), NOW + 10, issued=NOW)
+    with pytest.raises(ValidationError, match="names no owner"):
+        validate_record(open_but_dated, LIMITS, NOW, run_id=RUN)
+
+
+def test_an_owners_newer_version_wins_even_when_it_expires_sooner() -> None:
+    owner = Identity.generate()
+    subkey = owner_suffix(owner.peer_id)
+    old = signed(owner, b"k", subkey, "old", NOW + 100, issued=NOW)
+    new = signed(owner, b"k", subkey, "new", NOW + 5, issued=NOW + 1)
+    s = Storage()
+    assert s.put(old, NOW) == STORED
+    assert s.put(new, NOW) == STORED
+    assert s.put(old, NOW) == OUTDATED  # a replay of the old version
+    assert values(s) == [pack("new")]

@@ -1,0 +1,77 @@
+"""The DHT keys the averaging layer relies on, and the only records each of them accepts.
+
+Every key below is a dictionary of owner-signed entries: each peer writes one subkey that
+names it (``[owner:<peer id hex>]`` at the subkey's end) and that the DHT makes it sign
+(dht/validation.py). A plain value or an unowned subkey under these keys would otherwise
+replace every peer's entries and then refuse theirs as outdated, which blocks the run
+(issue 16: one ``client.dht.store(f"{run}.{key}.0b", "x")`` failed every peer's next
+``average`` with ``NoGroupError``). :func:`protocol_key_classes` describes them to the DHT;
+the peer daemon registers them in its ``DHTConfig.key_classes``, so every daemon and bare
+DHT node of the run refuses other records there when asked to store them and ignores them in
+the answers it reads.
+
+===============================  ==========================================  ===============
+key                              written by                                  value
+===============================  ==========================================  ===============
+``{run}.{key}.0b{bits}``         matchmaking (matchmaking/keys.py)            a declaration
+``{run}.state``                  state sharing (state/sharer.py)              an advert
+``<anything>.progress``          progress tracking (training/progress.py)     a progress
+===============================  ==========================================  ===============
+
+``{run}`` is the daemon's run id. Progress keys are named by the training run
+(``{training run}.progress``, ``{training run}.diloco.progress``), which the daemon does not
+know, so every key ending in ``.progress`` is one.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from swarmavg.averaging.matchmaking.declarations import decode_declaration
+from swarmavg.averaging.matchmaking.keys import MAX_GROUP_BITS
+from swarmavg.averaging.state.sharer import parse_advertisement
+from swarmavg.averaging.training.progress import PeerProgress
+from swarmavg.dht.records import Subkey
+from swarmavg.dht.validation import KeyClass
+
+PROGRESS_SUFFIX = ".progress"
+
+
+def _is_declaration(subkey: Subkey, owner: bytes, value: Any) -> bool:
+    return decode_declaration(subkey, value) is not None
+
+
+def _is_advertisement(subkey: Subkey, owner: bytes, value: Any) -> bool:
+    return parse_advertisement(subkey, value) is not None
+
+
+def _is_progress(subkey: Subkey, owner: bytes, value: Any) -> bool:
+    # The record names its daemon, which must be the owner that signed it: one identity
+    # cannot speak for other daemons (the swarm counts daemons as group members).
+    record = PeerProgress.from_record(value)
+    return record is not None and record.peer_id == owner.hex()
+
+
+def protocol_key_classes(run_id: str) -> tuple[KeyClass, ...]:
+    """The key classes of run ``run_id``'s protocol keys, for ``DHTConfig.key_classes``.
+
+    Raises:
+        ValueError: an empty run id.
+    """
+    if not run_id:
+        raise ValueError("run_id must not be empty")
+    run = re.escape(run_id.encode())
+    return (
+        KeyClass(
+            "matchmaking declarations",
+            re.compile(rb"%s\..+\.0b[01]{0,%d}" % (run, MAX_GROUP_BITS), re.DOTALL),
+            _is_declaration,
+        ),
+        KeyClass("state adverts", re.compile(rb"%s\.state" % run), _is_advertisement),
+        KeyClass(
+            "progress records",
+            re.compile(rb".+" + re.escape(PROGRESS_SUFFIX.encode()), re.DOTALL),
+            _is_progress,
+        ),
+    )
