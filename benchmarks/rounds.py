@@ -65,13 +65,17 @@ TOLERANCE = {
     "float16": 2e-3,
     "scaled-float16": 2e-3,
     "bfloat16": 1.6e-2,
-    "uint8-blockwise": 2e-2,
-    "uint8-uniform": 2e-2,
-    "uint8-quantile": 2e-2,
+    "uint8-blockwise": 5e-2,
+    "uint8-uniform": 5e-2,
+    "uint8-quantile": 5e-2,
     "uint4-blockwise": 0.15,
 }
 """Largest accepted max |result - mean| / max |mean| per codec (two roundings: the parts a
-peer sends and the averaged part it returns). Codecs not listed are reported, not judged."""
+peer sends and the averaged part it returns; the 8-bit dynamic code's gap near a block's
+largest value is about 1/64 of it, and a member's values reach 1.5x the mean's). Codecs not
+listed are reported, not judged."""
+BIAS_TOLERANCE = 1e-3
+"""Largest accepted |mean(result - mean)| / max |mean|, every codec."""
 
 
 def log(message: str) -> None:
@@ -87,20 +91,29 @@ def member_data(base: np.ndarray, rank: int) -> np.ndarray:
     return (base * np.float32(1 + rank / 10) + np.float32(rank)).astype(np.float32)
 
 
-def check_result(result: np.ndarray, base: np.ndarray, ranks: list[int]) -> tuple[float, str]:
-    """(max error relative to max |mean|, sha256 of the result's bytes)."""
+def check_result(result: np.ndarray, base: np.ndarray, ranks: list[int]) -> dict[str, float | str]:
+    """Max |error| and |mean error| (the bias), both relative to max |mean|, and the
+    result's sha256. The bias catches a wrong member set that a lossy codec's max error
+    could hide: leaving out one of 8 members shifts every value by about 0.5."""
     a = float(np.mean([1 + r / 10 for r in ranks]))
     b = float(np.mean(ranks))
     flat = np.ascontiguousarray(result).reshape(-1)
-    worst, scale = 0.0, 0.0
+    digest = hashlib.sha256(flat.tobytes()).hexdigest()
+    worst, scale, total = 0.0, 0.0, 0.0
     for lo in range(0, flat.size, CHECK_BLOCK):
         expected = base[lo : lo + CHECK_BLOCK].astype(np.float64) * a + b
-        got = flat[lo : lo + CHECK_BLOCK].astype(np.float64)
-        if not np.all(np.isfinite(got)):
-            return float("inf"), hashlib.sha256(flat.tobytes()).hexdigest()
-        worst = max(worst, float(np.abs(got - expected).max()))
+        diff = flat[lo : lo + CHECK_BLOCK].astype(np.float64) - expected
+        if not np.all(np.isfinite(diff)):
+            return {"rel_error": float("inf"), "rel_bias": float("inf"), "sha256": digest}
+        worst = max(worst, float(np.abs(diff).max()))
+        total += float(diff.sum())
         scale = max(scale, float(np.abs(expected).max()))
-    return worst / max(scale, 1e-30), hashlib.sha256(flat.tobytes()).hexdigest()
+    scale = max(scale, 1e-30)
+    return {
+        "rel_error": worst / scale,
+        "rel_bias": abs(total) / max(flat.size, 1) / scale,
+        "sha256": digest,
+    }
 
 
 # -- the worker: one training process stand-in per daemon ----------------------------------
@@ -183,8 +196,7 @@ def worker_main(args: argparse.Namespace) -> int:
                 if last is None:
                     _emit({"error": "no result to check"})
                     continue
-                error, digest = check_result(last.tensors[0], base, command["ranks"])
-                _emit({"rel_error": error, "sha256": digest})
+                _emit(check_result(last.tensors[0], base, command["ranks"]))
             elif op == "stability":
                 _stability_loop(client, tensors, base, command)
             elif op == "gloo":
@@ -218,16 +230,12 @@ def _stability_loop(
             continue
         record["seconds"] = time.perf_counter() - started
         ranks = [ranks_of.get(p, -1) for p in result.peers]
-        error, digest = (
-            check_result(result.tensors[0], base, ranks) if -1 not in ranks else (None, "")
-        )
         record.update(
             group_size=result.group_size,
             group_id=result.group_id,
             partial=result.partial,
-            rel_error=error,
-            sha256=digest,
             matchmaking_s=result.timings.get("matchmaking"),
+            **(check_result(result.tensors[0], base, ranks) if -1 not in ranks else {}),
         )
         _emit(record)
     _emit({"done": True})
@@ -293,10 +301,13 @@ class Child:
         self.proc.stdin.flush()
 
     def stop(self, grace: float) -> None:
-        """Close stdin and SIGTERM it, SIGKILL after ``grace`` seconds."""
+        """Close stdin (a worker exits at EOF) and SIGTERM it if it is still there, then
+        SIGKILL after ``grace`` seconds."""
         if self.proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(min(3.0, grace))
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.terminate()
@@ -423,6 +434,7 @@ def one_round(
         "groups": len(groups),
         "bit_identical": all(len(digests) == 1 for digests in groups.values()),
         "rel_error": max((r["rel_error"] for r in replies if "rel_error" in r), default=None),
+        "rel_bias": max((r["rel_bias"] for r in replies if "rel_bias" in r), default=None),
         "partial": any(r.get("partial") for r in replies),
         "codecs_used": sorted({r["codec"] for r in replies if "codec" in r}),
         "late_s": max(r["late_s"] for r in replies),
@@ -440,6 +452,7 @@ def summarize(rounds: list[dict[str, Any]], warmup: dict[str, Any], codec: str) 
     ok = [r for r in rounds if not r["errors"]]
     tolerance = TOLERANCE.get(codec)
     errors = [r["rel_error"] for r in rounds if r["rel_error"] is not None]
+    biases = [r["rel_bias"] for r in rounds if r["rel_bias"] is not None]
     sizes = Counter(s for r in rounds for s in r["group_sizes"])
     return {
         "slowest_s": _med([r["slowest"] for r in ok]),
@@ -454,9 +467,12 @@ def summarize(rounds: list[dict[str, Any]], warmup: dict[str, Any], codec: str) 
         "partial_rounds": sum(r["partial"] for r in rounds),
         "bit_identical": all(r["bit_identical"] for r in rounds),
         "max_rel_error": float(f"{max(errors):.3g}") if errors else None,
+        "max_rel_bias": float(f"{max(biases):.3g}") if biases else None,
         "tolerance": tolerance,
         "exact_within_tolerance": (
-            None if tolerance is None or not errors else max(errors) <= tolerance
+            None
+            if tolerance is None or not errors
+            else max(errors) <= tolerance and max(biases) <= BIAS_TOLERANCE
         ),
         "codecs_used": sorted({c for r in rounds for c in r["codecs_used"]}),
         "max_late_start_s": round(max(r["late_s"] for r in rounds), 4),
@@ -621,7 +637,9 @@ def stability(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         for r in recs:
             if "error" not in r:
                 groups.setdefault(r["group_id"], set()).add(r["sha256"])
-    errors = [r["rel_error"] for recs in records for r in recs if r.get("rel_error") is not None]
+    errors = [r["rel_error"] for recs in records for r in recs if "rel_error" in r]
+    biases = [r["rel_bias"] for recs in records for r in recs if "rel_bias" in r]
+    unchecked = sum("error" not in r and "rel_error" not in r for recs in records for r in recs)
     sizes = Counter(r["group_size"] for recs in records for r in recs if "error" not in r)
     all_times = [r["seconds"] for recs in records for r in recs if "error" not in r]
     return {
@@ -643,7 +661,11 @@ def stability(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "group_sizes": {str(k): v for k, v in sorted(sizes.items())},
             "groups_not_bit_identical": sum(len(d) != 1 for d in groups.values()),
             "max_rel_error": float(f"{max(errors):.3g}") if errors else None,
-            "exact_within_tolerance": bool(errors) and max(errors) <= TOLERANCE["none"],
+            "max_rel_bias": float(f"{max(biases):.3g}") if biases else None,
+            "exact_within_tolerance": bool(errors)
+            and max(errors) <= TOLERANCE["none"]
+            and max(biases) <= BIAS_TOLERANCE,
+            "unchecked_results": unchecked,
             "wall_s": round(time.monotonic() - started, 1),
         },
         "workers": per_worker,
