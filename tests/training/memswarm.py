@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from swarmavg.averaging.errors import InvalidRequestError
-from swarmavg.averaging.request import RoundRequest
+from swarmavg.averaging.request import RoundRequest, check_finite
 from swarmavg.peer.errors import NoGroupError, NoStateError, ValidationError
 
 
@@ -128,9 +128,10 @@ class MemoryClient:
                 codec=codec,
                 state_digest=state_digest,
             )
+            arrays = [np.array(t, dtype=np.float32, copy=True) for t in tensors]
+            check_finite(arrays)
         except InvalidRequestError as exc:
             raise ValidationError(str(exc)) from None
-        arrays = [np.array(t, dtype=np.float32, copy=True) for t in tensors]
         swarm = self.swarm
         deadline = time.monotonic() + timeout
         with swarm.cond:
