@@ -7,12 +7,14 @@ The same scenarios with real daemons are in ``test_shared_state_daemons.py``.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from swarmavg.averaging.optim import CollaborativeOptimizer, DiLoCo  # noqa: E402
+from swarmavg.averaging.optim import CollaborativeOptimizer, DiLoCo, SwarmRoundWarning  # noqa: E402
+from swarmavg.peer.errors import NoGroupError  # noqa: E402
 from tests.training.helpers import backward, batch, linear_model, run_in_threads  # noqa: E402
 from tests.training.memswarm import MemorySwarm, Result  # noqa: E402
 
@@ -190,3 +192,31 @@ def test_a_repair_that_finds_no_matching_state_is_counted_and_training_goes_on()
     assert "provenance" in b.last_repair_error or "NoStateError" in b.last_repair_error
     assert peers[1][1].epoch == 2  # it stepped with the round's result each time
     assert_identical([m for m, _ in peers])  # ... which is what "a" stepped with too
+
+
+@pytest.mark.parametrize("fault", ["partial", "failed"])
+def test_after_a_partial_or_failed_round_the_next_round_makes_them_one_again(fault: str) -> None:
+    swarm = MemorySwarm()
+    peers = [make_peer(swarm, n) for n in "abc"]
+
+    def faulty(caller: str, result: Result) -> Result:
+        if caller != "c" or result.group_id != b"run.grads.1".hex():
+            return result
+        if fault == "failed":  # c's daemon lost the round after the others finished it
+            raise NoGroupError("injected: c's round failed")
+        # a reducer died mid-round: c kept its own values for that part
+        tensors = [t + 0.25 for t in result.tensors]
+        return dataclasses.replace(result, tensors=tensors, partial=True)
+
+    swarm.forge = faulty
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SwarmRoundWarning)  # c's local step, if it takes one
+        train_all(peers, 2)
+    train_all(peers, 3)
+    assert_identical([m for m, _ in peers])
+    c = peers[2][1].stats
+    if fault == "partial":
+        assert (c.partial, c.diverged, c.repairs) == (1, 1, 1)
+    else:
+        assert c.failed == 1
+        assert c.repairs + c.states_loaded >= 1  # repaired, or caught up from their state

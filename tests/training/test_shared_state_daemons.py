@@ -179,3 +179,47 @@ def test_a_trainer_restarted_from_an_old_checkpoint_ends_identical(
     assert_one_state(trainers)
     for _, o in trainers:
         o.close()
+
+
+@pytest.mark.timeout(120)
+def test_diloco_member_off_repairs_across_daemons(
+    swarmavg_processes: ProcessPool, clients: ExitStack
+) -> None:
+    daemons = start_daemons(swarmavg_processes, 3)
+    trainers: list[tuple[torch.nn.Module, DiLoCo]] = []
+    for d in daemons:
+        model = linear_model()
+        opt = DiLoCo(
+            model.parameters(),
+            torch.optim.SGD(model.parameters(), lr=LR),
+            client=open_client(clients, d),
+            run_id=RUN,
+            local_steps=2,
+            batch_size_per_step=BATCH,
+            codec="none",
+            averaging_timeout=30.0,
+        )
+        trainers.append((model, opt))
+
+    def train_diloco(epoch: int) -> None:
+        run_in_threads(
+            *(
+                lambda m=m, o=o, i=i: train_until(m, o, 100 * i, epoch)
+                for i, (m, o) in enumerate(trainers)
+            ),
+            timeout=100,
+        )
+
+    train_diloco(1)
+    with torch.no_grad():
+        for a in trainers[2][1].anchor:
+            a.add_(0.5)  # c's synchronised parameters drifted
+    train_diloco(2)
+    for _, o in trainers:
+        for x, y in zip(trainers[0][1].anchor, o.anchor, strict=True):
+            assert torch.equal(x, y)
+    for p, q in zip(trainers[0][0].parameters(), trainers[2][0].parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert [o.stats.repairs for _, o in trainers] == [0, 0, 1]
+    assert [o.stats.served for _, o in trainers] == [1, 1, 0]
+    assert all(o.stats.group_sizes == [3, 3] for _, o in trainers)
