@@ -203,3 +203,44 @@ async def test_result_and_stats_name_the_codec_the_group_used(sock_dir: Path) ->
             for client in (ca, cb):
                 status = await client.status()
                 assert set(status["codecs"]) == {ra.codec}
+
+
+def test_rounds_are_counted_by_outcome_in_status_and_metrics() -> None:
+    pytest.importorskip("prometheus_client")
+    from swarmavg.peer.metrics import MetricsServer
+    from swarmavg.peer.stats import PeerStats
+
+    stats = PeerStats()
+    stats.record_round("none", 1.0, 10, 10, {}, partial=False)
+    stats.record_round("none", 1.0, 10, 10, {}, partial=True)
+    stats.record_failure("no_group")
+    metrics = MetricsServer("127.0.0.1:0", stats, dht_size=lambda: 1.0, known_peers=lambda: 0)
+    metrics.sync()
+    value = metrics.registry.get_sample_value
+    assert value("swarmavg_rounds_total", {"outcome": "done"}) == 2
+    assert value("swarmavg_partial_rounds_total") == 1
+    assert value("swarmavg_rounds_total", {"outcome": "failed"}) == 1
+    assert value("swarmavg_round_failures_total", {"reason": "no_group"}) == 1
+    status = {
+        "peer_id": "ab",
+        "run_id": "r",
+        "address": None,
+        "control": "/tmp/x.sock",
+        "known_peers": 0,
+        "dht_size_estimate": 1.0,
+        "bandwidth": 1.0,
+        "bandwidth_measured": False,
+        "bandwidth_samples": 0,
+        "rounds_done": stats.rounds_done,
+        "rounds_partial": stats.rounds_partial,
+        "rounds_failed": stats.rounds_failed,
+        "bytes_sent": 0,
+        "bytes_received": 0,
+        "uptime": 1.0,
+        "version": "0",
+        "failures": dict(stats.failures),
+        "codecs": {},
+    }
+    text = format_status(status)
+    assert "2 (1 complete, 1 partial)" in text
+    assert "no_group" in text
