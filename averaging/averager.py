@@ -89,7 +89,8 @@ class AveragerConfig:
         default_codec: codec of groups this peer leads when ``average`` names none.
         group_bits: initial Moshpit group bits (see :mod:`swarmavg.averaging.matchmaking.keys`);
             empty: every peer of the run meets under one key.
-        user_data: opaque bytes given to every member of our groups.
+        user_data: opaque bytes given to every member of our groups (a round that attaches
+            a state digest hands the tagged digest instead, ``RoundRequest.user_data``).
         timeout_grace: extra seconds a round may take past its timeout to cancel its
             streams before it raises.
     """
@@ -229,6 +230,7 @@ class Averager:
         min_group_size: int = 2,
         timeout: float = 30.0,
         codec: str | None = None,
+        state_digest: bytes | None = None,
     ) -> AveragingResult:
         """Average ``tensors`` with the peers that average under ``key`` now.
 
@@ -245,6 +247,8 @@ class Averager:
             min_group_size: fewest members with which a group may close.
             timeout: seconds for the whole call (matchmaking and all-reduce).
             codec: codec of the group when this peer leads; ``None``: the default.
+            state_digest: a digest (at most 64 bytes) of this peer's shared state, handed
+                to every member; the result's ``state_digests`` holds every member's.
 
         Raises:
             InvalidTensorsError: empty list, unsupported dtype, NaN/Inf (nothing is sent).
@@ -260,6 +264,7 @@ class Averager:
             group_size=group_size,
             min_group_size=min_group_size,
             codec=codec,
+            state_digest=state_digest,
             allow_zero_weight=True,
         )
         arrays = check_tensors(tensors)
@@ -297,7 +302,7 @@ class Averager:
             codec=codec,
             mode=mode,
             bandwidth=self.bandwidth.value,
-            user_data=self.config.user_data,
+            user_data=request.user_data(self.config.user_data),
             close_by=min(started + self.config.matchmaking_time, give_up_by),
             give_up_by=give_up_by,
             data_port=allreduce.data_port,

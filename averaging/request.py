@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeGuard
 
@@ -30,6 +30,11 @@ from swarmavg.compression.kernels import all_finite
 
 MAX_KEY_BYTES = 256
 """Longest round key; keys end up inside DHT keys (``{run}.{key}.{bits}``), capped at 512."""
+MAX_STATE_DIGEST_BYTES = 64
+"""Longest state digest a caller may attach (a blake2b digest is 32 bytes, sha512 64)."""
+STATE_DIGEST_TAG = b"\x00swarmavg.state-digest.v1\x00"
+"""Marks a member's ``user_data`` as a state digest, so that the opaque ``user_data`` of a
+daemon configured with one (``AveragerConfig.user_data``) is never taken for a digest."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,9 @@ class RoundRequest:
         min_group_size: the fewest members with which a group may close.
         codec: codec (name and parameters, as :func:`~swarmavg.compression.get_codec` takes
             them) of groups this peer leads; ``None``: the daemon's default.
+        state_digest: a digest of the caller's shared state (at most
+            :data:`MAX_STATE_DIGEST_BYTES`), handed to every member of the group, which
+            returns every member's digest with the result; empty: none attached.
     """
 
     key: str
@@ -52,6 +60,7 @@ class RoundRequest:
     group_size: int | None = None
     min_group_size: int = 2
     codec: str | None = None
+    state_digest: bytes = b""
 
     @classmethod
     def build(
@@ -63,6 +72,7 @@ class RoundRequest:
         group_size: object = None,
         min_group_size: object = 2,
         codec: object = None,
+        state_digest: object = None,
         now: float | None = None,
         allow_zero_weight: bool = False,
     ) -> RoundRequest:
@@ -108,6 +118,7 @@ class RoundRequest:
                 get_codec(codec)  # kept as given: its parameters ("topk:fraction=0.05") count
             except ValueError as exc:  # the registry's message lists the known names
                 raise InvalidRequestError(str(exc)) from None
+        digest = _as_digest(state_digest)
         start = time.monotonic() if now is None else now
         return cls(
             key=key,
@@ -116,7 +127,13 @@ class RoundRequest:
             group_size=size_limit,
             min_group_size=min_size,
             codec=codec,
+            state_digest=digest,
         )
+
+    def user_data(self, default: bytes) -> bytes:
+        """What this round hands the group as this member's ``user_data``: the tagged state
+        digest when one is attached, else ``default`` (the daemon's configured bytes)."""
+        return STATE_DIGEST_TAG + self.state_digest if self.state_digest else default
 
     def remaining(self) -> float:
         """Seconds left until :attr:`deadline` (negative once it passed)."""
@@ -168,6 +185,35 @@ def check_finite(arrays: Sequence[np.ndarray]) -> None:
 
 def _is_number(value: object) -> TypeGuard[numbers.Real]:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def digests_from_user_data(gathered: Mapping[str, bytes]) -> dict[str, bytes]:
+    """The state digests among the members' ``user_data`` (peer id hex -> digest).
+
+    Members whose ``user_data`` carries no tagged digest, or an over-long one (a member's
+    entry comes from the group's leader), are left out.
+    """
+    digests: dict[str, bytes] = {}
+    for peer, data in gathered.items():
+        if data.startswith(STATE_DIGEST_TAG):
+            digest = data[len(STATE_DIGEST_TAG) :]
+            if 0 < len(digest) <= MAX_STATE_DIGEST_BYTES:
+                digests[peer] = bytes(digest)
+    return digests
+
+
+def _as_digest(value: object) -> bytes:
+    """``value`` as state digest bytes (``None``: none); ``InvalidRequestError`` otherwise."""
+    if value is None:
+        return b""
+    if not isinstance(value, bytes | bytearray | memoryview):
+        raise InvalidRequestError(f"state_digest must be bytes or None, got {type(value).__name__}")
+    digest = bytes(value)
+    if len(digest) > MAX_STATE_DIGEST_BYTES:
+        raise InvalidRequestError(
+            f"state_digest is {len(digest)} bytes long; the limit is {MAX_STATE_DIGEST_BYTES}"
+        )
+    return digest
 
 
 def _as_int(value: object, name: str) -> int:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from swarmavg.averaging.request import digests_from_user_data
+
 
 @dataclass(frozen=True)
 class AveragingResult:
@@ -30,7 +32,8 @@ class AveragingResult:
             averager adds ``matchmaking``, ``allreduce`` and ``total``.
         bytes_sent / bytes_received: payload bytes this member put on / took off the
             wire (both directions of every stream, as serialised messages).
-        gathered: every member's ``user_data`` by peer id hex.
+        gathered: every member's ``user_data`` by peer id hex (a member that attached a
+            state digest has it there, tagged: see :attr:`state_digests`).
         failed_parts: parts (member indices) of which some chunk kept local values.
         dropped: senders this member's reducer dropped, with the reason.
         local_callers: training processes of this machine combined into the round.
@@ -49,3 +52,9 @@ class AveragingResult:
     failed_parts: tuple[int, ...] = ()
     dropped: dict[int, str] = field(default_factory=dict)
     local_callers: int = 1
+
+    @property
+    def state_digests(self) -> dict[str, bytes]:
+        """The state digest each member attached (peer id hex -> digest); members that
+        attached none are absent. The same on every member: it comes from the group."""
+        return digests_from_user_data(self.gathered)

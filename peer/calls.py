@@ -51,6 +51,9 @@ class AverageResult:
         codec: the codec the group actually used (its leader's choice).
         timings: seconds per phase, as the daemon measured them.
         local_callers: training processes on this machine combined into the round.
+        state_digests: the state digest each member of the group attached
+            (``average(..., state_digest=...)``), peer id hex -> bytes; members that
+            attached none are absent. Every member of the group sees the same map.
     """
 
     tensors: list[Any]
@@ -61,6 +64,7 @@ class AverageResult:
     codec: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     local_callers: int = 1
+    state_digests: dict[str, bytes] = field(default_factory=dict)
 
 
 class PreparedAverage:
@@ -81,6 +85,7 @@ class PreparedAverage:
         timeout: float,
         codec: str | None,
         segments: shm.SegmentPool | None,
+        state_digest: bytes | None = None,
         client_id: str = "",
         shm_threshold: int = SHM_THRESHOLD,
     ) -> None:
@@ -97,6 +102,7 @@ class PreparedAverage:
                 group_size=group_size,
                 min_group_size=min_group_size,
                 codec=codec,
+                state_digest=state_digest,
             )
         except InvalidRequestError as exc:
             raise ValidationError(str(exc)) from None
@@ -121,6 +127,7 @@ class PreparedAverage:
             shm_size=self.segment.size if self.segment is not None else 0,
             client_id=client_id,
             shm_reuse=self.segment is not None and self.segment.daemon_mapped,
+            state_digest=request.state_digest,
         )
         self._assembler: TensorAssembler | None = None
         self._done: control_pb2.AverageDone | None = None
@@ -175,6 +182,7 @@ class PreparedAverage:
             codec=done.codec,
             timings=dict(done.timings),
             local_callers=done.local_callers,
+            state_digests={str(peer): bytes(digest) for peer, digest in done.state_digests.items()},
         )
 
     @property
@@ -257,6 +265,7 @@ def status_to_dict(status: control_pb2.StatusResponse) -> dict[str, Any]:
         "dht_size_estimate": status.dht_size_estimate,
         "rounds_done": status.rounds_done,
         "rounds_failed": status.rounds_failed,
+        "rounds_partial": status.rounds_partial,
         "bytes_sent": status.bytes_sent,
         "bytes_received": status.bytes_received,
         "codecs": {

@@ -177,8 +177,13 @@ class Client:
         min_group_size: int = 2,
         timeout: float = 30.0,
         codec: str | None = None,
+        state_digest: bytes | None = None,
     ) -> AverageResult:
         """Average ``tensors`` with the peers that use the same ``key``.
+
+        ``state_digest`` (at most 64 bytes): a digest of this process's shared state,
+        handed to every member of the group; the result's ``state_digests`` holds the
+        digest of every member that attached one (docs/peer.md, "State digests").
 
         Raises:
             ValidationError: bad input (nothing was sent).
@@ -196,6 +201,7 @@ class Client:
                 timeout=timeout,
                 codec=codec,
                 segments=self._segments if self._use_shm else None,
+                state_digest=state_digest,
                 client_id=self._client_id,
             )
             try:
@@ -346,6 +352,7 @@ class AsyncClient:
         min_group_size: int = 2,
         timeout: float = 30.0,
         codec: str | None = None,
+        state_digest: bytes | None = None,
     ) -> AverageResult:
         """Same as :meth:`Client.average`, as a coroutine."""
         for attempt in range(2):
@@ -358,6 +365,7 @@ class AsyncClient:
                 timeout=timeout,
                 codec=codec,
                 segments=self._segments if self._use_shm else None,
+                state_digest=state_digest,
                 client_id=self._client_id,
             )
             try:

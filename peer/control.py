@@ -24,6 +24,7 @@ from swarmavg.averaging.result import AveragingResult
 from swarmavg.peer import shm
 from swarmavg.peer.combiner import LocalCombiner
 from swarmavg.peer.errors import (
+    REASON_KEY,
     STATUS_FOR_ERROR,
     DaemonUnavailableError,
     SwarmError,
@@ -57,12 +58,12 @@ class ControlBackend(Protocol):
 
 def classify(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status code and a failure reason label for an exception."""
+    if isinstance(exc, averaging_errors.SchemaMismatchError):
+        return grpc.StatusCode.INVALID_ARGUMENT, "schema_mismatch"
     if isinstance(exc, SwarmError):
         code = STATUS_FOR_ERROR.get(type(exc), "UNKNOWN")
         reason = {"INVALID_ARGUMENT": "invalid_input", "UNAVAILABLE": "shutdown"}.get(code, "error")
         return grpc.StatusCode[code], reason
-    if isinstance(exc, averaging_errors.SchemaMismatchError):
-        return grpc.StatusCode.INVALID_ARGUMENT, "schema_mismatch"
     if isinstance(exc, averaging_errors.InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, "invalid_input"
     if isinstance(exc, averaging_errors.NoGroupError):
@@ -79,11 +80,13 @@ def classify(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> None:
-    code, _ = classify(exc)
+    code, reason = classify(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.error("control call failed", exc_info=exc)
     message = str(exc) or type(exc).__name__
-    await context.abort(code, message)
+    # The reason label travels beside the code: one code (INVALID_ARGUMENT) covers both
+    # the caller's bad input and other peers' schema, which a training loop must tell apart.
+    await context.abort(code, message, trailing_metadata=((REASON_KEY, reason),))
 
 
 async def _next(stream: AsyncIterator[Any], what: str) -> Any:
@@ -181,6 +184,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
         """
         segment: shm.DaemonSegment | None = None
         shm_name = ""
+        in_round = False  # failures of the round itself are counted by the daemon's backend
         self.active_calls += 1
         started = time.monotonic()
         try:
@@ -199,6 +203,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 group_size=start.group_size or None,
                 min_group_size=start.min_group_size,
                 codec=start.codec or None,
+                state_digest=start.state_digest or None,
                 now=started,
             )
             dtypes, shapes, _ = layout_from_specs(start.tensors)
@@ -217,6 +222,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 arrays = assembler.finish()
             yield control_pb2.AverageResponse(accepted=control_pb2.AverageAccepted())
             await asyncio.to_thread(check_finite, arrays)
+            in_round = True
             outcome = await self._backend.combiner.submit(arrays, request, start.client_id[:64])
             if segment is not None:
                 await asyncio.to_thread(segment.write_results, outcome.tensors)
@@ -232,7 +238,10 @@ class ControlService(control_pb2_grpc.ControlServicer):
             if not isinstance(exc, Exception):
                 raise  # cancelled: the client went away
             _, reason = classify(exc)
-            if reason in ("invalid_input", "schema_mismatch"):
+            # Rejected before it reached the round (bad input here, or a layout the local
+            # batch refuses): count it once here. The round's own failures (a schema
+            # mismatch with other peers, ...) were counted where the round ran.
+            if reason == "invalid_input" and (not in_round or isinstance(exc, ValidationError)):
                 self._backend.record_failure(reason)
             await _abort(context, exc)
         finally:
@@ -317,4 +326,5 @@ def _done_message(outcome: AveragingResult) -> control_pb2.AverageDone:
         bytes_sent=outcome.bytes_sent,
         bytes_received=outcome.bytes_received,
         local_callers=outcome.local_callers,
+        state_digests=outcome.state_digests,
     )

@@ -304,6 +304,7 @@ class Peer:
             result.bytes_sent,
             result.bytes_received,
             result.timings,
+            partial=result.partial,
         )
         return result
 
@@ -355,6 +356,7 @@ class Peer:
             dht_size_estimate=float(dht.size_estimate()) if dht is not None else 0.0,
             rounds_done=s.rounds_done,
             rounds_failed=s.rounds_failed,
+            rounds_partial=s.rounds_partial,
             bytes_sent=s.bytes_sent,
             bytes_received=s.bytes_received,
             failures=dict(s.failures),

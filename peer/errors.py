@@ -25,6 +25,15 @@ class ValidationError(SwarmError, layer.InvalidTensorsError):
     """Bad input: unsupported dtype, NaN/Inf, empty list, key too long, layout mismatch."""
 
 
+class SchemaMismatchError(ValidationError, layer.SchemaMismatchError):
+    """No group formed, and the peers found under the key average another tensor layout.
+
+    A :class:`ValidationError` (the tensors cannot be averaged with these peers), told
+    apart from the caller's own bad input: it names other peers, whose layout may be the
+    wrong one (the training wrappers treat it as a failed round, not as a bug).
+    """
+
+
 class NoGroupError(SwarmError, layer.NoGroupError):
     """Fewer than ``min_group_size`` peers were found before the call's timeout."""
 
@@ -57,20 +66,33 @@ _ERROR_FOR_STATUS: dict[str, type[SwarmError]] = {
 }
 
 STATUS_FOR_ERROR: dict[type[SwarmError], str] = {
-    cls: code for code, cls in _ERROR_FOR_STATUS.items()
+    **{cls: code for code, cls in _ERROR_FOR_STATUS.items()},
+    SchemaMismatchError: "INVALID_ARGUMENT",
 }
 """Exception class -> gRPC status code name used by the daemon."""
 
+REASON_KEY = "swarmavg-reason"
+"""Trailing metadata key of a failed control call: the failure's reason label
+(``schema_mismatch``, ``no_group``, ...), the same label the daemon counts it under. It
+refines the status code where one code covers several causes."""
 
-def error_from_status(code_name: str, details: str | None, endpoint: str) -> SwarmError:
+_ERROR_FOR_REASON: dict[tuple[str, str], type[SwarmError]] = {
+    ("INVALID_ARGUMENT", "schema_mismatch"): SchemaMismatchError,
+}
+
+
+def error_from_status(
+    code_name: str, details: str | None, endpoint: str, reason: str = ""
+) -> SwarmError:
     """Build the exception for a failed control call.
 
     Args:
         code_name: the gRPC status code's name, e.g. ``"INVALID_ARGUMENT"``.
         details: the daemon's one-line reason (may be empty).
         endpoint: the control endpoint, named in messages about an absent daemon.
+        reason: the daemon's reason label (trailing metadata :data:`REASON_KEY`), if any.
     """
-    cls = _ERROR_FOR_STATUS.get(code_name, SwarmError)
+    cls = _ERROR_FOR_REASON.get((code_name, reason)) or _ERROR_FOR_STATUS.get(code_name, SwarmError)
     message = details or code_name
     if cls is DaemonUnavailableError and not details:
         message = f"no swarmavg daemon answers at {endpoint} (start one with `swarmavg peer`)"
@@ -83,4 +105,17 @@ def error_from_rpc(exc: Any, endpoint: str) -> SwarmError:
     """Map a ``grpc.RpcError`` (sync or aio) to a :class:`SwarmError`."""
     code = exc.code()
     name = code.name if code is not None else "UNKNOWN"
-    return error_from_status(name, exc.details(), endpoint)
+    return error_from_status(name, exc.details(), endpoint, _reason_of(exc))
+
+
+def _reason_of(exc: Any) -> str:
+    """The reason label in a failed call's trailing metadata ("" when there is none)."""
+    trailing = getattr(exc, "trailing_metadata", None)
+    try:
+        metadata = trailing() if callable(trailing) else None
+    except Exception:  # a call that never reached the server has none
+        return ""
+    for key, value in metadata or ():
+        if key == REASON_KEY:
+            return value if isinstance(value, str) else bytes(value).decode("ascii", "replace")
+    return ""

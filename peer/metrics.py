@@ -42,6 +42,11 @@ class MetricsServer:
         self._thread: threading.Thread | None = None
         reg = self.registry
         self._rounds = Counter("swarmavg_rounds", "Averaging rounds", ["outcome"], registry=reg)
+        self._partial = Counter(
+            "swarmavg_partial_rounds",
+            "Successful rounds that ended partial (also counted as done)",
+            registry=reg,
+        )
         self._failures = Counter(
             "swarmavg_round_failures", "Failed rounds by reason", ["reason"], registry=reg
         )
@@ -66,6 +71,7 @@ class MetricsServer:
         s = self._stats
         self._bump(self._rounds.labels("done"), "done", s.rounds_done)
         self._bump(self._rounds.labels("failed"), "failed", s.rounds_failed)
+        self._bump(self._partial, "partial", s.rounds_partial)
         self._bump(self._bytes.labels("sent"), "sent", s.bytes_sent)
         self._bump(self._bytes.labels("received"), "received", s.bytes_received)
         for reason, count in s.failures.items():

@@ -25,10 +25,18 @@ class CodecFigures:
 
 @dataclass
 class PeerStats:
-    """Cumulative figures since the daemon started."""
+    """Cumulative figures since the daemon started.
+
+    A round ends one of three ways: complete (``rounds_done - rounds_partial``), partial
+    (it returned, but some part kept local values or lost a sender: ``rounds_partial``,
+    counted in ``rounds_done`` too) or failed (``rounds_failed``, by reason in
+    ``failures``). Repairs of a training state are counted by the training wrappers, in
+    the training process (``RoundStats.repairs``), not here.
+    """
 
     rounds_done: int = 0
     rounds_failed: int = 0
+    rounds_partial: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     local_calls: int = 0
@@ -45,9 +53,12 @@ class PeerStats:
         bytes_sent: int,
         bytes_received: int,
         timings: dict[str, float],
+        *,
+        partial: bool = False,
     ) -> None:
-        """Count one successful round."""
+        """Count one successful round (``partial``: it ended partial)."""
         self.rounds_done += 1
+        self.rounds_partial += int(partial)
         self.bytes_sent += bytes_sent
         self.bytes_received += bytes_received
         figures = self.codecs.setdefault(codec, CodecFigures())

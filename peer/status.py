@@ -24,6 +24,11 @@ def _bandwidth(status: dict[str, Any]) -> str:
     return f"{value} (measured from {samples} round{'s' if samples != 1 else ''})"
 
 
+def _rounds_done(status: dict[str, Any]) -> str:
+    done, partial = int(status["rounds_done"]), int(status.get("rounds_partial", 0))
+    return f"{done} ({done - partial} complete, {partial} partial)" if partial else str(done)
+
+
 def format_status(status: dict[str, Any]) -> str:
     """A small table of the figures ``client.status()`` returns."""
     known = int(status["known_peers"])
@@ -35,7 +40,7 @@ def format_status(status: dict[str, Any]) -> str:
         ("peers", f"{known + 1} ({known} known + this one)"),
         ("DHT size estimate", f"{status['dht_size_estimate']:.0f}"),
         ("bandwidth", _bandwidth(status)),
-        ("rounds done", str(status["rounds_done"])),
+        ("rounds done", _rounds_done(status)),
         ("rounds failed", str(status["rounds_failed"])),
         ("bytes sent", _bytes(status["bytes_sent"])),
         ("bytes received", _bytes(status["bytes_received"])),

@@ -26,7 +26,7 @@ class TensorBytes(_message.Message):
     def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class AverageStart(_message.Message):
-    __slots__ = ("key", "weight", "group_size", "min_group_size", "timeout", "codec", "tensors", "shm_name", "shm_size", "client_id", "shm_reuse")
+    __slots__ = ("key", "weight", "group_size", "min_group_size", "timeout", "codec", "tensors", "shm_name", "shm_size", "client_id", "shm_reuse", "state_digest")
     KEY_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class AverageStart(_message.Message):
     SHM_SIZE_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_REUSE_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     key: str
     weight: float
     group_size: int
@@ -49,7 +50,8 @@ class AverageStart(_message.Message):
     shm_size: int
     client_id: str
     shm_reuse: bool
-    def __init__(self, key: _Optional[str] = ..., weight: _Optional[float] = ..., group_size: _Optional[int] = ..., min_group_size: _Optional[int] = ..., timeout: _Optional[float] = ..., codec: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., client_id: _Optional[str] = ..., shm_reuse: _Optional[bool] = ...) -> None: ...
+    state_digest: bytes
+    def __init__(self, key: _Optional[str] = ..., weight: _Optional[float] = ..., group_size: _Optional[int] = ..., min_group_size: _Optional[int] = ..., timeout: _Optional[float] = ..., codec: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., client_id: _Optional[str] = ..., shm_reuse: _Optional[bool] = ..., state_digest: _Optional[bytes] = ...) -> None: ...
 
 class AverageRequest(_message.Message):
     __slots__ = ("start", "data")
@@ -64,7 +66,7 @@ class AverageAccepted(_message.Message):
     def __init__(self) -> None: ...
 
 class AverageDone(_message.Message):
-    __slots__ = ("group_size", "peers", "group_id", "partial", "timings", "bytes_sent", "bytes_received", "local_callers", "codec")
+    __slots__ = ("group_size", "peers", "group_id", "partial", "timings", "bytes_sent", "bytes_received", "local_callers", "codec", "state_digests")
     class TimingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +74,13 @@ class AverageDone(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class StateDigestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +90,7 @@ class AverageDone(_message.Message):
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     LOCAL_CALLERS_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     group_size: int
     peers: _containers.RepeatedScalarFieldContainer[str]
     group_id: str
@@ -90,7 +100,8 @@ class AverageDone(_message.Message):
     bytes_received: int
     local_callers: int
     codec: str
-    def __init__(self, group_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., group_id: _Optional[str] = ..., partial: _Optional[bool] = ..., timings: _Optional[_Mapping[str, float]] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., local_callers: _Optional[int] = ..., codec: _Optional[str] = ...) -> None: ...
+    state_digests: _containers.ScalarMap[str, bytes]
+    def __init__(self, group_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., group_id: _Optional[str] = ..., partial: _Optional[bool] = ..., timings: _Optional[_Mapping[str, float]] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., local_callers: _Optional[int] = ..., codec: _Optional[str] = ..., state_digests: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class AverageResponse(_message.Message):
     __slots__ = ("accepted", "data", "done")
@@ -181,7 +192,7 @@ class CodecStats(_message.Message):
     def __init__(self, rounds: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("peer_id", "run_id", "address", "control", "client_mode", "known_peers", "dht_size_estimate", "rounds_done", "rounds_failed", "bytes_sent", "bytes_received", "codecs", "failures", "uptime", "version", "active_calls", "shm_dir", "shm_dev", "shm_ino", "pid", "bandwidth", "bandwidth_measured", "bandwidth_samples")
+    __slots__ = ("peer_id", "run_id", "address", "control", "client_mode", "known_peers", "dht_size_estimate", "rounds_done", "rounds_failed", "bytes_sent", "bytes_received", "codecs", "failures", "uptime", "version", "active_calls", "shm_dir", "shm_dev", "shm_ino", "pid", "bandwidth", "bandwidth_measured", "bandwidth_samples", "rounds_partial")
     class CodecsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +230,7 @@ class StatusResponse(_message.Message):
     BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_MEASURED_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_PARTIAL_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     run_id: str
     address: str
@@ -242,4 +254,5 @@ class StatusResponse(_message.Message):
     bandwidth: float
     bandwidth_measured: bool
     bandwidth_samples: int
-    def __init__(self, peer_id: _Optional[str] = ..., run_id: _Optional[str] = ..., address: _Optional[str] = ..., control: _Optional[str] = ..., client_mode: _Optional[bool] = ..., known_peers: _Optional[int] = ..., dht_size_estimate: _Optional[float] = ..., rounds_done: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., codecs: _Optional[_Mapping[str, CodecStats]] = ..., failures: _Optional[_Mapping[str, int]] = ..., uptime: _Optional[float] = ..., version: _Optional[str] = ..., active_calls: _Optional[int] = ..., shm_dir: _Optional[str] = ..., shm_dev: _Optional[int] = ..., shm_ino: _Optional[int] = ..., pid: _Optional[int] = ..., bandwidth: _Optional[float] = ..., bandwidth_measured: _Optional[bool] = ..., bandwidth_samples: _Optional[int] = ...) -> None: ...
+    rounds_partial: int
+    def __init__(self, peer_id: _Optional[str] = ..., run_id: _Optional[str] = ..., address: _Optional[str] = ..., control: _Optional[str] = ..., client_mode: _Optional[bool] = ..., known_peers: _Optional[int] = ..., dht_size_estimate: _Optional[float] = ..., rounds_done: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., codecs: _Optional[_Mapping[str, CodecStats]] = ..., failures: _Optional[_Mapping[str, int]] = ..., uptime: _Optional[float] = ..., version: _Optional[str] = ..., active_calls: _Optional[int] = ..., shm_dir: _Optional[str] = ..., shm_dev: _Optional[int] = ..., shm_ino: _Optional[int] = ..., pid: _Optional[int] = ..., bandwidth: _Optional[float] = ..., bandwidth_measured: _Optional[bool] = ..., bandwidth_samples: _Optional[int] = ..., rounds_partial: _Optional[int] = ...) -> None: ...

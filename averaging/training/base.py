@@ -9,6 +9,9 @@ the parts that do not depend on *what* a wrapper averages or *when*:
 * joining the swarm (a late joiner loads the newest state before its first step);
 * the common part of ``step()`` (the closure, the batch size);
 * publishing state every ``publish_state_every`` epochs, loading it when behind;
+* one shared state (docs/training.md): the digest every round attaches, the verdict on
+  the group's digests (:mod:`swarmavg.averaging.training.consensus`), the repair of a
+  member that differs and the publication its holders make for it;
 * ``close()`` (idempotent; withdraws the progress record), ``with`` support, checkpoint
   kinds.
 
@@ -20,14 +23,17 @@ inside functions only (the daemon imports ``swarmavg.averaging`` and never loads
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from swarmavg.averaging.training.consensus import Provenance, Role, Verdict, judge
 from swarmavg.averaging.training.progress import GlobalProgress, ProgressTracker
 from swarmavg.averaging.training.state import TrainingState
 from swarmavg.averaging.training.swarm import (
+    RoundResultLike,
     RoundStats,
     SwarmClient,
     SwarmLink,
@@ -109,6 +115,9 @@ class SwarmOptimizer(ABC):
             client, progress_key, target_samples, ttl=progress_ttl, peer_id=peer_id
         )
         self._closed = False
+        self._provenance: Provenance | None = None
+        """The round step that produced the current state (None: a local step, a restored
+        checkpoint, ...); published with the state so that repairing members find it."""
 
     def _join_swarm(self, load_state_on_start: bool) -> None:
         """Catch up with a swarm past our epoch (if asked to), report, start the meter.
@@ -202,10 +211,82 @@ class SwarmOptimizer(ABC):
         if state.get("kind") != self.KIND:
             raise ValueError(f"not a {self.KIND} {what}: kind={state.get('kind')!r}")
 
-    def _maybe_publish(self, epoch: int) -> None:
-        """Publish the state of ``epoch`` when it is one of every ``publish_state_every``."""
-        if self.publish_state_every and epoch % self.publish_state_every == 0:
-            self.link.publish(self._training_state(epoch))
+    def _maybe_publish(self, epoch: int, *, serve: bool = False) -> None:
+        """Publish the state of ``epoch`` when it is one of every ``publish_state_every``,
+        or at once when members of the last round repair from it (``serve``)."""
+        scheduled = bool(self.publish_state_every) and epoch % self.publish_state_every == 0
+        if not (scheduled or serve):
+            return
+        state = self._training_state(epoch)
+        if self._provenance is not None and self._provenance.epoch == epoch:
+            state.extra["provenance"] = self._provenance.to_extra()
+        if self.link.publish(state) and serve:
+            self.stats.served += 1
+            log.info("published the state of epoch %d for the members that repair", epoch)
+
+    # ------------------------------------------------------------------ one shared state
+
+    def _judge(self, result: RoundResultLike, mine: bytes, key: str) -> Verdict:
+        """This member's verdict on the digests the round's members attached."""
+        verdict = judge(_digests_of(result), mine)
+        if verdict.role is Role.REPAIR:
+            self.stats.diverged += 1
+        elif verdict.role is Role.SERVE:
+            log.info(
+                "round %s: %d member(s) hold another state than the majority's (%s)",
+                key,
+                len(verdict.differing),
+                ", ".join(p[:12] for p in verdict.differing),
+            )
+        return verdict
+
+    def _step_provenance(
+        self, epoch: int, verdict: Verdict | None, mine: bytes, group: str
+    ) -> None:
+        """Record that the state of ``epoch`` is the round step from the majority's state
+        (``verdict`` None or REPAIR: a state no repairing member may take)."""
+        if verdict is None or verdict.role is Role.REPAIR:
+            self._provenance = None
+        else:
+            self._provenance = Provenance(epoch, verdict.majority or mine, group)
+
+    def _repair(
+        self,
+        verdict: Verdict,
+        result: RoundResultLike,
+        epoch: int,
+        key: str,
+        like: Sequence[torch.Tensor],
+    ) -> TrainingState | None:
+        """Load the holders' post-step state of this round (it becomes ``epoch``); None,
+        logged and counted, when none could be loaded within ``state_timeout``."""
+        expected = Provenance(epoch, verdict.majority, _group_of(result))
+        log.warning(
+            "round %s: this process's state differs from the majority's (%s, held by %s); "
+            "skipping its step and loading their state of epoch %d",
+            key,
+            verdict.majority.hex()[:16],
+            ", ".join(p[:12] for p in verdict.holders),
+            epoch,
+        )
+        started = time.monotonic()
+        state, why = self.link.load_round_state(self.KIND, like, expected)
+        elapsed = time.monotonic() - started
+        self.stats.repair_seconds += elapsed
+        if state is None:
+            self.stats.repair_failures += 1
+            self.stats.last_repair_error = why
+            log.warning(
+                "round %s: repair failed after %.2fs (%s); stepping with the round's result, "
+                "the next round tries again",
+                key,
+                elapsed,
+                why,
+            )
+            return None
+        self.stats.repairs += 1
+        log.warning("round %s: repaired from the majority's state in %.2fs", key, elapsed)
+        return state
 
     def _load_swarm_state(self, params: list[torch.Tensor], behind: str) -> TrainingState | None:
         """The swarm's newest state of this wrapper's kind, shaped like ``params``; None,
@@ -231,8 +312,27 @@ class SwarmOptimizer(ABC):
         """What this wrapper publishes for ``epoch``."""
 
     @abstractmethod
+    def _shared_digest(self) -> bytes:
+        """The digest of the state every member must hold identically, attached to the
+        round (:func:`~swarmavg.averaging.training.digest.state_digest`)."""
+
+    @abstractmethod
     def _catch_up(self, progress: GlobalProgress) -> None:
         """Behind the swarm: take its newest state and continue at its epoch."""
+
+
+def _digests_of(result: RoundResultLike) -> dict[str, bytes]:
+    """The round's state digests, defensively: the map comes from the daemon (and, before
+    it, from the group's leader)."""
+    raw = getattr(result, "state_digests", None)
+    if not isinstance(raw, Mapping):
+        return {}
+    return {p: d for p, d in raw.items() if isinstance(p, str) and isinstance(d, bytes)}
+
+
+def _group_of(result: RoundResultLike) -> str:
+    group = getattr(result, "group_id", "")
+    return group if isinstance(group, str) else ""
 
 
 __all__ = ["SwarmOptimizer"]

@@ -27,6 +27,12 @@ Synchronisation rules (one place, so they can be checked):
 * A round that fails (``NoGroupError`` or any other ``SwarmError``) becomes a local step
   with a :class:`SwarmRoundWarning`; the epoch still advances, so the process stays in
   step with the others.
+* Every round attaches the digest of this process's shared state (gradients: parameters,
+  optimizer state and epoch before the step; parameters mode: the parameters of the last
+  synchronisation and the epoch). A process whose digest is not the group's majority
+  skips its step and loads the majority holders' post-step state (gradients mode), or
+  takes the round's average, which replaces its parameters (parameters mode); the
+  holders publish that state right after their step (docs/training.md).
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from swarmavg.averaging.training.base import SwarmOptimizer
+from swarmavg.averaging.training.consensus import Provenance, Role
+from swarmavg.averaging.training.digest import state_digest
 from swarmavg.averaging.training.progress import GlobalProgress
 from swarmavg.averaging.training.state import TrainingState
 from swarmavg.averaging.training.swarm import RoundResultLike, SwarmClient, SwarmRoundWarning
@@ -62,6 +70,7 @@ class _PendingRound:
 
     epoch: int
     local: list[np.ndarray]
+    digest: bytes
     future: Future[tuple[RoundResultLike | None, str]]
 
 
@@ -157,7 +166,9 @@ class CollaborativeOptimizer(SwarmOptimizer):
             self._grads = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         self._executor = ThreadPoolExecutor(1, "swarmavg-round") if delay_updates else None
         self._pending: _PendingRound | None = None
+        self._synced = b""  # parameters mode: digest of the last synchronised parameters
         self._join_swarm(load_state_on_start)
+        self._mark_synced()
 
     # ------------------------------------------------------------------ public API
 
@@ -240,6 +251,8 @@ class CollaborativeOptimizer(SwarmOptimizer):
             for g in self._grads:
                 g.zero_()
         self.tracker.set_epoch(int(state["epoch"]), int(state.get("samples", 0)))
+        self._provenance = None
+        self._mark_synced()
         self.tracker.report()
 
     def close(self) -> None:
@@ -304,23 +317,97 @@ class CollaborativeOptimizer(SwarmOptimizer):
             local = to_arrays(self.params)
         if self._executor is not None and not late:
             self._apply_pending(block=True)
-            future = self._executor.submit(self._round, local, key, weight, group_size)
-            self._pending = _PendingRound(epoch, local, future)
+            digest = self._shared_digest()  # after the previous round was applied
+            future = self._executor.submit(self._round, local, key, weight, group_size, digest)
+            self._pending = _PendingRound(epoch, local, digest, future)
             self._advance(epoch + 1, publish=False)
             return
         self._apply_pending(block=True)
-        result, error = self._round(local, key, weight, group_size)
+        digest = self._shared_digest()
+        result, error = self._round(local, key, weight, group_size, digest)
         if result is None and (late or (error and self._others_moved_on())):
             self._catch_up(progress if late else self.tracker.last)
             return
         if error:
             _warn_local_step(key, error)
-        averaged = local if result is None else result.tensors
+        serve = self._finish_round(epoch, local, result, digest, key)
+        self._advance(epoch + 1, publish=True, serve=serve)
+
+    def _finish_round(
+        self,
+        epoch: int,
+        local: list[np.ndarray],
+        result: RoundResultLike | None,
+        digest: bytes,
+        key: str,
+    ) -> bool:
+        """Take the round of ``epoch`` into the state (which becomes that of ``epoch + 1``):
+        the averaged update, the local one when the round failed, or, for a process whose
+        state differs from the group's majority, the holders' post-step state.
+
+        Returns:
+            Whether members of the round repair from this process's post-step state (it
+            then publishes that state at once).
+        """
+        if result is None:
+            self._apply_update(local, epoch + 1)
+            self._provenance = None
+            return False
+        verdict = self._judge(result, digest, key)
+        if verdict.role is Role.REPAIR and self._grads is None:
+            # Parameters mode: the round's average *is* the new shared state, the same on
+            # every member of a complete round; taking it is the repair.
+            self._apply_update(result.tensors, epoch + 1)
+            self._provenance = None
+            if result.partial:
+                self.stats.repair_failures += 1
+                self.stats.last_repair_error = "the round was partial"
+            else:
+                self.stats.repairs += 1
+            log.warning(
+                "round %s: this process's parameters differed from the majority's; the "
+                "round's average replaces them%s",
+                key,
+                " (partial round: the next round tries again)" if result.partial else "",
+            )
+            return False
+        if verdict.role is Role.REPAIR:
+            state = self._repair(verdict, result, epoch + 1, key, self.params)
+            if state is not None:
+                self._take_state(state)
+                self._provenance = Provenance.from_extra(state.extra)
+                return False
+        self._apply_update(result.tensors, epoch + 1)
+        self._step_provenance(epoch + 1, verdict, digest, str(result.group_id))
+        return verdict.role is Role.SERVE and self._grads is not None
+
+    def _apply_update(self, values: list[Any], epoch: int) -> None:
+        """Gradients mode: step on ``values``; parameters mode: they are the parameters."""
         if self._grads is not None:
-            self._apply_gradients(averaged)
+            self._apply_gradients(values)
         else:
-            copy_into(self.params, averaged)
-        self._advance(epoch + 1, publish=True)
+            copy_into(self.params, values)
+            self._mark_synced(epoch)
+
+    def _take_state(self, state: TrainingState) -> None:
+        """Parameters and optimizer state of a loaded state (the epoch is the caller's)."""
+        copy_into(self.params, state.params)
+        if "optimizer" in state.optimizers:
+            self.optimizer.load_state_dict(state.optimizers["optimizer"])
+
+    def _mark_synced(self, epoch: int | None = None) -> None:
+        """Parameters mode: remember the digest of the parameters as synchronised now."""
+        if self._grads is None:
+            self._synced = state_digest(self.params, {}, self.epoch if epoch is None else epoch)
+
+    def _shared_digest(self) -> bytes:
+        """Gradients mode: parameters, optimizer state and epoch, as they are before the
+        step (identical on every member in step). Parameters mode: the parameters of the
+        last synchronisation and the epoch (each member's local steps since then, and its
+        optimizer state, are its own by design)."""
+        if self._grads is None:
+            return self._synced
+        return state_digest(self.params, {"optimizer": self.optimizer.state_dict()}, self.epoch)
 
     def _others_moved_on(self) -> bool:
         """After a failed round: did the others step without us?
@@ -331,7 +418,7 @@ class CollaborativeOptimizer(SwarmOptimizer):
         return self.tracker.refresh().epoch > self.epoch
 
     def _round(
-        self, arrays: list[np.ndarray], key: str, weight: float, group_size: int
+        self, arrays: list[np.ndarray], key: str, weight: float, group_size: int, digest: bytes
     ) -> tuple[RoundResultLike | None, str]:
         """One round: the result, or None and why it failed ("" when alone in the swarm).
 
@@ -343,7 +430,7 @@ class CollaborativeOptimizer(SwarmOptimizer):
             return None, ""
         failed = self.link.stats.failed
         result = self.link.average(
-            arrays, key=key, weight=weight, group_size=group_size, warn=False
+            arrays, key=key, weight=weight, group_size=group_size, warn=False, state_digest=digest
         )
         error = self.link.stats.last_error if self.link.stats.failed > failed else ""
         return result, error
@@ -365,18 +452,19 @@ class CollaborativeOptimizer(SwarmOptimizer):
             return
         self._pending = None
         result, error = pending.future.result()
+        key = f"grads.{pending.epoch}"
         if error:
-            _warn_local_step(f"grads.{pending.epoch}", error)
-        self._apply_gradients(pending.local if result is None else result.tensors)
-        self._maybe_publish(pending.epoch + 1)
+            _warn_local_step(key, error)
+        serve = self._finish_round(pending.epoch, pending.local, result, pending.digest, key)
+        self._maybe_publish(pending.epoch + 1, serve=serve)
 
-    def _advance(self, epoch: int, *, publish: bool) -> None:
+    def _advance(self, epoch: int, *, publish: bool, serve: bool = False) -> None:
         self.tracker.set_epoch(epoch)
         if self._grads is not None:
             for g in self._grads:
                 g.zero_()
         if publish:
-            self._maybe_publish(epoch)
+            self._maybe_publish(epoch, serve=serve)
         self.tracker.report()
 
     def _training_state(self, epoch: int) -> TrainingState:
@@ -396,14 +484,15 @@ class CollaborativeOptimizer(SwarmOptimizer):
         log.info("at epoch %d, the swarm is at %d: loading its state", self.epoch, progress.epoch)
         state = self._load_swarm_state(self.params, f"epoch {self.epoch} < {progress.epoch}")
         epoch = progress.epoch
+        self._provenance = None
         if state is not None:
-            copy_into(self.params, state.params)
-            if "optimizer" in state.optimizers:
-                self.optimizer.load_state_dict(state.optimizers["optimizer"])
+            self._take_state(state)
             # A state older than the swarm's epoch (published a moment ago) is still the
             # best there is; continuing at the swarm's epoch avoids loading again at once.
             epoch = max(state.epoch, progress.epoch)
+            self._provenance = Provenance.from_extra(state.extra)
         self._advance(epoch, publish=False)
+        self._mark_synced()
 
 
 def _warn_local_step(key: str, error: str) -> None:

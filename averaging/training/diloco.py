@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from swarmavg.averaging.training.base import SwarmOptimizer
+from swarmavg.averaging.training.consensus import Provenance, Role, Verdict
+from swarmavg.averaging.training.digest import state_digest
 from swarmavg.averaging.training.progress import GlobalProgress
 from swarmavg.averaging.training.state import TrainingState
 from swarmavg.averaging.training.swarm import SwarmClient, SwarmRoundWarning
@@ -195,6 +197,7 @@ class DiLoCo(SwarmOptimizer):
         self.inner_steps = int(state["inner_steps"])
         self.steps_this_round = self.local_steps
         self.tracker.set_epoch(int(state["epoch"]), int(state.get("samples", 0)))
+        self._provenance = None
         self.tracker.report()
 
     def _outer_sync(self) -> None:
@@ -205,15 +208,19 @@ class DiLoCo(SwarmOptimizer):
             return
         self.tracker.meter.pause()
         epoch = self.epoch
+        key = f"diloco.{epoch}"
         delta = to_arrays(pseudo_gradient(self.anchor, self.params))
+        digest = self._shared_digest()
         result = None
+        verdict: Verdict | None = None
         if progress.num_peers > 1:
             result = self.link.average(
                 delta,
-                key=f"diloco.{epoch}",
+                key=key,
                 weight=float(self.tracker.samples),
                 group_size=progress.num_peers,
                 warn=False,
+                state_digest=digest,
             )
             if result is None:
                 after = self.tracker.refresh()
@@ -226,17 +233,50 @@ class DiLoCo(SwarmOptimizer):
                     SwarmRoundWarning,
                     stacklevel=3,
                 )
+            else:
+                verdict = self._judge(result, digest, key)
+        if result is not None and verdict is not None and verdict.role is Role.REPAIR:
+            state = self._repair(verdict, result, epoch + 1, key, self.params)
+            if state is not None:
+                self._take_synced(state)
+                self._provenance = Provenance.from_extra(state.extra)
+                self._next_outer_step(epoch + 1, serve=False)
+                return
         outer_step(
             self.params,
             self.anchor,
             delta if result is None else result.tensors,
             self.outer_optimizer,
         )
+        if result is None:
+            self._provenance = None
+        else:
+            self._step_provenance(epoch + 1, verdict, digest, str(result.group_id))
+        serve = verdict is not None and verdict.role is Role.SERVE
+        self._next_outer_step(epoch + 1, serve=serve)
+
+    def _next_outer_step(self, epoch: int, *, serve: bool) -> None:
         self.inner_steps = 0
         self.steps_this_round = self.local_steps
-        self.tracker.set_epoch(epoch + 1)
-        self._maybe_publish(self.epoch)
+        self.tracker.set_epoch(epoch)
+        self._maybe_publish(epoch, serve=serve)
         self.tracker.report()
+
+    def _take_synced(self, state: TrainingState) -> None:
+        """A repair: the majority's synchronised parameters and outer optimizer state.
+
+        The inner optimizer's state is each member's own (it follows its own batches), so
+        it is kept.
+        """
+        copy_into(self.anchor, state.params)
+        copy_into(self.params, state.params)
+        if "outer" in state.optimizers:
+            self.outer_optimizer.load_state_dict(state.optimizers["outer"])
+
+    def _shared_digest(self) -> bytes:
+        """The synchronised parameters (the anchor), the outer optimizer's state and the
+        epoch: what every member holds identically between two outer steps."""
+        return state_digest(self.anchor, {"outer": self.outer_optimizer.state_dict()}, self.epoch)
 
     def _training_state(self, epoch: int) -> TrainingState:
         return TrainingState(
@@ -254,7 +294,9 @@ class DiLoCo(SwarmOptimizer):
         self.tracker.meter.pause()
         state = self._load_swarm_state(self.params, f"outer step {self.epoch} < {progress.epoch}")
         epoch = progress.epoch
+        self._provenance = None
         if state is not None:
+            self._provenance = Provenance.from_extra(state.extra)
             copy_into(self.anchor, state.params)
             copy_into(self.params, state.params)
             if "outer" in state.optimizers:

@@ -9,7 +9,11 @@ towards it, how fast, and when it will reach ``target_batch_size``.
 The pure part (:class:`PeerProgress`, :func:`aggregate`, :class:`RateMeter`) is
 synchronous and needs no network; :class:`ProgressTracker` adds the two DHT calls.
 Records come from other peers, so :meth:`PeerProgress.from_record` validates them and
-drops what is malformed instead of trusting it.
+drops what is malformed instead of trusting it, and :func:`aggregate` ignores what is
+implausible (:func:`plausible`: a clock far ahead of the reader's, an absurd rate). No
+record can make a wrapper's call invalid: a swarm that reports more peers than a group
+holds is clamped where the round is asked for (``SwarmLink.average``). Records are not
+signed: a forged one can still claim a newer epoch (docs/training.md, "Limitations").
 
 Example, without any optimizer wrapper::
 
@@ -24,6 +28,7 @@ Example, without any optimizer wrapper::
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import uuid
@@ -31,8 +36,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeGuard
 
+log = logging.getLogger(__name__)
+
 MAX_EPOCH = 2**53
 """Larger epochs in a record are treated as malformed (they would not survive msgpack floats)."""
+MAX_CLOCK_SKEW = 600.0
+"""Seconds a record's ``time`` may be ahead of the reader's clock; a record further in the
+future is implausible (volunteers' clocks differ, but not by this much)."""
+MAX_SAMPLES_PER_SECOND = 1e12
+"""A process reporting a higher rate is implausible (it would make every other process
+stop waiting for the epoch's last batches, ``CollaborativeOptimizer.max_wait``)."""
 
 
 class DHTLike(Protocol):
@@ -153,17 +166,29 @@ class GlobalProgress:
         return rates
 
 
-def aggregate(records: Iterable[PeerProgress], target: int) -> GlobalProgress:
+def plausible(record: PeerProgress, now: float) -> bool:
+    """Whether a well-formed record could come from an honest process (see the limits
+    :data:`MAX_CLOCK_SKEW` and :data:`MAX_SAMPLES_PER_SECOND`)."""
+    return record.time <= now + MAX_CLOCK_SKEW and (
+        record.samples_per_second <= MAX_SAMPLES_PER_SECOND
+    )
+
+
+def aggregate(
+    records: Iterable[PeerProgress], target: int, *, now: float | None = None
+) -> GlobalProgress:
     """Combine the processes' records into the swarm's progress.
 
     Only processes at the newest epoch count towards it: a process still at an older epoch
     is behind and will catch up (load state) rather than contribute. Processes that left
     still say which epoch the run reached (a newcomer then loads the state instead of
-    starting over), but count for nothing else.
+    starting over), but count for nothing else. Implausible records (:func:`plausible`,
+    judged at ``now``, default the wall clock) count for nothing at all.
     """
     if target <= 0:
         raise ValueError(f"target must be positive, got {target}")
-    records = tuple(records)
+    now = time.time() if now is None else now
+    records = tuple(p for p in records if plausible(p, now))
     epoch = max((p.epoch for p in records), default=0)
     peers = tuple(p for p in records if not p.left)
     current = [p for p in peers if p.epoch == epoch]
@@ -268,6 +293,7 @@ class ProgressTracker:
         self.samples = 0
         self.meter = RateMeter()
         self.last: GlobalProgress = aggregate((), target_batch_size)
+        self._ignored = 0  # records ignored by the last refresh, to log changes only
 
     def add_samples(self, n: int) -> None:
         """Count ``n`` samples processed towards the current epoch."""
@@ -315,15 +341,26 @@ class ProgressTracker:
         counts everything it has reported and accumulated even when the DHT lags.
         """
         raw = self.client.dht.get(self.key)
+        now = time.time()
         records: list[PeerProgress] = [self.local]
+        ignored = 0
         if isinstance(raw, Mapping):
             for subkey, value in raw.items():
                 if subkey == self.subkey:
                     continue
                 parsed = PeerProgress.from_record(value)
-                if parsed is not None:
+                if parsed is not None and plausible(parsed, now):
                     records.append(parsed)
-        self.last = aggregate(records, self.target_batch_size)
+                else:
+                    ignored += 1
+        if ignored != self._ignored:
+            log.warning(
+                "ignoring %d malformed or implausible progress record(s) under %s",
+                ignored,
+                self.key,
+            )
+            self._ignored = ignored
+        self.last = aggregate(records, self.target_batch_size, now=now)
         return self.last
 
 
@@ -343,4 +380,5 @@ __all__ = [
     "ProgressTracker",
     "RateMeter",
     "aggregate",
+    "plausible",
 ]

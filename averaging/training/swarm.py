@@ -10,6 +10,7 @@ arrays only; the wrappers convert torch tensors.
 from __future__ import annotations
 
 import logging
+import random
 import time
 import warnings
 from collections.abc import Sequence
@@ -18,7 +19,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from swarmavg.averaging.errors import AveragingError, InvalidTensorsError, StateNotFoundError
+from swarmavg.averaging.errors import (
+    AveragingError,
+    InvalidTensorsError,
+    SchemaMismatchError,
+    StateNotFoundError,
+)
+from swarmavg.averaging.group import MAX_GROUP_SIZE
+from swarmavg.averaging.training.consensus import Provenance
 from swarmavg.averaging.training.progress import DHTLike
 from swarmavg.averaging.training.state import (
     StateFormatError,
@@ -39,7 +47,9 @@ class RoundResultLike(Protocol):
     tensors: list[Any]
     group_size: int
     peers: list[str]
+    group_id: str
     partial: bool
+    state_digests: dict[str, bytes]
 
 
 class SwarmClient(Protocol):
@@ -57,6 +67,7 @@ class SwarmClient(Protocol):
         min_group_size: int = 2,
         timeout: float = 30.0,
         codec: str | None = None,
+        state_digest: bytes | None = None,
     ) -> RoundResultLike: ...
 
     def publish_state(self, tensors: Sequence[Any], metadata: Any) -> Any: ...
@@ -67,6 +78,10 @@ class SwarmClient(Protocol):
 
 
 LOAD_ATTEMPTS = 3
+REPAIR_RETRY_FIRST = 0.02
+"""Seconds before the first retry of a repair download (the holders publish right after
+their step, usually within milliseconds of the round's end)."""
+REPAIR_RETRY_MAX = 1.0
 
 
 def _is_no_state(exc: Exception) -> bool:
@@ -90,6 +105,17 @@ class RoundStats:
         seconds: wall time spent inside ``average`` calls.
         states_published, states_loaded: state sharing calls that succeeded.
         last_error: the message of the most recent failure.
+        diverged: rounds in which this process's shared state differed from the majority
+            of the group (docs/training.md, "One shared state").
+        repairs: of those, the rounds after which this process held the majority's state
+            again (it loaded the holders' post-step state, or, with
+            ``average="parameters"``, the round's average replaced its parameters).
+        repair_failures: the others: no matching state could be loaded by the deadline
+            (the step then used the round's result as usual; the next round retries).
+        repair_seconds: wall time spent repairing (downloads and their retries).
+        served: rounds in which this process held the majority's state, some member
+            differed, and this process published its post-step state for it.
+        last_repair_error: why the most recent repair failed.
     """
 
     rounds: int = 0
@@ -100,6 +126,12 @@ class RoundStats:
     states_published: int = 0
     states_loaded: int = 0
     last_error: str = ""
+    diverged: int = 0
+    repairs: int = 0
+    repair_failures: int = 0
+    repair_seconds: float = 0.0
+    served: int = 0
+    last_repair_error: str = ""
 
 
 def swarm_errors() -> tuple[type[Exception], ...]:
@@ -157,17 +189,32 @@ class SwarmLink:
         weight: float,
         group_size: int | None,
         warn: bool = True,
+        state_digest: bytes | None = None,
     ) -> RoundResultLike | None:
         """Run one round; None when it failed (a warning says why, unless ``warn`` is False:
         a background thread leaves the warning to the thread that applies the result).
 
         Invalid input (NaN/Inf gradients, ...) is the caller's bug and is raised, not
-        turned into a local step.
+        turned into a local step. What other peers cause is a failed round: a schema that
+        differs from theirs, or a ``group_size`` read from more progress records than one
+        group can hold (clamped to ``MAX_GROUP_SIZE``, with a log line).
 
         Thread-safe as far as the client is: the overlap mode calls it from its worker.
         """
         self.stats.rounds += 1
         started = time.monotonic()
+        if group_size is not None and group_size > MAX_GROUP_SIZE:
+            # Progress records come from other peers: forged ones must not make the
+            # round's own arguments invalid (issue 15).
+            log.warning(
+                "the swarm's progress names %d peers, more than a group holds; "
+                "expecting %d in round %s",
+                group_size,
+                MAX_GROUP_SIZE,
+                key,
+            )
+            group_size = MAX_GROUP_SIZE
+        options: dict[str, Any] = {} if state_digest is None else {"state_digest": state_digest}
         try:
             result = self.client.average(
                 arrays,
@@ -177,20 +224,15 @@ class SwarmLink:
                 min_group_size=min(self.min_group_size, group_size or self.min_group_size),
                 timeout=self.timeout,
                 codec=self.codec,
+                **options,
             )
+        except SchemaMismatchError as exc:  # other peers' layout: not this caller's bug
+            self._failed(key, exc, warn, stacklevel=4)
+            return None
         except _validation_errors():
             raise
         except swarm_errors() as exc:
-            self.stats.failed += 1
-            self.stats.last_error = f"{type(exc).__name__}: {exc}"
-            if not warn:
-                return None
-            warnings.warn(
-                f"averaging round {key!r} failed ({self.stats.last_error}); "
-                "stepping with local values",
-                SwarmRoundWarning,
-                stacklevel=3,
-            )
+            self._failed(key, exc, warn, stacklevel=4)
             return None
         finally:
             self.stats.seconds += time.monotonic() - started
@@ -199,6 +241,19 @@ class SwarmLink:
             self.stats.partial += 1
             log.warning("round %s was partial (a peer failed mid-round)", key)
         return result
+
+    def _failed(self, key: str, exc: Exception, warn: bool, stacklevel: int) -> None:
+        """Count a failed round and say why (a warning unless ``warn`` is False)."""
+        self.stats.failed += 1
+        self.stats.last_error = f"{type(exc).__name__}: {exc}"
+        log.info("round %s failed: %s", key, self.stats.last_error)
+        if warn:
+            warnings.warn(
+                f"averaging round {key!r} failed ({self.stats.last_error}); "
+                "stepping with local values",
+                SwarmRoundWarning,
+                stacklevel=stacklevel,
+            )
 
     def publish(self, state: TrainingState) -> bool:
         """Serve ``state`` to late joiners; False (with a log line) when the daemon refused."""
@@ -238,6 +293,43 @@ class SwarmLink:
             return None
         self.stats.states_loaded += 1
         return state
+
+    def load_round_state(
+        self, kind: str, like: Sequence[torch.Tensor], expected: Provenance
+    ) -> tuple[TrainingState | None, str]:
+        """The holders' post-step state of one round (a repair); ``(None, why)`` when no
+        state with provenance ``expected`` could be loaded within ``state_timeout``.
+
+        The holders publish right after their step, so the first tries usually find the
+        previous state still advertised: every download that names another provenance,
+        finds nothing, or fails is retried after a capped, jittered pause until the
+        deadline. Content addressing makes a retry of an unchanged state cost no chunks.
+        """
+        deadline = time.monotonic() + self.state_timeout
+        pause = REPAIR_RETRY_FIRST
+        why = "no attempt made"
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                metadata, arrays = self.client.load_state(timeout=left)
+                state = unpack_state(
+                    metadata, [np.asarray(a) for a in arrays], kind=kind, like=like
+                )
+            except _validation_errors():
+                raise
+            except swarm_errors() as exc:
+                why = f"{type(exc).__name__}: {exc}"
+            except StateFormatError as exc:
+                why = f"unusable state: {exc}"
+            else:
+                found = Provenance.from_extra(state.extra)
+                if found == expected and state.epoch == expected.epoch:
+                    self.stats.states_loaded += 1
+                    return state, ""
+                why = f"the freshest state is of epoch {state.epoch}, provenance {found}"
+            log.debug("repair download: %s; retrying", why)
+            time.sleep(min(pause * random.uniform(0.5, 1.0), max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, REPAIR_RETRY_MAX)
+        return None, why
 
     def bytes_sent(self) -> int | None:
         """Bytes the local daemon has sent to other peers (all rounds), when it reports it."""

@@ -9,9 +9,12 @@ import pytest
 from swarmavg.averaging.errors import InvalidRequestError, InvalidTensorsError
 from swarmavg.averaging.request import (
     MAX_KEY_BYTES,
+    MAX_STATE_DIGEST_BYTES,
+    STATE_DIGEST_TAG,
     RoundRequest,
     check_finite,
     check_tensors,
+    digests_from_user_data,
 )
 
 
@@ -53,12 +56,29 @@ def test_codec_parameters_are_kept() -> None:
         ({"group_size": 2, "min_group_size": 3}, "larger"),
         ({"codec": ""}, "codec"),
         ({"codec": "fp16"}, "known"),
+        ({"state_digest": "abc"}, "state_digest"),
+        ({"state_digest": b"x" * (MAX_STATE_DIGEST_BYTES + 1)}, "limit"),
     ],
 )
 def test_bad_parameters(overrides: dict[str, object], message: str) -> None:
     arguments: dict[str, object] = {"key": "k", **overrides}
     with pytest.raises(InvalidRequestError, match=message):
         RoundRequest.build(**arguments)  # type: ignore[arg-type]
+
+
+def test_state_digest_is_tagged_user_data_and_read_back_from_the_group() -> None:
+    plain = RoundRequest.build(key="k")
+    assert plain.state_digest == b""
+    assert plain.user_data(b"daemon's own") == b"daemon's own"
+    request = RoundRequest.build(key="k", state_digest=bytearray(b"d" * MAX_STATE_DIGEST_BYTES))
+    assert request.state_digest == b"d" * MAX_STATE_DIGEST_BYTES
+    gathered = {
+        "aa": request.user_data(b"ignored"),
+        "bb": b"daemon's own user data",  # not a digest: left out
+        "cc": STATE_DIGEST_TAG,  # an empty digest: left out
+        "dd": STATE_DIGEST_TAG + b"x" * (MAX_STATE_DIGEST_BYTES + 1),  # forged: left out
+    }
+    assert digests_from_user_data(gathered) == {"aa": b"d" * MAX_STATE_DIGEST_BYTES}
 
 
 def test_zero_weight_only_when_allowed() -> None:

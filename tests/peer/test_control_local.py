@@ -177,6 +177,23 @@ async def test_local_processes_are_combined(daemon: Daemon) -> None:
         np.testing.assert_allclose(r.tensors[0], expected, rtol=1e-5, atol=1e-6)
 
 
+async def test_a_local_batch_carries_one_callers_state_digest(daemon: Daemon) -> None:
+    daemon.backend.combiner = LocalCombiner(daemon.backend._average, window=0.5)
+    clients = [await connect_async(daemon.endpoint) for _ in range(2)]
+    try:
+        await asyncio.gather(
+            *(
+                c.average([np.zeros(4, np.float32)], key="d", min_group_size=1, state_digest=d)
+                for c, d in zip(clients, [b"first", b"second"], strict=True)
+            )
+        )
+    finally:
+        for c in clients:
+            await c.close()
+    assert len(daemon.backend.rounds) == 1
+    assert daemon.backend.rounds[0].state_digest in {b"first", b"second"}
+
+
 async def test_local_layout_mismatch_is_rejected(daemon: Daemon) -> None:
     daemon.backend.combiner = LocalCombiner(daemon.backend._average, window=0.5)
     async with connect_async(daemon.endpoint) as a, connect_async(daemon.endpoint) as b:

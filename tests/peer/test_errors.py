@@ -38,3 +38,15 @@ def test_unavailable_without_details_names_the_endpoint() -> None:
     mapped = errors.error_from_status(grpc.StatusCode.UNAVAILABLE.name, "", "/tmp/x.sock")
     assert "/tmp/x.sock" in str(mapped)
     assert "swarmavg peer" in str(mapped)
+
+
+def test_the_reason_label_tells_a_schema_mismatch_from_bad_input() -> None:
+    code, reason = classify(averaging_errors.SchemaMismatchError("x"))
+    mapped = errors.error_from_status(code.name, "why", "/tmp/x.sock", reason)
+    assert type(mapped) is errors.SchemaMismatchError
+    assert isinstance(mapped, errors.ValidationError)  # what callers caught before
+    assert isinstance(mapped, averaging_errors.SchemaMismatchError)
+    # without the label (an older daemon), or with another one: the plain class
+    assert type(errors.error_from_status(code.name, "why", "x", "")) is errors.ValidationError
+    code, reason = classify(averaging_errors.InvalidTensorsError("nan"))
+    assert type(errors.error_from_status(code.name, "why", "x", reason)) is errors.ValidationError

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import tempfile
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from swarmavg.peer import Peer, PeerConfig
+from swarmavg.peer import Peer, PeerConfig, SchemaMismatchError, ValidationError
 from swarmavg.peer.cli import build_parser
 from swarmavg.peer.settings import flags_from_args, resolve_config
 from swarmavg.peer.status import format_status
@@ -50,6 +51,48 @@ async def test_two_in_process_peers_average(sock_dir: Path) -> None:
             assert status["known_peers"] == 1
             assert status["rounds_done"] == 1
     assert not (sock_dir / "a.sock").exists()
+
+
+async def test_state_digests_reach_every_member_and_schema_mismatch_is_told_apart(
+    sock_dir: Path,
+) -> None:
+    first = PeerConfig(listen="127.0.0.1:0", control=str(sock_dir / "a.sock"), run_id="sd")
+    async with Peer(first) as a:
+        assert a.address is not None
+        peers = [a]
+        async with contextlib.AsyncExitStack() as stack:
+            for name in "bc":
+                config = PeerConfig(
+                    listen="127.0.0.1:0",
+                    control=str(sock_dir / f"{name}.sock"),
+                    run_id="sd",
+                    join=[a.address],
+                )
+                peers.append(await stack.enter_async_context(Peer(config)))
+            clients = [await stack.enter_async_context(p.client()) for p in peers]
+            x = np.ones(10, dtype=np.float32)
+            results = await asyncio.gather(
+                clients[0].average([x], key="k", group_size=3, timeout=20, state_digest=b"A"),
+                clients[1].average([x], key="k", group_size=3, timeout=20, state_digest=b"B" * 64),
+                clients[2].average([x], key="k", group_size=3, timeout=20),
+            )
+            expected = {peers[0].peer_id: b"A", peers[1].peer_id: b"B" * 64}
+            assert [r.state_digests for r in results] == [expected] * 3
+            with pytest.raises(ValidationError, match="state_digest"):
+                await clients[0].average([x], key="k2", state_digest=b"x" * 65)
+            # another layout under the same key: a SchemaMismatchError (still a
+            # ValidationError), which names other peers rather than the caller's input
+            outcomes = await asyncio.gather(
+                clients[0].average([x], key="s", group_size=2, min_group_size=2, timeout=4),
+                clients[1].average([x[:5]], key="s", group_size=2, min_group_size=2, timeout=4),
+                return_exceptions=True,
+            )
+            assert all(isinstance(o, SchemaMismatchError) for o in outcomes), outcomes
+            assert all(isinstance(o, ValidationError) for o in outcomes)
+            status = await clients[0].status()
+            assert status["failures"] == {"schema_mismatch": 1}
+            assert status["rounds_done"] == 1
+            assert status["rounds_partial"] == 0
 
 
 def peer_config(*argv: str) -> PeerConfig:
@@ -160,3 +203,44 @@ async def test_result_and_stats_name_the_codec_the_group_used(sock_dir: Path) ->
             for client in (ca, cb):
                 status = await client.status()
                 assert set(status["codecs"]) == {ra.codec}
+
+
+def test_rounds_are_counted_by_outcome_in_status_and_metrics() -> None:
+    pytest.importorskip("prometheus_client")
+    from swarmavg.peer.metrics import MetricsServer
+    from swarmavg.peer.stats import PeerStats
+
+    stats = PeerStats()
+    stats.record_round("none", 1.0, 10, 10, {}, partial=False)
+    stats.record_round("none", 1.0, 10, 10, {}, partial=True)
+    stats.record_failure("no_group")
+    metrics = MetricsServer("127.0.0.1:0", stats, dht_size=lambda: 1.0, known_peers=lambda: 0)
+    metrics.sync()
+    value = metrics.registry.get_sample_value
+    assert value("swarmavg_rounds_total", {"outcome": "done"}) == 2
+    assert value("swarmavg_partial_rounds_total") == 1
+    assert value("swarmavg_rounds_total", {"outcome": "failed"}) == 1
+    assert value("swarmavg_round_failures_total", {"reason": "no_group"}) == 1
+    status = {
+        "peer_id": "ab",
+        "run_id": "r",
+        "address": None,
+        "control": "/tmp/x.sock",
+        "known_peers": 0,
+        "dht_size_estimate": 1.0,
+        "bandwidth": 1.0,
+        "bandwidth_measured": False,
+        "bandwidth_samples": 0,
+        "rounds_done": stats.rounds_done,
+        "rounds_partial": stats.rounds_partial,
+        "rounds_failed": stats.rounds_failed,
+        "bytes_sent": 0,
+        "bytes_received": 0,
+        "uptime": 1.0,
+        "version": "0",
+        "failures": dict(stats.failures),
+        "codecs": {},
+    }
+    text = format_status(status)
+    assert "2 (1 complete, 1 partial)" in text
+    assert "no_group" in text

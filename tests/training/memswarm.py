@@ -1,10 +1,12 @@
 """An in-memory swarm with the client's API (docs/peer.md), for the wrappers' state-machine tests.
 
 It is the seam where the fast tests inject faults (a round that fails, a state that is
-missing) without daemons; the same wrappers run against real daemons in
+missing, a forged answer) without daemons; the same wrappers run against real daemons in
 ``test_collaborative_daemons.py``. Rounds are matched by key like the real matchmaking: a
 round closes when ``group_size`` callers joined, or at its timeout with at least
-``min_group_size``; every member gets ``sum(w_i x_i) / sum(w_i)``.
+``min_group_size``; every member gets ``sum(w_i x_i) / sum(w_i)`` and every member's
+``state_digest``. Arguments are checked by the client's rules (``RoundRequest.build``), so a
+wrapper that passes an invalid one fails here as it would against a daemon.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from swarmavg.peer.errors import NoGroupError, NoStateError
+from swarmavg.averaging.errors import InvalidRequestError
+from swarmavg.averaging.request import RoundRequest, check_finite
+from swarmavg.peer.errors import NoGroupError, NoStateError, ValidationError
 
 
 @dataclass
@@ -27,12 +31,14 @@ class Result:
     peers: list[str]
     group_id: str
     partial: bool = False
+    state_digests: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass
 class _Round:
     group_size: int
     members: dict[str, tuple[list[np.ndarray], float]] = field(default_factory=dict)
+    digests: dict[str, bytes] = field(default_factory=dict)
     result: list[np.ndarray] | None = None
     closed: bool = False
 
@@ -59,6 +65,11 @@ class MemorySwarm:
         self.fail_keys: set[str] = set()
         self.before_failure: Callable[[str], None] | None = None
         """Called (outside the lock) with the key of a round about to fail by injection."""
+        self.raise_for: dict[str, Exception] = {}
+        """key -> the error its round raises (another failure than ``fail_keys``')."""
+        self.forge: Callable[[str, Result], Result] | None = None
+        """Called with (caller, result) before a round's result is handed out: a hostile
+        leader's answer."""
         self.publish_counter = 0
         self.calls: list[tuple[str, str, float, int | None]] = []
 
@@ -105,22 +116,41 @@ class MemoryClient:
         min_group_size: int = 2,
         timeout: float = 30.0,
         codec: str | None = None,
+        state_digest: bytes | None = None,
     ) -> Result:
-        arrays = [np.array(t, dtype=np.float32, copy=True) for t in tensors]
+        try:  # the client's own checks, before anything is "sent"
+            request = RoundRequest.build(
+                key=key,
+                weight=weight,
+                timeout=timeout,
+                group_size=group_size,
+                min_group_size=min_group_size,
+                codec=codec,
+                state_digest=state_digest,
+            )
+            arrays = [np.array(t, dtype=np.float32, copy=True) for t in tensors]
+            check_finite(arrays)
+        except InvalidRequestError as exc:
+            raise ValidationError(str(exc)) from None
         swarm = self.swarm
         deadline = time.monotonic() + timeout
         with swarm.cond:
             swarm.calls.append((self.peer_id, key, weight, group_size))
             failing = key in swarm.fail_keys
+            injected = swarm.raise_for.get(key)
         if failing:
             if swarm.before_failure is not None:
                 swarm.before_failure(key)
             raise NoGroupError(f"injected failure for {key}")
+        if injected is not None:
+            raise injected
         with swarm.cond:
             rnd = swarm.rounds.setdefault(key, _Round(group_size or 16))
             if rnd.closed:
                 raise NoGroupError(f"round {key} closed before {self.peer_id} arrived")
             rnd.members[self.peer_id] = (arrays, weight)
+            if request.state_digest:
+                rnd.digests[self.peer_id] = request.state_digest
             if len(rnd.members) >= rnd.group_size:
                 rnd.close()
                 swarm.cond.notify_all()
@@ -132,15 +162,18 @@ class MemoryClient:
                         swarm.cond.notify_all()
                         break
                     del rnd.members[self.peer_id]
+                    rnd.digests.pop(self.peer_id, None)
                     raise NoGroupError(f"only {len(rnd.members) + 1} peers for {key}")
                 swarm.cond.wait(left)
             assert rnd.result is not None
-            return Result(
+            result = Result(
                 tensors=[r.copy() for r in rnd.result],
                 group_size=len(rnd.members),
                 peers=sorted(rnd.members),
-                group_id=key,
+                group_id=key.encode().hex(),
+                state_digests=dict(rnd.digests),
             )
+        return result if swarm.forge is None else swarm.forge(self.peer_id, result)
 
     def publish_state(self, tensors: Sequence[Any], metadata: Any) -> None:
         with self.swarm.cond:

@@ -1,0 +1,222 @@
+"""One shared state, against the in-memory swarm: members that differ from the group's
+majority repair themselves, and the holders serve them (docs/training.md).
+
+The same scenarios with real daemons are in ``test_shared_state_daemons.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from swarmavg.averaging.optim import CollaborativeOptimizer, DiLoCo, SwarmRoundWarning  # noqa: E402
+from swarmavg.peer.errors import NoGroupError  # noqa: E402
+from tests.training.helpers import backward, batch, linear_model, run_in_threads  # noqa: E402
+from tests.training.memswarm import MemorySwarm, Result  # noqa: E402
+
+LR = 0.1
+
+
+def make_peer(
+    swarm: MemorySwarm, name: str, **kwargs: object
+) -> tuple[torch.nn.Module, CollaborativeOptimizer]:
+    model = linear_model()
+    options: dict[str, object] = {"max_wait": 10.0, "averaging_timeout": 10.0}
+    options.update(kwargs)
+    opt = CollaborativeOptimizer(
+        model.parameters(),
+        torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+        client=swarm.client(name),
+        run_id="run",
+        target_batch_size=4 * 3,
+        batch_size_per_step=4,
+        **options,  # type: ignore[arg-type]
+    )
+    return model, opt
+
+
+def train_until(
+    model: torch.nn.Module, opt: CollaborativeOptimizer | DiLoCo, seed: int, epoch: int
+) -> None:
+    for _ in range(60):
+        if opt.epoch >= epoch:
+            return
+        backward(model, batch(seed + opt.epoch))
+        opt.step()
+        opt.zero_grad()
+    raise AssertionError(f"epoch {epoch} not reached (at {opt.epoch})")
+
+
+def perturb(model: torch.nn.Module, amount: float) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(amount)
+
+
+def assert_identical(models: list[torch.nn.Module]) -> None:
+    first = list(models[0].parameters())
+    for other in models[1:]:
+        for p, q in zip(first, other.parameters(), strict=True):
+            assert torch.equal(p, q)
+
+
+def momentum(opt: CollaborativeOptimizer) -> list[torch.Tensor]:
+    return [s["momentum_buffer"] for s in opt.optimizer.state_dict()["state"].values()]
+
+
+def train_all(peers: list[tuple[torch.nn.Module, CollaborativeOptimizer]], epoch: int) -> None:
+    run_in_threads(
+        *(lambda m=m, o=o, i=i: train_until(m, o, 100 * i, epoch) for i, (m, o) in enumerate(peers))
+    )
+
+
+@pytest.mark.parametrize("delay_updates", [False, True])
+def test_one_member_off_repairs_from_the_holders(delay_updates: bool) -> None:
+    swarm = MemorySwarm()
+    peers = [make_peer(swarm, n, delay_updates=delay_updates) for n in "abc"]
+    train_all(peers, 2)
+    for _, o in peers:
+        o._apply_pending(block=True)  # delayed rounds: let every update land first
+    perturb(peers[2][0], 0.5)  # c drifts (a local step, a partial round, ...)
+    train_all(peers, 4)
+    for _, o in peers:
+        o.close()
+    assert_identical([m for m, _ in peers])
+    for a, b in zip(momentum(peers[0][1]), momentum(peers[2][1]), strict=True):
+        assert torch.equal(a, b)
+    c = peers[2][1].stats
+    assert (c.diverged, c.repairs, c.repair_failures) == (1, 1, 0)
+    assert c.repair_seconds > 0
+    assert [o.stats.served for _, o in peers] == [1, 1, 0]
+    assert all(o.stats.diverged == 0 for _, o in peers[:2])
+
+
+def test_two_off_of_five_repair_and_a_tie_is_broken_the_same_everywhere() -> None:
+    swarm = MemorySwarm()
+    peers = [make_peer(swarm, n) for n in "abcde"]
+    for _, o in peers:
+        o.tracker.target_batch_size = 4 * 5
+    train_all(peers, 1)
+    perturb(peers[3][0], 0.5)
+    perturb(peers[4][0], -0.25)
+    train_all(peers, 3)
+    assert_identical([m for m, _ in peers])
+    assert [o.stats.repairs for _, o in peers] == [0, 0, 0, 1, 1]
+    assert [o.stats.served for _, o in peers] == [1, 1, 1, 0, 0]
+
+    # a tie: two halves of four, each agreeing within itself
+    swarm = MemorySwarm()
+    peers = [make_peer(swarm, n) for n in "abcd"]
+    for _, o in peers:
+        o.tracker.target_batch_size = 4 * 4
+    train_all(peers, 1)
+    perturb(peers[2][0], 0.5)
+    perturb(peers[3][0], 0.5)
+    train_all(peers, 3)
+    assert_identical([m for m, _ in peers])
+    repaired = [o.stats.repairs for _, o in peers]
+    assert sorted(repaired) == [0, 0, 1, 1]
+    assert repaired in ([0, 0, 1, 1], [1, 1, 0, 0])  # one half repairs, the other serves
+
+
+def test_parameters_mode_a_member_off_is_replaced_by_the_round() -> None:
+    swarm = MemorySwarm()
+    peers = [make_peer(swarm, n, average="parameters") for n in "abc"]
+    train_all(peers, 2)
+    # c restores a checkpoint of other parameters: its synchronised state is not theirs
+    perturb(peers[2][0], 0.5)
+    peers[2][1].load_state_dict(peers[2][1].state_dict())
+    train_all(peers, 3)
+    assert_identical([m for m, _ in peers])
+    c = peers[2][1].stats
+    assert (c.diverged, c.repairs, c.states_loaded) == (1, 1, 0)  # nothing downloaded
+
+
+def make_diloco(swarm: MemorySwarm, name: str) -> tuple[torch.nn.Module, DiLoCo]:
+    model = linear_model()
+    opt = DiLoCo(
+        model.parameters(),
+        torch.optim.SGD(model.parameters(), lr=LR),
+        client=swarm.client(name),
+        run_id="run",
+        local_steps=2,
+        batch_size_per_step=4,
+        averaging_timeout=10.0,
+    )
+    return model, opt
+
+
+def test_diloco_member_off_repairs_its_anchor_and_outer_state() -> None:
+    swarm = MemorySwarm()
+    peers = [make_diloco(swarm, n) for n in "abc"]
+    train_all(peers, 1)  # type: ignore[arg-type]
+    with torch.no_grad():
+        for a in peers[2][1].anchor:
+            a.add_(0.5)  # c's synchronised parameters drifted
+    train_all(peers, 3)  # type: ignore[arg-type]
+    for _, o in peers:
+        for x, y in zip(peers[0][1].anchor, o.anchor, strict=True):
+            assert torch.equal(x, y)
+        outer = o.outer_optimizer.state_dict()["state"]
+        first = peers[0][1].outer_optimizer.state_dict()["state"]
+        for index in first:
+            assert torch.equal(first[index]["momentum_buffer"], outer[index]["momentum_buffer"])
+    assert_identical([m for m, _ in peers])
+    assert [o.stats.repairs for _, o in peers] == [0, 0, 1]
+    assert [o.stats.served for _, o in peers] == [1, 1, 0]
+
+
+def test_a_repair_that_finds_no_matching_state_is_counted_and_training_goes_on() -> None:
+    swarm = MemorySwarm()
+    peers = [make_peer(swarm, n, state_timeout=0.5) for n in "ab"]
+    for _, o in peers:
+        o.tracker.target_batch_size = 8
+
+    def forged(caller: str, result: Result) -> Result:
+        # a hostile leader tells "b" that two others agree on a state nobody holds
+        if caller != "b":
+            return result
+        digests = dict(result.state_digests, x=b"\x00" * 32, y=b"\x00" * 32)
+        return dataclasses.replace(result, state_digests=digests)
+
+    swarm.forge = forged
+    train_all(peers, 2)  # type: ignore[arg-type]
+    b = peers[1][1].stats
+    assert b.diverged == 2
+    assert b.repair_failures == 2
+    assert b.repairs == 0
+    assert "provenance" in b.last_repair_error or "NoStateError" in b.last_repair_error
+    assert peers[1][1].epoch == 2  # it stepped with the round's result each time
+    assert_identical([m for m, _ in peers])  # ... which is what "a" stepped with too
+
+
+@pytest.mark.parametrize("fault", ["partial", "failed"])
+def test_after_a_partial_or_failed_round_the_next_round_makes_them_one_again(fault: str) -> None:
+    swarm = MemorySwarm()
+    peers = [make_peer(swarm, n) for n in "abc"]
+
+    def faulty(caller: str, result: Result) -> Result:
+        if caller != "c" or result.group_id != b"run.grads.1".hex():
+            return result
+        if fault == "failed":  # c's daemon lost the round after the others finished it
+            raise NoGroupError("injected: c's round failed")
+        # a reducer died mid-round: c kept its own values for that part
+        tensors = [t + 0.25 for t in result.tensors]
+        return dataclasses.replace(result, tensors=tensors, partial=True)
+
+    swarm.forge = faulty
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SwarmRoundWarning)  # c's local step, if it takes one
+        train_all(peers, 2)
+    train_all(peers, 3)
+    assert_identical([m for m, _ in peers])
+    c = peers[2][1].stats
+    if fault == "partial":
+        assert (c.partial, c.diverged, c.repairs) == (1, 1, 1)
+    else:
+        assert c.failed == 1
+        assert c.repairs + c.states_loaded >= 1  # repaired, or caught up from their state
