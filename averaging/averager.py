@@ -294,6 +294,9 @@ class Averager:
         mode = self.config.mode
         weight = 0.0 if mode is Mode.AUX else request.weight
         give_up_by = started + self.config.matchmaking_share * (request.deadline - started)
+        # A leader closes a little before it would give up, so the group reaches followers
+        # that started with it before they give up too (they started later, or together).
+        margin = min(self.config.matchmaker.join_timeout, 0.1 * max(give_up_by - started, 0.0))
         match = MatchRequest(
             key=self._keys.key_for(request.key),
             schema_hash=schema_hash(arrays),
@@ -303,7 +306,7 @@ class Averager:
             mode=mode,
             bandwidth=self.bandwidth.value,
             user_data=request.user_data(self.config.user_data),
-            close_by=min(started + self.config.matchmaking_time, give_up_by),
+            close_by=min(started + self.config.matchmaking_time, give_up_by - margin),
             give_up_by=give_up_by,
             data_port=allreduce.data_port,
             wanted=request.group_size or 0,
