@@ -272,7 +272,8 @@ class Matchmaker:
             log.warning("declaration under %s was not stored; only joining others", rnd.request.key)
         self._notify(MatchmakingEvent.DECLARED, rnd.request.key, self.peer_id)
 
-    async def _read_declarations(self, key: str, give_up: float) -> list[Declaration]:
+    async def _read_declarations(self, key: str, give_up: float) -> list[Declaration] | None:
+        """The declarations under ``key``; ``None`` when the read failed (not: nobody)."""
         budget = min(self.config.dht_timeout, max(0.05, give_up - time.time()))
         try:
             started = time.monotonic()
@@ -281,7 +282,7 @@ class Matchmaker:
             self.dht_latency.observe(time.monotonic() - started)
         except (TimeoutError, grpc.aio.AioRpcError) as error:
             log.debug("reading declarations under %s failed: %r", key, error)
-            return []
+            return None
         found = []
         for subkey, value in dictionary_entries(record).items():
             declaration = decode_declaration(subkey, value)
@@ -340,6 +341,8 @@ class Matchmaker:
         """Read the declarations under our key; keep the live ones of our schema."""
         started = time.monotonic()
         found = await self._read_declarations(rnd.request.key, rnd.me.give_up)
+        if found is None:
+            return  # keep what we knew: a failed read must not look like an empty key
         now_wall = time.time()
         # Remembered across reads: a later read may fail or miss them.
         for other in mismatched_schemas(found, rnd.me):
