@@ -15,11 +15,36 @@ cosine schedule; its accuracy is the median over 5 data orders. Scenarios:
   (outer Nesterov SGD lr 0.7; momentum 0.5, and the paper's 0.9 as ``diloco-paper``);
 * ``churn``: gradient averaging (uint8-blockwise); at half of the run one peer's trainer and
   daemon are killed (SIGKILL); the three survivors go on for 10 global steps, then a new
-  peer with a fresh daemon joins (loading the swarm's state) and takes the dead one's shard.
+  peer with a fresh daemon joins (loading the swarm's state) and takes the dead one's shard;
+* ``chaos``: gradient averaging (uint8-blockwise) through three faults, in this order:
+  (a) the trainer of shard 1 saves a checkpoint (model ``state_dict`` and the wrapper's
+  ``state_dict``: optimizer state, epoch) at global step 20, is SIGKILLed at step 40 and
+  restarted from that checkpoint on its (still running) daemon: it rejoins with the stale
+  parameters, optimizer state and epoch 20, as a restarted program that loads its last
+  checkpoint after building the wrapper does; (b) 15 steps after that restart, the daemon
+  of shard 2 and its trainer are SIGKILLed together and a fresh daemon plus trainer
+  replaces them at once (a newcomer that joins and loads the swarm's state); (c) at 3/4 of
+  the run the trainer of shard 3 fails its rounds of 3 consecutive global steps on purpose
+  (its client's ``average`` raises the round error before reaching the daemon, as a round
+  that timed out does), so it steps alone on its local gradients and its parameters leave
+  the others'. Nothing in the benchmark fixes state: only the wrappers' catch-up path and
+  the shared-state repair can. The figure reports which fault happened at which global
+  step (``faults``, ``faults_in_order``), the accuracy, ``parameters_identical`` (sha256 of
+  the parameters of every live trainer at the end), ``distinct_parameter_sets``, repairs
+  (count, seconds), repair failures, failed rounds, states loaded. Counters of the killed
+  processes die with them: the totals are those of the trainers alive at the end.
+  ``--disable-repair`` is the control: trainers ignore the round digests, and the run must
+  then end with differing parameters.
 
 Prints one JSON line: per scenario the final test accuracy (mean over the peers alive at
 the end), its distance to the reference, bytes sent per peer (from the daemons' status),
-rounds and failures, seconds. ``python benchmarks/training.py --help`` for options.
+rounds and failures, repairs, whether every trainer ends with bit-identical parameters
+(sha256), seconds. With ``--swarm-seeds N`` every scenario runs N times, seed ``s`` giving
+the model init (``torch.manual_seed(s)``) and the trainers' data orders; the scenario's
+figure then lists every run's accuracy, their mean and median, the gap of the mean to the
+reference, ``parameters_identical_every_run`` and repairs per run, and keeps every run's
+full figures under ``runs``. The reference stays the median over ``--seeds`` data orders
+from init seed 0. ``python benchmarks/training.py --help`` for options.
 """
 
 from __future__ import annotations
@@ -173,6 +198,8 @@ class Scenario:
     """Restart from this checkpoint (stale parameters, optimizer state and epoch)."""
     fail_rounds: tuple[int, ...] = ()
     """Global steps whose round this trainer fails on purpose (its step becomes local)."""
+    disable_repair: bool = False
+    """A control: every member steps whatever the digests say (no shared-state repair)."""
 
 
 class FaultyClient:
@@ -203,6 +230,20 @@ class FaultyClient:
 
 def train_peer(scenario: Scenario) -> dict[str, Any]:
     """Train one peer through its daemon until the run's last global step."""
+    if not scenario.disable_repair:
+        return _train_peer(scenario)
+    from swarmavg.averaging.training import base
+    from swarmavg.averaging.training.consensus import Role, Verdict
+
+    judge = base.judge
+    base.judge = lambda digests, mine: Verdict(Role.STEP, b"")  # type: ignore[assignment]
+    try:
+        return _train_peer(scenario)
+    finally:
+        base.judge = judge  # the trainer process lives on to the next scenario
+
+
+def _train_peer(scenario: Scenario) -> dict[str, Any]:
     import torch
 
     from swarmavg.averaging.optim import CollaborativeOptimizer, DiLoCo
@@ -494,6 +535,7 @@ def run_scenario(
                 outer_momentum,
                 wait_for_go,
                 seed,
+                disable_repair=opts.disable_repair,
                 **more,
             )
         )
@@ -681,6 +723,12 @@ def main() -> None:
         help="run each scenario this many times (seeds 0..N-1: model init and data orders) "
         "and report every run, their mean and median (0: one run of seed 0, the default)",
     )
+    parser.add_argument(
+        "--disable-repair",
+        action="store_true",
+        help="a control: trainers ignore the round digests (no shared-state repair), to "
+        "show that parameters_identical can fail",
+    )
     parser.add_argument("--log", help="append the daemons' and trainers' stderr to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     opts = parser.parse_args()
@@ -738,6 +786,8 @@ def run_all(
     }
     if opts.swarm_seeds:
         figures["swarm_seeds"] = opts.swarm_seeds
+    if opts.disable_repair:
+        figures["repair_disabled"] = True
     for name in names:
         mode, codec, extra = SCENARIOS[name]
         runs = []
