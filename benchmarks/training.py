@@ -151,13 +151,13 @@ class BatchStream:
         return out
 
 
-def train_single(seed: int, data_epochs: int) -> float:
-    """The reference: one process, all the data, global batch 128."""
+def train_single(seed: int, data_epochs: int, init: int = 0) -> float:
+    """The reference: one process, all the data, global batch 128 (model init ``init``)."""
     import torch
 
     x_tr, y_tr, x_te, y_te = load_data()
     xt, yt = torch.from_numpy(x_tr), torch.from_numpy(y_tr)
-    model = make_model()
+    model = make_model(init)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     steps = total_steps(len(x_tr), data_epochs)
     stream = BatchStream(np.arange(len(x_tr)), GLOBAL_BATCH, seed)
@@ -752,9 +752,15 @@ def main() -> None:
             workers = [start_worker(log) for _ in range(PEERS + spares)]
             try:
                 single = [train_single(seed, opts.data_epochs) for seed in range(opts.seeds)]
+                # With --swarm-seeds: one process from each run's model init too (data
+                # order = the run's seed), so that init luck is not counted as a gap.
+                matched = [
+                    train_single(SEED_STRIDE * s, opts.data_epochs, init=s)
+                    for s in range(opts.swarm_seeds)
+                ]
                 for w in workers:
                     w.wait_for(lambda r: r.get("event") == "idle", 300)
-                figures = run_all(opts, names, workers, log, Path(tmp), single)
+                figures = run_all(opts, names, workers, log, Path(tmp), single, matched)
             except (RuntimeError, TimeoutError) as exc:
                 raise SystemExit(f"{exc}\n{log_path.read_text(errors='replace')[-4000:]}") from exc
             finally:
@@ -770,6 +776,7 @@ def run_all(
     log: Any,
     workdir: Path,
     single: list[float],
+    matched: list[float],
 ) -> dict[str, Any]:
     reference = float(np.median(single))
     n_train = len(load_data()[0])
@@ -786,6 +793,8 @@ def run_all(
     }
     if opts.swarm_seeds:
         figures["swarm_seeds"] = opts.swarm_seeds
+        figures["single_process_same_init_runs"] = [round(a, 3) for a in matched]
+        figures["single_process_same_init_mean"] = round(float(np.mean(matched)), 3)
     if opts.disable_repair:
         figures["repair_disabled"] = True
     for name in names:
@@ -799,7 +808,7 @@ def run_all(
             result["gap_points"] = round(result["accuracy"] - reference, 3)
             runs.append(result)
             print(f"{name} seed {seed}: {json.dumps(result)}", file=sys.stderr, flush=True)
-        figures[name] = runs[0] if not opts.swarm_seeds else over_seeds(runs, reference)
+        figures[name] = runs[0] if not opts.swarm_seeds else over_seeds(runs, reference, matched)
     diloco = figures.get("diloco")
     for base in ("grad-uint8-blockwise", "grad-none"):
         if opts.swarm_seeds:
@@ -818,8 +827,14 @@ def top_up(workers: list[Proc], count: int, log: Any) -> None:
     workers.extend(fresh)
 
 
-def over_seeds(runs: list[dict[str, Any]], reference: float) -> dict[str, Any]:
-    """One scenario over its seeds: every run's figures and their summary."""
+def over_seeds(
+    runs: list[dict[str, Any]], reference: float, matched: list[float]
+) -> dict[str, Any]:
+    """One scenario over its seeds: every run's figures and their summary.
+
+    ``gap_points_mean`` is the issue's figure (mean over the runs minus the reference);
+    ``gap_points_mean_same_init`` compares with one process started from each run's init.
+    """
     accuracies = [r["accuracy"] for r in runs]
     mean = float(np.mean(accuracies))
     return {
@@ -827,6 +842,7 @@ def over_seeds(runs: list[dict[str, Any]], reference: float) -> dict[str, Any]:
         "accuracy_mean": round(mean, 3),
         "accuracy_median": round(float(np.median(accuracies)), 3),
         "gap_points_mean": round(mean - reference, 3),
+        "gap_points_mean_same_init": round(mean - float(np.mean(matched)), 3),
         "parameters_identical_every_run": all(r["parameters_identical"] for r in runs),
         "parameters_identical_per_run": [r["parameters_identical"] for r in runs],
         "repairs_per_run": [r["repairs"] for r in runs],
