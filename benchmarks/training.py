@@ -15,16 +15,42 @@ cosine schedule; its accuracy is the median over 5 data orders. Scenarios:
   (outer Nesterov SGD lr 0.7; momentum 0.5, and the paper's 0.9 as ``diloco-paper``);
 * ``churn``: gradient averaging (uint8-blockwise); at half of the run one peer's trainer and
   daemon are killed (SIGKILL); the three survivors go on for 10 global steps, then a new
-  peer with a fresh daemon joins (loading the swarm's state) and takes the dead one's shard.
+  peer with a fresh daemon joins (loading the swarm's state) and takes the dead one's shard;
+* ``chaos``: gradient averaging (uint8-blockwise) through three faults, in this order:
+  (a) the trainer of shard 1 saves a checkpoint (model ``state_dict`` and the wrapper's
+  ``state_dict``: optimizer state, epoch) at global step 20, is SIGKILLed at step 40 and
+  restarted from that checkpoint on its (still running) daemon: it rejoins with the stale
+  parameters, optimizer state and epoch 20, as a restarted program that loads its last
+  checkpoint after building the wrapper does; (b) 15 steps after that restart, the daemon
+  of shard 2 and its trainer are SIGKILLed together and a fresh daemon plus trainer
+  replaces them at once (a newcomer that joins and loads the swarm's state); (c) at 3/4 of
+  the run the trainer of shard 3 fails its rounds of 3 consecutive global steps on purpose
+  (its client's ``average`` raises the round error before reaching the daemon, as a round
+  that timed out does), so it steps alone on its local gradients and its parameters leave
+  the others'. Nothing in the benchmark fixes state: only the wrappers' catch-up path and
+  the shared-state repair can. The figure reports which fault happened at which global
+  step (``faults``, ``faults_in_order``), the accuracy, ``parameters_identical`` (sha256 of
+  the parameters of every live trainer at the end), ``distinct_parameter_sets``, repairs
+  (count, seconds), repair failures, failed rounds, states loaded. Counters of the killed
+  processes die with them: the totals are those of the trainers alive at the end.
+  ``--disable-repair`` is the control: trainers ignore the round digests, and the run must
+  then end with differing parameters.
 
 Prints one JSON line: per scenario the final test accuracy (mean over the peers alive at
 the end), its distance to the reference, bytes sent per peer (from the daemons' status),
-rounds and failures, seconds. ``python benchmarks/training.py --help`` for options.
+rounds and failures, repairs, whether every trainer ends with bit-identical parameters
+(sha256), seconds. With ``--swarm-seeds N`` every scenario runs N times, seed ``s`` giving
+the model init (``torch.manual_seed(s)``) and the trainers' data orders; the scenario's
+figure then lists every run's accuracy, their mean and median, the gap of the mean to the
+reference, ``parameters_identical_every_run`` and repairs per run, and keeps every run's
+full figures under ``runs``. The reference stays the median over ``--seeds`` data orders
+from init seed 0. ``python benchmarks/training.py --help`` for options.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import json
 import math
@@ -49,6 +75,18 @@ LR = 0.1
 DILOCO_H = 20
 CHURN_GAP = 10
 """Global steps the three survivors take between the kill and the newcomer's start."""
+CHAOS_CHECKPOINT_AT = 20
+"""chaos: the global step at which the restarted trainer saved the checkpoint it restarts from."""
+CHAOS_RESTART_AT = 40
+"""chaos: fault (a), the checkpointing trainer is killed once it reaches this global step."""
+CHAOS_GAP = 15
+"""chaos: global steps between one fault and the next."""
+CHAOS_FAILED_ROUNDS = 3
+"""chaos: fault (c), consecutive rounds one trainer fails on purpose."""
+KILLS = {"churn": 1, "chaos": 2}
+"""Trainer processes a scenario kills (spares replace them)."""
+SEED_STRIDE = 1000
+"""Run seed ``s`` shifts every data-order seed by ``s * SEED_STRIDE`` (seed 0: the default run)."""
 RUN_ID = "digits"
 
 
@@ -77,10 +115,10 @@ def total_steps(n_train: int, data_epochs: int) -> int:
     return data_epochs * (n_train // GLOBAL_BATCH)
 
 
-def make_model() -> Any:
+def make_model(seed: int = 0) -> Any:
     import torch
 
-    torch.manual_seed(0)  # every peer starts from the same parameters
+    torch.manual_seed(seed)  # every peer of a run starts from the same parameters
     return torch.nn.Sequential(
         torch.nn.Linear(64, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, 10)
     )
@@ -113,13 +151,13 @@ class BatchStream:
         return out
 
 
-def train_single(seed: int, data_epochs: int) -> float:
-    """The reference: one process, all the data, global batch 128."""
+def train_single(seed: int, data_epochs: int, init: int = 0) -> float:
+    """The reference: one process, all the data, global batch 128 (model init ``init``)."""
     import torch
 
     x_tr, y_tr, x_te, y_te = load_data()
     xt, yt = torch.from_numpy(x_tr), torch.from_numpy(y_tr)
-    model = make_model()
+    model = make_model(init)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     steps = total_steps(len(x_tr), data_epochs)
     stream = BatchStream(np.arange(len(x_tr)), GLOBAL_BATCH, seed)
@@ -151,10 +189,61 @@ class Scenario:
     ttl: float
     outer_momentum: float = 0.9
     wait_for_go: bool = True
+    seed: int = 0
+    """The run's seed: model init and data orders (0: the documented single run)."""
+    checkpoint_at: int = -1
+    """Save model + optimizer state to ``checkpoint_path`` at this global step (-1: never)."""
+    checkpoint_path: str = ""
+    restore_from: str = ""
+    """Restart from this checkpoint (stale parameters, optimizer state and epoch)."""
+    fail_rounds: tuple[int, ...] = ()
+    """Global steps whose round this trainer fails on purpose (its step becomes local)."""
+    disable_repair: bool = False
+    """A control: every member steps whatever the digests say (no shared-state repair)."""
+
+
+class FaultyClient:
+    """A client whose ``average`` fails for the rounds of chosen global steps.
+
+    A trainer-side fault: the call raises the swarm's round error before it reaches the
+    daemon, as a round that timed out does, so the wrapper steps with its local gradients
+    and its parameters leave the others' until the shared-state repair brings it back.
+    Everything else goes to the real client.
+    """
+
+    def __init__(self, client: Any, fail_rounds: tuple[int, ...]) -> None:
+        self._client, self._fail = client, set(fail_rounds)
+        self.injected: list[int] = []
+
+    def average(self, tensors: Any, *, key: str, **kwargs: Any) -> Any:
+        from swarmavg.averaging.errors import AveragingError
+
+        head, _, tail = key.rpartition(".")
+        if head.endswith(".grads") and tail.isdigit() and int(tail) in self._fail:
+            self.injected.append(int(tail))
+            raise AveragingError(f"injected fault: round {key} failed on purpose")
+        return self._client.average(tensors, key=key, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
 
 
 def train_peer(scenario: Scenario) -> dict[str, Any]:
     """Train one peer through its daemon until the run's last global step."""
+    if not scenario.disable_repair:
+        return _train_peer(scenario)
+    from swarmavg.averaging.training import base
+    from swarmavg.averaging.training.consensus import Role, Verdict
+
+    judge = base.judge
+    base.judge = lambda digests, mine: Verdict(Role.STEP, b"")  # type: ignore[assignment]
+    try:
+        return _train_peer(scenario)
+    finally:
+        base.judge = judge  # the trainer process lives on to the next scenario
+
+
+def _train_peer(scenario: Scenario) -> dict[str, Any]:
     import torch
 
     from swarmavg.averaging.optim import CollaborativeOptimizer, DiLoCo
@@ -164,11 +253,16 @@ def train_peer(scenario: Scenario) -> dict[str, Any]:
     xt, yt = torch.from_numpy(x_tr), torch.from_numpy(y_tr)
     steps = total_steps(len(x_tr), scenario.data_epochs)
     shard = shard_indices(len(x_tr))[scenario.shard]
-    stream = BatchStream(shard, LOCAL_BATCH, 100 + scenario.shard)
-    model = make_model()
+    stream = BatchStream(shard, LOCAL_BATCH, 100 + scenario.shard + SEED_STRIDE * scenario.seed)
+    model = make_model(scenario.seed)
     inner = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    checkpoint: dict[str, Any] | None = None
+    if scenario.restore_from:
+        checkpoint = torch.load(scenario.restore_from, weights_only=False)
+        model.load_state_dict(checkpoint["model"])
     started = time.monotonic()
-    with connect(scenario.control) as client:
+    with connect(scenario.control) as real_client:
+        client = FaultyClient(real_client, scenario.fail_rounds)
         sent_before = int(client.status()["bytes_sent"])
         opt: Any
         if scenario.mode == "diloco":
@@ -209,6 +303,11 @@ def train_peer(scenario: Scenario) -> dict[str, Any]:
             def position() -> int:
                 return int(opt.epoch)
 
+        if checkpoint is not None:
+            # As a restarted program does: the stale optimizer state and epoch override
+            # whatever the wrapper loaded from the swarm when it joined.
+            opt.load_state_dict(checkpoint["optimizer"])
+            emit({"event": "restored", "position": position()})
         emit({"event": "started", "position": position()})
         if scenario.wait_for_go:
             sys.stdin.readline()  # every peer starts training at the same moment
@@ -223,6 +322,10 @@ def train_peer(scenario: Scenario) -> dict[str, Any]:
             opt.zero_grad()
             if position() != last:
                 last = position()
+                if 0 <= scenario.checkpoint_at <= last and checkpoint is None:
+                    checkpoint = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+                    torch.save(checkpoint, scenario.checkpoint_path)
+                    emit({"event": "checkpoint", "position": last})
                 emit({"event": "progress", "position": last})
         opt.close()
         sent = int(client.status()["bytes_sent"]) - sent_before
@@ -246,7 +349,17 @@ def train_peer(scenario: Scenario) -> dict[str, Any]:
         "seconds": time.monotonic() - started,
         "round_seconds": stats.seconds,
         "checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
+        "sha256": parameters_sha256(model),
+        "injected_failures": client.injected,
     }
+
+
+def parameters_sha256(model: Any) -> str:
+    """sha256 of the parameters' bytes: equal only for bit-identical parameters."""
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def emit(record: dict[str, Any]) -> None:
@@ -395,20 +508,23 @@ def run_scenario(
     mode: str,
     codec: str,
     churn: bool = False,
+    chaos: bool = False,
     outer_momentum: float = 0.9,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """Run one scenario on fresh daemons with the (long-lived) trainers ``workers``.
 
-    With ``churn``, ``workers`` holds one spare trainer that replaces the victim.
+    With ``churn`` (``chaos``), ``workers`` holds one (two) spare trainer(s) that replace
+    the victims; the victims are removed from ``workers``, the spares take their place.
     """
     started = time.monotonic()
     daemons = start_daemons(workdir, PEERS, log)
     steps = total_steps(len(load_data()[0]), opts.data_epochs)
 
-    def scenario(shard: int, control: str, wait_for_go: bool = True) -> dict[str, Any]:
+    def scenario(shard: int, control: str, wait_for_go: bool = True, **more: Any) -> dict[str, Any]:
         return asdict(
             Scenario(
-                f"{name}-{os.getpid()}",
+                f"{name}-{os.getpid()}-{seed}",
                 control,
                 shard,
                 mode,
@@ -418,13 +534,31 @@ def run_scenario(
                 opts.ttl,
                 outer_momentum,
                 wait_for_go,
+                seed,
+                disable_repair=opts.disable_repair,
+                **more,
             )
         )
 
+    def send(worker: Proc, record: dict[str, Any]) -> int:
+        return worker.send(record)
+
+    def kill(victim: Proc) -> None:
+        victim.signal(signal.SIGKILL)
+        victim.close(terminate=False)
+        workers.remove(victim)
+
+    fail_rounds = tuple(range(steps * 3 // 4, steps * 3 // 4 + CHAOS_FAILED_ROUNDS))
+    checkpoint = str(workdir / f"checkpoint-{seed}.pt")
+    spares = workers[PEERS:]
     try:
         active = workers[:PEERS]
+        plans: list[dict[str, Any]] = [{} for _ in range(PEERS)]
+        if chaos:
+            plans[1] = {"checkpoint_at": CHAOS_CHECKPOINT_AT, "checkpoint_path": checkpoint}
+            plans[3] = {"fail_rounds": fail_rounds}
         marks = [
-            w.send(scenario(i, control))
+            send(w, scenario(i, control, **plans[i]))
             for i, (w, (_, control)) in enumerate(zip(active, daemons, strict=True))
         ]
         for w, m in zip(active, marks, strict=True):
@@ -438,6 +572,7 @@ def run_scenario(
             victim.signal(signal.SIGKILL)
             daemons[-1][0].signal(signal.SIGKILL)
             extra["killed_at"] = killed_at = victim.position(marks[-1])
+            kill(victim)
             # The survivors go on alone for a while (their first rounds still wait for the
             # dead peer until its progress record expires), then a newcomer joins.
             survivor = active[0]
@@ -446,16 +581,83 @@ def run_scenario(
             )
             (new_daemon,) = start_daemons(workdir, 1, log, join=daemon_address(daemons[0][0]))
             daemons.append(new_daemon)
-            spare = workers[PEERS]
-            mark = spare.send(scenario(PEERS - 1, new_daemon[1], wait_for_go=False))
+            spare = spares.pop(0)
+            mark = send(spare, scenario(PEERS - 1, new_daemon[1], wait_for_go=False))
             joined = spare.wait_for(lambda r: r.get("event") == "started", 120, mark)
             extra["joined_at"] = joined["position"]
             active = [*active[:-1], spare]
             marks = [*marks[:-1], mark]
+        if chaos:
+            extra["faults"] = faults = []
+            survivor = active[0]
+            # (a) a trainer killed and restarted from its own checkpoint of step 20.
+            victim = active[1]
+            victim.wait_for(lambda r: r.get("event") == "checkpoint", opts.budget, marks[1])
+            victim.wait_for(
+                lambda r: r.get("position", -1) >= CHAOS_RESTART_AT, opts.budget, marks[1]
+            )
+            killed_at = victim.position(marks[1])
+            saved_at = victim.wait_for(lambda r: r.get("event") == "checkpoint", 1, marks[1])
+            kill(victim)
+            spare = spares.pop(0)
+            mark = send(spare, scenario(1, daemons[1][1], False, restore_from=checkpoint))
+            restored = spare.wait_for(lambda r: r.get("event") == "restored", 120, mark)
+            faults.append(
+                {
+                    "fault": "trainer SIGKILLed, restarted from its checkpoint",
+                    "shard": 1,
+                    "killed_at_step": killed_at,
+                    "checkpoint_step": saved_at["position"],
+                    "restarted_at_step": survivor.position(marks[0]),
+                    "restored_epoch": restored["position"],
+                }
+            )
+            active[1], marks[1] = spare, mark
+            # (b) a daemon and its trainer killed; a fresh pair joins and loads the state.
+            survivor.wait_for(
+                lambda r: r.get("position", -1) >= faults[0]["restarted_at_step"] + CHAOS_GAP,
+                opts.budget,
+                marks[0],
+            )
+            victim = active[2]
+            victim.signal(signal.SIGKILL)
+            daemons[2][0].signal(signal.SIGKILL)
+            killed_at = survivor.position(marks[0])
+            kill(victim)
+            (new_daemon,) = start_daemons(workdir, 1, log, join=daemon_address(daemons[0][0]))
+            daemons.append(new_daemon)
+            spare = spares.pop(0)
+            mark = send(spare, scenario(2, new_daemon[1], wait_for_go=False))
+            joined = spare.wait_for(lambda r: r.get("event") == "started", 120, mark)
+            faults.append(
+                {
+                    "fault": "daemon and trainer SIGKILLed, a fresh pair joins",
+                    "shard": 2,
+                    "killed_at_step": killed_at,
+                    "joined_at_step": joined["position"],
+                }
+            )
+            active[2], marks[2] = spare, mark
         results = [
             w.wait_for(lambda r: r.get("event") == "done", opts.budget, m)
             for w, m in zip(active, marks, strict=True)
         ]
+        if chaos:
+            # (c) planned at the start (the trainer fails these rounds by itself).
+            faults.append(
+                {
+                    "fault": "rounds failed on purpose (trainer-side), steps local",
+                    "shard": 3,
+                    "planned_steps": list(fail_rounds),
+                    "failed_steps": results[3]["injected_failures"],
+                }
+            )
+            extra["faults_in_order"] = (
+                faults[0]["killed_at_step"]
+                < faults[1]["killed_at_step"]
+                <= faults[1]["joined_at_step"]
+                < fail_rounds[0]
+            )
     finally:
         for proc, _ in daemons:
             proc.signal(signal.SIGTERM)
@@ -475,14 +677,21 @@ def run_scenario(
         "mean_group_size": round(float(np.mean(sizes)), 2) if sizes else 0.0,
         "smallest_group": min(sizes, default=0),
         "parameter_checksum": round(results[0]["checksum"], 6),
-        "parameters_identical": len({r["checksum"] for r in results}) == 1,
+        "parameters_identical": len({r["sha256"] for r in results}) == 1,
         "train_seconds": round(max(r["train_seconds"] for r in results), 1),
         "round_seconds_per_peer": round(float(np.mean([r["round_seconds"] for r in results])), 1),
         "seconds": round(time.monotonic() - started, 1),
     }
     if churn:
         extra["joiner_states_loaded"] = results[-1]["states_loaded"]
-        out.update(extra)
+    if chaos:
+        extra["distinct_parameter_sets"] = len({r["sha256"] for r in results})
+        extra["diverged"] = sum(r["diverged"] for r in results)
+        extra["states_loaded"] = sum(r["states_loaded"] for r in results)
+        extra["served"] = sum(r["served"] for r in results)
+        extra["failed_rounds_per_peer"] = [r["failed"] for r in results]
+        extra["repairs_per_peer"] = [r["repairs"] for r in results]
+    out.update(extra)
     return out
 
 
@@ -493,6 +702,7 @@ SCENARIOS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "diloco": ("diloco", "uint8-blockwise", {"outer_momentum": 0.5}),
     "diloco-paper": ("diloco", "uint8-blockwise", {"outer_momentum": 0.9}),
     "churn": ("grad", "uint8-blockwise", {"churn": True}),
+    "chaos": ("grad", "uint8-blockwise", {"chaos": True}),
 }
 
 
@@ -506,6 +716,19 @@ def main() -> None:
     parser.add_argument("--ttl", type=float, default=20.0, help="seconds a progress record lives")
     parser.add_argument("--budget", type=float, default=900.0, help="seconds per scenario")
     parser.add_argument("--seeds", type=int, default=5, help="data orders of the reference")
+    parser.add_argument(
+        "--swarm-seeds",
+        type=int,
+        default=0,
+        help="run each scenario this many times (seeds 0..N-1: model init and data orders) "
+        "and report every run, their mean and median (0: one run of seed 0, the default)",
+    )
+    parser.add_argument(
+        "--disable-repair",
+        action="store_true",
+        help="a control: trainers ignore the round digests (no shared-state repair), to "
+        "show that parameters_identical can fail",
+    )
     parser.add_argument("--log", help="append the daemons' and trainers' stderr to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     opts = parser.parse_args()
@@ -516,8 +739,8 @@ def main() -> None:
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         parser.error(f"unknown scenarios {unknown}; known: {', '.join(SCENARIOS)}")
-    if "churn" in names and names[-1] != "churn":
-        parser.error("churn kills a trainer: list it last")
+    if opts.swarm_seeds < 0:
+        parser.error("--swarm-seeds must not be negative")
 
     import torch
 
@@ -525,12 +748,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="swarmavg-train-") as tmp:
         log_path = Path(opts.log) if opts.log else Path(tmp) / "stderr.log"
         with open(log_path, "ab") as log:
-            workers = [start_worker(log) for _ in range(PEERS + ("churn" in names))]
+            spares = max(KILLS.get(n, 0) for n in names)
+            workers = [start_worker(log) for _ in range(PEERS + spares)]
             try:
                 single = [train_single(seed, opts.data_epochs) for seed in range(opts.seeds)]
+                # With --swarm-seeds: one process from each run's model init too (data
+                # order = the run's seed), so that init luck is not counted as a gap.
+                matched = [
+                    train_single(SEED_STRIDE * s, opts.data_epochs, init=s)
+                    for s in range(opts.swarm_seeds)
+                ]
                 for w in workers:
                     w.wait_for(lambda r: r.get("event") == "idle", 300)
-                figures = run_all(opts, names, workers, log, Path(tmp), single)
+                figures = run_all(opts, names, workers, log, Path(tmp), single, matched)
             except (RuntimeError, TimeoutError) as exc:
                 raise SystemExit(f"{exc}\n{log_path.read_text(errors='replace')[-4000:]}") from exc
             finally:
@@ -546,6 +776,7 @@ def run_all(
     log: Any,
     workdir: Path,
     single: list[float],
+    matched: list[float],
 ) -> dict[str, Any]:
     reference = float(np.median(single))
     n_train = len(load_data()[0])
@@ -560,18 +791,67 @@ def run_all(
         "single_process_accuracy": round(reference, 3),
         "single_process_runs": [round(a, 3) for a in single],
     }
+    if opts.swarm_seeds:
+        figures["swarm_seeds"] = opts.swarm_seeds
+        figures["single_process_same_init_runs"] = [round(a, 3) for a in matched]
+        figures["single_process_same_init_mean"] = round(float(np.mean(matched)), 3)
+    if opts.disable_repair:
+        figures["repair_disabled"] = True
     for name in names:
         mode, codec, extra = SCENARIOS[name]
-        result = run_scenario(name, opts, workers, log, workdir, mode, codec, **extra)
-        result["gap_points"] = round(result["accuracy"] - reference, 3)
-        figures[name] = result
-        print(f"{name}: {json.dumps(result)}", file=sys.stderr, flush=True)
+        runs = []
+        for seed in range(max(opts.swarm_seeds, 1)):
+            top_up(workers, PEERS + KILLS.get(name, 0), log)
+            result = run_scenario(
+                name, opts, workers, log, workdir, mode, codec, seed=seed, **extra
+            )
+            result["gap_points"] = round(result["accuracy"] - reference, 3)
+            runs.append(result)
+            print(f"{name} seed {seed}: {json.dumps(result)}", file=sys.stderr, flush=True)
+        figures[name] = runs[0] if not opts.swarm_seeds else over_seeds(runs, reference, matched)
     diloco = figures.get("diloco")
     for base in ("grad-uint8-blockwise", "grad-none"):
+        if opts.swarm_seeds:
+            break  # per-seed figures: compare the runs themselves
         if base in figures and diloco and diloco["bytes_sent_per_peer"]:
             ratio = figures[base]["bytes_sent_per_peer"] / diloco["bytes_sent_per_peer"]
             figures[f"diloco_bytes_reduction_vs_{base}"] = round(ratio, 1)
     return figures
+
+
+def top_up(workers: list[Proc], count: int, log: Any) -> None:
+    """Start trainers until ``workers`` holds ``count`` live ones (spares for the kills)."""
+    fresh = [start_worker(log) for _ in range(count - len(workers))]
+    for w in fresh:
+        w.wait_for(lambda r: r.get("event") == "idle", 300)
+    workers.extend(fresh)
+
+
+def over_seeds(
+    runs: list[dict[str, Any]], reference: float, matched: list[float]
+) -> dict[str, Any]:
+    """One scenario over its seeds: every run's figures and their summary.
+
+    ``gap_points_mean`` is the issue's figure (mean over the runs minus the reference);
+    ``gap_points_mean_same_init`` compares with one process started from each run's init.
+    """
+    accuracies = [r["accuracy"] for r in runs]
+    mean = float(np.mean(accuracies))
+    return {
+        "accuracies": accuracies,
+        "accuracy_mean": round(mean, 3),
+        "accuracy_median": round(float(np.median(accuracies)), 3),
+        "gap_points_mean": round(mean - reference, 3),
+        "gap_points_mean_same_init": round(mean - float(np.mean(matched)), 3),
+        "parameters_identical_every_run": all(r["parameters_identical"] for r in runs),
+        "parameters_identical_per_run": [r["parameters_identical"] for r in runs],
+        "repairs_per_run": [r["repairs"] for r in runs],
+        "repair_failures_per_run": [r["repair_failures"] for r in runs],
+        "failed_rounds_per_run": [r["failed_rounds"] for r in runs],
+        "smallest_group_per_run": [r["smallest_group"] for r in runs],
+        "seconds_per_run": [r["seconds"] for r in runs],
+        "runs": runs,
+    }
 
 
 if __name__ == "__main__":
