@@ -48,7 +48,8 @@ from swarmavg.averaging.matchmaking.matchmaker import (
 from swarmavg.averaging.request import RoundRequest, check_finite, check_tensors
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.averaging.service import AveragingServicer, Components, add_to_server
-from swarmavg.averaging.state.sharer import DonorFaults, StateSharer, StateSharingConfig
+from swarmavg.averaging.state.config import DonorFaults, StateSharingConfig
+from swarmavg.averaging.state.sharer import StateSharer
 from swarmavg.compression import get_codec
 from swarmavg.dht.channels import ChannelPool
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from swarmavg.averaging.matchmaking.declarations import decode_declaration
 from swarmavg.averaging.matchmaking.keys import MAX_GROUP_BITS
-from swarmavg.averaging.state.sharer import parse_advertisement
+from swarmavg.averaging.state.adverts import parse_advertisement
 from swarmavg.averaging.training.progress import PeerProgress
 from swarmavg.dht.records import Subkey
 from swarmavg.dht.validation import KeyClass

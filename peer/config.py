@@ -9,7 +9,7 @@ user may need, mapping onto one component config:
 - ``[averaging]``: ``config.averaging`` -> :class:`~swarmavg.averaging.averager.AveragerConfig`;
 - ``[allreduce]``: ``config.allreduce`` ->
   :class:`~swarmavg.averaging.allreduce.config.AllReduceConfig` (with the data plane);
-- ``[state]``: ``config.state`` -> :class:`~swarmavg.averaging.state.sharer.StateSharingConfig`.
+- ``[state]``: ``config.state`` -> :class:`~swarmavg.averaging.state.config.StateSharingConfig`.
 
 :meth:`PeerConfig.dht_config` and :meth:`PeerConfig.averager_config` build the component
 configs; every component field no section reaches is listed in :data:`INTERNAL` (on
@@ -31,7 +31,7 @@ from swarmavg.averaging.averager import AveragerConfig
 from swarmavg.averaging.group import Mode
 from swarmavg.averaging.matchmaking.config import MatchmakerConfig
 from swarmavg.averaging.matchmaking.keys import validate_bits
-from swarmavg.averaging.state.sharer import StateSharingConfig
+from swarmavg.averaging.state.config import StateSharingConfig
 from swarmavg.compression import get_codec
 from swarmavg.dht.config import DHTConfig
 
@@ -154,7 +154,7 @@ class AllReduceSettings:
 @dataclass(frozen=True)
 class StateSettings:
     """``[state]``: publishing and loading state
-    (:class:`~swarmavg.averaging.state.sharer.StateSharingConfig`).
+    (:class:`~swarmavg.averaging.state.config.StateSharingConfig`).
 
     Attributes:
         max_state_bytes: the largest state ``load_state`` accepts (checked on the manifest

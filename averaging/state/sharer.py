@@ -26,11 +26,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -38,8 +36,9 @@ import numpy as np
 
 from swarmavg.averaging.dht_access import DHTAccess, dictionary_entries
 from swarmavg.averaging.errors import StateDownloadError, StateNotFoundError
+from swarmavg.averaging.state.adverts import Advertisement, choose_donors, parse_advertisement
+from swarmavg.averaging.state.config import MAX_CHUNKS_PER_REQUEST, DonorFaults, StateSharingConfig
 from swarmavg.averaging.state.format import (
-    DEFAULT_CHUNK_SIZE,
     HASH_BYTES,
     Manifest,
     StateFormatError,
@@ -51,117 +50,10 @@ from swarmavg.averaging.state.store import StateStore
 from swarmavg.averaging.stubs import download_state_method
 from swarmavg.dht.channels import ChannelPool
 from swarmavg.dht.identity import HeaderError, verify_header
-from swarmavg.dht.records import owner_suffix, subkey_owner
+from swarmavg.dht.records import owner_suffix
 from swarmavg.proto import averaging_pb2
 
 log = logging.getLogger(__name__)
-
-MAX_CHUNKS_PER_REQUEST = 1024
-
-
-@dataclass(frozen=True)
-class StateSharingConfig:
-    """Settings of state sharing.
-
-    Attributes:
-        chunk_size: bytes per chunk when publishing.
-        ttl: lifetime of the DHT advertisement; it is refreshed every ``ttl / 3``.
-        batch_chunks: chunks asked from one donor per request.
-        message_timeout: deadline for each message of a download stream.
-        max_state_bytes: largest state a joiner accepts (checked on the manifest).
-        max_uploads: concurrent downloads served; more get ``STATE_BUSY``.
-        keep_loaded_chunks: keep the chunks of the last loaded state in memory, so that the
-            next load fetches only the chunks that changed (costs one copy of the state).
-        retain_versions: superseded versions a donor keeps serving after it publishes a
-            new one, so that downloads in progress can finish (0: drop at once). A donor
-            holds at most ``retain_versions + 1`` states, shared chunks counted once.
-        retain_seconds: a superseded version is dropped this long after it was superseded
-            or last asked for, whichever is later (and earlier when ``retain_versions``
-            newer ones were superseded after it).
-    """
-
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    ttl: float = 60.0
-    batch_chunks: int = 8
-    message_timeout: float = 10.0
-    max_state_bytes: int = 16 << 30
-    max_uploads: int = 8
-    keep_loaded_chunks: bool = True
-    retain_versions: int = 2
-    retain_seconds: float = 30.0
-
-    def __post_init__(self) -> None:
-        if not (self.ttl > 0 and self.message_timeout > 0):
-            raise ValueError("ttl and message_timeout must be positive")
-        if self.retain_versions < 0 or not (
-            math.isfinite(self.retain_seconds) and self.retain_seconds >= 0
-        ):
-            raise ValueError("retain_versions and retain_seconds must be finite and >= 0")
-        if not 0 < self.batch_chunks <= MAX_CHUNKS_PER_REQUEST:
-            raise ValueError(f"batch_chunks must be in 1..{MAX_CHUNKS_PER_REQUEST}")
-        if self.max_uploads < 1 or self.max_state_bytes < 1:
-            raise ValueError("max_uploads and max_state_bytes must be >= 1")
-
-
-@dataclass(frozen=True)
-class DonorFaults:
-    """Fault plan for the serving side (tests and benchmarks; production passes ``None``).
-
-    Attributes:
-        fail_after_chunks: abort every download stream after this many chunks served in
-            total by this donor (a donor dying mid-download).
-        corrupt_chunks: flip a byte in every chunk served (a corrupting donor).
-        before_chunk: awaited before each requested chunk is looked up, with the number of
-            chunks this donor served so far; a test blocks or republishes in it to act at
-            an exact point of a download.
-    """
-
-    fail_after_chunks: int | None = None
-    corrupt_chunks: bool = False
-    before_chunk: Callable[[int], Awaitable[None]] | None = None
-
-
-@dataclass(frozen=True)
-class Advertisement:
-    """One donor's DHT advertisement of its published state."""
-
-    peer_id: bytes
-    address: str
-    root: bytes
-    version: float
-    size: int
-
-
-def parse_advertisement(subkey: object, value: object) -> Advertisement | None:
-    """Parse one DHT entry under ``{run}.state``; ``None`` when malformed."""
-    peer_id = subkey_owner(subkey)
-    if peer_id is None or not isinstance(value, dict):
-        return None
-    root, version, size, address = (value.get(k) for k in ("root", "version", "size", "addr"))
-    if (
-        not isinstance(root, bytes)
-        or len(root) != HASH_BYTES
-        or isinstance(version, bool)
-        or not isinstance(version, int | float)
-        or not math.isfinite(version)
-        or not isinstance(size, int)
-        or size < 0
-        or not isinstance(address, str)
-        or not 0 < len(address) <= 256
-    ):
-        return None
-    return Advertisement(peer_id, address, root, float(version), size)
-
-
-def choose_donors(ads: Sequence[Advertisement], exclude: bytes) -> list[list[Advertisement]]:
-    """Group advertisements by root, freshest root first (freshness: its newest version)."""
-    by_root: dict[bytes, list[Advertisement]] = {}
-    for ad in ads:
-        if ad.peer_id != exclude:
-            by_root.setdefault(ad.root, []).append(ad)
-    groups = list(by_root.values())
-    groups.sort(key=lambda g: max(a.version for a in g), reverse=True)
-    return groups
 
 
 class _DonorFailed(Exception):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from swarmavg.averaging import StateDownloadError, StateNotFoundError
+from swarmavg.averaging.state.config import DonorFaults, StateSharingConfig
 from swarmavg.averaging.state.format import pack_state
-from swarmavg.averaging.state.sharer import DonorFaults, StateSharingConfig
 from tests.averaging.averager_swarm import AveragerSwarm, averager_swarm, fast_config
 
 CHUNK = 4096

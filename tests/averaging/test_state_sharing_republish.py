@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
+from swarmavg.averaging.state.config import DonorFaults, StateSharingConfig
 from swarmavg.averaging.state.format import PackedState, pack_state
-from swarmavg.averaging.state.sharer import DonorFaults, StateSharingConfig
 from swarmavg.averaging.stubs import download_state_method
 from swarmavg.proto import averaging_pb2
 from tests.averaging.averager_swarm import AveragerSwarm, Peer, fast_config

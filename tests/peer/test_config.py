@@ -14,7 +14,7 @@ from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.averager import AveragerConfig
 from swarmavg.averaging.group import Mode
 from swarmavg.averaging.matchmaking.config import MatchmakerConfig
-from swarmavg.averaging.state.sharer import StateSharingConfig
+from swarmavg.averaging.state.config import StateSharingConfig
 from swarmavg.dht.config import DHTConfig
 from swarmavg.peer.cli import build_parser
 from swarmavg.peer.config import INTERNAL, PeerConfig
