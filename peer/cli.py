@@ -63,11 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_daemon_flags(dht, "dht")
     status = sub.add_parser("status", help="show a running daemon's figures")
-    status.add_argument(
+    which = status.add_mutually_exclusive_group()
+    which.add_argument(
+        "--run-id",
+        metavar="NAME",
+        help="the run whose daemon to ask, at its default socket (default: $SWARMAVG_RUN_ID)",
+    )
+    which.add_argument(
         "--control",
         metavar="ENDPOINT",
-        help="the daemon's control endpoint (default: $SWARMAVG_CONTROL, else the default "
-        "socket of $SWARMAVG_RUN_ID)",
+        help="the daemon's control endpoint (default: $SWARMAVG_CONTROL; with neither this "
+        "nor a run id, the one daemon of this user on a default socket)",
     )
     status.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
@@ -188,12 +194,13 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from swarmavg.peer.client import connect
+    from swarmavg.peer.client import connect, resolve_endpoint
     from swarmavg.peer.errors import SwarmError
     from swarmavg.peer.status import format_status
 
     try:
-        with connect(args.control, use_shm=False) as client:
+        endpoint = resolve_endpoint(args.control, args.run_id)
+        with connect(str(endpoint), use_shm=False) as client:
             figures = client.status()
     except SwarmError as exc:
         _error("status", str(exc))

@@ -26,7 +26,12 @@ from swarmavg.peer.calls import (
     status_to_dict,
     unpack_get,
 )
-from swarmavg.peer.endpoint import DEFAULT_RUN_ID, ControlEndpoint, parse_control_endpoint
+from swarmavg.peer.endpoint import (
+    DEFAULT_RUN_ID,
+    ControlEndpoint,
+    parse_control_endpoint,
+    running_daemons,
+)
 from swarmavg.peer.errors import (
     DaemonUnavailableError,
     SwarmError,
@@ -45,17 +50,32 @@ _OPTIONS = [
 ]
 
 
-def resolve_endpoint(endpoint: str | None) -> ControlEndpoint:
-    """The endpoint to use: the argument, else ``$SWARMAVG_CONTROL``, else the default
-    socket of ``$SWARMAVG_RUN_ID`` (or run ``default``).
+def resolve_endpoint(endpoint: str | None, run_id: str | None = None) -> ControlEndpoint:
+    """The endpoint to use (docs/peer.md, "The client").
+
+    In order: ``endpoint``; ``$SWARMAVG_CONTROL``; the default socket of ``run_id`` or
+    ``$SWARMAVG_RUN_ID``; else the one daemon of this user that listens on a default socket
+    (so ``swarmavg peer --run-id my-run`` then ``swarmavg status`` just works); else the
+    default socket of run ``default``.
 
     Raises:
-        ValidationError: a public TCP endpoint or an over-long socket path.
+        ValidationError: a public TCP endpoint, an over-long socket path, or several
+            daemons running with none named (the message lists them).
     """
     text = endpoint or os.environ.get("SWARMAVG_CONTROL") or None
-    run_id = os.environ.get("SWARMAVG_RUN_ID") or DEFAULT_RUN_ID
+    run = run_id or os.environ.get("SWARMAVG_RUN_ID") or None
+    if text is None and run is None:
+        running = running_daemons()
+        if len(running) > 1:
+            listed = ", ".join(f"{name} ({path})" for name, path in running.items())
+            raise ValidationError(
+                f"several swarmavg daemons run for this user: {listed}; say which with "
+                "--run-id NAME (SWARMAVG_RUN_ID) or --control ENDPOINT (SWARMAVG_CONTROL)"
+            )
+        if running:
+            text = str(next(iter(running.values())))
     try:
-        return parse_control_endpoint(text, run_id)
+        return parse_control_endpoint(text, run or DEFAULT_RUN_ID)
     except ValueError as exc:
         raise ValidationError(str(exc)) from None
 
@@ -266,7 +286,8 @@ def connect(
 
     Args:
         endpoint: a unix socket path or ``127.0.0.1:PORT``; ``None``: ``$SWARMAVG_CONTROL``,
-            else the default socket of ``$SWARMAVG_RUN_ID`` (run ``default``).
+            else the default socket of ``$SWARMAVG_RUN_ID``, else the one daemon of this
+            user on a default socket (:func:`resolve_endpoint`).
         use_shm: pass large tensors through shared memory when the daemon can map it.
         connect_timeout: seconds to wait for the daemon to answer.
 

@@ -50,13 +50,34 @@ class ControlEndpoint:
         return str(self.path) if self.path is not None else f"{self.host}:{self.port}"
 
 
+def default_socket_dir() -> Path:
+    """``$XDG_RUNTIME_DIR/swarmavg``, else ``~/.swarmavg``: where default sockets live."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(runtime) / "swarmavg" if runtime else Path.home() / ".swarmavg"
+
+
 def default_control_path(run_id: str = DEFAULT_RUN_ID) -> Path:
     """``$XDG_RUNTIME_DIR/swarmavg/<run-id>.sock``, else ``~/.swarmavg/<run-id>.sock``."""
     if not run_id or "/" in run_id or run_id in {".", ".."}:
         raise ValueError(f"run id {run_id!r} cannot name a socket file")
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(runtime) / "swarmavg" if runtime else Path.home() / ".swarmavg"
-    return base / f"{run_id}.sock"
+    return default_socket_dir() / f"{run_id}.sock"
+
+
+def running_daemons() -> dict[str, Path]:
+    """The daemons of this user that listen on a default socket: run id -> socket path.
+
+    Sockets whose daemon is gone (refused) are left out; nothing is removed.
+    """
+    folder = default_socket_dir()
+    try:
+        candidates = sorted(folder.glob("*.sock"))
+    except OSError:
+        return {}
+    return {
+        path.name[: -len(".sock")]: path
+        for path in candidates
+        if path.is_socket() and socket_is_live(path, timeout=0.5)
+    }
 
 
 def parse_control_endpoint(text: str | None, run_id: str = DEFAULT_RUN_ID) -> ControlEndpoint:

@@ -525,3 +525,33 @@ def test_training_processes_on_one_machine_are_combined(
             np.testing.assert_allclose(got, want / sum(weights), rtol=1e-5, atol=1e-6)
     assert [o["local_callers"] for o in outcomes] == [2, 2, 1]
     assert status(Path(peers[0].control))["rounds_done"] == 1
+
+
+def test_the_readme_sequence_finds_the_daemon_of_a_named_run(
+    swarmavg_processes: ProcessPool, sock_dir: Path
+) -> None:
+    # README: `swarmavg peer --run-id my-run`, then `swarmavg status`: no --control, no env.
+    env = {"XDG_RUNTIME_DIR": str(sock_dir), "SWARMAVG_RUN_ID": "", "SWARMAVG_CONTROL": ""}
+    peer = swarmavg_processes.start(
+        ["peer", "--listen", "127.0.0.1:0", "--run-id", "my-run"], env=env
+    )
+    assert peer.ready["control"] == str(sock_dir / "swarmavg" / "my-run.sock")
+    for flags in ([], ["--run-id", "my-run"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "swarmavg.peer.cli", "status", *flags, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, **env},
+        )
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["run_id"] == "my-run"
+    wrong = subprocess.run(
+        [sys.executable, "-m", "swarmavg.peer.cli", "status", "--run-id", "other"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, **env},
+    )
+    assert wrong.returncode == 1
+    assert "other.sock" in wrong.stderr

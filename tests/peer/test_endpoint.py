@@ -9,12 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from swarmavg.peer.client import resolve_endpoint
 from swarmavg.peer.endpoint import (
     ControlSocketInUseError,
     default_control_path,
     parse_control_endpoint,
     prepare_unix_socket,
+    running_daemons,
 )
+from swarmavg.peer.errors import ValidationError
 
 
 @pytest.fixture
@@ -78,3 +81,55 @@ def test_regular_file_in_the_way(short_dir: Path) -> None:
     path.write_text("not a socket")
     with pytest.raises(FileExistsError, match="not a socket"):
         prepare_unix_socket(path)
+
+
+class _Listener:
+    """A real unix socket that accepts connections, as a daemon's control socket does."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(4)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def runtime_dir(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(short_dir))
+    monkeypatch.delenv("SWARMAVG_CONTROL", raising=False)
+    monkeypatch.delenv("SWARMAVG_RUN_ID", raising=False)
+    return short_dir / "swarmavg"
+
+
+def test_the_one_running_daemon_is_found_without_a_run_id(runtime_dir: Path) -> None:
+    # `swarmavg peer --run-id my-run`, then `swarmavg status` / `connect()` with no flags.
+    listener = _Listener(runtime_dir / "my-run.sock")
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(runtime_dir / "dead.sock"))  # bound, never listening: its daemon died
+    stale.close()
+    try:
+        assert running_daemons() == {"my-run": runtime_dir / "my-run.sock"}
+        assert resolve_endpoint(None).path == runtime_dir / "my-run.sock"
+        # A named run always wins, even one that is not running.
+        assert resolve_endpoint(None, "other").path == runtime_dir / "other.sock"
+    finally:
+        listener.close()
+
+
+def test_several_running_daemons_are_listed_not_guessed(runtime_dir: Path) -> None:
+    listeners = [_Listener(runtime_dir / f"{name}.sock") for name in ("alpha", "beta")]
+    try:
+        with pytest.raises(ValidationError, match=r"several.*alpha.*beta.*--run-id"):
+            resolve_endpoint(None)
+        assert resolve_endpoint(None, "beta").path == runtime_dir / "beta.sock"
+    finally:
+        for listener in listeners:
+            listener.close()
+
+
+def test_no_running_daemon_falls_back_to_the_default_run(runtime_dir: Path) -> None:
+    assert running_daemons() == {}
+    assert resolve_endpoint(None).path == runtime_dir / "default.sock"
