@@ -59,3 +59,39 @@ def gradients(
 def backward(model: torch.nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> None:
     x, y = data
     torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def sgd_collaborative(
+    model: torch.nn.Module,
+    client: Any,
+    *,
+    run_id: str,
+    target_batch_size: int,
+    batch_size_per_step: int = 4,
+    lr: float = 0.1,
+    momentum: float = 0.9,
+    **options: Any,
+) -> Any:
+    """A ``CollaborativeOptimizer`` over SGD on ``model`` (``max_wait`` 10 s unless given)."""
+    from swarmavg.averaging.optim import CollaborativeOptimizer
+
+    return CollaborativeOptimizer(
+        model.parameters(),
+        torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
+        client=client,
+        run_id=run_id,
+        target_batch_size=target_batch_size,
+        batch_size_per_step=batch_size_per_step,
+        **{"max_wait": 10.0, **options},
+    )
+
+
+def train_until(model: torch.nn.Module, opt: Any, seed: int, epoch: int, limit: int = 60) -> None:
+    """Step ``opt`` on seeded batches until it reaches ``epoch``; fail after ``limit`` steps."""
+    for _ in range(limit):
+        if opt.epoch >= epoch:
+            return
+        backward(model, batch(seed + opt.epoch))
+        opt.step()
+        opt.zero_grad()
+    raise AssertionError(f"epoch {epoch} not reached in {limit} steps (at {opt.epoch})")

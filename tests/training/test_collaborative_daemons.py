@@ -16,12 +16,14 @@ torch = pytest.importorskip("torch")
 from swarmavg.averaging.optim import CollaborativeOptimizer, DiLoCo  # noqa: E402
 from swarmavg.peer import Client, connect  # noqa: E402
 from tests.harness import ProcessPool, SwarmavgProcess  # noqa: E402
+from tests.training import helpers  # noqa: E402
 from tests.training.helpers import (  # noqa: E402
     backward,
     batch,
     gradients,
     linear_model,
     run_in_threads,
+    sgd_collaborative,
 )
 
 pytestmark = pytest.mark.integration
@@ -75,28 +77,13 @@ def open_client(stack: ExitStack, daemon: SwarmavgProcess) -> Client:
 
 def make_peer(client: Client, **kwargs: object) -> tuple[torch.nn.Module, CollaborativeOptimizer]:
     model = linear_model()
-    options: dict[str, object] = {"max_wait": 10.0, "averaging_timeout": 20.0, "codec": "none"}
-    options.update(kwargs)
-    opt = CollaborativeOptimizer(
-        model.parameters(),
-        torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
-        client=client,
-        run_id=RUN,
-        target_batch_size=8,
-        batch_size_per_step=4,
-        **options,  # type: ignore[arg-type]
-    )
+    options: dict[str, object] = {"averaging_timeout": 20.0, "codec": "none", **kwargs}
+    opt = sgd_collaborative(model, client, run_id=RUN, target_batch_size=8, lr=LR, **options)
     return model, opt
 
 
 def train_until(model: torch.nn.Module, opt: CollaborativeOptimizer, seed: int, epoch: int) -> None:
-    for _ in range(50):
-        if opt.epoch >= epoch:
-            return
-        backward(model, batch(seed + opt.epoch))
-        opt.step()
-        opt.zero_grad()
-    raise AssertionError(f"epoch {epoch} not reached (at {opt.epoch})")
+    helpers.train_until(model, opt, seed, epoch, limit=50)
 
 
 @pytest.mark.timeout(120)

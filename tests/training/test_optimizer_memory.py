@@ -15,12 +15,14 @@ from swarmavg.averaging.optim import (  # noqa: E402
     DiLoCo,
     SwarmRoundWarning,
 )
+from tests.training import helpers  # noqa: E402
 from tests.training.helpers import (  # noqa: E402
     backward,
     batch,
     gradients,
     linear_model,
     run_in_threads,
+    sgd_collaborative,
 )
 from tests.training.memswarm import MemorySwarm  # noqa: E402
 
@@ -31,16 +33,9 @@ def make_peer(
     swarm: MemorySwarm, name: str, **kwargs: object
 ) -> tuple[torch.nn.Module, CollaborativeOptimizer]:
     model = linear_model()
-    options: dict[str, object] = {"max_wait": 10.0, "averaging_timeout": 10.0}
-    options.update(kwargs)
-    opt = CollaborativeOptimizer(
-        model.parameters(),
-        torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
-        client=swarm.client(name),
-        run_id="run",
-        target_batch_size=8,
-        batch_size_per_step=4,
-        **options,  # type: ignore[arg-type]
+    options: dict[str, object] = {"averaging_timeout": 10.0, **kwargs}
+    opt = sgd_collaborative(
+        model, swarm.client(name), run_id="run", target_batch_size=8, lr=LR, **options
     )
     return model, opt
 
@@ -48,13 +43,7 @@ def make_peer(
 def train_until(
     model: torch.nn.Module, opt: CollaborativeOptimizer, seed: int, epoch: int, limit: int = 50
 ) -> None:
-    for _ in range(limit):
-        if opt.epoch >= epoch:
-            return
-        backward(model, batch(seed + opt.epoch))
-        opt.step()
-        opt.zero_grad()
-    raise AssertionError(f"epoch {epoch} not reached in {limit} steps (at {opt.epoch})")
+    helpers.train_until(model, opt, seed, epoch, limit)
 
 
 def test_two_peers_step_with_the_mean_gradient() -> None:

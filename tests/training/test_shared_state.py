@@ -15,7 +15,12 @@ torch = pytest.importorskip("torch")
 
 from swarmavg.averaging.optim import CollaborativeOptimizer, DiLoCo, SwarmRoundWarning  # noqa: E402
 from swarmavg.peer.errors import NoGroupError  # noqa: E402
-from tests.training.helpers import backward, batch, linear_model, run_in_threads  # noqa: E402
+from tests.training.helpers import (  # noqa: E402
+    linear_model,
+    run_in_threads,
+    sgd_collaborative,
+    train_until,
+)
 from tests.training.memswarm import MemorySwarm, Result  # noqa: E402
 
 LR = 0.1
@@ -25,30 +30,11 @@ def make_peer(
     swarm: MemorySwarm, name: str, **kwargs: object
 ) -> tuple[torch.nn.Module, CollaborativeOptimizer]:
     model = linear_model()
-    options: dict[str, object] = {"max_wait": 10.0, "averaging_timeout": 10.0}
-    options.update(kwargs)
-    opt = CollaborativeOptimizer(
-        model.parameters(),
-        torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
-        client=swarm.client(name),
-        run_id="run",
-        target_batch_size=4 * 3,
-        batch_size_per_step=4,
-        **options,  # type: ignore[arg-type]
+    options: dict[str, object] = {"averaging_timeout": 10.0, **kwargs}
+    opt = sgd_collaborative(
+        model, swarm.client(name), run_id="run", target_batch_size=4 * 3, lr=LR, **options
     )
     return model, opt
-
-
-def train_until(
-    model: torch.nn.Module, opt: CollaborativeOptimizer | DiLoCo, seed: int, epoch: int
-) -> None:
-    for _ in range(60):
-        if opt.epoch >= epoch:
-            return
-        backward(model, batch(seed + opt.epoch))
-        opt.step()
-        opt.zero_grad()
-    raise AssertionError(f"epoch {epoch} not reached (at {opt.epoch})")
 
 
 def perturb(model: torch.nn.Module, amount: float) -> None:

@@ -14,7 +14,14 @@ torch = pytest.importorskip("torch")
 from swarmavg.averaging.optim import CollaborativeOptimizer, DiLoCo, SwarmRoundWarning  # noqa: E402
 from swarmavg.peer import Client  # noqa: E402
 from tests.harness import ProcessPool  # noqa: E402
-from tests.training.helpers import backward, batch, linear_model, run_in_threads  # noqa: E402
+from tests.training.helpers import (  # noqa: E402
+    backward,
+    batch,
+    linear_model,
+    run_in_threads,
+    sgd_collaborative,
+    train_until,
+)
 from tests.training.test_collaborative_daemons import (  # noqa: E402
     RUN,
     open_client,
@@ -36,30 +43,17 @@ def clients() -> Iterator[ExitStack]:
 
 def make_trainer(client: Client, peers: int, **kwargs: object) -> Trainer:
     model = linear_model()
-    options: dict[str, object] = {"max_wait": 10.0, "averaging_timeout": 30.0, "codec": "none"}
-    options.update(kwargs)
-    opt = CollaborativeOptimizer(
-        model.parameters(),
-        torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
-        client=client,
+    options: dict[str, object] = {"averaging_timeout": 30.0, "codec": "none", **kwargs}
+    opt = sgd_collaborative(
+        model,
+        client,
         run_id=RUN,
         target_batch_size=BATCH * peers,  # one batch of every trainer per epoch
         batch_size_per_step=BATCH,
-        **options,  # type: ignore[arg-type]
+        lr=LR,
+        **options,
     )
     return model, opt
-
-
-def train_until(
-    model: torch.nn.Module, opt: CollaborativeOptimizer | DiLoCo, seed: int, epoch: int
-) -> None:
-    for _ in range(60):
-        if opt.epoch >= epoch:
-            return
-        backward(model, batch(seed + opt.epoch))
-        opt.step()
-        opt.zero_grad()
-    raise AssertionError(f"epoch {epoch} not reached (at {opt.epoch})")
 
 
 def train_all(trainers: list[Trainer], epoch: int) -> None:
