@@ -26,6 +26,7 @@ from swarmavg.peer.calls import (
     status_to_dict,
     unpack_get,
 )
+from swarmavg.peer.control_access import ControlAccessError, call_metadata, check_socket_owner
 from swarmavg.peer.endpoint import (
     DEFAULT_RUN_ID,
     ControlEndpoint,
@@ -117,10 +118,20 @@ def _average_failure(
     return error
 
 
-def _check_socket_exists(endpoint: ControlEndpoint) -> None:
-    """Fail at once, with a clear message, when the socket file is not there at all."""
+def _access(endpoint: ControlEndpoint) -> tuple[tuple[str, str], ...]:
+    """Check that the endpoint is this user's daemon; return the metadata every call carries.
+
+    Fails at once, with a clear message, when the socket file is not there at all, belongs to
+    another user, or (TCP) this user holds no token for it (peer/control_access.py).
+    """
     if endpoint.path is not None and not endpoint.path.exists():
         raise _unavailable(endpoint, "no socket file")
+    try:
+        if endpoint.path is not None:
+            check_socket_owner(endpoint.path)
+        return call_metadata(endpoint)
+    except ControlAccessError as exc:
+        raise DaemonUnavailableError(str(exc)) from None
 
 
 def _connect_error(endpoint: ControlEndpoint, exc: grpc.RpcError) -> DaemonUnavailableError:
@@ -164,7 +175,7 @@ class Client:
             ValidationError: the endpoint is not a local one.
         """
         self.endpoint = resolve_endpoint(endpoint)
-        _check_socket_exists(self.endpoint)
+        self._metadata = _access(self.endpoint)
         self._channel = grpc.insecure_channel(self.endpoint.grpc_target(), options=_OPTIONS)
         self._stub = control_pb2_grpc.ControlStub(self._channel)  # type: ignore[no-untyped-call]
         self.dht = _SyncDHT(self)
@@ -172,7 +183,10 @@ class Client:
         self._segments = SegmentPool()
         try:
             status = self._stub.Status(
-                control_pb2.StatusRequest(), timeout=connect_timeout, wait_for_ready=True
+                control_pb2.StatusRequest(),
+                timeout=connect_timeout,
+                wait_for_ready=True,
+                metadata=self._metadata,
             )
         except grpc.RpcError as exc:
             self._channel.close()
@@ -184,7 +198,7 @@ class Client:
 
     def _unary(self, method: Any, request: Any, timeout: float = SHORT_CALL_TIMEOUT) -> Any:
         try:
-            return method(request, timeout=timeout)
+            return method(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, str(self.endpoint)) from None
 
@@ -225,7 +239,9 @@ class Client:
                 client_id=self._client_id,
             )
             try:
-                responses = self._stub.Average(call.requests(), timeout=call.deadline)
+                responses = self._stub.Average(
+                    call.requests(), timeout=call.deadline, metadata=self._metadata
+                )
                 for response in responses:
                     call.feed(response)
                 return call.result()
@@ -252,7 +268,9 @@ class Client:
         receiver = StateReceiver()
         try:
             for message in self._stub.LoadState(
-                control_pb2.LoadStateRequest(timeout=timeout), timeout=timeout + 10.0
+                control_pb2.LoadStateRequest(timeout=timeout),
+                timeout=timeout + 10.0,
+                metadata=self._metadata,
             ):
                 receiver.feed(message)
         except grpc.RpcError as exc:
@@ -326,6 +344,7 @@ class AsyncClient:
         self._use_shm = False
         self._channel: grpc.aio.Channel | None = None
         self._stub_or_none: control_pb2_grpc.ControlStub | None = None
+        self._metadata: tuple[tuple[str, str], ...] = ()
         self._client_id = secrets.token_hex(8)
         self._segments = SegmentPool()
         self.dht = _AsyncDHT(self)
@@ -342,12 +361,15 @@ class AsyncClient:
         Raises:
             DaemonUnavailableError: nothing answers within ``connect_timeout``.
         """
-        _check_socket_exists(self.endpoint)
+        self._metadata = _access(self.endpoint)
         self._channel = grpc.aio.insecure_channel(self.endpoint.grpc_target(), options=_OPTIONS)
         self._stub_or_none = control_pb2_grpc.ControlStub(self._channel)  # type: ignore[no-untyped-call]
         try:
             status = await self._stub.Status(
-                control_pb2.StatusRequest(), timeout=connect_timeout, wait_for_ready=True
+                control_pb2.StatusRequest(),
+                timeout=connect_timeout,
+                wait_for_ready=True,
+                metadata=self._metadata,
             )
         except grpc.RpcError as exc:
             await self.close()
@@ -360,7 +382,7 @@ class AsyncClient:
 
     async def _unary(self, method: Any, request: Any, timeout: float = SHORT_CALL_TIMEOUT) -> Any:
         try:
-            return await method(request, timeout=timeout)
+            return await method(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, str(self.endpoint)) from None
 
@@ -390,7 +412,9 @@ class AsyncClient:
                 client_id=self._client_id,
             )
             try:
-                stream = self._stub.Average(call.requests(), timeout=call.deadline)
+                stream = self._stub.Average(
+                    call.requests(), timeout=call.deadline, metadata=self._metadata
+                )
                 async for response in stream:
                     call.feed(response)
                 return call.result()
@@ -413,7 +437,9 @@ class AsyncClient:
         receiver = StateReceiver()
         try:
             stream = self._stub.LoadState(
-                control_pb2.LoadStateRequest(timeout=timeout), timeout=timeout + 10.0
+                control_pb2.LoadStateRequest(timeout=timeout),
+                timeout=timeout + 10.0,
+                metadata=self._metadata,
             )
             async for message in stream:
                 receiver.feed(message)

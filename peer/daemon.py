@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -45,6 +46,12 @@ from swarmavg.peer.client import AsyncClient
 from swarmavg.peer.combiner import LocalCombiner
 from swarmavg.peer.config import PeerConfig
 from swarmavg.peer.control import ControlService, classify
+from swarmavg.peer.control_access import (
+    TokenInterceptor,
+    check_private_folder,
+    new_token,
+    write_token_file,
+)
 from swarmavg.peer.endpoint import ControlEndpoint, parse_control_endpoint, prepare_unix_socket
 from swarmavg.peer.netutil import announce_address, explain_bind_failure
 from swarmavg.peer.stats import PeerStats
@@ -128,6 +135,7 @@ class Peer:
         self._control_service: ControlService | None = None
         self._public_server: grpc.aio.Server | None = None
         self._control_server: grpc.aio.Server | None = None
+        self._token_file: Path | None = None
         self._channels: ChannelPool | None = None
         self._metrics: Any = None
         self._tasks = TaskSet()  # shm sweeper, metrics sync
@@ -171,6 +179,7 @@ class Peer:
             self.control = parse_control_endpoint(cfg.control, cfg.run_id)
             if self.control.path is not None:
                 prepare_unix_socket(self.control.path)
+                check_private_folder(self.control.path.parent)
         except (ValueError, OSError, RuntimeError) as exc:
             raise StartupError(str(exc)) from None
         try:
@@ -230,7 +239,13 @@ class Peer:
     async def _start_control(self) -> None:
         assert self.control is not None  # set in _start
         self._control_service = ControlService(self)
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        # A TCP endpoint is reachable by every local user: only callers that read the token
+        # file (mode 600, this user's folder) get through. A unix socket is private by its mode.
+        token = new_token() if self.control.path is None else None
+        server = grpc.aio.server(
+            options=SERVER_OPTIONS,
+            interceptors=[TokenInterceptor(token)] if token is not None else None,
+        )
         self._control_service.add_to_server(server)
         try:
             port = server.add_insecure_port(self.control.grpc_target())
@@ -240,7 +255,13 @@ class Peer:
             await server.stop(None)
             raise StartupError(f"cannot bind the control endpoint {self.control}")
         if self.control.path is None:
+            assert token is not None
             self.control = ControlEndpoint(host=self.control.host, port=port)
+            try:
+                self._token_file = write_token_file(self.control, token)
+            except OSError as exc:
+                await server.stop(None)
+                raise StartupError(f"cannot write the control token: {exc}") from None
         else:
             os.chmod(self.control.path, 0o600)
         self._control_server = server
@@ -431,6 +452,9 @@ class Peer:
         if self.control is not None and self.control.path is not None and self._control_server:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.control.path)
+        if self._token_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self._token_file.unlink()
         log.info("peer stopped")
 
     async def __aenter__(self) -> Peer:
