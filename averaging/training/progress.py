@@ -10,10 +10,12 @@ The pure part (:class:`PeerProgress`, :func:`aggregate`, :class:`RateMeter`) is
 synchronous and needs no network; :class:`ProgressTracker` adds the two DHT calls.
 Records come from other peers, so :meth:`PeerProgress.from_record` validates them and
 drops what is malformed instead of trusting it, and :func:`aggregate` ignores what is
-implausible (:func:`plausible`: a clock far ahead of the reader's, an absurd rate). No
+implausible (:func:`plausible`: a clock far ahead of the reader's, an absurd rate; and
+:func:`within_epoch_lead`: an epoch far ahead of the swarm's majority). No
 record can make a wrapper's call invalid: a swarm that reports more peers than a group
-holds is clamped where the round is asked for (``SwarmLink.average``). Records are not
-signed: a forged one can still claim a newer epoch (docs/training.md, "Limitations").
+holds is clamped where the round is asked for (``SwarmLink.average``). Records are signed
+by their daemon (the subkey names it; averaging/protocol_keys.py), and a record that names
+another daemon inside is ignored.
 
 Example, without any optimizer wrapper::
 
@@ -46,6 +48,8 @@ future is implausible (volunteers' clocks differ, but not by this much)."""
 MAX_SAMPLES_PER_SECOND = 1e12
 """A process reporting a higher rate is implausible (it would make every other process
 stop waiting for the epoch's last batches, ``CollaborativeOptimizer.max_wait``)."""
+MAX_EPOCH_LEAD = 8
+"""Epochs a record may be ahead of the swarm's majority (:func:`within_epoch_lead`)."""
 
 
 class DHTLike(Protocol):
@@ -166,6 +170,34 @@ class GlobalProgress:
         return rates
 
 
+def within_epoch_lead(
+    records: Iterable[PeerProgress], own_epoch: int, max_lead: int = MAX_EPOCH_LEAD
+) -> tuple[list[PeerProgress], int]:
+    """Drop records whose epoch jumps too far ahead of the swarm's majority.
+
+    The reference is the larger of ``own_epoch`` and the lower median of the other daemons'
+    epochs (each daemon counted once, at its newest live record); a record more than
+    ``max_lead`` epochs past it is ignored. One identity (or a minority of them) therefore
+    cannot drag the swarm to epoch 2**53; an honest swarm spreads over one or two epochs, and a
+    newcomer reads the records before reporting its own, so it sees the veterans' epoch as the
+    majority's and catches up. What it cannot stop: a majority of the daemons a reader sees
+    (a sybil majority, or a lone newcomer next to one liar) defines the epoch (docs/training.md).
+
+    Returns:
+        the kept records and how many were dropped.
+    """
+    records = list(records)
+    newest: dict[str, int] = {}
+    for p in records:
+        if not p.left:
+            newest[p.peer_id] = max(newest.get(p.peer_id, 0), p.epoch)
+    epochs = sorted(newest.values())
+    majority = epochs[(len(epochs) - 1) // 2] if epochs else 0
+    limit = max(own_epoch, majority) + max_lead
+    kept = [p for p in records if p.epoch <= limit]
+    return kept, len(records) - len(kept)
+
+
 def plausible(record: PeerProgress, now: float) -> bool:
     """Whether a well-formed record could come from an honest process (see the limits
     :data:`MAX_CLOCK_SKEW` and :data:`MAX_SAMPLES_PER_SECOND`)."""
@@ -260,6 +292,8 @@ class ProgressTracker:
             dies is forgotten after this long; keep it above the longest pause between two
             reports (a training step plus an averaging round).
         peer_id: the daemon's peer id; read from ``client.status()`` when None.
+        max_epoch_lead: records further ahead of the swarm's majority epoch are ignored
+            (:func:`within_epoch_lead`).
 
     Not thread-safe: one tracker per training process, used from one thread.
     """
@@ -272,6 +306,7 @@ class ProgressTracker:
         *,
         ttl: float = 30.0,
         peer_id: str | None = None,
+        max_epoch_lead: int = MAX_EPOCH_LEAD,
     ) -> None:
         if target_batch_size <= 0:
             raise ValueError(f"target_batch_size must be positive, got {target_batch_size}")
@@ -283,6 +318,7 @@ class ProgressTracker:
         self.run_id = run_id
         self.target_batch_size = target_batch_size
         self.ttl = ttl
+        self.max_epoch_lead = max_epoch_lead
         self.peer_id = peer_id if peer_id is not None else _peer_id_of(client)
         # Several processes may share one daemon: each writes its own subkey, which names
         # the daemon as its owner (``[owner:<hex>]``, dht/records.py): the daemon signs it
@@ -342,17 +378,26 @@ class ProgressTracker:
         """
         raw = self.client.dht.get(self.key)
         now = time.time()
-        records: list[PeerProgress] = [self.local]
+        others: list[PeerProgress] = []
         ignored = 0
         if isinstance(raw, Mapping):
             for subkey, value in raw.items():
                 if subkey == self.subkey:
                     continue
                 parsed = PeerProgress.from_record(value)
-                if parsed is not None and plausible(parsed, now):
-                    records.append(parsed)
+                # The DHT checked that the subkey's named owner signed the entry; a record
+                # that claims another daemon's id inside it is a forgery.
+                if (
+                    parsed is not None
+                    and plausible(parsed, now)
+                    and _owner_of(subkey) == parsed.peer_id
+                ):
+                    others.append(parsed)
                 else:
                     ignored += 1
+        others, ahead = within_epoch_lead(others, self.epoch, self.max_epoch_lead)
+        ignored += ahead
+        records = [self.local, *others]
         if ignored != self._ignored:
             log.warning(
                 "ignoring %d malformed or implausible progress record(s) under %s",
@@ -362,6 +407,14 @@ class ProgressTracker:
             self._ignored = ignored
         self.last = aggregate(records, self.target_batch_size, now=now)
         return self.last
+
+
+def _owner_of(subkey: object) -> str | None:
+    """The owner a progress subkey names (``...[owner:<hex>]``), or None."""
+    if not isinstance(subkey, str) or not subkey.endswith("]"):
+        return None
+    _, sep, owner = subkey[:-1].rpartition("[owner:")
+    return owner if sep else None
 
 
 def _peer_id_of(client: ClientLike) -> str:
@@ -381,4 +434,5 @@ __all__ = [
     "RateMeter",
     "aggregate",
     "plausible",
+    "within_epoch_lead",
 ]

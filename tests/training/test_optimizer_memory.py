@@ -92,7 +92,7 @@ def test_failed_round_is_a_local_step_with_a_warning() -> None:
     swarm.client("b").dht.store(
         "run.progress",
         {"peer": "b", "epoch": 0, "samples": 4, "sps": 1.0, "time": 0.0},
-        subkey="b.1",
+        subkey="b.1[owner:b]",
     )
     swarm.fail_keys.add("run.grads.0")
     reference = linear_model()
@@ -113,7 +113,7 @@ def test_a_round_the_others_finished_without_us_is_replaced_by_their_state() -> 
     other.dht.store(
         "run.progress",
         {"peer": "b", "epoch": 0, "samples": 4, "sps": 1.0, "time": 0.0},
-        subkey="b.1",
+        subkey="b.1[owner:b]",
     )
     theirs = linear_model(seed=5)
 
@@ -252,7 +252,7 @@ def test_diloco_failed_round_is_a_local_outer_step_with_a_warning() -> None:
     swarm.client("b").dht.store(
         "run.diloco.progress",
         {"peer": "b", "epoch": 0, "samples": 0, "sps": 1.0, "time": 0.0},
-        subkey="b.1",
+        subkey="b.1[owner:b]",
     )
     swarm.fail_keys.add("run.diloco.0")
     start = [p.detach().clone() for p in model.parameters()]

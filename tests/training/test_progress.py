@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import pytest
 
 from swarmavg.averaging.training.progress import (
+    MAX_EPOCH_LEAD,
     PeerProgress,
     ProgressTracker,
     RateMeter,
     aggregate,
+    within_epoch_lead,
 )
 
 
@@ -158,3 +161,36 @@ def test_tracker_validates_arguments() -> None:
     tracker = ProgressTracker(client, "run", 8)
     with pytest.raises(ValueError, match="negative"):
         tracker.add_samples(-1)
+
+
+def _at(peer: str, epoch: int) -> PeerProgress:
+    return PeerProgress(peer, epoch, 1, 1.0, time.time())
+
+
+def test_an_epoch_far_ahead_of_the_majority_is_ignored() -> None:
+    honest = [_at("a", 5), _at("b", 5), _at("c", 6)]
+    forged = [_at("evil", 2**53), _at("evil2", 6 + MAX_EPOCH_LEAD + 1)]
+    kept, dropped = within_epoch_lead(honest + forged, own_epoch=5)
+    assert (sorted(p.peer_id for p in kept), dropped) == (["a", "b", "c"], 2)
+    # within the lead, a record ahead still counts (an honest peer one step further on)
+    kept, dropped = within_epoch_lead([*honest, _at("d", 5 + MAX_EPOCH_LEAD)], own_epoch=5)
+    assert dropped == 0
+
+
+def test_a_newcomer_still_sees_the_veterans_epoch() -> None:
+    veterans = [_at("v1", 1000), _at("v2", 1001), _at("evil", 2**50)]
+    kept, dropped = within_epoch_lead(veterans, own_epoch=0)
+    assert ({p.peer_id for p in kept}, dropped) == ({"v1", "v2"}, 1)
+    assert aggregate([_at("me", 0), *kept], target=8).epoch == 1001
+
+
+def test_the_tracker_ignores_a_forged_epoch_jump(caplog: pytest.LogCaptureFixture) -> None:
+    dht = DictDHT()
+    honest = [ProgressTracker(DictClient(dht, name), "run", target_batch_size=64) for name in "abc"]
+    for tracker in honest:
+        tracker.set_epoch(4)
+        tracker.report()
+    dht.store("run.progress", _at("evil", 2**53).to_record(), subkey="x[owner:evil]")
+    progress = honest[0].refresh()
+    assert (progress.epoch, progress.num_peers) == (4, 3)
+    assert "ignoring 1" in caplog.text

@@ -82,8 +82,14 @@ def record(peer: str, epoch: int = 0, samples: int = 0, **extra: object) -> dict
 
 
 def forge(swarm: MemorySwarm, key: str, records: dict[object, object]) -> None:
+    """Store ``records`` the way the DHT would accept them from their (hostile) owners: a
+    progress subkey names its owner, ``[owner:<peer>]``, and the owner signs the entry. A
+    record that names no peer goes under its subkey as given."""
     dht = swarm.client("forger").dht
     for subkey, value in records.items():
+        peer = value.get("peer") if isinstance(value, dict) else None
+        if isinstance(peer, str) and isinstance(subkey, str) and "[owner:" not in subkey:
+            subkey = f"{subkey}[owner:{peer}]"
         dht.store(key, value, ttl=600, subkey=subkey)
 
 
@@ -114,7 +120,9 @@ GARBAGE: dict[object, object] = {
     "long-peer": record("p" * 1000),
     "left-not-bool": record("x7", left="yes"),
     "from-the-future": record("x8", samples=10**9) | {"time": time.time() + 10**6},
-    7: record("x9"),  # a non-string subkey
+    "ok": record("x9"),  # the one well-formed, plausible record
+    "impostor[owner:someone-else]": record("x12"),  # signed by one daemon, naming another
+    7: record("x13"),  # a non-string subkey: it names no owner
     "huge-rate": record("x10") | {"sps": 1e308},
     "huge-rate-2": record("x11") | {"sps": 1e308},
 }
@@ -127,7 +135,7 @@ def test_malformed_and_implausible_records_are_ignored(wrapper: str) -> None:
     model, opt = make(swarm, "a")
     forge(swarm, key, GARBAGE)
     progress = opt.tracker.refresh()
-    # the one well-formed, plausible record (under a subkey that is not a string) counts
+    # the one well-formed, plausible record under its owner's subkey counts
     assert sorted(p.peer_id for p in progress.peers) == sorted([opt.tracker.peer_id, "x9"])
     assert math.isfinite(progress.samples_per_second)
     with warnings.catch_warnings():
