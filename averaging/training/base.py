@@ -16,8 +16,13 @@ the parts that do not depend on *what* a wrapper averages or *when*:
   kinds.
 
 A subclass builds its own fields after ``super().__init__`` and then calls
-:meth:`_join_swarm`, which may already call its :meth:`_catch_up`. torch is imported
-inside functions only (the daemon imports ``swarmavg.averaging`` and never loads torch).
+:meth:`_join_swarm`, which may already call its :meth:`_catch_up`.
+
+A wrapper is a real ``torch.optim.Optimizer`` (learning-rate schedulers, ``isinstance``
+checks, optimizer hooks): its ``param_groups`` and ``state`` are the wrapped local
+optimizer's own objects, so a scheduler that sets ``group["lr"]`` on the wrapper sets it on
+the optimizer that steps. This module imports torch; the daemon never imports it (only the
+torch-free ``progress`` module of this package).
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ import time
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
+
+import torch
 
 from swarmavg.averaging.training.consensus import Provenance, Role, Verdict, judge
 from swarmavg.averaging.training.progress import GlobalProgress, ProgressTracker
@@ -42,15 +49,12 @@ from swarmavg.averaging.training.swarm import (
 )
 from swarmavg.averaging.training.tensors import collect_params
 
-if TYPE_CHECKING:
-    import torch
-
 log = logging.getLogger(__name__)
 
 _W = TypeVar("_W", bound="SwarmOptimizer")
 
 
-class SwarmOptimizer(ABC):
+class SwarmOptimizer(torch.optim.Optimizer, ABC):
     """The swarm side of a training wrapper (see the module docstring).
 
     Args:
@@ -99,6 +103,12 @@ class SwarmOptimizer(ABC):
             raise ValueError(f"batch_size_per_step must be positive, got {batch_size_per_step}")
         if publish_state_every < 0:
             raise ValueError("publish_state_every must not be negative")
+        # torch's bookkeeping (hooks, the step profiler) over the local optimizer's groups,
+        # then the groups and the state themselves: one object each, shared with it.
+        super().__init__(local_optimizer.param_groups, local_optimizer.defaults)
+        self.param_groups = local_optimizer.param_groups
+        self.state = local_optimizer.state
+        self._wrapped = True
         self.params = collect_params(params)
         self.batch_size_per_step = batch_size_per_step
         self.publish_state_every = publish_state_every
@@ -153,6 +163,20 @@ class SwarmOptimizer(ABC):
         """Clear the parameters' ``.grad`` (what the wrapper accumulated is kept)."""
         self._local_optimizer.zero_grad(set_to_none=set_to_none)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused once wrapped: every member must average the same parameters, fixed when
+        the wrapper was built (add groups to the local optimizer before wrapping it).
+
+        Raises:
+            ValueError: always, after construction.
+        """
+        if getattr(self, "_wrapped", False):
+            raise ValueError(
+                f"{type(self).__name__} averages a fixed set of parameters: add parameter "
+                "groups to the local optimizer before wrapping it"
+            )
+        super().add_param_group(param_group)
+
     def close(self) -> None:
         """Finish the wrapper's own work (:meth:`_finish`) and tell the swarm this process
         stopped, so that no round waits for it; idempotent."""
@@ -172,7 +196,7 @@ class SwarmOptimizer(ABC):
 
     # ------------------------------------------------------------------ for subclasses
 
-    def _finish(self) -> None:  # noqa: B027  (an optional hook, not an abstract method)
+    def _finish(self) -> None:
         """Work to complete before leaving the swarm on :meth:`close` (default: none)."""
 
     def _leave(self) -> None:

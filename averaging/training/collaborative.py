@@ -172,12 +172,6 @@ class CollaborativeOptimizer(SwarmOptimizer):
 
     # ------------------------------------------------------------------ public API
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The wrapped optimizer's parameter groups (for learning-rate schedules)."""
-        groups: list[dict[str, Any]] = self.optimizer.param_groups
-        return groups
-
     def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
         """Take one local step; when the swarm completes an epoch, take the global step.
 

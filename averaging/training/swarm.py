@@ -34,6 +34,7 @@ from swarmavg.averaging.training.state import (
     pack_state,
     unpack_state,
 )
+from swarmavg.compression import get_codec
 
 if TYPE_CHECKING:
     import torch
@@ -173,6 +174,8 @@ class SwarmLink:
             raise ValueError("timeouts must be positive")
         if min_group_size < 1:
             raise ValueError(f"min_group_size must be >= 1, got {min_group_size}")
+        if codec is not None:
+            get_codec(codec)  # a misspelt name fails here, not at the first round with a peer
         self.client = client
         self.run_id = run_id
         self.codec = codec
