@@ -39,6 +39,7 @@ from swarmavg.dht import (
     Identity,
     ValueWithExpiration,
 )
+from swarmavg.dht.server_limits import ServerLimits, make_server
 from swarmavg.dht.tasks import TaskSet, bounded_step
 from swarmavg.peer import __version__, shm
 from swarmavg.peer.client import AsyncClient
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 
 SHM_SWEEP_INTERVAL = 5.0
 SERVER_OPTIONS = [
+    # The local control server's options (the public one uses dht.server_limits).
     # grpc enables SO_REUSEPORT by default, which would let a second daemon "bind" a port
     # that is in use and split its traffic with the first; a clear error is better.
     ("grpc.so_reuseport", 0),
@@ -91,7 +93,7 @@ async def start_public_server(
     Raises:
         StartupError: the address cannot be bound (the message says why and what to do).
     """
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = make_server(ServerLimits())
     register(server)
     try:
         port = server.add_insecure_port(listen)

@@ -559,8 +559,7 @@ class DataPlaneServer:
     async def _serve_stream(self, protocol: _FrameProtocol) -> bool:
         """Run one stream; return whether the connection may carry another."""
         config = self._service.config
-        write_timeout = max(3 * config.min_stall, config.registration_wait)
-        stream = _ServerStream(protocol, write_timeout)
+        stream = _ServerStream(protocol, config.write_timeout)
         try:
             await self._service.rpc_reduce(stream.requests(), stream)
         except _StreamAborted:

@@ -53,6 +53,29 @@ class _Stream:
     sender: int
     queue: asyncio.Queue[bytes | Abort | None] = field(default_factory=asyncio.Queue)
     done: bool = False
+    backlog: int = 0
+    """Bytes of replies queued and not yet taken by the transport."""
+    cut: bool = False
+    """The sender fell :attr:`AllReduceConfig.max_reply_backlog` behind: nothing more is
+    queued for it."""
+
+    def put_reply(self, reply: bytes, limit: int) -> bool:
+        """Queue ``reply``, or cut the stream when that would exceed ``limit`` bytes
+        (freeing what was queued); return whether it was queued."""
+        if self.cut:
+            return False
+        if self.backlog + len(reply) > limit:
+            self.cut = True
+            while not self.queue.empty():
+                self.queue.get_nowait()
+            self.backlog = 0
+            self.queue.put_nowait(
+                Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "sender does not read its replies")
+            )
+            return False
+        self.backlog += len(reply)
+        self.queue.put_nowait(reply)
+        return True
 
 
 class ReduceContext(Protocol):
@@ -67,6 +90,27 @@ class ReduceContext(Protocol):
 async def abort_stream(context: ReduceContext, code: grpc.StatusCode, details: str) -> NoReturn:
     """End the stream with ``code``; ``context.abort`` raises, this says so to the checker."""
     await context.abort(code, details)
+    raise RuntimeError("context.abort returned")
+
+
+class StalledReader(Exception):
+    """A sender stopped reading its replies; its stream is given up without a status.
+
+    Raised out of the ``Reduce`` handler when even the error status cannot be written (it
+    queues behind the unread replies): the handler, and the round's memory, are released
+    at once; gRPC ends the call at the sender's deadline or the connection's age limit.
+    """
+
+
+_STATUS_WAIT = 1.0  # seconds an error status may take to leave, behind unread replies
+
+
+async def _abort_stalled(context: ReduceContext, reason: str) -> NoReturn:
+    try:
+        async with asyncio.timeout(_STATUS_WAIT):
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, reason)
+    except TimeoutError:
+        raise StalledReader(reason) from None
     raise RuntimeError("context.abort returned")
 
 
@@ -235,8 +279,20 @@ class ReducerRound:
                 if item is None:
                     return
                 if isinstance(item, Abort):
+                    if stream.cut:
+                        self.drop(sender, item.details)
                     await abort_stream(context, item.code, item.details)
-                await context.write(item)
+                stream.backlog -= len(item)
+                try:
+                    # Neither gRPC's context.write nor a socket has a deadline of its own:
+                    # a sender that stops reading would hold this stream, and the round's
+                    # memory, for ever (issue 17).
+                    async with asyncio.timeout(self.config.write_timeout):
+                        await context.write(item)
+                except TimeoutError:
+                    reason = f"sender read no reply for {self.config.write_timeout:.1f}s"
+                    self.drop(sender, reason)
+                    await _abort_stalled(context, reason)
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -319,13 +375,15 @@ class ReducerRound:
                     self.executor, self._encode_result, chunk, values, contributors
                 )
                 self.on_result(chunk, decoded, contributors)
-            self.bytes_sent += len(response) * len(self.streams)
+            limit = self.config.max_reply_backlog
             for stream in self.streams.values():
-                stream.queue.put_nowait(response)
+                if stream.put_reply(response, limit):
+                    self.bytes_sent += len(response)
             self.returned += 1
         self._all_returned.set()
         for stream in self.streams.values():
-            stream.queue.put_nowait(None)
+            if not stream.cut:
+                stream.queue.put_nowait(None)
         self._check_finished()
 
     def _check_finished(self) -> None:

@@ -1,0 +1,171 @@
+"""Bounded resources of the reducer side (issue 17): cheap streams cannot deny service.
+
+Real gRPC servers and the real data plane on 127.0.0.1; the attacker drives hand-made
+``Reduce`` streams. Each test fails on the code before issue 17 (see its docstring).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+
+import grpc
+import numpy as np
+import pytest
+
+from swarmavg.averaging.allreduce.load_balancing import part_sizes
+from swarmavg.averaging.allreduce.partition import PartPlan, chunk_elements_for
+from swarmavg.averaging.allreduce.reducer import weighted_mean
+from swarmavg.averaging.allreduce.runner import _bytes_per_element
+from swarmavg.averaging.group import Mode
+from swarmavg.averaging.result import AveragingResult
+from swarmavg.compression import registry
+from swarmavg.dht import ChannelPool
+from swarmavg.proto import averaging_pb2, common_pb2
+from tests.averaging.allreduce_peers import FAST, close_peers, make_group, run_group, start_peers
+from tests.averaging.test_allreduce_hostile import CODEC, HONEST, Hostile
+from tests.harness import GrpcServerPool
+
+pytestmark = pytest.mark.timeout(90)
+
+REDUCE = "/swarmavg.v1.Averaging/Reduce"
+_OWN_CONNECTION = ("grpc.use_local_subchannel_pool", 1)  # not shared with the honest peers
+
+
+def _reduce_call(channel: grpc.aio.Channel, timeout: float) -> grpc.aio.StreamStreamCall:
+    return channel.stream_stream(
+        REDUCE,
+        request_serializer=averaging_pb2.ReduceRequest.SerializeToString,
+        response_deserializer=averaging_pb2.ReduceResponse.FromString,
+    )(timeout=timeout)
+
+
+async def test_silent_streams_on_one_connection_do_not_block_honest_reduces(
+    grpc_servers: GrpcServerPool, channels: ChannelPool
+) -> None:
+    """64 streams that never send a message, all on one HTTP/2 connection, held open while
+    an honest round runs. Before issue 17 each took a waiting slot (64 by default) before
+    its first message, so the honest senders got RESOURCE_EXHAUSTED and every part they
+    sent failed (``failed_parts`` not empty, and the probe below was refused too)."""
+    peers = await start_peers(grpc_servers, HONEST)
+    target = peers[0]
+    # A channel of its own: one TCP connection that carries only the attack.
+    attack = grpc.aio.insecure_channel(target.address, options=[_OWN_CONNECTION])
+    silent = [_reduce_call(attack, 30.0) for _ in range(64)]
+    try:
+        await target.service.wait_inbound(lambda n: n >= 64)  # each one is in a handler
+        # A stream on the same connection is refused for its header, not for want of a slot.
+        probe = _reduce_call(attack, 30.0)
+        bad = averaging_pb2.ReduceRequest(header=common_pb2.RequestHeader(run_id="other"))
+        await probe.write(bad)
+        assert await probe.code() is grpc.StatusCode.UNAUTHENTICATED
+
+        rng = np.random.default_rng(3)
+        inputs = [[rng.standard_normal(20_000).astype(np.float32)] for _ in peers]
+        weights = [1.0] * HONEST
+        group = make_group(peers, inputs[0])
+        results = await run_group(peers, group, inputs, weights, channels, timeout=20)
+        mean = weighted_mean([x[0] for x in inputs], weights)
+        for r in results:
+            assert isinstance(r, AveragingResult), r
+            assert r.failed_parts == ()
+            np.testing.assert_allclose(r.tensors[0], mean, rtol=1e-5, atol=1e-6)
+    finally:
+        for call in silent:
+            call.cancel()
+        await attack.close()
+        await close_peers(peers)
+
+
+async def test_a_member_that_stops_reading_is_cut_and_pins_nothing(
+    grpc_servers: GrpcServerPool, channels: ChannelPool
+) -> None:
+    """A member sends every chunk of every part but never reads a reply. Before issue 17
+    the reducer's ``context.write`` had no deadline and its reply queue no bound: the
+    stream, the round and every reply stayed in memory after the round (the handler never
+    returned), and the member was never dropped."""
+    config = dataclasses.replace(FAST, chunk_bytes=1 << 20, write_timeout=1.0)
+    peers = await start_peers(grpc_servers, HONEST + 1, config)
+    calls: list[grpc.aio.StreamStreamCall] = []
+    try:
+        rng = np.random.default_rng(5)
+        # Parts of 8 MiB: far more than HTTP/2 flow control and socket buffers take unread.
+        inputs = [[rng.standard_normal(3 * (2 << 20)).astype(np.float32)] for _ in peers]
+        weights = [1.0] * (HONEST + 1)
+        mean = weighted_mean([x[0] for x in inputs[:HONEST]], weights[:HONEST])
+        group = make_group(peers, inputs[0], [Mode.NODE] * HONEST + [Mode.CLIENT])
+        hostile = Hostile(group, peers[HONEST].identity, mean)
+        per_element = _bytes_per_element(CODEC, np.dtype(np.float32))
+        hostile.plan = PartPlan.build(
+            part_sizes(group.members, mean.size),
+            chunk_elements_for(per_element, config.chunk_bytes),
+        )
+        attack = grpc.aio.insecure_channel(peers[0].address, options=[_OWN_CONNECTION])
+        channels_to = [attack] + [
+            grpc.aio.insecure_channel(p.address, options=[_OWN_CONNECTION]) for p in peers[1:HONEST]
+        ]
+
+        async def send_without_reading(part: int) -> None:
+            call = _reduce_call(channels_to[part], 60.0)
+            calls.append(call)
+            for message in hostile.valid(part):
+                await call.write(message)
+
+        senders = [asyncio.ensure_future(send_without_reading(p)) for p in range(HONEST)]
+        results = await run_group(
+            peers, group, inputs, weights, channels, timeout=30, skip=[HONEST]
+        )
+        for s in senders:
+            s.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
+                await s
+        honest = [r for r in results if r is not None]
+        for r in honest:
+            assert isinstance(r, AveragingResult), r
+            np.testing.assert_allclose(r.tensors[0], mean, rtol=1e-5, atol=1e-6)
+            assert "read no reply" in r.dropped[HONEST] or "does not read" in r.dropped[HONEST]
+        # Every reducer's handler for the silent reader has returned: nothing is pinned.
+        for p in peers[:HONEST]:
+            await asyncio.wait_for(p.service.wait_inbound(lambda n: n == 0), 10.0)
+        for channel in channels_to:
+            await channel.close()
+    finally:
+        for call in calls:
+            call.cancel()
+        await close_peers(peers)
+
+
+async def test_codec_spelling_flood_keeps_few_codec_instances(
+    grpc_servers: GrpcServerPool, channels: ChannelPool
+) -> None:
+    """Rounds over real gRPC whose leader spells ``topk`` differently each time. Before
+    issue 17 every spelling made one more instance, each with up to 1 GiB of residuals
+    (here: 12 instances after 12 rounds); now spellings of one codec share an instance
+    and at most ``max_codec_instances`` are kept."""
+    peers = await start_peers(grpc_servers, HONEST)
+    try:
+        rng = np.random.default_rng(11)
+        inputs = [[rng.standard_normal(4096).astype(np.float32)] for _ in peers]
+        same = ["topk:fraction=0.5", "topk:fraction=0.50", "topk:fraction=5e-1", "topk:fraction=.5"]
+        distinct = [f"topk:fraction=0.{i}1" for i in range(1, 9)]
+        for spelling in same:
+            group = make_group(peers, inputs[0], codec=spelling)
+            results = await run_group(peers, group, inputs, [1.0] * HONEST, channels)
+            assert all(isinstance(r, AveragingResult) and not r.partial for r in results)
+        assert [p.service.codec_instances for p in peers] == [1] * HONEST
+        for spelling in distinct:
+            group = make_group(peers, inputs[0], codec=spelling)
+            results = await run_group(peers, group, inputs, [1.0] * HONEST, channels)
+            assert all(isinstance(r, AveragingResult) and not r.partial for r in results)
+        limit = FAST.max_codec_instances
+        assert [p.service.codec_instances for p in peers] == [limit] * HONEST
+    finally:
+        await close_peers(peers)
+
+
+def test_decoder_cache_is_bounded_against_spellings_in_messages() -> None:
+    """A message names its codec; every distinct name used to stay cached for ever."""
+    for i in range(3 * registry.MAX_DECODERS):
+        registry.decoder_for(f"topk:fraction=0.{i + 1:04d}")
+    assert registry.cached_decoders() <= registry.MAX_DECODERS
