@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol, TypeVar
@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 
 from swarmavg.averaging.allreduce.config import AllReduceConfig
-from swarmavg.averaging.allreduce.faults import FaultPlan
+from swarmavg.averaging.allreduce.faults import FaultPlan, InjectedFault
 from swarmavg.averaging.allreduce.partition import PartPlan
 from swarmavg.averaging.allreduce.reducer import ContributionError, PartReducer
 from swarmavg.averaging.allreduce.wire import Request, encode_response
@@ -200,15 +200,33 @@ class ReducerRound:
         self._progress: dict[int, float] = dict.fromkeys(group.senders, self.start_time)
         self._all_returned = asyncio.Event()
         self.finished = asyncio.Event()
-        """Set when every chunk was returned and every attached stream got all of them."""
+        """Set when every chunk was returned and every attached stream got all of them, or
+        when one of the round's tasks failed (see :attr:`errors`)."""
         self.closed = False
+        self.errors: list[str] = []
+        """Failures of this round's own tasks, with their cause (also logged)."""
 
     # ---- lifecycle (called by the runner) ----
 
     def start(self) -> None:
         """Start the emitter and the watchdog (owned by this round, stopped by close)."""
-        self._tasks.spawn(self._emit(), name="reducer-emit")
-        self._tasks.spawn(self._watchdog(), name="reducer-watchdog")
+        self._tasks.spawn(self._guard(self._emit(), "returning averaged chunks"), name="emit")
+        self._tasks.spawn(self._guard(self._watchdog(), "the stall watchdog"), name="watchdog")
+
+    async def _guard(self, work: Coroutine[Any, Any, None], what: str) -> None:
+        """Run one of the round's tasks; a failure is logged with its cause, recorded in
+        :attr:`errors` (the runner puts it in the round's result) and ends every stream
+        with ``INTERNAL``, so that the senders stop waiting and the part counts as not
+        averaged, instead of the round stalling to its deadline with nothing said."""
+        try:
+            await work
+        except Exception as e:
+            reason = f"{what} failed: {e!r}"
+            log.error("round %s: %s", self.group.group_id.hex(), reason, exc_info=e)
+            self.errors.append(reason)
+            for stream in self.streams.values():
+                stream.queue.put_nowait(Abort(grpc.StatusCode.INTERNAL, reason))
+            self.finished.set()
 
     async def close(self, abort: Abort | None = None) -> None:
         """Stop the round: end every stream (with ``abort``, or OK) and stop its tasks.
@@ -364,6 +382,8 @@ class ReducerRound:
     async def _emit(self) -> None:
         while self.returned < self.reducer.num_chunks:
             chunk = await self._final.get()
+            if self.fault_plan is not None and self.fault_plan.reducer_raises(self.returned):
+                raise InjectedFault(f"reducer fails at chunk {self.returned} (fault plan)")
             if self.fault_plan is not None and self.fault_plan.stops_reducing(self.returned):
                 await asyncio.Event().wait()  # stalled reducer: hold every stream open
             values = self.reducer.result(chunk)

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from swarmavg.averaging.allreduce.admission import ByteBudget
 from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.allreduce.data_plane import DataConnector, DataPlaneServer
 from swarmavg.averaging.allreduce.round import Abort, ReduceContext, ReducerRound, abort_stream
@@ -103,6 +104,11 @@ class AllReduceService:
         self._data_server = server
         log.info("data plane listening on %s:%d", host, self.data_port)
         return self.data_port
+
+    @property
+    def data_plane_budget(self) -> ByteBudget | None:
+        """The data plane's byte budget for frame bodies (``None``: not serving one)."""
+        return self._data_server.budget if self._data_server is not None else None
 
     def codec(self, name: str) -> Codec:
         """The daemon's one instance of codec ``name``, for the chunks it sends and returns.

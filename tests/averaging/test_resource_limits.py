@@ -9,11 +9,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
+import struct
+import tracemalloc
 
 import grpc
 import numpy as np
 import pytest
 
+from swarmavg.averaging.allreduce.data_plane import MAGIC
+from swarmavg.averaging.allreduce.faults import Fault, FaultPlan
 from swarmavg.averaging.allreduce.load_balancing import part_sizes
 from swarmavg.averaging.allreduce.partition import PartPlan, chunk_elements_for
 from swarmavg.averaging.allreduce.reducer import weighted_mean
@@ -169,3 +174,89 @@ def test_decoder_cache_is_bounded_against_spellings_in_messages() -> None:
     for i in range(3 * registry.MAX_DECODERS):
         registry.decoder_for(f"topk:fraction=0.{i + 1:04d}")
     assert registry.cached_decoders() <= registry.MAX_DECODERS
+
+
+async def test_a_failing_round_task_is_logged_and_in_the_outcome(
+    grpc_servers: GrpcServerPool, channels: ChannelPool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Member 0's task that returns averaged chunks raises. Before issue 17 the failure was
+    only logged as a nameless background task: its senders waited to the deadline and the
+    result said nothing about it; now the cause is logged against the round, the senders
+    are told at once, and every member's result shows part 0 as not averaged."""
+    peers = await start_peers(grpc_servers, HONEST)
+    try:
+        rng = np.random.default_rng(13)
+        inputs = [[rng.standard_normal(20_000).astype(np.float32)] for _ in peers]
+        group = make_group(peers, inputs[0])
+        faults = {0: FaultPlan(Fault.REDUCER_RAISES, after_chunks=1)}
+        with caplog.at_level(logging.ERROR, logger="swarmavg.averaging.allreduce.round"):
+            results = await run_group(
+                peers, group, inputs, [1.0] * HONEST, channels, timeout=20, faults=faults
+            )
+        for r in results:
+            assert isinstance(r, AveragingResult), r
+            assert r.partial
+            assert 0 in r.failed_parts
+        first = results[0]
+        assert isinstance(first, AveragingResult)
+        assert any("InjectedFault" in e for e in first.errors), first.errors
+        logged = [
+            rec for rec in caplog.records if "returning averaged chunks failed" in rec.message
+        ]
+        assert logged
+        assert group.group_id.hex() in logged[0].message
+    finally:
+        await close_peers(peers)
+
+
+async def test_frame_headers_from_many_connections_allocate_within_the_budget(
+    grpc_servers: GrpcServerPool, channels: ChannelPool
+) -> None:
+    """64 data-plane connections from one host (127.0.0.2, the per-host connection cap)
+    each send a frame header declaring a 4 MiB body and nothing more. Before issue 17 each
+    header allocated its body at once: 256 MiB traced for a few hundred bytes sent; now
+    the bodies are charged to the host's 64 MiB budget first and the rest wait unread. An
+    honest round from 127.0.0.1 still runs over the data plane meanwhile."""
+    peers = await start_peers(grpc_servers, HONEST, data_plane=True)
+    target = peers[0]
+    writers: list[asyncio.StreamWriter] = []
+    tracemalloc.start()
+    try:
+        baseline = tracemalloc.get_traced_memory()[0]
+        header = struct.pack("<IB", 4 << 20, 1)  # MSG, 4 MiB declared, never sent
+        hello = struct.pack("<IB", len(MAGIC), 0) + MAGIC
+        for _ in range(64):
+            _, writer = await asyncio.open_connection(
+                "127.0.0.1", target.data_port, local_addr=("127.0.0.2", 0)
+            )
+            writer.write(hello + header)
+            writers.append(writer)
+        budget = target.service.data_plane_budget
+        assert budget is not None
+        per_host = budget.per_host
+        # Every header has been read: 16 bodies admitted, the other 48 waiting.
+        await asyncio.wait_for(
+            budget.wait_until(lambda b: b.held_by("127.0.0.2") == per_host and b.deferred >= 48),
+            30.0,
+        )
+        peak = tracemalloc.get_traced_memory()[1] - baseline
+        tracemalloc.stop()
+        assert peak < per_host + (8 << 20), peak
+
+        rng = np.random.default_rng(17)
+        inputs = [[rng.standard_normal(50_000).astype(np.float32)] for _ in peers]
+        group = make_group(peers, inputs[0])
+        opened = [p.service.data_connector.opened for p in peers if p.service.data_connector]
+        results = await run_group(peers, group, inputs, [1.0] * HONEST, channels)
+        for r in results:
+            assert isinstance(r, AveragingResult), r
+            assert r.failed_parts == ()
+        reopened = [p.service.data_connector.opened for p in peers if p.service.data_connector]
+        assert sum(reopened) > sum(opened)  # the honest streams used the data plane
+    finally:
+        tracemalloc.stop()
+        for writer in writers:
+            writer.close()
+        await close_peers(peers)
+    # Closed connections give their bytes back.
+    assert budget.held == 0
