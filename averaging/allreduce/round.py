@@ -28,6 +28,7 @@ from swarmavg.averaging.allreduce.partition import PartPlan
 from swarmavg.averaging.allreduce.reducer import ContributionError, PartReducer
 from swarmavg.averaging.allreduce.wire import Request, encode_response
 from swarmavg.averaging.group import GroupInfo
+from swarmavg.averaging.stalled import abort_stalled
 from swarmavg.compression import Codec, CodecInfo
 from swarmavg.dht.tasks import TaskSet
 
@@ -90,27 +91,6 @@ class ReduceContext(Protocol):
 async def abort_stream(context: ReduceContext, code: grpc.StatusCode, details: str) -> NoReturn:
     """End the stream with ``code``; ``context.abort`` raises, this says so to the checker."""
     await context.abort(code, details)
-    raise RuntimeError("context.abort returned")
-
-
-class StalledReader(Exception):
-    """A sender stopped reading its replies; its stream is given up without a status.
-
-    Raised out of the ``Reduce`` handler when even the error status cannot be written (it
-    queues behind the unread replies): the handler, and the round's memory, are released
-    at once; gRPC ends the call at the sender's deadline or the connection's age limit.
-    """
-
-
-_STATUS_WAIT = 1.0  # seconds an error status may take to leave, behind unread replies
-
-
-async def _abort_stalled(context: ReduceContext, reason: str) -> NoReturn:
-    try:
-        async with asyncio.timeout(_STATUS_WAIT):
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, reason)
-    except TimeoutError:
-        raise StalledReader(reason) from None
     raise RuntimeError("context.abort returned")
 
 
@@ -310,7 +290,7 @@ class ReducerRound:
                 except TimeoutError:
                     reason = f"sender read no reply for {self.config.write_timeout:.1f}s"
                     self.drop(sender, reason)
-                    await _abort_stalled(context, reason)
+                    await abort_stalled(context, grpc.StatusCode.DEADLINE_EXCEEDED, reason)
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -28,6 +28,7 @@ from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.allreduce.data_plane import DataConnector, DataPlaneServer
 from swarmavg.averaging.allreduce.round import Abort, ReduceContext, ReducerRound, abort_stream
 from swarmavg.averaging.allreduce.wire import Request
+from swarmavg.averaging.gauge import Gauge
 from swarmavg.compression import Codec, canonical_name, get_codec
 from swarmavg.dht.identity import HeaderError, verify_header
 from swarmavg.proto import common_pb2
@@ -67,9 +68,8 @@ class AllReduceService:
         self._recent: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._registered = asyncio.Event()
         self._waiting = 0
-        self.inbound_streams = 0
+        self.inbound = Gauge()
         """``Reduce`` streams being served now, over either transport (status, tests)."""
-        self._inbound_changed = asyncio.Condition()
         self._closed = False
         self.bytes_per_element: dict[tuple[str, str], float] = {}
         self._codecs: collections.OrderedDict[str, Codec] = collections.OrderedDict()
@@ -202,22 +202,11 @@ class AllReduceService:
         """
         until = time.monotonic() + self.config.registration_wait
         iterator = request_iterator.__aiter__()
-        await self._count_inbound(+1)
+        self.inbound.add(1)
         try:
             await self._serve_checked(iterator, context, until)
         finally:
-            await self._count_inbound(-1)
-
-    async def _count_inbound(self, delta: int) -> None:
-        async with self._inbound_changed:
-            self.inbound_streams += delta
-            self._inbound_changed.notify_all()
-
-    async def wait_inbound(self, predicate: Callable[[int], bool]) -> None:
-        """Wait until ``predicate(inbound_streams)`` holds (tests and benchmarks observe
-        attacks with it; wrap it in a timeout)."""
-        async with self._inbound_changed:
-            await self._inbound_changed.wait_for(lambda: predicate(self.inbound_streams))
+            self.inbound.add(-1)
 
     async def _serve_checked(
         self, iterator: AsyncIterator[Request], context: ReduceContext, until: float

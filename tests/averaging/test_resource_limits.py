@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
+from swarmavg.averaging.allreduce.admission import host_group
 from swarmavg.averaging.allreduce.data_plane import MAGIC
 from swarmavg.averaging.allreduce.faults import Fault, FaultPlan
 from swarmavg.averaging.allreduce.load_balancing import part_sizes
@@ -59,7 +60,7 @@ async def test_silent_streams_on_one_connection_do_not_block_honest_reduces(
     attack = grpc.aio.insecure_channel(target.address, options=[_OWN_CONNECTION])
     silent = [_reduce_call(attack, 30.0) for _ in range(64)]
     try:
-        await target.service.wait_inbound(lambda n: n >= 64)  # each one is in a handler
+        await target.service.inbound.wait_until(lambda n: n >= 64)  # each one is in a handler
         # A stream on the same connection is refused for its header, not for want of a slot.
         probe = _reduce_call(attack, 30.0)
         bad = averaging_pb2.ReduceRequest(header=common_pb2.RequestHeader(run_id="other"))
@@ -132,7 +133,7 @@ async def test_a_member_that_stops_reading_is_cut_and_pins_nothing(
             assert "read no reply" in r.dropped[HONEST] or "does not read" in r.dropped[HONEST]
         # Every reducer's handler for the silent reader has returned: nothing is pinned.
         for p in peers[:HONEST]:
-            await asyncio.wait_for(p.service.wait_inbound(lambda n: n == 0), 10.0)
+            await asyncio.wait_for(p.service.inbound.wait_until(lambda n: n == 0), 10.0)
         for channel in channels_to:
             await channel.close()
     finally:
@@ -260,3 +261,20 @@ async def test_frame_headers_from_many_connections_allocate_within_the_budget(
         await close_peers(peers)
     # Closed connections give their bytes back.
     assert budget.held == 0
+
+
+@pytest.mark.parametrize(
+    ("host", "group"),
+    [
+        ("203.0.113.7", "203.0.113.7"),
+        ("2001:db8:1:2:aaaa::1", "2001:db8:1:2::/64"),
+        ("2001:db8:1:2:ffff:ffff:ffff:ffff", "2001:db8:1:2::/64"),
+        ("2001:db8:1:3::1", "2001:db8:1:3::/64"),
+        ("::ffff:198.51.100.4", "198.51.100.4"),
+        ("fe80::1%eth0", "fe80::/64"),
+        ("not-an-address", "not-an-address"),
+    ],
+)
+def test_hosts_are_grouped_by_ipv6_prefix(host: str, group: str) -> None:
+    """One IPv6 host holds a whole /64: its addresses count as one host for every cap."""
+    assert host_group(host) == group
