@@ -226,4 +226,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    asyncio.run(main(str(Path(service_module.__file__).resolve().parents[2])))
