@@ -211,11 +211,11 @@ async def codec_flood() -> dict[str, Any]:
         await servers.close()
 
 
-async def main() -> None:
+async def main(code: str) -> None:
     tracemalloc.start()
     out: dict[str, Any] = {
         "benchmark": "resource_attacks",
-        "code": os.path.dirname(os.path.realpath(service_module.__file__)),
+        "code": code,
         "silent_streams": await silent_streams(),
         "non_reader": await non_reader(),
         "frame_headers": await frame_headers(),
