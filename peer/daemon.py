@@ -338,10 +338,12 @@ class Peer:
             raise RuntimeError("the peer is not started")
         await self.averager.publish_state(arrays, metadata)
 
-    async def load_state(self, timeout: float) -> tuple[bytes, list[np.ndarray]]:
+    async def load_state(
+        self, timeout: float, max_bytes: int | None = None
+    ) -> tuple[bytes, list[np.ndarray]]:
         if self.averager is None:
             raise RuntimeError("the peer is not started")
-        metadata, tensors = await self.averager.load_state(timeout)
+        metadata, tensors = await self.averager.load_state(timeout, max_bytes)
         return bytes(metadata), list(tensors)
 
     def status(self) -> control_pb2.StatusResponse:

@@ -201,8 +201,15 @@ class StateSharer:
 
     # ------------------------------------------------------------------ joiner side
 
-    async def load(self, timeout: float) -> tuple[bytes, list[np.ndarray]]:
+    async def load(
+        self, timeout: float, max_bytes: int | None = None
+    ) -> tuple[bytes, list[np.ndarray]]:
         """Download the freshest state in the run; return ``(metadata, tensors)``.
+
+        The state accepted, and so what the joiner buffers, is at most ``max_bytes``
+        (the schema the caller expects, e.g. its own model's state) and at most
+        ``config.max_state_bytes``: an advertisement or manifest declaring more is
+        refused before any chunk is fetched (issue 17).
 
         The result is exactly the state named by one advertised root: every chunk is
         checked against that root's manifest, never mixed with another version. When every
@@ -211,25 +218,40 @@ class StateSharer:
         reusing the chunks already verified; this goes on until ``timeout``.
 
         Raises:
+            ValueError: ``max_bytes`` is not positive.
             StateNotFoundError: nobody advertises a state.
-            StateDownloadError: every donor of every advertised state failed.
+            StateDownloadError: every donor of every advertised state failed, or every
+                advertised state is larger than the bound.
             TimeoutError: ``timeout`` seconds passed.
         """
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        cap = min(self.config.max_state_bytes, max_bytes or self.config.max_state_bytes)
         failed: set[bytes] = set()
         errors: list[str] = []
         verified: dict[bytes, bytes] = {}
+        tried = False
         async with asyncio.timeout(timeout):
             while True:
                 groups = [g for g in await self._advertised_groups() if g[0].root not in failed]
+                too_large = [g for g in groups if g[0].size > cap]
+                for group in too_large:
+                    failed.add(group[0].root)
+                    errors.append(
+                        f"state {group[0].root.hex()[:12]} of {group[0].size} bytes is over "
+                        f"the {cap}-byte bound"
+                    )
+                groups = [g for g in groups if g[0].size <= cap]
                 if not groups:
                     if not failed:
                         raise StateNotFoundError(f"no peer advertises state under {self.key!r}")
                     raise StateDownloadError("; ".join(errors))
-                if failed:
+                if tried:
                     self.load_switches += 1
+                tried = True
                 donors = random.sample(groups[0], len(groups[0]))  # spread joiners over donors
                 try:
-                    return await self._load_root(donors, verified)
+                    return await self._load_root(donors, verified, cap)
                 except StateDownloadError as error:
                     failed.add(donors[0].root)
                     errors.append(str(error))
@@ -254,7 +276,7 @@ class StateSharer:
         return local
 
     async def _load_root(
-        self, donors: list[Advertisement], verified: dict[bytes, bytes]
+        self, donors: list[Advertisement], verified: dict[bytes, bytes], cap: int
     ) -> tuple[bytes, list[np.ndarray]]:
         """Download the state ``donors[0].root`` into ``verified`` (kept on failure)."""
         root = donors[0].root
@@ -265,7 +287,7 @@ class StateSharer:
             busy = False
             for i, donor in enumerate(donors):
                 try:
-                    manifest = await self._fetch_manifest(donor, root)
+                    manifest = await self._fetch_manifest(donor, root, cap)
                     live = donors[i:]
                     break
                 except _DonorBusy:
@@ -300,7 +322,7 @@ class StateSharer:
     def _download_call(self, donor: Advertisement) -> grpc.aio.UnaryStreamMultiCallable:
         return download_state_method(self.channels.channel(donor.address))
 
-    async def _fetch_manifest(self, donor: Advertisement, root: bytes) -> Manifest:
+    async def _fetch_manifest(self, donor: Advertisement, root: bytes, cap: int) -> Manifest:
         request = averaging_pb2.StateRequest(
             header=self.dht.make_header(), root=root, want_manifest=True
         )
@@ -313,7 +335,7 @@ class StateSharer:
             if first is grpc.aio.EOF or first.code != averaging_pb2.STATE_OK:
                 detail = "" if first is grpc.aio.EOF else first.detail
                 raise _DonorFailed(f"no manifest ({detail})")
-            return Manifest.from_proto(first.manifest, root, self.config.max_state_bytes)
+            return Manifest.from_proto(first.manifest, root, cap)
         except (grpc.aio.AioRpcError, TimeoutError, StateFormatError) as error:
             raise _DonorFailed(repr(error)) from None
         finally:

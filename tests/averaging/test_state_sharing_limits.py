@@ -8,6 +8,7 @@ import grpc
 import numpy as np
 import pytest
 
+from swarmavg.averaging import StateDownloadError
 from swarmavg.averaging.state.config import StateSharingConfig
 from swarmavg.averaging.stubs import download_state_method
 from swarmavg.proto import averaging_pb2
@@ -57,4 +58,25 @@ async def test_eight_slow_readers_do_not_make_every_joiner_busy() -> None:
             call.cancel()
         for channel in channels:
             await channel.close()
+        await swarm.close()
+
+
+@pytest.mark.timeout(60)
+async def test_joiner_refuses_a_state_larger_than_it_asked_for() -> None:
+    """A joiner that expects a 1 MiB model is offered a 32 MiB state. Before issue 17 it
+    downloaded and buffered whatever was advertised (up to ``max_state_bytes``, 16 GiB);
+    now ``max_bytes`` refuses it before any chunk is fetched, and a bound that fits loads."""
+    swarm = AveragerSwarm()
+    try:
+        donor = await swarm.add(CONFIG)
+        joiner = await swarm.add(CONFIG)
+        rng = np.random.default_rng(2)
+        tensors = [rng.standard_normal(8 << 20).astype(np.float32)]  # 32 MiB
+        await donor.averager.publish_state(tensors, b"m")
+        with pytest.raises(StateDownloadError, match="bound"):
+            await joiner.averager.load_state(timeout=20, max_bytes=1 << 20)
+        assert joiner.averager.state_sharer.downloaded_chunks == 0
+        _, loaded = await joiner.averager.load_state(timeout=20, max_bytes=33 << 20)
+        assert loaded[0].tobytes() == tensors[0].tobytes()
+    finally:
         await swarm.close()
