@@ -80,6 +80,7 @@ _END_WAIT = 2.0  # seconds the server waits for a client's CLOSE after the strea
 _IDLE_CLIENT = 30.0  # a client reuses a connection idle for less than this...
 _IDLE_SERVER = 120.0  # ...and the server closes one idle for longer than this
 _MAX_IDLE_PER_PEER = 8
+_MAX_UNREACHABLE = 1024  # remembered unreachable reducers; their addresses come from leaders
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -460,7 +461,21 @@ class DataConnector:
     def refused(self, host: str, port: int) -> None:
         """The reducer at ``host:port`` refused or could not take a stream: use gRPC for
         it for ``retry_after`` seconds."""
-        self._unreachable[(host, port)] = time.monotonic() + self.retry_after
+        now = time.monotonic()
+        key = (host, port)
+        self._unreachable.pop(key, None)  # re-inserted last: the dict stays in expiry order
+        self._unreachable[key] = now + self.retry_after
+        if len(self._unreachable) > _MAX_UNREACHABLE:
+            # Addresses come from group leaders, strangers: keep the table bounded, first
+            # by forgetting expired entries, then the oldest (issue 17).
+            self._unreachable = {k: t for k, t in self._unreachable.items() if t > now}
+            while len(self._unreachable) > _MAX_UNREACHABLE:
+                del self._unreachable[next(iter(self._unreachable))]
+
+    @property
+    def remembered_unreachable(self) -> int:
+        """Reducers remembered as unreachable now (at most 1024)."""
+        return len(self._unreachable)
 
     async def open(self, host: str, port: int, timeout: float) -> DataCall | None:
         """A new stream to ``host:port``, or ``None`` (unreachable now: use gRPC)."""
@@ -474,6 +489,7 @@ class DataConnector:
             if protocol.usable and now - since < _IDLE_CLIENT:
                 return DataCall(protocol, self._release_to(key))
             protocol.close()
+        self._idle.pop(key, None)  # no empty lists left behind for every address ever used
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(max(min(timeout, self.connect_timeout), 0.001)):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from swarmavg.averaging.allreduce.admission import host_group
-from swarmavg.averaging.allreduce.data_plane import MAGIC
+from swarmavg.averaging.allreduce.data_plane import MAGIC, DataConnector
 from swarmavg.averaging.allreduce.faults import Fault, FaultPlan
 from swarmavg.averaging.allreduce.load_balancing import part_sizes
 from swarmavg.averaging.allreduce.partition import PartPlan, chunk_elements_for
@@ -278,3 +278,12 @@ async def test_frame_headers_from_many_connections_allocate_within_the_budget(
 def test_hosts_are_grouped_by_ipv6_prefix(host: str, group: str) -> None:
     """One IPv6 host holds a whole /64: its addresses count as one host for every cap."""
     assert host_group(host) == group
+
+
+def test_unreachable_reducer_table_is_bounded() -> None:
+    """Reducer addresses come from leaders; each unreachable one was remembered for ever."""
+    connector = DataConnector()
+    for i in range(5000):
+        connector.refused(f"198.51.{i // 256}.{i % 256}", 4000 + i)
+    assert connector.remembered_unreachable == 1024
+    connector.close()
