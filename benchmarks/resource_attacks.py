@@ -13,6 +13,8 @@ script measures the code before the change (run it with that checkout first on
   held by the reducers once the round is over, and the round's seconds.
 - ``frame_headers``: 64 data-plane connections from 127.0.0.2 each declare a 4 MiB frame
   and send all of it but its last byte: MiB allocated (traced) and RSS growth.
+- ``slow_readers``: 8 joiners ask a donor for all of a 32 MiB state and never read; then
+  an honest joiner loads: how its ``load_state`` ended, and its seconds.
 - ``codec_flood``: 12 rounds whose codec is ``topk`` spelled 12 ways: codec instances and
   MiB of error-feedback residuals kept by one peer.
 
@@ -187,6 +189,48 @@ async def frame_headers() -> dict[str, Any]:
         await servers.close()
 
 
+async def slow_readers() -> dict[str, Any]:
+    from swarmavg.averaging.state.config import StateSharingConfig
+    from swarmavg.averaging.stubs import download_state_method
+    from swarmavg.proto import averaging_pb2
+    from tests.averaging.averager_swarm import AveragerSwarm, fast_config
+
+    config = fast_config(state=StateSharingConfig(chunk_size=MIB, message_timeout=1.0))
+    swarm = AveragerSwarm()
+    attack: list[grpc.aio.Channel] = []
+    calls: list[Any] = []
+    try:
+        donor = await swarm.add(config)
+        joiner = await swarm.add(config)
+        tensors = [np.random.default_rng(1).standard_normal(8 << 20).astype(np.float32)]
+        await donor.averager.publish_state(tensors, b"m")
+        manifest = donor.averager.state_sharer.published
+        assert manifest is not None
+        for _ in range(8):
+            channel = grpc.aio.insecure_channel(donor.address, options=OWN)
+            attack.append(channel)
+            request = averaging_pb2.StateRequest(
+                header=joiner.node.make_header(),
+                root=manifest.root,
+                chunk_hashes=manifest.chunk_hashes,
+            )
+            calls.append(download_state_method(channel)(request, timeout=60))
+        await asyncio.sleep(1.0)  # the donor takes the 8 streams
+        started = time.monotonic()
+        try:
+            await joiner.averager.load_state(timeout=30)
+            outcome = "loaded"
+        except Exception as e:
+            outcome = type(e).__name__
+        return {"readers": 8, "joiner": outcome, "joiner_s": round(time.monotonic() - started, 2)}
+    finally:
+        for c in calls:
+            c.cancel()
+        for ch in attack:
+            await ch.close()
+        await swarm.close()
+
+
 async def codec_flood() -> dict[str, Any]:
     servers, channels = GrpcServerPool(), ChannelPool()
     peers = await start_peers(servers, 3)
@@ -219,6 +263,7 @@ async def main(code: str) -> None:
         "silent_streams": await silent_streams(),
         "non_reader": await non_reader(),
         "frame_headers": await frame_headers(),
+        "slow_readers": await slow_readers(),
         "codec_flood": await codec_flood(),
         "pid": os.getpid(),
     }
