@@ -24,10 +24,13 @@ from swarmavg.averaging.allreduce.load_balancing import part_sizes
 from swarmavg.averaging.allreduce.partition import PartPlan, chunk_elements_for
 from swarmavg.averaging.allreduce.reducer import weighted_mean
 from swarmavg.averaging.allreduce.runner import _bytes_per_element
+from swarmavg.averaging.allreduce.service import AllReduceService
 from swarmavg.averaging.group import Mode
 from swarmavg.averaging.result import AveragingResult
+from swarmavg.averaging.service import add_reduce_to_server
 from swarmavg.compression import registry
 from swarmavg.dht import ChannelPool
+from swarmavg.dht.server_limits import ServerLimits, make_server
 from swarmavg.proto import averaging_pb2, common_pb2
 from tests.averaging.allreduce_peers import FAST, close_peers, make_group, run_group, start_peers
 from tests.averaging.test_allreduce_hostile import CODEC, HONEST, Hostile
@@ -287,3 +290,29 @@ def test_unreachable_reducer_table_is_bounded() -> None:
         connector.refused(f"198.51.{i // 256}.{i % 256}", 4000 + i)
     assert connector.remembered_unreachable == 1024
     connector.close()
+
+
+async def test_server_limits_cap_streams_per_connection(channels: ChannelPool) -> None:
+    """A server made by ``make_server`` lets one connection open only
+    ``max_concurrent_streams`` streams at once; gRPC's own default is unbounded."""
+    service = AllReduceService("test-allreduce", FAST)
+    server = make_server(ServerLimits(max_concurrent_streams=4))
+    add_reduce_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    attack = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[_OWN_CONNECTION])
+    try:
+        calls = [_reduce_call(attack, 30.0) for _ in range(6)]
+        await asyncio.wait_for(service.inbound.wait_until(lambda n: n == 4), 10.0)
+        calls[0].cancel()  # two streams close: the two queued ones open
+        calls[1].cancel()
+        bad = averaging_pb2.ReduceRequest(header=common_pb2.RequestHeader(run_id="other"))
+        for call in calls[2:]:
+            await call.write(bad)
+        codes = [await call.code() for call in calls[2:]]
+        assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 4  # all 6 were served in turn
+        assert service.inbound.peak == 4  # ...never more than 4 at once (default: 6)
+    finally:
+        await attack.close()
+        await server.stop(None)
+        await service.close()
