@@ -14,13 +14,10 @@ class Gauge:
 
     def __init__(self) -> None:
         self.value = 0
-        self.peak = 0
-        """The largest value so far."""
         self._watchers: list[tuple[Callable[[int], bool], asyncio.Future[None]]] = []
 
     def add(self, delta: int) -> None:
         self.value += delta
-        self.peak = max(self.peak, self.value)
         for predicate, future in self._watchers:
             if not future.done() and predicate(self.value):
                 future.set_result(None)

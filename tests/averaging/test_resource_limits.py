@@ -292,27 +292,37 @@ def test_unreachable_reducer_table_is_bounded() -> None:
     connector.close()
 
 
-async def test_server_limits_cap_streams_per_connection(channels: ChannelPool) -> None:
-    """A server made by ``make_server`` lets one connection open only
-    ``max_concurrent_streams`` streams at once; gRPC's own default is unbounded."""
-    service = AllReduceService("test-allreduce", FAST)
+async def test_server_limits_cap_streams_per_connection() -> None:
+    """A server made by ``make_server`` serves at most ``max_concurrent_streams`` streams
+    of one connection at once (the rest wait on the client or are refused); gRPC's own
+    default lets a connection open 2^31 - 1, so all 8 would be in handlers."""
+    service = AllReduceService("test-allreduce", dataclasses.replace(FAST, registration_wait=30.0))
     server = make_server(ServerLimits(max_concurrent_streams=4))
     add_reduce_to_server(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    attack = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[_OWN_CONNECTION])
+    address = f"127.0.0.1:{port}"
+    attack = grpc.aio.insecure_channel(address, options=[_OWN_CONNECTION])
+    other = grpc.aio.insecure_channel(address, options=[_OWN_CONNECTION])
+    calls: list[grpc.aio.StreamStreamCall] = []
     try:
-        calls = [_reduce_call(attack, 30.0) for _ in range(6)]
-        await asyncio.wait_for(service.inbound.wait_until(lambda n: n == 4), 10.0)
-        calls[0].cancel()  # two streams close: the two queued ones open
-        calls[1].cancel()
         bad = averaging_pb2.ReduceRequest(header=common_pb2.RequestHeader(run_id="other"))
-        for call in calls[2:]:
-            await call.write(bad)
-        codes = [await call.code() for call in calls[2:]]
-        assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 4  # all 6 were served in turn
-        assert service.inbound.peak == 4  # ...never more than 4 at once (default: 6)
+        # One call first, so the client has the server's SETTINGS before the flood.
+        probe = _reduce_call(attack, 30.0)
+        await probe.write(bad)
+        assert await probe.code() is grpc.StatusCode.UNAUTHENTICATED
+        calls = [_reduce_call(attack, 30.0) for _ in range(8)]  # silent: none ends
+        await asyncio.wait_for(service.inbound.wait_until(lambda n: n >= 4), 10.0)
+        # A stream on another connection is served: the server is not stuck, and by the
+        # time it answers, the attack connection's streams have had their chance.
+        sentinel = _reduce_call(other, 30.0)
+        await sentinel.write(bad)
+        assert await sentinel.code() is grpc.StatusCode.UNAUTHENTICATED
+        assert service.inbound.value == 4
     finally:
+        for call in calls:
+            call.cancel()
         await attack.close()
+        await other.close()
         await server.stop(None)
         await service.close()
