@@ -379,8 +379,12 @@ class Averager:
         _, _, sharer = self._require()
         await sharer.publish(tensors, metadata, version)
 
-    async def load_state(self, timeout: float = 60.0) -> tuple[bytes, list[np.ndarray]]:
+    async def load_state(
+        self, timeout: float = 60.0, max_bytes: int | None = None
+    ) -> tuple[bytes, list[np.ndarray]]:
         """Download the freshest published state of the run: ``(metadata, tensors)``.
+
+        ``max_bytes`` bounds the state accepted (see :meth:`StateSharer.load`).
 
         Raises:
             StateNotFoundError: nobody publishes state.
@@ -389,7 +393,7 @@ class Averager:
         """
         _, _, sharer = self._require()
         try:
-            return await sharer.load(timeout)
+            return await sharer.load(timeout, max_bytes)
         except TimeoutError:
             raise AveragingError(f"loading state took longer than {timeout}s") from None
 

@@ -36,6 +36,8 @@ class AveragingResult:
             state digest has it there, tagged: see :attr:`state_digests`).
         failed_parts: parts (member indices) of which some chunk kept local values.
         dropped: senders this member's reducer dropped, with the reason.
+        errors: failures of this member's own tasks in the round, each with its cause
+            (also logged); a round with any is ``partial``.
         local_callers: training processes of this machine combined into the round.
     """
 
@@ -51,6 +53,7 @@ class AveragingResult:
     gathered: dict[str, bytes] = field(default_factory=dict)
     failed_parts: tuple[int, ...] = ()
     dropped: dict[int, str] = field(default_factory=dict)
+    errors: tuple[str, ...] = ()
     local_callers: int = 1
 
     @property

@@ -52,10 +52,9 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
 
     async def DownloadState(
         self, request: averaging_pb2.StateRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[averaging_pb2.StateResponse]:
+    ) -> None:
         _, _, sharer = await self._get(context)
-        async for response in sharer.rpc_download_state(request, context):
-            yield response
+        await sharer.rpc_download_state(request, context)
 
 
 def reduce_method_handler(

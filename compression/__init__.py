@@ -21,7 +21,13 @@ from swarmavg.compression.base import DEFAULT_MAX_ELEMENTS, Codec, CodecInfo, Ro
 from swarmavg.compression.errors import CodecError
 from swarmavg.compression.feedback import ErrorFeedback
 from swarmavg.compression.lossless import LosslessCodec
-from swarmavg.compression.registry import decode_chunk, get_codec, known_codecs, register_codec
+from swarmavg.compression.registry import (
+    canonical_name,
+    decode_chunk,
+    get_codec,
+    known_codecs,
+    register_codec,
+)
 from swarmavg.compression.topk import TopKCodec
 
 __all__ = [
@@ -37,6 +43,7 @@ __all__ = [
     "SelectorCodec",
     "SizeAdaptiveCodec",
     "TopKCodec",
+    "canonical_name",
     "decode_chunk",
     "get_codec",
     "known_codecs",

@@ -14,6 +14,7 @@ chosen codec's name), so :func:`decode_chunk` needs nothing but the message.
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable
 
@@ -23,11 +24,21 @@ from swarmavg.compression.base import DEFAULT_MAX_ELEMENTS, Codec, parse_header,
 from swarmavg.compression.errors import CodecError
 from swarmavg.proto import tensor_pb2
 
-__all__ = ["decode_chunk", "decoder_for", "get_codec", "known_codecs", "register_codec"]
+__all__ = [
+    "canonical_name",
+    "decode_chunk",
+    "decoder_for",
+    "get_codec",
+    "known_codecs",
+    "register_codec",
+]
 
 _factories: dict[str, Callable[..., Codec]] = {}
 _wrappers: dict[str, Callable[[Codec], Codec]] = {}
-_decoders: dict[str, Codec] = {}
+# Decoders by the codec name a message carries, which a peer chooses: bounded (LRU), so
+# that a flood of spellings ("topk:fraction=0.0001", ...) cannot grow it (issue 17).
+_decoders: collections.OrderedDict[str, Codec] = collections.OrderedDict()
+MAX_DECODERS = 64
 _lock = threading.Lock()
 
 
@@ -122,15 +133,44 @@ def decoder_for(name: str) -> Codec:
     Raises:
         CodecError: no codec of that name.
     """
-    codec = _decoders.get(name)
-    if codec is None:
-        try:
-            codec = get_codec(name)
-        except ValueError as e:
-            raise CodecError(str(e)) from None
-        with _lock:
-            codec = _decoders.setdefault(name, codec)
+    with _lock:
+        codec = _decoders.get(name)
+        if codec is not None:
+            _decoders.move_to_end(name)
+            return codec
+    try:
+        codec = get_codec(name)
+    except ValueError as e:
+        raise CodecError(str(e)) from None
+    with _lock:
+        codec = _decoders.setdefault(name, codec)
+        while len(_decoders) > MAX_DECODERS:
+            _decoders.popitem(last=False)
     return codec
+
+
+def cached_decoders() -> int:
+    """How many shared decoders :func:`decoder_for` holds now (at most :data:`MAX_DECODERS`)."""
+    return len(_decoders)
+
+
+def canonical_name(name: str) -> str:
+    """One spelling per codec: ``name`` with its parameters parsed, sorted and printed
+    back (``"topk:fraction=0.050"`` and ``"topk:fraction=5e-2"`` give
+    ``"topk:fraction=0.05"``), so that caches keyed by a peer's spelling hold one entry
+    per distinct codec.
+
+    Raises:
+        ValueError: malformed parameters.
+    """
+    prefix, plus, inner = name.partition("+")
+    if plus:
+        return f"{prefix.strip()}+{canonical_name(inner)}"
+    base, colon, text = name.partition(":")
+    if not colon:
+        return base.strip()
+    params = _parse_params(text, name)
+    return base.strip() + ":" + ",".join(f"{k}={params[k]!r}" for k in sorted(params))
 
 
 def decode_chunk(

@@ -35,6 +35,7 @@ from swarmavg.dht.records import (
     unpack_subkey,
 )
 from swarmavg.dht.routing import Contact, RoutingTable
+from swarmavg.dht.server_limits import ServerLimits, make_server
 from swarmavg.dht.storage import STORED, Storage
 from swarmavg.dht.tasks import TaskSet
 from swarmavg.dht.traversal import LookupResult, traverse
@@ -125,9 +126,7 @@ class DHTNode:
         if config.client_mode:
             await node.start(None)
             return node
-        server = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", config.limits.max_request_bytes)]
-        )
+        server = make_server(ServerLimits(max_message_bytes=config.limits.max_request_bytes))
         node.add_to_server(server)
         node._server = server
         try:

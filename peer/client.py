@@ -259,8 +259,16 @@ class Client:
         messages = list(state_messages(tensors, metadata))  # validates before sending
         self._unary(self._stub.PublishState, iter(messages))
 
-    def load_state(self, timeout: float = 60.0) -> tuple[Any, list[Any]]:
+    def load_state(
+        self, timeout: float = 60.0, max_bytes: int | None = None
+    ) -> tuple[Any, list[Any]]:
         """Download the newest published state of the run: ``(metadata, numpy arrays)``.
+
+        Args:
+            timeout: seconds the download may take.
+            max_bytes: the largest state (tensors and metadata) this caller accepts, e.g.
+                what its own model's state takes; a larger one is refused before any of
+                it is downloaded. ``None``: the daemon's cap (``max_state_bytes``).
 
         Raises:
             NoStateError: no peer has published state.
@@ -268,7 +276,7 @@ class Client:
         receiver = StateReceiver()
         try:
             for message in self._stub.LoadState(
-                control_pb2.LoadStateRequest(timeout=timeout),
+                control_pb2.LoadStateRequest(timeout=timeout, max_bytes=max_bytes or 0),
                 timeout=timeout + 10.0,
                 metadata=self._metadata,
             ):
@@ -432,12 +440,14 @@ class AsyncClient:
         messages = list(state_messages(tensors, metadata))
         await self._unary(self._stub.PublishState, iter(messages))
 
-    async def load_state(self, timeout: float = 60.0) -> tuple[Any, list[Any]]:
+    async def load_state(
+        self, timeout: float = 60.0, max_bytes: int | None = None
+    ) -> tuple[Any, list[Any]]:
         """Same as :meth:`Client.load_state`, as a coroutine."""
         receiver = StateReceiver()
         try:
             stream = self._stub.LoadState(
-                control_pb2.LoadStateRequest(timeout=timeout),
+                control_pb2.LoadStateRequest(timeout=timeout, max_bytes=max_bytes or 0),
                 timeout=timeout + 10.0,
                 metadata=self._metadata,
             )

@@ -330,6 +330,10 @@ INTERNAL: Mapping[type, tuple[str, ...]] = MappingProxyType(
             "registration_wait",
             "finalize_margin",
             "max_waiting_streams",
+            # Resource bounds against strangers (docs/averaging.md, bounded resources).
+            "write_timeout",
+            "max_reply_backlog",
+            "max_codec_instances",
             "data_connect_timeout",
             "data_retry_after",
         ),
@@ -339,6 +343,7 @@ INTERNAL: Mapping[type, tuple[str, ...]] = MappingProxyType(
             "ttl",
             "batch_chunks",
             "message_timeout",
+            "upload_timeout",
             "retain_versions",
             "retain_seconds",
         ),

@@ -40,6 +40,7 @@ from swarmavg.dht import (
     Identity,
     ValueWithExpiration,
 )
+from swarmavg.dht.server_limits import ServerLimits, make_server
 from swarmavg.dht.tasks import TaskSet, bounded_step
 from swarmavg.peer import __version__, shm
 from swarmavg.peer.client import AsyncClient
@@ -61,6 +62,7 @@ log = logging.getLogger(__name__)
 
 SHM_SWEEP_INTERVAL = 5.0
 SERVER_OPTIONS = [
+    # The local control server's options (the public one uses dht.server_limits).
     # grpc enables SO_REUSEPORT by default, which would let a second daemon "bind" a port
     # that is in use and split its traffic with the first; a clear error is better.
     ("grpc.so_reuseport", 0),
@@ -98,7 +100,7 @@ async def start_public_server(
     Raises:
         StartupError: the address cannot be bound (the message says why and what to do).
     """
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = make_server(ServerLimits())
     register(server)
     try:
         port = server.add_insecure_port(listen)
@@ -357,10 +359,12 @@ class Peer:
             raise RuntimeError("the peer is not started")
         await self.averager.publish_state(arrays, metadata)
 
-    async def load_state(self, timeout: float) -> tuple[bytes, list[np.ndarray]]:
+    async def load_state(
+        self, timeout: float, max_bytes: int | None = None
+    ) -> tuple[bytes, list[np.ndarray]]:
         if self.averager is None:
             raise RuntimeError("the peer is not started")
-        metadata, tensors = await self.averager.load_state(timeout)
+        metadata, tensors = await self.averager.load_state(timeout, max_bytes)
         return bytes(metadata), list(tensors)
 
     def status(self) -> control_pb2.StatusResponse:

@@ -170,10 +170,12 @@ class PublishStateResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadStateRequest(_message.Message):
-    __slots__ = ("timeout",)
+    __slots__ = ("timeout", "max_bytes")
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     timeout: float
-    def __init__(self, timeout: _Optional[float] = ...) -> None: ...
+    max_bytes: int
+    def __init__(self, timeout: _Optional[float] = ..., max_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

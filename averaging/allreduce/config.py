@@ -36,6 +36,16 @@ class AllReduceConfig:
             averaged chunks still reach the senders in time.
         max_waiting_streams: inbound streams allowed to wait for an unknown group at
             once; more are refused with RESOURCE_EXHAUSTED.
+        write_timeout: a reply (gRPC message or data-plane frame) that the transport has
+            not taken within this long means its sender stopped reading: the stream is cut
+            (``DEADLINE_EXCEEDED``) and the sender dropped, so it pins nothing longer.
+        max_reply_backlog: bytes of averaged chunks queued for one sender that it has not
+            read yet; a sender further behind is cut (``RESOURCE_EXHAUSTED``) and what was
+            queued for it freed. An honest sender reads its replies as they come (the
+            reducer emits at the pace of the slowest sender), so it stays far below.
+        max_codec_instances: codec instances kept across rounds (stateful ones, ``topk``,
+            hold up to 1 GiB of error-feedback residuals each); the least recently used
+            is dropped beyond it. An honest run uses one or two codecs.
         executor_threads: threads for codec work and reduction, off the event loop; 0
             runs it on the loop. Default: 0 on machines with at most 2 cores, where the
             thread pool cost 10-30% more CPU per round than inline work
@@ -58,6 +68,9 @@ class AllReduceConfig:
     registration_wait: float = 5.0
     finalize_margin: float = 0.5
     max_waiting_streams: int = 64
+    write_timeout: float = 10.0
+    max_reply_backlog: int = 32 << 20
+    max_codec_instances: int = 4
     executor_threads: int = field(default_factory=_default_executor_threads)
     data_plane: bool = True
     data_host: str | None = None
@@ -68,7 +81,7 @@ class AllReduceConfig:
     def __post_init__(self) -> None:
         if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError("chunk_bytes must be within 4 KiB..3 MiB (gRPC caps messages at 4)")
-        for name in ("min_stall", "stall_factor", "registration_wait"):
+        for name in ("min_stall", "stall_factor", "registration_wait", "write_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
         if self.finalize_margin < 0:
@@ -77,5 +90,9 @@ class AllReduceConfig:
             raise ValueError("data_port must be a TCP port, or 0 for any free one")
         if not (self.data_connect_timeout > 0 and self.data_retry_after >= 0):
             raise ValueError("data_connect_timeout must be > 0 and data_retry_after >= 0")
+        if self.max_reply_backlog < MAX_CHUNK_BYTES + (64 << 10):
+            raise ValueError("max_reply_backlog must hold at least one chunk (3 MiB + 64 KiB)")
+        if self.max_codec_instances < 1:
+            raise ValueError("max_codec_instances must be >= 1")
         if self.max_waiting_streams < 1 or self.executor_threads < 0:
             raise ValueError("max_waiting_streams must be >= 1 and executor_threads >= 0")

@@ -43,6 +43,7 @@ from typing import Any, NoReturn, Protocol, cast
 import grpc
 import numpy as np
 
+from swarmavg.averaging.allreduce.admission import ByteBudget, host_group
 from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.allreduce.round import ReduceContext
 from swarmavg.averaging.allreduce.wire import Request, deserialize_reply, deserialize_request
@@ -79,6 +80,7 @@ _END_WAIT = 2.0  # seconds the server waits for a client's CLOSE after the strea
 _IDLE_CLIENT = 30.0  # a client reuses a connection idle for less than this...
 _IDLE_SERVER = 120.0  # ...and the server closes one idle for longer than this
 _MAX_IDLE_PER_PEER = 8
+_MAX_UNREACHABLE = 1024  # remembered unreachable reducers; their addresses come from leaders
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -124,12 +126,23 @@ def _parse_status(body: memoryview) -> tuple[grpc.StatusCode, str]:
 class _FrameProtocol(asyncio.BufferedProtocol):
     """Frames in (read straight into their final buffers) and out, with flow control."""
 
-    def __init__(self, admit: Callable[[_FrameProtocol, str], bool] | None = None) -> None:
+    def __init__(
+        self,
+        admit: Callable[[_FrameProtocol, str], bool] | None = None,
+        budget: ByteBudget | None = None,
+    ) -> None:
         """Args:
-        admit: on a server, called with the client's host once connected; ``False``
-            refuses the connection (see :attr:`reject`).
+        admit: on a server, called with the client's host group once connected;
+            ``False`` refuses the connection (see :attr:`reject`).
+        budget: on a server, the bytes every frame body is charged to before it is
+            allocated (:mod:`~swarmavg.averaging.allreduce.admission`).
         """
         self._admit = admit
+        self._budget = budget
+        self.host_group = ""
+        self._held = 0  # budget bytes of this connection: the body being read, queued bodies
+        self._wanted = 0  # a declared body length waiting for the budget
+        self._budget_paused = False
         self.transport: asyncio.Transport | None = None
         self._head = bytearray(_HEAD.size)
         self._body: np.ndarray | None = None
@@ -154,7 +167,8 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         if self._admit is not None:
             peer = self.transport.get_extra_info("peername")
             host = str(peer[0]) if isinstance(peer, tuple) and peer else ""
-            self.reject = not self._admit(self, host)
+            self.host_group = host_group(host)
+            self.reject = not self._admit(self, self.host_group)
         if self.reject:
             # A status the client can read before it has sent anything that was processed,
             # so it knows it may use gRPC instead. Closing at once, with its bytes unread,
@@ -184,19 +198,60 @@ class _FrameProtocol(asyncio.BufferedProtocol):
                 return
             self._kind = kind
             if length:
-                self._body = np.empty(length, np.uint8)  # no zero-fill: recv writes it all
+                self._admit_body(length)
                 return
             self._deliver(memoryview(b""))
         elif self._filled == self._body.size:
             body, self._body, self._filled = self._body, None, 0
             self._deliver(body.data)
 
+    def _admit_body(self, length: int) -> None:
+        """Allocate the next body once the budget has its bytes (issue 17: never on the
+        header's word alone); until then this connection is not read."""
+        if self._budget is None:
+            self._body = np.empty(length, np.uint8)  # no zero-fill: recv writes it all
+        elif self._budget.try_acquire(self.host_group, length):
+            self._held += length
+            self._body = np.empty(length, np.uint8)
+        else:
+            self._wanted = length
+            self._budget_paused = True
+            self._update_reading()
+            self._budget.wait(self._retry_body)
+
+    def _retry_body(self) -> bool:
+        if self._budget is None or self.error is not None or not self._wanted:
+            return True  # closed meanwhile: stop waiting
+        if not self._budget.try_acquire(self.host_group, self._wanted):
+            return False
+        self._held += self._wanted
+        self._body = np.empty(self._wanted, np.uint8)
+        self._wanted = 0
+        self._budget_paused = False
+        self._update_reading()
+        return True
+
+    def _release(self, nbytes: int) -> None:
+        if self._budget is not None and nbytes:
+            nbytes = min(nbytes, self._held)
+            self._held -= nbytes
+            self._budget.release(self.host_group, nbytes)
+
+    def _update_reading(self) -> None:
+        """Read the socket unless the frame queue is full or a body waits for the budget."""
+        paused = self._budget_paused or self._over_high_water()
+        if self.transport is None or paused == self._reading_paused:
+            return
+        self._reading_paused = paused
+        if paused:
+            self.transport.pause_reading()
+        elif not self.transport.is_closing():
+            self.transport.resume_reading()
+
     def _deliver(self, body: memoryview) -> None:
         self._frames.append((self._kind, body))
         self._queued_bytes += body.nbytes
-        if self._over_high_water() and not self._reading_paused and self.transport:
-            self._reading_paused = True
-            self.transport.pause_reading()
+        self._update_reading()
         self._wake()
 
     def _over_high_water(self) -> bool:
@@ -209,6 +264,13 @@ class _FrameProtocol(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(exc or ConnectionResetError("connection closed"))
         self.closed.set()
+        if self._budget is not None:
+            # The body being read is lost; frames queued before stay readable (and
+            # charged) until taken or discarded.
+            self._wanted = 0
+            self._budget.forget(self._retry_body)
+            self._body = None
+            self._release(self._held - self._queued_bytes)
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
 
@@ -242,9 +304,8 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         await self.wait_for_frame()
         frame = self._frames.popleft()
         self._queued_bytes -= frame[1].nbytes
-        if self._reading_paused and not self._over_high_water() and self.transport:
-            self._reading_paused = False
-            self.transport.resume_reading()
+        self._release(frame[1].nbytes)
+        self._update_reading()
         return frame
 
     def send(self, kind: int, pieces: Sequence[bytes | memoryview]) -> None:
@@ -270,6 +331,18 @@ class _FrameProtocol(asyncio.BufferedProtocol):
                 await self._waiter
             finally:
                 self._waiter = None
+
+    def discard_buffered(self) -> None:
+        """Drop every queued frame and give its bytes back to the budget (the server
+        calls this when it stops serving the connection)."""
+        self._frames.clear()
+        self._queued_bytes = 0
+        if not self.closed.is_set():
+            self._wanted = 0
+            if self._budget is not None:
+                self._budget.forget(self._retry_body)
+            self._body = None
+        self._release(self._held)
 
     def close(self, *, discard: bool = False) -> None:
         """Close the connection; ``discard`` drops unsent bytes instead of flushing them
@@ -388,7 +461,21 @@ class DataConnector:
     def refused(self, host: str, port: int) -> None:
         """The reducer at ``host:port`` refused or could not take a stream: use gRPC for
         it for ``retry_after`` seconds."""
-        self._unreachable[(host, port)] = time.monotonic() + self.retry_after
+        now = time.monotonic()
+        key = (host, port)
+        self._unreachable.pop(key, None)  # re-inserted last: the dict stays in expiry order
+        self._unreachable[key] = now + self.retry_after
+        if len(self._unreachable) > _MAX_UNREACHABLE:
+            # Addresses come from group leaders, strangers: keep the table bounded, first
+            # by forgetting expired entries, then the oldest (issue 17).
+            self._unreachable = {k: t for k, t in self._unreachable.items() if t > now}
+            while len(self._unreachable) > _MAX_UNREACHABLE:
+                del self._unreachable[next(iter(self._unreachable))]
+
+    @property
+    def remembered_unreachable(self) -> int:
+        """Reducers remembered as unreachable now (at most 1024)."""
+        return len(self._unreachable)
 
     async def open(self, host: str, port: int, timeout: float) -> DataCall | None:
         """A new stream to ``host:port``, or ``None`` (unreachable now: use gRPC)."""
@@ -402,6 +489,7 @@ class DataConnector:
             if protocol.usable and now - since < _IDLE_CLIENT:
                 return DataCall(protocol, self._release_to(key))
             protocol.close()
+        self._idle.pop(key, None)  # no empty lists left behind for every address ever used
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(max(min(timeout, self.connect_timeout), 0.001)):
@@ -492,14 +580,23 @@ class DataPlaneServer:
         service: ReduceHandler,
         max_connections: int = 256,
         max_connections_per_host: int = 64,
+        max_buffered_bytes: int = 256 << 20,
+        max_buffered_bytes_per_host: int = 64 << 20,
     ) -> None:
         """Args:
         max_connections: open connections in all; more are refused.
-        max_connections_per_host: open connections from one IP address. An honest
-            member holds one per concurrent stream to this peer; the cap keeps one
-            host from taking every slot (and the memory each may buffer, about 12 MiB).
+        max_connections_per_host: open connections from one host group (an IPv4
+            address, an IPv6 /64). An honest member holds one per concurrent stream to
+            this peer; the cap keeps one host from taking every slot.
+        max_buffered_bytes: frame bodies being received or queued, in all; a body that
+            does not fit waits (its connection is not read) until others are consumed.
+        max_buffered_bytes_per_host: the same, per host group. An honest sender has
+            at most one queued stream's worth (4 MiB) plus one body in flight per
+            connection; a 16-peer group's senders together stay under 128 MiB.
         """
         self._service = service
+        self.budget = ByteBudget(max_buffered_bytes, max_buffered_bytes_per_host)
+        """Bytes of frame bodies held now (see :mod:`~swarmavg.averaging.allreduce.admission`)."""
         self._max_connections = max_connections
         self._max_per_host = max_connections_per_host
         self._server: asyncio.Server | None = None
@@ -517,7 +614,7 @@ class DataPlaneServer:
         return self.port
 
     def _accept(self) -> _FrameProtocol:
-        return _FrameProtocol(admit=self._admit)
+        return _FrameProtocol(admit=self._admit, budget=self.budget)
 
     def _admit(self, protocol: _FrameProtocol, host: str) -> bool:
         """Serve a new connection from ``host``, or refuse it (at a limit)."""
@@ -551,6 +648,7 @@ class DataPlaneServer:
             return
         finally:
             protocol.close()
+            protocol.discard_buffered()
             self._protocols.discard(protocol)
             self._per_host[host] -= 1
             if self._per_host[host] <= 0:
@@ -559,8 +657,7 @@ class DataPlaneServer:
     async def _serve_stream(self, protocol: _FrameProtocol) -> bool:
         """Run one stream; return whether the connection may carry another."""
         config = self._service.config
-        write_timeout = max(3 * config.min_stall, config.registration_wait)
-        stream = _ServerStream(protocol, write_timeout)
+        stream = _ServerStream(protocol, config.write_timeout)
         try:
             await self._service.rpc_reduce(stream.requests(), stream)
         except _StreamAborted:

@@ -22,6 +22,9 @@ class Fault(enum.Enum):
     """Stop returning averaged chunks of its own part; streams stay open (a stalled reducer)."""
     CRASH = "crash"
     """Drop every stream at once, in and out, and fail the round (a killed process)."""
+    REDUCER_RAISES = "reducer-raises"
+    """The task returning averaged chunks of its own part raises (a bug, a codec that
+    fails on the average): the round must log it and report the part as not averaged."""
 
 
 @dataclass(frozen=True)
@@ -47,9 +50,17 @@ class FaultPlan:
         """Whether the member crashes instead of sending chunk number ``sent``."""
         return self.fault is Fault.CRASH and sent >= self.after_chunks
 
+    def reducer_raises(self, returned: int) -> bool:
+        """Whether the reducer raises instead of returning averaged chunk ``returned``."""
+        return self.fault is Fault.REDUCER_RAISES and returned >= self.after_chunks
+
     def stops_reducing(self, returned: int) -> bool:
         """Whether the reducer must not return averaged chunk number ``returned``."""
         return self.fault is Fault.STOP_REDUCING and returned >= self.after_chunks
+
+
+class InjectedFault(RuntimeError):
+    """Raised inside a task of the round where its fault plan says (``REDUCER_RAISES``)."""
 
 
 class InjectedCrash(RuntimeError):

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol, TypeVar
@@ -23,11 +23,12 @@ import grpc
 import numpy as np
 
 from swarmavg.averaging.allreduce.config import AllReduceConfig
-from swarmavg.averaging.allreduce.faults import FaultPlan
+from swarmavg.averaging.allreduce.faults import FaultPlan, InjectedFault
 from swarmavg.averaging.allreduce.partition import PartPlan
 from swarmavg.averaging.allreduce.reducer import ContributionError, PartReducer
 from swarmavg.averaging.allreduce.wire import Request, encode_response
 from swarmavg.averaging.group import GroupInfo
+from swarmavg.averaging.stalled import abort_stalled
 from swarmavg.compression import Codec, CodecInfo
 from swarmavg.dht.tasks import TaskSet
 
@@ -53,6 +54,29 @@ class _Stream:
     sender: int
     queue: asyncio.Queue[bytes | Abort | None] = field(default_factory=asyncio.Queue)
     done: bool = False
+    backlog: int = 0
+    """Bytes of replies queued and not yet taken by the transport."""
+    cut: bool = False
+    """The sender fell :attr:`AllReduceConfig.max_reply_backlog` behind: nothing more is
+    queued for it."""
+
+    def put_reply(self, reply: bytes, limit: int) -> bool:
+        """Queue ``reply``, or cut the stream when that would exceed ``limit`` bytes
+        (freeing what was queued); return whether it was queued."""
+        if self.cut:
+            return False
+        if self.backlog + len(reply) > limit:
+            self.cut = True
+            while not self.queue.empty():
+                self.queue.get_nowait()
+            self.backlog = 0
+            self.queue.put_nowait(
+                Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "sender does not read its replies")
+            )
+            return False
+        self.backlog += len(reply)
+        self.queue.put_nowait(reply)
+        return True
 
 
 class ReduceContext(Protocol):
@@ -156,15 +180,33 @@ class ReducerRound:
         self._progress: dict[int, float] = dict.fromkeys(group.senders, self.start_time)
         self._all_returned = asyncio.Event()
         self.finished = asyncio.Event()
-        """Set when every chunk was returned and every attached stream got all of them."""
+        """Set when every chunk was returned and every attached stream got all of them, or
+        when one of the round's tasks failed (see :attr:`errors`)."""
         self.closed = False
+        self.errors: list[str] = []
+        """Failures of this round's own tasks, with their cause (also logged)."""
 
     # ---- lifecycle (called by the runner) ----
 
     def start(self) -> None:
         """Start the emitter and the watchdog (owned by this round, stopped by close)."""
-        self._tasks.spawn(self._emit(), name="reducer-emit")
-        self._tasks.spawn(self._watchdog(), name="reducer-watchdog")
+        self._tasks.spawn(self._guard(self._emit(), "returning averaged chunks"), name="emit")
+        self._tasks.spawn(self._guard(self._watchdog(), "the stall watchdog"), name="watchdog")
+
+    async def _guard(self, work: Coroutine[Any, Any, None], what: str) -> None:
+        """Run one of the round's tasks; a failure is logged with its cause, recorded in
+        :attr:`errors` (the runner puts it in the round's result) and ends every stream
+        with ``INTERNAL``, so that the senders stop waiting and the part counts as not
+        averaged, instead of the round stalling to its deadline with nothing said."""
+        try:
+            await work
+        except Exception as e:
+            reason = f"{what} failed: {e!r}"
+            log.error("round %s: %s", self.group.group_id.hex(), reason, exc_info=e)
+            self.errors.append(reason)
+            for stream in self.streams.values():
+                stream.queue.put_nowait(Abort(grpc.StatusCode.INTERNAL, reason))
+            self.finished.set()
 
     async def close(self, abort: Abort | None = None) -> None:
         """Stop the round: end every stream (with ``abort``, or OK) and stop its tasks.
@@ -235,8 +277,20 @@ class ReducerRound:
                 if item is None:
                     return
                 if isinstance(item, Abort):
+                    if stream.cut:
+                        self.drop(sender, item.details)
                     await abort_stream(context, item.code, item.details)
-                await context.write(item)
+                stream.backlog -= len(item)
+                try:
+                    # Neither gRPC's context.write nor a socket has a deadline of its own:
+                    # a sender that stops reading would hold this stream, and the round's
+                    # memory, for ever (issue 17).
+                    async with asyncio.timeout(self.config.write_timeout):
+                        await context.write(item)
+                except TimeoutError:
+                    reason = f"sender read no reply for {self.config.write_timeout:.1f}s"
+                    self.drop(sender, reason)
+                    await abort_stalled(context, grpc.StatusCode.DEADLINE_EXCEEDED, reason)
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -308,6 +362,8 @@ class ReducerRound:
     async def _emit(self) -> None:
         while self.returned < self.reducer.num_chunks:
             chunk = await self._final.get()
+            if self.fault_plan is not None and self.fault_plan.reducer_raises(self.returned):
+                raise InjectedFault(f"reducer fails at chunk {self.returned} (fault plan)")
             if self.fault_plan is not None and self.fault_plan.stops_reducing(self.returned):
                 await asyncio.Event().wait()  # stalled reducer: hold every stream open
             values = self.reducer.result(chunk)
@@ -319,13 +375,15 @@ class ReducerRound:
                     self.executor, self._encode_result, chunk, values, contributors
                 )
                 self.on_result(chunk, decoded, contributors)
-            self.bytes_sent += len(response) * len(self.streams)
+            limit = self.config.max_reply_backlog
             for stream in self.streams.values():
-                stream.queue.put_nowait(response)
+                if stream.put_reply(response, limit):
+                    self.bytes_sent += len(response)
             self.returned += 1
         self._all_returned.set()
         for stream in self.streams.values():
-            stream.queue.put_nowait(None)
+            if not stream.cut:
+                stream.queue.put_nowait(None)
         self._check_finished()
 
     def _check_finished(self) -> None:

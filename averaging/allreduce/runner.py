@@ -495,6 +495,7 @@ async def run_allreduce(
 
     main = loop.create_task(everything())
     crash = loop.create_task(ex.crashed.wait())
+    errors: list[str] = []
     try:
         # Every exchange and our reducer, or a crash, or the deadline: whichever is first.
         done, _ = await asyncio.wait(
@@ -506,7 +507,14 @@ async def run_allreduce(
         t_exchanged = time.monotonic()
         for task in (*tasks, main, crash):
             task.cancel()
-        await asyncio.gather(*tasks, main, crash, return_exceptions=True)
+        outcomes = await asyncio.gather(*tasks, main, crash, return_exceptions=True)
+        for outcome in outcomes[: len(tasks)]:  # main re-raised above; crash never fails
+            if isinstance(outcome, Exception):
+                # A task of the round died: say why, and count it in the result, rather
+                # than let the gather swallow it (issue 17).
+                reason = f"a task of the round failed: {outcome!r}"
+                log.error("round %s: %s", group.group_id.hex(), reason, exc_info=outcome)
+                errors.append(reason)
         if round_ is not None:
             abort = None
             if ex.crashed.is_set():
@@ -515,6 +523,7 @@ async def run_allreduce(
                 abort = Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "round deadline passed")
             await round_.close(abort)
             service.unregister(round_)
+            errors.extend(round_.errors)
     if ex.crashed.is_set():
         raise InjectedCrash(f"member {my_index} crashed as its fault plan says")
 
@@ -541,7 +550,7 @@ async def run_allreduce(
         peers=[m.peer_id.hex() for m in group.members],
         group_id=group.group_id.hex(),
         codec=group.codec,
-        partial=bool(failed) or not averaged_by_all,
+        partial=bool(failed) or not averaged_by_all or bool(errors),
         timings={
             "allreduce.prepare": t_prepared - t0,
             "allreduce.exchange": t_exchanged - t_prepared,
@@ -553,4 +562,5 @@ async def run_allreduce(
         gathered={m.peer_id.hex(): m.user_data for m in group.members},
         failed_parts=failed,
         dropped=dict(round_.dropped) if round_ is not None else {},
+        errors=tuple(errors),
     )

@@ -23,11 +23,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from swarmavg.averaging.allreduce.admission import ByteBudget
 from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.allreduce.data_plane import DataConnector, DataPlaneServer
 from swarmavg.averaging.allreduce.round import Abort, ReduceContext, ReducerRound, abort_stream
 from swarmavg.averaging.allreduce.wire import Request
-from swarmavg.compression import Codec, get_codec
+from swarmavg.averaging.gauge import Gauge
+from swarmavg.compression import Codec, canonical_name, get_codec
 from swarmavg.dht.identity import HeaderError, verify_header
 from swarmavg.proto import common_pb2
 
@@ -66,9 +68,11 @@ class AllReduceService:
         self._recent: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._registered = asyncio.Event()
         self._waiting = 0
+        self.inbound = Gauge()
+        """``Reduce`` streams being served now, over either transport (status, tests)."""
         self._closed = False
         self.bytes_per_element: dict[tuple[str, str], float] = {}
-        self._codecs: dict[str, Codec] = {}
+        self._codecs: collections.OrderedDict[str, Codec] = collections.OrderedDict()
         self.data_connector: DataConnector | None = None
         if self.config.data_plane:
             self.data_connector = DataConnector(
@@ -101,6 +105,11 @@ class AllReduceService:
         log.info("data plane listening on %s:%d", host, self.data_port)
         return self.data_port
 
+    @property
+    def data_plane_budget(self) -> ByteBudget | None:
+        """The data plane's byte budget for frame bodies (``None``: not serving one)."""
+        return self._data_server.budget if self._data_server is not None else None
+
     def codec(self, name: str) -> Codec:
         """The daemon's one instance of codec ``name``, for the chunks it sends and returns.
 
@@ -109,13 +118,29 @@ class AllReduceService:
         residuals and turn error feedback into plain sparsification. Senders and the
         reducer's return path use distinct keys, so their residuals never mix.
 
+        The name comes from the group's leader, a stranger: spellings of one codec share
+        one instance (:func:`~swarmavg.compression.canonical_name`), and at most
+        ``config.max_codec_instances`` are kept, least recently used first out (a round in
+        flight keeps its own reference), so a leader that names a new codec every round
+        cannot hold more than that many instances' residuals here (issue 17).
+
         Raises:
             ValueError: unknown codec name.
         """
-        codec = self._codecs.get(name)
+        key = canonical_name(name)
+        codec = self._codecs.get(key)
         if codec is None:
-            codec = self._codecs[name] = get_codec(name)
+            codec = self._codecs[key] = get_codec(name)
+            while len(self._codecs) > self.config.max_codec_instances:
+                self._codecs.popitem(last=False)
+        else:
+            self._codecs.move_to_end(key)
         return codec
+
+    @property
+    def codec_instances(self) -> int:
+        """Codec instances kept across rounds now (at most ``config.max_codec_instances``)."""
+        return len(self._codecs)
 
     def register(self, round_: ReducerRound) -> None:
         """Make ``round_`` reachable by its group id (the runner calls this)."""
@@ -177,27 +202,42 @@ class AllReduceService:
         """
         until = time.monotonic() + self.config.registration_wait
         iterator = request_iterator.__aiter__()
-        if self._waiting >= self.config.max_waiting_streams:
-            await abort_stream(
-                context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many pending streams"
-            )
-        self._waiting += 1
+        self.inbound.add(1)
         try:
-            try:
-                first = await asyncio.wait_for(iterator.__anext__(), self.config.registration_wait)
-            except (StopAsyncIteration, TimeoutError):
-                first = None
-            if first is None:
-                await abort_stream(context, grpc.StatusCode.INVALID_ARGUMENT, "no first message")
-            if first.error:
-                await abort_stream(context, grpc.StatusCode.INVALID_ARGUMENT, first.error)
-            try:
-                peer_id = self._verify(first.header or common_pb2.RequestHeader())
-            except HeaderError as e:
-                await abort_stream(context, grpc.StatusCode.UNAUTHENTICATED, str(e))
-            round_ = await self._find_round(first.group_id, until)
+            await self._serve_checked(iterator, context, until)
         finally:
-            self._waiting -= 1
+            self.inbound.add(-1)
+
+    async def _serve_checked(
+        self, iterator: AsyncIterator[Request], context: ReduceContext, until: float
+    ) -> None:
+        # The first message is read before any slot is taken: a silent stream (64 of them
+        # fit on one HTTP/2 connection) costs nothing but its own deadline, so it cannot
+        # make this peer refuse honest senders (issue 17).
+        try:
+            first = await asyncio.wait_for(iterator.__anext__(), self.config.registration_wait)
+        except (StopAsyncIteration, TimeoutError):
+            first = None
+        if first is None:
+            await abort_stream(context, grpc.StatusCode.INVALID_ARGUMENT, "no first message")
+        if first.error:
+            await abort_stream(context, grpc.StatusCode.INVALID_ARGUMENT, first.error)
+        try:
+            peer_id = self._verify(first.header or common_pb2.RequestHeader())
+        except HeaderError as e:
+            await abort_stream(context, grpc.StatusCode.UNAUTHENTICATED, str(e))
+        round_ = self._rounds.get(first.group_id)
+        if round_ is None and first.group_id not in self._recent and not self._closed:
+            # Only a stream that passed the header check waits for its round, in a slot.
+            if self._waiting >= self.config.max_waiting_streams:
+                await abort_stream(
+                    context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many pending streams"
+                )
+            self._waiting += 1
+            try:
+                round_ = await self._find_round(first.group_id, until)
+            finally:
+                self._waiting -= 1
         if round_ is None:
             await abort_stream(context, grpc.StatusCode.NOT_FOUND, "unknown group id")
         sender = round_.group.index_of(peer_id)

@@ -19,7 +19,11 @@ class StateSharingConfig:
         chunk_size: bytes per chunk when publishing.
         ttl: lifetime of the DHT advertisement; it is refreshed every ``ttl / 3``.
         batch_chunks: chunks asked from one donor per request.
-        message_timeout: deadline for each message of a download stream.
+        message_timeout: deadline for each message of a download stream, on both sides:
+            a donor cuts a joiner whose next message it cannot write in this long.
+        upload_timeout: a donor cuts a download stream that lasts longer than this (a
+            request asks for at most ``MAX_CHUNKS_PER_REQUEST`` chunks; a joiner asks for
+            ``batch_chunks`` at a time, 8 MiB by default, which takes 4 s at 16 Mbit/s).
         max_state_bytes: largest state a joiner accepts (checked on the manifest).
         max_uploads: concurrent downloads served; more get ``STATE_BUSY``.
         keep_loaded_chunks: keep the chunks of the last loaded state in memory, so that the
@@ -36,6 +40,7 @@ class StateSharingConfig:
     ttl: float = 60.0
     batch_chunks: int = 8
     message_timeout: float = 10.0
+    upload_timeout: float = 60.0
     max_state_bytes: int = 16 << 30
     max_uploads: int = 8
     keep_loaded_chunks: bool = True
@@ -43,8 +48,8 @@ class StateSharingConfig:
     retain_seconds: float = 30.0
 
     def __post_init__(self) -> None:
-        if not (self.ttl > 0 and self.message_timeout > 0):
-            raise ValueError("ttl and message_timeout must be positive")
+        if not (self.ttl > 0 and self.message_timeout > 0 and self.upload_timeout > 0):
+            raise ValueError("ttl, message_timeout and upload_timeout must be positive")
         if self.retain_versions < 0 or not (
             math.isfinite(self.retain_seconds) and self.retain_seconds >= 0
         ):

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -36,6 +36,8 @@ import numpy as np
 
 from swarmavg.averaging.dht_access import DHTAccess, dictionary_entries
 from swarmavg.averaging.errors import StateDownloadError, StateNotFoundError
+from swarmavg.averaging.gauge import Gauge
+from swarmavg.averaging.stalled import abort_stalled
 from swarmavg.averaging.state.adverts import Advertisement, choose_donors, parse_advertisement
 from swarmavg.averaging.state.config import MAX_CHUNKS_PER_REQUEST, DonorFaults, StateSharingConfig
 from swarmavg.averaging.state.format import (
@@ -60,6 +62,19 @@ class _DonorFailed(Exception):
     pass
 
 
+class _DonorBusy(_DonorFailed):
+    """The donor serves ``max_uploads`` downloads already: try again shortly."""
+
+
+_BUSY_RETRY = (0.2, 2.0)  # first and largest pause before asking a busy donor again
+
+
+def _busy_pause(attempt: int) -> float:
+    """Capped, jittered backoff before asking busy donors again."""
+    first, cap = _BUSY_RETRY
+    return random.uniform(0.5, 1.0) * min(cap, first * 2.0**attempt)
+
+
 class StateSharer:
     """Publishes this peer's state and downloads others'. Create inside the running loop."""
 
@@ -82,11 +97,15 @@ class StateSharer:
         self.store = StateStore(self.config.retain_versions, self.config.retain_seconds)
         """The published state and the superseded versions still served."""
         self._held: dict[bytes, bytes] = {}
-        self._uploads = 0
+        self.uploads = Gauge()
+        """Download streams this donor is serving now (at most ``max_uploads``)."""
         self.served_chunks = 0
         """Chunks this peer has served to others (a counter for status and tests)."""
         self.downloaded_chunks = 0
         """Chunks this peer has downloaded from others."""
+        self.uploads_cut = Gauge()
+        """Uploads cut because their joiner did not keep up (a write or the stream ran
+        past its deadline)."""
         self.load_switches = 0
         """Times a load moved on to another advertised version because every donor of the
         one it was downloading failed or no longer held it."""
@@ -182,8 +201,15 @@ class StateSharer:
 
     # ------------------------------------------------------------------ joiner side
 
-    async def load(self, timeout: float) -> tuple[bytes, list[np.ndarray]]:
+    async def load(
+        self, timeout: float, max_bytes: int | None = None
+    ) -> tuple[bytes, list[np.ndarray]]:
         """Download the freshest state in the run; return ``(metadata, tensors)``.
+
+        The state accepted, and so what the joiner buffers, is at most ``max_bytes``
+        (the schema the caller expects, e.g. its own model's state) and at most
+        ``config.max_state_bytes``: an advertisement or manifest declaring more is
+        refused before any chunk is fetched (issue 17).
 
         The result is exactly the state named by one advertised root: every chunk is
         checked against that root's manifest, never mixed with another version. When every
@@ -192,25 +218,40 @@ class StateSharer:
         reusing the chunks already verified; this goes on until ``timeout``.
 
         Raises:
+            ValueError: ``max_bytes`` is not positive.
             StateNotFoundError: nobody advertises a state.
-            StateDownloadError: every donor of every advertised state failed.
+            StateDownloadError: every donor of every advertised state failed, or every
+                advertised state is larger than the bound.
             TimeoutError: ``timeout`` seconds passed.
         """
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        cap = min(self.config.max_state_bytes, max_bytes or self.config.max_state_bytes)
         failed: set[bytes] = set()
         errors: list[str] = []
         verified: dict[bytes, bytes] = {}
+        tried = False
         async with asyncio.timeout(timeout):
             while True:
                 groups = [g for g in await self._advertised_groups() if g[0].root not in failed]
+                too_large = [g for g in groups if g[0].size > cap]
+                for group in too_large:
+                    failed.add(group[0].root)
+                    errors.append(
+                        f"state {group[0].root.hex()[:12]} of {group[0].size} bytes is over "
+                        f"the {cap}-byte bound"
+                    )
+                groups = [g for g in groups if g[0].size <= cap]
                 if not groups:
                     if not failed:
                         raise StateNotFoundError(f"no peer advertises state under {self.key!r}")
                     raise StateDownloadError("; ".join(errors))
-                if failed:
+                if tried:
                     self.load_switches += 1
+                tried = True
                 donors = random.sample(groups[0], len(groups[0]))  # spread joiners over donors
                 try:
-                    return await self._load_root(donors, verified)
+                    return await self._load_root(donors, verified, cap)
                 except StateDownloadError as error:
                     failed.add(donors[0].root)
                     errors.append(str(error))
@@ -235,19 +276,30 @@ class StateSharer:
         return local
 
     async def _load_root(
-        self, donors: list[Advertisement], verified: dict[bytes, bytes]
+        self, donors: list[Advertisement], verified: dict[bytes, bytes], cap: int
     ) -> tuple[bytes, list[np.ndarray]]:
         """Download the state ``donors[0].root`` into ``verified`` (kept on failure)."""
         root = donors[0].root
         manifest: Manifest | None = None
         live: list[Advertisement] = []
-        for i, donor in enumerate(donors):
-            try:
-                manifest = await self._fetch_manifest(donor, root)
-                live = donors[i:]
+        attempt = 0
+        while manifest is None:
+            busy = False
+            for i, donor in enumerate(donors):
+                try:
+                    manifest = await self._fetch_manifest(donor, root, cap)
+                    live = donors[i:]
+                    break
+                except _DonorBusy:
+                    busy = True
+                except _DonorFailed as error:
+                    log.info("donor %s has no usable manifest: %s", donor.peer_id.hex()[:8], error)
+            if manifest is not None or not busy:
                 break
-            except _DonorFailed as error:
-                log.info("donor %s has no usable manifest: %s", donor.peer_id.hex()[:8], error)
+            # Busy is transient (donors cut joiners that do not keep up): wait, ask again;
+            # load()'s timeout bounds it.
+            await asyncio.sleep(_busy_pause(attempt))
+            attempt += 1
         if manifest is None:
             raise StateDownloadError(f"no donor of state {root.hex()[:12]} sent a valid manifest")
         wanted = set(manifest.chunk_hashes)
@@ -270,7 +322,7 @@ class StateSharer:
     def _download_call(self, donor: Advertisement) -> grpc.aio.UnaryStreamMultiCallable:
         return download_state_method(self.channels.channel(donor.address))
 
-    async def _fetch_manifest(self, donor: Advertisement, root: bytes) -> Manifest:
+    async def _fetch_manifest(self, donor: Advertisement, root: bytes, cap: int) -> Manifest:
         request = averaging_pb2.StateRequest(
             header=self.dht.make_header(), root=root, want_manifest=True
         )
@@ -278,10 +330,12 @@ class StateSharer:
         try:
             async with asyncio.timeout(self.config.message_timeout):
                 first = await call.read()
+            if first is not grpc.aio.EOF and first.code == averaging_pb2.STATE_BUSY:
+                raise _DonorBusy("busy")
             if first is grpc.aio.EOF or first.code != averaging_pb2.STATE_OK:
                 detail = "" if first is grpc.aio.EOF else first.detail
                 raise _DonorFailed(f"no manifest ({detail})")
-            return Manifest.from_proto(first.manifest, root, self.config.max_state_bytes)
+            return Manifest.from_proto(first.manifest, root, cap)
         except (grpc.aio.AioRpcError, TimeoutError, StateFormatError) as error:
             raise _DonorFailed(repr(error)) from None
         finally:
@@ -306,6 +360,7 @@ class StateSharer:
 
         async def worker(donor: Advertisement) -> None:
             nonlocal in_flight
+            busy_attempts = 0
             while True:
                 if not pending:
                     if in_flight == 0:
@@ -316,8 +371,13 @@ class StateSharer:
                 batch = pending[: self.config.batch_chunks]
                 del pending[: len(batch)]
                 in_flight += 1
+                busy = False
                 try:
                     await self._fetch_batch(donor, batch, got)
+                    busy_attempts = 0
+                except _DonorBusy:  # transient: hand the batch back, ask again shortly
+                    pending.extend(h for h in batch if h not in got)
+                    busy = True
                 except _DonorFailed as error:
                     pending.extend(h for h in batch if h not in got)
                     failures.append(f"{donor.peer_id.hex()[:8]}: {error}")
@@ -326,6 +386,9 @@ class StateSharer:
                 finally:
                     in_flight -= 1
                     changed.set()
+                if busy:
+                    await asyncio.sleep(_busy_pause(busy_attempts))
+                    busy_attempts += 1
 
         async with asyncio.TaskGroup() as tasks:
             for donor in donors:
@@ -347,6 +410,8 @@ class StateSharer:
             for wanted in batch:
                 async with asyncio.timeout(self.config.message_timeout):
                     message = await call.read()
+                if message is not grpc.aio.EOF and message.code == averaging_pb2.STATE_BUSY:
+                    raise _DonorBusy("busy")
                 if message is grpc.aio.EOF or message.code != averaging_pb2.STATE_OK:
                     detail = "stream ended" if message is grpc.aio.EOF else message.detail
                     raise _DonorFailed(f"chunk not served ({detail})")
@@ -364,22 +429,34 @@ class StateSharer:
 
     async def rpc_download_state(
         self, request: averaging_pb2.StateRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[averaging_pb2.StateResponse]:
+    ) -> None:
         """Serve the manifest and/or chunks, by content hash, of the published state or of a
-        superseded version still within its grace (``STATE_NOT_FOUND`` once dropped)."""
+        superseded version still within its grace (``STATE_NOT_FOUND`` once dropped).
+
+        Every write has a deadline (``message_timeout``) and the whole stream another
+        (``upload_timeout``): a joiner that does not keep up is cut, so that 8 slow
+        readers cannot hold every upload slot and make every other joiner get
+        ``STATE_BUSY`` (issue 17).
+        """
         try:
             verify_header(request.header, self.run_id)
         except HeaderError as error:
-            yield averaging_pb2.StateResponse(
-                code=averaging_pb2.STATE_BAD_REQUEST, detail=str(error)
+            await self._write(
+                context,
+                averaging_pb2.StateResponse(
+                    code=averaging_pb2.STATE_BAD_REQUEST, detail=str(error)
+                ),
             )
             return
         if len(request.chunk_hashes) > MAX_CHUNKS_PER_REQUEST or any(
             len(h) != HASH_BYTES for h in request.chunk_hashes
         ):
-            yield averaging_pb2.StateResponse(
-                code=averaging_pb2.STATE_BAD_REQUEST,
-                detail=f"at most {MAX_CHUNKS_PER_REQUEST} chunk hashes of 32 bytes",
+            await self._write(
+                context,
+                averaging_pb2.StateResponse(
+                    code=averaging_pb2.STATE_BAD_REQUEST,
+                    detail=f"at most {MAX_CHUNKS_PER_REQUEST} chunk hashes of 32 bytes",
+                ),
             )
             return
         manifest: Manifest | None = None
@@ -388,39 +465,74 @@ class StateSharer:
         elif request.root:
             self.store.touch(bytes(request.root))  # a download in progress keeps its grace
         if self.store.current is None or (request.want_manifest and manifest is None):
-            yield averaging_pb2.StateResponse(
-                code=averaging_pb2.STATE_NOT_FOUND, detail="that state is not held here"
+            await self._write(
+                context,
+                averaging_pb2.StateResponse(
+                    code=averaging_pb2.STATE_NOT_FOUND, detail="that state is not held here"
+                ),
             )
             return
-        if self._uploads >= self.config.max_uploads:
-            yield averaging_pb2.StateResponse(code=averaging_pb2.STATE_BUSY, detail="busy")
+        if self.uploads.value >= self.config.max_uploads:
+            await self._write(
+                context, averaging_pb2.StateResponse(code=averaging_pb2.STATE_BUSY, detail="busy")
+            )
             return
-        self._uploads += 1
+        self.uploads.add(1)
         try:
-            if manifest is not None:
-                yield averaging_pb2.StateResponse(
+            async with asyncio.timeout(self.config.upload_timeout):
+                await self._upload(request, manifest, context)
+        except TimeoutError:
+            self.uploads_cut.add(1)
+            reason = "joiner did not keep up with the download"
+            log.info("state upload cut: %s", reason)
+            await abort_stalled(context, grpc.StatusCode.DEADLINE_EXCEEDED, reason)
+        finally:
+            self.uploads.add(-1)
+
+    async def _write(
+        self, context: grpc.aio.ServicerContext[Any, Any], message: averaging_pb2.StateResponse
+    ) -> None:
+        """One message, within ``message_timeout`` (raises TimeoutError past it)."""
+        async with asyncio.timeout(self.config.message_timeout):
+            await context.write(message)
+
+    async def _upload(
+        self,
+        request: averaging_pb2.StateRequest,
+        manifest: Manifest | None,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
+        if manifest is not None:
+            await self._write(
+                context,
+                averaging_pb2.StateResponse(
                     code=averaging_pb2.STATE_OK, manifest=manifest.to_proto()
-                )
-            for wanted in request.chunk_hashes:
-                if self.faults is not None and self.faults.before_chunk is not None:
-                    await self.faults.before_chunk(self.served_chunks)
-                # looked up per chunk: a version dropped mid-stream is not served on
-                data = self.store.chunk(bytes(wanted))
-                if data is None:
-                    yield averaging_pb2.StateResponse(
+                ),
+            )
+        for wanted in request.chunk_hashes:
+            if self.faults is not None and self.faults.before_chunk is not None:
+                await self.faults.before_chunk(self.served_chunks)
+            # looked up per chunk: a version dropped mid-stream is not served on
+            data = self.store.chunk(bytes(wanted))
+            if data is None:
+                await self._write(
+                    context,
+                    averaging_pb2.StateResponse(
                         code=averaging_pb2.STATE_NOT_FOUND,
                         detail="chunk not held here (its version was superseded)",
-                    )
-                    return
-                if self.faults is not None:
-                    limit = self.faults.fail_after_chunks
-                    if limit is not None and self.served_chunks >= limit:
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, "injected donor failure")
-                    if self.faults.corrupt_chunks and data:
-                        data = bytes([data[0] ^ 0xFF]) + data[1:]
-                self.served_chunks += 1
-                yield averaging_pb2.StateResponse(
-                    code=averaging_pb2.STATE_OK, chunk_hash=wanted, chunk_data=data
+                    ),
                 )
-        finally:
-            self._uploads -= 1
+                return
+            if self.faults is not None:
+                limit = self.faults.fail_after_chunks
+                if limit is not None and self.served_chunks >= limit:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "injected donor failure")
+                if self.faults.corrupt_chunks and data:
+                    data = bytes([data[0] ^ 0xFF]) + data[1:]
+            self.served_chunks += 1
+            await self._write(
+                context,
+                averaging_pb2.StateResponse(
+                    code=averaging_pb2.STATE_OK, chunk_hash=wanted, chunk_data=data
+                ),
+            )

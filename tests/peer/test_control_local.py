@@ -74,7 +74,9 @@ class SoloBackend:
     async def publish_state(self, arrays: list[np.ndarray], metadata: bytes) -> None:
         self.state = (metadata, arrays)
 
-    async def load_state(self, timeout: float) -> tuple[bytes, list[np.ndarray]]:
+    async def load_state(
+        self, timeout: float, max_bytes: int | None = None
+    ) -> tuple[bytes, list[np.ndarray]]:
         if self.state is None:
             from swarmavg.averaging.errors import StateNotFoundError
 
