@@ -23,7 +23,8 @@ class StorageQuotas:
     """What one source may hold on this node.
 
     Attributes:
-        max_bytes_per_source: stored bytes (key + subkey + value) per peer id.
+        max_bytes_per_source: stored bytes (key + subkey + value) per peer id; None: an
+            eighth of the node's ``DHTLimits.max_stored_bytes`` (32 MiB of 256 MiB).
         max_records_per_source: stored records per peer id.
         max_subkeys_per_source: subkeys one peer id may hold under one key, so that one
             identity cannot fill a key's ``DHTLimits.max_subkeys_per_key`` and leave honest
@@ -31,14 +32,14 @@ class StorageQuotas:
         per_range_factor: an address range may hold this many times the per-id quotas.
     """
 
-    max_bytes_per_source: int = 32 * 1024 * 1024
+    max_bytes_per_source: int | None = None
     max_records_per_source: int = 100_000
     max_subkeys_per_source: int = 256
     per_range_factor: int = 4
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
-            if value < 1:
+            if value is not None and value < 1:
                 raise ValueError(f"StorageQuotas.{name} must be >= 1, got {value}")
 
 
@@ -57,8 +58,9 @@ _Holder = tuple[str, bytes | str]  # ("id", peer id) or ("range", range name)
 class QuotaLedger:
     """Usage per holder (peer id and address range) and the checks against the quotas."""
 
-    def __init__(self, quotas: StorageQuotas) -> None:
+    def __init__(self, quotas: StorageQuotas, max_stored_bytes: int) -> None:
         self.quotas = quotas
+        self.max_bytes = quotas.max_bytes_per_source or max(1, max_stored_bytes // 8)
         self._bytes: Counter[_Holder] = Counter()
         self._records: Counter[_Holder] = Counter()
         self._subkeys: Counter[tuple[bytes, _Holder]] = Counter()  # (key id, holder)
@@ -88,7 +90,7 @@ class QuotaLedger:
         for holder, is_range in self._holders(source):
             scale = q.per_range_factor if is_range else 1
             who = f"address range {source.range_name}" if is_range else "this peer"
-            if self._bytes[holder] - freed + size > q.max_bytes_per_source * scale:
+            if self._bytes[holder] - freed + size > self.max_bytes * scale:
                 return f"{who} already stores {self._bytes[holder]} bytes here"
             if not freed and self._records[holder] + 1 > q.max_records_per_source * scale:
                 return f"{who} already stores {self._records[holder]} records here"

@@ -144,7 +144,7 @@ class RoutingTable:
         own_id: bytes,
         k: int = 20,
         b: int = 5,
-        per_range: int = 0,
+        per_range: int = 2,
         limit_local: bool = False,
     ) -> None:
         if k < 1 or b < 1 or per_range < 0:

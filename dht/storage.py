@@ -67,7 +67,7 @@ class Storage:
         self.max_subkeys_per_key = max_subkeys_per_key
         self.max_bytes = max_bytes
         self.bytes_used = 0
-        self.ledger = QuotaLedger(quotas or StorageQuotas())
+        self.ledger = QuotaLedger(quotas or StorageQuotas(), max_bytes)
         self.last_refusal = ""  # why the last FULL answer was given
         self._entries: dict[bytes, _Entry] = {}
 
@@ -129,7 +129,7 @@ class Storage:
                 own = entry.plain.size() if entry.plain and entry.plain_source == source else 0
                 refusal = ledger.refusal(source, kid, record.size(), False, own)
                 if refusal is not None:
-                    return self._full(refusal)
+                    return self._over_quota(refusal)
             self._release_all(entry, kid)
             self.bytes_used += record.size() - freed
             entry.plain, entry.subkeys, entry.plain_source = record, {}, source
@@ -161,7 +161,7 @@ class Storage:
             own = old.size() if old is not None and same else 0
             refusal = ledger.refusal(source, kid, record.size(), not same, own)
             if refusal is not None:
-                return self._full(refusal)
+                return self._over_quota(refusal)
         if entry.plain is not None:
             ledger.charge(entry.plain_source, kid, entry.plain.size(), False, -1)
         if old is not None:
@@ -177,6 +177,10 @@ class Storage:
     def _full(self, reason: str) -> dht_pb2.StoreStatus:
         self.last_refusal = reason
         return FULL
+
+    def _over_quota(self, reason: str) -> dht_pb2.StoreStatus:
+        self.ledger.refused += 1
+        return self._full(reason)
 
     def _release_all(self, entry: _Entry, kid: bytes) -> None:
         """Release the quota of every record of ``entry`` (before they are replaced)."""
