@@ -143,13 +143,12 @@ async def test_routing_hijack_keeps_the_victims_address(victim_known: bool, clai
                     dead = Identity.generate().peer_id
                 assert dead_d >= 0
                 querier.routing.add_or_update(Contact(dead, _closed_address()))
-                lookups = await traverse(
-                    querier.protocol, [front.peer_id], want_values=False, k=2
-                )
+                lookups = await traverse(querier.protocol, [front.peer_id], want_values=False, k=2)
                 assert lookups[front.peer_id].nearest
         known = querier.routing.get(victim.peer_id)
         if victim_known:
-            assert known is not None and known.address == victim.address
+            assert known is not None
+            assert known.address == victim.address
         else:
             assert known is None
         assert all(c.address != fake_address for c in querier.routing)
@@ -161,7 +160,8 @@ async def test_routing_hijack_keeps_the_victims_address(victim_known: bool, clai
         pinged = await querier.protocol.call_ping(victim.address, expected_id=victim.peer_id)
         assert pinged.peer_id == victim.peer_id
         known = querier.routing.get(victim.peer_id)
-        assert known is not None and known.address == victim.address
+        assert known is not None
+        assert known.address == victim.address
     finally:
         await victim.shutdown()
         await querier.shutdown()
@@ -175,7 +175,8 @@ async def test_an_initial_peer_written_as_a_name_is_followed_to_its_bound_addres
     second = await DHTNode.create(DHTConfig(run_id="test", initial_peers=[f"localhost:{port}"]))
     try:
         known = second.routing.get(first.peer_id)
-        assert known is not None and known.address == first.address
+        assert known is not None
+        assert known.address == first.address
         assert all(not c.address.startswith("localhost") for c in second.routing)
     finally:
         await second.shutdown()
@@ -186,7 +187,8 @@ def test_ranges() -> None:
     assert address_range("1.2.3.4:5") == ("1.2.3.0/24", False)
     assert address_range("[2001:db8:1:2::1]:5")[0] == "2001:db8:1::/48"
     assert address_range("127.9.9.9:1") == ("127.9.9.0/24", True)
-    assert address_range("10.1.2.3:1")[1] and address_range("localhost:1")[1]
+    assert address_range("10.1.2.3:1")[1]
+    assert address_range("localhost:1")[1]
     assert address_range("Example.org:1") == ("example.org", False)
     assert limited_range("127.0.0.1", False) is None
     assert limited_range("127.0.0.1", True) == "127.0.0.0/24"
