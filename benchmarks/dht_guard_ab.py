@@ -2,7 +2,9 @@
 
 A/B interleaved: each round runs one child process per tree (baseline first, then this one),
 each child starts ``--nodes`` nodes on loopback and does ``--ops`` stores then ``--ops`` gets
-exactly as phase 2 of benchmarks/dht.py (one at a time, through random nodes). The figures
+exactly as phase 2 of benchmarks/dht.py (one at a time, through random nodes), then the same
+again on the same swarm (``warm_*``: by then most pairs of nodes have met, so the one-time
+check of each other's signed address is cached, as in a swarm that has run a while). The figures
 are the medians over rounds of each child's median and p99 latencies, and the ratio this /
 baseline. The baseline is a checkout of another commit (e.g. ``git worktree add`` of main):
 its folders are linked as ``swarmavg.*`` into a temporary directory put first on PYTHONPATH.
@@ -46,6 +48,10 @@ async def child(nodes_n: int, ops: int, seed: int) -> dict[str, Any]:
     try:
         await grow(nodes, nodes_n, DHTConfig(run_id="bench"), channels, rng)
         out = await store_get(nodes, ops, rng, f"ab-{seed}")
+        # a second pass on the same swarm: nodes have met (verified each other's address
+        # bindings once, cached), as in a swarm that has run for a while
+        warm = await store_get(nodes, ops, rng, f"ab-warm-{seed}")
+        out.update({f"warm_{name}": value for name, value in warm.items()})
         out["limits_present"] = hasattr(nodes[0].protocol, "rate_limiter")
         if out["limits_present"]:
             out["rate_limited_requests"] = sum(n.protocol.rate_limiter.refused for n in nodes)
@@ -108,7 +114,8 @@ def main() -> None:
                     flush=True,
                 )
     out: dict[str, Any] = {"nodes": args.nodes, "ops": args.ops, "rounds": args.rounds}
-    for metric in ("store_median_ms", "store_p99_ms", "get_median_ms", "get_p99_ms"):
+    metrics = ("store_median_ms", "store_p99_ms", "get_median_ms", "get_p99_ms")
+    for metric in (*metrics, *(f"warm_{m}" for m in metrics)):
         for name in runs:
             out[f"{name}_{metric}"] = round(statistics.median(r[metric] for r in runs[name]), 2)
         out[f"ratio_{metric}"] = round(out[f"this_{metric}"] / out[f"baseline_{metric}"], 3)

@@ -210,10 +210,12 @@ class Traversal:
         def consider(contact: Contact, hop: int) -> None:
             if contact.peer_id == own_id:
                 return
+            cand = candidates.get(contact.peer_id)
+            if cand is not None and cand.contact.address == contact.address:
+                return  # the common case: a peer named again at the address we know
             known = routing.get(contact.peer_id) if hop > 1 else None
             if known is not None:
                 contact = known  # hearsay never overrides the address we heard from its owner
-            cand = candidates.get(contact.peer_id)
             if cand is not None:
                 if (
                     known is None
