@@ -1,13 +1,16 @@
 """DHT store/get at 128 nodes, this tree against a baseline tree (issue 16); one JSON line.
 
-A/B interleaved: each round runs one child process per tree (baseline first, then this one),
-each child starts ``--nodes`` nodes on loopback and does ``--ops`` stores then ``--ops`` gets
-exactly as phase 2 of benchmarks/dht.py (one at a time, through random nodes), then the same
-again on the same swarm (``warm_*``: by then most pairs of nodes have met, so the one-time
-check of each other's signed address is cached, as in a swarm that has run a while). The figures
-are the medians over rounds of each child's median and p99 latencies, and the ratio this /
-baseline. The baseline is a checkout of another commit (e.g. ``git worktree add`` of main):
-its folders are linked as ``swarmavg.*`` into a temporary directory put first on PYTHONPATH.
+A/B interleaved: each round runs one child process per tree (baseline first in even rounds,
+this tree first in odd ones, so that drift of the machine's load cancels). Each child starts
+``--nodes`` nodes on loopback and does ``--ops`` stores then ``--ops`` gets exactly as phase 2
+of benchmarks/dht.py (one at a time, through random nodes), then the same again on the same
+swarm (``warm_*``: by then most pairs of nodes have met, so the one-time check of each other's
+signed address is cached, as in a swarm that has run a while). The figures are the medians
+over rounds of each child's median and p99 latencies and of its CPU time per operation (the
+process's CPU seconds over the stores and gets, less sensitive than latency to waiting for a
+core on a loaded machine), and the ratio this / baseline. The baseline is a checkout of
+another commit (e.g. ``git worktree add`` of main): its folders are linked as ``swarmavg.*``
+into a temporary directory put first on PYTHONPATH.
 
 This tree's children also report every limit counter of issue 16 summed over all nodes
 (requests refused by the rate limit, stores refused by a quota, contacts refused by the range
@@ -47,10 +50,14 @@ async def child(nodes_n: int, ops: int, seed: int) -> dict[str, Any]:
     nodes: list[DHTNode] = []
     try:
         await grow(nodes, nodes_n, DHTConfig(run_id="bench"), channels, rng)
+        cpu = time.process_time()
         out = await store_get(nodes, ops, rng, f"ab-{seed}")
+        out["cpu_ms_per_op"] = round((time.process_time() - cpu) * 1e3 / (2 * ops), 3)
         # a second pass on the same swarm: nodes have met (verified each other's address
         # bindings once, cached), as in a swarm that has run for a while
+        cpu = time.process_time()
         warm = await store_get(nodes, ops, rng, f"ab-warm-{seed}")
+        warm["cpu_ms_per_op"] = round((time.process_time() - cpu) * 1e3 / (2 * ops), 3)
         out.update({f"warm_{name}": value for name, value in warm.items()})
         out["limits_present"] = hasattr(nodes[0].protocol, "rate_limiter")
         if out["limits_present"]:
@@ -104,7 +111,8 @@ def main() -> None:
         baseline_path = str(link_tree(args.baseline.resolve(), Path(tmp)))
         for r in range(args.rounds):
             seed = args.seed + r  # the same swarm and keys for both trees in one round
-            for name, path in (("baseline", baseline_path), ("this", None)):
+            order = [("baseline", baseline_path), ("this", None)]
+            for name, path in order if r % 2 == 0 else order[::-1]:  # ABBA: drift cancels
                 t0 = time.perf_counter()
                 runs[name].append(run_child(path, args, seed))
                 print(
@@ -114,7 +122,7 @@ def main() -> None:
                     flush=True,
                 )
     out: dict[str, Any] = {"nodes": args.nodes, "ops": args.ops, "rounds": args.rounds}
-    metrics = ("store_median_ms", "store_p99_ms", "get_median_ms", "get_p99_ms")
+    metrics = ("store_median_ms", "store_p99_ms", "get_median_ms", "get_p99_ms", "cpu_ms_per_op")
     for metric in (*metrics, *(f"warm_{m}" for m in metrics)):
         for name in runs:
             out[f"{name}_{metric}"] = round(statistics.median(r[metric] for r in runs[name]), 2)
