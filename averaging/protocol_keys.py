@@ -18,6 +18,11 @@ key                              written by                                  val
 ``<anything>.progress``          progress tracking (training/progress.py)     a progress
 ===============================  ==========================================  ===============
 
+Every class caps its records' lifetime at :data:`PROTOCOL_KEY_MAX_TTL` (an hour): the
+daemon refreshes these records every few seconds to minutes, and a record that claims to live
+for days (the DHT's general cap is a week) would otherwise keep a dead or hostile entry on k
+replicas long after its writer left. A longer one is refused by storing nodes and readers.
+
 ``{run}`` is the daemon's run id. Progress keys are named by the training run
 (``{training run}.progress``, ``{training run}.diloco.progress``), which the daemon does not
 know, so every key ending in ``.progress`` is one.
@@ -36,6 +41,10 @@ from swarmavg.dht.records import Subkey
 from swarmavg.dht.validation import KeyClass
 
 PROGRESS_SUFFIX = ".progress"
+
+PROTOCOL_KEY_MAX_TTL = 3600.0
+"""Seconds: the longest a record under a protocol key may live (declarations expire when
+their round gives up, adverts and progress records are refreshed every ttl/3)."""
 
 
 def _is_declaration(subkey: Subkey, owner: bytes, value: Any) -> bool:
@@ -67,11 +76,18 @@ def protocol_key_classes(run_id: str) -> tuple[KeyClass, ...]:
             "matchmaking declarations",
             re.compile(rb"%s\..+\.0b[01]{0,%d}" % (run, MAX_GROUP_BITS), re.DOTALL),
             _is_declaration,
+            PROTOCOL_KEY_MAX_TTL,
         ),
-        KeyClass("state adverts", re.compile(rb"%s\.state" % run), _is_advertisement),
+        KeyClass(
+            "state adverts",
+            re.compile(rb"%s\.state" % run),
+            _is_advertisement,
+            PROTOCOL_KEY_MAX_TTL,
+        ),
         KeyClass(
             "progress records",
             re.compile(rb".+" + re.escape(PROGRESS_SUFFIX.encode()), re.DOTALL),
             _is_progress,
+            PROTOCOL_KEY_MAX_TTL,
         ),
     )

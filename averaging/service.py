@@ -3,7 +3,10 @@
 ``JoinGroup`` goes to matchmaking, ``Reduce`` to the all-reduce service, ``DownloadState``
 to state sharing. The servicer holds no state of its own; before
 :meth:`~swarmavg.averaging.averager.Averager.start` (and after shutdown) every call is
-refused with ``UNAVAILABLE``.
+refused with ``UNAVAILABLE``. ``JoinGroup`` and ``DownloadState`` first pass a per-source
+rate limit (dht/ratelimit.py, the same one the DHT service uses): a flood gets
+``RESOURCE_EXHAUSTED`` before any component works for it. ``Reduce`` streams belong to a
+formed group and are bounded by the all-reduce service itself.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from swarmavg.averaging.allreduce.service import AllReduceService
 from swarmavg.averaging.allreduce.wire import Request, deserialize_request, pass_bytes
 from swarmavg.averaging.matchmaking.matchmaker import Matchmaker
 from swarmavg.averaging.state.sharer import StateSharer
-from swarmavg.proto import averaging_pb2, averaging_pb2_grpc
+from swarmavg.dht.ranges import grpc_peer_host, limited_range
+from swarmavg.dht.ratelimit import RateLimiter, RateLimits
+from swarmavg.proto import averaging_pb2, averaging_pb2_grpc, common_pb2
 
 Components = tuple[Matchmaker, AllReduceService, StateSharer]
 
@@ -25,8 +30,28 @@ Components = tuple[Matchmaker, AllReduceService, StateSharer]
 class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
     """Adapter from the generated servicer to the averager's components."""
 
-    def __init__(self, components: Callable[[], Components | None]) -> None:
+    def __init__(
+        self,
+        components: Callable[[], Components | None],
+        rate_limits: RateLimits | None = None,
+    ) -> None:
         self._components = components
+        self.rate_limiter = RateLimiter(rate_limits or RateLimits())
+
+    async def _admit(
+        self, header: common_pb2.RequestHeader, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> None:
+        """Refuse the request with RESOURCE_EXHAUSTED when its source is over its rate.
+
+        Keyed by the claimed peer id (checked later by the component) and by the address
+        range it connects from; loopback and private ranges have no range budget.
+        """
+        host = grpc_peer_host(context.peer())
+        refusal = self.rate_limiter.admit(
+            bytes(header.peer_id), limited_range(host, False) if host else None
+        )
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
 
     async def _get(self, context: grpc.aio.ServicerContext[Any, Any]) -> Components:
         found = self._components()
@@ -38,6 +63,7 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
     async def JoinGroup(
         self, request: averaging_pb2.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[averaging_pb2.JoinResponse]:
+        await self._admit(request.header, context)
         matchmaker, _, _ = await self._get(context)
         async for response in matchmaker.rpc_join_group(request, context):
             yield response
@@ -53,6 +79,7 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
     async def DownloadState(
         self, request: averaging_pb2.StateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> None:
+        await self._admit(request.header, context)
         _, _, sharer = await self._get(context)
         await sharer.rpc_download_state(request, context)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from swarmavg.dht.quotas import StorageQuotas
+from swarmavg.dht.ratelimit import RateLimits
 from swarmavg.dht.validation import DHTLimits, KeyClass, RecordValidator
 
 
@@ -42,6 +44,20 @@ class DHTConfig:
         key_classes: keys that accept only owner-signed dictionary entries
             (:class:`~swarmavg.dht.validation.KeyClass`); the first matching class applies.
             The peer daemon registers the averaging layer's protocol keys here.
+        contacts_per_range: most contacts of one address range (IPv4 /24, IPv6 /48) in one
+            bucket, and again in its replacement cache, against eclipse attacks (ids are
+            cheap, networks are not; dht/routing.py). 0: no limit.
+        limit_local_ranges: apply the range limits (routing table, storage quotas, request
+            rates) to loopback and private addresses too. Off by default: a test swarm runs
+            hundreds of nodes on 127.0.0.1 and a LAN cluster shares one private /24, and an
+            outsider cannot put nodes there (a public sender that claims a local address is
+            not learned, see dht/protocol.py). Turn it on to test the limits on 127.x.y.z.
+        storage_quotas: bytes, records and subkeys per key that one source (peer id and
+            address range) may hold here (dht/quotas.py); over a quota a store gets FULL.
+        rate_limits: requests per second per source on the DHT service (dht/ratelimit.py);
+            over the limit a request gets RESOURCE_EXHAUSTED.
+        signature_cache: verified record signatures remembered, so that records seen again
+            (republished, cached, answered by several replicas) cost no Ed25519 work.
     """
 
     run_id: str = "default"
@@ -65,6 +81,11 @@ class DHTConfig:
     limits: DHTLimits = field(default_factory=DHTLimits)
     validators: tuple[RecordValidator, ...] = ()
     key_classes: tuple[KeyClass, ...] = ()
+    contacts_per_range: int = 2
+    limit_local_ranges: bool = False
+    storage_quotas: StorageQuotas = field(default_factory=StorageQuotas)
+    rate_limits: RateLimits = field(default_factory=RateLimits)
+    signature_cache: int = 65536
 
     def __post_init__(self) -> None:
         if isinstance(self.initial_peers, str):
@@ -80,6 +101,8 @@ class DHTConfig:
         for name in ("k", "alpha", "b", "get_quorum", "stale_after"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.contacts_per_range < 0 or self.signature_cache < 0:
+            raise ValueError("contacts_per_range and signature_cache must be >= 0")
         if self.replication is not None and self.replication < 1:
             raise ValueError("replication must be >= 1 (or None for k)")
         for name in (

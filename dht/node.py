@@ -91,8 +91,18 @@ class DHTNode:
         self._owns_channels = channels is None
         # `is None`, not `or`: an empty pool is falsy (it has __len__) yet is the caller's.
         self.channels = channels if channels is not None else ChannelPool()
-        self.routing = RoutingTable(self.identity.peer_id, config.k, config.b)
-        self.storage = Storage(config.limits.max_subkeys_per_key, config.limits.max_stored_bytes)
+        self.routing = RoutingTable(
+            self.identity.peer_id,
+            config.k,
+            config.b,
+            per_range=config.contacts_per_range,
+            limit_local=config.limit_local_ranges,
+        )
+        self.storage = Storage(
+            config.limits.max_subkeys_per_key,
+            config.limits.max_stored_bytes,
+            config.storage_quotas,
+        )
         self.protocol = DHTProtocol(
             self.identity, config, self.routing, self.storage, self.channels
         )

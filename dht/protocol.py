@@ -5,9 +5,20 @@ gets an answer to refreshes the sender's bucket entry):
 
 * A request whose header carries an address (a serving node) teaches us its sender, once the
   header and the sender's signed address check out. Client-mode senders send no address and
-  are never learned, so they never enter others' tables.
-* An answer teaches us the responder at the address we dialled; a failed call removes the
-  contact (and promotes a replacement).
+  are never learned, so they never enter others' tables. A request from a public address that
+  claims a local one (loopback, private) is not learned: it cannot be the sender's own.
+* An answer teaches us the responder at the address we dialled, and only if the answer carries
+  the responder's signature binding its id to that very address. Contacts are learned only
+  from their owners: a peer that copies another's public key into its answers (the routing
+  hijack of issue 16: a lookup answered with ``(victim id, attacker address)``) is refused,
+  and the victim's known address stays. An answer bound to another address than the one we
+  dialled is a hint: a ping dials the bound address (bootstrap addresses written differently).
+* A failed call counts against a contact only when we dialled the contact's known address, so
+  hearsay naming a known id at a dead address cannot get the real contact dropped.
+
+Every request is admitted by a per-source token bucket first (ratelimit.py; sender id and
+address range); over the limit it gets ``RESOURCE_EXHAUSTED``. Records stored for a peer count
+against its storage quotas (quotas.py).
 
 Every inbound message is length-checked before it is parsed, and every record is validated
 before anything is stored: a bad request gets an error status and changes nothing, not even
@@ -36,11 +47,19 @@ from swarmavg.dht.identity import (
     verify_signature,
 )
 from swarmavg.dht.ids import ID_BYTES, id_to_int, key_id
+from swarmavg.dht.quotas import Source
+from swarmavg.dht.ranges import grpc_peer_host, host_range, limited_range, split_host
+from swarmavg.dht.ratelimit import RateLimiter
 from swarmavg.dht.records import StoredRecord
 from swarmavg.dht.routing import Contact, RoutingTable
 from swarmavg.dht.storage import Storage
 from swarmavg.dht.tasks import TaskSet
-from swarmavg.dht.validation import ValidationError, check_sizes, validate_record
+from swarmavg.dht.validation import (
+    SignatureCache,
+    ValidationError,
+    check_sizes,
+    validate_record,
+)
 from swarmavg.proto import common_pb2, dht_pb2
 
 log = logging.getLogger(__name__)
@@ -59,6 +78,24 @@ class DHTRPCError(Exception):
         super().__init__(f"{address}: {reason}")
         self.address = address
         self.reason = reason
+
+
+class UnboundAnswerError(DHTRPCError):
+    """An answer whose responder did not sign a binding of its id to the address we dialled.
+
+    Either a peer answering with another's copied public key (refused), or the right peer
+    announcing another address than the one we dialled: then ``bound_address`` is that
+    address, which its owner did sign, and is worth dialling instead.
+    """
+
+    def __init__(self, address: str, peer_id: bytes, bound_address: str) -> None:
+        super().__init__(
+            address,
+            f"the answer does not prove that peer {peer_id.hex()[:16]} is at this address"
+            + (f" (it binds {bound_address})" if bound_address else ""),
+        )
+        self.peer_id = peer_id
+        self.bound_address = bound_address
 
 
 @dataclass(slots=True)
@@ -127,6 +164,9 @@ class DHTProtocol:
         self.address = ""
         self._bindings: OrderedDict[bytes, tuple[str, bytes]] = OrderedDict()
         self._pinging: set[bytes] = set()
+        self.rate_limiter = RateLimiter(config.rate_limits)
+        self.signatures = SignatureCache(config.signature_cache)
+        self.unproven_answers = 0  # answers that did not bind the address we dialled
         self._tasks = TaskSet()
         self._closed = False
         self.rpcs_sent = 0
@@ -153,7 +193,9 @@ class DHTProtocol:
         self._request_prefix = dht_pb2.PingRequest(
             header=self.header, address_signature=signature
         ).SerializeToString()
-        self._answer_prefix = dht_pb2.PingResponse(header=self.header).SerializeToString()
+        self._answer_prefix = dht_pb2.PingResponse(
+            header=self.header, address_signature=signature
+        ).SerializeToString()
 
     def make_header(self) -> common_pb2.RequestHeader:
         header = common_pb2.RequestHeader()
@@ -174,6 +216,7 @@ class DHTProtocol:
             config.validators,
             run_id=config.run_id,
             key_classes=config.key_classes,
+            signatures=self.signatures,
         )
 
     # ---- server side ----
@@ -205,31 +248,52 @@ class DHTProtocol:
         except DecodeError as e:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {e}")
 
+    def _binds(
+        self, header: common_pb2.RequestHeader, peer_id: bytes, address: str, signature: bytes
+    ) -> bool:
+        """Whether ``signature`` is ``peer_id``'s binding of ``address`` (cached when so)."""
+        if self._bindings.get(peer_id) == (address, signature):
+            return True
+        payload = address_signature_payload(self.config.run_id, peer_id, address)
+        if not verify_signature(header.public_key, signature, payload):
+            return False
+        self._bindings[peer_id] = (address, signature)
+        self._bindings.move_to_end(peer_id)
+        while len(self._bindings) > _BINDING_CACHE:
+            self._bindings.popitem(last=False)
+        return True
+
     async def _check_sender(
         self, header: common_pb2.RequestHeader, signature: bytes, context: Any
-    ) -> tuple[bytes, Contact | None]:
-        """Verify the header; return the sender's id and, for serving senders, its contact."""
+    ) -> tuple[Source, Contact | None]:
+        """Verify the header and admit the request under the sender's rate limit; return the
+        sender as a storage-quota source and, for serving senders we may learn, its contact."""
         try:
             peer_id = verify_header(header, self.config.run_id)
         except HeaderError as e:
             await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        source_host = grpc_peer_host(context.peer())
+        range_name = (
+            limited_range(source_host, self.config.limit_local_ranges) if source_host else None
+        )
+        refusal = self.rate_limiter.admit(peer_id, range_name)
+        if refusal is not None:
+            await self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        source = Source(peer_id, range_name)
         address = header.address
         if not address:
-            return peer_id, None  # client mode: never enters the routing table
+            return source, None  # client mode: never enters the routing table
         if len(address) > MAX_ADDRESS_CHARS:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "address too long")
-        if self._bindings.get(peer_id) != (address, signature):
-            payload = address_signature_payload(self.config.run_id, peer_id, address)
-            if not verify_signature(header.public_key, signature, payload):
-                await self._abort(
-                    context,
-                    grpc.StatusCode.UNAUTHENTICATED,
-                    "address signature does not verify for this peer id",
-                )
-            self._bindings[peer_id] = (address, signature)
-            while len(self._bindings) > _BINDING_CACHE:
-                self._bindings.popitem(last=False)
-        return peer_id, Contact(peer_id, address)
+        if not self._binds(header, peer_id, address, signature):
+            await self._abort(
+                context,
+                grpc.StatusCode.UNAUTHENTICATED,
+                "address signature does not verify for this peer id",
+            )
+        if source_host and host_range(split_host(address))[1] and not host_range(source_host)[1]:
+            return source, None  # a public sender claiming a local address: not its own
+        return source, Contact(peer_id, address)
 
     async def rpc_ping(self, request: bytes, context: Any) -> bytes:
         msg = await self._parse(request, dht_pb2.PingRequest, context)
@@ -240,7 +304,7 @@ class DHTProtocol:
 
     async def rpc_store(self, request: bytes, context: Any) -> bytes:
         msg = await self._parse(request, dht_pb2.StoreRequest, context)
-        _, sender = await self._check_sender(msg.header, msg.address_signature, context)
+        source, sender = await self._check_sender(msg.header, msg.address_signature, context)
         limits = self.config.limits
         if len(msg.records) > limits.max_records_per_request:
             await self._abort(
@@ -257,7 +321,7 @@ class DHTProtocol:
             except ValidationError as e:
                 await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"record {i}: {e}")
             records.append(record)
-        statuses = [self.storage.put(r, now, cached=msg.cache) for r in records]
+        statuses = [self.storage.put(r, now, cached=msg.cache, source=source) for r in records]
         if sender is not None:
             self.learn(sender)
         answer = dht_pb2.StoreResponse(statuses=statuses).SerializeToString()
@@ -265,7 +329,7 @@ class DHTProtocol:
 
     async def rpc_find(self, request: bytes, context: Any) -> bytes:
         msg = await self._parse(request, dht_pb2.FindRequest, context)
-        sender_id, sender = await self._check_sender(msg.header, msg.address_signature, context)
+        source, sender = await self._check_sender(msg.header, msg.address_signature, context)
         limits = self.config.limits
         if len(msg.key_ids) > limits.max_keys_per_request:
             await self._abort(
@@ -277,7 +341,7 @@ class DHTProtocol:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "ids must be 20 bytes")
         k = min(msg.k or self.config.k, limits.max_peers_per_answer)
         now = time.time()
-        store_statuses = await self._store_on_find(msg, context, now)
+        store_statuses = await self._store_on_find(msg, context, now, source)
         budget = limits.max_response_bytes
         response = dht_pb2.FindResponse()
         for kid in msg.key_ids:
@@ -288,7 +352,7 @@ class DHTProtocol:
                     if budget < 0:
                         break  # an oversized answer would be refused by the caller's gRPC cap
                     result.records.append(record_to_proto(record))
-            for contact in self.routing.nearest(id_to_int(kid), k, exclude=(sender_id,)):
+            for contact in self.routing.nearest(id_to_int(kid), k, exclude=(source.peer_id,)):
                 result.nearest.add(peer_id=contact.peer_id, address=contact.address)
         response.store_statuses.extend(store_statuses)
         if sender is not None:
@@ -296,7 +360,7 @@ class DHTProtocol:
         return self._answer_prefix + response.SerializeToString()
 
     async def _store_on_find(
-        self, msg: dht_pb2.FindRequest, context: Any, now: float
+        self, msg: dht_pb2.FindRequest, context: Any, now: float, source: Source
     ) -> list[dht_pb2.StoreStatus]:
         """Store the records a Find carries, where we are among the nearest to their key.
 
@@ -334,7 +398,7 @@ class DHTProtocol:
             if kid not in nearest:
                 nearest[kid] = self.among_nearest(kid, replication)
             if nearest[kid]:
-                statuses.append(self.storage.put(record, now, key_id_=kid))
+                statuses.append(self.storage.put(record, now, key_id_=kid, source=source))
             else:
                 statuses.append(dht_pb2.STORE_STATUS_NOT_NEAREST)
         return statuses
@@ -365,7 +429,11 @@ class DHTProtocol:
 
     def _failed(self, address: str, expected_id: bytes | None, reason: str) -> DHTRPCError:
         if expected_id is not None:
-            self.routing.record_failure(expected_id, self.config.stale_after)
+            known = self.routing.get(expected_id)
+            if known is None or known.address == address:
+                # only a failure at the contact's own address counts against it: hearsay that
+                # names a known id at another address cannot get the real contact dropped
+                self.routing.record_failure(expected_id, self.config.stale_after)
         return DHTRPCError(address, reason)
 
     # ---- client side ----
@@ -373,7 +441,12 @@ class DHTProtocol:
     async def _call(
         self, address: str, method: str, body: bytes, expected_id: bytes | None, timeout: float
     ) -> tuple[bytes, bytes]:
-        """Send one request; return (responder id, raw answer). Learns or forgets the peer."""
+        """Send one request; return (responder id, raw answer). Learns or forgets the peer.
+
+        Raises:
+            DHTRPCError: no answer, a bad one, or one that does not prove that its responder
+                owns the address we dialled (:class:`UnboundAnswerError`).
+        """
         if self._closed:
             raise DHTRPCError(address, "node is shut down")
         self.rpcs_sent += 1
@@ -392,12 +465,26 @@ class DHTProtocol:
         except RuntimeError as e:  # the channel pool closed under us during shutdown
             raise self._failed(address, expected_id, str(e)) from None
         try:
-            header = dht_pb2.PingResponse.FromString(data).header
-            peer_id = verify_header(header, self.config.run_id)
+            answer = dht_pb2.PingResponse.FromString(data)
+            peer_id = verify_header(answer.header, self.config.run_id)
         except (DecodeError, HeaderError) as e:
             raise self._failed(address, expected_id, f"bad answer: {e}") from None
         if expected_id is not None and peer_id != expected_id:
             raise self._failed(address, expected_id, "answered as another peer")
+        bound = answer.header.address
+        signature = answer.address_signature
+        if bound != address or not self._binds(answer.header, peer_id, address, signature):
+            self.unproven_answers += 1
+            hint = (
+                bound
+                if bound
+                and bound != address
+                and len(bound) <= MAX_ADDRESS_CHARS
+                and self._binds(answer.header, peer_id, bound, signature)
+                else ""
+            )
+            # not _failed: the contact we know under this id (if any) did not fail
+            raise UnboundAnswerError(address, peer_id, hint)
         self.learn(Contact(peer_id, address))
         return peer_id, data
 
@@ -406,12 +493,21 @@ class DHTProtocol:
     ) -> Contact:
         """Ping ``address``; return the responder as a contact.
 
+        An answer bound to another address than ``address`` (an initial peer written as a
+        name, or behind a port mapping) is followed once: the bound address is pinged, and
+        that contact is returned if it answers as the same peer.
+
         Raises:
             DHTRPCError: no valid answer within the deadline (the contact is then removed).
         """
-        peer_id, _ = await self._call(
-            address, "Ping", b"", expected_id, timeout or self.config.request_timeout
-        )
+        timeout = timeout or self.config.request_timeout
+        try:
+            peer_id, _ = await self._call(address, "Ping", b"", expected_id, timeout)
+        except UnboundAnswerError as e:
+            if not e.bound_address:
+                raise
+            peer_id, _ = await self._call(e.bound_address, "Ping", b"", e.peer_id, timeout)
+            return Contact(peer_id, e.bound_address)
         return Contact(peer_id, address)
 
     async def call_store(

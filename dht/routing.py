@@ -12,6 +12,11 @@ which contacts failed. Rules and where they come from:
   least-recently seen contact is returned for the caller to ping. Only when that ping fails is
   the contact removed, and the newest replacement takes its place (paper 2.2 and 4.1): live old
   contacts are never evicted for new ones.
+* Against eclipse attacks (ids are cheap, networks are not): one bucket holds at most
+  ``per_range`` contacts of one address range (IPv4 /24, IPv6 /48; ranges.py), and its
+  replacement cache at most ``per_range`` more. A contact over the limit is refused; an
+  address change into a full range keeps the old address. Local ranges (loopback, private)
+  are exempt unless ``limit_local``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from swarmavg.dht.ids import ID_BITS, MAX_ID, id_to_int
+from swarmavg.dht.ranges import limited_range, split_host
 
 
 @dataclass(eq=False, slots=True)
@@ -45,10 +51,22 @@ class Contact:
 class KBucket:
     """Contacts whose ids lie in ``[lower, upper)``; LRS first; plus a replacement cache."""
 
-    __slots__ = ("contacts", "k", "last_lookup", "lower", "replacements", "upper")
+    __slots__ = (
+        "contacts",
+        "k",
+        "last_lookup",
+        "limit_local",
+        "lower",
+        "per_range",
+        "replacements",
+        "upper",
+    )
 
-    def __init__(self, lower: int, upper: int, k: int) -> None:
+    def __init__(
+        self, lower: int, upper: int, k: int, per_range: int = 0, limit_local: bool = False
+    ) -> None:
         self.lower, self.upper, self.k = lower, upper, k
+        self.per_range, self.limit_local = per_range, limit_local
         self.contacts: OrderedDict[bytes, Contact] = OrderedDict()
         self.replacements: OrderedDict[bytes, Contact] = OrderedDict()
         self.last_lookup = time.monotonic()
@@ -64,9 +82,38 @@ class KBucket:
     def is_full(self) -> bool:
         return len(self.contacts) >= self.k
 
+    def range_has_room(
+        self, pool: OrderedDict[bytes, Contact], address: str, exclude: bytes = b""
+    ) -> bool:
+        """Whether ``pool`` (contacts or replacements) can take one more of ``address``'s range."""
+        if self.per_range <= 0:
+            return True
+        name = limited_range(split_host(address), self.limit_local)
+        if name is None:
+            return True
+        same = sum(
+            1
+            for peer_id, c in pool.items()
+            if peer_id != exclude and limited_range(split_host(c.address), self.limit_local) == name
+        )
+        return same < self.per_range
+
+    def promote(self) -> bool:
+        """Move the newest replacement whose range has room into the contacts."""
+        for peer_id in reversed(self.replacements):
+            contact = self.replacements[peer_id]
+            if self.range_has_room(self.contacts, contact.address):
+                del self.replacements[peer_id]
+                self.contacts[peer_id] = contact
+                return True
+        return False
+
     def split(self) -> tuple[KBucket, KBucket]:
         middle = (self.lower + self.upper) // 2
-        low, high = KBucket(self.lower, middle, self.k), KBucket(middle, self.upper, self.k)
+        low, high = (
+            KBucket(lo, hi, self.k, self.per_range, self.limit_local)
+            for lo, hi in ((self.lower, middle), (middle, self.upper))
+        )
         for bucket in (low, high):
             bucket.last_lookup = self.last_lookup
         for source, attr in ((self.contacts, "contacts"), (self.replacements, "replacements")):
@@ -74,9 +121,8 @@ class KBucket:
                 target = low if contact.id_int < middle else high
                 getattr(target, attr)[peer_id] = contact
         for bucket in (low, high):  # a split may leave room: promote replacements
-            while not bucket.is_full() and bucket.replacements:
-                peer_id, contact = bucket.replacements.popitem(last=True)
-                bucket.contacts[peer_id] = contact
+            while not bucket.is_full() and bucket.promote():
+                pass
         return low, high
 
 
@@ -88,16 +134,27 @@ class RoutingTable:
         k: bucket size, also the replication parameter of the paper.
         b: the paper's section 4.2 relaxation: buckets off our own branch still split while
             their depth is not a multiple of ``b``.
+        per_range: most contacts of one address range per bucket (and per replacement
+            cache); 0: no limit.
+        limit_local: apply ``per_range`` to loopback and private ranges too.
     """
 
-    def __init__(self, own_id: bytes, k: int = 20, b: int = 5) -> None:
-        if k < 1 or b < 1:
-            raise ValueError("k and b must be positive")
+    def __init__(
+        self,
+        own_id: bytes,
+        k: int = 20,
+        b: int = 5,
+        per_range: int = 2,
+        limit_local: bool = False,
+    ) -> None:
+        if k < 1 or b < 1 or per_range < 0:
+            raise ValueError("k and b must be positive, per_range not negative")
         self.own_id = own_id
         self.own_int = id_to_int(own_id)
         self.k, self.b = k, b
-        self.buckets: list[KBucket] = [KBucket(0, MAX_ID, k)]
+        self.buckets: list[KBucket] = [KBucket(0, MAX_ID, k, per_range, limit_local)]
         self._size = 0
+        self.refused_by_range = 0  # contacts (or address changes) refused by the range limit
 
     def __len__(self) -> int:
         return self._size
@@ -130,8 +187,9 @@ class RoutingTable:
         """Record that we heard from ``contact``.
 
         Returns:
-            ``None`` when the contact is now in the table (new, refreshed or after a split).
-            Otherwise its bucket is full and cannot split: the contact went to the replacement
+            ``None`` when the contact is now in the table (new, refreshed or after a split), or
+            when the range limit refused it (counted in ``refused_by_range``). Otherwise its
+            bucket is full and cannot split: the contact went to the replacement
             cache and the bucket's least-recently seen contact is returned; the caller should
             ping it and call :meth:`remove` if the ping fails (paper 2.2).
         """
@@ -143,10 +201,24 @@ class RoutingTable:
             bucket = self.buckets[index]
             existing = bucket.contacts.get(contact.peer_id)
             if existing is not None:
-                existing.address = contact.address
+                if existing.address != contact.address:
+                    if bucket.range_has_room(bucket.contacts, contact.address, contact.peer_id):
+                        existing.address = contact.address
+                    else:
+                        self.refused_by_range += 1  # keep the old, range-compliant address
                 existing.last_seen = contact.last_seen
                 existing.failures = 0
                 bucket.contacts.move_to_end(contact.peer_id)
+                return None
+            if not bucket.range_has_room(bucket.contacts, contact.address):
+                # the range is full in this bucket: it may wait as a replacement, if the
+                # replacement cache has room for its range too
+                bucket.replacements.pop(contact.peer_id, None)
+                if bucket.range_has_room(bucket.replacements, contact.address):
+                    bucket.replacements[contact.peer_id] = contact
+                    while len(bucket.replacements) > bucket.k:
+                        bucket.replacements.popitem(last=False)
+                self.refused_by_range += 1
                 return None
             if not bucket.is_full():
                 bucket.contacts[contact.peer_id] = contact
@@ -158,9 +230,12 @@ class RoutingTable:
                 self._size = sum(len(b.contacts) for b in self.buckets)
                 continue
             bucket.replacements.pop(contact.peer_id, None)
-            bucket.replacements[contact.peer_id] = contact
-            while len(bucket.replacements) > bucket.k:
-                bucket.replacements.popitem(last=False)
+            if bucket.range_has_room(bucket.replacements, contact.address):
+                bucket.replacements[contact.peer_id] = contact
+                while len(bucket.replacements) > bucket.k:
+                    bucket.replacements.popitem(last=False)
+            else:
+                self.refused_by_range += 1
             return next(iter(bucket.contacts.values()))
 
     def remove(self, peer_id: bytes) -> bool:
@@ -175,9 +250,7 @@ class RoutingTable:
         if bucket.contacts.pop(peer_id, None) is None:
             return False
         self._size -= 1
-        if bucket.replacements:
-            promoted_id, promoted = bucket.replacements.popitem(last=True)
-            bucket.contacts[promoted_id] = promoted
+        if bucket.promote():
             self._size += 1
         return True
 

@@ -13,6 +13,9 @@ Rules (pure, synchronous, unit-tested):
   replaces a plain value only when it expires later than that value. Later expiration wins.
 * Expired records are never returned and are dropped by :meth:`Storage.sweep`.
 * Caps: subkeys per key and total stored bytes; over a cap a store reports ``FULL``.
+* Quotas per source (quotas.py): a record stored on behalf of a peer counts against that
+  peer's id and address range (bytes, records, subkeys per key); over a quota a store reports
+  ``FULL`` too, and ``last_refusal`` says why.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from swarmavg.dht.ids import key_id
+from swarmavg.dht.quotas import QuotaLedger, Source, StorageQuotas
 from swarmavg.dht.records import StoredRecord
 from swarmavg.proto import dht_pb2
 
@@ -37,6 +41,8 @@ class _Entry:
 
     plain: StoredRecord | None = None
     subkeys: dict[bytes, StoredRecord] = field(default_factory=dict)
+    plain_source: Source | None = None  # who stored the plain value (None: this node)
+    sources: dict[bytes, Source] = field(default_factory=dict)  # subkey -> who stored it
     cached: bool = False  # only a copy cached along a lookup path: not republished
     received: float = 0.0  # time.monotonic() of the last accepted store (paper 2.5)
 
@@ -52,10 +58,17 @@ class _Entry:
 class Storage:
     """Records of one node, indexed by key id (``sha1(key)``)."""
 
-    def __init__(self, max_subkeys_per_key: int = 4096, max_bytes: int = 256 * 1024 * 1024):
+    def __init__(
+        self,
+        max_subkeys_per_key: int = 4096,
+        max_bytes: int = 256 * 1024 * 1024,
+        quotas: StorageQuotas | None = None,
+    ):
         self.max_subkeys_per_key = max_subkeys_per_key
         self.max_bytes = max_bytes
         self.bytes_used = 0
+        self.ledger = QuotaLedger(quotas or StorageQuotas(), max_bytes)
+        self.last_refusal = ""  # why the last FULL answer was given
         self._entries: dict[bytes, _Entry] = {}
 
     def __len__(self) -> int:
@@ -67,11 +80,13 @@ class Storage:
         now: float | None = None,
         cached: bool = False,
         key_id_: bytes | None = None,
+        source: Source | None = None,
     ) -> dht_pb2.StoreStatus:
         """Store ``record`` if it wins; return a ``StoreStatus`` value.
 
         Args:
             now: ``time.time()`` reading (default: now).
+            source: the peer that asked us to store it (None: this node itself, no quota).
             cached: the record is a lookup-path cache copy (paper 2.3), not to be republished.
                 A key that also receives a regular store stops being a cache entry.
             key_id_: ``sha1(record.key)`` when the caller already has it.
@@ -83,11 +98,11 @@ class Storage:
         entry = self._entries.get(kid)
         if entry is None:
             entry = self._entries[kid] = _Entry(cached=cached)
-        status = self._put_into(entry, record, now)
+        status = self._put_into(entry, kid, record, now, source)
         if status == FULL and self.bytes_used + record.size() > self.max_bytes:
             self.sweep(now)  # make room from expired records, then try once more
             entry = self._entries.setdefault(kid, _Entry(cached=cached))
-            status = self._put_into(entry, record, now)
+            status = self._put_into(entry, kid, record, now, source)
         if status == STORED:
             entry.received = time.monotonic()
             entry.cached = entry.cached and cached
@@ -95,7 +110,10 @@ class Storage:
             del self._entries[kid]
         return status
 
-    def _put_into(self, entry: _Entry, record: StoredRecord, now: float) -> dht_pb2.StoreStatus:
+    def _put_into(
+        self, entry: _Entry, kid: bytes, record: StoredRecord, now: float, source: Source | None
+    ) -> dht_pb2.StoreStatus:
+        ledger = self.ledger
         if not record.subkey:
             if entry.plain is not None and entry.plain.expiration > now:
                 if record.order() == entry.plain.order():
@@ -106,9 +124,16 @@ class Storage:
                 return OUTDATED
             freed = sum(r.size() for r in entry.records())
             if self.bytes_used - freed + record.size() > self.max_bytes:
-                return FULL
+                return self._full("this node's storage is full")
+            if source is not None:
+                own = entry.plain.size() if entry.plain and entry.plain_source == source else 0
+                refusal = ledger.refusal(source, kid, record.size(), False, own)
+                if refusal is not None:
+                    return self._over_quota(refusal)
+            self._release_all(entry, kid)
             self.bytes_used += record.size() - freed
-            entry.plain, entry.subkeys = record, {}
+            entry.plain, entry.subkeys, entry.plain_source = record, {}, source
+            ledger.charge(source, kid, record.size(), False, 1)
             return STORED
         if (
             entry.plain is not None
@@ -123,24 +148,54 @@ class Storage:
             if record.order() < old.order():
                 return OUTDATED
         if old is None and len(entry.subkeys) >= self.max_subkeys_per_key:
-            self._drop_expired_subkeys(entry, now)
+            self._drop_expired_subkeys(entry, kid, now)
             if len(entry.subkeys) >= self.max_subkeys_per_key:
-                return FULL
+                return self._full(f"the key holds {len(entry.subkeys)} subkeys, the most allowed")
         freed = (old.size() if old is not None else 0) + (
             entry.plain.size() if entry.plain is not None else 0
         )
         if self.bytes_used - freed + record.size() > self.max_bytes:
-            return FULL
+            return self._full("this node's storage is full")
+        if source is not None:
+            same = old is not None and entry.sources.get(record.subkey) == source
+            own = old.size() if old is not None and same else 0
+            refusal = ledger.refusal(source, kid, record.size(), not same, own)
+            if refusal is not None:
+                return self._over_quota(refusal)
+        if entry.plain is not None:
+            ledger.charge(entry.plain_source, kid, entry.plain.size(), False, -1)
+        if old is not None:
+            ledger.charge(entry.sources.pop(record.subkey, None), kid, old.size(), True, -1)
         self.bytes_used += record.size() - freed
-        entry.plain = None
+        entry.plain, entry.plain_source = None, None
         entry.subkeys[record.subkey] = record
+        if source is not None:
+            entry.sources[record.subkey] = source
+        ledger.charge(source, kid, record.size(), True, 1)
         return STORED
 
-    def _drop_expired_subkeys(self, entry: _Entry, now: float) -> None:
+    def _full(self, reason: str) -> dht_pb2.StoreStatus:
+        self.last_refusal = reason
+        return FULL
+
+    def _over_quota(self, reason: str) -> dht_pb2.StoreStatus:
+        self.ledger.refused += 1
+        return self._full(reason)
+
+    def _release_all(self, entry: _Entry, kid: bytes) -> None:
+        """Release the quota of every record of ``entry`` (before they are replaced)."""
+        if entry.plain is not None:
+            self.ledger.charge(entry.plain_source, kid, entry.plain.size(), False, -1)
+        for subkey, rec in entry.subkeys.items():
+            self.ledger.charge(entry.sources.get(subkey), kid, rec.size(), True, -1)
+        entry.sources.clear()
+
+    def _drop_expired_subkeys(self, entry: _Entry, kid: bytes, now: float) -> None:
         for subkey, rec in list(entry.subkeys.items()):
             if rec.expiration <= now:
                 del entry.subkeys[subkey]
                 self.bytes_used -= rec.size()
+                self.ledger.charge(entry.sources.pop(subkey, None), kid, rec.size(), True, -1)
 
     def get(self, kid: bytes, now: float | None = None) -> list[StoredRecord]:
         """The unexpired records under key id ``kid``: ``[plain]``, the subkeys, or ``[]``."""
@@ -158,10 +213,11 @@ class Storage:
             entry = self._entries[kid]
             if entry.plain is not None and entry.plain.expiration <= now:
                 self.bytes_used -= entry.plain.size()
-                entry.plain = None
+                self.ledger.charge(entry.plain_source, kid, entry.plain.size(), False, -1)
+                entry.plain, entry.plain_source = None, None
                 dropped += 1
             before = len(entry.subkeys)
-            self._drop_expired_subkeys(entry, now)
+            self._drop_expired_subkeys(entry, kid, now)
             dropped += before - len(entry.subkeys)
             if entry.plain is None and not entry.subkeys:
                 del self._entries[kid]

@@ -10,6 +10,13 @@ Many keys share one traversal through :class:`FindBatcher`: the Find requests th
 address to the same peer in the same event-loop iteration travel as one RPC. A peer that fails
 is skipped by every key of the traversal.
 
+Hearsay is a hint to dial, never a contact by itself (issue 16): a peer named in an answer
+under an id our routing table knows is dialled at the address the table knows, not at the
+named one; a peer named at several addresses is tried at each in turn (at most
+``_MAX_ADDRESSES``) until one answers as it; only an answer that proves the dialled address
+(protocol.py) puts the peer into the routing table. Failures are tracked per (id, address),
+so a fake address for an id never makes the traversal skip the id's real one.
+
 Hops: a contact from our own table is at hop 1; a contact first named by a hop-h peer is at
 hop h+1. A lookup's hop count is the hop of the first node that returned a value (FIND_VALUE)
 or the largest hop among the k nearest that answered (FIND_NODE).
@@ -30,6 +37,7 @@ from swarmavg.dht.tasks import TaskSet
 from swarmavg.proto import dht_pb2
 
 _NEW, _IN_FLIGHT, _ANSWERED, _FAILED = range(4)
+_MAX_ADDRESSES = 3  # addresses tried per peer id named in answers
 
 _Request = tuple[bytes, "asyncio.Future[FindAnswer | None]"]  # (target id, its answer)
 
@@ -40,6 +48,8 @@ class _Candidate:
     distance: int
     hop: int
     state: int = _NEW
+    alternates: list[Contact] = field(default_factory=list)  # other named addresses
+    tried: int = 1  # addresses named for this id so far (the current one included)
 
 
 @dataclass
@@ -78,9 +88,10 @@ class FindBatcher:
         self.max_keys = max_keys
         self.store = store or {}
         self.replication = replication
-        self.failed: set[bytes] = set()
+        self.failed: set[tuple[bytes, str]] = set()  # (peer id, address) that failed
         self._pending: dict[
-            bytes, tuple[Contact, list[tuple[bytes, asyncio.Future[FindAnswer | None]]]]
+            tuple[bytes, str],
+            tuple[Contact, list[tuple[bytes, asyncio.Future[FindAnswer | None]]]],
         ]
         self._pending = {}
         self._scheduled = False
@@ -91,9 +102,10 @@ class FindBatcher:
         """Ask ``contact`` about ``target``; the future gives its answer, or None on failure."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[FindAnswer | None] = loop.create_future()
-        entry = self._pending.get(contact.peer_id)
+        where = (contact.peer_id, contact.address)
+        entry = self._pending.get(where)
         if entry is None:
-            entry = self._pending[contact.peer_id] = (contact, [])
+            entry = self._pending[where] = (contact, [])
         entry[1].append((target, future))
         if not self._scheduled:
             self._scheduled = True
@@ -129,7 +141,7 @@ class FindBatcher:
                     replication=self.replication,
                 )
             except DHTRPCError:
-                self.failed.add(contact.peer_id)
+                self.failed.add((contact.peer_id, contact.address))
                 answers = [None] * len(items)
             for (_, future), answer in zip(items, answers, strict=True):
                 if not future.done():
@@ -196,11 +208,37 @@ class Traversal:
         order: list[tuple[int, bytes]] = []  # (distance, peer id), ascending
 
         def consider(contact: Contact, hop: int) -> None:
-            if contact.peer_id == own_id or contact.peer_id in candidates:
+            if contact.peer_id == own_id:
+                return
+            cand = candidates.get(contact.peer_id)
+            if cand is not None and cand.contact.address == contact.address:
+                return  # the common case: a peer named again at the address we know
+            known = routing.get(contact.peer_id) if hop > 1 else None
+            if known is not None:
+                contact = known  # hearsay never overrides the address we heard from its owner
+            if cand is not None:
+                if (
+                    known is None
+                    and cand.tried < _MAX_ADDRESSES
+                    and contact.address != cand.contact.address
+                    and all(c.address != contact.address for c in cand.alternates)
+                ):
+                    cand.tried += 1
+                    cand.alternates.append(contact)
+                    if cand.state == _FAILED:
+                        retry(cand)
                 return
             cand = _Candidate(contact, contact.id_int ^ target, hop)
             candidates[contact.peer_id] = cand
             bisect.insort(order, (cand.distance, contact.peer_id))
+
+        def retry(cand: _Candidate) -> None:
+            """After a failure, dial the next address named for the same id, if any."""
+            while cand.alternates:
+                cand.contact = cand.alternates.pop(0)
+                if (cand.contact.peer_id, cand.contact.address) not in self.batcher.failed:
+                    cand.state = _NEW
+                    return
 
         for contact in routing.nearest(target, self.k):
             consider(contact, 1)
@@ -212,8 +250,9 @@ class Traversal:
             seen = 0
             for _, peer_id in order:
                 cand = candidates[peer_id]
-                if cand.state == _NEW and peer_id in self.batcher.failed:
+                if cand.state == _NEW and (peer_id, cand.contact.address) in self.batcher.failed:
                     cand.state = _FAILED
+                    retry(cand)
                 if cand.state == _FAILED:
                     continue
                 if cand.state == _NEW:
@@ -241,6 +280,7 @@ class Traversal:
                     answer = future.result()
                     if answer is None:
                         cand.state = _FAILED
+                        retry(cand)
                         continue
                     cand.state = _ANSWERED
                     if answer.store_statuses:

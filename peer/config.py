@@ -308,6 +308,13 @@ INTERNAL: Mapping[type, tuple[str, ...]] = MappingProxyType(
             "validators",
             # The run's protocol keys, set by the daemon (peer/daemon.py, node_dht_config).
             "key_classes",
+            # Guards against hostile sources (issue 16, docs/dht.md "Quotas and rate
+            # limits"): defaults far above what honest peers use, the same on every peer.
+            "contacts_per_range",
+            "limit_local_ranges",
+            "storage_quotas",
+            "rate_limits",
+            "signature_cache",
         ),
         # matchmaking_share splits the caller's own timeout (a per-call budget, not a
         # daemon property); user_data is a Python API; timeout_grace only closes streams.

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from swarmavg.proto import common_pb2 as swarmavg_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18swarmavg/proto/dht.proto\x12\x0bswarmavg.v1\x1a\x1bswarmavg/proto/common.proto\",\n\x08PeerInfo\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x7f\n\x06Record\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06subkey\x18\x02 \x01(\x0c\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\x12\n\nexpiration\x18\x04 \x01(\x01\x12\x12\n\npublic_key\x18\x05 \x01(\x0c\x12\x11\n\tsignature\x18\x06 \x01(\x0c\x12\x0e\n\x06issued\x18\x07 \x01(\x01\"T\n\x0bPingRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12\x19\n\x11\x61\x64\x64ress_signature\x18\x02 \x01(\x0c\":\n\x0cPingResponse\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\"\x8a\x01\n\x0cStoreRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12\x19\n\x11\x61\x64\x64ress_signature\x18\x02 \x01(\x0c\x12$\n\x07records\x18\x03 \x03(\x0b\x32\x13.swarmavg.v1.Record\x12\r\n\x05\x63\x61\x63he\x18\x04 \x01(\x08\"g\n\rStoreResponse\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12*\n\x08statuses\x18\x02 \x03(\x0e\x32\x18.swarmavg.v1.StoreStatus\"\xbe\x01\n\x0b\x46indRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12\x19\n\x11\x61\x64\x64ress_signature\x18\x02 \x01(\x0c\x12\x0f\n\x07key_ids\x18\x03 \x03(\x0c\x12\t\n\x01k\x18\x04 \x01(\r\x12\x13\n\x0bwant_values\x18\x05 \x01(\x08\x12\"\n\x05store\x18\x06 \x03(\x0b\x32\x13.swarmavg.v1.Record\x12\x13\n\x0breplication\x18\x07 \x01(\r\"Z\n\nFindResult\x12$\n\x07records\x18\x01 \x03(\x0b\x32\x13.swarmavg.v1.Record\x12&\n\x07nearest\x18\x02 \x03(\x0b\x32\x15.swarmavg.v1.PeerInfo\"\x96\x01\n\x0c\x46indResponse\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12(\n\x07results\x18\x02 \x03(\x0b\x32\x17.swarmavg.v1.FindResult\x12\x30\n\x0estore_statuses\x18\x03 \x03(\x0e\x32\x18.swarmavg.v1.StoreStatus*\xae\x01\n\x0bStoreStatus\x12\x1c\n\x18STORE_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13STORE_STATUS_STORED\x10\x01\x12\x19\n\x15STORE_STATUS_OUTDATED\x10\x02\x12\x18\n\x14STORE_STATUS_EXPIRED\x10\x03\x12\x15\n\x11STORE_STATUS_FULL\x10\x04\x12\x1c\n\x18STORE_STATUS_NOT_NEAREST\x10\x05\x32\xbf\x01\n\x03\x44HT\x12;\n\x04Ping\x12\x18.swarmavg.v1.PingRequest\x1a\x19.swarmavg.v1.PingResponse\x12>\n\x05Store\x12\x19.swarmavg.v1.StoreRequest\x1a\x1a.swarmavg.v1.StoreResponse\x12;\n\x04\x46ind\x12\x18.swarmavg.v1.FindRequest\x1a\x19.swarmavg.v1.FindResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18swarmavg/proto/dht.proto\x12\x0bswarmavg.v1\x1a\x1bswarmavg/proto/common.proto\",\n\x08PeerInfo\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x7f\n\x06Record\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06subkey\x18\x02 \x01(\x0c\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\x12\n\nexpiration\x18\x04 \x01(\x01\x12\x12\n\npublic_key\x18\x05 \x01(\x0c\x12\x11\n\tsignature\x18\x06 \x01(\x0c\x12\x0e\n\x06issued\x18\x07 \x01(\x01\"T\n\x0bPingRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12\x19\n\x11\x61\x64\x64ress_signature\x18\x02 \x01(\x0c\"U\n\x0cPingResponse\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12\x19\n\x11\x61\x64\x64ress_signature\x18\x0f \x01(\x0c\"\x8a\x01\n\x0cStoreRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12\x19\n\x11\x61\x64\x64ress_signature\x18\x02 \x01(\x0c\x12$\n\x07records\x18\x03 \x03(\x0b\x32\x13.swarmavg.v1.Record\x12\r\n\x05\x63\x61\x63he\x18\x04 \x01(\x08\"\x82\x01\n\rStoreResponse\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12*\n\x08statuses\x18\x02 \x03(\x0e\x32\x18.swarmavg.v1.StoreStatus\x12\x19\n\x11\x61\x64\x64ress_signature\x18\x0f \x01(\x0c\"\xbe\x01\n\x0b\x46indRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12\x19\n\x11\x61\x64\x64ress_signature\x18\x02 \x01(\x0c\x12\x0f\n\x07key_ids\x18\x03 \x03(\x0c\x12\t\n\x01k\x18\x04 \x01(\r\x12\x13\n\x0bwant_values\x18\x05 \x01(\x08\x12\"\n\x05store\x18\x06 \x03(\x0b\x32\x13.swarmavg.v1.Record\x12\x13\n\x0breplication\x18\x07 \x01(\r\"Z\n\nFindResult\x12$\n\x07records\x18\x01 \x03(\x0b\x32\x13.swarmavg.v1.Record\x12&\n\x07nearest\x18\x02 \x03(\x0b\x32\x15.swarmavg.v1.PeerInfo\"\xb1\x01\n\x0c\x46indResponse\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12(\n\x07results\x18\x02 \x03(\x0b\x32\x17.swarmavg.v1.FindResult\x12\x30\n\x0estore_statuses\x18\x03 \x03(\x0e\x32\x18.swarmavg.v1.StoreStatus\x12\x19\n\x11\x61\x64\x64ress_signature\x18\x0f \x01(\x0c*\xae\x01\n\x0bStoreStatus\x12\x1c\n\x18STORE_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13STORE_STATUS_STORED\x10\x01\x12\x19\n\x15STORE_STATUS_OUTDATED\x10\x02\x12\x18\n\x14STORE_STATUS_EXPIRED\x10\x03\x12\x15\n\x11STORE_STATUS_FULL\x10\x04\x12\x1c\n\x18STORE_STATUS_NOT_NEAREST\x10\x05\x32\xbf\x01\n\x03\x44HT\x12;\n\x04Ping\x12\x18.swarmavg.v1.PingRequest\x1a\x19.swarmavg.v1.PingResponse\x12>\n\x05Store\x12\x19.swarmavg.v1.StoreRequest\x1a\x1a.swarmavg.v1.StoreResponse\x12;\n\x04\x46ind\x12\x18.swarmavg.v1.FindRequest\x1a\x19.swarmavg.v1.FindResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarmavg.proto.dht_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STORESTATUS']._serialized_start=1076
-  _globals['_STORESTATUS']._serialized_end=1250
+  _globals['_STORESTATUS']._serialized_start=1158
+  _globals['_STORESTATUS']._serialized_end=1332
   _globals['_PEERINFO']._serialized_start=70
   _globals['_PEERINFO']._serialized_end=114
   _globals['_RECORD']._serialized_start=116
@@ -41,17 +41,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PINGREQUEST']._serialized_start=245
   _globals['_PINGREQUEST']._serialized_end=329
   _globals['_PINGRESPONSE']._serialized_start=331
-  _globals['_PINGRESPONSE']._serialized_end=389
-  _globals['_STOREREQUEST']._serialized_start=392
-  _globals['_STOREREQUEST']._serialized_end=530
-  _globals['_STORERESPONSE']._serialized_start=532
-  _globals['_STORERESPONSE']._serialized_end=635
-  _globals['_FINDREQUEST']._serialized_start=638
-  _globals['_FINDREQUEST']._serialized_end=828
-  _globals['_FINDRESULT']._serialized_start=830
-  _globals['_FINDRESULT']._serialized_end=920
-  _globals['_FINDRESPONSE']._serialized_start=923
-  _globals['_FINDRESPONSE']._serialized_end=1073
-  _globals['_DHT']._serialized_start=1253
-  _globals['_DHT']._serialized_end=1444
+  _globals['_PINGRESPONSE']._serialized_end=416
+  _globals['_STOREREQUEST']._serialized_start=419
+  _globals['_STOREREQUEST']._serialized_end=557
+  _globals['_STORERESPONSE']._serialized_start=560
+  _globals['_STORERESPONSE']._serialized_end=690
+  _globals['_FINDREQUEST']._serialized_start=693
+  _globals['_FINDREQUEST']._serialized_end=883
+  _globals['_FINDRESULT']._serialized_start=885
+  _globals['_FINDRESULT']._serialized_end=975
+  _globals['_FINDRESPONSE']._serialized_start=978
+  _globals['_FINDRESPONSE']._serialized_end=1155
+  _globals['_DHT']._serialized_start=1335
+  _globals['_DHT']._serialized_end=1526
 # @@protoc_insertion_point(module_scope)

@@ -58,10 +58,12 @@ class PingRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., address_signature: _Optional[bytes] = ...) -> None: ...
 
 class PingResponse(_message.Message):
-    __slots__ = ("header",)
+    __slots__ = ("header", "address_signature")
     HEADER_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     header: _common_pb2.RequestHeader
-    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ...) -> None: ...
+    address_signature: bytes
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., address_signature: _Optional[bytes] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
     __slots__ = ("header", "address_signature", "records", "cache")
@@ -76,12 +78,14 @@ class StoreRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., address_signature: _Optional[bytes] = ..., records: _Optional[_Iterable[_Union[Record, _Mapping]]] = ..., cache: _Optional[bool] = ...) -> None: ...
 
 class StoreResponse(_message.Message):
-    __slots__ = ("header", "statuses")
+    __slots__ = ("header", "statuses", "address_signature")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     STATUSES_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     header: _common_pb2.RequestHeader
     statuses: _containers.RepeatedScalarFieldContainer[StoreStatus]
-    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., statuses: _Optional[_Iterable[_Union[StoreStatus, str]]] = ...) -> None: ...
+    address_signature: bytes
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., statuses: _Optional[_Iterable[_Union[StoreStatus, str]]] = ..., address_signature: _Optional[bytes] = ...) -> None: ...
 
 class FindRequest(_message.Message):
     __slots__ = ("header", "address_signature", "key_ids", "k", "want_values", "store", "replication")
@@ -110,11 +114,13 @@ class FindResult(_message.Message):
     def __init__(self, records: _Optional[_Iterable[_Union[Record, _Mapping]]] = ..., nearest: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
 
 class FindResponse(_message.Message):
-    __slots__ = ("header", "results", "store_statuses")
+    __slots__ = ("header", "results", "store_statuses", "address_signature")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     STORE_STATUSES_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     header: _common_pb2.RequestHeader
     results: _containers.RepeatedCompositeFieldContainer[FindResult]
     store_statuses: _containers.RepeatedScalarFieldContainer[StoreStatus]
-    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., results: _Optional[_Iterable[_Union[FindResult, _Mapping]]] = ..., store_statuses: _Optional[_Iterable[_Union[StoreStatus, str]]] = ...) -> None: ...
+    address_signature: bytes
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., results: _Optional[_Iterable[_Union[FindResult, _Mapping]]] = ..., store_statuses: _Optional[_Iterable[_Union[StoreStatus, str]]] = ..., address_signature: _Optional[bytes] = ...) -> None: ...
