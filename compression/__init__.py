@@ -22,6 +22,7 @@ from swarmavg.compression.errors import CodecError
 from swarmavg.compression.feedback import ErrorFeedback
 from swarmavg.compression.lossless import LosslessCodec
 from swarmavg.compression.registry import decode_chunk, get_codec, known_codecs, register_codec
+from swarmavg.compression.sparseloco import SparseLoCoCodec
 from swarmavg.compression.topk import TopKCodec
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "RoleAdaptiveCodec",
     "SelectorCodec",
     "SizeAdaptiveCodec",
+    "SparseLoCoCodec",
     "TopKCodec",
     "decode_chunk",
     "get_codec",
