@@ -11,6 +11,7 @@ from swarmavg.averaging.training.diloco import (
     sgd_outer_optimizer,
 )
 from swarmavg.averaging.training.progress import GlobalProgress, ProgressTracker
+from swarmavg.averaging.training.streaming import StreamingDiLoCo
 from swarmavg.averaging.training.swarm import RoundStats, SwarmRoundWarning
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "GlobalProgress",
     "ProgressTracker",
     "RoundStats",
+    "StreamingDiLoCo",
     "SwarmRoundWarning",
     "outer_step",
     "pseudo_gradient",

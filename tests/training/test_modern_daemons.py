@@ -13,11 +13,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from swarmavg.averaging.optim import DiLoCo, sgd_outer_optimizer  # noqa: E402
+from swarmavg.averaging.optim import DiLoCo, StreamingDiLoCo, sgd_outer_optimizer  # noqa: E402
 from swarmavg.peer import connect  # noqa: E402
 from tests.harness import ProcessPool  # noqa: E402
 from tests.training.helpers import batch, run_in_threads  # noqa: E402
-from tests.training.test_collaborative_daemons import start_daemons  # noqa: E402
+from tests.training.test_collaborative_daemons import join_daemon, start_daemons  # noqa: E402
 
 pytestmark = pytest.mark.integration
 RUN = "train-test"  # the run id start_daemons gives the daemons
@@ -72,3 +72,74 @@ def test_diloco_with_sparseloco_across_two_daemons_ends_bit_identical(
     )
     total = sum(s.numel() for s in start)
     assert 0 < moved <= 3 * 2 * total * 0.05 + 3 * 2 * 6  # + the blocks' rounding up
+
+
+def _streaming(model: torch.nn.Module, client: object, **kwargs: object) -> StreamingDiLoCo:
+    options: dict[str, object] = {
+        "local_steps": 4,
+        "batch_size_per_step": 4,
+        "fragments": 2,
+        "overlap_steps": 1,
+        "codec": "uint4-blockwise",
+        "averaging_timeout": 20.0,
+        **kwargs,
+    }
+    return StreamingDiLoCo(
+        model.parameters(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        client=client,  # type: ignore[arg-type]
+        run_id=RUN,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def _two_layers() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Linear(8, 2))
+
+
+def _train_to(model: torch.nn.Module, opt: StreamingDiLoCo, seed: int, epoch: int) -> None:
+    for step in range(200):
+        if opt.epoch >= epoch:
+            return
+        x, y = batch(seed + step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    raise AssertionError(f"sync {epoch} not reached (at {opt.epoch})")
+
+
+@pytest.mark.timeout(180)
+def test_streaming_diloco_across_daemons_keeps_one_anchor_and_a_late_joiner_takes_it(
+    swarmavg_processes: ProcessPool, clients: ExitStack
+) -> None:
+    daemons = start_daemons(swarmavg_processes, 2)
+    models = [_two_layers() for _ in daemons]
+    opts = [
+        _streaming(m, clients.enter_context(connect(d.control)))
+        for m, d in zip(models, daemons, strict=True)
+    ]
+    # Six fragment syncs: each of the two fragments three times, every round overlapped.
+    run_in_threads(*(lambda i=i: _train_to(models[i], opts[i], 100 * i, 6) for i in range(2)))
+    assert [o.epoch for o in opts] == [6, 6]
+    assert [o.stats.group_sizes for o in opts] == [[2] * 6, [2] * 6]
+    for a, b in zip(opts[0].anchor, opts[1].anchor, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(opts[0].anchor[0], _two_layers()[0].weight.detach())
+    # A third member joins in the middle of the schedule (sync 6 of fragment 1 is next):
+    # it loads the published anchor and outer state, and from then on all three agree.
+    joiner_daemon = join_daemon(swarmavg_processes, daemons[0], 2)
+    models.append(_two_layers())
+    opts.append(_streaming(models[2], clients.enter_context(connect(joiner_daemon.control))))
+    assert opts[2].epoch == 6
+    assert opts[2].stats.states_loaded == 1
+    for a, b in zip(opts[0].anchor, opts[2].anchor, strict=True):
+        assert torch.equal(a, b)
+    run_in_threads(*(lambda i=i: _train_to(models[i], opts[i], 100 * i + 50, 10) for i in range(3)))
+    for o in opts:
+        o.close()
+    assert [o.epoch for o in opts] == [10, 10, 10]
+    for other in opts[1:]:
+        for a, b in zip(opts[0].anchor, other.anchor, strict=True):
+            assert torch.equal(a, b)
+    assert 3 in opts[2].stats.group_sizes
