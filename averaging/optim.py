@@ -10,6 +10,7 @@ from swarmavg.averaging.training.diloco import (
     pseudo_gradient,
     sgd_outer_optimizer,
 )
+from swarmavg.averaging.training.powersgd import PowerSGDOptimizer
 from swarmavg.averaging.training.progress import GlobalProgress, ProgressTracker
 from swarmavg.averaging.training.streaming import StreamingDiLoCo
 from swarmavg.averaging.training.swarm import RoundStats, SwarmRoundWarning
@@ -18,6 +19,7 @@ __all__ = [
     "CollaborativeOptimizer",
     "DiLoCo",
     "GlobalProgress",
+    "PowerSGDOptimizer",
     "ProgressTracker",
     "RoundStats",
     "StreamingDiLoCo",

@@ -25,7 +25,10 @@ total tokens and the same number of optimizer steps as the reference. Methods:
   plain SGD outer step (lr ``--sparse-outer-lr``, default 1);
 * ``streaming-h50``: ``StreamingDiLoCo``, H = 50 in 5 fragments (one sync every 10 inner
   steps), each round overlapped with 2 inner steps, ``uint4-blockwise`` outer gradients,
-  outer Nesterov SGD as for DiLoCo; its final model is the anchor (the swarm's model).
+  outer Nesterov SGD as for DiLoCo; its final model is the anchor (the swarm's model);
+* ``powersgd-r4``: ``PowerSGDOptimizer``, rank-4 factors of every gradient matrix (error
+  feedback, warm-started Q) through two rounds per step, codec ``none``, AdamW on the
+  result.
 
 Prints one JSON line per method (and one for the reference): final validation loss, its
 ratio to the reference, bytes sent per peer (from each daemon's status counters, mean over
@@ -68,6 +71,7 @@ METHODS = (
     "sparseloco-h20",
     "sparseloco-h50",
     "streaming-h50",
+    "powersgd-r4",
 )
 
 
@@ -259,6 +263,7 @@ def build_wrapper(
     from swarmavg.averaging.optim import (
         CollaborativeOptimizer,
         DiLoCo,
+        PowerSGDOptimizer,
         StreamingDiLoCo,
         sgd_outer_optimizer,
     )
@@ -273,6 +278,19 @@ def build_wrapper(
             target_batch_size=PEERS * cfg.batch,
             batch_size_per_step=cfg.batch,
             codec=method.removeprefix("grad-"),
+            max_wait=cfg.timeout,
+            **common,
+        )
+    if method.startswith("powersgd-r"):
+        return PowerSGDOptimizer(
+            model.parameters(),
+            inner,
+            client,
+            run_id,
+            target_batch_size=PEERS * cfg.batch,
+            batch_size_per_step=cfg.batch,
+            codec="none",
+            rank=int(method.removeprefix("powersgd-r")),
             max_wait=cfg.timeout,
             **common,
         )

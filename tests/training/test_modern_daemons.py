@@ -9,15 +9,22 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import ExitStack
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from swarmavg.averaging.optim import DiLoCo, StreamingDiLoCo, sgd_outer_optimizer  # noqa: E402
+from swarmavg.averaging.optim import (  # noqa: E402
+    DiLoCo,
+    PowerSGDOptimizer,
+    StreamingDiLoCo,
+    sgd_outer_optimizer,
+)
+from swarmavg.averaging.training.powersgd import PowerSGDState, orthogonalize  # noqa: E402
 from swarmavg.peer import connect  # noqa: E402
 from tests.harness import ProcessPool  # noqa: E402
 from tests.training.helpers import batch, run_in_threads  # noqa: E402
-from tests.training.test_collaborative_daemons import join_daemon, start_daemons  # noqa: E402
+from tests.training.test_collaborative_daemons import start_daemons  # noqa: E402
 
 pytestmark = pytest.mark.integration
 RUN = "train-test"  # the run id start_daemons gives the daemons
@@ -109,7 +116,7 @@ def _train_to(model: torch.nn.Module, opt: StreamingDiLoCo, seed: int, epoch: in
     raise AssertionError(f"sync {epoch} not reached (at {opt.epoch})")
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_streaming_diloco_across_daemons_keeps_one_anchor_and_a_late_joiner_takes_it(
     swarmavg_processes: ProcessPool, clients: ExitStack
 ) -> None:
@@ -128,7 +135,11 @@ def test_streaming_diloco_across_daemons_keeps_one_anchor_and_a_late_joiner_take
     assert not torch.equal(opts[0].anchor[0], _two_layers()[0].weight.detach())
     # A third member joins in the middle of the schedule (sync 6 of fragment 1 is next):
     # it loads the published anchor and outer state, and from then on all three agree.
-    joiner_daemon = join_daemon(swarmavg_processes, daemons[0], 2)
+    args = ["peer", "--listen", "127.0.0.1:0", "--join", daemons[0].address, "--run-id", RUN]
+    joiner_daemon = swarmavg_processes.start(
+        [*args, "--control", str(swarmavg_processes.workdir / "p2.sock")],
+        ready_timeout=90.0,  # a deadline for a loaded machine, not a measurement
+    )
     models.append(_two_layers())
     opts.append(_streaming(models[2], clients.enter_context(connect(joiner_daemon.control))))
     assert opts[2].epoch == 6
@@ -143,3 +154,69 @@ def test_streaming_diloco_across_daemons_keeps_one_anchor_and_a_late_joiner_take
         for a, b in zip(opts[0].anchor, other.anchor, strict=True):
             assert torch.equal(a, b)
     assert 3 in opts[2].stats.group_sizes
+
+
+@pytest.mark.timeout(180)
+def test_powersgd_across_two_daemons_steps_on_the_factors_of_the_mean_gradient(
+    swarmavg_processes: ProcessPool, clients: ExitStack
+) -> None:
+    daemons = start_daemons(swarmavg_processes, 2)
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Linear(16, 2))
+
+    models = [model() for _ in daemons]
+    opts = [
+        PowerSGDOptimizer(
+            m.parameters(),
+            torch.optim.SGD(m.parameters(), lr=0.1),
+            clients.enter_context(connect(d.control)),
+            RUN,
+            target_batch_size=8,
+            batch_size_per_step=4,
+            codec="none",
+            rank=1,
+            averaging_timeout=20.0,
+            max_wait=10.0,
+        )
+        for m, d in zip(models, daemons, strict=True)
+    ]
+    assert opts[0].powersgd.compressed == [0, 2]  # the weights; the biases travel whole
+
+    def grads_of(i: int, m: torch.nn.Module) -> list[np.ndarray]:
+        x, y = batch(10 * (i + 1))
+        m.zero_grad()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        return [p.grad.detach().numpy().copy() for p in m.parameters()]  # type: ignore[union-attr]
+
+    # Expected first step, by the pure math: mean gradient, rank-1 factors of the weight's.
+    local = [grads_of(i, model()) for i in range(2)]
+    state = PowerSGDState([tuple(p.shape) for p in model().parameters()], rank=1)
+    mean = [(a + b) / 2 for a, b in zip(*local, strict=True)]
+    expected = list(mean)
+    for i in state.compressed:
+        p_hat = orthogonalize(mean[i] @ state.q[i])
+        expected[i] = p_hat @ (mean[i].T @ p_hat).T
+
+    def train(i: int) -> None:
+        for step in range(4):
+            x, y = batch(10 * (i + 1) + step)
+            torch.nn.functional.mse_loss(models[i](x), y).backward()
+            opts[i].step()
+            opts[i].zero_grad()
+            if step == 0:
+                stepped = zip(model().parameters(), models[i].parameters(), expected, strict=True)
+                for p0, p1, e in stepped:
+                    got = ((p0.detach() - p1.detach()) / 0.1).numpy()
+                    np.testing.assert_allclose(got, e, atol=1e-5)
+
+    run_in_threads(lambda: train(0), lambda: train(1))
+    for o in opts:
+        o.close()
+    assert [o.epoch for o in opts] == [4, 4]
+    assert opts[0].stats.group_sizes == [2] * 8  # two rounds per step
+    for pa, pb in zip(*(m.parameters() for m in models), strict=True):
+        assert torch.equal(pa, pb)
+    assert np.array_equal(opts[0].powersgd.q[0], opts[1].powersgd.q[0])
+    assert not np.array_equal(opts[0].powersgd.residual[0], opts[1].powersgd.residual[0])
