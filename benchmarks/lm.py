@@ -19,7 +19,8 @@ total tokens and the same number of optimizer steps as the reference. Methods:
 * ``grad-none``, ``grad-uint8-blockwise``: ``CollaborativeOptimizer`` averaging gradients
   every step (a global batch of 4 x ``--batch``), AdamW on the mean;
 * ``diloco-h20``, ``diloco-h50``: ``DiLoCo`` with H = 20 or 50 inner AdamW steps, outer
-  Nesterov SGD (lr 0.7, momentum 0.9), ``uint8-blockwise`` pseudo-gradients;
+  Nesterov SGD (lr 0.7, momentum ``--outer-momentum``, default the paper's 0.9),
+  ``uint8-blockwise`` pseudo-gradients;
 * ``sparseloco-h20``, ``sparseloco-h50``: ``DiLoCo`` H = 20 or 50 with codec ``sparseloco``
   (``--sparse-fraction`` of every 4096, default 1/32; 2-bit values; error feedback) and a
   plain SGD outer step (lr ``--sparse-outer-lr``, default 1);
@@ -91,6 +92,8 @@ class Config:
     seed: int = 0
     sparse_outer_lr: float = 1.0
     sparse_fraction: float = 1 / 32
+    outer_momentum: float = 0.9
+    """DiLoCo's and streaming DiLoCo's outer Nesterov momentum (the paper's 0.9)."""
     timeout: float = 60.0
 
 
@@ -296,8 +299,10 @@ def build_wrapper(
         )
     family, _, h = method.partition("-h")
     options: dict[str, Any] = {"local_steps": int(h), "batch_size_per_step": cfg.batch}
+    momentum = cfg.outer_momentum
+    nesterov = lambda p: torch.optim.SGD(p, lr=0.7, momentum=momentum, nesterov=True)  # noqa: E731
     if family == "diloco":
-        options["codec"] = "uint8-blockwise"
+        options.update(codec="uint8-blockwise", outer_optimizer=nesterov)
     elif family == "sparseloco":
         lr = cfg.sparse_outer_lr
         options["codec"] = f"sparseloco:fraction={cfg.sparse_fraction}"
@@ -305,7 +310,12 @@ def build_wrapper(
             sgd_outer_optimizer if lr == 1.0 else lambda p: torch.optim.SGD(p, lr=lr)
         )
     elif family == "streaming":
-        options.update(codec="uint4-blockwise", fragments=STREAMING_FRAGMENTS, overlap_steps=2)
+        options.update(
+            codec="uint4-blockwise",
+            fragments=STREAMING_FRAGMENTS,
+            overlap_steps=2,
+            outer_optimizer=nesterov,
+        )
         return StreamingDiLoCo(model.parameters(), inner, client, run_id, **options, **common)
     else:
         raise ValueError(f"unknown method {method!r}")
@@ -432,6 +442,7 @@ def main() -> None:
     parser.add_argument("--val-windows", type=int, default=defaults.val_windows)
     parser.add_argument("--sparse-outer-lr", type=float, default=defaults.sparse_outer_lr)
     parser.add_argument("--sparse-fraction", type=float, default=defaults.sparse_fraction)
+    parser.add_argument("--outer-momentum", type=float, default=defaults.outer_momentum)
     parser.add_argument("--timeout", type=float, default=defaults.timeout, help="s per round")
     parser.add_argument("--smoke", action="store_true", help="a one-minute configuration")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -450,6 +461,7 @@ def main() -> None:
         val_windows=args.val_windows,
         sparse_outer_lr=args.sparse_outer_lr,
         sparse_fraction=args.sparse_fraction,
+        outer_momentum=args.outer_momentum,
         timeout=args.timeout,
     )
     if args.smoke:
@@ -463,6 +475,7 @@ def main() -> None:
             val_windows=16,
             sparse_outer_lr=args.sparse_outer_lr,
             sparse_fraction=args.sparse_fraction,
+            outer_momentum=args.outer_momentum,
             timeout=args.timeout,
         )
     methods = [m for m in args.methods.split(",") if m]
