@@ -28,7 +28,6 @@ work as for DiLoCo. Its cost is staleness of ``overlap_steps`` steps, small agai
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,13 +38,12 @@ import numpy as np
 
 from swarmavg.averaging.training.consensus import Provenance, Role, Verdict
 from swarmavg.averaging.training.diloco import DiLoCo, outer_step, pseudo_gradient
+from swarmavg.averaging.training.progress import GlobalProgress
 from swarmavg.averaging.training.swarm import RoundResultLike, SwarmClient, SwarmRoundWarning
 from swarmavg.averaging.training.tensors import collect_params, to_arrays
 
 if TYPE_CHECKING:
     import torch
-
-log = logging.getLogger(__name__)
 
 
 def fragment_of_sync(sync: int, fragments: int) -> int:
@@ -262,7 +260,12 @@ class StreamingDiLoCo(DiLoCo):
         self.tracker.report()
 
     def _round(
-        self, arrays: list[np.ndarray], key: str, weight: float, progress: Any, digest: bytes
+        self,
+        arrays: list[np.ndarray],
+        key: str,
+        weight: float,
+        progress: GlobalProgress,
+        digest: bytes,
     ) -> tuple[RoundResultLike | None, str]:
         """The round, in the background thread (it only reads its arguments and the link)."""
         if progress.num_peers <= 1:
