@@ -1,9 +1,11 @@
 """A byte-level transformer language model trained by 4 peers through real daemons.
 
 The text is the Python standard library's own source files (``*.py`` under
-``sysconfig.get_paths()["stdlib"]``, present on every machine, nothing downloaded). Files are
+``sysconfig.get_paths()["stdlib"]``, present on every machine, nothing downloaded; the
+regression suite under ``test/`` and ``site-packages`` left out). Files are
 sorted by relative path and split by file: one whose path's sha256 ends in a byte below 26
-(about 10%) is validation, the rest is training. The training bytes are concatenated and cut
+(about 10%) is validation, the rest is training. The training bytes (the first
+``--max-bytes``, default 8 MB) are concatenated and cut
 into 4 contiguous disjoint shards, one per trainer. Validation loss is the mean cross entropy
 (nats per byte) over ``--val-windows`` fixed windows of the validation text.
 
