@@ -4,17 +4,27 @@ The code lives in :mod:`swarmavg.averaging.training`; this module only names wha
 """
 
 from swarmavg.averaging.training.collaborative import CollaborativeOptimizer
-from swarmavg.averaging.training.diloco import DiLoCo, outer_step, pseudo_gradient
+from swarmavg.averaging.training.diloco import (
+    DiLoCo,
+    outer_step,
+    pseudo_gradient,
+    sgd_outer_optimizer,
+)
+from swarmavg.averaging.training.powersgd import PowerSGDOptimizer
 from swarmavg.averaging.training.progress import GlobalProgress, ProgressTracker
+from swarmavg.averaging.training.streaming import StreamingDiLoCo
 from swarmavg.averaging.training.swarm import RoundStats, SwarmRoundWarning
 
 __all__ = [
     "CollaborativeOptimizer",
     "DiLoCo",
     "GlobalProgress",
+    "PowerSGDOptimizer",
     "ProgressTracker",
     "RoundStats",
+    "StreamingDiLoCo",
     "SwarmRoundWarning",
     "outer_step",
     "pseudo_gradient",
+    "sgd_outer_optimizer",
 ]

@@ -28,6 +28,7 @@ from swarmavg.compression.registry import (
     known_codecs,
     register_codec,
 )
+from swarmavg.compression.sparseloco import SparseLoCoCodec
 from swarmavg.compression.topk import TopKCodec
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "RoleAdaptiveCodec",
     "SelectorCodec",
     "SizeAdaptiveCodec",
+    "SparseLoCoCodec",
     "TopKCodec",
     "canonical_name",
     "decode_chunk",

@@ -75,6 +75,10 @@ class CodecInfo:
         part_size: number of elements in that part.
         finite: the caller has already checked that the array holds no NaN/Inf, so the
             codec may skip its own input check (one pass over the data fewer).
+        reduced: the array is a reducer's weighted mean of the members' decoded chunks
+            (what it returns to them), not a member's own tensor; a codec whose messages
+            the mean does not fit (``sparseloco``: the mean of sparse vectors is denser)
+            encodes it differently.
     """
 
     key: str = ""
@@ -82,6 +86,7 @@ class CodecInfo:
     part_index: int = 0
     part_size: int = 0
     finite: bool = False
+    reduced: bool = False
 
     def __post_init__(self) -> None:
         role: object = self.role

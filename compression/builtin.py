@@ -16,6 +16,7 @@ from swarmavg.compression.floating import (
 from swarmavg.compression.lossless import WRAPPERS, LosslessCodec
 from swarmavg.compression.quantization import Quantile8BitCodec, Uniform8BitCodec
 from swarmavg.compression.registry import register_codec, register_wrapper
+from swarmavg.compression.sparseloco import SparseLoCoCodec
 from swarmavg.compression.topk import TopKCodec
 
 for _codec in (
@@ -28,6 +29,7 @@ for _codec in (
     Blockwise8BitCodec,
     Blockwise4BitCodec,
     TopKCodec,
+    SparseLoCoCodec,
     SizeAdaptiveCodec,
     RoleAdaptiveCodec,
 ):

@@ -356,6 +356,7 @@ class ReducerRound:
             key=f"{schema}/average[{start + chunk_start}:{start + chunk_end}]",
             part_index=self.my_index,
             part_size=end - start,
+            reduced=True,
         )
         return encode_result(self.codec, values, info, chunk, contributors)
 

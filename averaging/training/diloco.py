@@ -88,6 +88,18 @@ def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer
     return torch.optim.SGD(params, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
 
 
+def sgd_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """Plain SGD, lr 1, no momentum: the outer step to pair with codec ``sparseloco``.
+
+    SparseLoCo's error-feedback accumulator stands in for the outer momentum (it carries
+    what earlier rounds did not send), so the outer step just applies the averaged,
+    compressed pseudo-gradient: ``theta = theta_sync - mean(sent)``.
+    """
+    import torch
+
+    return torch.optim.SGD(params, lr=1.0)
+
+
 class DiLoCo(SwarmOptimizer):
     """Train with H local steps between averaged outer steps (DiLoCo).
 
@@ -328,4 +340,5 @@ __all__ = [
     "default_outer_optimizer",
     "outer_step",
     "pseudo_gradient",
+    "sgd_outer_optimizer",
 ]

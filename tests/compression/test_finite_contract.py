@@ -41,6 +41,10 @@ def _forge_nan(name: str, payload: bytes) -> bytes:
         words[1] = 0x7E00 if name == "float16" else 0x7FC0  # a NaN
         words[2] = 0x7C00 if name == "float16" else 0x7F80  # +Inf
         return words.tobytes()
+    if name == "sparseloco":  # the first block's (low, high) levels open the payload
+        raw = bytearray(payload)
+        raw[:4] = np.float32(np.nan).tobytes()
+        return bytes(raw)
     if name.endswith("-blockwise"):  # the block scales are the payload's last float32s
         raw = bytearray(payload)
         raw[-4:] = np.float32(np.nan).tobytes()

@@ -1,0 +1,344 @@
+"""Streaming DiLoCo: one fragment of the model at a time, overlapped with compute.
+
+Douillard et al. 2025 ("Streaming DiLoCo with overlapping communication") split the model
+into F fragments and sync fragment ``f`` at the inner steps ``t`` where
+``(t + f * H / F) % H == 0``: every fragment still syncs once per H inner steps, but the
+syncs are spread evenly over the H steps, so the peak bandwidth is 1/F of DiLoCo's, and
+each sync runs while training goes on.
+
+Here, sync ``e`` (the ``e``-th fragment sync of the run, which is what ``epoch`` counts)
+covers fragment :func:`fragment_of_sync` ``(e, F)`` and starts after inner step
+``(e + 1) * H / F``. Its round runs in a background thread (as
+``CollaborativeOptimizer(delay_updates=True)`` runs its rounds) and its result is applied
+``overlap_steps`` inner steps later, blocking then if the round is not done yet.
+
+**Delayed update, local progress kept.** When sync ``e`` is applied, the fragment's
+anchor takes the outer step on the averaged pseudo-gradient (exactly as in DiLoCo; every
+member computes the same anchor), and the fragment's parameters become that anchor plus
+the progress this member made during the ``overlap_steps`` steps of overlap. Nothing is
+thrown away: that progress is part of the fragment's next pseudo-gradient. The paper's
+alternative mixes the local and the global parameters (alpha = 0.5); the eager variant
+(Kale et al. 2025) applies the member's own pseudo-gradient as a stand-in before the
+average arrives. Both make the state a member carries depend on its own data in a way the
+others cannot check, while the delayed update leaves the shared state (the anchor, the
+outer optimizer state and the epoch: what the round digests compare) identical on every
+member, so the shared-state repair, the late joiner's catch-up and the published states
+work as for DiLoCo. Its cost is staleness of ``overlap_steps`` steps, small against H.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from swarmavg.averaging.training.consensus import Provenance, Role, Verdict
+from swarmavg.averaging.training.diloco import DiLoCo, outer_step, pseudo_gradient
+from swarmavg.averaging.training.progress import GlobalProgress
+from swarmavg.averaging.training.swarm import RoundResultLike, SwarmClient, SwarmRoundWarning
+from swarmavg.averaging.training.tensors import collect_params, to_arrays
+
+if TYPE_CHECKING:
+    import torch
+
+
+def fragment_of_sync(sync: int, fragments: int) -> int:
+    """The fragment that sync number ``sync`` covers.
+
+    Sync ``e`` starts after inner step ``(e + 1) * H / F``; fragment ``f`` must sync where
+    ``(t + f * H / F) % H == 0``, so the order runs F-1, F-2, ..., 0, then again.
+    """
+    return (fragments - 1 - sync) % fragments
+
+
+def split_fragments(sizes: Sequence[int], fragments: int) -> list[list[int]]:
+    """Split tensors (by their element counts, in order) into ``fragments`` contiguous,
+    non-empty groups of about equal size; returns each group's tensor indices.
+
+    Groups fill in order up to an equal share of the elements each (so consecutive
+    layers stay together, as in the paper).
+
+    Raises:
+        ValueError: fewer tensors than fragments, or ``fragments`` < 1.
+    """
+    if fragments < 1:
+        raise ValueError(f"fragments must be >= 1, got {fragments}")
+    if len(sizes) < fragments:
+        raise ValueError(f"{len(sizes)} parameter tensors cannot make {fragments} fragments")
+    share = sum(sizes) / fragments
+    groups: list[list[int]] = [[]]
+    filled = 0
+    for i, size in enumerate(sizes):
+        # Open the next group once this one holds its share, or when every tensor left
+        # is needed to give each remaining group one.
+        full = filled >= len(groups) * share or len(sizes) - i <= fragments - len(groups)
+        if groups[-1] and len(groups) < fragments and full:
+            groups.append([])
+        groups[-1].append(i)
+        filled += size
+    return groups
+
+
+def fragment_outer_step(
+    params: Sequence[torch.Tensor],
+    anchor: Sequence[torch.Tensor],
+    indices: Sequence[int],
+    delta: Sequence[Any],
+    outer_optimizer: torch.optim.Optimizer,
+) -> None:
+    """DiLoCo's outer step on the tensors ``indices`` only.
+
+    torch optimizers skip parameters whose ``.grad`` is None, so the other tensors'
+    gradients are set aside during the step (their momentum is not touched) and put back.
+    """
+    chosen = set(indices)
+    saved = {i: params[i].grad for i in range(len(params)) if i not in chosen}
+    for i in saved:
+        params[i].grad = None
+    try:
+        outer_step(
+            [params[i] for i in indices], [anchor[i] for i in indices], delta, outer_optimizer
+        )
+    finally:
+        for i, grad in saved.items():
+            params[i].grad = grad
+
+
+@dataclass
+class _PendingSync:
+    """A fragment sync whose round runs in the background."""
+
+    epoch: int
+    fragment: int
+    start: list[torch.Tensor]
+    """The fragment's parameters when the sync started."""
+    local: list[np.ndarray]
+    digest: bytes
+    future: Future[tuple[RoundResultLike | None, str]]
+    samples: int
+    """This member's samples counted when the sync started (its round's weight)."""
+    waited: int = 0
+
+
+class StreamingDiLoCo(DiLoCo):
+    """DiLoCo that syncs one of ``fragments`` fragments every ``H / fragments`` inner
+    steps, overlapped with the next ``overlap_steps`` inner steps (module docstring).
+
+    Args:
+        params, inner_optimizer, client, run_id, batch_size_per_step, outer_optimizer,
+            codec, and the keyword options: as for :class:`DiLoCo` (any codec, 4-bit
+            ``uint4-blockwise`` included; the outer optimizer steps only the synced
+            fragment's tensors).
+        local_steps: H, inner steps between two syncs of the same fragment; a multiple of
+            ``fragments``.
+        fragments: F, the number of fragments (contiguous groups of parameter tensors of
+            about equal size).
+        overlap_steps: inner steps a sync's round overlaps before its result is applied;
+            at least 1 and less than ``H / F``.
+
+    ``epoch`` counts fragment syncs (F per H inner steps). ``anchor`` holds the swarm's
+    synchronised parameters; the model's own parameters are the anchor plus this
+    member's progress since each fragment's last sync, so at any moment the members'
+    anchors are identical and their parameters are not (evaluate ``anchor`` for the
+    swarm's model).
+
+    Raises:
+        ValueError: H not a multiple of F, too few tensors for F fragments, or
+            ``overlap_steps`` out of range.
+    """
+
+    KIND = "streaming-diloco"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        inner_optimizer: torch.optim.Optimizer,
+        client: SwarmClient,
+        run_id: str,
+        local_steps: int,
+        batch_size_per_step: int = 1,
+        outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
+        codec: str | None = None,
+        *,
+        fragments: int = 4,
+        overlap_steps: int = 1,
+        **options: Any,
+    ) -> None:
+        if fragments < 1 or local_steps <= 0 or local_steps % fragments:
+            raise ValueError(
+                f"local_steps ({local_steps}) must be a positive multiple of fragments "
+                f"({fragments})"
+            )
+        period = local_steps // fragments
+        if not 1 <= overlap_steps < period:
+            raise ValueError(
+                f"overlap_steps must be in [1, {period - 1}] (less than H / F = {period})"
+            )
+        tensors = collect_params(params)
+        self.cycle_steps = local_steps
+        self.overlap_steps = overlap_steps
+        self.fragments = split_fragments([p.numel() for p in tensors], fragments)
+        self._pending: _PendingSync | None = None
+        self._executor = ThreadPoolExecutor(1, "swarmavg-stream")
+        try:
+            # DiLoCo's bookkeeping counts one "outer step" per sync: H / F inner steps.
+            super().__init__(
+                tensors,
+                inner_optimizer,
+                client,
+                run_id,
+                local_steps=period,
+                batch_size_per_step=batch_size_per_step,
+                outer_optimizer=outer_optimizer,
+                codec=codec,
+                **options,
+            )
+        except BaseException:
+            self._executor.shutdown(wait=False)
+            raise
+
+    def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
+        """One inner step; applies a sync ``overlap_steps`` steps after it started, and
+        starts the next one every ``H / F`` steps.
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = self._run_closure(closure)
+        samples = self._samples(batch_size)
+        self.inner_optimizer.step()
+        self.inner_steps += 1
+        self.tracker.add_samples(samples)
+        if self._pending is not None:
+            self._pending.waited += 1
+            if self._pending.waited >= self.overlap_steps:
+                self._apply_pending()
+        if self._pending is None and self.inner_steps >= self.steps_this_round:
+            self._start_sync()
+        else:
+            self.tracker.report()
+        self.tracker.meter.start()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """As for DiLoCo; a sync still in flight is applied first (early)."""
+        self._apply_pending()
+        return super().state_dict()
+
+    def _finish(self) -> None:
+        try:
+            self._apply_pending()
+        finally:
+            self._executor.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ one sync
+
+    def _start_sync(self) -> None:
+        progress = self.tracker.refresh()
+        if progress.epoch > self.epoch:
+            self._catch_up(progress)
+            return
+        self.tracker.meter.pause()
+        epoch = self.epoch
+        fragment = fragment_of_sync(epoch, len(self.fragments))
+        indices = self.fragments[fragment]
+        current = [self.params[i] for i in indices]
+        local = to_arrays(pseudo_gradient([self.anchor[i] for i in indices], current))
+        digest = self._shared_digest()
+        samples = int(self.tracker.samples)
+        future = self._executor.submit(
+            self._round, local, f"diloco.{epoch}", float(samples), progress, digest
+        )
+        start = [p.detach().clone() for p in current]
+        self._pending = _PendingSync(epoch, fragment, start, local, digest, future, samples)
+        self.inner_steps = 0
+        self.steps_this_round = self.local_steps
+        self.tracker.report()
+
+    def _round(
+        self,
+        arrays: list[np.ndarray],
+        key: str,
+        weight: float,
+        progress: GlobalProgress,
+        digest: bytes,
+    ) -> tuple[RoundResultLike | None, str]:
+        """The round, in the background thread (it only reads its arguments and the link)."""
+        if progress.num_peers <= 1:
+            return None, ""
+        failed = self.link.stats.failed
+        result = self.link.average(
+            arrays,
+            key=key,
+            weight=weight,
+            group_size=progress.num_peers,
+            warn=False,
+            state_digest=digest,
+        )
+        return result, (self.link.stats.last_error if self.link.stats.failed > failed else "")
+
+    def _apply_pending(self) -> None:
+        """Wait for the sync in flight (bounded by the round's deadline) and apply it."""
+        pending = self._pending
+        if pending is None:
+            return
+        self._pending = None
+        result, error = pending.future.result()
+        epoch, key = pending.epoch, f"diloco.{pending.epoch}"
+        indices = self.fragments[pending.fragment]
+        done = int(self.tracker.samples) - pending.samples  # samples during the overlap
+        verdict: Verdict | None = None
+        if result is None and error:
+            after = self.tracker.refresh()
+            if after.epoch > epoch:  # they stepped without us: take their state
+                self._catch_up(after)
+                return
+            warnings.warn(
+                f"sync {epoch} failed ({error}); stepping with the local pseudo-gradient",
+                SwarmRoundWarning,
+                stacklevel=3,
+            )
+        elif result is not None:
+            verdict = self._judge(result, pending.digest, key)
+        if result is not None and verdict is not None and verdict.role is Role.REPAIR:
+            state = self._repair(verdict, result, epoch + 1, key, self.params)
+            if state is not None:
+                self._take_synced(state)
+                self._provenance = Provenance.from_extra(state.extra)
+                self._advance_sync(epoch + 1, done, serve=False)
+                return
+        import torch
+
+        with torch.no_grad():
+            moved = [
+                self.params[i].detach() - s for i, s in zip(indices, pending.start, strict=True)
+            ]
+        fragment_outer_step(
+            self.params,
+            self.anchor,
+            indices,
+            pending.local if result is None else result.tensors,
+            self.outer_optimizer,
+        )
+        with torch.no_grad():
+            for i, m in zip(indices, moved, strict=True):
+                self.params[i].add_(m)
+        if result is None:
+            self._provenance = None
+        else:
+            self._step_provenance(epoch + 1, verdict, pending.digest, str(result.group_id))
+        self._advance_sync(
+            epoch + 1, done, serve=verdict is not None and verdict.role is Role.SERVE
+        )
+
+    def _advance_sync(self, epoch: int, samples: int, *, serve: bool) -> None:
+        self.tracker.set_epoch(epoch, samples)
+        self._maybe_publish(epoch, serve=serve)
+        self.tracker.report()
+
+
+__all__ = ["StreamingDiLoCo", "fragment_of_sync", "fragment_outer_step", "split_fragments"]
