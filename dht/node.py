@@ -37,6 +37,7 @@ from swarmavg.dht.records import (
 from swarmavg.dht.routing import Contact, RoutingTable
 from swarmavg.dht.storage import STORED, Storage
 from swarmavg.dht.tasks import TaskSet
+from swarmavg.dht.tls import bind_port, new_server
 from swarmavg.dht.traversal import LookupResult, traverse
 from swarmavg.dht.validation import record_owner
 from swarmavg.proto import common_pb2, dht_pb2
@@ -125,13 +126,16 @@ class DHTNode:
         if config.client_mode:
             await node.start(None)
             return node
-        server = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", config.limits.max_request_bytes)]
+        # A private run's pool holds the peer's TLS setup: the server then takes only peers
+        # with a credential of the run (dht/tls.py).
+        tls = node.channels.tls
+        server = new_server(
+            [("grpc.max_receive_message_length", config.limits.max_request_bytes)], tls
         )
         node.add_to_server(server)
         node._server = server
         try:
-            port = server.add_insecure_port(listen)
+            port = bind_port(server, listen, tls)
             if port == 0:
                 raise OSError(f"could not bind {listen}")
             await server.start()
