@@ -7,7 +7,9 @@ were invited by a run authority made here (mutual TLS 1.3 on the gRPC port and t
 plane). Round by round the two take turns (which goes first alternates), so the machine's
 drifting load weighs on both alike; the idle swarm only waits. Each figure is the median
 over ``--rounds`` rounds after one untimed warm-up round each; results are checked against
-the exact mean (rounds.py's check). Prints ONE JSON line; progress on stderr.
+the exact mean (rounds.py's check). Besides the round time it reports the CPU seconds the N
+daemons spent per round (``/proc/PID/stat``, all threads), which is what TLS adds and which a
+loaded machine inflates far less than wall time. Prints ONE JSON line; progress on stderr.
 
     python benchmarks/tls_rounds.py --peers 4 --mb 64 --rounds 7
 """
@@ -25,16 +27,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import rounds  # noqa: E402  (the sibling script: Swarm, one_round, summarize)
+import rounds  # the sibling script: Swarm, one_round, summarize
 
-from swarmavg.dht.credentials import (  # noqa: E402
+from swarmavg.dht.credentials import (
     JoinRequest,
     init_run,
     invite,
     load_or_create_tls_key,
     tls_key_path,
 )
-from swarmavg.dht.identity import Identity  # noqa: E402
+from swarmavg.dht.identity import Identity
 
 
 def invite_members(folder: Path, run_id: str, n: int) -> list[list[str]]:
@@ -51,10 +53,23 @@ def invite_members(folder: Path, run_id: str, n: int) -> list[list[str]]:
         credential_path = folder / f"m{i}.cred.pem"
         credential_path.write_bytes(credential)
         flags.append(
-            ["--run-file", str(run_file), "--credential", str(credential_path)]
-            + ["--identity", str(identity_path)]
+            [
+                *("--run-file", str(run_file)),
+                *("--credential", str(credential_path)),
+                *("--identity", str(identity_path)),
+            ]
         )
     return flags
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds so far of the processes ``pids`` (every thread)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return total / ticks
 
 
 def bench(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -77,7 +92,10 @@ def bench(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         warmups: dict[str, dict[str, Any]] = {}
         for r in range(args.rounds + 1):  # round 0 warms up each swarm
             for name in sorted(swarms, reverse=r % 2 == 1):
+                pids = [d.proc.pid for d in swarms[name].daemons]
+                cpu_before = cpu_seconds(pids)
                 outcome = rounds.one_round(swarms[name], f"r{r}", args.codec, n, args.timeout)
+                outcome["daemon_cpu_s"] = cpu_seconds(pids) - cpu_before
                 rounds.log(
                     f"N={n} {name} round {r}: slowest {outcome['slowest']:.3f} s, "
                     f"median {outcome['median']:.3f} s"
@@ -90,6 +108,10 @@ def bench(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         figures = {
             name: rounds.summarize(measured[name], warmups[name], args.codec) for name in swarms
         }
+        for name in swarms:
+            cpu = [r["daemon_cpu_s"] for r in measured[name]]
+            figures[name]["daemon_cpu_s"] = rounds._med(cpu)
+            figures[name]["daemon_cpu_all"] = [round(c, 3) for c in cpu]
         plain, tls = figures["plain"], figures["tls"]
         per_round = [
             t["slowest"] / p["slowest"]
@@ -104,6 +126,9 @@ def bench(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 "tls/plain (slowest)": rounds._ratio(tls["slowest_s"], plain["slowest_s"]),
                 "tls/plain (worker median)": rounds._ratio(tls["median_s"], plain["median_s"]),
                 "tls/plain per round, median": rounds._med(per_round),
+                "tls/plain daemon CPU": rounds._ratio(
+                    figures["tls"]["daemon_cpu_s"], figures["plain"]["daemon_cpu_s"]
+                ),
             },
         }
     finally:
