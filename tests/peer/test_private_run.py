@@ -50,13 +50,18 @@ def authority(tmp_path: Path) -> Authority:
 
 
 def private_config(
-    authority: Authority, member: Member, sock_dir: Path, join: list[str] | None = None
+    authority: Authority,
+    member: Member,
+    sock_dir: Path,
+    join: list[str] | None = None,
+    client_mode: bool = False,
 ) -> PeerConfig:
     return PeerConfig(
         listen="127.0.0.1:0",
         control=str(sock_dir / f"{member.name}.sock"),
         run_id=authority.run_id,
         join=join or [],
+        client_mode=client_mode,
         identity=str(member.identity_path),
         run_file=str(authority.run_path),
         credential=str(member.credential_path),
@@ -181,31 +186,36 @@ async def pool(tls: PeerTLS | None) -> AsyncIterator[ChannelPool]:
 async def test_invited_peers_average_through_the_client_api(
     authority: Authority, sock_dir: Path
 ) -> None:
-    members = [authority.invite(name) for name in ("a", "b", "c")]
+    members = [authority.invite(name) for name in ("a", "b", "c", "d")]
     async with Peer(private_config(authority, members[0], sock_dir)) as first:
         assert first.address is not None
         async with contextlib.AsyncExitStack() as stack:
             peers = [first]
-            for member in members[1:]:
-                config = private_config(authority, member, sock_dir, join=[first.address])
+            for i, member in enumerate(members[1:], 1):
+                # The last one behind NAT: it serves nothing, and presents its credential
+                # on every connection it opens.
+                config = private_config(
+                    authority, member, sock_dir, join=[first.address], client_mode=i == 3
+                )
                 peers.append(await stack.enter_async_context(Peer(config)))
             assert [p.peer_id for p in peers] == [m.identity.peer_id_hex for m in members]
             clients = [await stack.enter_async_context(p.client()) for p in peers]
             rng = np.random.default_rng(3)
             inputs = [rng.standard_normal(200_000).astype(np.float32) for _ in peers]
             calls = [
-                c.average([x], key="k", group_size=3, timeout=30)
+                c.average([x], key="k", group_size=4, timeout=30)
                 for c, x in zip(clients, inputs, strict=True)
             ]
             results = await asyncio.gather(*calls)
             expected = np.mean(inputs, axis=0, dtype=np.float64)
             for result in results:
-                assert result.group_size == 3
+                assert result.group_size == 4
                 assert not result.partial
                 np.testing.assert_allclose(result.tensors[0], expected, rtol=1e-5, atol=1e-6)
                 assert result.tensors[0].tobytes() == results[0].tensors[0].tobytes()
-            # The round's parts went over the (TLS) data plane, not only over gRPC.
-            assert all(p.averager and p.averager.data_port for p in peers)
+            # The serving members reduce over the (TLS) data plane as well as gRPC.
+            assert all(p.averager and p.averager.data_port for p in peers[:3])
+            assert peers[3].address is None
 
 
 @pytest.mark.parametrize("outsider", ["no credential", "another run's credential"])
