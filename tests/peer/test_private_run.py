@@ -26,6 +26,7 @@ from swarmavg.averaging.allreduce.data_plane import MAGIC, split_host
 from swarmavg.dht import ChannelPool, Identity
 from swarmavg.dht.tls import SERVER_HOSTNAME, PeerTLS
 from swarmavg.peer import Peer, PeerConfig
+from swarmavg.peer.config import AllReduceSettings
 from swarmavg.proto import averaging_pb2, dht_pb2
 from tests.private_runs import Authority, Member
 
@@ -55,6 +56,7 @@ def private_config(
     sock_dir: Path,
     join: list[str] | None = None,
     client_mode: bool = False,
+    data_port: int = 0,
 ) -> PeerConfig:
     return PeerConfig(
         listen="127.0.0.1:0",
@@ -62,6 +64,7 @@ def private_config(
         run_id=authority.run_id,
         join=join or [],
         client_mode=client_mode,
+        allreduce=AllReduceSettings(data_port=data_port),
         identity=str(member.identity_path),
         run_file=str(authority.run_path),
         credential=str(member.credential_path),
@@ -183,11 +186,13 @@ async def pool(tls: PeerTLS | None) -> AsyncIterator[ChannelPool]:
 # ---- the tests --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("transport", ["data plane", "grpc"])
 async def test_invited_peers_average_through_the_client_api(
-    authority: Authority, sock_dir: Path
+    authority: Authority, sock_dir: Path, transport: str
 ) -> None:
     members = [authority.invite(name) for name in ("a", "b", "c", "d")]
-    async with Peer(private_config(authority, members[0], sock_dir)) as first:
+    data_port = 0 if transport == "data plane" else -1  # -1: Reduce over the gRPC port only
+    async with Peer(private_config(authority, members[0], sock_dir, data_port=data_port)) as first:
         assert first.address is not None
         async with contextlib.AsyncExitStack() as stack:
             peers = [first]
@@ -195,7 +200,12 @@ async def test_invited_peers_average_through_the_client_api(
                 # The last one behind NAT: it serves nothing, and presents its credential
                 # on every connection it opens.
                 config = private_config(
-                    authority, member, sock_dir, join=[first.address], client_mode=i == 3
+                    authority,
+                    member,
+                    sock_dir,
+                    join=[first.address],
+                    client_mode=i == 3,
+                    data_port=data_port,
                 )
                 peers.append(await stack.enter_async_context(Peer(config)))
             assert [p.peer_id for p in peers] == [m.identity.peer_id_hex for m in members]
@@ -213,8 +223,9 @@ async def test_invited_peers_average_through_the_client_api(
                 assert not result.partial
                 np.testing.assert_allclose(result.tensors[0], expected, rtol=1e-5, atol=1e-6)
                 assert result.tensors[0].tobytes() == results[0].tensors[0].tobytes()
-            # The serving members reduce over the (TLS) data plane as well as gRPC.
-            assert all(p.averager and p.averager.data_port for p in peers[:3])
+            assert [bool(p.averager and p.averager.data_port) for p in peers] == [
+                transport == "data plane"
+            ] * 3 + [False]
             assert peers[3].address is None
 
 
