@@ -191,6 +191,11 @@ class Averager:
         """
         return self._require()[2]
 
+    @property
+    def data_port(self) -> int:
+        """Port of this peer's all-reduce data plane (0: none; raises like ``matchmaker``)."""
+        return self._require()[1].data_port
+
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Register the ``Averaging`` service on ``server`` (before it starts)."""
         add_to_server(self._servicer, server)
@@ -209,7 +214,9 @@ class Averager:
         matchmaker = Matchmaker(
             self.dht, self.run_id, address, self._channels, self.config.matchmaker, self._observer
         )
-        allreduce = AllReduceService(self.run_id, self.config.allreduce)
+        # A private run's pool holds the peer's TLS setup: the data plane uses it too, so that
+        # no byte of a round travels in clear (issue 16).
+        allreduce = AllReduceService(self.run_id, self.config.allreduce, tls=self._channels.tls)
         if address is not None and self.config.mode.reduces:
             await allreduce.start_data_plane(self.config.allreduce.data_host or split_host(address))
         sharer = StateSharer(

@@ -48,6 +48,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -328,14 +329,28 @@ def swarmavg_command() -> list[str]:
 class Swarm:
     """N daemons (CLI) and N workers; ``close`` stops them all, whatever happened."""
 
-    def __init__(self, n: int, elements: int, workdir: Path, daemon_log_level: str) -> None:
+    def __init__(
+        self,
+        n: int,
+        elements: int,
+        workdir: Path,
+        daemon_log_level: str,
+        daemon_flags: Callable[[int], list[str]] | None = None,
+        run_id: str | None = None,
+    ) -> None:
+        """Args:
+        daemon_flags: extra ``swarmavg peer`` flags of daemon ``i`` (e.g. a private run's
+            credentials, benchmarks/tls_rounds.py).
+        run_id: the run (default: a fresh name).
+        """
         self.n = n
         self.workdir = workdir
         self.daemons: list[Child] = []
         self.workers: list[Child] = []
         self.ready: list[dict[str, Any]] = []
         self._logs: list[Any] = []
-        self.run_id = f"rounds-{os.getpid()}-{n}-{os.urandom(3).hex()}"
+        self._daemon_flags = daemon_flags
+        self.run_id = run_id or f"rounds-{os.getpid()}-{n}-{os.urandom(3).hex()}"
         workdir.mkdir(parents=True, exist_ok=True)
         try:
             self._start(elements, daemon_log_level)
@@ -346,6 +361,8 @@ class Swarm:
     def _daemon(self, i: int, level: str, join: str | None) -> Child:
         argv = [*swarmavg_command(), "peer", "--listen", "127.0.0.1:0", "--run-id", self.run_id]
         argv += ["--control", str(self.workdir / f"p{i}.sock"), "--log-level", level]
+        if self._daemon_flags is not None:
+            argv += self._daemon_flags(i)
         if join is not None:
             argv += ["--join", join]
         stderr = open(self.workdir / f"daemon{i}.log", "w")  # noqa: SIM115 - closed in close()

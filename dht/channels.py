@@ -3,6 +3,10 @@
 Opening a channel costs a TCP (and HTTP/2) handshake, so every outbound call of the DHT and
 the averager fetches its channel from one shared :class:`ChannelPool`. Channels idle for longer
 than ``idle_timeout`` are closed by a sweeper task that the pool owns.
+
+In a private run the pool holds the peer's :class:`~swarmavg.dht.tls.PeerTLS`: every channel is
+then a mutual-TLS ``secure_channel``, and the data plane dials with the same setup
+(``pool.tls``). In a public run (``tls`` None) channels are insecure, as before.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import time
 import grpc
 
 from swarmavg.dht.tasks import TaskSet
+from swarmavg.dht.tls import CHANNEL_OPTIONS, PeerTLS
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +49,18 @@ class ChannelPool:
         self,
         idle_timeout: float = 120.0,
         options: tuple[tuple[str, int], ...] = DEFAULT_OPTIONS,
+        tls: PeerTLS | None = None,
     ) -> None:
         if idle_timeout <= 0:
             raise ValueError(f"idle_timeout must be positive, got {idle_timeout}")
         self.idle_timeout = idle_timeout
-        self._options = list(options)
+        self.tls = tls
+        """This peer's TLS setup in a private run; None: insecure channels (a public run)."""
+        self._options: list[tuple[str, int | str]] = list(options)
+        self._credentials: grpc.ChannelCredentials | None = None
+        if tls is not None:
+            self._options += CHANNEL_OPTIONS
+            self._credentials = tls.channel_credentials()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._last_used: dict[str, float] = {}
         self._sweeper: asyncio.Task[None] | None = None
@@ -66,7 +78,10 @@ class ChannelPool:
         self._last_used[address] = time.monotonic()
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=self._options)
+            if self._credentials is None:
+                channel = grpc.aio.insecure_channel(address, options=self._options)
+            else:
+                channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
             self._channels[address] = channel
             if self._sweeper is None:
                 self._sweeper = asyncio.get_running_loop().create_task(self._sweep())

@@ -35,9 +35,10 @@ from swarmavg.dht.records import (
     unpack_subkey,
 )
 from swarmavg.dht.routing import Contact, RoutingTable
-from swarmavg.dht.server_limits import ServerLimits, make_server
+from swarmavg.dht.server_limits import ServerLimits
 from swarmavg.dht.storage import STORED, Storage
 from swarmavg.dht.tasks import TaskSet
+from swarmavg.dht.tls import bind_port, new_server
 from swarmavg.dht.traversal import LookupResult, traverse
 from swarmavg.dht.validation import record_owner
 from swarmavg.proto import common_pb2, dht_pb2
@@ -136,11 +137,14 @@ class DHTNode:
         if config.client_mode:
             await node.start(None)
             return node
-        server = make_server(ServerLimits(max_message_bytes=config.limits.max_request_bytes))
+        # A private run's pool holds the peer's TLS setup: the server then takes only peers
+        # with a credential of the run (dht/tls.py).
+        tls = node.channels.tls
+        server = new_server(ServerLimits(max_message_bytes=config.limits.max_request_bytes), tls)
         node.add_to_server(server)
         node._server = server
         try:
-            port = server.add_insecure_port(listen)
+            port = bind_port(server, listen, tls)
             if port == 0:
                 raise OSError(f"could not bind {listen}")
             await server.start()

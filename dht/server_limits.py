@@ -11,7 +11,9 @@ groups never reach them (a member holds at most a few streams to one peer at a t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -80,10 +82,14 @@ class ServerLimits:
         ]
 
 
-def make_server(limits: ServerLimits | None = None) -> grpc.aio.Server:
-    """A ``grpc.aio`` server with ``limits`` (default :class:`ServerLimits`). Call it inside
-    the running loop."""
+def make_server(
+    limits: ServerLimits | None = None, interceptors: Sequence[Any] | None = None
+) -> grpc.aio.Server:
+    """A ``grpc.aio`` server with ``limits`` (default :class:`ServerLimits`) and
+    ``interceptors``. Call it inside the running loop."""
     limits = limits or ServerLimits()
     return grpc.aio.server(
-        options=limits.options(), maximum_concurrent_rpcs=limits.max_concurrent_rpcs
+        options=limits.options(),
+        maximum_concurrent_rpcs=limits.max_concurrent_rpcs,
+        interceptors=list(interceptors) if interceptors else None,
     )

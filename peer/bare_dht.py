@@ -17,6 +17,7 @@ from swarmavg.peer.config import PeerConfig
 from swarmavg.peer.daemon import (
     StartupError,
     bootstrap_message,
+    load_tls,
     node_dht_config,
     start_public_server,
 )
@@ -66,14 +67,15 @@ class BareDHT:
             )
         except (OSError, ValueError) as exc:
             raise StartupError(f"identity file {cfg.identity}: {exc}") from None
-        self._channels = ChannelPool()
+        tls = load_tls(cfg, self._identity)
+        self._channels = ChannelPool(tls=tls)
         self.node = DHTNode(node_dht_config(cfg), self._identity, self._channels)
-        self._server, port = await start_public_server(cfg.listen, self.node.add_to_server)
+        self._server, port = await start_public_server(cfg.listen, self.node.add_to_server, tls)
         self.address = announce_address(cfg.listen, port, cfg.announce)
         try:
             await self.node.start(self.address)
         except BootstrapError as exc:
-            raise StartupError(bootstrap_message(exc)) from None
+            raise StartupError(bootstrap_message(exc, cfg.private)) from None
         log.info("DHT node %s ready at %s", self._identity.peer_id_hex, self.address)
 
     async def shutdown(self, grace: float | None = None) -> None:

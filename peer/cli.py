@@ -1,7 +1,8 @@
 """The ``swarmavg`` command line (docs/peer.md).
 
 ``swarmavg peer`` runs a daemon in the foreground, ``swarmavg dht`` a bare DHT node,
-``swarmavg status`` asks a running daemon for its figures. The daemon prints exactly one
+``swarmavg status`` asks a running daemon for its figures, ``swarmavg run`` creates a private
+run's authority and invites its peers (``peer/run_cli.py``). The daemon prints exactly one
 JSON line on stdout once it is ready; everything else (logs, errors) goes to stderr.
 Heavy modules are imported only by the subcommand that needs them, so ``--help`` is fast
 and the daemon never loads torch.
@@ -76,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
         "nor a run id, the one daemon of this user on a default socket)",
     )
     status.add_argument("--json", action="store_true", help="print one JSON object")
+    from swarmavg.peer.run_cli import add_run_parser
+
+    add_run_parser(sub)
     return parser
 
 
@@ -229,6 +233,10 @@ def _main(argv: Sequence[str] | None) -> int:
         return EXIT_USAGE
     if args.command == "status":
         return cmd_status(args)
+    if args.command == "run":
+        from swarmavg.peer.run_cli import cmd_run
+
+        return cmd_run(args)
     return cmd_daemon(args)
 
 

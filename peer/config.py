@@ -187,6 +187,12 @@ class PeerConfig:
             default socket for ``run_id``.
         client_mode: accept no incoming connections (behind NAT or a firewall).
         identity: file holding the Ed25519 key; ``None``: a fresh identity per start.
+        run_file: a private run's run file (``swarmavg run init``): the run id and the run
+            authority's certificate. With ``credential``: mutual TLS on the gRPC port and the
+            data plane, and only peers holding a credential of the run are admitted
+            (docs/private-runs.md). ``None``: a public run.
+        credential: this peer's credential in the private run (``swarmavg run invite``),
+            issued for ``identity``'s peer id.
         metrics: ``HOST:PORT`` for the Prometheus endpoint; ``None``: no metrics server.
         log_level: Python logging level name.
         local_window: the longest a round waits for the other local training processes
@@ -206,6 +212,8 @@ class PeerConfig:
     control: str | None = None
     client_mode: bool = False
     identity: str | None = None
+    run_file: str | None = None
+    credential: str | None = None
     metrics: str | None = None
     log_level: str = "INFO"
     local_window: float = 0.5
@@ -235,12 +243,26 @@ class PeerConfig:
             parse_host_port(self.metrics, "metrics", allow_port_zero=True)
         if not self.run_id or len(self.run_id) > 128 or "/" in self.run_id:
             raise ValueError(f"run_id {self.run_id!r}: 1-128 characters, no '/'")
+        if (self.run_file is None) != (self.credential is None):
+            raise ValueError(
+                "a private run needs both run_file and credential (--run-file and --credential)"
+            )
+        if self.run_file is not None and self.identity is None:
+            raise ValueError(
+                "a private run needs identity (--identity FILE): the credential names the "
+                "peer id of one identity"
+            )
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level {self.log_level!r}: one of {', '.join(LOG_LEVELS)}")
         if not 0 <= self.local_window <= 10:
             raise ValueError(f"local_window {self.local_window}: between 0 and 10 seconds")
         if not 0 <= self.shutdown_grace <= 60:
             raise ValueError(f"shutdown_grace {self.shutdown_grace}: between 0 and 60 seconds")
+
+    @property
+    def private(self) -> bool:
+        """Whether this peer belongs to a private run (it has a run file and a credential)."""
+        return self.run_file is not None
 
     def dht_config(self) -> DHTConfig:
         """The DHT node's config: run, initial peers and client mode come from ``[peer]``."""

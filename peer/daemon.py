@@ -40,8 +40,10 @@ from swarmavg.dht import (
     Identity,
     ValueWithExpiration,
 )
-from swarmavg.dht.server_limits import ServerLimits, make_server
+from swarmavg.dht.credentials import CredentialError, load_peer_credentials
+from swarmavg.dht.server_limits import ServerLimits
 from swarmavg.dht.tasks import TaskSet, bounded_step
+from swarmavg.dht.tls import PeerTLS, bind_port, new_server
 from swarmavg.peer import __version__, shm
 from swarmavg.peer.client import AsyncClient
 from swarmavg.peer.combiner import LocalCombiner
@@ -83,27 +85,62 @@ def node_dht_config(cfg: PeerConfig) -> DHTConfig:
     return dataclasses.replace(cfg.dht_config(), key_classes=protocol_key_classes(cfg.run_id))
 
 
-def bootstrap_message(exc: BootstrapError) -> str:
-    """One line naming every initial peer and why it did not answer."""
+def bootstrap_message(exc: BootstrapError, private: bool = False) -> str:
+    """One line naming every initial peer and why it did not answer, with a hint about
+    private runs (a TLS handshake refused looks like a connection failure)."""
     reasons = "; ".join(f"{address}: {reason}" for address, reason in exc.failures.items())
+    hint = (
+        " (a private run: are the initial peers of the same run, and is this credential "
+        "still valid?)"
+        if private
+        else " (if the run is private, start with --run-file, --credential and --identity: "
+        "see docs/private-runs.md)"
+    )
     return (
         f"could not join the swarm: no initial peer answered after {exc.attempts} "
-        f"attempt(s) ({reasons})"
+        f"attempt(s) ({reasons}){hint}"
     )
 
 
+def load_tls(cfg: PeerConfig, identity: Identity) -> PeerTLS | None:
+    """The peer's TLS setup in a private run (None in a public run).
+
+    Raises:
+        StartupError: a credential that is missing, expired, of another run or of another
+            identity, or a run file of another run (one line saying which).
+    """
+    if cfg.run_file is None or cfg.credential is None or cfg.identity is None:
+        return None
+    try:
+        credentials = load_peer_credentials(
+            cfg.run_file, cfg.credential, identity, cfg.identity, cfg.run_id
+        )
+    except CredentialError as exc:
+        raise StartupError(str(exc)) from None
+    log.info(
+        "private run %s: TLS with credential %s (valid until %s UTC)",
+        cfg.run_id,
+        cfg.credential,
+        f"{credentials.not_after:%Y-%m-%d %H:%M}",
+    )
+    return PeerTLS(credentials)
+
+
 async def start_public_server(
-    listen: str, register: Callable[[grpc.aio.Server], None]
+    listen: str, register: Callable[[grpc.aio.Server], None], tls: PeerTLS | None = None
 ) -> tuple[grpc.aio.Server, int]:
     """Bind ``listen``, let ``register`` add the public services, start; return server, port.
+
+    In a private run (``tls``) the port is mutual TLS and every request's header must name
+    the peer of its credential (:mod:`swarmavg.dht.tls`).
 
     Raises:
         StartupError: the address cannot be bound (the message says why and what to do).
     """
-    server = make_server(ServerLimits())
+    server = new_server(ServerLimits(), tls)
     register(server)
     try:
-        port = server.add_insecure_port(listen)
+        port = bind_port(server, listen, tls)
     except RuntimeError:
         port = 0
     if port == 0:
@@ -190,7 +227,8 @@ class Peer:
             )
         except (OSError, ValueError) as exc:
             raise StartupError(f"identity file {cfg.identity}: {exc}") from None
-        self._channels = ChannelPool()
+        tls = load_tls(cfg, self.identity)
+        self._channels = ChannelPool(tls=tls)
         self.dht = DHTNode(node_dht_config(cfg), self.identity, self._channels)
         self._averager_config = cfg.averager_config()
         self.averager = Averager(
@@ -203,12 +241,12 @@ class Peer:
                 dht.add_to_server(server)
                 averager.add_to_server(server)
 
-            self._public_server, port = await start_public_server(cfg.listen, register)
+            self._public_server, port = await start_public_server(cfg.listen, register, tls)
             self.address = announce_address(cfg.listen, port, cfg.announce)
         try:
             await self.dht.start(self.address)
         except BootstrapError as exc:
-            raise StartupError(bootstrap_message(exc)) from None
+            raise StartupError(bootstrap_message(exc, cfg.private)) from None
         self._report_unreachable(cfg.join)
         await self.averager.start()
         await self._start_control()

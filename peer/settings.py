@@ -131,6 +131,21 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("peer", "identity", "Ed25519 key file, created (mode 600) when missing", "FILE", BOTH),
     Setting(
         "peer",
+        "run_file",
+        "a private run's run file (swarmavg run init); with --credential, admits only invited "
+        "peers and encrypts all traffic (it also sets the run id)",
+        "RUN",
+        BOTH,
+    ),
+    Setting(
+        "peer",
+        "credential",
+        "this peer's credential in the private run (swarmavg run invite)",
+        "CRED",
+        BOTH,
+    ),
+    Setting(
+        "peer",
         "control",
         "local control endpoint: a unix socket path or 127.0.0.1:PORT (default "
         "$XDG_RUNTIME_DIR/swarmavg/<run-id>.sock or ~/.swarmavg/<run-id>.sock)",
@@ -428,6 +443,15 @@ def resolve_config(
         if value is None or (name == "join" and not value):
             continue
         merged[name] = value
+    if merged.get("run_file") and "run_id" not in merged:
+        # A private run's file names its run: `--run-file` alone is enough. A run id given
+        # as well must match it (checked by the daemon, with the credentials).
+        from swarmavg.dht.credentials import CredentialError, read_run_id
+
+        try:
+            merged["run_id"] = read_run_id(merged["run_file"])
+        except CredentialError as exc:
+            raise ValueError(str(exc)) from None
     return build_config(merged)
 
 

@@ -27,6 +27,11 @@ A connection carries one stream at a time. When a stream ended with ``OK`` and b
 sides saw its end, the client keeps the connection for the next stream to the same
 reducer (across rounds); anything else closes it. Bodies above :data:`MAX_BODY` (gRPC's
 message cap here) and unknown kinds close the connection at once.
+
+In a private run (issue 16) every connection is mutual TLS 1.3 with the run's credentials
+(:class:`~swarmavg.dht.tls.PeerTLS`, the same files as the gRPC port): a client without a
+credential of the run fails the handshake, before its HELLO is read, and the first message of
+every stream must name the peer id of the connection's credential (else ``PERMISSION_DENIED``).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.allreduce.round import ReduceContext
 from swarmavg.averaging.allreduce.wire import Request, deserialize_reply, deserialize_request
 from swarmavg.dht.tasks import TaskSet
+from swarmavg.dht.tls import HANDSHAKE_TIMEOUT, SERVER_HOSTNAME, PeerTLS, peer_id_of_der
 
 log = logging.getLogger(__name__)
 
@@ -158,12 +164,18 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         ``RESOURCE_EXHAUSTED`` status, discard what arrives, close when the client does."""
         self.error: Exception | None = None
         self.closed = asyncio.Event()
+        self.peer_id: bytes | None = None
+        """On a TLS connection, the peer id of the other side's verified credential."""
 
     # ---- asyncio callbacks ----
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self.transport.set_write_buffer_limits(high=_WRITE_HIGH, low=_WRITE_LOW)
+        ssl_object = self.transport.get_extra_info("ssl_object")
+        if ssl_object is not None:  # called after the handshake: the certificate is verified
+            der = ssl_object.getpeercert(binary_form=True)
+            self.peer_id = peer_id_of_der(der) if der else None
         if self._admit is not None:
             peer = self.transport.get_extra_info("peername")
             host = str(peer[0]) if isinstance(peer, tuple) and peer else ""
@@ -445,13 +457,17 @@ class DataCall:
 class DataConnector:
     """Opens data-plane streams to reducers, reusing idle connections (one per daemon)."""
 
-    def __init__(self, connect_timeout: float = 1.0, retry_after: float = 300.0) -> None:
+    def __init__(
+        self, connect_timeout: float = 1.0, retry_after: float = 300.0, tls: PeerTLS | None = None
+    ) -> None:
         """Args:
-        connect_timeout: at most this long to open a connection.
+        connect_timeout: at most this long to open a connection (TLS handshake included).
         retry_after: after a failed connect, use gRPC for this reducer this long.
+        tls: this peer's TLS setup in a private run (None: plain TCP).
         """
         self.connect_timeout = connect_timeout
         self.retry_after = retry_after
+        self._tls = tls
         self._idle: dict[tuple[str, int], list[tuple[float, _FrameProtocol]]] = {}
         self._unreachable: dict[tuple[str, int], float] = {}
         self._closed = False
@@ -493,7 +509,16 @@ class DataConnector:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(max(min(timeout, self.connect_timeout), 0.001)):
-                _, protocol = await loop.create_connection(_FrameProtocol, host, port)
+                if self._tls is None:
+                    _, protocol = await loop.create_connection(_FrameProtocol, host, port)
+                else:
+                    _, protocol = await loop.create_connection(
+                        _FrameProtocol,
+                        host,
+                        port,
+                        ssl=self._tls.client_context,
+                        server_hostname=SERVER_HOSTNAME,
+                    )
             protocol.send(HELLO, (MAGIC,))
             self.opened += 1
         except (OSError, TimeoutError) as e:
@@ -528,13 +553,21 @@ class DataConnector:
 class _ServerStream:
     """The context and request iterator of one inbound stream (as gRPC gives a handler)."""
 
-    def __init__(self, protocol: _FrameProtocol, write_timeout: float) -> None:
+    def __init__(
+        self, protocol: _FrameProtocol, write_timeout: float, *, expect_peer: bytes | None = None
+    ) -> None:
+        """Args:
+        expect_peer: on a TLS connection, the peer id its credential names: the stream's
+            first message must name it too.
+        """
         self._protocol = protocol
         self._write_timeout = write_timeout
+        self._expect_peer = expect_peer
         self.client_closed = False
         self.status_sent = False
 
     async def requests(self) -> AsyncIterator[Request]:
+        first = True
         while True:
             kind, body = await self._protocol.next_frame()
             if kind == CLOSE:
@@ -542,7 +575,17 @@ class _ServerStream:
                 return
             if kind != MSG:
                 raise _ProtocolError(f"unexpected frame kind {kind} in a stream")
-            yield deserialize_request(body)  # type: ignore[arg-type]  # scans any buffer
+            request = deserialize_request(body)  # type: ignore[arg-type]  # scans any buffer
+            if first and self._expect_peer is not None:
+                claimed = request.header.peer_id if request.header is not None else b""
+                if claimed != self._expect_peer:
+                    await self.abort(
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        "the stream names another peer than its TLS credential "
+                        f"({self._expect_peer.hex()[:12]})",
+                    )
+            first = False
+            yield request
 
     async def write(self, message: bytes) -> None:
         self._protocol.send(MSG, (message,))
@@ -582,8 +625,11 @@ class DataPlaneServer:
         max_connections_per_host: int = 64,
         max_buffered_bytes: int = 256 << 20,
         max_buffered_bytes_per_host: int = 64 << 20,
+        tls: PeerTLS | None = None,
     ) -> None:
         """Args:
+        tls: this peer's TLS setup in a private run (None: plain TCP): only clients with a
+            credential of the run complete the handshake.
         max_connections: open connections in all; more are refused.
         max_connections_per_host: open connections from one host group (an IPv4
             address, an IPv6 /64). An honest member holds one per concurrent stream to
@@ -604,12 +650,22 @@ class DataPlaneServer:
         self._protocols: set[_FrameProtocol] = set()
         self._per_host: collections.Counter[str] = collections.Counter()
         self._refused: set[_FrameProtocol] = set()  # closing themselves (see reject)
+        self._tls = tls
         self.port = 0
 
     async def start(self, host: str, port: int = 0) -> int:
         """Listen on ``host:port`` (0: any free port); return the port."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._accept, host or None, port)
+        if self._tls is None:
+            self._server = await loop.create_server(self._accept, host or None, port)
+        else:
+            self._server = await loop.create_server(
+                self._accept,
+                host or None,
+                port,
+                ssl=self._tls.server_context,
+                ssl_handshake_timeout=HANDSHAKE_TIMEOUT,
+            )
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self.port
 
@@ -618,8 +674,11 @@ class DataPlaneServer:
 
     def _admit(self, protocol: _FrameProtocol, host: str) -> bool:
         """Serve a new connection from ``host``, or refuse it (at a limit)."""
-        if len(self._protocols) >= self._max_connections or (
-            self._per_host[host] >= self._max_per_host
+        if (
+            len(self._protocols) >= self._max_connections
+            or self._per_host[host] >= self._max_per_host
+            # A certificate of the run's authority that names no peer: never served.
+            or (self._tls is not None and protocol.peer_id is None)
         ):
             self._refused = {p for p in self._refused if not p.closed.is_set()}
             self._refused.add(protocol)
@@ -657,7 +716,8 @@ class DataPlaneServer:
     async def _serve_stream(self, protocol: _FrameProtocol) -> bool:
         """Run one stream; return whether the connection may carry another."""
         config = self._service.config
-        stream = _ServerStream(protocol, config.write_timeout)
+        expect = protocol.peer_id if self._tls is not None else None
+        stream = _ServerStream(protocol, config.write_timeout, expect_peer=expect)
         try:
             await self._service.rpc_reduce(stream.requests(), stream)
         except _StreamAborted:

@@ -31,6 +31,7 @@ from swarmavg.averaging.allreduce.wire import Request
 from swarmavg.averaging.gauge import Gauge
 from swarmavg.compression import Codec, canonical_name, get_codec
 from swarmavg.dht.identity import HeaderError, verify_header
+from swarmavg.dht.tls import PeerTLS
 from swarmavg.proto import common_pb2
 
 log = logging.getLogger(__name__)
@@ -49,9 +50,12 @@ class AllReduceService:
         run_id: str,
         config: AllReduceConfig | None = None,
         verify: Callable[[common_pb2.RequestHeader], bytes] | None = None,
+        tls: PeerTLS | None = None,
     ) -> None:
         """Args:
         run_id: the run this daemon serves; headers of another run are refused.
+        tls: the peer's TLS setup in a private run: the data plane's server and connections
+            are then mutual TLS (None: plain TCP, a public run).
         config: timings and sizes of every round.
         verify: header check returning the sender's peer id (default:
             :func:`swarmavg.dht.identity.verify_header` for ``run_id``).
@@ -73,10 +77,11 @@ class AllReduceService:
         self._closed = False
         self.bytes_per_element: dict[tuple[str, str], float] = {}
         self._codecs: collections.OrderedDict[str, Codec] = collections.OrderedDict()
+        self._tls = tls
         self.data_connector: DataConnector | None = None
         if self.config.data_plane:
             self.data_connector = DataConnector(
-                self.config.data_connect_timeout, self.config.data_retry_after
+                self.config.data_connect_timeout, self.config.data_retry_after, tls
             )
         self._data_server: DataPlaneServer | None = None
         self.data_port = 0
@@ -90,7 +95,7 @@ class AllReduceService:
         """
         if not self.config.data_plane or self._closed or self._data_server is not None:
             return self.data_port
-        server = DataPlaneServer(self)
+        server = DataPlaneServer(self, tls=self._tls)
         try:
             self.data_port = await server.start(host, self.config.data_port)
         except OSError as e:

@@ -41,6 +41,8 @@ SAMPLES: dict[str, str] = {
     "control": '"/tmp/x.sock"',
     "client_mode": "true",
     "identity": '"/tmp/id.key"',
+    "run_file": '"/tmp/r.run.toml"',
+    "credential": '"/tmp/id.cred.pem"',
     "metrics": '"127.0.0.1:7"',
     "log_level": '"WARNING"',
     "local_window": "0.25",
