@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from swarmavg.averaging.aggregation import MEAN
 from swarmavg.averaging.request import digests_from_user_data
 
 
@@ -37,6 +38,14 @@ class AveragingResult:
         failed_parts: parts (member indices) of which some chunk kept local values.
         dropped: senders this member's reducer dropped, with the reason.
         local_callers: training processes of this machine combined into the round.
+        aggregation: the canonical aggregation rule the group ran (its leader's, which
+            every member checked against its own).
+        num_adjusted: inputs the robust rule adjusted, summed over the parts whose result
+            this member received (each part's reducer reports it): copies of a chunk
+            clipped (``centered-clip``) or values dropped (``trimmed-mean``); 0 for the mean.
+        weights_clipped: senders whose weight exceeded the bound (``weight_bound`` times
+            the median), summed over the same parts: one oversized sender counts once
+            per part.
     """
 
     tensors: list[np.ndarray]
@@ -52,6 +61,9 @@ class AveragingResult:
     failed_parts: tuple[int, ...] = ()
     dropped: dict[int, str] = field(default_factory=dict)
     local_callers: int = 1
+    aggregation: str = MEAN
+    num_adjusted: int = 0
+    weights_clipped: int = 0
 
     @property
     def state_digests(self) -> dict[str, bytes]:
