@@ -87,7 +87,7 @@ class RoundRequest:
         Args:
             now: the ``time.monotonic()`` instant the call started (default: now).
             aggregation: ``"mean"`` (``None``), ``"centered-clip"`` or ``"trimmed-mean"``,
-                with parameters in the name (``"centered-clip:tau=2.0,iters=5"``).
+                with parameters in the name (``"centered-clip:tau=1.0,iters=5"``).
             allow_zero_weight: accept weight 0 (a member that takes the average without
                 adding to it). In-process callers may; the client API refuses it, since a
                 group whose weights are all 0 has no mean.
@@ -127,7 +127,7 @@ class RoundRequest:
             except ValueError as exc:  # the registry's message lists the known names
                 raise InvalidRequestError(str(exc)) from None
         digest = _as_digest(state_digest)
-        try:  # kept canonical: "centered-clip" and "centered-clip:tau=2.0" are one rule
+        try:  # kept canonical: "centered-clip" and "centered-clip:tau=1.0" are one rule
             rule = MEAN if aggregation is None else canonical_aggregation(aggregation)
         except ValueError as exc:  # the message lists the known rules and parameters
             raise InvalidRequestError(str(exc)) from None

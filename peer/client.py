@@ -207,7 +207,7 @@ class Client:
         digest of every member that attached one (docs/peer.md, "State digests").
 
         ``aggregation``: ``"mean"``, ``"centered-clip"`` or ``"trimmed-mean"``, parameters
-        in the name (``"centered-clip:tau=2.0,iters=5"``, ``"trimmed-mean:trim=0.25"``):
+        in the name (``"centered-clip:tau=1.0,iters=5"``, ``"trimmed-mean:trim=0.25"``):
         robust aggregation for runs that admit strangers (docs/averaging.md,
         "Aggregation"). Only peers asking for the same rule average together; the
         result's ``aggregation``, ``num_adjusted`` and ``weights_clipped`` say what ran.

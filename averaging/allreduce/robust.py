@@ -10,8 +10,8 @@ the loops run over senders or iterations only. The rules and their parameters:
 Sorting each coordinate's ``n`` copies is the costly step (``np.sort`` along the short
 axis is about 50x a sum for ``n = 4``), so equal weights, the common case, go through a
 sorting network of elementwise ``minimum``/``maximum`` instead (Batcher's odd-even merge
-sort, Knuth TAOCP vol. 3, 5.3.4); unequal weights need the permutation and use
-``argsort``.
+sort, Knuth TAOCP vol. 3, 5.3.4); with unequal weights the network carries each value's
+weight along.
 """
 
 from __future__ import annotations
@@ -62,6 +62,28 @@ def sorted_copies(stack: np.ndarray) -> np.ndarray:
     return out
 
 
+def _sorted_with_weights(stack: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each column of ``stack`` sorted, with the weight of each value carried along (the
+    network's compare-exchanges move weights with values); argsort above the network."""
+    n = stack.shape[0]
+    if n > _NETWORK_MAX:
+        order = np.argsort(stack, axis=0, kind="stable")
+        return np.take_along_axis(stack, order, axis=0), weights[order].astype(stack.dtype)
+    values = stack.copy()
+    carried = np.repeat(weights.astype(stack.dtype)[:, None], stack.shape[1], axis=1)
+    low = np.empty_like(values[0])
+    swap = np.empty(stack.shape[1], dtype=bool)
+    for i, j in _batcher_pairs(n):
+        np.greater(values[i], values[j], out=swap)
+        np.minimum(values[i], values[j], out=low)
+        np.maximum(values[i], values[j], out=values[j])
+        values[i] = low
+        w_i = carried[i].copy()
+        np.copyto(carried[i], carried[j], where=swap)
+        np.copyto(carried[j], w_i, where=swap)
+    return values, carried
+
+
 def _equal(weights: np.ndarray) -> bool:
     return bool(np.all(weights == weights[0]))
 
@@ -85,15 +107,20 @@ def weighted_median(stack: np.ndarray, weights: np.ndarray) -> np.ndarray:
         ordered = sorted_copies(stack)
         lower, upper = ordered[(n - 1) // 2], ordered[n // 2]
     else:
-        order = np.argsort(stack, axis=0, kind="stable")
-        ordered = np.take_along_axis(stack, order, axis=0)
-        cumulative = np.cumsum(w[order], axis=0)
+        ordered, carried = _sorted_with_weights(stack, w)
         half = w.sum() / 2
-        # argmax finds the first True: the first value at which the half is reached / passed
-        lo_index = np.argmax(cumulative >= half * (1 - 1e-12), axis=0)
-        hi_index = np.argmax(cumulative > half * (1 + 1e-12), axis=0)
-        lower = np.take_along_axis(ordered, lo_index[None], axis=0)[0]
-        upper = np.take_along_axis(ordered, hi_index[None], axis=0)[0]
+        lower, upper = np.empty_like(ordered[0]), np.empty_like(ordered[0])
+        cumulative = np.zeros(stack.shape[1], dtype=np.float64)
+        found_lower = np.zeros(stack.shape[1], dtype=bool)
+        found_upper = np.zeros(stack.shape[1], dtype=bool)
+        for row in range(n):  # the first value at which the half is reached / passed
+            cumulative += carried[row]
+            at_lower = ~found_lower & (cumulative >= half * (1 - 1e-12))
+            at_upper = ~found_upper & (cumulative > half * (1 + 1e-12))
+            np.copyto(lower, ordered[row], where=at_lower)
+            np.copyto(upper, ordered[row], where=at_upper)
+            found_lower |= at_lower
+            found_upper |= at_upper
     out: np.ndarray = lower + (upper - lower) * stack.dtype.type(0.5)
     return out
 
@@ -103,7 +130,7 @@ def centered_clip(
 ) -> tuple[np.ndarray, int]:
     """CenteredClip of the rows of ``stack`` (``(n, m)``) with weights ``weights``.
 
-    Starting from the coordinate-wise weighted median ``v``, iterate
+    Starting from the coordinate-wise median ``v``, iterate
     ``v <- v + sum_i w_i clip(x_i - v) / sum_i w_i``, where ``clip(d)`` scales ``d`` to a
     norm of at most ``r = tau * median_i ||x_i - v_0||`` (Gorbunov et al. 2022, BTARD,
     algorithm "CenteredClip"; the radius is relative, see
@@ -116,7 +143,11 @@ def centered_clip(
     """
     w = _effective(weights)
     total = w.sum()
-    v = weighted_median(stack, w)
+    # The start only has to be robust, not weighted: the plain median is as robust (the
+    # weights are bounded by their median, issue 17) and the fixed point of the
+    # iteration, which carries the weights, does not depend on it; sorting without
+    # weights costs a third.
+    v = weighted_median(stack, np.ones_like(w))
     diff = np.empty_like(stack)
     np.subtract(stack, v, out=diff)
     distances = np.sqrt(np.einsum("ij,ij->i", diff, diff).astype(np.float64))
@@ -134,7 +165,11 @@ def centered_clip(
         scale = np.ones_like(distances)
         np.divide(radius, distances, out=scale, where=outside)
         coefficients = (w * scale / total).astype(stack.dtype)
-        v = v + coefficients @ diff
+        step_sum = np.zeros_like(v)
+        for row, c in enumerate(coefficients):  # axpy per sender: no BLAS thread pool
+            if c:
+                step_sum += c * diff[row]
+        v = v + step_sum
         clipped = previous_clipped = clipped_now
     return v, clipped
 
@@ -157,9 +192,8 @@ def trimmed_mean(stack: np.ndarray, weights: np.ndarray, trim_per_side: int) -> 
         middle = sorted_copies(stack)[k : n - k] if k else stack
         out: np.ndarray = middle.sum(axis=0, dtype=stack.dtype) / dtype(n - 2 * k)
         return out
-    order = np.argsort(stack, axis=0, kind="stable")[k : n - k]
-    kept = np.take_along_axis(stack, order, axis=0)
-    kept_weights = w[order].astype(stack.dtype)
+    ordered, carried = _sorted_with_weights(stack, w)
+    kept, kept_weights = ordered[k : n - k], carried[k : n - k]
     total = kept_weights.sum(axis=0)
     weighted = np.einsum("ij,ij->j", kept, kept_weights)
     plain = kept.mean(axis=0)
