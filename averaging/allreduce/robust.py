@@ -138,40 +138,48 @@ def centered_clip(
     when the estimate came from an iteration that clipped nothing and clips nothing
     itself, since it is then the weighted mean and a fixed point.
 
+    Every iterate is ``v_0 + sum_i a_i (x_i - v_0)``, so the iterations run on the
+    coefficients ``a`` and the Gram matrix of the ``x_i - v_0`` (float64): one pass over
+    the copies for the Gram matrix and one for the result, whatever ``iters`` is.
+
     Returns:
         The combined row (``stack``'s dtype) and how many rows the last iteration clipped.
     """
     w = _effective(weights)
     total = w.sum()
+    positive = w > 0
     # The start only has to be robust, not weighted: the plain median is as robust (the
     # weights are bounded by their median, issue 17) and the fixed point of the
     # iteration, which carries the weights, does not depend on it; sorting without
     # weights costs a third.
-    v = weighted_median(stack, np.ones_like(w))
-    diff = np.empty_like(stack)
-    np.subtract(stack, v, out=diff)
-    distances = np.sqrt(np.einsum("ij,ij->i", diff, diff).astype(np.float64))
-    radius = tau * float(np.median(distances[w > 0]))
+    start = weighted_median(stack, np.ones_like(w))
+    diff = stack - start
+    with np.errstate(over="ignore", invalid="ignore"):
+        gram = np.einsum("ij,kj->ik", diff, diff, dtype=np.float64)
+    unit = 1.0
+    if not np.isfinite(gram).all():  # copies near the dtype's range: work in units of the largest
+        unit = float(np.abs(diff).max())
+        gram = np.einsum("ij,kj->ik", diff / unit, diff / unit, dtype=np.float64)
+    norms = np.diag(gram).copy()
+    radius = tau * float(np.median(np.sqrt(np.maximum(norms[positive], 0.0))))
+    a = np.zeros(len(w))
     clipped = 0
     previous_clipped = -1
-    for step in range(iters):
-        if step:
-            np.subtract(stack, v, out=diff)
-            distances = np.sqrt(np.einsum("ij,ij->i", diff, diff).astype(np.float64))
+    for _ in range(iters):
+        # ||d_j - u||^2 with u = sum_i a_i d_i: ||d_j||^2 - 2 (G a)_j + a^T G a
+        ga = gram @ a
+        distances = np.sqrt(np.maximum(norms - 2 * ga + a @ ga, 0.0))
         outside = distances > radius
-        clipped_now = int(np.count_nonzero(outside & (w > 0)))
+        clipped_now = int(np.count_nonzero(outside & positive))
         if clipped_now == 0 and previous_clipped == 0:
-            break  # v is the weighted mean and nothing is clipped at it: a fixed point
+            break  # the estimate is the weighted mean and nothing is clipped at it
         scale = np.ones_like(distances)
         np.divide(radius, distances, out=scale, where=outside)
-        coefficients = (w * scale / total).astype(stack.dtype)
-        step_sum = np.zeros_like(v)
-        for row, c in enumerate(coefficients):  # axpy per sender: no BLAS thread pool
-            if c:
-                step_sum += c * diff[row]
-        v = v + step_sum
+        c = w * scale / total
+        a = a * (1.0 - c.sum()) + c  # u <- u + sum_i c_i (d_i - u)
         clipped = previous_clipped = clipped_now
-    return v, clipped
+    out: np.ndarray = start + np.einsum("i,ij->j", a.astype(stack.dtype), diff)
+    return out, clipped
 
 
 def trimmed_mean(stack: np.ndarray, weights: np.ndarray, trim_per_side: int) -> np.ndarray:
