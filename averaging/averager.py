@@ -239,6 +239,7 @@ class Averager:
         timeout: float = 30.0,
         codec: str | None = None,
         state_digest: bytes | None = None,
+        aggregation: str | None = None,
     ) -> AveragingResult:
         """Average ``tensors`` with the peers that average under ``key`` now.
 
@@ -257,6 +258,9 @@ class Averager:
             codec: codec of the group when this peer leads; ``None``: the default.
             state_digest: a digest (at most 64 bytes) of this peer's shared state, handed
                 to every member; the result's ``state_digests`` holds every member's.
+            aggregation: ``"mean"`` (``None``), ``"centered-clip"`` or ``"trimmed-mean"``,
+                parameters in the name (docs/averaging.md, "Aggregation"); only peers
+                asking for the same rule average together.
 
         Raises:
             InvalidTensorsError: empty list, unsupported dtype, NaN/Inf (nothing is sent).
@@ -273,6 +277,7 @@ class Averager:
             min_group_size=min_group_size,
             codec=codec,
             state_digest=state_digest,
+            aggregation=aggregation,
             allow_zero_weight=True,
         )
         arrays = check_tensors(tensors)
@@ -319,6 +324,7 @@ class Averager:
             data_port=allreduce.data_port,
             wanted=request.group_size or 0,
             family=self._keys.key_for(key_family(request.key)),
+            aggregation=request.aggregation,
         )
         task = asyncio.current_task()
         if task is not None:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from swarmavg.averaging.aggregation import MEAN, Aggregation, parse_aggregation
+
 PEER_ID_BYTES = 20
 MAX_GROUP_SIZE = 256
 
@@ -98,12 +100,15 @@ class GroupInfo:
         members: ordered members; the position of a member is its index in the round.
         schema_hash: :func:`schema_hash` of the tensors every member averages.
         codec: registry name of the codec every chunk passes through.
+        aggregation: canonical name of the rule every reducer applies
+            (:attr:`~swarmavg.averaging.aggregation.Aggregation.name`).
     """
 
     group_id: bytes
     members: tuple[Member, ...]
     schema_hash: bytes
     codec: str = "none"
+    aggregation: str = MEAN
 
     def __post_init__(self) -> None:
         if not 0 < len(self.group_id) <= 64:
@@ -117,6 +122,15 @@ class GroupInfo:
             raise ValueError("a group needs at least one member that reduces")
         if not any(m.mode.sends for m in self.members):
             raise ValueError("a group needs at least one member that sends")
+        if self.rule.name != self.aggregation:
+            raise ValueError(
+                f"aggregation {self.aggregation!r} is not in canonical form {self.rule.name!r}"
+            )
+
+    @property
+    def rule(self) -> Aggregation:
+        """The parsed :attr:`aggregation` (``ValueError`` if it names no rule)."""
+        return parse_aggregation(self.aggregation)
 
     @property
     def size(self) -> int:

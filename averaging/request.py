@@ -22,6 +22,7 @@ from typing import TypeGuard
 
 import numpy as np
 
+from swarmavg.averaging.aggregation import MEAN, canonical_aggregation
 from swarmavg.averaging.errors import InvalidRequestError, InvalidTensorsError
 from swarmavg.averaging.group import MAX_GROUP_SIZE
 from swarmavg.compression import get_codec
@@ -52,6 +53,9 @@ class RoundRequest:
         state_digest: a digest of the caller's shared state (at most
             :data:`MAX_STATE_DIGEST_BYTES`), handed to every member of the group, which
             returns every member's digest with the result; empty: none attached.
+        aggregation: the canonical name of the aggregation rule
+            (:mod:`swarmavg.averaging.aggregation`); only peers asking for the same rule
+            average together.
     """
 
     key: str
@@ -61,6 +65,7 @@ class RoundRequest:
     min_group_size: int = 2
     codec: str | None = None
     state_digest: bytes = b""
+    aggregation: str = MEAN
 
     @classmethod
     def build(
@@ -73,6 +78,7 @@ class RoundRequest:
         min_group_size: object = 2,
         codec: object = None,
         state_digest: object = None,
+        aggregation: object = None,
         now: float | None = None,
         allow_zero_weight: bool = False,
     ) -> RoundRequest:
@@ -80,6 +86,8 @@ class RoundRequest:
 
         Args:
             now: the ``time.monotonic()`` instant the call started (default: now).
+            aggregation: ``"mean"`` (``None``), ``"centered-clip"`` or ``"trimmed-mean"``,
+                with parameters in the name (``"centered-clip:tau=1.0,iters=5"``).
             allow_zero_weight: accept weight 0 (a member that takes the average without
                 adding to it). In-process callers may; the client API refuses it, since a
                 group whose weights are all 0 has no mean.
@@ -119,6 +127,10 @@ class RoundRequest:
             except ValueError as exc:  # the registry's message lists the known names
                 raise InvalidRequestError(str(exc)) from None
         digest = _as_digest(state_digest)
+        try:  # kept canonical: "centered-clip" and "centered-clip:tau=1.0" are one rule
+            rule = MEAN if aggregation is None else canonical_aggregation(aggregation)
+        except ValueError as exc:  # the message lists the known rules and parameters
+            raise InvalidRequestError(str(exc)) from None
         start = time.monotonic() if now is None else now
         return cls(
             key=key,
@@ -128,6 +140,7 @@ class RoundRequest:
             min_group_size=min_size,
             codec=codec,
             state_digest=digest,
+            aggregation=rule,
         )
 
     def user_data(self, default: bytes) -> bytes:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from swarmavg.averaging.aggregation import MEAN
 from swarmavg.averaging.request import digests_from_user_data
 
 
@@ -39,6 +40,14 @@ class AveragingResult:
         errors: failures of this member's own tasks in the round, each with its cause
             (also logged); a round with any is ``partial``.
         local_callers: training processes of this machine combined into the round.
+        aggregation: the canonical aggregation rule the group ran (its leader's, which
+            every member checked against its own).
+        num_adjusted: inputs the robust rule adjusted, summed over the parts whose result
+            this member received (each part's reducer reports it): copies of a chunk
+            clipped (``centered-clip``) or values dropped (``trimmed-mean``); 0 for the mean.
+        weights_clipped: senders whose weight exceeded the bound (``weight_bound`` times
+            the median), summed over the same parts: one oversized sender counts once
+            per part.
     """
 
     tensors: list[np.ndarray]
@@ -55,6 +64,9 @@ class AveragingResult:
     dropped: dict[int, str] = field(default_factory=dict)
     errors: tuple[str, ...] = ()
     local_callers: int = 1
+    aggregation: str = MEAN
+    num_adjusted: int = 0
+    weights_clipped: int = 0
 
     @property
     def state_digests(self) -> dict[str, bytes]:

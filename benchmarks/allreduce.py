@@ -7,6 +7,13 @@ instant; a round's time is the slowest member's. Then the same processes run glo
 ``all_reduce`` on a tensor of the same size. Prints ONE JSON line.
 
     python benchmarks/allreduce.py --peers 2,4,8 --codecs none,float16,uint8-blockwise
+    python benchmarks/allreduce.py --peers 4,8 --codecs none \
+        --aggregations mean,centered-clip,trimmed-mean
+
+``--aggregations``: the reducers' rules (docs/averaging.md, "Aggregation"), run A/B in one
+process set: every round runs each rule in turn, so a load change hits them all. The
+robust rules do not give the weighted mean of this data (its members differ by design),
+so their ``max_error`` is only reported, not a check.
 
 Data: member ``i`` holds ``base * (1 + i/10) + i`` with weight ``1 + i % 3``; the exact
 weighted mean is then ``a * base + b`` and every worker checks its result against it.
@@ -68,6 +75,7 @@ async def _worker(rank: int, n: int, elements: int, conn: mp.connection.Connecti
     logging.basicConfig(level=os.environ.get("BENCH_LOG", "WARNING"))
     import grpc
 
+    from swarmavg.averaging.aggregation import canonical_aggregation
     from swarmavg.averaging.allreduce.config import AllReduceConfig
     from swarmavg.averaging.allreduce.runner import run_allreduce
     from swarmavg.averaging.allreduce.service import AllReduceService
@@ -139,6 +147,7 @@ async def _worker(rank: int, n: int, elements: int, conn: mp.connection.Connecti
                     members,
                     schema_hash(tensors),
                     command["codec"],
+                    canonical_aggregation(command.get("aggregation", "mean")),
                 )
                 await asyncio.sleep(max(0.0, command["start_at"] - time.monotonic()))
                 start = time.monotonic()
@@ -246,6 +255,7 @@ def bench_group(
     n: int,
     elements: int,
     codecs: list[str],
+    aggregations: list[str],
     chunk_kib: list[int],
     executor_threads: list[int],
     transports: list[str],
@@ -288,62 +298,79 @@ def bench_group(
                         },
                     )
                     members.append([peer_id, address, _recv(c)["data_port"]])
-                times, errors, partial, identical, timings = [], [], False, True, []
-                cpus: list[float] = []
+                runs: dict[str, dict[str, Any]] = {
+                    rule: {"times": [], "errors": [], "partial": False, "identical": True}
+                    | {"timings": [], "cpus": []}
+                    for rule in aggregations
+                }
                 for r in range(rounds + 1):  # round 0 warms up channels and caches
-                    start_at = time.monotonic() + 0.3
-                    group_id = os.urandom(16).hex()
-                    for c in conns:
-                        _send(
-                            c,
-                            {
-                                "op": "round",
-                                "members": members,
-                                "codec": codec,
-                                "group_id": group_id,
-                                "start_at": start_at,
-                            },
-                        )
-                    replies = [_recv(c) for c in conns]
-                    for c in conns:
-                        _send(c, {"op": "check"})
-                    for reply, c in zip(replies, conns, strict=True):
-                        reply.update(_recv(c))
-                    if r == 0:
-                        continue
-                    times.append(max(x["end"] for x in replies) - start_at)
-                    errors.append(max(x["error"] for x in replies))
-                    partial |= any(x["partial"] for x in replies)
-                    identical &= len({x["digest"] for x in replies}) == 1
-                    timings.append(replies[0]["timings"])
-                    cpus.append(sum(x["cpu"] for x in replies))
+                    for rule in aggregations:  # A/B: every rule in every round
+                        run = runs[rule]
+                        start_at = time.monotonic() + 0.3
+                        group_id = os.urandom(16).hex()
+                        for c in conns:
+                            _send(
+                                c,
+                                {
+                                    "op": "round",
+                                    "members": members,
+                                    "codec": codec,
+                                    "aggregation": rule,
+                                    "group_id": group_id,
+                                    "start_at": start_at,
+                                },
+                            )
+                        replies = [_recv(c) for c in conns]
+                        for c in conns:
+                            _send(c, {"op": "check"})
+                        for reply, c in zip(replies, conns, strict=True):
+                            reply.update(_recv(c))
+                        if r == 0:
+                            continue
+                        run["times"].append(max(x["end"] for x in replies) - start_at)
+                        run["errors"].append(max(x["error"] for x in replies))
+                        run["partial"] |= any(x["partial"] for x in replies)
+                        run["identical"] &= len({x["digest"] for x in replies}) == 1
+                        run["timings"].append(replies[0]["timings"])
+                        run["cpus"].append(sum(x["cpu"] for x in replies))
                 if want_profile and profile is not None:
                     os.makedirs(profile, exist_ok=True)
                     path = f"{profile}/allreduce-{n}peers-{codec}-{transport}.prof"
                     _send(conns[0], {"op": "profile-dump", "path": path})
                     _recv(conns[0])
-                seconds = statistics.median(times)
-                results.append(
-                    {
-                        "peers": n,
-                        "codec": codec,
-                        "transport": transport,
-                        "chunk_kib": kib,
-                        "executor_threads": threads,
-                        "seconds_median": round(seconds, 4),
-                        "seconds_all": [round(t, 4) for t in times],
-                        "cpu_seconds_all_peers_median": round(statistics.median(cpus), 4),
-                        "max_error": errors and max(errors),
-                        "partial": partial,
-                        "bit_identical": identical,
-                        "gloo_seconds_median": round(gloo, 4),
-                        "ratio_vs_gloo": round(seconds / gloo, 2),
-                        "rank0_phases_median": {
-                            k: round(statistics.median(t[k] for t in timings), 4)
-                            for k in timings[0]
-                        },
-                    }
-                )
+                mean_seconds = statistics.median(runs[aggregations[0]]["times"])
+                for rule, run in runs.items():
+                    times, timings = run["times"], run["timings"]
+                    seconds = statistics.median(times)
+                    results.append(
+                        {
+                            "peers": n,
+                            "codec": codec,
+                            "aggregation": rule,
+                            "transport": transport,
+                            "chunk_kib": kib,
+                            "executor_threads": threads,
+                            "seconds_median": round(seconds, 4),
+                            "seconds_all": [round(t, 4) for t in times],
+                            "ratio_vs_first_aggregation": round(seconds / mean_seconds, 3),
+                            "ratio_vs_first_per_round": [
+                                round(t / f, 3)
+                                for t, f in zip(times, runs[aggregations[0]]["times"], strict=True)
+                            ],
+                            "cpu_seconds_all_peers_median": round(
+                                statistics.median(run["cpus"]), 4
+                            ),
+                            "max_error": run["errors"] and max(run["errors"]),
+                            "partial": run["partial"],
+                            "bit_identical": run["identical"],
+                            "gloo_seconds_median": round(gloo, 4),
+                            "ratio_vs_gloo": round(seconds / gloo, 2),
+                            "rank0_phases_median": {
+                                k: round(statistics.median(t[k] for t in timings), 4)
+                                for k in timings[0]
+                            },
+                        }
+                    )
     finally:
         for c in conns:
             with contextlib.suppress(BrokenPipeError, OSError):
@@ -360,6 +387,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", default="2,4,8")
     parser.add_argument("--codecs", default="none,float16,uint8-blockwise")
+    parser.add_argument(
+        "--aggregations",
+        default="mean",
+        help="reducer rules, A/B in every round; ratios are against the first",
+    )
     parser.add_argument("--mb", type=float, default=64.0, help="MB of float32 per peer")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--chunk-kib", default="1024", help="encoded chunk target(s), KiB")
@@ -378,6 +410,7 @@ def main() -> int:
             n,
             elements,
             args.codecs.split(","),
+            args.aggregations.split(","),
             [int(x) for x in args.chunk_kib.split(",")],
             [int(x) for x in args.threads.split(",")],
             args.transports.split(","),

@@ -30,6 +30,7 @@ __all__ = [
     "decoder_for",
     "get_codec",
     "known_codecs",
+    "parse_spec",
     "register_codec",
 ]
 
@@ -67,12 +68,24 @@ def known_codecs() -> list[str]:
     return sorted(_factories) + sorted(f"{p}+<codec>" for p in _wrappers)
 
 
-def _parse_params(text: str, spec: str) -> dict[str, int | float | str]:
+def parse_spec(spec: str, what: str = "codec") -> tuple[str, dict[str, int | float | str]]:
+    """Split a ``name:key=value,...`` spec into its name and its parameters.
+
+    Values become ``int`` or ``float`` where they parse as one, else stay strings. Used for
+    codec names and, with the same syntax, for other names with parameters (the
+    averaging layer's aggregation rules).
+
+    Raises:
+        ValueError: a parameter without ``=`` or without a key; the message names ``what``.
+    """
+    base, colon, text = spec.partition(":")
+    if not colon:
+        return base, {}
     params: dict[str, int | float | str] = {}
     for item in text.split(","):
         key, eq, raw = item.partition("=")
         if not eq or not key.strip():
-            raise ValueError(f"bad codec parameter {item!r} in {spec!r}; use name:key=value,...")
+            raise ValueError(f"bad {what} parameter {item!r} in {spec!r}; use name:key=value,...")
         value: int | float | str = raw.strip()
         for convert in (int, float):
             try:
@@ -81,17 +94,17 @@ def _parse_params(text: str, spec: str) -> dict[str, int | float | str]:
             except ValueError:
                 continue
         params[key.strip()] = value
-    return params
+    return base, params
 
 
-def _build(spec: str, full: str) -> Codec | None:
-    base, colon, text = spec.partition(":")
+def _build(spec: str) -> Codec | None:
+    base, colon, _ = spec.partition(":")
     factory = _factories.get(base)
     if factory is None:
         return None
     if not colon:
         return factory()
-    params = _parse_params(text, full)
+    _, params = parse_spec(spec)
     try:
         return factory(**params)
     except TypeError:
@@ -117,11 +130,11 @@ def get_codec(name: str) -> Codec:
     with _lock:
         if plus:
             wrapper = _wrappers.get(prefix)
-            inner_codec = _build(inner, name) if wrapper is not None else None
+            inner_codec = _build(inner) if wrapper is not None else None
             if wrapper is not None and inner_codec is not None:
                 return wrapper(inner_codec)
         else:
-            codec = _build(name, name)
+            codec = _build(name)
             if codec is not None:
                 return codec
     raise ValueError(f"unknown codec {name!r}; known: {', '.join(known_codecs())}")
@@ -166,10 +179,9 @@ def canonical_name(name: str) -> str:
     prefix, plus, inner = name.partition("+")
     if plus:
         return f"{prefix.strip()}+{canonical_name(inner)}"
-    base, colon, text = name.partition(":")
-    if not colon:
+    base, params = parse_spec(name)
+    if not params:
         return base.strip()
-    params = _parse_params(text, name)
     return base.strip() + ":" + ",".join(f"{k}={params[k]!r}" for k in sorted(params))
 
 

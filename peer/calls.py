@@ -54,6 +54,13 @@ class AverageResult:
         state_digests: the state digest each member of the group attached
             (``average(..., state_digest=...)``), peer id hex -> bytes; members that
             attached none are absent. Every member of the group sees the same map.
+        aggregation: the canonical aggregation rule the group ran
+            (``"centered-clip:tau=1.0,iters=5"``, ...).
+        num_adjusted: inputs that rule clipped (centered-clip: senders' copies of a
+            chunk) or trimmed (trimmed-mean: values), summed over the parts this member
+            received; 0 for the mean.
+        weights_clipped: senders' weights the reducers bounded to ``weight_bound``
+            times the median weight, summed over the same parts.
     """
 
     tensors: list[Any]
@@ -65,6 +72,9 @@ class AverageResult:
     timings: dict[str, float] = field(default_factory=dict)
     local_callers: int = 1
     state_digests: dict[str, bytes] = field(default_factory=dict)
+    aggregation: str = "mean"
+    num_adjusted: int = 0
+    weights_clipped: int = 0
 
 
 class PreparedAverage:
@@ -86,6 +96,7 @@ class PreparedAverage:
         codec: str | None,
         segments: shm.SegmentPool | None,
         state_digest: bytes | None = None,
+        aggregation: str | None = None,
         client_id: str = "",
         shm_threshold: int = SHM_THRESHOLD,
     ) -> None:
@@ -103,6 +114,7 @@ class PreparedAverage:
                 min_group_size=min_group_size,
                 codec=codec,
                 state_digest=state_digest,
+                aggregation=aggregation,
             )
         except InvalidRequestError as exc:
             raise ValidationError(str(exc)) from None
@@ -128,6 +140,7 @@ class PreparedAverage:
             client_id=client_id,
             shm_reuse=self.segment is not None and self.segment.daemon_mapped,
             state_digest=request.state_digest,
+            aggregation=request.aggregation,
         )
         self._assembler: TensorAssembler | None = None
         self._done: control_pb2.AverageDone | None = None
@@ -183,6 +196,9 @@ class PreparedAverage:
             timings=dict(done.timings),
             local_callers=done.local_callers,
             state_digests={str(peer): bytes(digest) for peer, digest in done.state_digests.items()},
+            aggregation=done.aggregation or "mean",
+            num_adjusted=done.num_adjusted,
+            weights_clipped=done.weights_clipped,
         )
 
     @property

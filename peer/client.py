@@ -212,12 +212,19 @@ class Client:
         timeout: float = 30.0,
         codec: str | None = None,
         state_digest: bytes | None = None,
+        aggregation: str = "mean",
     ) -> AverageResult:
         """Average ``tensors`` with the peers that use the same ``key``.
 
         ``state_digest`` (at most 64 bytes): a digest of this process's shared state,
         handed to every member of the group; the result's ``state_digests`` holds the
         digest of every member that attached one (docs/peer.md, "State digests").
+
+        ``aggregation``: ``"mean"``, ``"centered-clip"`` or ``"trimmed-mean"``, parameters
+        in the name (``"centered-clip:tau=1.0,iters=5"``, ``"trimmed-mean:trim=0.25"``):
+        robust aggregation for runs that admit strangers (docs/averaging.md,
+        "Aggregation"). Only peers asking for the same rule average together; the
+        result's ``aggregation``, ``num_adjusted`` and ``weights_clipped`` say what ran.
 
         Raises:
             ValidationError: bad input (nothing was sent).
@@ -236,6 +243,7 @@ class Client:
                 codec=codec,
                 segments=self._segments if self._use_shm else None,
                 state_digest=state_digest,
+                aggregation=aggregation,
                 client_id=self._client_id,
             )
             try:
@@ -404,6 +412,7 @@ class AsyncClient:
         timeout: float = 30.0,
         codec: str | None = None,
         state_digest: bytes | None = None,
+        aggregation: str = "mean",
     ) -> AverageResult:
         """Same as :meth:`Client.average`, as a coroutine."""
         for attempt in range(2):
@@ -417,6 +426,7 @@ class AsyncClient:
                 codec=codec,
                 segments=self._segments if self._use_shm else None,
                 state_digest=state_digest,
+                aggregation=aggregation,
                 client_id=self._client_id,
             )
             try:

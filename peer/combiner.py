@@ -119,6 +119,11 @@ class LocalCombiner:
             self._tasks.spawn(self._run(batch), name=f"local-batch:{request.key}")
         else:
             difference = same_layout(batch.members[0].arrays, arrays)
+            if difference is None and batch.members[0].request.aggregation != request.aggregation:
+                difference = (
+                    f"aggregation {request.aggregation!r}, not "
+                    f"{batch.members[0].request.aggregation!r}"
+                )
             if difference is not None:
                 raise ValidationError(
                     f"tensors for key {request.key!r} differ from those another local "

@@ -128,11 +128,15 @@ class AllReduceSettings:
             it on the loop. ``None``: 0 on machines with at most 2 cores, else 2.
         min_stall: seconds without progress after which a sender or reducer counts as
             stalled and is dropped (longer on slow links; see ``AllReduceConfig``).
+        weight_bound: under the mean, a sender's weight counts as at most this many times
+            the median weight of the part's senders (issue 17; the robust aggregation
+            rules bound it by the median).
     """
 
     data_port: int = AllReduceConfig.data_port
     executor_threads: int | None = None
     min_stall: float = AllReduceConfig.min_stall
+    weight_bound: float = AllReduceConfig.weight_bound
 
     def __post_init__(self) -> None:
         _check(
@@ -149,6 +153,7 @@ class AllReduceSettings:
                 "between 0 (on the event loop) and 64",
             )
         _check(0 < self.min_stall <= 600, "min_stall", self.min_stall, "(0, 600] seconds")
+        _check(1 <= self.weight_bound <= 1e6, "weight_bound", self.weight_bound, "in [1, 1e6]")
 
 
 @dataclass(frozen=True)
@@ -283,6 +288,7 @@ class PeerConfig:
         averaging, allreduce, state = self.averaging, self.allreduce, self.state
         allreduce_config = AllReduceConfig(
             min_stall=allreduce.min_stall,
+            weight_bound=allreduce.weight_bound,
             data_plane=allreduce.data_port >= 0,
             data_host=listen_host,
             data_port=max(allreduce.data_port, 0),

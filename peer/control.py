@@ -206,6 +206,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 min_group_size=start.min_group_size,
                 codec=start.codec or None,
                 state_digest=start.state_digest or None,
+                aggregation=start.aggregation or None,
                 now=started,
             )
             dtypes, shapes, _ = layout_from_specs(start.tensors)
@@ -331,4 +332,7 @@ def _done_message(outcome: AveragingResult) -> control_pb2.AverageDone:
         bytes_received=outcome.bytes_received,
         local_callers=outcome.local_callers,
         state_digests=outcome.state_digests,
+        aggregation=outcome.aggregation,
+        num_adjusted=outcome.num_adjusted,
+        weights_clipped=outcome.weights_clipped,
     )

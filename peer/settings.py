@@ -226,6 +226,13 @@ SETTINGS: tuple[Setting, ...] = (
         "SECONDS",
     ),
     Setting(
+        "allreduce",
+        "weight_bound",
+        "under the mean, a sender's weight counts as at most this many times the median "
+        "weight of its part's senders (default 10)",
+        "K",
+    ),
+    Setting(
         "state",
         "max_state_bytes",
         "largest state load_state accepts (default 16 GiB)",

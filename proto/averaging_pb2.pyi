@@ -21,6 +21,7 @@ class JoinCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOIN_REJECT_FULL: _ClassVar[JoinCode]
     JOIN_REJECT_SCHEMA_MISMATCH: _ClassVar[JoinCode]
     JOIN_REJECT_BAD_REQUEST: _ClassVar[JoinCode]
+    JOIN_REJECT_AGGREGATION_MISMATCH: _ClassVar[JoinCode]
 
 class StateCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -39,6 +40,7 @@ JOIN_REJECT_NOT_LEADER: JoinCode
 JOIN_REJECT_FULL: JoinCode
 JOIN_REJECT_SCHEMA_MISMATCH: JoinCode
 JOIN_REJECT_BAD_REQUEST: JoinCode
+JOIN_REJECT_AGGREGATION_MISMATCH: JoinCode
 STATE_CODE_UNSPECIFIED: StateCode
 STATE_OK: StateCode
 STATE_NOT_FOUND: StateCode
@@ -46,7 +48,7 @@ STATE_BAD_REQUEST: StateCode
 STATE_BUSY: StateCode
 
 class JoinRequest(_message.Message):
-    __slots__ = ("header", "key", "schema_hash", "mode", "bandwidth", "user_data", "declared_start", "data_port")
+    __slots__ = ("header", "key", "schema_hash", "mode", "bandwidth", "user_data", "declared_start", "data_port", "aggregation")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +57,7 @@ class JoinRequest(_message.Message):
     USER_DATA_FIELD_NUMBER: _ClassVar[int]
     DECLARED_START_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     header: _common_pb2.RequestHeader
     key: str
     schema_hash: bytes
@@ -63,7 +66,8 @@ class JoinRequest(_message.Message):
     user_data: bytes
     declared_start: float
     data_port: int
-    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., key: _Optional[str] = ..., schema_hash: _Optional[bytes] = ..., mode: _Optional[int] = ..., bandwidth: _Optional[float] = ..., user_data: _Optional[bytes] = ..., declared_start: _Optional[float] = ..., data_port: _Optional[int] = ...) -> None: ...
+    aggregation: str
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., key: _Optional[str] = ..., schema_hash: _Optional[bytes] = ..., mode: _Optional[int] = ..., bandwidth: _Optional[float] = ..., user_data: _Optional[bytes] = ..., declared_start: _Optional[float] = ..., data_port: _Optional[int] = ..., aggregation: _Optional[str] = ...) -> None: ...
 
 class GroupMember(_message.Message):
     __slots__ = ("peer_id", "address", "mode", "bandwidth", "user_data", "data_port")
@@ -82,16 +86,18 @@ class GroupMember(_message.Message):
     def __init__(self, peer_id: _Optional[bytes] = ..., address: _Optional[str] = ..., mode: _Optional[int] = ..., bandwidth: _Optional[float] = ..., user_data: _Optional[bytes] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class GroupDescription(_message.Message):
-    __slots__ = ("group_id", "members", "schema_hash", "codec")
+    __slots__ = ("group_id", "members", "schema_hash", "codec", "aggregation")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_HASH_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     group_id: bytes
     members: _containers.RepeatedCompositeFieldContainer[GroupMember]
     schema_hash: bytes
     codec: str
-    def __init__(self, group_id: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ..., schema_hash: _Optional[bytes] = ..., codec: _Optional[str] = ...) -> None: ...
+    aggregation: str
+    def __init__(self, group_id: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ..., schema_hash: _Optional[bytes] = ..., codec: _Optional[str] = ..., aggregation: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("code", "leader_id", "leader_address", "deadline", "group", "detail", "taken")
@@ -128,14 +134,18 @@ class ReduceRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., group_id: _Optional[bytes] = ..., part_index: _Optional[int] = ..., weight: _Optional[float] = ..., chunk_index: _Optional[int] = ...) -> None: ...
 
 class ReduceResponse(_message.Message):
-    __slots__ = ("chunk", "chunk_index", "num_senders")
+    __slots__ = ("chunk", "chunk_index", "num_senders", "num_adjusted", "weights_clipped")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SENDERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ADJUSTED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_CLIPPED_FIELD_NUMBER: _ClassVar[int]
     chunk: _tensor_pb2.TensorChunk
     chunk_index: int
     num_senders: int
-    def __init__(self, chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., chunk_index: _Optional[int] = ..., num_senders: _Optional[int] = ...) -> None: ...
+    num_adjusted: int
+    weights_clipped: int
+    def __init__(self, chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., chunk_index: _Optional[int] = ..., num_senders: _Optional[int] = ..., num_adjusted: _Optional[int] = ..., weights_clipped: _Optional[int] = ...) -> None: ...
 
 class StateManifest(_message.Message):
     __slots__ = ("root", "version", "chunk_size", "header_chunks", "chunk_hashes", "chunk_sizes")

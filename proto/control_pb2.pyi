@@ -26,7 +26,7 @@ class TensorBytes(_message.Message):
     def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class AverageStart(_message.Message):
-    __slots__ = ("key", "weight", "group_size", "min_group_size", "timeout", "codec", "tensors", "shm_name", "shm_size", "client_id", "shm_reuse", "state_digest")
+    __slots__ = ("key", "weight", "group_size", "min_group_size", "timeout", "codec", "tensors", "shm_name", "shm_size", "client_id", "shm_reuse", "state_digest", "aggregation")
     KEY_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class AverageStart(_message.Message):
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_REUSE_FIELD_NUMBER: _ClassVar[int]
     STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     key: str
     weight: float
     group_size: int
@@ -51,7 +52,8 @@ class AverageStart(_message.Message):
     client_id: str
     shm_reuse: bool
     state_digest: bytes
-    def __init__(self, key: _Optional[str] = ..., weight: _Optional[float] = ..., group_size: _Optional[int] = ..., min_group_size: _Optional[int] = ..., timeout: _Optional[float] = ..., codec: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., client_id: _Optional[str] = ..., shm_reuse: _Optional[bool] = ..., state_digest: _Optional[bytes] = ...) -> None: ...
+    aggregation: str
+    def __init__(self, key: _Optional[str] = ..., weight: _Optional[float] = ..., group_size: _Optional[int] = ..., min_group_size: _Optional[int] = ..., timeout: _Optional[float] = ..., codec: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., client_id: _Optional[str] = ..., shm_reuse: _Optional[bool] = ..., state_digest: _Optional[bytes] = ..., aggregation: _Optional[str] = ...) -> None: ...
 
 class AverageRequest(_message.Message):
     __slots__ = ("start", "data")
@@ -66,7 +68,7 @@ class AverageAccepted(_message.Message):
     def __init__(self) -> None: ...
 
 class AverageDone(_message.Message):
-    __slots__ = ("group_size", "peers", "group_id", "partial", "timings", "bytes_sent", "bytes_received", "local_callers", "codec", "state_digests")
+    __slots__ = ("group_size", "peers", "group_id", "partial", "timings", "bytes_sent", "bytes_received", "local_callers", "codec", "state_digests", "aggregation", "num_adjusted", "weights_clipped")
     class TimingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +93,9 @@ class AverageDone(_message.Message):
     LOCAL_CALLERS_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     STATE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_ADJUSTED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_CLIPPED_FIELD_NUMBER: _ClassVar[int]
     group_size: int
     peers: _containers.RepeatedScalarFieldContainer[str]
     group_id: str
@@ -101,7 +106,10 @@ class AverageDone(_message.Message):
     local_callers: int
     codec: str
     state_digests: _containers.ScalarMap[str, bytes]
-    def __init__(self, group_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., group_id: _Optional[str] = ..., partial: _Optional[bool] = ..., timings: _Optional[_Mapping[str, float]] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., local_callers: _Optional[int] = ..., codec: _Optional[str] = ..., state_digests: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+    aggregation: str
+    num_adjusted: int
+    weights_clipped: int
+    def __init__(self, group_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., group_id: _Optional[str] = ..., partial: _Optional[bool] = ..., timings: _Optional[_Mapping[str, float]] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., local_callers: _Optional[int] = ..., codec: _Optional[str] = ..., state_digests: _Optional[_Mapping[str, bytes]] = ..., aggregation: _Optional[str] = ..., num_adjusted: _Optional[int] = ..., weights_clipped: _Optional[int] = ...) -> None: ...
 
 class AverageResponse(_message.Message):
     __slots__ = ("accepted", "data", "done")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -10,6 +11,7 @@ from swarmavg.averaging.allreduce.partition import (
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
 )
+from swarmavg.averaging.allreduce.reducer import DEFAULT_WEIGHT_BOUND
 
 
 def _default_executor_threads() -> int:
@@ -60,6 +62,9 @@ class AllReduceConfig:
         data_connect_timeout: how long a sender tries to connect to a reducer's data
             plane before it uses gRPC for that reducer (for ``data_retry_after`` seconds).
         data_retry_after: see ``data_connect_timeout``.
+        weight_bound: a sender's weight counts as at most this many times the median
+            weight of the part's senders (issue 17: one member must not dictate the
+            mean); larger weights are clipped to it and counted. >= 1.
     """
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -77,6 +82,7 @@ class AllReduceConfig:
     data_port: int = 0
     data_connect_timeout: float = 1.0
     data_retry_after: float = 300.0
+    weight_bound: float = DEFAULT_WEIGHT_BOUND
 
     def __post_init__(self) -> None:
         if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
@@ -84,6 +90,8 @@ class AllReduceConfig:
         for name in ("min_stall", "stall_factor", "registration_wait", "write_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
+        if not (math.isfinite(self.weight_bound) and self.weight_bound >= 1.0):
+            raise ValueError("weight_bound must be a finite number >= 1")
         if self.finalize_margin < 0:
             raise ValueError("finalize_margin must be >= 0")
         if not 0 <= self.data_port <= 65535:

@@ -1,12 +1,29 @@
-"""Weighted accumulation of one part, chunk by chunk (pure logic of the reducer side).
+"""Combination of one part, chunk by chunk (pure logic of the reducer side).
 
-The reducer of part ``j`` receives every sender's copy of each chunk of part ``j`` and
-keeps ``sum_i w_i x_i`` in a preallocated accumulator (float32, or float64 for float64
-layouts). A chunk is *final* as soon as every sender that is still live has
-delivered it; its average is ``sum w_i x_i / sum w_i`` over the senders that delivered
-that chunk, so a dropped sender's weight is renormalised away only for the chunks it did
-not deliver (docs/averaging.md, "Failures"). When every delivering sender has weight 0, the
-chunk is the plain mean of their copies.
+The reducer of part ``j`` receives every sender's copy of each chunk of part ``j``. A chunk
+is *final* as soon as every sender that is still live has delivered it; its result combines
+the copies of the senders that delivered that chunk, so a dropped sender's weight is
+renormalised away only for the chunks it did not deliver (docs/averaging.md, "Failures").
+
+How copies combine is the group's aggregation rule (:mod:`swarmavg.averaging.aggregation`):
+
+- ``mean`` keeps ``sum_i w_i x_i`` in a preallocated accumulator (float32, or float64 for
+  float64 layouts) as chunks arrive, and the result is ``sum w_i x_i / sum w_i``. When
+  every delivering sender has weight 0, the chunk is the plain mean of their copies.
+- the robust rules (``centered-clip``, ``trimmed-mean``) keep each sender's copy of a chunk
+  until the chunk is final, then combine them (:mod:`~swarmavg.averaging.allreduce.robust`).
+  This holds up to one copy per sender of every chunk not yet final: ``n`` times the
+  part in the worst case, where the mean holds one part.
+
+Weights are bounded relative to the group (issue 17, "bounded member powers"): once every
+sender's weight is known (each sender's first message carries it, before its first
+chunk), a weight above ``weight_bound`` times the median of the senders' positive weights
+is clipped to that bound (the robust rules bound every weight by the median itself, so
+that a minority of members never holds most of the weight), and every weight is rescaled
+to at most 1, so the accumulator adds copies times factors in [0, 1] and no finite weight
+can overflow it. Chunks that
+arrive before the last weight is known wait (the weights' median is not known yet); none
+of them could be final before anyway.
 
 Errors in a contribution raise :class:`ContributionError` before anything is
 accumulated; the caller then drops that sender.
@@ -18,8 +35,18 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from swarmavg.averaging.aggregation import CENTERED_CLIP, Aggregation
 from swarmavg.averaging.allreduce.partition import PartPlan
+from swarmavg.averaging.allreduce.robust import (
+    centered_clip,
+    clip_weights,
+    trimmed_mean,
+    trimmed_values,
+)
 from swarmavg.compression.kernels import all_finite
+
+DEFAULT_WEIGHT_BOUND = 10.0
+"""A sender's weight counts as at most this many times the median weight of its part."""
 
 
 class ContributionError(ValueError):
@@ -27,27 +54,46 @@ class ContributionError(ValueError):
 
 
 class PartReducer:
-    """Accumulates the senders' chunks of one part and finalises chunks in any order.
+    """Combines the senders' chunks of one part and finalises chunks in any order.
 
     Not thread-safe: call it from one thread (the event loop, or one worker at a time).
+    The one exception is :meth:`aggregate` of a final chunk, which reads only that chunk's
+    copies and may run in a worker while the loop adds chunks that are not final.
     """
 
-    def __init__(self, plan: PartPlan, part: int, dtype: np.dtype, senders: Iterable[int]):
-        """Prepare an all-zero accumulator for ``part`` of ``plan``.
+    def __init__(
+        self,
+        plan: PartPlan,
+        part: int,
+        dtype: np.dtype,
+        senders: Iterable[int],
+        aggregation: Aggregation | None = None,
+        weight_bound: float = DEFAULT_WEIGHT_BOUND,
+    ):
+        """Prepare an empty reducer for ``part`` of ``plan``.
 
         Args:
             plan: the round's partition.
             part: which part this reducer owns.
             dtype: reduction dtype (float32 or float64).
             senders: group indices of every member expected to contribute.
+            aggregation: the group's rule; ``None``: the weighted mean.
+            weight_bound: for the mean, weights above this many times the median
+                positive weight of the part's senders are clipped to it (>= 1); the
+                robust rules clip at the median.
         """
         self.plan = plan
         self.part = part
         self.dtype = np.dtype(dtype)
         if self.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
             raise ValueError("reduction dtype must be float32 or float64")
+        if not (np.isfinite(weight_bound) and weight_bound >= 1.0):
+            raise ValueError(f"weight_bound must be finite and >= 1, got {weight_bound}")
+        self.aggregation = aggregation if aggregation is not None else Aggregation()
+        self.weight_bound = float(weight_bound)
         self.num_chunks = plan.num_chunks(part)
-        self._acc = np.zeros(plan.part_size(part), dtype=self.dtype)
+        self._robust = self.aggregation.robust
+        self._acc = np.zeros(0 if self._robust else plan.part_size(part), dtype=self.dtype)
         self._zero_acc: np.ndarray | None = None  # plain sums from weight-0 senders
         self._weight_sum = np.zeros(self.num_chunks, dtype=np.float64)
         self._zero_count = np.zeros(self.num_chunks, dtype=np.int64)
@@ -55,9 +101,15 @@ class PartReducer:
         self._have: dict[int, np.ndarray] = {s: np.zeros(self.num_chunks, bool) for s in senders}
         if not self._have:
             raise ValueError("a part needs at least one sender")
+        self._row = {s: i for i, s in enumerate(sorted(self._have))}
         self._live = set(self._have)
         self._weights: dict[int, float] = {}
+        self._factors: dict[int, float] | None = None  # bounded weights, set once all known
+        self._pending: list[tuple[int, int, np.ndarray]] = []  # chunks before that
+        self._copies: dict[int, np.ndarray] = {}  # robust: chunk -> (senders, size) rows
         self._final = np.zeros(self.num_chunks, dtype=bool)
+        self.weights_clipped = 0
+        """How many senders' weights exceeded the bound (known once weights resolved)."""
 
     @property
     def live_senders(self) -> frozenset[int]:
@@ -75,8 +127,12 @@ class PartReducer:
         """How many chunks ``sender`` delivered so far."""
         return int(self._have[sender].sum())
 
-    def set_weight(self, sender: int, weight: float) -> None:
-        """Record ``sender``'s weight; must precede its first :meth:`add`."""
+    def set_weight(self, sender: int, weight: float) -> list[int]:
+        """Record ``sender``'s weight; must precede its first :meth:`add`.
+
+        Returns chunks that became final (possible once the last weight is known and the
+        chunks that waited for it are combined).
+        """
         if sender not in self._live:
             raise ContributionError(f"member {sender} is not a live sender of this part")
         if sender in self._weights:
@@ -84,6 +140,12 @@ class PartReducer:
         if not (np.isfinite(weight) and weight >= 0.0):
             raise ContributionError(f"weight must be finite and >= 0, got {weight}")
         self._weights[sender] = float(weight)
+        return self._resolve_weights()
+
+    def factor(self, sender: int) -> float | None:
+        """``sender``'s bounded weight relative to the largest (in [0, 1]); ``None`` until
+        every live sender announced its weight."""
+        return None if self._factors is None else self._factors.get(sender)
 
     def check(self, sender: int, chunk: int, values: np.ndarray, *, finite: bool = False) -> None:
         """Raise :class:`ContributionError` unless ``add(sender, chunk, values)`` is valid.
@@ -110,17 +172,34 @@ class PartReducer:
     def add(
         self, sender: int, chunk: int, values: np.ndarray, *, finite: bool = False
     ) -> list[int]:
-        """Accumulate ``sender``'s copy of ``chunk``; return chunks that became final.
+        """Take ``sender``'s copy of ``chunk``; return chunks that became final.
 
         ``finite=True`` skips the NaN/Inf check when the caller already made it (the
-        codec's decoder, for codecs that check their output).
+        codec's decoder, for codecs that check their output). ``values`` is read now or,
+        before every weight is known, kept until then: the caller must not reuse its
+        buffer for other data (decoded chunks are fresh arrays or views of one message).
 
         Raises:
             ContributionError: see :meth:`check`; nothing is accumulated then.
         """
         self.check(sender, chunk, values, finite=finite)
+        self._have[sender][chunk] = True
+        self._delivered[chunk] += 1
+        if self._factors is None:
+            self._pending.append((sender, chunk, values))
+            return []
+        self._take(self._factors[sender], sender, chunk, values)
+        return self._finalise([chunk])
+
+    def _take(self, weight: float, sender: int, chunk: int, values: np.ndarray) -> None:
+        """Accumulate (mean) or keep (robust) one checked copy with its bounded weight."""
+        if self._robust:
+            rows = self._copies.get(chunk)
+            if rows is None:
+                rows = self._copies[chunk] = np.empty((len(self._row), values.size), self.dtype)
+            rows[self._row[sender]] = values
+            return
         start, end = self.plan.chunk_bounds(self.part, chunk)
-        weight = self._weights[sender]
         if weight > 0.0:
             target = self._acc[start:end]
             if self._weight_sum[chunk] == 0.0:
@@ -135,16 +214,28 @@ class PartReducer:
                 self._zero_acc = np.zeros_like(self._acc)
             self._zero_acc[start:end] += values
             self._zero_count[chunk] += 1
-        self._have[sender][chunk] = True
-        self._delivered[chunk] += 1
-        return self._finalise([chunk])
+
+    def _resolve_weights(self) -> list[int]:
+        """Once every live sender announced its weight: bound them, take the waiting chunks."""
+        if self._factors is not None or not self._live <= self._weights.keys():
+            return []
+        # A rule robust to a minority of members must be robust to their weight claims
+        # too: there a weight counts as at most the median, so members above it can
+        # never outweigh the others (with 10 x the median, one member of four holds 10/13).
+        bound = 1.0 if self._robust else self.weight_bound
+        factors, self.weights_clipped = clip_weights(self._weights, bound)
+        self._factors = factors
+        pending, self._pending = self._pending, []
+        for sender, chunk, values in pending:
+            self._take(factors[sender], sender, chunk, values)
+        return self._finalise(range(self.num_chunks))
 
     def drop(self, sender: int) -> list[int]:
         """Stop waiting for ``sender``; return chunks that became final. Idempotent."""
         if sender not in self._live:
             return []
         self._live.discard(sender)
-        return self._finalise(range(self.num_chunks))
+        return self._resolve_weights() or self._finalise(range(self.num_chunks))
 
     def _finalise(self, candidates: Iterable[int]) -> list[int]:
         newly = []
@@ -161,13 +252,25 @@ class PartReducer:
         return int(self._delivered[chunk])
 
     def result(self, chunk: int) -> np.ndarray | None:
-        """The averaged values of a final ``chunk``, or ``None`` when nobody delivered it.
+        """The combined values of a final ``chunk``, or ``None`` when nobody delivered it.
+
+        Raises:
+            ValueError: the chunk is not final yet.
+        """
+        return self.aggregate(chunk)[0]
+
+    def aggregate(self, chunk: int) -> tuple[np.ndarray | None, int]:
+        """The combined values of a final ``chunk`` (``None``: nobody delivered it) and how
+        many inputs the rule adjusted: copies clipped (centered-clip), values dropped
+        (trimmed-mean), 0 for the mean. The robust rules then let the copies go.
 
         Raises:
             ValueError: the chunk is not final yet.
         """
         if not self._final[chunk]:
             raise ValueError(f"chunk {chunk} is not final")
+        if self._robust:
+            return self._aggregate_robust(chunk)
         start, end = self.plan.chunk_bounds(self.part, chunk)
         out: np.ndarray
         if self._weight_sum[chunk] > 0.0:
@@ -175,8 +278,22 @@ class PartReducer:
         elif self._zero_count[chunk] > 0 and self._zero_acc is not None:
             out = self._zero_acc[start:end] / self.dtype.type(self._zero_count[chunk])
         else:
-            return None
-        return out
+            return None, 0
+        return out, 0
+
+    def _aggregate_robust(self, chunk: int) -> tuple[np.ndarray | None, int]:
+        rows = self._copies.pop(chunk, None)
+        if rows is None or self._factors is None:
+            return None, 0
+        senders = [s for s in sorted(self._row) if self._have[s][chunk]]
+        if len(senders) < len(self._row):  # someone was dropped before this chunk
+            rows = rows[[self._row[s] for s in senders]]
+        weights = np.array([self._factors[s] for s in senders], dtype=np.float64)
+        rule = self.aggregation
+        if rule.kind == CENTERED_CLIP:
+            return centered_clip(rows, weights, rule.tau, rule.iters)
+        k = rule.trimmed_per_side(len(senders))
+        return trimmed_mean(rows, weights, k), trimmed_values(len(senders), k, rows.shape[1])
 
 
 def weighted_mean(arrays: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:

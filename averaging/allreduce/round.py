@@ -118,7 +118,13 @@ def decode_checked(codec: Codec, request: Request, size: int) -> tuple[np.ndarra
 
 
 def encode_result(
-    codec: Codec, values: np.ndarray, info: CodecInfo, chunk: int, contributors: int
+    codec: Codec,
+    values: np.ndarray,
+    info: CodecInfo,
+    chunk: int,
+    contributors: int,
+    adjusted: int = 0,
+    weights_clipped: int = 0,
 ) -> tuple[bytes, np.ndarray]:
     """Encode an averaged chunk once; return the reply's wire bytes and its decoded values.
 
@@ -127,7 +133,8 @@ def encode_result(
     """
     # The codec gives the values that decoding its payload gives, without decoding it.
     encoded, decoded = codec.encode_payload_and_values(values, info)
-    return encode_response(encoded, chunk, contributors), decoded
+    response = encode_response(encoded, chunk, contributors, adjusted, weights_clipped)
+    return response, decoded
 
 
 async def offload(executor: ThreadPoolExecutor | None, fn: Callable[..., _T], *args: Any) -> _T:
@@ -166,7 +173,9 @@ class ReducerRound:
         self.deadline = deadline  # time.monotonic()
         self.on_result = on_result
         self.fault_plan = fault_plan
-        self.reducer = PartReducer(plan, my_index, dtype, group.senders)
+        self.reducer = PartReducer(
+            plan, my_index, dtype, group.senders, group.rule, config.weight_bound
+        )
         self.start_time = time.monotonic()
         budget = max(deadline - self.start_time, 0.0)
         self.reduce_deadline = deadline - min(config.finalize_margin, budget / 10)
@@ -175,6 +184,8 @@ class ReducerRound:
         self.bytes_received = 0
         self.bytes_sent = 0
         self.returned = 0
+        self.adjusted = 0
+        """Inputs the robust rule clipped or trimmed, over the chunks returned so far."""
         self._final: asyncio.Queue[int] = asyncio.Queue()
         self._tasks = TaskSet()
         self._progress: dict[int, float] = dict.fromkeys(group.senders, self.start_time)
@@ -223,6 +234,10 @@ class ReducerRound:
 
     # ---- contributions ----
 
+    def set_local_weight(self, weight: float) -> None:
+        """Announce this member's own weight (before :meth:`add_local`)."""
+        self._queue_final(self.reducer.set_weight(self.my_index, weight))
+
     def add_local(self, chunk: int, values: np.ndarray) -> None:
         """Accumulate this member's own (codec round-tripped) copy of ``chunk``."""
         finite = self.codec.decodes_finite
@@ -262,7 +277,7 @@ class ReducerRound:
                 f"sender was dropped from this part: {self.dropped.get(sender, 'not a sender')}",
             )
         try:
-            self.reducer.set_weight(sender, first.weight)
+            self._queue_final(self.reducer.set_weight(sender, first.weight))
         except ContributionError as e:
             self.drop(sender, str(e))
             await abort_stream(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -344,7 +359,7 @@ class ReducerRound:
     # ---- output ----
 
     def _encode_result(
-        self, chunk: int, values: np.ndarray, contributors: int
+        self, chunk: int, values: np.ndarray, contributors: int, adjusted: int
     ) -> tuple[bytes, np.ndarray]:
         start, end = self.plan.bounds[self.my_index]
         chunk_start, chunk_end = self.plan.chunk_bounds(self.my_index, chunk)
@@ -358,7 +373,59 @@ class ReducerRound:
             part_size=end - start,
             reduced=True,
         )
-        return encode_result(self.codec, values, info, chunk, contributors)
+        return encode_result(
+            self.codec,
+            values,
+            info,
+            chunk,
+            contributors,
+            adjusted,
+            self.reducer.weights_clipped,
+        )
+
+    def _combine_and_encode(
+        self, chunk: int, contributors: int
+    ) -> tuple[bytes, np.ndarray | None, int]:
+        """A robust rule's combination of a final chunk, then its encoding (one worker)."""
+        values, adjusted = self.reducer.aggregate(chunk)
+        if values is None:
+            return encode_response(None, chunk, 0), None, 0
+        response, decoded = self._encode_result(chunk, values, contributors, adjusted)
+        return response, decoded, adjusted
+
+    async def _reply_for(self, chunk: int) -> bytes:
+        """The reply bytes of a final chunk; hands its decoded values to ``on_result``."""
+        contributors = self.reducer.contributors(chunk)
+        decoded: np.ndarray | None
+        try:
+            if self.reducer.aggregation.robust:  # heavier than a division: off the loop
+                response, decoded, adjusted = await offload(
+                    self.executor, self._combine_and_encode, chunk, contributors
+                )
+            else:
+                values, adjusted = self.reducer.aggregate(chunk)
+                if values is None:
+                    return encode_response(None, chunk, 0)
+                response, decoded = await offload(
+                    self.executor, self._encode_result, chunk, values, contributors, adjusted
+                )
+        except ValueError as e:
+            # Only copies at the edge of the dtype's range can overflow the combination
+            # (weights are bounded): the senders keep their own values for this chunk
+            # rather than the emitter dying and the part stalling to the deadline.
+            log.warning(
+                "round %s: chunk %d of part %d cannot be encoded, returned empty: %s",
+                self.group.group_id.hex(),
+                chunk,
+                self.my_index,
+                e,
+            )
+            return encode_response(None, chunk, 0)
+        if decoded is None:
+            return response
+        self.adjusted += adjusted
+        self.on_result(chunk, decoded, contributors)
+        return response
 
     async def _emit(self) -> None:
         while self.returned < self.reducer.num_chunks:
@@ -367,15 +434,7 @@ class ReducerRound:
                 raise InjectedFault(f"reducer fails at chunk {self.returned} (fault plan)")
             if self.fault_plan is not None and self.fault_plan.stops_reducing(self.returned):
                 await asyncio.Event().wait()  # stalled reducer: hold every stream open
-            values = self.reducer.result(chunk)
-            contributors = self.reducer.contributors(chunk)
-            if values is None:
-                response = encode_response(None, chunk, 0)
-            else:
-                response, decoded = await offload(
-                    self.executor, self._encode_result, chunk, values, contributors
-                )
-                self.on_result(chunk, decoded, contributors)
+            response = await self._reply_for(chunk)
             limit = self.config.max_reply_backlog
             for stream in self.streams.values():
                 if stream.put_reply(response, limit):

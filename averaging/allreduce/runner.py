@@ -133,6 +133,8 @@ class _Exchange:
         self.result = np.empty(0, dtype=layout.dtype)
         self.received = {j: np.zeros(plan.num_chunks(j), dtype=bool) for j in range(group.size)}
         self.full_chunks = {j: 0 for j in range(group.size)}  # averaged over every sender
+        self.adjusted = {j: 0 for j in range(group.size)}  # inputs clipped/trimmed, per part
+        self.weights_clipped = {j: 0 for j in range(group.size)}  # as each reducer said
         self.crashed = asyncio.Event()
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -368,6 +370,8 @@ class _Exchange:
         self.received[part][chunk] = True
         if reply.num_senders >= len(self.group.senders):
             self.full_chunks[part] += 1
+        self.adjusted[part] += reply.num_adjusted
+        self.weights_clipped[part] = max(self.weights_clipped[part], reply.weights_clipped)
         return True
 
 
@@ -481,7 +485,7 @@ async def run_allreduce(
         service.register(round_)
         round_.start()
         if me.mode.sends:
-            round_.reducer.set_weight(my_index, weight)
+            round_.set_local_weight(weight)
             tasks.add(loop.create_task(ex.contribute_local(round_)))
     if me.mode.sends:
         for part in range(group.size):
@@ -544,6 +548,9 @@ async def run_allreduce(
 
     out = await offload(executor, finish)
     t_done = time.monotonic()
+    if round_ is not None:
+        ex.adjusted[my_index] = round_.adjusted
+        ex.weights_clipped[my_index] = round_.reducer.weights_clipped
     return AveragingResult(
         tensors=out,
         group_size=group.size,
@@ -563,4 +570,7 @@ async def run_allreduce(
         failed_parts=failed,
         dropped=dict(round_.dropped) if round_ is not None else {},
         errors=tuple(errors),
+        aggregation=group.aggregation,
+        num_adjusted=sum(ex.adjusted.values()),
+        weights_clipped=sum(ex.weights_clipped.values()),
     )

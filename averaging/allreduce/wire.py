@@ -35,6 +35,8 @@ _REQUEST_INDEX_FIELD = 6  # ReduceRequest.chunk_index
 _RESPONSE_CHUNK_FIELD = 1  # ReduceResponse.chunk
 _RESPONSE_INDEX_FIELD = 2  # ReduceResponse.chunk_index
 _RESPONSE_SENDERS_FIELD = 3  # ReduceResponse.num_senders
+_RESPONSE_ADJUSTED_FIELD = 4  # ReduceResponse.num_adjusted
+_RESPONSE_WEIGHTS_CLIPPED_FIELD = 5  # ReduceResponse.weights_clipped
 _CHUNK_BUFFER_FIELD = 4  # TensorChunk.buffer
 _CHUNK_TOTAL_BYTES_FIELD = 9  # TensorChunk.total_bytes
 _MAX_FIELDS = 64
@@ -107,13 +109,24 @@ def encode_request(
     return OutgoingChunk((head, payload), len(head) + len(payload))
 
 
-def encode_response(encoded: Encoded | None, chunk_index: int, num_senders: int) -> bytes:
+def encode_response(
+    encoded: Encoded | None,
+    chunk_index: int,
+    num_senders: int,
+    num_adjusted: int = 0,
+    weights_clipped: int = 0,
+) -> bytes:
     """The wire bytes of a ``ReduceResponse`` (one copy of the payload).
 
     ``encoded`` is ``None`` for a chunk that nobody delivered (``num_senders`` 0).
+    ``num_adjusted``: inputs of this chunk the robust aggregation clipped or trimmed;
+    ``weights_clipped``: senders of the part whose weight the reducer bounded.
     """
     head = averaging_pb2.ReduceResponse(
-        chunk_index=chunk_index, num_senders=num_senders
+        chunk_index=chunk_index,
+        num_senders=num_senders,
+        num_adjusted=num_adjusted,
+        weights_clipped=weights_clipped,
     ).SerializeToString()
     if encoded is None:
         return head
@@ -217,6 +230,8 @@ class Reply:
     payload: memoryview | None = None
     nbytes: int = 0
     error: str = ""
+    num_adjusted: int = 0
+    weights_clipped: int = 0
 
 
 def deserialize_reply(data: bytes) -> Reply:
@@ -230,7 +245,7 @@ def deserialize_reply(data: bytes) -> Reply:
 def _parse_reply(data: bytes) -> Reply:
     view = memoryview(data)
     chunk_range: tuple[int, int] | None = None
-    chunk_index = num_senders = 0
+    chunk_index = num_senders = adjusted = weights_clipped = 0
     for field, wire_type, a, b in _fields(view, 0, len(view)):
         if field == _RESPONSE_CHUNK_FIELD and wire_type == _LEN:
             chunk_range = (a, b)
@@ -238,10 +253,22 @@ def _parse_reply(data: bytes) -> Reply:
             chunk_index = a
         elif field == _RESPONSE_SENDERS_FIELD and wire_type == _VARINT:
             num_senders = a
+        elif field == _RESPONSE_ADJUSTED_FIELD and wire_type == _VARINT:
+            adjusted = a
+        elif field == _RESPONSE_WEIGHTS_CLIPPED_FIELD and wire_type == _VARINT:
+            weights_clipped = a
     if chunk_range is None:
-        return Reply(chunk_index, num_senders, nbytes=len(data))
+        return Reply(
+            chunk_index,
+            num_senders,
+            nbytes=len(data),
+            num_adjusted=adjusted,
+            weights_clipped=weights_clipped,
+        )
     header, payload = _parse_chunk(view, *chunk_range)
-    return Reply(chunk_index, num_senders, header, payload, len(data))
+    return Reply(
+        chunk_index, num_senders, header, payload, len(data), "", adjusted, weights_clipped
+    )
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from swarmavg.averaging.aggregation import MEAN, canonical_aggregation
 from swarmavg.averaging.group import MAX_GROUP_SIZE, Mode
 from swarmavg.averaging.matchmaking.declarations import MAX_USER_DATA_BYTES, SCHEMA_HASH_BYTES
 
@@ -78,6 +79,7 @@ class MatchRequest:
         data_port: this peer's data-plane port, advertised to the group (0: none).
         wanted: members the caller expects (a ``group_size`` it gave; 0: none): the
             leader waits for them until ``close_by``, not only for the declared peers.
+        aggregation: canonical aggregation rule; only peers of the same rule group.
         family: rounds of one loop (``step-41``, ``step-42``) share it; a leader expects
             the members of its previous round of the family (default: ``key``).
     """
@@ -95,6 +97,7 @@ class MatchRequest:
     data_port: int = 0
     wanted: int = 0
     family: str = ""
+    aggregation: str = MEAN
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_group_size <= self.group_size <= MAX_GROUP_SIZE:
@@ -106,5 +109,7 @@ class MatchRequest:
             raise ValueError("schema_hash must be 32 bytes")
         if len(self.user_data) > MAX_USER_DATA_BYTES:
             raise ValueError(f"user_data is limited to {MAX_USER_DATA_BYTES} bytes")
+        if canonical_aggregation(self.aggregation) != self.aggregation:
+            raise ValueError(f"aggregation {self.aggregation!r} is not in canonical form")
         if not (self.close_by <= self.give_up_by and math.isfinite(self.give_up_by)):
             raise ValueError("need close_by <= give_up_by, both finite")

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from swarmavg.averaging.aggregation import MAX_AGGREGATION_CHARS, MEAN, canonical_aggregation
 from swarmavg.averaging.group import GroupInfo, Member, Mode
 from swarmavg.dht.records import owner_suffix, subkey_owner
 from swarmavg.proto import averaging_pb2
@@ -46,6 +47,8 @@ class Declaration:
         bandwidth: its reported bandwidth.
         schema_hash: digest of its tensors' shapes and dtypes.
         group_size: the group size it asks for (as a leader, the cap it enforces).
+        aggregation: the canonical aggregation rule it averages with; peers of different
+            rules never group (a robust member must not end up in a mean group).
     """
 
     peer_id: bytes
@@ -57,6 +60,7 @@ class Declaration:
     bandwidth: float
     schema_hash: bytes
     group_size: int
+    aggregation: str = MEAN
 
     @property
     def order(self) -> tuple[float, bytes]:
@@ -80,6 +84,7 @@ class Declaration:
             "bw": self.bandwidth,
             "schema": self.schema_hash,
             "gs": self.group_size,
+            "agg": self.aggregation,
         }
 
 
@@ -112,6 +117,7 @@ def decode_declaration(subkey: object, value: object) -> Declaration | None:
     schema = value.get("schema")
     group_size = value.get("gs")
     mode = value.get("mode")
+    aggregation = _aggregation_or_none(value.get("agg", MEAN))
     start, deadline, give_up, bandwidth = (
         _finite(value.get(k)) for k in ("start", "deadline", "give_up", "bw")
     )
@@ -131,6 +137,7 @@ def decode_declaration(subkey: object, value: object) -> Declaration | None:
         or bandwidth is None
         or bandwidth < 0
         or not start <= deadline <= give_up
+        or aggregation is None
     ):
         return None
     return Declaration(
@@ -143,7 +150,30 @@ def decode_declaration(subkey: object, value: object) -> Declaration | None:
         bandwidth=bandwidth,
         schema_hash=schema,
         group_size=group_size,
+        aggregation=aggregation,
     )
+
+
+def _aggregation_or_none(value: object) -> str | None:
+    """A peer's aggregation field, canonical; ``None`` when it names no rule."""
+    if not isinstance(value, str) or len(value) > MAX_AGGREGATION_CHARS:
+        return None
+    try:
+        return canonical_aggregation(value or MEAN)
+    except ValueError:
+        return None
+
+
+def requested_aggregation(request: averaging_pb2.JoinRequest) -> str:
+    """The canonical rule a would-be follower averages with (empty: ``mean``).
+
+    Raises:
+        ValueError: it names no rule (the leader answers ``JOIN_REJECT_BAD_REQUEST``).
+    """
+    rule = _aggregation_or_none(request.aggregation)
+    if rule is None:
+        raise ValueError(f"unknown aggregation {request.aggregation[:MAX_AGGREGATION_CHARS]!r}")
+    return rule
 
 
 def leader_candidates(
@@ -155,8 +185,8 @@ def leader_candidates(
     """Peers that ``me`` should ask to lead it, best first.
 
     A candidate comes before ``me`` in leader order, can be dialled, has not given up, has
-    the same schema hash and is not in ``excluded``. A client-mode ``me`` cannot lead, so
-    for it every dialable peer qualifies, whatever its start.
+    the same schema hash and aggregation rule, and is not in ``excluded``. A client-mode
+    ``me`` cannot lead, so for it every dialable peer qualifies, whatever its start.
     """
     result = [
         d
@@ -166,6 +196,7 @@ def leader_candidates(
         and d.can_lead
         and d.give_up > now
         and d.schema_hash == me.schema_hash
+        and d.aggregation == me.aggregation
         and (d.order < me.order or not me.can_lead)
     ]
     result.sort(key=lambda d: d.order)
@@ -190,7 +221,11 @@ class JoinState:
 
 
 def decide_join(
-    state: JoinState, follower_order: tuple[float, bytes], follower_can_lead: bool, schema: bytes
+    state: JoinState,
+    follower_order: tuple[float, bytes],
+    follower_can_lead: bool,
+    schema: bytes,
+    aggregation: str = MEAN,
 ) -> averaging_pb2.JoinCode:
     """The leader's answer to a join request; a ``JoinCode`` value.
 
@@ -204,6 +239,8 @@ def decide_join(
         return codes.JOIN_REDIRECT
     if schema != state.me.schema_hash:
         return codes.JOIN_REJECT_SCHEMA_MISMATCH
+    if aggregation != state.me.aggregation:
+        return codes.JOIN_REJECT_AGGREGATION_MISMATCH
     if follower_can_lead and follower_order < state.me.order:
         return codes.JOIN_REJECT_NOT_LEADER
     if not state.me.can_lead:
@@ -230,6 +267,7 @@ def group_to_proto(group: GroupInfo) -> averaging_pb2.GroupDescription:
         ],
         schema_hash=group.schema_hash,
         codec=group.codec,
+        aggregation=group.aggregation,
     )
 
 
@@ -244,6 +282,8 @@ def group_from_proto(message: averaging_pb2.GroupDescription) -> GroupInfo:
         raise ValueError("schema hash must be 32 bytes")
     if not message.codec or len(message.codec) > MAX_CODEC_CHARS:
         raise ValueError("codec name missing or too long")
+    if len(message.aggregation) > MAX_AGGREGATION_CHARS:
+        raise ValueError("aggregation name too long")
     members = []
     for m in message.members:
         if m.mode not in {int(x) for x in Mode}:
@@ -265,6 +305,7 @@ def group_from_proto(message: averaging_pb2.GroupDescription) -> GroupInfo:
         members=tuple(members),
         schema_hash=bytes(message.schema_hash),
         codec=message.codec,
+        aggregation=message.aggregation or MEAN,  # GroupInfo checks it is canonical
     )
 
 
@@ -305,12 +346,14 @@ def check_formed_group(
     schema_hash: bytes,
     mode: Mode,
     user_data: bytes,
+    aggregation: str = MEAN,
 ) -> GroupInfo:
     """Parse the group a leader sent and check it is one we can take part in.
 
     Raises:
-        ValueError: malformed, or without us or the leader, another schema, or our own
-            entry altered.
+        ValueError: malformed, or without us or the leader, another schema, another
+            aggregation rule than ``aggregation`` (a leader must not downgrade a robust
+            member to the mean), or our own entry altered.
     """
     group = group_from_proto(message)
     index = group.index_of(my_id)
@@ -318,6 +361,10 @@ def check_formed_group(
         raise ValueError("the group lacks this peer or its leader")
     if group.schema_hash != schema_hash:
         raise ValueError("the group has another schema hash")
+    if group.aggregation != aggregation:
+        raise ValueError(
+            f"the group runs aggregation {group.aggregation!r}, this peer asked for {aggregation!r}"
+        )
     mine = group.members[index]
     if mine.mode is not mode or mine.user_data != user_data:
         raise ValueError("the leader altered this peer's member entry")

@@ -70,6 +70,7 @@ from swarmavg.averaging.matchmaking.declarations import (
     leader_candidates,
     member_from_join_request,
     mismatched_schemas,
+    requested_aggregation,
 )
 from swarmavg.averaging.stubs import join_group_method
 from swarmavg.dht.channels import ChannelPool
@@ -98,6 +99,7 @@ FINAL_CODES_TEXT = {
     averaging_pb2.JOIN_REJECT_FULL: "group full or closed",
     averaging_pb2.JOIN_REJECT_SCHEMA_MISMATCH: "different tensor schema",
     averaging_pb2.JOIN_REJECT_BAD_REQUEST: "bad request",
+    averaging_pb2.JOIN_REJECT_AGGREGATION_MISMATCH: "different aggregation rule",
 }
 
 
@@ -233,6 +235,7 @@ class Matchmaker:
             bandwidth=request.bandwidth,
             schema_hash=request.schema_hash,
             group_size=request.group_size,
+            aggregation=request.aggregation,
         )
         family = request.family or request.key
         rnd = _Round(
@@ -489,6 +492,7 @@ class Matchmaker:
             user_data=req.user_data,
             declared_start=me.start,
             data_port=req.data_port,
+            aggregation=req.aggregation,
         )
         call = join_group_method(self.channels.channel(target.address))(
             request, timeout=max(0.1, me.give_up - time.time() + 1.0)
@@ -583,7 +587,13 @@ class Matchmaker:
         req = rnd.request
         try:
             return check_formed_group(
-                message, self.peer_id, leader_id, req.schema_hash, req.mode, req.user_data
+                message,
+                self.peer_id,
+                leader_id,
+                req.schema_hash,
+                req.mode,
+                req.user_data,
+                req.aggregation,
             )
         except ValueError as error:
             raise MatchmakingError(f"leader {leader_id.hex()} sent a bad group: {error}") from None
@@ -634,6 +644,7 @@ class Matchmaker:
                 members=tuple(members),
                 schema_hash=req.schema_hash,
                 codec=req.codec,
+                aggregation=req.aggregation,
             )
         except ValueError as error:
             # e.g. only aux members: no one sends. Not a group anyone can use.
@@ -666,6 +677,7 @@ class Matchmaker:
         try:
             peer_id = verify_header(request.header, self.run_id)
             member = member_from_join_request(peer_id, request)
+            aggregation = requested_aggregation(request)
         except (HeaderError, ValueError) as error:
             yield averaging_pb2.JoinResponse(
                 code=averaging_pb2.JOIN_REJECT_BAD_REQUEST,
@@ -720,7 +732,11 @@ class Matchmaker:
         )
         can_lead = member.mode is not Mode.CLIENT and bool(member.address)
         code = decide_join(
-            state, (request.declared_start, peer_id), can_lead, bytes(request.schema_hash)
+            state,
+            (request.declared_start, peer_id),
+            can_lead,
+            bytes(request.schema_hash),
+            aggregation,
         )
         if code == averaging_pb2.JOIN_REDIRECT and rnd.leader is not None:
             yield averaging_pb2.JoinResponse(
@@ -734,6 +750,10 @@ class Matchmaker:
                 detail = (
                     f"schema hash {bytes(request.schema_hash).hex()[:12]} differs from "
                     f"the leader's {rnd.request.schema_hash.hex()[:12]}"
+                )
+            if code == averaging_pb2.JOIN_REJECT_AGGREGATION_MISMATCH:
+                detail = (
+                    f"the leader averages with {rnd.request.aggregation!r}, not {aggregation!r}"
                 )
             yield averaging_pb2.JoinResponse(code=code, leader_id=self.peer_id, detail=detail)
             return

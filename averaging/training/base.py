@@ -67,14 +67,15 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
             records apart from another wrapper's in the same run).
         target_samples: samples the swarm processes per epoch.
         batch_size_per_step: samples behind one ``step()`` call.
-        codec, averaging_timeout, min_group_size, state_timeout: the rounds'
+        codec, aggregation, averaging_timeout, min_group_size, state_timeout: the rounds'
             settings (:class:`~swarmavg.averaging.training.swarm.SwarmLink`).
         progress_ttl: seconds a progress record lives in the DHT.
         publish_state_every: publish the state every this many epochs (0: never).
         peer_id: the daemon's peer id (read from ``client.status()`` when None).
 
     Raises:
-        ValueError: a non-positive batch size or a negative ``publish_state_every``.
+        ValueError: a non-positive batch size, a negative ``publish_state_every``, or an
+            unknown aggregation rule (the message lists the known ones).
     """
 
     KIND: ClassVar[str]
@@ -92,6 +93,7 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         target_samples: int,
         batch_size_per_step: int,
         codec: str | None,
+        aggregation: str,
         averaging_timeout: float,
         min_group_size: int,
         progress_ttl: float,
@@ -117,6 +119,7 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
             client,
             run_id,
             codec=codec,
+            aggregation=aggregation,
             timeout=averaging_timeout,
             min_group_size=min_group_size,
             state_timeout=state_timeout,

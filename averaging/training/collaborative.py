@@ -88,6 +88,10 @@ class CollaborativeOptimizer(SwarmOptimizer):
         average: ``"gradients"`` (accumulate, average gradients, step together) or
             ``"parameters"`` (step locally on every batch, average parameters every epoch).
         codec: codec for the rounds (None: the daemon's default).
+        aggregation: how each round combines the members' tensors: ``"mean"``,
+            ``"centered-clip"`` or ``"trimmed-mean"``, parameters in the name
+            (docs/averaging.md, "Aggregation"); robust rules for runs that admit
+            strangers. A wrong name raises ``ValueError`` here.
         delay_updates: overlap communication with compute: the round of epoch ``e`` runs in
             a background thread while training continues, and its result is applied one
             step late (delayed update), at the first ``step()`` after it finished.
@@ -124,6 +128,7 @@ class CollaborativeOptimizer(SwarmOptimizer):
         average: Literal["gradients", "parameters"] = "gradients",
         codec: str | None = None,
         *,
+        aggregation: str = "mean",
         delay_updates: bool = False,
         averaging_timeout: float = 30.0,
         min_group_size: int = 2,
@@ -149,6 +154,7 @@ class CollaborativeOptimizer(SwarmOptimizer):
             target_samples=target_batch_size,
             batch_size_per_step=batch_size_per_step,
             codec=codec,
+            aggregation=aggregation,
             averaging_timeout=averaging_timeout,
             min_group_size=min_group_size,
             progress_ttl=progress_ttl,

@@ -115,6 +115,10 @@ class DiLoCo(SwarmOptimizer):
         outer_optimizer: builds the outer optimizer from the parameter list (default:
             Nesterov SGD, lr 0.7, momentum 0.9).
         codec: codec for the pseudo-gradient rounds (None: the daemon's default).
+        aggregation: how each round combines the members' tensors: ``"mean"``,
+            ``"centered-clip"`` or ``"trimmed-mean"``, parameters in the name
+            (docs/averaging.md, "Aggregation"); robust rules for runs that admit
+            strangers. A wrong name raises ``ValueError`` here.
         averaging_timeout, min_group_size, progress_ttl, publish_state_every,
         load_state_on_start, state_timeout, peer_id: as for ``CollaborativeOptimizer``.
 
@@ -136,6 +140,7 @@ class DiLoCo(SwarmOptimizer):
         outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
         codec: str | None = None,
         *,
+        aggregation: str = "mean",
         averaging_timeout: float = 60.0,
         min_group_size: int = 2,
         progress_ttl: float = 60.0,
@@ -155,6 +160,7 @@ class DiLoCo(SwarmOptimizer):
             target_samples=local_steps * batch_size_per_step,
             batch_size_per_step=batch_size_per_step,
             codec=codec,
+            aggregation=aggregation,
             averaging_timeout=averaging_timeout,
             min_group_size=min_group_size,
             progress_ttl=progress_ttl,

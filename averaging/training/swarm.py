@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from swarmavg.averaging.aggregation import MEAN, canonical_aggregation
 from swarmavg.averaging.errors import (
     AveragingError,
     InvalidTensorsError,
@@ -69,6 +70,7 @@ class SwarmClient(Protocol):
         timeout: float = 30.0,
         codec: str | None = None,
         state_digest: bytes | None = None,
+        aggregation: str = "mean",
     ) -> RoundResultLike: ...
 
     def publish_state(self, tensors: Sequence[Any], metadata: Any) -> Any: ...
@@ -155,6 +157,9 @@ class SwarmLink:
         client: a connected client (``swarmavg.peer.connect()``).
         run_id: the training run; every key it averages under starts with it.
         codec: codec name for every round (None: the daemon's default).
+        aggregation: aggregation rule of every round (``"mean"``, ``"centered-clip"``,
+            ``"trimmed-mean"``, parameters in the name); checked here, so that a wrong
+            name fails when the wrapper is built rather than at its first round.
         timeout: seconds one round may take, matchmaking included.
         min_group_size: fewer peers than this make a round fail (then the step is local).
         state_timeout: seconds ``load_state`` may take.
@@ -169,7 +174,9 @@ class SwarmLink:
         timeout: float,
         min_group_size: int,
         state_timeout: float,
+        aggregation: str = MEAN,
     ) -> None:
+        self.aggregation = canonical_aggregation(aggregation)  # ValueError listing the rules
         if timeout <= 0 or state_timeout <= 0:
             raise ValueError("timeouts must be positive")
         if min_group_size < 1:
@@ -218,6 +225,8 @@ class SwarmLink:
             )
             group_size = MAX_GROUP_SIZE
         options: dict[str, Any] = {} if state_digest is None else {"state_digest": state_digest}
+        if self.aggregation != MEAN:
+            options["aggregation"] = self.aggregation
         try:
             result = self.client.average(
                 arrays,

@@ -1,0 +1,234 @@
+"""Robust combination of the senders' copies of one chunk (pure numpy, no I/O).
+
+The reducer of a part calls these once every sender's copy of a chunk arrived
+(:mod:`~swarmavg.averaging.allreduce.reducer`), with the copies stacked as the rows of
+one ``(n, m)`` array in the reduction dtype (float32, or float64 for float64 layouts)
+and the senders' weights. Everything is vectorised over the chunk's ``m`` coordinates;
+the loops run over senders or iterations only. The rules and their parameters:
+:mod:`swarmavg.averaging.aggregation`.
+
+Sorting each coordinate's ``n`` copies is the costly step (``np.sort`` along the short
+axis is about 50x a sum for ``n = 4``), so equal weights, the common case, go through a
+sorting network of elementwise ``minimum``/``maximum`` instead (Batcher's odd-even merge
+sort, Knuth TAOCP vol. 3, 5.3.4); with unequal weights the network carries each value's
+weight along.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+__all__ = ["centered_clip", "sorted_copies", "trimmed_mean", "weighted_median"]
+
+_NETWORK_MAX = 32
+"""Above this many senders ``np.sort`` beats the network's ~n log^2 n passes."""
+
+
+@functools.cache
+def _batcher_pairs(n: int) -> tuple[tuple[int, int], ...]:
+    """Comparators of Batcher's odd-even merge sort for ``n`` inputs (``i < j``).
+
+    Built for the next power of two; a comparator touching an index ``>= n`` would compare
+    with a +inf pad and change nothing, so it is left out.
+    """
+    size = 1 << max(n - 1, 0).bit_length()
+    pairs = []
+    p = 1
+    while p < size:
+        k = p
+        while k >= 1:
+            for j in range(k % p, size - k, 2 * k):
+                for i in range(min(k, size - j - k)):
+                    if (i + j) // (2 * p) == (i + j + k) // (2 * p) and i + j + k < n:
+                        pairs.append((i + j, i + j + k))
+            k //= 2
+        p *= 2
+    return tuple(pairs)
+
+
+def sorted_copies(stack: np.ndarray) -> np.ndarray:
+    """A new array: each column of ``stack`` (``(n, m)``) sorted ascending."""
+    n = stack.shape[0]
+    if n > _NETWORK_MAX:
+        return np.sort(stack, axis=0)
+    out = stack.copy()
+    low = np.empty_like(out[0])
+    for i, j in _batcher_pairs(n):
+        np.minimum(out[i], out[j], out=low)
+        np.maximum(out[i], out[j], out=out[j])
+        out[i] = low
+    return out
+
+
+def _sorted_with_weights(stack: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each column of ``stack`` sorted, with the weight of each value carried along (the
+    network's compare-exchanges move weights with values); argsort above the network."""
+    n = stack.shape[0]
+    if n > _NETWORK_MAX:
+        order = np.argsort(stack, axis=0, kind="stable")
+        return np.take_along_axis(stack, order, axis=0), weights[order].astype(stack.dtype)
+    values = stack.copy()
+    carried = np.repeat(weights.astype(stack.dtype)[:, None], stack.shape[1], axis=1)
+    low = np.empty_like(values[0])
+    swap = np.empty(stack.shape[1], dtype=bool)
+    for i, j in _batcher_pairs(n):
+        np.greater(values[i], values[j], out=swap)
+        np.minimum(values[i], values[j], out=low)
+        np.maximum(values[i], values[j], out=values[j])
+        values[i] = low
+        w_i = carried[i].copy()
+        np.copyto(carried[i], carried[j], where=swap)
+        np.copyto(carried[j], w_i, where=swap)
+    return values, carried
+
+
+def _equal(weights: np.ndarray) -> bool:
+    return bool(np.all(weights == weights[0]))
+
+
+def _effective(weights: np.ndarray) -> np.ndarray:
+    """The weights as float64; all zero (no one asked for influence) counts as equal."""
+    w = np.asarray(weights, dtype=np.float64)
+    return np.ones_like(w) if not np.any(w > 0) else w
+
+
+def weighted_median(stack: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Per column of ``stack`` (``(n, m)``), the weighted median of its ``n`` values.
+
+    The value at which the cumulative weight crosses half the total; when it reaches
+    exactly half at a value, the midpoint of that value and the next (so equal weights
+    give ``np.median``). Zero-weight rows count only when every weight is zero.
+    """
+    w = _effective(weights)
+    n = stack.shape[0]
+    if _equal(w):
+        ordered = sorted_copies(stack)
+        lower, upper = ordered[(n - 1) // 2], ordered[n // 2]
+    else:
+        ordered, carried = _sorted_with_weights(stack, w)
+        half = w.sum() / 2
+        lower, upper = np.empty_like(ordered[0]), np.empty_like(ordered[0])
+        cumulative = np.zeros(stack.shape[1], dtype=np.float64)
+        found_lower = np.zeros(stack.shape[1], dtype=bool)
+        found_upper = np.zeros(stack.shape[1], dtype=bool)
+        for row in range(n):  # the first value at which the half is reached / passed
+            cumulative += carried[row]
+            at_lower = ~found_lower & (cumulative >= half * (1 - 1e-12))
+            at_upper = ~found_upper & (cumulative > half * (1 + 1e-12))
+            np.copyto(lower, ordered[row], where=at_lower)
+            np.copyto(upper, ordered[row], where=at_upper)
+            found_lower |= at_lower
+            found_upper |= at_upper
+    out: np.ndarray = lower + (upper - lower) * stack.dtype.type(0.5)
+    return out
+
+
+def centered_clip(
+    stack: np.ndarray, weights: np.ndarray, tau: float, iters: int
+) -> tuple[np.ndarray, int]:
+    """CenteredClip of the rows of ``stack`` (``(n, m)``) with weights ``weights``.
+
+    Starting from the coordinate-wise median ``v``, iterate
+    ``v <- v + sum_i w_i clip(x_i - v) / sum_i w_i``, where ``clip(d)`` scales ``d`` to a
+    norm of at most ``r = tau * median_i ||x_i - v_0||`` (Gorbunov et al. 2022, BTARD,
+    algorithm "CenteredClip"; the radius is relative, see
+    :mod:`swarmavg.averaging.aggregation`). At most ``iters`` iterations; it stops early
+    when the estimate came from an iteration that clipped nothing and clips nothing
+    itself, since it is then the weighted mean and a fixed point.
+
+    Every iterate is ``v_0 + sum_i a_i (x_i - v_0)``, so the iterations run on the
+    coefficients ``a`` and the Gram matrix of the ``x_i - v_0`` (float64): one pass over
+    the copies for the Gram matrix and one for the result, whatever ``iters`` is.
+
+    Returns:
+        The combined row (``stack``'s dtype) and how many rows the last iteration clipped.
+    """
+    w = _effective(weights)
+    total = w.sum()
+    positive = w > 0
+    # The start only has to be robust, not weighted: the plain median is as robust (the
+    # weights are bounded by their median, issue 17) and the fixed point of the
+    # iteration, which carries the weights, does not depend on it; sorting without
+    # weights costs a third.
+    start = weighted_median(stack, np.ones_like(w))
+    diff = stack - start
+    with np.errstate(over="ignore", invalid="ignore"):
+        gram = np.einsum("ij,kj->ik", diff, diff, dtype=np.float64)
+    unit = 1.0
+    if not np.isfinite(gram).all():  # copies near the dtype's range: work in units of the largest
+        unit = float(np.abs(diff).max())
+        gram = np.einsum("ij,kj->ik", diff / unit, diff / unit, dtype=np.float64)
+    norms = np.diag(gram).copy()
+    radius = tau * float(np.median(np.sqrt(np.maximum(norms[positive], 0.0))))
+    a = np.zeros(len(w))
+    clipped = 0
+    previous_clipped = -1
+    for _ in range(iters):
+        # ||d_j - u||^2 with u = sum_i a_i d_i: ||d_j||^2 - 2 (G a)_j + a^T G a
+        ga = gram @ a
+        distances = np.sqrt(np.maximum(norms - 2 * ga + a @ ga, 0.0))
+        outside = distances > radius
+        clipped_now = int(np.count_nonzero(outside & positive))
+        if clipped_now == 0 and previous_clipped == 0:
+            break  # the estimate is the weighted mean and nothing is clipped at it
+        scale = np.ones_like(distances)
+        np.divide(radius, distances, out=scale, where=outside)
+        c = w * scale / total
+        a = a * (1.0 - c.sum()) + c  # u <- u + sum_i c_i (d_i - u)
+        clipped = previous_clipped = clipped_now
+    out: np.ndarray = start + np.einsum("i,ij->j", a.astype(stack.dtype), diff)
+    return out, clipped
+
+
+def trimmed_mean(stack: np.ndarray, weights: np.ndarray, trim_per_side: int) -> np.ndarray:
+    """Per column of ``stack`` (``(n, m)``): drop the ``trim_per_side`` smallest and
+    largest values, then the weighted mean of the rest (plain mean where their weights
+    are all zero).
+
+    Raises:
+        ValueError: ``2 * trim_per_side >= n`` (nothing would be left).
+    """
+    n = stack.shape[0]
+    k = trim_per_side
+    if not 0 <= 2 * k < n:
+        raise ValueError(f"cannot trim {k} per side of {n} values")
+    w = _effective(weights)
+    dtype = stack.dtype.type
+    if _equal(w):
+        middle = sorted_copies(stack)[k : n - k] if k else stack
+        out: np.ndarray = middle.sum(axis=0, dtype=stack.dtype) / dtype(n - 2 * k)
+        return out
+    ordered, carried = _sorted_with_weights(stack, w)
+    kept, kept_weights = ordered[k : n - k], carried[k : n - k]
+    total = kept_weights.sum(axis=0)
+    weighted = np.einsum("ij,ij->j", kept, kept_weights)
+    plain = kept.mean(axis=0)
+    combined: np.ndarray = np.where(
+        total > 0, weighted / np.where(total > 0, total, dtype(1)), plain
+    )
+    return combined
+
+
+def trimmed_values(senders: int, trim_per_side: int, size: int) -> int:
+    """How many values the trimmed mean drops from a chunk of ``size`` coordinates."""
+    return 2 * trim_per_side * size if senders > 2 * trim_per_side else 0
+
+
+def clip_weights(weights: dict[int, float], bound_factor: float) -> tuple[dict[int, float], int]:
+    """Bound each weight by ``bound_factor`` times the median of the positive weights.
+
+    Returns the clipped weights rescaled to a maximum of 1 (so that the reducer's
+    accumulator sums copies times factors in [0, 1] and a weight of 1e300 cannot overflow
+    it), and how many weights were clipped. Zero weights stay zero; ratios between the
+    unclipped weights are kept exactly.
+    """
+    positive = [w for w in weights.values() if w > 0]
+    if not positive:
+        return dict(weights), 0
+    bound = bound_factor * float(np.median(positive))
+    clipped = {s: min(w, bound) for s, w in weights.items()}
+    count = sum(1 for s, w in weights.items() if w > bound)
+    top = max(clipped.values())  # > 0: some weight is positive, and all are finite
+    return {s: (w / top if w > 0 else 0.0) for s, w in clipped.items()}, count

@@ -1,0 +1,237 @@
+"""Robust aggregation rules: names, the two aggregators' math, weight bounds, the reducer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from swarmavg.averaging.aggregation import Aggregation, parse_aggregation
+from swarmavg.averaging.allreduce.partition import PartPlan
+from swarmavg.averaging.allreduce.reducer import PartReducer, weighted_mean
+from swarmavg.averaging.allreduce.robust import (
+    centered_clip,
+    clip_weights,
+    sorted_copies,
+    trimmed_mean,
+    weighted_median,
+)
+from swarmavg.averaging.errors import InvalidRequestError
+from swarmavg.averaging.request import RoundRequest
+
+pytestmark = pytest.mark.timeout(30)
+
+
+# ---- names ----
+
+
+@pytest.mark.parametrize(
+    ("spec", "name"),
+    [
+        ("mean", "mean"),
+        ("centered-clip", "centered-clip:tau=1.0,iters=5"),
+        ("centered-clip:iters=3,tau=1", "centered-clip:tau=1.0,iters=3"),
+        ("centered-clip:tau=0.5", "centered-clip:tau=0.5,iters=5"),
+        ("trimmed-mean", "trimmed-mean:trim=0.25"),
+        ("trimmed-mean:trim=0.1", "trimmed-mean:trim=0.1"),
+    ],
+)
+def test_names_are_canonical(spec: str, name: str) -> None:
+    rule = parse_aggregation(spec)
+    assert rule.name == name
+    assert parse_aggregation(rule.name) == rule
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("median", "known: mean, centered-clip \\(tau, iters\\), trimmed-mean \\(trim\\)"),
+        ("centered-clip:tau=0", "tau must be"),
+        ("centered-clip:tau=inf", "tau must be"),
+        ("centered-clip:iters=0", "iters must be"),
+        ("centered-clip:iters=2.5", "iters must be an integer"),
+        ("centered-clip:trim=0.1", "takes tau, iters, not trim"),
+        ("trimmed-mean:trim=0.5", "trim must be in"),
+        ("trimmed-mean:trim=-0.1", "trim must be in"),
+        ("trimmed-mean:trim=abc", "not a number"),
+        ("trimmed-mean:0.2", "bad aggregation parameter"),
+        ("mean:x=1", "takes no parameters"),
+        ("", "aggregation must be a name"),
+    ],
+)
+def test_bad_names_raise_value_error(spec: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_aggregation(spec)
+    with pytest.raises(InvalidRequestError, match=match):
+        RoundRequest.build(key="k", aggregation=spec)
+
+
+def test_round_request_keeps_the_canonical_name() -> None:
+    assert RoundRequest.build(key="k").aggregation == "mean"
+    request = RoundRequest.build(key="k", aggregation="trimmed-mean")
+    assert request.aggregation == "trimmed-mean:trim=0.25"
+    with pytest.raises(InvalidRequestError):
+        RoundRequest.build(key="k", aggregation=3)
+
+
+# ---- the math ----
+
+
+def _rng() -> np.random.Generator:
+    return np.random.default_rng(7)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 13, 16, 33])
+def test_sorting_network_and_median_match_numpy(n: int) -> None:
+    stack = _rng().standard_normal((n, 257)).astype(np.float32)
+    np.testing.assert_array_equal(sorted_copies(stack), np.sort(stack, axis=0))
+    expected = np.median(stack, axis=0)
+    np.testing.assert_allclose(weighted_median(stack, np.ones(n)), expected, atol=1e-6)
+
+
+def test_weighted_median_known_answers() -> None:
+    stack = np.array([[1.0], [2.0], [3.0], [10.0]], dtype=np.float32)
+    assert weighted_median(stack, np.array([1.0, 1.0, 1.0, 1.0]))[0] == 2.5
+    assert weighted_median(stack, np.array([1.0, 1.0, 1.0, 5.0]))[0] == 10.0
+    assert weighted_median(stack, np.array([3.0, 1.0, 1.0, 1.0]))[0] == 1.5  # half reached at 1
+    assert weighted_median(stack, np.zeros(4))[0] == 2.5  # all zero: as if equal
+
+
+def test_trimmed_mean_known_answers_and_weights() -> None:
+    stack = np.array([[1.0, -5.0], [2.0, 0.0], [3.0, 1.0], [100.0, 2.0]], dtype=np.float32)
+    np.testing.assert_allclose(trimmed_mean(stack, np.ones(4), 1), [2.5, 0.5])
+    np.testing.assert_allclose(trimmed_mean(stack, np.ones(4), 0), stack.mean(axis=0))
+    # weights apply to the kept values: column 0 keeps 2 (w=3) and 3 (w=1)
+    weights = np.array([1.0, 3.0, 1.0, 1.0])
+    np.testing.assert_allclose(trimmed_mean(stack, weights, 1), [(2 * 3 + 3) / 4, (0 * 3 + 1) / 4])
+    with pytest.raises(ValueError, match="cannot trim"):
+        trimmed_mean(stack, np.ones(4), 2)
+
+
+def test_centered_clip_is_the_mean_without_outliers() -> None:
+    stack = _rng().standard_normal((6, 1000)).astype(np.float32)
+    weights = np.array([1.0, 2.0, 1.0, 0.5, 1.0, 1.5])
+    out, clipped = centered_clip(stack, weights, tau=2.0, iters=5)
+    assert clipped == 0
+    np.testing.assert_allclose(out, weighted_mean(list(stack), list(weights)), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_an_outlier_is_bounded(dtype: type) -> None:
+    honest = _rng().standard_normal((3, 4096)).astype(dtype)
+    for scale in (1e3, 1e30 if dtype is np.float32 else 1e200):
+        attacker = np.full((1, 4096), scale, dtype=dtype)
+        stack = np.concatenate([honest, attacker])
+        honest_mean = honest.astype(np.float64).mean(axis=0)
+        spread = np.linalg.norm(honest - honest_mean, axis=1).max()
+        out, clipped = centered_clip(stack, np.ones(4), tau=2.0, iters=5)
+        assert out.dtype == dtype
+        assert np.isfinite(out).all()
+        assert clipped == 1
+        # the attacker moves the estimate by at most its weight share of the radius
+        # (2 x a median distance from the median, itself within the honest spread)
+        assert np.linalg.norm(out - honest_mean) <= 2 * spread
+        trimmed = trimmed_mean(stack, np.ones(4), 1)
+        assert trimmed.dtype == dtype
+        assert np.abs(trimmed - honest_mean).max() <= np.abs(honest - honest_mean).max()
+
+
+def test_centered_clip_respects_weights() -> None:
+    # two clusters, far apart: the heavier one wins whichever the order
+    a = np.zeros((2, 64), np.float32)
+    b = np.full((2, 64), 100.0, np.float32)
+    stack = np.concatenate([a, b])
+    out, _ = centered_clip(stack, np.array([5.0, 5.0, 1.0, 1.0]), tau=1.0, iters=20)
+    assert np.abs(out).max() < 20.0
+    out, _ = centered_clip(stack, np.array([1.0, 1.0, 5.0, 5.0]), tau=1.0, iters=20)
+    assert np.abs(out - 100.0).max() < 20.0
+
+
+def test_identical_copies_give_themselves() -> None:
+    stack = np.tile(np.arange(10, dtype=np.float32), (4, 1))
+    out, clipped = centered_clip(stack, np.ones(4), 2.0, 5)
+    np.testing.assert_array_equal(out, stack[0])
+    assert clipped == 0
+    np.testing.assert_array_equal(trimmed_mean(stack, np.ones(4), 1), stack[0])
+
+
+def test_clip_weights_bounds_relative_to_the_median() -> None:
+    factors, clipped = clip_weights({0: 1.0, 1: 1.0, 2: 2.0, 3: 1e300}, 10.0)
+    assert clipped == 1  # 1e300 counts as 10 x the median weight 1.5
+    assert factors == pytest.approx({0: 1 / 15, 1: 1 / 15, 2: 2 / 15, 3: 1.0})
+    factors, clipped = clip_weights({0: 1.0, 1: 3.0, 2: 0.0}, 10.0)
+    assert clipped == 0
+    assert factors == {0: 1 / 3, 1: 1.0, 2: 0.0}
+    assert clip_weights({0: 0.0, 1: 0.0}, 10.0) == ({0: 0.0, 1: 0.0}, 0)
+
+
+# ---- the reducer ----
+
+
+def _reducer(rule: str, senders: int = 4, size: int = 12, chunk: int = 4) -> PartReducer:
+    plan = PartPlan.build([size], chunk)
+    return PartReducer(
+        plan, 0, np.dtype(np.float32), range(senders), parse_aggregation(rule), weight_bound=10.0
+    )
+
+
+@pytest.mark.parametrize("rule", ["mean", "centered-clip", "trimmed-mean"])
+def test_reducer_waits_for_every_weight_and_bounds_a_huge_one(rule: str) -> None:
+    reducer = _reducer(rule)
+    values = [np.full(12, float(i), np.float32) for i in range(3)] + [np.full(12, 50.0, np.float32)]
+    assert reducer.set_weight(0, 1.0) == []
+    assert reducer.add(0, 0, values[0][:4]) == []  # waits: other weights unknown
+    for s, w in ((1, 1.0), (2, 1.0)):
+        assert reducer.set_weight(s, w) == []
+    assert reducer.factor(0) is None
+    for s in range(1, 3):
+        reducer.add(s, 0, values[s][:4])
+    assert reducer.set_weight(3, 1e300) == []  # resolves; chunk 0 still misses sender 3
+    assert reducer.weights_clipped == 1
+    # the mean bounds at 10 x the median, the robust rules at the median
+    assert reducer.factor(3) == 1.0
+    assert reducer.factor(0) == pytest.approx(0.1 if rule == "mean" else 1.0)
+    assert reducer.add(3, 0, values[3][:4]) == [0]
+    out, adjusted = reducer.aggregate(0)
+    assert out is not None
+    assert np.isfinite(out).all()
+    if rule == "mean":  # bounded influence: weight 10 against 3 x 1
+        np.testing.assert_allclose(out, (0 + 1 + 2 + 10 * 50) / 13, rtol=1e-6)
+        assert adjusted == 0
+    elif rule == "trimmed-mean":
+        np.testing.assert_allclose(out, 1.5)  # the middle two of 0, 1, 2, 50
+        assert adjusted == 2 * 4
+    else:  # radius: the median distance (2) from the median (1.5); 0 and 50 are clipped
+        assert adjusted == 2
+        assert np.abs(out - 1.0).max() < 3.0
+
+
+@pytest.mark.parametrize("rule", ["centered-clip", "trimmed-mean"])
+def test_reducer_renormalises_a_dropped_sender(rule: str) -> None:
+    reducer = _reducer(rule, senders=5, size=8)
+    for s in range(5):
+        reducer.set_weight(s, 1.0)
+    for s in range(5):
+        reducer.add(s, 0, np.full(4, float(s), np.float32))
+    for s in range(4):
+        reducer.add(s, 1, np.full(4, float(s), np.float32))
+    assert reducer.drop(4) == [1]
+    out, _ = reducer.aggregate(1)  # four copies 0..3: symmetric, the answer is 1.5
+    np.testing.assert_allclose(out, 1.5)  # type: ignore[arg-type]
+    out, _ = reducer.aggregate(0)
+    np.testing.assert_allclose(out, 2.0)  # type: ignore[arg-type]
+
+
+def test_reducer_keeps_copies_not_views() -> None:
+    reducer = _reducer("trimmed-mean", senders=2, size=4)
+    buffer = np.ones(4, np.float32)
+    for s in range(2):
+        reducer.set_weight(s, 1.0)
+    reducer.add(0, 0, buffer)
+    buffer[:] = 7.0  # a reused receive buffer must not change what was taken
+    reducer.add(1, 0, np.ones(4, np.float32))
+    np.testing.assert_array_equal(reducer.result(0), np.ones(4, np.float32))
+
+
+def test_default_rule_is_the_mean() -> None:
+    assert Aggregation().name == "mean"
+    assert not Aggregation().robust
