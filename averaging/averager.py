@@ -209,7 +209,7 @@ class Averager:
         matchmaker = Matchmaker(
             self.dht, self.run_id, address, self._channels, self.config.matchmaker, self._observer
         )
-        allreduce = AllReduceService(self.run_id, self.config.allreduce)
+        allreduce = AllReduceService(self.dht.authenticator, self.config.allreduce)
         if address is not None and self.config.mode.reduces:
             await allreduce.start_data_plane(self.config.allreduce.data_host or split_host(address))
         sharer = StateSharer(
@@ -334,7 +334,7 @@ class Averager:
                     deadline=request.deadline,
                     service=allreduce,
                     channels=self._channels_or_fail(),
-                    header=self.dht.make_header(),
+                    signer=self.dht.signer,
                     fault_plan=self._fault_plan,
                     checked=True,
                 )

@@ -71,9 +71,10 @@ from swarmavg.averaging.matchmaking.declarations import (
     member_from_join_request,
     mismatched_schemas,
 )
-from swarmavg.averaging.stubs import join_group_method
+from swarmavg.averaging.stubs import JOIN_GROUP, join_group_method
+from swarmavg.dht.auth import AuthenticationError, message_digest
 from swarmavg.dht.channels import ChannelPool
-from swarmavg.dht.identity import HeaderError, verify_header
+from swarmavg.dht.identity import HeaderError
 from swarmavg.proto import averaging_pb2
 
 log = logging.getLogger(__name__)
@@ -481,7 +482,6 @@ class Matchmaker:
         req, me = rnd.request, rnd.me
         forever = math.inf
         request = averaging_pb2.JoinRequest(
-            header=self.dht.make_header(),
             key=req.key,
             schema_hash=req.schema_hash,
             mode=int(req.mode),
@@ -489,6 +489,11 @@ class Matchmaker:
             user_data=req.user_data,
             declared_start=me.start,
             data_port=req.data_port,
+        )
+        # Signed for the leader we dial (its id is in its declaration): nobody else can
+        # replay this request, and nobody can send one in our name.
+        request.header.CopyFrom(
+            self.dht.signer.sign(target.peer_id, JOIN_GROUP, message_digest(request))
         )
         call = join_group_method(self.channels.channel(target.address))(
             request, timeout=max(0.1, me.give_up - time.time() + 1.0)
@@ -664,7 +669,20 @@ class Matchmaker:
     ) -> AsyncIterator[averaging_pb2.JoinResponse]:
         """Answer a would-be follower at once; if accepted, stream the outcome later."""
         try:
-            peer_id = verify_header(request.header, self.run_id)
+            peer_id = self.dht.authenticator.check(
+                request.header, JOIN_GROUP, message_digest(request)
+            )
+        except AuthenticationError as error:
+            # A copied or replayed header: refused before it can displace anyone's join.
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
+        except HeaderError as error:
+            yield averaging_pb2.JoinResponse(
+                code=averaging_pb2.JOIN_REJECT_BAD_REQUEST,
+                leader_id=self.peer_id,
+                detail=str(error),
+            )
+            return
+        try:
             member = member_from_join_request(peer_id, request)
         except (HeaderError, ValueError) as error:
             yield averaging_pb2.JoinResponse(
