@@ -231,7 +231,8 @@ class Authenticator:
         self.run_id = run_id
         self.window = window
         self.max_nonces = max_nonces
-        self._clock = clock
+        self.clock = clock
+        """The receiver's unix time (a test seam)."""
         self._seen: OrderedDict[bytes, float] = OrderedDict()  # sender+nonce -> timestamp
         self._floor = -float("inf")
         self.refused = 0
@@ -240,6 +241,8 @@ class Authenticator:
         self, header: common_pb2.RequestHeader, method: str, digest: bytes, *, response: bool
     ) -> tuple[bytes, float]:
         sender = verify_header(header, self.run_id)
+        if not header.signature:
+            raise AuthenticationError("the message is not signed")
         if header.method != method:
             raise AuthenticationError(f"signed for method {header.method!r}, not {method!r}")
         if header.receiver_id:
@@ -249,14 +252,12 @@ class Authenticator:
             raise AuthenticationError("the message names no receiver")
         if len(header.nonce) != NONCE_BYTES:
             raise AuthenticationError(f"the nonce must have {NONCE_BYTES} bytes")
-        now = self._clock()
+        now = self.clock()
         if not abs(header.timestamp - now) <= self.window:  # also refuses NaN
             raise AuthenticationError(
                 f"the timestamp is {header.timestamp - now:+.1f} s from this peer's clock "
                 f"(window {self.window:g} s)"
             )
-        if not header.signature:
-            raise AuthenticationError("the message is not signed")
         payload = signed_payload(header, digest, response=response)
         if not verify_signature(header.public_key, header.signature, payload):
             raise AuthenticationError("the signature does not verify for this sender and message")
