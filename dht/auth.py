@@ -34,7 +34,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from swarmavg.dht.identity import (
@@ -75,21 +74,14 @@ def message_digest(
     """sha256 of ``message`` serialised deterministically without the fields ``without``.
 
     ``bound_to`` (an answer's request nonce) is hashed in front, so an answer's signature
-    covers the request it answers. The fields are copied one by one rather than the whole
-    message, so that excluding a large field (a Reduce chunk) costs no copy of it.
+    covers the request it answers. Fields this code does not know (a newer peer's additions)
+    are kept and serialised after the known ones, as the newer sender wrote them, so a field
+    added later does not break the digest between versions.
     """
-    skipped = frozenset(without)
     stripped = type(message)()
-    for field, value in message.ListFields():
-        if field.name in skipped:
-            continue
-        target = getattr(stripped, field.name)
-        if field.is_repeated:
-            target.extend(value)
-        elif field.type == FieldDescriptor.TYPE_MESSAGE:
-            target.CopyFrom(value)
-        else:
-            setattr(stripped, field.name, value)
+    stripped.CopyFrom(message)
+    for name in without:
+        stripped.ClearField(name)
     hasher = hashlib.sha256(bound_to)
     hasher.update(stripped.SerializeToString(deterministic=True))
     return hasher.digest()

@@ -568,7 +568,17 @@ class Matchmaker:
         except (grpc.aio.AioRpcError, TimeoutError) as error:
             # Dead, or only slow (a loaded machine): retry later with a growing pause
             # rather than writing it off; a dead peer fails fast, a slow one may answer.
-            log.debug("leader %s failed: %r", target.peer_id.hex()[:8], error)
+            if (
+                isinstance(error, grpc.aio.AioRpcError)
+                and error.code() == grpc.StatusCode.UNAUTHENTICATED
+            ):
+                # Our own signed request refused: most likely our clock is off by more than
+                # the peers' auth_window (docs/security.md); say so where a user looks.
+                log.warning(
+                    "leader %s refused our join: %s", target.peer_id.hex()[:8], error.details()
+                )
+            else:
+                log.debug("leader %s failed: %r", target.peer_id.hex()[:8], error)
             banned[target.peer_id] = time.time() + self._backoff(rnd, target.peer_id)
             return None
         finally:
