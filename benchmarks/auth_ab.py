@@ -56,6 +56,11 @@ def tree_env(label: str, tree: Path) -> dict[str, str]:
     return env
 
 
+def progress(sample: dict[str, Any]) -> None:
+    """One invocation's samples on stderr, so that an interrupted A/B keeps what it measured."""
+    print("sample " + json.dumps(sample), file=sys.stderr, flush=True)
+
+
 def run_json(argv: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
     print(f"$ {' '.join(argv)}", file=sys.stderr, flush=True)
     out = subprocess.run(
@@ -176,6 +181,7 @@ def main() -> int:
                     order = ("before", "after") if repeat % 2 == 0 else ("after", "before")
                     for tree in order:
                         runs[tree].append(rounds_samples(args, n, envs[tree]))
+                        progress({"peers": n, "tree": tree, **runs[tree][-1]})
                 result["configs"][str(n)] = summarise(runs, ["default", "given"])
         else:
             result.update(nodes=args.nodes, ops=args.ops)
@@ -184,6 +190,7 @@ def main() -> int:
                 order = ("before", "after") if repeat % 2 == 0 else ("after", "before")
                 for tree in order:
                     runs[tree].append(dht_samples(args, envs[tree]))
+                    progress({"tree": tree, **runs[tree][-1]})
             result["dht"] = summarise(runs, ["store_median_ms", "get_median_ms"])
             result["get_after_store_success"] = {
                 tree: [run["get_after_store_success"] for run in runs[tree]] for tree in runs

@@ -1,5 +1,6 @@
-"""A captured signed ``Reduce`` opening cannot be replayed (issue 16), on both transports:
-not twice inside the window, not after it, not into another group, not to another reducer.
+"""A captured signed message cannot be replayed (issue 16): a ``Reduce`` opening, on both
+transports, not twice inside the window, not after it, not into another group, not to
+another reducer; a JoinRequest not a second time.
 
 Authentication comes before the round lookup, so the captured opening names a group that
 no peer runs: its first use passes authentication and then finds no round (NOT_FOUND).
@@ -7,6 +8,8 @@ no peer runs: its first use passes authentication and then finds no round (NOT_F
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import os
 import time
@@ -16,10 +19,14 @@ import numpy as np
 import pytest
 
 from swarmavg.averaging.allreduce.wire import reduce_digest
-from swarmavg.averaging.stubs import REDUCE
+from swarmavg.averaging.matchmaking.config import MatchmakingEvent
+from swarmavg.averaging.matchmaking.keys import matchmaking_key
+from swarmavg.averaging.stubs import JOIN_GROUP, REDUCE, join_group_method
 from swarmavg.dht import ChannelPool
 from swarmavg.proto import averaging_pb2
 from tests.averaging.allreduce_peers import FAST, LocalPeer, close_peers, make_group, start_peers
+from tests.averaging.averager_swarm import RUN_ID, averager_swarm, fast_config
+from tests.averaging.test_matchmaking import declarations
 from tests.averaging.test_message_auth import Outsider
 from tests.harness import GrpcServerPool
 
@@ -81,3 +88,38 @@ async def test_a_captured_reduce_opening_cannot_be_replayed(
         assert "timestamp" in details
     finally:
         await close_peers(peers)
+
+
+async def test_a_captured_join_request_cannot_be_replayed() -> None:
+    """A follower's signed JoinRequest, replayed by an outsider while the follower waits
+    (it would supersede the follower's stream): refused, and the follower stays in."""
+    async with averager_swarm(3, fast_config(matchmaking_time=8.0)) as swarm:
+        leader, follower, outsider = swarm.peers
+        key = matchmaking_key(RUN_ID, "k", leader.averager.group_bits)
+        round_ = asyncio.ensure_future(
+            leader.averager.average([np.zeros(3, np.float32)], "k", group_size=3, timeout=20)
+        )
+        await swarm.wait_for(lambda: any(e[0] is MatchmakingEvent.DECLARED for e in leader.events))
+        schema = (await declarations(leader, key))[leader.peer_id].schema_hash
+        captured = averaging_pb2.JoinRequest(
+            key=key, schema_hash=schema, declared_start=time.time() + 100
+        )
+        follower.node.signer.signed(captured, leader.peer_id, JOIN_GROUP)
+        genuine = join_group_method(follower.channels.channel(leader.address))(captured, timeout=10)
+        replayed = join_group_method(outsider.channels.channel(leader.address))(
+            captured, timeout=10
+        )
+        try:
+            assert (await genuine.read()).code == averaging_pb2.JOIN_ACCEPTED
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await replayed.read()
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "replay" in str(info.value.details())
+            left = MatchmakingEvent.FOLLOWER_LEFT
+            assert not any(e[0] is left and e[2] == follower.peer_id for e in leader.events)
+        finally:
+            genuine.cancel()
+            replayed.cancel()
+            round_.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await round_
