@@ -21,7 +21,7 @@ the caller's tensors.
 
 API (used by ``swarmavg.averaging.averager``)::
 
-    service = AllReduceService(run_id)            # once per daemon, inside the loop
+    service = AllReduceService(node.authenticator)  # once per daemon, inside the loop
     outcome = await run_allreduce(group, my_index, tensors, weight,
                                   deadline=time.monotonic() + 30,
                                   service=service, channels=pool, signer=node.signer)
