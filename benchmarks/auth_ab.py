@@ -91,12 +91,16 @@ def rounds_samples(args: argparse.Namespace, n: int, env: dict[str, str]) -> dic
     if "error" in record:
         raise RuntimeError(f"rounds.py failed: {record['error']}")
     (config,) = record["configs"]
-    samples: dict[str, Any] = {}
+    samples: dict[str, Any] = {"failed_rounds": 0, "partial_rounds": 0, "inexact": 0}
     for mode in ("default", "given"):
         figures = config[mode]
-        if figures["failed_rounds"] or not figures["exact_within_tolerance"]:
-            raise RuntimeError(f"{n} peers {mode}: {figures['errors']}")
+        # Kept, and counted: on an overloaded machine a stalled member makes a round
+        # partial (or a group split) whichever tree runs; the counts say how often.
         samples[mode] = figures["slowest_all"]
+        samples["failed_rounds"] += figures["failed_rounds"]
+        samples["partial_rounds"] += figures["partial_rounds"]
+        samples["inexact"] += not figures["exact_within_tolerance"]
+        samples.setdefault("errors", []).extend(figures["errors"][:2])
     samples["load"] = record["load_average_at_start"]
     return samples
 
@@ -143,6 +147,9 @@ def summarise(runs: dict[str, list[dict[str, Any]]], metrics: list[str]) -> dict
             "samples": {tree: len(values) for tree, values in pooled.items()},
         }
     out["load"] = {tree: [run["load"] for run in runs[tree]] for tree in ("before", "after")}
+    for count in ("failed_rounds", "partial_rounds", "inexact"):
+        if all(count in run for tree in runs for run in runs[tree]):
+            out[count] = {tree: sum(run[count] for run in runs[tree]) for tree in runs}
     return out
 
 
