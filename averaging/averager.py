@@ -216,7 +216,9 @@ class Averager:
         )
         # A private run's pool holds the peer's TLS setup: the data plane uses it too, so that
         # no byte of a round travels in clear (issue 16).
-        allreduce = AllReduceService(self.run_id, self.config.allreduce, tls=self._channels.tls)
+        allreduce = AllReduceService(
+            self.dht.authenticator, self.config.allreduce, tls=self._channels.tls
+        )
         if address is not None and self.config.mode.reduces:
             await allreduce.start_data_plane(self.config.allreduce.data_host or split_host(address))
         sharer = StateSharer(
@@ -347,7 +349,7 @@ class Averager:
                     deadline=request.deadline,
                     service=allreduce,
                     channels=self._channels_or_fail(),
-                    header=self.dht.make_header(),
+                    signer=self.dht.signer,
                     fault_plan=self._fault_plan,
                     checked=True,
                 )

@@ -1,14 +1,15 @@
 """What the averaging layer needs of the DHT, as a protocol (``swarmavg.dht.DHTNode`` fits).
 
-Matchmaking and state sharing only store and read dictionary records and sign request
-headers; typing them against this protocol keeps the dependency narrow.
+Matchmaking and state sharing only store and read dictionary records, sign their requests
+and authenticate other peers' requests; typing them against this protocol keeps the dependency
+narrow.
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
-from swarmavg.proto import common_pb2
+from swarmavg.dht.auth import Authenticator, RequestSigner
 
 
 class DHTAccess(Protocol):
@@ -21,7 +22,11 @@ class DHTAccess(Protocol):
 
     async def get(self, key: str, latest: bool = False) -> Any: ...
 
-    def make_header(self) -> common_pb2.RequestHeader: ...
+    @property
+    def signer(self) -> RequestSigner: ...
+
+    @property
+    def authenticator(self) -> Authenticator: ...
 
 
 def dictionary_entries(record: Any) -> dict[Any, Any]:

@@ -12,12 +12,16 @@ from swarmavg.averaging.allreduce.wire import deserialize_reply, pass_bytes
 from swarmavg.proto import averaging_pb2
 
 _SERVICE = "/swarmavg.v1.Averaging/"
+JOIN_GROUP = _SERVICE + "JoinGroup"
+REDUCE = _SERVICE + "Reduce"
+DOWNLOAD_STATE = _SERVICE + "DownloadState"
+"""Full method names, as request signatures cover them (:mod:`swarmavg.dht.auth`)."""
 
 
 def join_group_method(channel: grpc.aio.Channel) -> grpc.aio.UnaryStreamMultiCallable:
     """Outbound ``JoinGroup`` on ``channel`` (typed; the generated stub is not)."""
     return channel.unary_stream(
-        _SERVICE + "JoinGroup",
+        JOIN_GROUP,
         request_serializer=averaging_pb2.JoinRequest.SerializeToString,
         response_deserializer=averaging_pb2.JoinResponse.FromString,
     )
@@ -26,7 +30,7 @@ def join_group_method(channel: grpc.aio.Channel) -> grpc.aio.UnaryStreamMultiCal
 def download_state_method(channel: grpc.aio.Channel) -> grpc.aio.UnaryStreamMultiCallable:
     """Outbound ``DownloadState`` on ``channel``."""
     return channel.unary_stream(
-        _SERVICE + "DownloadState",
+        DOWNLOAD_STATE,
         request_serializer=averaging_pb2.StateRequest.SerializeToString,
         response_deserializer=averaging_pb2.StateResponse.FromString,
     )
@@ -35,7 +39,7 @@ def download_state_method(channel: grpc.aio.Channel) -> grpc.aio.UnaryStreamMult
 def reduce_method(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamMultiCallable:
     """Outbound ``Reduce``: requests go as prebuilt wire bytes, replies are scanned in place."""
     return channel.stream_stream(
-        _SERVICE + "Reduce",
+        REDUCE,
         request_serializer=pass_bytes,
         response_deserializer=deserialize_reply,
     )

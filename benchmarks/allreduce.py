@@ -81,7 +81,7 @@ async def _worker(rank: int, n: int, elements: int, conn: mp.connection.Connecti
     from swarmavg.averaging.allreduce.service import AllReduceService
     from swarmavg.averaging.group import GroupInfo, Member, Mode, schema_hash
     from swarmavg.averaging.service import reduce_method_handler
-    from swarmavg.dht import ChannelPool, Identity
+    from swarmavg.dht import Authenticator, ChannelPool, Identity, RequestSigner
 
     class Servicer:
         def __init__(self) -> None:
@@ -123,7 +123,7 @@ async def _worker(rank: int, n: int, elements: int, conn: mp.connection.Connecti
                 if service is not None:
                     await service.close()
                 service = AllReduceService(
-                    "bench",
+                    Authenticator(identity, "bench"),
                     AllReduceConfig(
                         chunk_bytes=command["chunk_bytes"],
                         executor_threads=command["threads"],
@@ -162,7 +162,7 @@ async def _worker(rank: int, n: int, elements: int, conn: mp.connection.Connecti
                     deadline=start + ROUND_TIMEOUT,
                     service=service,
                     channels=pool,
-                    header=identity.make_header("bench", address),
+                    signer=RequestSigner(identity, "bench", lambda: address),
                 )
                 if profiler is not None:
                     profiler.disable()

@@ -191,7 +191,7 @@ async def frame_headers() -> dict[str, Any]:
 
 async def slow_readers() -> dict[str, Any]:
     from swarmavg.averaging.state.config import StateSharingConfig
-    from swarmavg.averaging.stubs import download_state_method
+    from swarmavg.averaging.stubs import DOWNLOAD_STATE, download_state_method
     from swarmavg.proto import averaging_pb2
     from tests.averaging.averager_swarm import AveragerSwarm, fast_config
 
@@ -210,10 +210,9 @@ async def slow_readers() -> dict[str, Any]:
             channel = grpc.aio.insecure_channel(donor.address, options=OWN)
             attack.append(channel)
             request = averaging_pb2.StateRequest(
-                header=joiner.node.make_header(),
-                root=manifest.root,
-                chunk_hashes=manifest.chunk_hashes,
+                root=manifest.root, chunk_hashes=manifest.chunk_hashes
             )
+            joiner.node.signer.signed(request, donor.node.peer_id, DOWNLOAD_STATE)
             calls.append(download_state_method(channel)(request, timeout=60))
         await asyncio.sleep(1.0)  # the donor takes the 8 streams
         started = time.monotonic()

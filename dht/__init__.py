@@ -5,6 +5,7 @@ See docs/dht.md. Public names::
     DHTNode, DHTConfig, Identity, ValueWithExpiration, ChannelPool, BootstrapError, KeyClass
 """
 
+from swarmavg.dht.auth import AuthenticationError, Authenticator, RequestSigner
 from swarmavg.dht.channels import ChannelPool
 from swarmavg.dht.config import DHTConfig
 from swarmavg.dht.identity import HeaderError, Identity, verify_header
@@ -14,6 +15,8 @@ from swarmavg.dht.routing import Contact
 from swarmavg.dht.validation import DHTLimits, KeyClass, SchemaValidator, ValidationError
 
 __all__ = [
+    "AuthenticationError",
+    "Authenticator",
     "BootstrapError",
     "ChannelPool",
     "Contact",
@@ -23,6 +26,7 @@ __all__ = [
     "HeaderError",
     "Identity",
     "KeyClass",
+    "RequestSigner",
     "SchemaValidator",
     "ValidationError",
     "ValueWithExpiration",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from swarmavg.dht.auth import DEFAULT_AUTH_WINDOW, DEFAULT_MAX_NONCES
 from swarmavg.dht.quotas import StorageQuotas
 from swarmavg.dht.ratelimit import RateLimits
 from swarmavg.dht.validation import DHTLimits, KeyClass, RecordValidator
@@ -39,6 +40,11 @@ class DHTConfig:
         get_quorum: a non-``latest`` get stops once this many nodes returned the key.
         stale_after: a contact without a replacement waiting is dropped after this many
             failed requests in a row (paper 4.1); with a replacement, after one.
+        auth_window: seconds a signed message stays acceptable either side of the receiver's
+            clock (:mod:`swarmavg.dht.auth`); older or newer ones are refused, and nonces are
+            remembered this long against replays. Peers' clocks must agree within it.
+        auth_max_nonces: size cap of the replay cache (see
+            :class:`~swarmavg.dht.auth.Authenticator`).
         limits: size caps on keys, values, batches and storage.
         validators: extra record checks (e.g. :class:`~swarmavg.dht.validation.SchemaValidator`).
         key_classes: keys that accept only owner-signed dictionary entries
@@ -78,6 +84,8 @@ class DHTConfig:
     cache_on_lookup: bool = True
     get_quorum: int = 1
     stale_after: int = 3
+    auth_window: float = DEFAULT_AUTH_WINDOW
+    auth_max_nonces: int = DEFAULT_MAX_NONCES
     limits: DHTLimits = field(default_factory=DHTLimits)
     validators: tuple[RecordValidator, ...] = ()
     key_classes: tuple[KeyClass, ...] = ()
@@ -98,7 +106,7 @@ class DHTConfig:
                 raise ValueError(f"initial peer {address!r} is not HOST:PORT")
         if not self.run_id:
             raise ValueError("run_id must not be empty")
-        for name in ("k", "alpha", "b", "get_quorum", "stale_after"):
+        for name in ("k", "alpha", "b", "get_quorum", "stale_after", "auth_max_nonces"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.contacts_per_range < 0 or self.signature_cache < 0:
@@ -114,6 +122,7 @@ class DHTConfig:
             "refresh_interval",
             "republish_interval",
             "maintenance_interval",
+            "auth_window",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")

@@ -3,13 +3,14 @@
 The peer id is ``sha1(raw public key)`` (20 bytes), so a node cannot choose its place in
 the Kademlia keyspace and anyone holding the public key can check a claimed id.
 Every peer-to-peer request carries a :class:`~swarmavg.proto.common_pb2.RequestHeader`;
-:func:`verify_header` is the single check all services apply to it.
+:func:`verify_header` is its structural check.
 
-What a header proves, and what it does not: the public key must hash to the claimed peer id,
-so a sender cannot claim an id without naming the matching key. It does not prove that the
-sender *holds* the private key; anyone can copy another peer's public key into a header. The
-DHT closes that hole where it matters (routing-table entries) with a signed address record, see
-:func:`address_signature_payload` and docs/dht.md ("Identity and signatures").
+What :func:`verify_header` proves, and what it does not: the public key must hash to the
+claimed peer id, so a sender cannot claim an id without naming the matching key. It does not
+prove that the sender *holds* the private key; anyone can copy another peer's public key into
+a header. :mod:`swarmavg.dht.auth` closes that hole: every message is signed by its sender,
+and :class:`~swarmavg.dht.auth.Authenticator` (which runs :func:`verify_header` first, as the
+cheap structural check) is the one check every service applies. See docs/security.md.
 """
 
 from __future__ import annotations
@@ -129,7 +130,11 @@ class Identity:
         return verify_signature(self.public_key, signature, payload)
 
     def make_header(self, run_id: str, address: str = "") -> common_pb2.RequestHeader:
-        """Return a request header naming this identity (``address`` empty in client mode)."""
+        """Return an *unsigned* header naming this identity (``address`` empty in client mode).
+
+        Every service refuses it as it is: requests are sent with a header from
+        :func:`swarmavg.dht.auth.sign_request`, which starts from the same fields.
+        """
         return common_pb2.RequestHeader(
             peer_id=self.peer_id,
             run_id=run_id,

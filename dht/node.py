@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from swarmavg.dht.auth import Authenticator, RequestSigner
 from swarmavg.dht.channels import ChannelPool
 from swarmavg.dht.config import DHTConfig
 from swarmavg.dht.identity import Identity
@@ -41,7 +42,7 @@ from swarmavg.dht.tasks import TaskSet
 from swarmavg.dht.tls import bind_port, new_server
 from swarmavg.dht.traversal import LookupResult, traverse
 from swarmavg.dht.validation import record_owner
-from swarmavg.proto import common_pb2, dht_pb2
+from swarmavg.proto import dht_pb2
 
 log = logging.getLogger(__name__)
 
@@ -228,9 +229,15 @@ class DHTNode:
         d_k = nearest[-1].id_int ^ self.routing.own_int
         return max(len(self.routing) + 1, round(k * (1 << 160) / max(d_k, 1)))
 
-    def make_header(self) -> common_pb2.RequestHeader:
-        """A request header naming this node, for other services (e.g. the averager)."""
-        return self.protocol.make_header()
+    @property
+    def signer(self) -> RequestSigner:
+        """Signs this node's outgoing messages, for other services (e.g. the averager)."""
+        return self.protocol.signer
+
+    @property
+    def authenticator(self) -> Authenticator:
+        """The daemon's one check of inbound messages (one replay cache for every service)."""
+        return self.protocol.authenticator
 
     # ---- bootstrap and maintenance ----
 

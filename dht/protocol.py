@@ -37,13 +37,13 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from swarmavg.dht.auth import AuthenticationError, Authenticator, RequestSigner, message_digest
 from swarmavg.dht.channels import ChannelPool
 from swarmavg.dht.config import DHTConfig
 from swarmavg.dht.identity import (
     HeaderError,
     Identity,
     address_signature_payload,
-    verify_header,
     verify_signature,
 )
 from swarmavg.dht.ids import ID_BYTES, id_to_int, key_id
@@ -69,6 +69,7 @@ MAX_ADDRESS_CHARS = 256
 _BINDING_CACHE = 4096  # verified (peer id -> address, signature) bindings kept
 
 M = TypeVar("M", bound=Message)
+R = TypeVar("R", dht_pb2.PingResponse, dht_pb2.StoreResponse, dht_pb2.FindResponse)
 
 
 class DHTRPCError(Exception):
@@ -162,6 +163,10 @@ class DHTProtocol:
         self.storage = storage
         self.channels = channels
         self.address = ""
+        self.signer = RequestSigner(identity, config.run_id, lambda: self.address)
+        self.authenticator = Authenticator(
+            identity, config.run_id, config.auth_window, config.auth_max_nonces
+        )
         self._bindings: OrderedDict[bytes, tuple[str, bytes]] = OrderedDict()
         self._pinging: set[bytes] = set()
         self.rate_limiter = RateLimiter(config.rate_limits)
@@ -176,31 +181,19 @@ class DHTProtocol:
     # ---- identity on the wire ----
 
     def set_address(self, address: str) -> None:
-        """Set our public address ("" in client mode) and precompute request/answer headers.
+        """Set our public address ("" in client mode) and precompute its address signature.
 
-        A protobuf message is the concatenation of its fields, so the serialised header (and
-        address signature) is computed once and prefixed to every outgoing message.
+        Every request and answer is signed at sending time (:mod:`swarmavg.dht.auth`); only
+        the timeless address signature is computed once here.
         """
         self.address = address
-        self.header = self.identity.make_header(self.config.run_id, address)
-        signature = (
+        self._address_signature = (
             self.identity.sign(
                 address_signature_payload(self.config.run_id, self.identity.peer_id, address)
             )
             if address
             else b""
         )
-        self._request_prefix = dht_pb2.PingRequest(
-            header=self.header, address_signature=signature
-        ).SerializeToString()
-        self._answer_prefix = dht_pb2.PingResponse(
-            header=self.header, address_signature=signature
-        ).SerializeToString()
-
-    def make_header(self) -> common_pb2.RequestHeader:
-        header = common_pb2.RequestHeader()
-        header.CopyFrom(self.header)
-        return header
 
     def validate(self, record: StoredRecord, now: float) -> None:
         """Every check of dht/validation.py under this node's run and key classes.
@@ -264,12 +257,19 @@ class DHTProtocol:
         return True
 
     async def _check_sender(
-        self, header: common_pb2.RequestHeader, signature: bytes, context: Any
+        self,
+        msg: dht_pb2.PingRequest | dht_pb2.StoreRequest | dht_pb2.FindRequest,
+        method: str,
+        context: Any,
     ) -> tuple[Source, Contact | None]:
-        """Verify the header and admit the request under the sender's rate limit; return the
-        sender as a storage-quota source and, for serving senders we may learn, its contact."""
+        """Authenticate the request and admit it under the sender's rate limit; return the
+        sender as a storage-quota source and, for serving senders we may learn, its contact.
+        A bad signature, a replay or a stale or misdirected request: UNAUTHENTICATED."""
+        header, signature = msg.header, msg.address_signature
         try:
-            peer_id = verify_header(header, self.config.run_id)
+            peer_id = self.authenticator.check(header, _method(method), message_digest(msg))
+        except AuthenticationError as e:
+            await self._abort(context, grpc.StatusCode.UNAUTHENTICATED, str(e))
         except HeaderError as e:
             await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
         source_host = grpc_peer_host(context.peer())
@@ -295,16 +295,24 @@ class DHTProtocol:
             return source, None  # a public sender claiming a local address: not its own
         return source, Contact(peer_id, address)
 
+    def _answer(self, request: common_pb2.RequestHeader, method: str, answer: R) -> bytes:
+        """``answer`` signed for the requester, bound to the request's nonce, with our
+        address binding (the caller checks that it covers the address it dialled)."""
+        answer.address_signature = self._address_signature
+        digest = message_digest(answer, bound_to=request.nonce)
+        answer.header.CopyFrom(self.signer.sign_response(request, _method(method), digest))
+        return answer.SerializeToString()
+
     async def rpc_ping(self, request: bytes, context: Any) -> bytes:
         msg = await self._parse(request, dht_pb2.PingRequest, context)
-        _, sender = await self._check_sender(msg.header, msg.address_signature, context)
+        _, sender = await self._check_sender(msg, "Ping", context)
         if sender is not None:
             self.learn(sender)
-        return self._answer_prefix
+        return self._answer(msg.header, "Ping", dht_pb2.PingResponse())
 
     async def rpc_store(self, request: bytes, context: Any) -> bytes:
         msg = await self._parse(request, dht_pb2.StoreRequest, context)
-        source, sender = await self._check_sender(msg.header, msg.address_signature, context)
+        source, sender = await self._check_sender(msg, "Store", context)
         limits = self.config.limits
         if len(msg.records) > limits.max_records_per_request:
             await self._abort(
@@ -324,12 +332,11 @@ class DHTProtocol:
         statuses = [self.storage.put(r, now, cached=msg.cache, source=source) for r in records]
         if sender is not None:
             self.learn(sender)
-        answer = dht_pb2.StoreResponse(statuses=statuses).SerializeToString()
-        return self._answer_prefix + answer
+        return self._answer(msg.header, "Store", dht_pb2.StoreResponse(statuses=statuses))
 
     async def rpc_find(self, request: bytes, context: Any) -> bytes:
         msg = await self._parse(request, dht_pb2.FindRequest, context)
-        source, sender = await self._check_sender(msg.header, msg.address_signature, context)
+        source, sender = await self._check_sender(msg, "Find", context)
         limits = self.config.limits
         if len(msg.key_ids) > limits.max_keys_per_request:
             await self._abort(
@@ -357,7 +364,7 @@ class DHTProtocol:
         response.store_statuses.extend(store_statuses)
         if sender is not None:
             self.learn(sender)
-        return self._answer_prefix + response.SerializeToString()
+        return self._answer(msg.header, "Find", response)
 
     async def _store_on_find(
         self, msg: dht_pb2.FindRequest, context: Any, now: float, source: Source
@@ -439,20 +446,32 @@ class DHTProtocol:
     # ---- client side ----
 
     async def _call(
-        self, address: str, method: str, body: bytes, expected_id: bytes | None, timeout: float
-    ) -> tuple[bytes, bytes]:
-        """Send one request; return (responder id, raw answer). Learns or forgets the peer.
+        self,
+        address: str,
+        method: str,
+        request: dht_pb2.PingRequest | dht_pb2.StoreRequest | dht_pb2.FindRequest,
+        answer_type: type[R],
+        expected_id: bytes | None,
+        timeout: float,
+    ) -> tuple[bytes, R]:
+        """Sign and send one request; return the responder's id and its authenticated answer.
+
+        Learns the peer, or forgets it when the call fails or the answer does not verify.
 
         Raises:
-            DHTRPCError: no answer, a bad one, or one that does not prove that its responder
-                owns the address we dialled (:class:`UnboundAnswerError`).
+            DHTRPCError: no answer, a bad or forged one, or one that does not prove that its
+                responder owns the address we dialled (:class:`UnboundAnswerError`).
         """
         if self._closed:
             raise DHTRPCError(address, "node is shut down")
         self.rpcs_sent += 1
+        full_method = _method(method)
+        request.address_signature = self._address_signature
+        header = self.signer.sign(expected_id or b"", full_method, message_digest(request))
+        request.header.CopyFrom(header)
         try:
-            call = self.channels.channel(address).unary_unary(f"/{SERVICE}/{method}")
-            data: bytes = await call(self._request_prefix + body, timeout=timeout)
+            call = self.channels.channel(address).unary_unary(full_method)
+            data: bytes = await call(request.SerializeToString(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE and address in self.channels:
                 channel = self.channels.channel(address)
@@ -465,12 +484,19 @@ class DHTProtocol:
         except RuntimeError as e:  # the channel pool closed under us during shutdown
             raise self._failed(address, expected_id, str(e)) from None
         try:
-            answer = dht_pb2.PingResponse.FromString(data)
-            peer_id = verify_header(answer.header, self.config.run_id)
+            answer = answer_type.FromString(data)
+            # A forged answer (another peer's key, a replayed answer to another request) is
+            # refused like a failed call: the contact is forgotten, nothing in it is used.
+            peer_id = self.authenticator.check_response(
+                answer.header,
+                full_method,
+                message_digest(answer, bound_to=header.nonce),
+                expected_id,
+            )
         except (DecodeError, HeaderError) as e:
             raise self._failed(address, expected_id, f"bad answer: {e}") from None
-        if expected_id is not None and peer_id != expected_id:
-            raise self._failed(address, expected_id, "answered as another peer")
+        # The responder proved its key; it must also prove that the address we dialled is its
+        # own (its timeless address binding), or hearsay could move a known peer's address.
         bound = answer.header.address
         signature = answer.address_signature
         if bound != address or not self._binds(answer.header, peer_id, address, signature):
@@ -486,7 +512,7 @@ class DHTProtocol:
             # not _failed: the contact we know under this id (if any) did not fail
             raise UnboundAnswerError(address, peer_id, hint)
         self.learn(Contact(peer_id, address))
-        return peer_id, data
+        return peer_id, answer
 
     async def call_ping(
         self, address: str, expected_id: bytes | None = None, timeout: float | None = None
@@ -502,11 +528,20 @@ class DHTProtocol:
         """
         timeout = timeout or self.config.request_timeout
         try:
-            peer_id, _ = await self._call(address, "Ping", b"", expected_id, timeout)
+            peer_id, _ = await self._call(
+                address, "Ping", dht_pb2.PingRequest(), dht_pb2.PingResponse, expected_id, timeout
+            )
         except UnboundAnswerError as e:
             if not e.bound_address:
                 raise
-            peer_id, _ = await self._call(e.bound_address, "Ping", b"", e.peer_id, timeout)
+            peer_id, _ = await self._call(
+                e.bound_address,
+                "Ping",
+                dht_pb2.PingRequest(),
+                dht_pb2.PingResponse,
+                e.peer_id,
+                timeout,
+            )
             return Contact(peer_id, e.bound_address)
         return Contact(peer_id, address)
 
@@ -518,16 +553,16 @@ class DHTProtocol:
         Raises:
             DHTRPCError: the call failed or the answer is malformed.
         """
-        body = dht_pb2.StoreRequest(
-            records=[record_to_proto(r) for r in records], cache=cache
-        ).SerializeToString()
-        _, data = await self._call(
-            contact.address, "Store", body, contact.peer_id, self.config.request_timeout
+        body = dht_pb2.StoreRequest(records=[record_to_proto(r) for r in records], cache=cache)
+        _, answer = await self._call(
+            contact.address,
+            "Store",
+            body,
+            dht_pb2.StoreResponse,
+            contact.peer_id,
+            self.config.request_timeout,
         )
-        try:
-            statuses = list(dht_pb2.StoreResponse.FromString(data).statuses)
-        except DecodeError as e:
-            raise self._failed(contact.address, contact.peer_id, f"bad answer: {e}") from None
+        statuses = list(answer.statuses)
         if len(statuses) != len(records):
             raise self._failed(contact.address, contact.peer_id, "wrong number of statuses")
         return statuses
@@ -562,17 +597,14 @@ class DHTProtocol:
             store=[record_to_proto(r) for r in store],
             replication=replication,
         )
-        _, data = await self._call(
+        _, response = await self._call(
             contact.address,
             "Find",
-            body.SerializeToString(),
+            body,
+            dht_pb2.FindResponse,
             contact.peer_id,
             timeout or self.config.request_timeout,
         )
-        try:
-            response = dht_pb2.FindResponse.FromString(data)
-        except DecodeError as e:
-            raise self._failed(contact.address, contact.peer_id, f"bad answer: {e}") from None
         results = response.results
         if len(results) != len(key_ids) or len(response.store_statuses) != len(store):
             raise self._failed(contact.address, contact.peer_id, "wrong number of results")
@@ -606,3 +638,8 @@ class DHTProtocol:
         """Stop pinging; cancel and await the background pings. Idempotent."""
         self._closed = True
         await self._tasks.close()
+
+
+def _method(name: str) -> str:
+    """The full gRPC method name of DHT method ``name`` (what signatures cover)."""
+    return f"/{SERVICE}/{name}"

@@ -53,9 +53,12 @@ class DHTSettings:
 
     Attributes:
         bootstrap_timeout: seconds to keep retrying the initial peers before giving up.
+        auth_window: seconds a signed message stays acceptable either side of this peer's
+            clock (docs/security.md); peers' clocks must agree within it.
     """
 
     bootstrap_timeout: float = DHTConfig.bootstrap_timeout
+    auth_window: float = DHTConfig.auth_window
 
     def __post_init__(self) -> None:
         _check(
@@ -64,6 +67,7 @@ class DHTSettings:
             self.bootstrap_timeout,
             "(0, 3600] seconds",
         )
+        _check(1 <= self.auth_window <= 3600, "auth_window", self.auth_window, "[1, 3600] seconds")
 
 
 @dataclass(frozen=True)
@@ -276,6 +280,7 @@ class PeerConfig:
             initial_peers=tuple(self.join),
             client_mode=self.client_mode,
             bootstrap_timeout=self.dht.bootstrap_timeout,
+            auth_window=self.dht.auth_window,
         )
 
     def averager_config(self) -> AveragerConfig:
@@ -332,6 +337,8 @@ INTERNAL: Mapping[type, tuple[str, ...]] = MappingProxyType(
             "cache_on_lookup",
             "get_quorum",
             "stale_after",
+            # The replay cache's size cap: memory, not behaviour (dht/auth.py).
+            "auth_max_nonces",
             "limits",
             "validators",
             # The run's protocol keys, set by the daemon (peer/daemon.py, node_dht_config).

@@ -174,6 +174,12 @@ SETTINGS: tuple[Setting, ...] = (
         BOTH,
     ),
     Setting(
+        "dht",
+        "auth_window",
+        "seconds a signed message stays valid either side of this peer's clock (default 120)",
+        "SECONDS",
+    ),
+    Setting(
         "averaging",
         "group_size",
         "target group size when a caller passes group_size=None (default 16)",

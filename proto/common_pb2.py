@@ -24,13 +24,13 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bswarmavg/proto/common.proto\x12\x0bswarmavg.v1\"o\n\rRequestHeader\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x12\n\npublic_key\x18\x05 \x01(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bswarmavg/proto/common.proto\x12\x0bswarmavg.v1\"\xc9\x01\n\rRequestHeader\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x12\n\npublic_key\x18\x05 \x01(\x0c\x12\x13\n\x0breceiver_id\x18\x06 \x01(\x0c\x12\x0e\n\x06method\x18\x07 \x01(\t\x12\x11\n\ttimestamp\x18\x08 \x01(\x01\x12\r\n\x05nonce\x18\t \x01(\x0c\x12\x11\n\tsignature\x18\n \x01(\x0c\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarmavg.proto.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REQUESTHEADER']._serialized_start=44
-  _globals['_REQUESTHEADER']._serialized_end=155
+  _globals['_REQUESTHEADER']._serialized_start=45
+  _globals['_REQUESTHEADER']._serialized_end=246
 # @@protoc_insertion_point(module_scope)

@@ -21,10 +21,10 @@ the caller's tensors.
 
 API (used by ``swarmavg.averaging.averager``)::
 
-    service = AllReduceService(run_id)            # once per daemon, inside the loop
+    service = AllReduceService(node.authenticator)  # once per daemon, inside the loop
     outcome = await run_allreduce(group, my_index, tensors, weight,
                                   deadline=time.monotonic() + 30,
-                                  service=service, channels=pool, header=node.make_header())
+                                  service=service, channels=pool, signer=node.signer)
 """
 
 from __future__ import annotations
@@ -57,15 +57,17 @@ from swarmavg.averaging.allreduce.wire import (
     OutgoingChunk,
     Reply,
     encode_request,
+    reduce_digest,
     serialize_request,
 )
 from swarmavg.averaging.group import GroupInfo, schema_hash
 from swarmavg.averaging.result import AveragingResult
-from swarmavg.averaging.stubs import reduce_method
+from swarmavg.averaging.stubs import REDUCE, reduce_method
 from swarmavg.compression import Codec, CodecInfo
 from swarmavg.compression.base import Encoded
 from swarmavg.compression.kernels import all_finite
-from swarmavg.proto import averaging_pb2, common_pb2
+from swarmavg.dht.auth import RequestSigner
+from swarmavg.proto import averaging_pb2
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +116,7 @@ class _Exchange:
         deadline: float,
         service: AllReduceService,
         channels: ChannelSource,
-        header: common_pb2.RequestHeader,
+        signer: RequestSigner,
         fault_plan: FaultPlan | None,
     ) -> None:
         self.group = group
@@ -127,7 +129,7 @@ class _Exchange:
         self.service = service
         self.config = service.config
         self.channels = channels
-        self.header = header
+        self.signer = signer
         self.fault_plan = fault_plan
         self.vector = np.empty(0, dtype=layout.dtype)
         self.result = np.empty(0, dtype=layout.dtype)
@@ -168,10 +170,13 @@ class _Exchange:
         first = None
         if chunk == 0:
             first = averaging_pb2.ReduceRequest(
-                header=self.header,
-                group_id=self.group.group_id,
-                part_index=part,
-                weight=self.weight,
+                group_id=self.group.group_id, part_index=part, weight=self.weight
+            )
+            # Signed for part's reducer and this group: a captured first message opens no
+            # stream to another reducer, into another group, or twice (dht/auth.py).
+            digest = reduce_digest(self.group.group_id, part, self.weight, chunk)
+            first.header.CopyFrom(
+                self.signer.sign(self.group.members[part].peer_id, REDUCE, digest)
             )
         return encode_request(self._encode(part, chunk), chunk, first)
 
@@ -384,7 +389,7 @@ async def run_allreduce(
     deadline: float,
     service: AllReduceService,
     channels: ChannelSource,
-    header: common_pb2.RequestHeader,
+    signer: RequestSigner,
     fault_plan: FaultPlan | None = None,
     checked: bool = False,
 ) -> AveragingResult:
@@ -399,7 +404,7 @@ async def run_allreduce(
         deadline: absolute ``time.monotonic()`` by which the round ends.
         service: this daemon's :class:`AllReduceService` (serves our part).
         channels: a channel pool (``swarmavg.dht.ChannelPool``).
-        header: this peer's request header (``DHTNode.make_header()``).
+        signer: signs this peer's stream openings (``DHTNode.signer``).
         fault_plan: test seam; ``None`` in production.
         checked: the caller already verified that the tensors hold no NaN/Inf (the
             ``Averager`` does, before matchmaking), which saves one pass over them.
@@ -409,7 +414,7 @@ async def run_allreduce(
 
     Raises:
         ValueError: the tensors do not match ``group.schema_hash``, hold NaN/Inf, the
-            weight is invalid, or ``my_index``/``header`` do not name a member.
+            weight is invalid, or ``my_index``/``signer`` do not name a member.
         AllReduceError: the deadline has already passed.
         InjectedCrash: only when ``fault_plan`` says so.
     """
@@ -417,8 +422,8 @@ async def run_allreduce(
     if not 0 <= my_index < group.size:
         raise ValueError(f"my_index {my_index} is not in a group of {group.size}")
     me = group.members[my_index]
-    if header.peer_id != me.peer_id:
-        raise ValueError("header.peer_id is not the peer id of member my_index")
+    if signer.peer_id != me.peer_id:
+        raise ValueError("the signer's peer id is not the peer id of member my_index")
     if not (math.isfinite(weight) and weight >= 0):
         raise ValueError(f"weight must be finite and >= 0, got {weight}")
     if schema_hash(tensors) != group.schema_hash:
@@ -452,7 +457,7 @@ async def run_allreduce(
         deadline,
         service,
         channels,
-        header,
+        signer,
         fault_plan,
     )
 

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -27,10 +27,12 @@ from swarmavg.averaging.allreduce.admission import ByteBudget
 from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.allreduce.data_plane import DataConnector, DataPlaneServer
 from swarmavg.averaging.allreduce.round import Abort, ReduceContext, ReducerRound, abort_stream
-from swarmavg.averaging.allreduce.wire import Request
+from swarmavg.averaging.allreduce.wire import Request, reduce_digest
 from swarmavg.averaging.gauge import Gauge
+from swarmavg.averaging.stubs import REDUCE
 from swarmavg.compression import Codec, canonical_name, get_codec
-from swarmavg.dht.identity import HeaderError, verify_header
+from swarmavg.dht.auth import Authenticator
+from swarmavg.dht.identity import HeaderError
 from swarmavg.dht.tls import PeerTLS
 from swarmavg.proto import common_pb2
 
@@ -47,22 +49,20 @@ class AllReduceService:
 
     def __init__(
         self,
-        run_id: str,
+        authenticator: Authenticator,
         config: AllReduceConfig | None = None,
-        verify: Callable[[common_pb2.RequestHeader], bytes] | None = None,
         tls: PeerTLS | None = None,
     ) -> None:
         """Args:
-        run_id: the run this daemon serves; headers of another run are refused.
+        authenticator: the daemon's check of inbound messages (its run, its peer id as
+            the receiver, its replay cache); every stream's first message passes it.
         tls: the peer's TLS setup in a private run: the data plane's server and connections
             are then mutual TLS (None: plain TCP, a public run).
         config: timings and sizes of every round.
-        verify: header check returning the sender's peer id (default:
-            :func:`swarmavg.dht.identity.verify_header` for ``run_id``).
         """
-        self.run_id = run_id
+        self.authenticator = authenticator
+        self.run_id = authenticator.run_id
         self.config = config or AllReduceConfig()
-        self._verify = verify or (lambda header: verify_header(header, run_id))
         self.executor: ThreadPoolExecutor | None = None
         if self.config.executor_threads > 0:
             self.executor = ThreadPoolExecutor(
@@ -192,6 +192,16 @@ class AllReduceService:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._registered.wait(), remaining)
 
+    def _authenticate(self, first: Request) -> bytes:
+        """The sender of a stream, from its first message's signature (both transports carry
+        the same bytes). Once per stream: later chunks cost no signature work.
+
+        Raises:
+            HeaderError: unsigned, copied, replayed, stale, for another reducer or group.
+        """
+        digest = reduce_digest(first.group_id, first.part_index, first.weight, first.chunk_index)
+        return self.authenticator.check(first.header or common_pb2.RequestHeader(), REDUCE, digest)
+
     async def rpc_reduce(
         self,
         request_iterator: AsyncIterator[Request],
@@ -228,7 +238,7 @@ class AllReduceService:
         if first.error:
             await abort_stream(context, grpc.StatusCode.INVALID_ARGUMENT, first.error)
         try:
-            peer_id = self._verify(first.header or common_pb2.RequestHeader())
+            peer_id = self._authenticate(first)
         except HeaderError as e:
             await abort_stream(context, grpc.StatusCode.UNAUTHENTICATED, str(e))
         round_ = self._rounds.get(first.group_id)

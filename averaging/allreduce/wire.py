@@ -16,6 +16,7 @@ every length, never raise, and report malformed input in an ``error`` field.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass
 
@@ -330,6 +331,21 @@ def _parse_request(data: bytes) -> Request:
         elif field == _REQUEST_INDEX_FIELD and wire_type == _VARINT:
             chunk_index = a
     return Request(header, group_id, part_index, weight, chunk_index, chunk, payload, len(data))
+
+
+def reduce_digest(group_id: bytes, part_index: int, weight: float, chunk_index: int) -> bytes:
+    """What a ``Reduce`` stream's first message is signed over (:mod:`swarmavg.dht.auth`).
+
+    The first message without its header and its chunk: the group, the part (whose reducer
+    is the receiver) and the weight. Chunks are not covered one by one: the stream is
+    authenticated once, at its start, and its later messages ride on the same HTTP/2 stream
+    or data-plane connection (docs/security.md). Both ends build the same small message, so
+    the sender signs what the receiver scans without either copying the payload.
+    """
+    naming = averaging_pb2.ReduceRequest(
+        group_id=group_id, part_index=part_index, weight=weight, chunk_index=chunk_index
+    )
+    return hashlib.sha256(naming.SerializeToString(deterministic=True)).digest()
 
 
 def pass_bytes(message: bytes) -> bytes:

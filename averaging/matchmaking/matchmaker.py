@@ -72,9 +72,10 @@ from swarmavg.averaging.matchmaking.declarations import (
     mismatched_schemas,
     requested_aggregation,
 )
-from swarmavg.averaging.stubs import join_group_method
+from swarmavg.averaging.stubs import JOIN_GROUP, join_group_method
+from swarmavg.dht.auth import AuthenticationError, message_digest
 from swarmavg.dht.channels import ChannelPool
-from swarmavg.dht.identity import HeaderError, verify_header
+from swarmavg.dht.identity import HeaderError
 from swarmavg.proto import averaging_pb2
 
 log = logging.getLogger(__name__)
@@ -484,7 +485,6 @@ class Matchmaker:
         req, me = rnd.request, rnd.me
         forever = math.inf
         request = averaging_pb2.JoinRequest(
-            header=self.dht.make_header(),
             key=req.key,
             schema_hash=req.schema_hash,
             mode=int(req.mode),
@@ -493,6 +493,11 @@ class Matchmaker:
             declared_start=me.start,
             data_port=req.data_port,
             aggregation=req.aggregation,
+        )
+        # Signed for the leader we dial (its id is in its declaration): nobody else can
+        # replay this request, and nobody can send one in our name.
+        request.header.CopyFrom(
+            self.dht.signer.sign(target.peer_id, JOIN_GROUP, message_digest(request))
         )
         call = join_group_method(self.channels.channel(target.address))(
             request, timeout=max(0.1, me.give_up - time.time() + 1.0)
@@ -567,7 +572,17 @@ class Matchmaker:
         except (grpc.aio.AioRpcError, TimeoutError) as error:
             # Dead, or only slow (a loaded machine): retry later with a growing pause
             # rather than writing it off; a dead peer fails fast, a slow one may answer.
-            log.debug("leader %s failed: %r", target.peer_id.hex()[:8], error)
+            if (
+                isinstance(error, grpc.aio.AioRpcError)
+                and error.code() == grpc.StatusCode.UNAUTHENTICATED
+            ):
+                # Our own signed request refused: most likely our clock is off by more than
+                # the peers' auth_window (docs/security.md); say so where a user looks.
+                log.warning(
+                    "leader %s refused our join: %s", target.peer_id.hex()[:8], error.details()
+                )
+            else:
+                log.debug("leader %s failed: %r", target.peer_id.hex()[:8], error)
             banned[target.peer_id] = time.time() + self._backoff(rnd, target.peer_id)
             return None
         finally:
@@ -675,7 +690,20 @@ class Matchmaker:
     ) -> AsyncIterator[averaging_pb2.JoinResponse]:
         """Answer a would-be follower at once; if accepted, stream the outcome later."""
         try:
-            peer_id = verify_header(request.header, self.run_id)
+            peer_id = self.dht.authenticator.check(
+                request.header, JOIN_GROUP, message_digest(request)
+            )
+        except AuthenticationError as error:
+            # A copied or replayed header: refused before it can displace anyone's join.
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
+        except HeaderError as error:
+            yield averaging_pb2.JoinResponse(
+                code=averaging_pb2.JOIN_REJECT_BAD_REQUEST,
+                leader_id=self.peer_id,
+                detail=str(error),
+            )
+            return
+        try:
             member = member_from_join_request(peer_id, request)
             aggregation = requested_aggregation(request)
         except (HeaderError, ValueError) as error:

@@ -49,9 +49,10 @@ from swarmavg.averaging.state.format import (
     unpack_state,
 )
 from swarmavg.averaging.state.store import StateStore
-from swarmavg.averaging.stubs import download_state_method
+from swarmavg.averaging.stubs import DOWNLOAD_STATE, download_state_method
+from swarmavg.dht.auth import AuthenticationError, message_digest
 from swarmavg.dht.channels import ChannelPool
-from swarmavg.dht.identity import HeaderError, verify_header
+from swarmavg.dht.identity import HeaderError
 from swarmavg.dht.records import owner_suffix
 from swarmavg.proto import averaging_pb2
 
@@ -319,13 +320,19 @@ class StateSharer:
         self._held = verified if self.config.keep_loaded_chunks else {}
         return metadata, tensors
 
+    def _signed(
+        self, donor: Advertisement, request: averaging_pb2.StateRequest
+    ) -> averaging_pb2.StateRequest:
+        """``request`` with a header signed for ``donor`` (its id is in its advert)."""
+        digest = message_digest(request)
+        request.header.CopyFrom(self.dht.signer.sign(donor.peer_id, DOWNLOAD_STATE, digest))
+        return request
+
     def _download_call(self, donor: Advertisement) -> grpc.aio.UnaryStreamMultiCallable:
         return download_state_method(self.channels.channel(donor.address))
 
     async def _fetch_manifest(self, donor: Advertisement, root: bytes, cap: int) -> Manifest:
-        request = averaging_pb2.StateRequest(
-            header=self.dht.make_header(), root=root, want_manifest=True
-        )
+        request = self._signed(donor, averaging_pb2.StateRequest(root=root, want_manifest=True))
         call = self._download_call(donor)(request, timeout=self.config.message_timeout)
         try:
             async with asyncio.timeout(self.config.message_timeout):
@@ -402,8 +409,8 @@ class StateSharer:
     async def _fetch_batch(
         self, donor: Advertisement, batch: list[bytes], got: dict[bytes, bytes]
     ) -> None:
-        request = averaging_pb2.StateRequest(
-            header=self.dht.make_header(), root=donor.root, chunk_hashes=batch
+        request = self._signed(
+            donor, averaging_pb2.StateRequest(root=donor.root, chunk_hashes=batch)
         )
         call = self._download_call(donor)(request)
         try:
@@ -439,7 +446,9 @@ class StateSharer:
         ``STATE_BUSY`` (issue 17).
         """
         try:
-            verify_header(request.header, self.run_id)
+            self.dht.authenticator.check(request.header, DOWNLOAD_STATE, message_digest(request))
+        except AuthenticationError as error:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
         except HeaderError as error:
             await self._write(
                 context,

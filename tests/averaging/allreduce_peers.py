@@ -18,8 +18,7 @@ from swarmavg.averaging.allreduce.service import AllReduceService
 from swarmavg.averaging.group import GroupInfo, Member, Mode, schema_hash
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.averaging.service import add_reduce_to_server
-from swarmavg.dht import ChannelPool, Identity
-from swarmavg.proto import common_pb2
+from swarmavg.dht import Authenticator, ChannelPool, Identity, RequestSigner
 from tests.harness import GrpcServerPool
 
 RUN_ID = "test-allreduce"
@@ -37,8 +36,8 @@ class LocalPeer:
     data_port: int = 0
 
     @property
-    def header(self) -> common_pb2.RequestHeader:
-        return self.identity.make_header(RUN_ID, self.address)
+    def signer(self) -> RequestSigner:
+        return RequestSigner(self.identity, RUN_ID, lambda: self.address)
 
 
 async def start_peers(
@@ -50,7 +49,8 @@ async def start_peers(
 ) -> list[LocalPeer]:
     """``n`` reducers on gRPC servers; with ``data_plane`` (default: :data:`DATA_PLANE`)
     each also serves the framed-TCP data plane, which its group membership advertises."""
-    services = [AllReduceService(RUN_ID, config) for _ in range(n)]
+    identities = [Identity.generate() for _ in range(n)]
+    services = [AllReduceService(Authenticator(i, RUN_ID), config) for i in identities]
 
     def register(server: grpc.aio.Server, i: int) -> None:
         add_reduce_to_server(services[i], server)
@@ -59,7 +59,7 @@ async def start_peers(
     ports = [0] * n
     if DATA_PLANE if data_plane is None else data_plane:
         ports = [await s.start_data_plane("127.0.0.1") for s in services]
-    return [LocalPeer(Identity.generate(), services[i], addresses[i], ports[i]) for i in range(n)]
+    return [LocalPeer(identities[i], services[i], addresses[i], ports[i]) for i in range(n)]
 
 
 async def close_peers(peers: Sequence[LocalPeer]) -> None:
@@ -113,7 +113,7 @@ async def run_group(
             deadline=deadline,
             service=peers[i].service,
             channels=channels,
-            header=peers[i].header,
+            signer=peers[i].signer,
             fault_plan=faults.get(i),
         )
 

@@ -224,7 +224,7 @@ async def test_input_validation(grpc_servers: GrpcServerPool, channels: ChannelP
     try:
         inputs = _inputs(2, SHAPES_F32)
         group = make_group(peers, inputs[0])
-        service, header = peers[0].service, peers[0].header
+        service, signer = peers[0].service, peers[0].signer
         soon = time.monotonic() + 5
 
         async def run(tensors: list[np.ndarray], weight: float = 1.0, index: int = 0) -> None:
@@ -236,7 +236,7 @@ async def test_input_validation(grpc_servers: GrpcServerPool, channels: ChannelP
                 deadline=soon,
                 service=service,
                 channels=channels,
-                header=header,
+                signer=signer,
             )
 
         with pytest.raises(ValueError, match="schema"):
@@ -260,7 +260,7 @@ async def test_input_validation(grpc_servers: GrpcServerPool, channels: ChannelP
                 deadline=time.monotonic() - 1,
                 service=service,
                 channels=channels,
-                header=header,
+                signer=signer,
             )
     finally:
         await close_peers(peers)

@@ -22,10 +22,12 @@ from swarmavg.averaging.allreduce.load_balancing import part_sizes
 from swarmavg.averaging.allreduce.partition import PartPlan, chunk_elements_for
 from swarmavg.averaging.allreduce.reducer import weighted_mean
 from swarmavg.averaging.allreduce.runner import _bytes_per_element
+from swarmavg.averaging.allreduce.wire import reduce_digest
 from swarmavg.averaging.group import GroupInfo, Mode
 from swarmavg.averaging.result import AveragingResult
+from swarmavg.averaging.stubs import REDUCE
 from swarmavg.compression import CodecInfo, get_codec
-from swarmavg.dht import ChannelPool, Identity
+from swarmavg.dht import ChannelPool, Identity, RequestSigner
 from swarmavg.proto import averaging_pb2
 from tests.averaging.allreduce_peers import (
     FAST,
@@ -66,18 +68,30 @@ class Hostile:
         )
 
     def first(
-        self, part: int, c: int | None = 0, **overrides: object
+        self,
+        part: int,
+        c: int | None = 0,
+        identity: Identity | None = None,
+        **overrides: object,
     ) -> averaging_pb2.ReduceRequest:
+        """The stream's first message, signed by ``identity`` (default: the hostile
+        member's) for the part's reducer, unless ``header`` overrides the header."""
         request = self.chunk(part, c) if c is not None else averaging_pb2.ReduceRequest()
-        request.header.CopyFrom(self.identity.make_header(RUN_ID))
         request.group_id = self.group.group_id
         request.part_index = part
         request.weight = 1.0
         for key, value in overrides.items():
-            if key == "header":
-                request.header.CopyFrom(value)  # type: ignore[arg-type]
-            else:
+            if key != "header":
                 setattr(request, key, value)
+        if "header" in overrides:
+            request.header.CopyFrom(overrides["header"])  # type: ignore[arg-type]
+        else:
+            signer = RequestSigner(identity or self.identity, RUN_ID, lambda: "")
+            digest = reduce_digest(
+                request.group_id, request.part_index, request.weight, request.chunk_index
+            )
+            receiver = self.group.members[part].peer_id
+            request.header.CopyFrom(signer.sign(receiver, REDUCE, digest))
         return request
 
     def valid(self, part: int) -> list[averaging_pb2.ReduceRequest]:
@@ -127,7 +141,7 @@ SCENARIOS: dict[str, tuple[Scenario, set[grpc.StatusCode] | None, str | None]] =
         "no chunk",
     ),
     "not-a-member": (
-        lambda h, p: [h.first(p, header=Identity.generate().make_header(RUN_ID))],
+        lambda h, p: [h.first(p, identity=Identity.generate())],
         {grpc.StatusCode.PERMISSION_DENIED},
         "no chunk",
     ),

@@ -14,7 +14,7 @@ from swarmavg.averaging.matchmaking.declarations import Declaration, decode_decl
 from swarmavg.averaging.matchmaking.keys import matchmaking_key
 from swarmavg.averaging.matchmaking.matchmaker import MatchmakingEvent, dictionary_entries
 from swarmavg.averaging.result import AveragingResult
-from swarmavg.averaging.stubs import join_group_method
+from swarmavg.averaging.stubs import JOIN_GROUP, join_group_method
 from swarmavg.proto import averaging_pb2
 from tests.averaging.averager_swarm import RUN_ID, AveragerSwarm, Peer, averager_swarm
 
@@ -148,13 +148,13 @@ async def test_simultaneous_mutual_join_does_not_deadlock() -> None:
         def ask(asker: Peer, leader: Peer) -> grpc.aio.UnaryStreamCall:
             d = found[asker.peer_id]
             request = averaging_pb2.JoinRequest(
-                header=asker.node.make_header(),
                 key=key,
                 schema_hash=found[leader.peer_id].schema_hash,
                 mode=int(d.mode),
                 bandwidth=d.bandwidth,
                 declared_start=d.start,
             )
+            asker.node.signer.signed(request, leader.peer_id, JOIN_GROUP)
             return join_group_method(asker.channels.channel(leader.address))(request, timeout=10)
 
         calls = [ask(a, b), ask(b, a)]
@@ -186,26 +186,23 @@ async def test_bad_join_requests_get_explicit_codes_and_change_nothing() -> None
 
         async def ask(**fields: object) -> averaging_pb2.JoinResponse:
             request = averaging_pb2.JoinRequest(
-                header=stranger.node.make_header(),
-                key=key,
-                schema_hash=schema,
-                declared_start=time.time() + 100,
+                key=key, schema_hash=schema, declared_start=time.time() + 100
             )
             for name, value in fields.items():
-                if name == "header":
-                    request.header.CopyFrom(value)  # type: ignore[arg-type]
-                else:
+                if name != "header":
                     setattr(request, name, value)
+            stranger.node.signer.signed(request, leader.peer_id, JOIN_GROUP)
+            if "header" in fields:
+                request.header.CopyFrom(fields["header"])  # type: ignore[arg-type]
             call = join_group_method(stranger.channels.channel(leader.address))(request, timeout=5)
             try:
                 return await call.read()  # type: ignore[no-any-return]
             finally:
                 call.cancel()
 
-        forged = stranger.node.make_header()
+        forged = stranger.node.identity.make_header(RUN_ID)
         forged.peer_id = late.peer_id  # claims another peer's id with its own key
-        wrong_run = stranger.node.make_header()
-        wrong_run.run_id = "other-run"
+        wrong_run = stranger.node.identity.make_header("other-run")
         cases = [
             ({"header": forged}, averaging_pb2.JOIN_REJECT_BAD_REQUEST),
             ({"header": wrong_run}, averaging_pb2.JOIN_REJECT_BAD_REQUEST),
@@ -237,17 +234,18 @@ async def test_repeated_join_supersedes_the_stale_stream() -> None:
         )
         await swarm.wait_for(lambda: any(e[0] is MatchmakingEvent.DECLARED for e in leader.events))
         schema = (await declarations(leader, key))[leader.peer_id].schema_hash
-        request = averaging_pb2.JoinRequest(
-            header=stranger.node.make_header(),
-            key=key,
-            schema_hash=schema,
-            declared_start=time.time() + 100,
-        )
+
+        def join_request() -> averaging_pb2.JoinRequest:
+            request = averaging_pb2.JoinRequest(
+                key=key, schema_hash=schema, declared_start=time.time() + 100
+            )
+            return stranger.node.signer.signed(request, leader.peer_id, JOIN_GROUP)
+
         method = join_group_method(stranger.channels.channel(leader.address))
-        first, second = method(request, timeout=10), None
+        first, second = method(join_request(), timeout=10), None
         try:
             assert (await first.read()).code == averaging_pb2.JOIN_ACCEPTED
-            second = method(request, timeout=10)
+            second = method(join_request(), timeout=10)  # signed anew: a copy is a replay
             assert (await second.read()).code == averaging_pb2.JOIN_ACCEPTED
             assert (await first.read()).code == averaging_pb2.JOIN_DISBANDED
         finally:

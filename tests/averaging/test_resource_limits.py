@@ -29,7 +29,8 @@ from swarmavg.averaging.group import Mode
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.averaging.service import add_reduce_to_server
 from swarmavg.compression import registry
-from swarmavg.dht import ChannelPool
+from swarmavg.dht import ChannelPool, Identity
+from swarmavg.dht.auth import Authenticator
 from swarmavg.dht.server_limits import ServerLimits, make_server
 from swarmavg.proto import averaging_pb2, common_pb2
 from tests.averaging.allreduce_peers import FAST, close_peers, make_group, run_group, start_peers
@@ -296,7 +297,10 @@ async def test_server_limits_cap_streams_per_connection() -> None:
     """A server made by ``make_server`` serves at most ``max_concurrent_streams`` streams
     of one connection at once (the rest wait on the client or are refused); gRPC's own
     default lets a connection open 2^31 - 1, so all 8 would be in handlers."""
-    service = AllReduceService("test-allreduce", dataclasses.replace(FAST, registration_wait=30.0))
+    service = AllReduceService(
+        Authenticator(Identity.generate(), "test-allreduce"),
+        dataclasses.replace(FAST, registration_wait=30.0),
+    )
     server = make_server(ServerLimits(max_concurrent_streams=4))
     add_reduce_to_server(service, server)
     port = server.add_insecure_port("127.0.0.1:0")

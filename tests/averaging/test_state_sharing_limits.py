@@ -10,7 +10,7 @@ import pytest
 
 from swarmavg.averaging import StateDownloadError
 from swarmavg.averaging.state.config import StateSharingConfig
-from swarmavg.averaging.stubs import download_state_method
+from swarmavg.averaging.stubs import DOWNLOAD_STATE, download_state_method
 from swarmavg.proto import averaging_pb2
 from tests.averaging.averager_swarm import AveragerSwarm, fast_config
 
@@ -43,10 +43,9 @@ async def test_eight_slow_readers_do_not_make_every_joiner_busy() -> None:
             )
             channels.append(channel)
             request = averaging_pb2.StateRequest(
-                header=joiner.node.make_header(),
-                root=manifest.root,
-                chunk_hashes=manifest.chunk_hashes,
+                root=manifest.root, chunk_hashes=manifest.chunk_hashes
             )
+            joiner.node.signer.signed(request, donor.node.peer_id, DOWNLOAD_STATE)
             calls.append(download_state_method(channel)(request, timeout=60))
         await asyncio.wait_for(sharer.uploads.wait_until(lambda n: n == 8), 30)
         metadata, loaded = await joiner.averager.load_state(timeout=30)

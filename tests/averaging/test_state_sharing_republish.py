@@ -16,7 +16,7 @@ import pytest
 
 from swarmavg.averaging.state.config import DonorFaults, StateSharingConfig
 from swarmavg.averaging.state.format import PackedState, pack_state
-from swarmavg.averaging.stubs import download_state_method
+from swarmavg.averaging.stubs import DOWNLOAD_STATE, download_state_method
 from swarmavg.proto import averaging_pb2
 from tests.averaging.averager_swarm import AveragerSwarm, Peer, fast_config
 
@@ -77,9 +77,8 @@ async def ask(
     joiner: Peer, donor: Peer, root: bytes, manifest: bool = False, chunks: Sequence[bytes] = ()
 ) -> list[averaging_pb2.StateResponse]:
     """One raw ``DownloadState`` call, as a joiner sends it."""
-    request = averaging_pb2.StateRequest(
-        header=joiner.node.make_header(), root=root, want_manifest=manifest, chunk_hashes=chunks
-    )
+    request = averaging_pb2.StateRequest(root=root, want_manifest=manifest, chunk_hashes=chunks)
+    joiner.node.signer.signed(request, donor.peer_id, DOWNLOAD_STATE)
     call = download_state_method(joiner.channels.channel(donor.address))(request, timeout=10)
     return [message async for message in call]
 

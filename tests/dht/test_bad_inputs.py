@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import pytest
+from google.protobuf.message import DecodeError
 
-from swarmavg.dht import DHTConfig, DHTLimits, DHTNode, Identity
+from swarmavg.dht import DHTConfig, DHTLimits, DHTNode, Identity, RequestSigner
 from swarmavg.dht.identity import PROTOCOL_VERSION, address_signature_payload
 from swarmavg.dht.ids import key_id
 from swarmavg.dht.records import owner_suffix, pack, pack_subkey, signing_payload
 from swarmavg.proto import common_pb2, dht_pb2
+
+REQUEST_TYPES: dict[str, type[Any]] = {
+    "Ping": dht_pb2.PingRequest,
+    "Store": dht_pb2.StoreRequest,
+    "Find": dht_pb2.FindRequest,
+}
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -28,8 +36,9 @@ LIMITS = DHTLimits(
 class Attacker:
     """Sends hand-made requests to one node."""
 
-    def __init__(self, channel: grpc.aio.Channel, run_id: str = "test") -> None:
+    def __init__(self, channel: grpc.aio.Channel, receiver_id: bytes, run_id: str = "test") -> None:
         self.channel = channel
+        self.receiver_id = receiver_id  # the target node's id, which signatures name
         self.identity = Identity.generate()
         self.run_id = run_id
         self.address = "127.0.0.1:9"
@@ -45,9 +54,28 @@ class Attacker:
         payload = address_signature_payload(self.run_id, self.identity.peer_id, self.address)
         return self.identity.sign(payload)
 
+    def _signed(self, method: str, body: bytes) -> bytes:
+        """``body`` signed by the attacker's own key when its header is the attacker's own
+        unsigned one: these tests probe the checks behind the signature. The header's other
+        fields (run, version, id) are kept as the test set them."""
+        try:
+            request = REQUEST_TYPES[method].FromString(body)
+        except DecodeError:
+            return body
+        header = request.header
+        if header.public_key != self.identity.public_key or header.signature:
+            return body
+        wanted = common_pb2.RequestHeader()
+        wanted.CopyFrom(header)
+        signer = RequestSigner(self.identity, self.run_id, lambda: self.address)
+        signer.signed(request, self.receiver_id, f"/swarmavg.v1.DHT/{method}")
+        for name in ("run_id", "protocol_version", "peer_id", "address"):
+            setattr(request.header, name, getattr(wanted, name))
+        return request.SerializeToString()
+
     async def raw(self, method: str, body: bytes) -> bytes:
         call = self.channel.unary_unary(f"/swarmavg.v1.DHT/{method}")
-        data: bytes = await call(body, timeout=5)
+        data: bytes = await call(self._signed(method, body), timeout=5)
         return data
 
     async def store(self, records: list[dht_pb2.Record], **header: object) -> bytes:
@@ -74,7 +102,7 @@ async def target() -> AsyncIterator[tuple[DHTNode, Attacker]]:
     friend = await DHTNode.create(DHTConfig(run_id="test", initial_peers=[node.address]))
     assert friend.peer_id in node.routing
     channel = grpc.aio.insecure_channel(node.address)
-    attacker = Attacker(channel)
+    attacker = Attacker(channel, node.peer_id)
     attacker.victim = friend
     try:
         yield node, attacker
@@ -162,7 +190,10 @@ async def test_wrong_run_version_and_spoofed_ids(target: tuple[DHTNode, Attacker
     assert "does not match" in details
     # copying the victim's public key too: the header checks out, but the address signature
     # (made with the attacker's key) does not, so the victim's routing entry cannot be hijacked
-    ping = dht_pb2.PingRequest(header=victim.make_header(), address_signature=attacker.signature())
+    ping = dht_pb2.PingRequest(
+        header=victim.identity.make_header("test", victim.address or ""),
+        address_signature=attacker.signature(),
+    )
     ping.header.address = attacker.address
     await expect_error(S.UNAUTHENTICATED, lambda: attacker.raw("Ping", ping.SerializeToString()))
     # nor by replaying the victim's own address signature with another address
@@ -170,7 +201,10 @@ async def test_wrong_run_version_and_spoofed_ids(target: tuple[DHTNode, Attacker
     victim_signature = victim.identity.sign(  # what the victim sends with each request
         address_signature_payload("test", victim.peer_id, victim.address)
     )
-    replay = dht_pb2.PingRequest(header=victim.make_header(), address_signature=victim_signature)
+    replay = dht_pb2.PingRequest(
+        header=victim.identity.make_header("test", victim.address),
+        address_signature=victim_signature,
+    )
     replay.header.address = attacker.address
     await expect_error(S.UNAUTHENTICATED, lambda: attacker.raw("Ping", replay.SerializeToString()))
     assert snapshot(node) == before

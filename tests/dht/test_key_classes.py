@@ -19,7 +19,7 @@ from swarmavg.averaging.matchmaking.declarations import Declaration
 from swarmavg.averaging.protocol_keys import protocol_key_classes
 from swarmavg.averaging.state.format import HASH_BYTES
 from swarmavg.averaging.training.progress import PeerProgress
-from swarmavg.dht import DHTNode, Identity, owner_suffix
+from swarmavg.dht import DHTNode, Identity, RequestSigner, owner_suffix
 from swarmavg.dht.identity import address_signature_payload
 from swarmavg.dht.ids import key_id
 from swarmavg.dht.records import StoredRecord, pack, pack_subkey, signing_payload
@@ -81,33 +81,36 @@ def protocol_config(**changes: Any) -> dict[str, Any]:
 class Sender:
     """Hand-made requests to one node, from a serving identity of its run."""
 
-    def __init__(self, address: str, run_id: str = RUN) -> None:
+    def __init__(self, address: str, receiver_id: bytes, run_id: str = RUN) -> None:
         self.channel = grpc.aio.insecure_channel(address)
+        self.receiver_id = receiver_id
         self.identity = Identity.generate()
         self.run_id = run_id
         self.address = "127.0.0.1:9"
 
-    def _prefix(self) -> tuple[Any, bytes]:
-        header = self.identity.make_header(self.run_id, self.address)
+    def _signature(self) -> bytes:
         payload = address_signature_payload(self.run_id, self.identity.peer_id, self.address)
-        return header, self.identity.sign(payload)
+        return self.identity.sign(payload)
+
+    def _signed(self, request: Any, method: str) -> Any:
+        signer = RequestSigner(self.identity, self.run_id, lambda: self.address)
+        return signer.signed(request, self.receiver_id, f"/swarmavg.v1.DHT/{method}")
 
     async def store(self, records: list[dht_pb2.Record]) -> list[int]:
-        header, signature = self._prefix()
-        request = dht_pb2.StoreRequest(header=header, address_signature=signature, records=records)
+        request = dht_pb2.StoreRequest(address_signature=self._signature(), records=records)
+        self._signed(request, "Store")
         call = self.channel.unary_unary("/swarmavg.v1.DHT/Store")
         data: bytes = await call(request.SerializeToString(), timeout=5)
         return list(dht_pb2.StoreResponse.FromString(data).statuses)
 
     async def find_storing(self, records: list[dht_pb2.Record]) -> list[int]:
-        header, signature = self._prefix()
         request = dht_pb2.FindRequest(
-            header=header,
-            address_signature=signature,
+            address_signature=self._signature(),
             key_ids=sorted({key_id(r.key) for r in records}),
             store=records,
             replication=20,
         )
+        self._signed(request, "Find")
         call = self.channel.unary_unary("/swarmavg.v1.DHT/Find")
         data: bytes = await call(request.SerializeToString(), timeout=5)
         return list(dht_pb2.FindResponse.FromString(data).store_statuses)
@@ -171,7 +174,7 @@ async def pair() -> AsyncIterator[tuple[DHTNode, DHTNode, Sender]]:
     async with swarm(2, **protocol_config()) as s:
         target, honest = s.nodes
         assert target.address is not None
-        attacker = Sender(target.address)
+        attacker = Sender(target.address, target.peer_id)
         try:
             yield target, honest, attacker
         finally:

@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from swarmavg.dht import Identity, owner_suffix
+from swarmavg.dht import Identity, RequestSigner, owner_suffix
 from swarmavg.dht.identity import address_signature_payload
 from swarmavg.dht.ids import key_id
 from swarmavg.dht.records import StoredRecord
@@ -22,13 +22,13 @@ from tests.dht.swarm import swarm
 pytestmark = pytest.mark.timeout(60)
 
 
-async def replay(address: str, run_id: str, record: StoredRecord) -> list[int]:
-    """Send ``record`` unchanged in a raw ``Store`` to ``address``; return the statuses."""
+async def replay(address: str, receiver_id: bytes, run_id: str, record: StoredRecord) -> list[int]:
+    """Send ``record`` unchanged in a raw ``Store`` to ``address`` (the node ``receiver_id``),
+    signed by a fresh identity; return the statuses."""
     identity = Identity.generate()
     own = "127.0.0.1:9"
     signature = identity.sign(address_signature_payload(run_id, identity.peer_id, own))
     request = dht_pb2.StoreRequest(
-        header=identity.make_header(run_id, own),
         address_signature=signature,
         records=[
             dht_pb2.Record(
@@ -42,6 +42,8 @@ async def replay(address: str, run_id: str, record: StoredRecord) -> list[int]:
             )
         ],
     )
+    signer = RequestSigner(identity, run_id, lambda: own)
+    signer.signed(request, receiver_id, "/swarmavg.v1.DHT/Store")
     async with grpc.aio.insecure_channel(address) as channel:
         call = channel.unary_unary("/swarmavg.v1.DHT/Store")
         data: bytes = await call(request.SerializeToString(), timeout=5)
@@ -61,7 +63,7 @@ async def test_an_owned_record_cannot_be_replayed_into_another_run() -> None:
             newer = b.nodes[0]
             assert newer.address is not None
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await replay(newer.address, "run-b", captured)
+                await replay(newer.address, newer.peer_id, "run-b", captured)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "another run" in str(info.value.details())
             assert newer.storage.get(key_id(key.encode())) == []
@@ -84,7 +86,7 @@ async def test_an_owner_replaces_its_record_and_an_old_version_cannot_be_replaye
         for node in s.nodes:
             held = [r.expiration for r in node.storage.get(key_id(key.encode()))]
             assert node.address is not None
-            statuses = await replay(node.address, "test", old)
+            statuses = await replay(node.address, node.peer_id, "test", old)
             if held == [soon]:  # a holder of the newer version keeps it
                 holders += 1
                 assert statuses == [dht_pb2.STORE_STATUS_OUTDATED]

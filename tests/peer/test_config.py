@@ -48,6 +48,7 @@ SAMPLES: dict[str, str] = {
     "local_window": "0.25",
     "shutdown_grace": "1.5",
     "bootstrap_timeout": "4.0",
+    "auth_window": "60.0",
     "group_size": "8",
     "bandwidth": "250.0",
     "default_codec": '"uint8-blockwise"',
@@ -372,6 +373,7 @@ def test_sample_values_reach_the_component_configs() -> None:
     dht, averager = config.dht_config(), config.averager_config()
     assert (dht.run_id, dht.initial_peers, dht.client_mode) == ("r", ("1.2.3.4:6",), True)
     assert dht.bootstrap_timeout == 4.0
+    assert dht.auth_window == 60.0
     assert averager.mode is Mode.CLIENT
     assert averager.bandwidth == 250.0
     assert averager.target_group_size == 8
