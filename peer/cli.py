@@ -1,7 +1,8 @@
 """The ``swarmavg`` command line (docs/peer.md).
 
 ``swarmavg peer`` runs a daemon in the foreground, ``swarmavg dht`` a bare DHT node,
-``swarmavg status`` asks a running daemon for its figures. The daemon prints exactly one
+``swarmavg status`` asks a running daemon for its figures, ``swarmavg peers`` for every peer of
+its run. The daemon prints exactly one
 JSON line on stdout once it is ready; everything else (logs, errors) goes to stderr.
 Heavy modules are imported only by the subcommand that needs them, so ``--help`` is fast
 and the daemon never loads torch.
@@ -63,7 +64,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_daemon_flags(dht, "dht")
     status = sub.add_parser("status", help="show a running daemon's figures")
-    which = status.add_mutually_exclusive_group()
+    _add_endpoint_flags(status)
+    peers = sub.add_parser(
+        "peers",
+        help="show every peer of the run: address, mode, epoch, samples/s, last seen",
+        description="Ask a running daemon for every peer of its run (progress records read "
+        "through the DHT, addresses from its routing table) and the run's epoch, "
+        "samples/s and time to the next global step.",
+    )
+    _add_endpoint_flags(peers)
+    peers.add_argument(
+        "--training-run",
+        metavar="NAME",
+        help="the run id the trainers report progress under, when it differs from the "
+        "daemon's (default: the daemon's run id)",
+    )
+    return parser
+
+
+def _add_endpoint_flags(parser: argparse.ArgumentParser) -> None:
+    """``--run-id | --control`` and ``--json``: which daemon to ask, how to answer."""
+    which = parser.add_mutually_exclusive_group()
     which.add_argument(
         "--run-id",
         metavar="NAME",
@@ -75,8 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the daemon's control endpoint (default: $SWARMAVG_CONTROL; with neither this "
         "nor a run id, the one daemon of this user on a default socket)",
     )
-    status.add_argument("--json", action="store_true", help="print one JSON object")
-    return parser
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _config_from_args(args: argparse.Namespace) -> PeerConfig:
@@ -212,6 +232,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_peers(args: argparse.Namespace) -> int:
+    from swarmavg.peer.client import connect, resolve_endpoint
+    from swarmavg.peer.errors import SwarmError
+    from swarmavg.peer.peers_table import format_peers
+
+    try:
+        endpoint = resolve_endpoint(args.control, args.run_id)
+        with connect(str(endpoint), use_shm=False) as client:
+            view = client.peers(args.training_run)
+    except SwarmError as exc:
+        _error("peers", str(exc))
+        return EXIT_STARTUP
+    if args.json:
+        print(json.dumps(view, sort_keys=True))
+    else:
+        print(format_peers(view))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The console script (``swarmavg``). Ctrl+C before a daemon's own signal handlers are
     installed (e.g. while importing) exits quietly with status 130."""
@@ -229,6 +268,8 @@ def _main(argv: Sequence[str] | None) -> int:
         return EXIT_USAGE
     if args.command == "status":
         return cmd_status(args)
+    if args.command == "peers":
+        return cmd_peers(args)
     return cmd_daemon(args)
 
 

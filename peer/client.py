@@ -39,6 +39,7 @@ from swarmavg.peer.errors import (
     ValidationError,
     error_from_rpc,
 )
+from swarmavg.peer.run_view import view_to_dict
 from swarmavg.peer.shm import SegmentPool
 from swarmavg.peer.validation import validate_key
 from swarmavg.proto import control_pb2, control_pb2_grpc
@@ -281,6 +282,16 @@ class Client:
         """The daemon's figures (see ``swarmavg status --json``)."""
         return status_to_dict(self._unary(self._stub.Status, control_pb2.StatusRequest()))
 
+    def peers(self, training_run: str | None = None) -> dict[str, Any]:
+        """Every peer of the run and the run's progress (see ``swarmavg peers --json``).
+
+        Args:
+            training_run: the run id the trainers report progress under (default: the
+                daemon's run id, which is what the wrappers use when given the same one).
+        """
+        request = control_pb2.PeersRequest(training_run=training_run or "")
+        return view_to_dict(self._unary(self._stub.Peers, request, SHORT_CALL_TIMEOUT))
+
     def close(self) -> None:
         """Close the channel (idempotent)."""
         self._channel.close()
@@ -450,6 +461,11 @@ class AsyncClient:
     async def status(self) -> dict[str, Any]:
         """Same as :meth:`Client.status`, as a coroutine."""
         return status_to_dict(await self._unary(self._stub.Status, control_pb2.StatusRequest()))
+
+    async def peers(self, training_run: str | None = None) -> dict[str, Any]:
+        """Same as :meth:`Client.peers`, as a coroutine."""
+        request = control_pb2.PeersRequest(training_run=training_run or "")
+        return view_to_dict(await self._unary(self._stub.Peers, request, SHORT_CALL_TIMEOUT))
 
     async def close(self) -> None:
         """Close the channel (idempotent)."""

@@ -53,6 +53,7 @@ class ControlBackend(Protocol):
     async def publish_state(self, arrays: list[np.ndarray], metadata: bytes) -> None: ...
     async def load_state(self, timeout: float) -> tuple[bytes, list[np.ndarray]]: ...
     def status(self) -> control_pb2.StatusResponse: ...
+    async def peers(self, training_run: str) -> control_pb2.PeersResponse: ...
     def record_failure(self, reason: str) -> None: ...
 
 
@@ -159,6 +160,12 @@ class ControlService(control_pb2_grpc.ControlServicer):
     ) -> control_pb2.StatusResponse:
         response = self._backend.status()
         response.active_calls = self.active_calls
+        return response
+
+    async def Peers(
+        self, request: control_pb2.PeersRequest, context: Any
+    ) -> control_pb2.PeersResponse:
+        response: control_pb2.PeersResponse = await self._unary(self.rpc_peers, request, context)
         return response
 
     async def _unary(
@@ -270,6 +277,11 @@ class ControlService(control_pb2_grpc.ControlServicer):
             value=msgpack.packb(value, use_bin_type=True),
             is_dict=isinstance(value, dict),
         )
+
+    async def rpc_peers(self, request: control_pb2.PeersRequest) -> control_pb2.PeersResponse:
+        if request.training_run:
+            validate_key(request.training_run)
+        return await self._backend.peers(request.training_run)
 
     async def rpc_publish_state(
         self, requests: AsyncIterator[control_pb2.StateMessage]

@@ -32,6 +32,7 @@ from swarmavg.averaging.matchmaking.matchmaker import MatchmakingEvent
 from swarmavg.averaging.protocol_keys import protocol_key_classes
 from swarmavg.averaging.request import RoundRequest
 from swarmavg.averaging.result import AveragingResult
+from swarmavg.averaging.training.progress import PeerProgress, parse_records
 from swarmavg.dht import (
     BootstrapError,
     ChannelPool,
@@ -54,6 +55,7 @@ from swarmavg.peer.control_access import (
 )
 from swarmavg.peer.endpoint import ControlEndpoint, parse_control_endpoint, prepare_unix_socket
 from swarmavg.peer.netutil import announce_address, explain_bind_failure
+from swarmavg.peer.run_view import Neighbour, ThisPeer, build_view, progress_keys
 from swarmavg.peer.stats import PeerStats
 from swarmavg.proto import control_pb2
 
@@ -362,6 +364,34 @@ class Peer:
             raise RuntimeError("the peer is not started")
         metadata, tensors = await self.averager.load_state(timeout)
         return bytes(metadata), list(tensors)
+
+    async def peers(self, training_run: str) -> control_pb2.PeersResponse:
+        """Every peer of the run and its progress (``swarmavg peers``): the progress records
+        of ``training_run`` (default: this daemon's run) read through the DHT, joined with
+        the routing table for addresses."""
+        if self.dht is None:
+            raise RuntimeError("the peer is not started")
+        keys = progress_keys(training_run or self.config.run_id)
+        values = await asyncio.gather(*(self.dht_get(key) for key in keys.values()))
+        now = time.time()
+        records: dict[str, list[PeerProgress]] = {}
+        ignored = 0
+        for method, (found, value) in zip(keys, values, strict=True):
+            records[method], bad = parse_records(value if found else None, now)
+            ignored += bad
+        seen_now = time.monotonic()
+        neighbours = [
+            Neighbour(c.peer_id.hex(), c.address, max(seen_now - c.last_seen, 0.0))
+            for c in self.dht.routing
+        ]
+        return build_view(
+            self.config.run_id,
+            ThisPeer(self.peer_id, self.address),
+            neighbours,
+            records,
+            now,
+            ignored,
+        )
 
     def status(self) -> control_pb2.StatusResponse:
         """The daemon's figures (``active_calls`` is filled in by the control service)."""
