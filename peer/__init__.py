@@ -4,6 +4,7 @@ Public API (docs/peer.md)::
 
     from swarmavg.peer import connect, connect_async, Peer, PeerConfig
     from swarmavg.peer import SwarmError, NoGroupError, DaemonUnavailableError, ValidationError
+    from swarmavg.peer import enable_logging   # the library's log lines in a training script
 
 ``Peer`` is imported lazily: a training process that only uses the client never loads the
 daemon's DHT and averaging modules.
@@ -32,6 +33,7 @@ from swarmavg.peer.errors import (
     SwarmTimeoutError,
     ValidationError,
 )
+from swarmavg.peer.logs import enable_logging
 
 if TYPE_CHECKING:
     from swarmavg.peer.daemon import Peer
@@ -62,4 +64,5 @@ __all__ = [
     "__version__",
     "connect",
     "connect_async",
+    "enable_logging",
 ]

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from swarmavg.peer import __version__
 from swarmavg.peer.config import PeerConfig
+from swarmavg.peer.logs import setup_daemon_logging
 from swarmavg.peer.settings import CONFIG_ENV, add_flags, flags_from_args, resolve_config
 
 EXIT_STARTUP = 1
@@ -40,6 +41,13 @@ def _add_daemon_flags(parser: argparse.ArgumentParser, command: str) -> None:
     add_flags(parser, command)
     parser.add_argument(
         "--config", metavar="FILE.toml", help=f"TOML config file (env {CONFIG_ENV})"
+    )
+    loudness = parser.add_mutually_exclusive_group()
+    loudness.add_argument(
+        "-v", "--verbose", action="store_true", help="log at DEBUG (same as --log-level DEBUG)"
+    )
+    loudness.add_argument(
+        "-q", "--quiet", action="store_true", help="log warnings and errors only (WARNING)"
     )
 
 
@@ -100,15 +108,27 @@ def _add_endpoint_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _config_from_args(args: argparse.Namespace) -> PeerConfig:
-    return resolve_config(flags_from_args(args, args.command), os.environ, args.config)
+    flags = flags_from_args(args, args.command)
+    if args.verbose or args.quiet:
+        if flags.get("log_level") is not None:
+            raise ValueError("give either --log-level or -v/-q, not both")
+        flags["log_level"] = "DEBUG" if args.verbose else "WARNING"
+    return resolve_config(flags, os.environ, args.config)
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def _announce_banner(record: dict[str, Any], command: str) -> None:
+    """The human part of the start (stderr, after the JSON ready line on stdout): how
+    others join, and a warning when they cannot reach the announced address."""
+    from swarmavg.peer.daemon_log import address_warning, announce_hint, join_banner
+
+    logger = logging.getLogger("swarmavg.peer.cli")
+    if logger.isEnabledFor(logging.INFO):
+        for line in join_banner(record, command):
+            print(line, file=sys.stderr)
+        sys.stderr.flush()
+    warning = address_warning(str(record["address"])) if record.get("address") else None
+    if warning is not None:
+        logger.warning("%s", announce_hint(warning))
 
 
 def _error(command: str, message: str) -> None:
@@ -172,8 +192,10 @@ async def serve(daemon: Daemon, command: str) -> int:
             await daemon.shutdown(0.0)
             return 0
         starting = False
-        sys.stdout.write(json.dumps(daemon.ready_record()) + "\n")
+        record = daemon.ready_record()
+        sys.stdout.write(json.dumps(record) + "\n")
         sys.stdout.flush()
+        _announce_banner(record, command)
         await stop.wait()
         await daemon.shutdown()
         return 0
@@ -197,7 +219,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     except ValueError as exc:
         _error(args.command, str(exc))
         return EXIT_USAGE
-    _setup_logging(config.log_level)
+    setup_daemon_logging(config.log_level)
     if args.command == "peer":
         from swarmavg.peer.daemon import Peer
 

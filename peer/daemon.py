@@ -28,6 +28,7 @@ import grpc
 import numpy as np
 
 from swarmavg.averaging.averager import Averager
+from swarmavg.averaging.errors import DataPlaneBindError
 from swarmavg.averaging.matchmaking.matchmaker import MatchmakingEvent
 from swarmavg.averaging.protocol_keys import protocol_key_classes
 from swarmavg.averaging.request import RoundRequest
@@ -53,6 +54,7 @@ from swarmavg.peer.control_access import (
     new_token,
     write_token_file,
 )
+from swarmavg.peer.daemon_log import narrate
 from swarmavg.peer.endpoint import ControlEndpoint, parse_control_endpoint, prepare_unix_socket
 from swarmavg.peer.netutil import announce_address, explain_bind_failure
 from swarmavg.peer.run_view import Neighbour, ThisPeer, build_view, progress_keys
@@ -86,10 +88,18 @@ def node_dht_config(cfg: PeerConfig) -> DHTConfig:
 def bootstrap_message(exc: BootstrapError) -> str:
     """One line naming every initial peer and why it did not answer."""
     reasons = "; ".join(f"{address}: {reason}" for address, reason in exc.failures.items())
-    return (
+    message = (
         f"could not join the swarm: no initial peer answered after {exc.attempts} "
         f"attempt(s) ({reasons})"
     )
+    if any("run id differs" in reason for reason in exc.failures.values()):
+        message += (
+            "; every peer of a run must use the same --run-id (SWARMAVG_RUN_ID): ask the "
+            "run's organiser for it"
+        )
+    elif any("protocol version" in reason for reason in exc.failures.values()):
+        message += "; the peers run another swarmavg version: install the run's version"
+    return message
 
 
 async def start_public_server(
@@ -210,12 +220,18 @@ class Peer:
         except BootstrapError as exc:
             raise StartupError(bootstrap_message(exc)) from None
         self._report_unreachable(cfg.join)
-        await self.averager.start()
+        try:
+            await self.averager.start()
+        except DataPlaneBindError as exc:
+            raise StartupError(str(exc)) from None
         await self._start_control()
         if cfg.metrics:
             await self._start_metrics(cfg.metrics)
         self._tasks.spawn(self._sweep_shm(), name="shm-sweeper")
-        log.info(
+        self._tasks.spawn(
+            narrate(self._contacts, self.stats, cfg.summary_interval), name="narrator"
+        )
+        log.debug(
             "peer %s ready: address=%s control=%s run=%s known_peers=%d",
             self.peer_id,
             self.address,
@@ -223,6 +239,10 @@ class Peer:
             cfg.run_id,
             self.dht.num_known_peers(),
         )
+
+    def _contacts(self) -> list[tuple[str, str]]:
+        """The routing table as ``(peer id hex, address)`` pairs (for the narrator)."""
+        return [] if self.dht is None else [(c.peer_id.hex(), c.address) for c in self.dht.routing]
 
     def _report_unreachable(self, initial: list[str]) -> None:
         """Warn about initial peers that are not in the routing table after joining
@@ -300,8 +320,9 @@ class Peer:
             await asyncio.sleep(1.0)
 
     def _on_matchmaking(self, event: MatchmakingEvent, key: str, peer_id: bytes) -> None:
+        # Per-round lines stay at DEBUG: the narrator's summary says how rounds went.
         if event is MatchmakingEvent.GROUP_FORMED:
-            log.info("group formed under %s", key)
+            log.debug("group formed under %s", key)
         else:
             log.debug("matchmaking %s under %s: %s", event.value, key, peer_id.hex()[:12])
 
@@ -319,8 +340,18 @@ class Peer:
             self.stats.record_failure("cancelled")
             raise
         except Exception as exc:
-            self.stats.record_failure(classify(exc)[1])
+            reason = classify(exc)[1]
+            self.stats.record_failure(reason)
+            log.info("round %s failed (%s): %s", request.key, reason, exc)
             raise
+        log.debug(
+            "round %s done: %d peers, codec %s, %d bytes sent%s",
+            request.key,
+            result.group_size,
+            result.codec,
+            result.bytes_sent,
+            " (partial)" if result.partial else "",
+        )
         self.stats.record_round(
             result.codec,
             time.monotonic() - started,

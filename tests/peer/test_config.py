@@ -42,6 +42,7 @@ SAMPLES: dict[str, str] = {
     "client_mode": "true",
     "identity": '"/tmp/id.key"',
     "metrics": '"127.0.0.1:7"',
+    "summary_interval": "30.0",
     "log_level": '"WARNING"',
     "local_window": "0.25",
     "shutdown_grace": "1.5",
