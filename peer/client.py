@@ -27,6 +27,7 @@ from swarmavg.peer.calls import (
     unpack_get,
 )
 from swarmavg.peer.control_access import ControlAccessError, call_metadata, check_socket_owner
+from swarmavg.peer.download_display import DownloadDisplay
 from swarmavg.peer.endpoint import (
     DEFAULT_RUN_ID,
     ControlEndpoint,
@@ -263,10 +264,15 @@ class Client:
     def load_state(self, timeout: float = 60.0) -> tuple[Any, list[Any]]:
         """Download the newest published state of the run: ``(metadata, numpy arrays)``.
 
+        While the daemon downloads, its progress (bytes, rate, ETA) shows as a tqdm bar on
+        a terminal when tqdm is installed, else as INFO lines of ``swarmavg.peer.client``
+        every few seconds.
+
         Raises:
             NoStateError: no peer has published state.
         """
-        receiver = StateReceiver()
+        display = DownloadDisplay()
+        receiver = StateReceiver(display.update)
         try:
             for message in self._stub.LoadState(
                 control_pb2.LoadStateRequest(timeout=timeout),
@@ -276,6 +282,8 @@ class Client:
                 receiver.feed(message)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, str(self.endpoint)) from None
+        finally:
+            display.close()
         return receiver.result()
 
     def status(self) -> dict[str, Any]:
@@ -445,7 +453,8 @@ class AsyncClient:
 
     async def load_state(self, timeout: float = 60.0) -> tuple[Any, list[Any]]:
         """Same as :meth:`Client.load_state`, as a coroutine."""
-        receiver = StateReceiver()
+        display = DownloadDisplay()
+        receiver = StateReceiver(display.update)
         try:
             stream = self._stub.LoadState(
                 control_pb2.LoadStateRequest(timeout=timeout),
@@ -456,6 +465,8 @@ class AsyncClient:
                 receiver.feed(message)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, str(self.endpoint)) from None
+        finally:
+            display.close()
         return receiver.result()
 
     async def status(self) -> dict[str, Any]:

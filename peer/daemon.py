@@ -33,6 +33,7 @@ from swarmavg.averaging.matchmaking.matchmaker import MatchmakingEvent
 from swarmavg.averaging.protocol_keys import protocol_key_classes
 from swarmavg.averaging.request import RoundRequest
 from swarmavg.averaging.result import AveragingResult
+from swarmavg.averaging.state.transfer import TransferProgress
 from swarmavg.averaging.training.progress import PeerProgress, parse_records
 from swarmavg.dht import (
     BootstrapError,
@@ -395,6 +396,10 @@ class Peer:
             raise RuntimeError("the peer is not started")
         metadata, tensors = await self.averager.load_state(timeout)
         return bytes(metadata), list(tensors)
+
+    def state_progress(self) -> TransferProgress | None:
+        """The newest state download's progress (for the LoadState call that waits on it)."""
+        return None if self.averager is None else self.averager.state_progress
 
     async def peers(self, training_run: str) -> control_pb2.PeersResponse:
         """Every peer of the run and its progress (``swarmavg peers``): the progress records

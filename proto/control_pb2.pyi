@@ -158,12 +158,24 @@ class StateHeader(_message.Message):
     def __init__(self, metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class StateMessage(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "progress")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     header: StateHeader
     data: TensorBytes
-    def __init__(self, header: _Optional[_Union[StateHeader, _Mapping]] = ..., data: _Optional[_Union[TensorBytes, _Mapping]] = ...) -> None: ...
+    progress: StateProgress
+    def __init__(self, header: _Optional[_Union[StateHeader, _Mapping]] = ..., data: _Optional[_Union[TensorBytes, _Mapping]] = ..., progress: _Optional[_Union[StateProgress, _Mapping]] = ...) -> None: ...
+
+class StateProgress(_message.Message):
+    __slots__ = ("bytes_done", "bytes_total", "seconds")
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    bytes_done: int
+    bytes_total: int
+    seconds: float
+    def __init__(self, bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class PublishStateResponse(_message.Message):
     __slots__ = ()
