@@ -5,6 +5,7 @@ Public API (docs/peer.md)::
     from swarmavg.peer import connect, connect_async, Peer, PeerConfig
     from swarmavg.peer import SwarmError, NoGroupError, DaemonUnavailableError, ValidationError
     from swarmavg.peer import enable_logging   # the library's log lines in a training script
+    from swarmavg.peer import start_peer       # a daemon in a background thread (context manager)
 
 ``Peer`` is imported lazily: a training process that only uses the client never loads the
 daemon's DHT and averaging modules.
@@ -36,6 +37,7 @@ from swarmavg.peer.errors import (
 from swarmavg.peer.logs import enable_logging
 
 if TYPE_CHECKING:
+    from swarmavg.peer.background import BackgroundPeer, start_peer
     from swarmavg.peer.daemon import Peer
 
 
@@ -44,6 +46,10 @@ def __getattr__(name: str) -> Any:
         from swarmavg.peer.daemon import Peer
 
         return Peer
+    if name in ("start_peer", "BackgroundPeer"):
+        from swarmavg.peer import background
+
+        return getattr(background, name)
     raise AttributeError(f"module 'swarmavg.peer' has no attribute {name!r}")
 
 
@@ -51,6 +57,7 @@ __all__ = [
     "AsyncClient",
     "AverageResult",
     "AveragingError",
+    "BackgroundPeer",
     "Client",
     "DaemonUnavailableError",
     "NoGroupError",
@@ -65,4 +72,5 @@ __all__ = [
     "connect",
     "connect_async",
     "enable_logging",
+    "start_peer",
 ]
