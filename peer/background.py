@@ -22,10 +22,13 @@ import asyncio
 import threading
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swarmavg.peer.client import Client, connect
 from swarmavg.peer.config import PeerConfig
+
+if TYPE_CHECKING:
+    from swarmavg.peer.daemon import Peer
 
 START_TIMEOUT = 120.0
 """Seconds ``start_peer`` waits for the daemon to be ready (bootstrap included)."""
@@ -42,6 +45,8 @@ class BackgroundPeer:
     def __init__(self, config: PeerConfig) -> None:
         self.config = config
         self.ready: dict[str, Any] = {}
+        self.peer: Peer | None = None
+        """The daemon itself (for benchmarks and tests; its loop is the background thread's)."""
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._error: BaseException | None = None
@@ -106,7 +111,7 @@ class BackgroundPeer:
 
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        peer = Peer(self.config)
+        peer = self.peer = Peer(self.config)
         try:
             await peer.start()
         except BaseException as exc:  # handed to the caller's thread by start()
