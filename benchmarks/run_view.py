@@ -8,7 +8,7 @@ every ``--every`` seconds. Per window: CPU seconds of this process (the asked da
 calls) and the bytes of the asked daemon's outbound DHT calls (requests + answers, counted
 at its protocol's ``_call``) plus the Peers answers on the control socket.
 
-    python benchmarks/run_view.py [--peers 16] [--window 20] [--reps 3] [--every 3]
+    PYTHONPATH=. python benchmarks/run_view.py [--peers 16] [--window 20] [--reps 3] [--every 3]
 """
 
 from __future__ import annotations
