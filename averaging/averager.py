@@ -50,6 +50,7 @@ from swarmavg.averaging.result import AveragingResult
 from swarmavg.averaging.service import AveragingServicer, Components, add_to_server
 from swarmavg.averaging.state.config import DonorFaults, StateSharingConfig
 from swarmavg.averaging.state.sharer import StateSharer
+from swarmavg.averaging.state.transfer import TransferProgress
 from swarmavg.compression import get_codec
 from swarmavg.dht.channels import ChannelPool
 
@@ -411,6 +412,11 @@ class Averager:
             return await sharer.load(timeout, max_bytes)
         except TimeoutError:
             raise AveragingError(f"loading state took longer than {timeout}s") from None
+
+    @property
+    def state_progress(self) -> TransferProgress | None:
+        """The newest state download's progress (None before the first or when stopped)."""
+        return None if self._components is None else self._components[2].progress
 
     async def shutdown(self, grace: float = 5.0) -> None:
         """Stop: disband pending groups, let rounds in flight finish within ``grace``

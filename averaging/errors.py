@@ -43,6 +43,11 @@ class MatchmakingError(AveragingError):
     """Matchmaking failed for a reason other than too few peers (a protocol violation)."""
 
 
+class DataPlaneBindError(AveragingError):
+    """The data plane cannot listen on the port the user chose (``--data-port``); with port 0
+    (any free port) the peer falls back to gRPC instead."""
+
+
 class StateNotFoundError(AveragingError):
     """No peer in the run advertises published state."""
 

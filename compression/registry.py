@@ -15,6 +15,8 @@ chosen codec's name), so :func:`decode_chunk` needs nothing but the message.
 from __future__ import annotations
 
 import collections
+import difflib
+import inspect
 import threading
 from collections.abc import Callable
 
@@ -105,10 +107,42 @@ def _build(spec: str) -> Codec | None:
     if not colon:
         return factory()
     _, params = parse_spec(spec)
+    taken = _parameters_of(factory)
+    unknown = sorted(set(params) - set(taken)) if taken is not None else []
+    if taken is not None and unknown:
+        takes = f"it takes {', '.join(taken)}" if taken else "it takes none"
+        raise ValueError(f"codec {base!r} does not take parameters {unknown}: {takes}")
     try:
         return factory(**params)
-    except TypeError:
-        raise ValueError(f"codec {base!r} does not take parameters {sorted(params)}") from None
+    except TypeError as exc:
+        raise ValueError(f"codec {base!r}: bad parameters {sorted(params)}: {exc}") from None
+
+
+def _parameters_of(factory: Callable[..., Codec]) -> list[str] | None:
+    """The keyword parameters a codec factory takes; None when it cannot say (no
+    signature, or ``**kwargs``): the factory itself then judges them."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
+        return None
+    return [
+        name
+        for name, p in signature.parameters.items()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+
+
+def _did_you_mean(name: str) -> str:
+    """`` (did you mean 'float16'?)`` for a near miss (``fp16``), else empty."""
+    base = name.partition(":")[0]
+    wrapper, plus, inner = base.partition("+")
+    candidates = sorted(_factories)
+    guess = difflib.get_close_matches(inner if plus else base, candidates, n=1, cutoff=0.5)
+    if not guess:
+        return ""
+    return f" (did you mean {(wrapper + '+' if plus else '') + guess[0]!r}?)"
 
 
 def get_codec(name: str) -> Codec:
@@ -137,7 +171,9 @@ def get_codec(name: str) -> Codec:
             codec = _build(name)
             if codec is not None:
                 return codec
-    raise ValueError(f"unknown codec {name!r}; known: {', '.join(known_codecs())}")
+    raise ValueError(
+        f"unknown codec {name!r}{_did_you_mean(name)}; known: {', '.join(known_codecs())}"
+    )
 
 
 def decoder_for(name: str) -> Codec:

@@ -52,6 +52,13 @@ StoreItem = tuple[str | bytes, Any, float, Subkey | None]
 """(key, value, expiration, subkey) for :meth:`DHTNode.store_many`."""
 
 
+def permanent_failure(reason: str) -> bool:
+    """Whether an initial peer's answer is one that retrying cannot change: it refused our
+    request header (``FAILED_PRECONDITION``: another run id or protocol version), or its own
+    answer carried another run's header."""
+    return reason.startswith("FAILED_PRECONDITION:") or "run id differs" in reason
+
+
 class BootstrapError(ConnectionError):
     """No initial peer answered within ``bootstrap_timeout``.
 
@@ -265,6 +272,10 @@ class DHTNode:
                         joined.append(address)
                 else:
                     failures[address] = answer
+            # A peer that refused our header (another run, another protocol version) will
+            # refuse it again: stop asking it, and give up at once when nobody else is left
+            # (issue 19: no 30 s of retries for a typo in --run-id).
+            addresses = [a for a in addresses if not permanent_failure(failures[a])]
             if joined:
                 # paper 2.3: a joining node looks up its own id through the contacts it has
                 join = await traverse(self.protocol, [self.peer_id], want_values=False)
@@ -275,7 +286,7 @@ class DHTNode:
             if all(f == "this address is this node itself" for f in failures.values()):
                 return  # we are our own only initial peer: a new DHT
             remaining = deadline - loop.time()
-            if remaining <= 0:
+            if remaining <= 0 or not addresses:
                 raise BootstrapError(failures, attempts)
             log.info("bootstrap attempt %d failed; retrying in about %.1f s", attempts, delay)
             await asyncio.sleep(min(delay * random.uniform(0.5, 1.5), remaining))

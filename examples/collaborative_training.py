@@ -15,15 +15,16 @@ Across machines (see docs/training.md): on every machine, one peer::
         --announce THIS_MACHINE:31337 --join 203.0.113.7:31337 --run-id digits-demo \\
         --shard 1 --num-shards 3
 
-``--peer`` starts this machine's ``swarmavg peer`` daemon (or uses a running one with
-``--control``) and trains on one shard of scikit-learn's digits (shipped with the package;
-nothing is downloaded). Peers that start late load the swarm's state and catch up.
+``--peer`` starts this machine's daemon in a background thread of this script
+(``swarmavg.peer.start_peer``; or uses a running one with ``--control``) and trains on one
+shard of scikit-learn's digits (shipped with the package; nothing is downloaded). Peers that
+start late load the swarm's state and catch up. Ctrl+C stops every peer with one graceful
+shutdown.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import subprocess
 import sys
@@ -142,41 +143,30 @@ def _print_progress(name: str, opt: Any) -> None:
     )
 
 
-def start_daemon(
-    args: argparse.Namespace, control: str
-) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
-    """Start ``swarmavg peer`` with this peer's flags; return it and its ready record."""
-    command = [sys.executable, "-m", "swarmavg.peer.cli", "peer", "--listen", args.listen]
-    command += ["--control", control, "--run-id", args.run_id, "--log-level", "WARNING"]
-    if args.announce:
-        command += ["--announce", args.announce]
-    for address in args.join:
-        command += ["--join", address]
-    daemon = subprocess.Popen(command, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
-    assert daemon.stdout is not None
-    for line in daemon.stdout:  # the daemon prints one JSON ready line
-        record = json.loads(line)
-        if record.get("event") == "ready":
-            return daemon, record
-    raise RuntimeError(f"swarmavg peer exited with code {daemon.wait()} before it was ready")
-
-
 def run_peer(args: argparse.Namespace) -> float:
-    """One peer: this machine's daemon (unless --control names a running one) and a trainer."""
+    """One peer: this machine's daemon (unless --control names a running one) and a trainer.
+
+    The daemon runs in a background thread of this process (``start_peer``); Ctrl+C is one
+    ``KeyboardInterrupt`` here, and leaving the ``with`` block is its one graceful shutdown.
+    """
     if args.control:
         return train(args, args.control)
-    with tempfile.TemporaryDirectory(prefix="swarmavg-example-") as tmp:
-        daemon, ready = start_daemon(args, str(Path(tmp) / "control.sock"))
-        print(f"peer {args.shard}: daemon at {ready['address']}", file=sys.stderr, flush=True)
+    from swarmavg.peer import start_peer
+
+    with (
+        tempfile.TemporaryDirectory(prefix="swarmavg-example-") as tmp,
+        start_peer(
+            run_id=args.run_id,
+            join=args.join,
+            listen=args.listen,
+            announce=args.announce or None,
+            control=str(Path(tmp) / "control.sock"),
+        ) as daemon,
+    ):
+        print(f"peer {args.shard}: daemon at {daemon.address}", file=sys.stderr, flush=True)
         if args.address_file:  # the demo's first peer tells the others where to join
-            Path(args.address_file).write_text(ready["address"])
-        try:
-            return train(args, ready["control"])
-        finally:
-            daemon.terminate()
-            daemon.wait(15)
-            if daemon.stdout is not None:
-                daemon.stdout.close()
+            Path(args.address_file).write_text(daemon.address or "")
+        return train(args, daemon.control)
 
 
 def run_demo(args: argparse.Namespace) -> None:
@@ -203,7 +193,10 @@ def run_demo(args: argparse.Namespace) -> None:
         first_address = address_file.read_text().strip()
         for shard in range(1, args.peers):
             procs.append(subprocess.Popen([*peer_command(shard), "--join", first_address]))
-        codes = [p.wait() for p in procs]
+        try:
+            codes = [p.wait() for p in procs]
+        except KeyboardInterrupt:  # the peers got the same Ctrl+C: let them shut down
+            codes = [p.wait(30) for p in procs]
     if any(codes):
         raise SystemExit(f"peers exited with codes {codes}")
 
@@ -256,10 +249,14 @@ def main() -> None:
     )
     parser.add_argument("--address-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if not args.peer:
-        run_demo(args)
-        return
-    run_peer(args)
+    try:
+        if not args.peer:
+            run_demo(args)
+            return
+        run_peer(args)
+    except KeyboardInterrupt:
+        print("interrupted: stopped cleanly", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ Public API (docs/peer.md)::
 
     from swarmavg.peer import connect, connect_async, Peer, PeerConfig
     from swarmavg.peer import SwarmError, NoGroupError, DaemonUnavailableError, ValidationError
+    from swarmavg.peer import enable_logging   # the library's log lines in a training script
+    from swarmavg.peer import start_peer       # a daemon in a background thread (context manager)
 
 ``Peer`` is imported lazily: a training process that only uses the client never loads the
 daemon's DHT and averaging modules.
@@ -32,8 +34,10 @@ from swarmavg.peer.errors import (
     SwarmTimeoutError,
     ValidationError,
 )
+from swarmavg.peer.logs import enable_logging
 
 if TYPE_CHECKING:
+    from swarmavg.peer.background import BackgroundPeer, start_peer
     from swarmavg.peer.daemon import Peer
 
 
@@ -42,6 +46,10 @@ def __getattr__(name: str) -> Any:
         from swarmavg.peer.daemon import Peer
 
         return Peer
+    if name in ("start_peer", "BackgroundPeer"):
+        from swarmavg.peer import background
+
+        return getattr(background, name)
     raise AttributeError(f"module 'swarmavg.peer' has no attribute {name!r}")
 
 
@@ -49,6 +57,7 @@ __all__ = [
     "AsyncClient",
     "AverageResult",
     "AveragingError",
+    "BackgroundPeer",
     "Client",
     "DaemonUnavailableError",
     "NoGroupError",
@@ -62,4 +71,6 @@ __all__ = [
     "__version__",
     "connect",
     "connect_async",
+    "enable_logging",
+    "start_peer",
 ]

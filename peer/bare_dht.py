@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from swarmavg.dht import BootstrapError, ChannelPool, DHTNode, Identity
-from swarmavg.dht.tasks import bounded_step
+from swarmavg.dht.tasks import TaskSet, bounded_step
 from swarmavg.peer.config import PeerConfig
 from swarmavg.peer.daemon import (
     StartupError,
@@ -21,6 +21,7 @@ from swarmavg.peer.daemon import (
     node_dht_config,
     start_public_server,
 )
+from swarmavg.peer.daemon_log import narrate
 from swarmavg.peer.netutil import announce_address
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class BareDHT:
         self._identity: Identity | None = None
         self._server: grpc.aio.Server | None = None
         self._channels: ChannelPool | None = None
+        self._tasks = TaskSet()  # the narrator (peers joining and leaving, summaries)
         self._stopped = False
 
     def ready_record(self) -> dict[str, Any]:
@@ -76,13 +78,23 @@ class BareDHT:
             await self.node.start(self.address)
         except BootstrapError as exc:
             raise StartupError(bootstrap_message(exc, cfg.private)) from None
-        log.info("DHT node %s ready at %s", self._identity.peer_id_hex, self.address)
+        log.debug("DHT node %s ready at %s", self._identity.peer_id_hex, self.address)
+        node = self.node
+        self._tasks.spawn(
+            narrate(
+                lambda: [(c.peer_id.hex(), c.address) for c in node.routing],
+                None,
+                cfg.summary_interval,
+            ),
+            name="narrator",
+        )
 
     async def shutdown(self, grace: float | None = None) -> None:
         """Leave the DHT and close the server and channels (idempotent, bounded)."""
         if self._stopped:
             return
         self._stopped = True
+        await self._tasks.close()
         if self.node is not None:
             await bounded_step(self.node.shutdown(), 1.0, "DHT shutdown")
         if self._server is not None:

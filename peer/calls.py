@@ -9,7 +9,7 @@ than the shared-memory segment.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -232,13 +232,19 @@ def state_messages(tensors: Sequence[Any], metadata: Any) -> Iterator[control_pb
 class StateReceiver:
     """Rebuilds ``(metadata, tensors)`` from a LoadState stream (numpy arrays)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, on_progress: Callable[[control_pb2.StateProgress], None] | None = None
+    ) -> None:
         self._metadata: bytes | None = None
         self._assembler: TensorAssembler | None = None
+        self._on_progress = on_progress
 
     def feed(self, message: control_pb2.StateMessage) -> None:
         kind = message.WhichOneof("kind")
-        if kind == "header":
+        if kind == "progress":
+            if self._on_progress is not None:
+                self._on_progress(message.progress)
+        elif kind == "header":
             dtypes, shapes, _ = layout_from_specs(message.header.tensors)
             self._metadata = message.header.metadata
             self._assembler = TensorAssembler(dtypes, shapes)

@@ -1,8 +1,9 @@
 """The ``swarmavg`` command line (docs/peer.md).
 
 ``swarmavg peer`` runs a daemon in the foreground, ``swarmavg dht`` a bare DHT node,
-``swarmavg status`` asks a running daemon for its figures, ``swarmavg run`` creates a private
-run's authority and invites its peers (``peer/run_cli.py``). The daemon prints exactly one
+``swarmavg status`` asks a running daemon for its figures, ``swarmavg peers`` for every peer of
+its run, ``swarmavg run`` creates a private run's authority and invites its peers
+(``peer/run_cli.py``). The daemon prints exactly one
 JSON line on stdout once it is ready; everything else (logs, errors) goes to stderr.
 Heavy modules are imported only by the subcommand that needs them, so ``--help`` is fast
 and the daemon never loads torch.
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 
 from swarmavg.peer import __version__
 from swarmavg.peer.config import PeerConfig
+from swarmavg.peer.logs import setup_daemon_logging
 from swarmavg.peer.settings import CONFIG_ENV, add_flags, flags_from_args, resolve_config
 
 EXIT_STARTUP = 1
@@ -40,6 +42,13 @@ def _add_daemon_flags(parser: argparse.ArgumentParser, command: str) -> None:
     add_flags(parser, command)
     parser.add_argument(
         "--config", metavar="FILE.toml", help=f"TOML config file (env {CONFIG_ENV})"
+    )
+    loudness = parser.add_mutually_exclusive_group()
+    loudness.add_argument(
+        "-v", "--verbose", action="store_true", help="log at DEBUG (same as --log-level DEBUG)"
+    )
+    loudness.add_argument(
+        "-q", "--quiet", action="store_true", help="log warnings and errors only (WARNING)"
     )
 
 
@@ -64,7 +73,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_daemon_flags(dht, "dht")
     status = sub.add_parser("status", help="show a running daemon's figures")
-    which = status.add_mutually_exclusive_group()
+    _add_endpoint_flags(status)
+    peers = sub.add_parser(
+        "peers",
+        help="show every peer of the run: address, mode, epoch, samples/s, last seen",
+        description="Ask a running daemon for every peer of its run (progress records read "
+        "through the DHT, addresses from its routing table) and the run's epoch, "
+        "samples/s and time to the next global step.",
+    )
+    _add_endpoint_flags(peers)
+    peers.add_argument(
+        "--training-run",
+        metavar="NAME",
+        help="the run id the trainers report progress under, when it differs from the "
+        "daemon's (default: the daemon's run id)",
+    )
+    from swarmavg.peer.run_cli import add_run_parser
+
+    add_run_parser(sub)
+    return parser
+
+
+def _add_endpoint_flags(parser: argparse.ArgumentParser) -> None:
+    """``--run-id | --control`` and ``--json``: which daemon to ask, how to answer."""
+    which = parser.add_mutually_exclusive_group()
     which.add_argument(
         "--run-id",
         metavar="NAME",
@@ -76,23 +108,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="the daemon's control endpoint (default: $SWARMAVG_CONTROL; with neither this "
         "nor a run id, the one daemon of this user on a default socket)",
     )
-    status.add_argument("--json", action="store_true", help="print one JSON object")
-    from swarmavg.peer.run_cli import add_run_parser
-
-    add_run_parser(sub)
-    return parser
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _config_from_args(args: argparse.Namespace) -> PeerConfig:
-    return resolve_config(flags_from_args(args, args.command), os.environ, args.config)
+    flags = flags_from_args(args, args.command)
+    if args.verbose or args.quiet:
+        if flags.get("log_level") is not None:
+            raise ValueError("give either --log-level or -v/-q, not both")
+        flags["log_level"] = "DEBUG" if args.verbose else "WARNING"
+    return resolve_config(flags, os.environ, args.config)
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def _announce_banner(record: dict[str, Any], command: str) -> None:
+    """The human part of the start (stderr, after the JSON ready line on stdout): how
+    others join, and a warning when they cannot reach the announced address."""
+    from swarmavg.peer.daemon_log import address_warning, announce_hint, join_banner
+
+    logger = logging.getLogger("swarmavg.peer.cli")
+    if logger.isEnabledFor(logging.INFO):
+        for line in join_banner(record, command):
+            print(line, file=sys.stderr)
+        sys.stderr.flush()
+    warning = address_warning(str(record["address"])) if record.get("address") else None
+    if warning is not None:
+        logger.warning("%s", announce_hint(warning))
 
 
 def _error(command: str, message: str) -> None:
@@ -156,8 +196,10 @@ async def serve(daemon: Daemon, command: str) -> int:
             await daemon.shutdown(0.0)
             return 0
         starting = False
-        sys.stdout.write(json.dumps(daemon.ready_record()) + "\n")
+        record = daemon.ready_record()
+        sys.stdout.write(json.dumps(record) + "\n")
         sys.stdout.flush()
+        _announce_banner(record, command)
         await stop.wait()
         await daemon.shutdown()
         return 0
@@ -181,7 +223,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     except ValueError as exc:
         _error(args.command, str(exc))
         return EXIT_USAGE
-    _setup_logging(config.log_level)
+    setup_daemon_logging(config.log_level)
     if args.command == "peer":
         from swarmavg.peer.daemon import Peer
 
@@ -216,6 +258,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_peers(args: argparse.Namespace) -> int:
+    from swarmavg.peer.client import connect, resolve_endpoint
+    from swarmavg.peer.errors import SwarmError
+    from swarmavg.peer.peers_table import format_peers
+
+    try:
+        endpoint = resolve_endpoint(args.control, args.run_id)
+        with connect(str(endpoint), use_shm=False) as client:
+            view = client.peers(args.training_run)
+    except SwarmError as exc:
+        _error("peers", str(exc))
+        return EXIT_STARTUP
+    if args.json:
+        print(json.dumps(view, sort_keys=True))
+    else:
+        print(format_peers(view))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The console script (``swarmavg``). Ctrl+C before a daemon's own signal handlers are
     installed (e.g. while importing) exits quietly with status 130."""
@@ -233,6 +294,8 @@ def _main(argv: Sequence[str] | None) -> int:
         return EXIT_USAGE
     if args.command == "status":
         return cmd_status(args)
+    if args.command == "peers":
+        return cmd_peers(args)
     if args.command == "run":
         from swarmavg.peer.run_cli import cmd_run
 

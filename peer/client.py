@@ -27,6 +27,7 @@ from swarmavg.peer.calls import (
     unpack_get,
 )
 from swarmavg.peer.control_access import ControlAccessError, call_metadata, check_socket_owner
+from swarmavg.peer.download_display import DownloadDisplay
 from swarmavg.peer.endpoint import (
     DEFAULT_RUN_ID,
     ControlEndpoint,
@@ -39,6 +40,7 @@ from swarmavg.peer.errors import (
     ValidationError,
     error_from_rpc,
 )
+from swarmavg.peer.run_view import view_to_dict
 from swarmavg.peer.shm import SegmentPool
 from swarmavg.peer.validation import validate_key
 from swarmavg.proto import control_pb2, control_pb2_grpc
@@ -277,11 +279,15 @@ class Client:
             max_bytes: the largest state (tensors and metadata) this caller accepts, e.g.
                 what its own model's state takes; a larger one is refused before any of
                 it is downloaded. ``None``: the daemon's cap (``max_state_bytes``).
+        While the daemon downloads, its progress (bytes, rate, ETA) shows as a tqdm bar on
+        a terminal when tqdm is installed, else as INFO lines of ``swarmavg.peer.client``
+        every few seconds.
 
         Raises:
             NoStateError: no peer has published state.
         """
-        receiver = StateReceiver()
+        display = DownloadDisplay()
+        receiver = StateReceiver(display.update)
         try:
             for message in self._stub.LoadState(
                 control_pb2.LoadStateRequest(timeout=timeout, max_bytes=max_bytes or 0),
@@ -291,11 +297,23 @@ class Client:
                 receiver.feed(message)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, str(self.endpoint)) from None
+        finally:
+            display.close()
         return receiver.result()
 
     def status(self) -> dict[str, Any]:
         """The daemon's figures (see ``swarmavg status --json``)."""
         return status_to_dict(self._unary(self._stub.Status, control_pb2.StatusRequest()))
+
+    def peers(self, training_run: str | None = None) -> dict[str, Any]:
+        """Every peer of the run and the run's progress (see ``swarmavg peers --json``).
+
+        Args:
+            training_run: the run id the trainers report progress under (default: the
+                daemon's run id, which is what the wrappers use when given the same one).
+        """
+        request = control_pb2.PeersRequest(training_run=training_run or "")
+        return view_to_dict(self._unary(self._stub.Peers, request, SHORT_CALL_TIMEOUT))
 
     def close(self) -> None:
         """Close the channel (idempotent)."""
@@ -454,7 +472,8 @@ class AsyncClient:
         self, timeout: float = 60.0, max_bytes: int | None = None
     ) -> tuple[Any, list[Any]]:
         """Same as :meth:`Client.load_state`, as a coroutine."""
-        receiver = StateReceiver()
+        display = DownloadDisplay()
+        receiver = StateReceiver(display.update)
         try:
             stream = self._stub.LoadState(
                 control_pb2.LoadStateRequest(timeout=timeout, max_bytes=max_bytes or 0),
@@ -465,11 +484,18 @@ class AsyncClient:
                 receiver.feed(message)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, str(self.endpoint)) from None
+        finally:
+            display.close()
         return receiver.result()
 
     async def status(self) -> dict[str, Any]:
         """Same as :meth:`Client.status`, as a coroutine."""
         return status_to_dict(await self._unary(self._stub.Status, control_pb2.StatusRequest()))
+
+    async def peers(self, training_run: str | None = None) -> dict[str, Any]:
+        """Same as :meth:`Client.peers`, as a coroutine."""
+        request = control_pb2.PeersRequest(training_run=training_run or "")
+        return view_to_dict(await self._unary(self._stub.Peers, request, SHORT_CALL_TIMEOUT))
 
     async def close(self) -> None:
         """Close the channel (idempotent)."""

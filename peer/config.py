@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -208,6 +209,7 @@ class PeerConfig:
             (those seen recently) to call with the same key before the daemon contributes
             their combined tensors; a lone process never waits.
         shutdown_grace: seconds the first SIGINT/SIGTERM gives rounds in flight.
+        summary_interval: seconds between the daemon's summary log lines; 0: none.
         dht: the ``[dht]`` section.
         averaging: the ``[averaging]`` section.
         allreduce: the ``[allreduce]`` section.
@@ -227,6 +229,7 @@ class PeerConfig:
     log_level: str = "INFO"
     local_window: float = 0.5
     shutdown_grace: float = 2.0
+    summary_interval: float = 60.0
     dht: DHTSettings = field(default_factory=DHTSettings)
     averaging: AveragingSettings = field(default_factory=AveragingSettings)
     allreduce: AllReduceSettings = field(default_factory=AllReduceSettings)
@@ -267,6 +270,10 @@ class PeerConfig:
             raise ValueError(f"local_window {self.local_window}: between 0 and 10 seconds")
         if not 0 <= self.shutdown_grace <= 60:
             raise ValueError(f"shutdown_grace {self.shutdown_grace}: between 0 and 60 seconds")
+        if not 0 <= self.summary_interval <= 86400:
+            raise ValueError(
+                f"summary_interval {self.summary_interval}: between 0 (off) and 86400 seconds"
+            )
 
     @property
     def private(self) -> bool:
@@ -397,7 +404,11 @@ mode is also Python-only (``mode`` follows ``client_mode``)."""
 
 
 def parse_host_port(text: str, what: str, *, allow_port_zero: bool = False) -> tuple[str, int]:
-    """Split ``HOST:PORT`` (``[v6]:PORT`` too); raise ``ValueError`` naming ``what``."""
+    """Split ``HOST:PORT`` (``[v6]:PORT`` too); raise ``ValueError`` naming ``what`` (with
+    the address to write instead when ``text`` is a URL or a multiaddr)."""
+    hint = address_hint(text)
+    if hint is not None:
+        raise ValueError(f"{what} {text!r}: expected HOST:PORT; {hint}")
     host, sep, port_text = text.rpartition(":")
     if not sep or not host or not port_text.isdigit():
         raise ValueError(f"{what} {text!r}: expected HOST:PORT")
@@ -405,6 +416,26 @@ def parse_host_port(text: str, what: str, *, allow_port_zero: bool = False) -> t
     if port > 65535 or (port == 0 and not allow_port_zero):
         raise ValueError(f"{what} {text!r}: port out of range")
     return host.strip("[]"), port
+
+
+_MULTIADDR = re.compile(r"/(?:ip4|ip6|dns|dns4|dns6)/([^/]+)/(?:tcp|udp)/(\d+)(?:/.*)?")
+
+
+def address_hint(text: str) -> str | None:
+    """What to write instead of a URL (``http://host:port``) or a multiaddr
+    (``/ip4/host/tcp/port``, hivemind's and libp2p's form); None for anything else."""
+    scheme, sep, rest = text.partition("://")
+    if sep:
+        plain = rest.split("/", 1)[0]
+        return f"drop the {scheme}:// scheme and write {plain!r}"
+    if text.startswith("/"):
+        match = _MULTIADDR.fullmatch(text)
+        if match is None:
+            return "multiaddrs are not supported: write the peer's HOST:PORT"
+        host, port = match.groups()
+        host = f"[{host}]" if ":" in host else host
+        return f"multiaddrs are not supported: write {host}:{port}"
+    return None
 
 
 def split_addresses(values: str | list[str] | tuple[str, ...]) -> list[str]:

@@ -9,6 +9,7 @@ whose code the client maps back to its ``SwarmError`` subclass (``swarmavg.peer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,6 +22,7 @@ import numpy as np
 from swarmavg.averaging import errors as averaging_errors
 from swarmavg.averaging.request import RoundRequest, check_finite
 from swarmavg.averaging.result import AveragingResult
+from swarmavg.averaging.state.transfer import TransferProgress
 from swarmavg.peer import shm
 from swarmavg.peer.combiner import LocalCombiner
 from swarmavg.peer.errors import (
@@ -36,6 +38,8 @@ from swarmavg.proto import control_pb2, control_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+PROGRESS_EVERY = 1.0
+"""Seconds between two progress messages of a LoadState call."""
 READ_TIMEOUT = 30.0
 """Seconds a client may take to send the next message of a request stream."""
 MAX_DHT_VALUE_BYTES = 1 << 20
@@ -55,6 +59,8 @@ class ControlBackend(Protocol):
         self, timeout: float, max_bytes: int | None = None
     ) -> tuple[bytes, list[np.ndarray]]: ...
     def status(self) -> control_pb2.StatusResponse: ...
+    async def peers(self, training_run: str) -> control_pb2.PeersResponse: ...
+    def state_progress(self) -> TransferProgress | None: ...
     def record_failure(self, reason: str) -> None: ...
 
 
@@ -161,6 +167,12 @@ class ControlService(control_pb2_grpc.ControlServicer):
     ) -> control_pb2.StatusResponse:
         response = self._backend.status()
         response.active_calls = self.active_calls
+        return response
+
+    async def Peers(
+        self, request: control_pb2.PeersRequest, context: Any
+    ) -> control_pb2.PeersResponse:
+        response: control_pb2.PeersResponse = await self._unary(self.rpc_peers, request, context)
         return response
 
     async def _unary(
@@ -274,6 +286,11 @@ class ControlService(control_pb2_grpc.ControlServicer):
             is_dict=isinstance(value, dict),
         )
 
+    async def rpc_peers(self, request: control_pb2.PeersRequest) -> control_pb2.PeersResponse:
+        if request.training_run:
+            validate_key(request.training_run)
+        return await self._backend.peers(request.training_run)
+
     async def rpc_publish_state(
         self, requests: AsyncIterator[control_pb2.StateMessage]
     ) -> control_pb2.PublishStateResponse:
@@ -301,9 +318,30 @@ class ControlService(control_pb2_grpc.ControlServicer):
             self._check_accepting()
             if not 0 < request.timeout <= 3600:
                 raise ValidationError(f"timeout {request.timeout} out of range (0, 3600]")
-            metadata, arrays = await self._backend.load_state(
-                request.timeout, request.max_bytes or None
+            started = time.monotonic()
+            # The download runs as this handler's task; meanwhile the caller hears how far
+            # it has come (a multi-GB state takes minutes: issue 19, "long work is silent").
+            load = asyncio.ensure_future(
+                self._backend.load_state(request.timeout, request.max_bytes or None)
             )
+            try:
+                while not load.done():
+                    await asyncio.wait({load}, timeout=PROGRESS_EVERY)
+                    progress = self._backend.state_progress()
+                    if not load.done() and progress is not None and progress.started >= started:
+                        yield control_pb2.StateMessage(
+                            progress=control_pb2.StateProgress(
+                                bytes_done=progress.done,
+                                bytes_total=progress.total,
+                                seconds=progress.elapsed(),
+                            )
+                        )
+            finally:
+                if not load.done():
+                    load.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await load
+            metadata, arrays = load.result()
             yield control_pb2.StateMessage(
                 header=control_pb2.StateHeader(metadata=metadata, tensors=specs_of(arrays))
             )

@@ -28,10 +28,13 @@ import grpc
 import numpy as np
 
 from swarmavg.averaging.averager import Averager
+from swarmavg.averaging.errors import DataPlaneBindError
 from swarmavg.averaging.matchmaking.matchmaker import MatchmakingEvent
 from swarmavg.averaging.protocol_keys import protocol_key_classes
 from swarmavg.averaging.request import RoundRequest
 from swarmavg.averaging.result import AveragingResult
+from swarmavg.averaging.state.transfer import TransferProgress
+from swarmavg.averaging.training.progress import PeerProgress, parse_records
 from swarmavg.dht import (
     BootstrapError,
     ChannelPool,
@@ -55,8 +58,10 @@ from swarmavg.peer.control_access import (
     new_token,
     write_token_file,
 )
+from swarmavg.peer.daemon_log import narrate
 from swarmavg.peer.endpoint import ControlEndpoint, parse_control_endpoint, prepare_unix_socket
 from swarmavg.peer.netutil import announce_address, explain_bind_failure
+from swarmavg.peer.run_view import Neighbour, ThisPeer, build_view, progress_keys
 from swarmavg.peer.stats import PeerStats
 from swarmavg.proto import control_pb2
 
@@ -96,10 +101,18 @@ def bootstrap_message(exc: BootstrapError, private: bool = False) -> str:
         else " (if the run is private, start with --run-file, --credential and --identity: "
         "see docs/private-runs.md)"
     )
-    return (
+    message = (
         f"could not join the swarm: no initial peer answered after {exc.attempts} "
         f"attempt(s) ({reasons}){hint}"
     )
+    if any("run id differs" in reason for reason in exc.failures.values()):
+        message += (
+            "; every peer of a run must use the same --run-id (SWARMAVG_RUN_ID): ask the "
+            "run's organiser for it"
+        )
+    elif any("protocol version" in reason for reason in exc.failures.values()):
+        message += "; the peers run another swarmavg version: install the run's version"
+    return message
 
 
 def load_tls(cfg: PeerConfig, identity: Identity) -> PeerTLS | None:
@@ -248,12 +261,18 @@ class Peer:
         except BootstrapError as exc:
             raise StartupError(bootstrap_message(exc, cfg.private)) from None
         self._report_unreachable(cfg.join)
-        await self.averager.start()
+        try:
+            await self.averager.start()
+        except DataPlaneBindError as exc:
+            raise StartupError(str(exc)) from None
         await self._start_control()
         if cfg.metrics:
             await self._start_metrics(cfg.metrics)
         self._tasks.spawn(self._sweep_shm(), name="shm-sweeper")
-        log.info(
+        self._tasks.spawn(
+            narrate(self._contacts, self.stats, cfg.summary_interval), name="narrator"
+        )
+        log.debug(
             "peer %s ready: address=%s control=%s run=%s known_peers=%d",
             self.peer_id,
             self.address,
@@ -261,6 +280,10 @@ class Peer:
             cfg.run_id,
             self.dht.num_known_peers(),
         )
+
+    def _contacts(self) -> list[tuple[str, str]]:
+        """The routing table as ``(peer id hex, address)`` pairs (for the narrator)."""
+        return [] if self.dht is None else [(c.peer_id.hex(), c.address) for c in self.dht.routing]
 
     def _report_unreachable(self, initial: list[str]) -> None:
         """Warn about initial peers that are not in the routing table after joining
@@ -338,8 +361,9 @@ class Peer:
             await asyncio.sleep(1.0)
 
     def _on_matchmaking(self, event: MatchmakingEvent, key: str, peer_id: bytes) -> None:
+        # Per-round lines stay at DEBUG: the narrator's summary says how rounds went.
         if event is MatchmakingEvent.GROUP_FORMED:
-            log.info("group formed under %s", key)
+            log.debug("group formed under %s", key)
         else:
             log.debug("matchmaking %s under %s: %s", event.value, key, peer_id.hex()[:12])
 
@@ -357,8 +381,18 @@ class Peer:
             self.stats.record_failure("cancelled")
             raise
         except Exception as exc:
-            self.stats.record_failure(classify(exc)[1])
+            reason = classify(exc)[1]
+            self.stats.record_failure(reason)
+            log.info("round %s failed (%s): %s", request.key, reason, exc)
             raise
+        log.debug(
+            "round %s done: %d peers, codec %s, %d bytes sent%s",
+            request.key,
+            result.group_size,
+            result.codec,
+            result.bytes_sent,
+            " (partial)" if result.partial else "",
+        )
         self.stats.record_round(
             result.codec,
             time.monotonic() - started,
@@ -404,6 +438,38 @@ class Peer:
             raise RuntimeError("the peer is not started")
         metadata, tensors = await self.averager.load_state(timeout, max_bytes)
         return bytes(metadata), list(tensors)
+
+    def state_progress(self) -> TransferProgress | None:
+        """The newest state download's progress (for the LoadState call that waits on it)."""
+        return None if self.averager is None else self.averager.state_progress
+
+    async def peers(self, training_run: str) -> control_pb2.PeersResponse:
+        """Every peer of the run and its progress (``swarmavg peers``): the progress records
+        of ``training_run`` (default: this daemon's run) read through the DHT, joined with
+        the routing table for addresses."""
+        if self.dht is None:
+            raise RuntimeError("the peer is not started")
+        keys = progress_keys(training_run or self.config.run_id)
+        values = await asyncio.gather(*(self.dht_get(key) for key in keys.values()))
+        now = time.time()
+        records: dict[str, list[PeerProgress]] = {}
+        ignored = 0
+        for method, (found, value) in zip(keys, values, strict=True):
+            records[method], bad = parse_records(value if found else None, now)
+            ignored += bad
+        seen_now = time.monotonic()
+        neighbours = [
+            Neighbour(c.peer_id.hex(), c.address, max(seen_now - c.last_seen, 0.0))
+            for c in self.dht.routing
+        ]
+        return build_view(
+            self.config.run_id,
+            ThisPeer(self.peer_id, self.address),
+            neighbours,
+            records,
+            now,
+            ignored,
+        )
 
     def status(self) -> control_pb2.StatusResponse:
         """The daemon's figures (``active_calls`` is filled in by the control service)."""

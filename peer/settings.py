@@ -162,6 +162,14 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "peer",
+        "summary_interval",
+        "seconds between the daemon's summary log lines (rounds, bytes, peers); 0 turns "
+        "them off (default 60)",
+        "SECONDS",
+        BOTH,
+    ),
+    Setting(
+        "peer",
         "shutdown_grace",
         "seconds the first SIGINT/SIGTERM gives rounds in flight (default 2)",
         "SECONDS",

@@ -166,12 +166,24 @@ class StateHeader(_message.Message):
     def __init__(self, metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class StateMessage(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "progress")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     header: StateHeader
     data: TensorBytes
-    def __init__(self, header: _Optional[_Union[StateHeader, _Mapping]] = ..., data: _Optional[_Union[TensorBytes, _Mapping]] = ...) -> None: ...
+    progress: StateProgress
+    def __init__(self, header: _Optional[_Union[StateHeader, _Mapping]] = ..., data: _Optional[_Union[TensorBytes, _Mapping]] = ..., progress: _Optional[_Union[StateProgress, _Mapping]] = ...) -> None: ...
+
+class StateProgress(_message.Message):
+    __slots__ = ("bytes_done", "bytes_total", "seconds")
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    bytes_done: int
+    bytes_total: int
+    seconds: float
+    def __init__(self, bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class PublishStateResponse(_message.Message):
     __slots__ = ()
@@ -266,3 +278,72 @@ class StatusResponse(_message.Message):
     bandwidth_samples: int
     rounds_partial: int
     def __init__(self, peer_id: _Optional[str] = ..., run_id: _Optional[str] = ..., address: _Optional[str] = ..., control: _Optional[str] = ..., client_mode: _Optional[bool] = ..., known_peers: _Optional[int] = ..., dht_size_estimate: _Optional[float] = ..., rounds_done: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., codecs: _Optional[_Mapping[str, CodecStats]] = ..., failures: _Optional[_Mapping[str, int]] = ..., uptime: _Optional[float] = ..., version: _Optional[str] = ..., active_calls: _Optional[int] = ..., shm_dir: _Optional[str] = ..., shm_dev: _Optional[int] = ..., shm_ino: _Optional[int] = ..., pid: _Optional[int] = ..., bandwidth: _Optional[float] = ..., bandwidth_measured: _Optional[bool] = ..., bandwidth_samples: _Optional[int] = ..., rounds_partial: _Optional[int] = ...) -> None: ...
+
+class PeersRequest(_message.Message):
+    __slots__ = ("training_run",)
+    TRAINING_RUN_FIELD_NUMBER: _ClassVar[int]
+    training_run: str
+    def __init__(self, training_run: _Optional[str] = ...) -> None: ...
+
+class PeerView(_message.Message):
+    __slots__ = ("peer_id", "address", "mode", "method", "epoch", "samples", "samples_per_second", "processes", "last_seen", "metrics", "this_peer")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    THIS_PEER_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    address: str
+    mode: str
+    method: str
+    epoch: int
+    samples: int
+    samples_per_second: float
+    processes: int
+    last_seen: float
+    metrics: _containers.ScalarMap[str, float]
+    this_peer: bool
+    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., mode: _Optional[str] = ..., method: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., processes: _Optional[int] = ..., last_seen: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., this_peer: _Optional[bool] = ...) -> None: ...
+
+class RunProgress(_message.Message):
+    __slots__ = ("method", "epoch", "samples", "target", "samples_per_second", "eta", "peers")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    ETA_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    epoch: int
+    samples: int
+    target: int
+    samples_per_second: float
+    eta: float
+    peers: int
+    def __init__(self, method: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., target: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., eta: _Optional[float] = ..., peers: _Optional[int] = ...) -> None: ...
+
+class PeersResponse(_message.Message):
+    __slots__ = ("run_id", "peers", "progress", "ignored_records")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    IGNORED_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    peers: _containers.RepeatedCompositeFieldContainer[PeerView]
+    progress: _containers.RepeatedCompositeFieldContainer[RunProgress]
+    ignored_records: int
+    def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerView, _Mapping]]] = ..., progress: _Optional[_Iterable[_Union[RunProgress, _Mapping]]] = ..., ignored_records: _Optional[int] = ...) -> None: ...

@@ -64,6 +64,11 @@ class ControlStub:
                 request_serializer=swarmavg_dot_proto_dot_control__pb2.StatusRequest.SerializeToString,
                 response_deserializer=swarmavg_dot_proto_dot_control__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Peers = channel.unary_unary(
+                '/swarmavg.v1.Control/Peers',
+                request_serializer=swarmavg_dot_proto_dot_control__pb2.PeersRequest.SerializeToString,
+                response_deserializer=swarmavg_dot_proto_dot_control__pb2.PeersResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -114,6 +119,13 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Peers(self, request, context):
+        """Every peer of the run and the run's progress, for `swarmavg peers` and client.peers().
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +158,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=swarmavg_dot_proto_dot_control__pb2.StatusRequest.FromString,
                     response_serializer=swarmavg_dot_proto_dot_control__pb2.StatusResponse.SerializeToString,
+            ),
+            'Peers': grpc.unary_unary_rpc_method_handler(
+                    servicer.Peers,
+                    request_deserializer=swarmavg_dot_proto_dot_control__pb2.PeersRequest.FromString,
+                    response_serializer=swarmavg_dot_proto_dot_control__pb2.PeersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +327,33 @@ class Control:
             '/swarmavg.v1.Control/Status',
             swarmavg_dot_proto_dot_control__pb2.StatusRequest.SerializeToString,
             swarmavg_dot_proto_dot_control__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Peers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmavg.v1.Control/Peers',
+            swarmavg_dot_proto_dot_control__pb2.PeersRequest.SerializeToString,
+            swarmavg_dot_proto_dot_control__pb2.PeersResponse.FromString,
             options,
             channel_credentials,
             insecure,

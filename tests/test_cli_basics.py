@@ -33,7 +33,7 @@ def test_help_lists_usage() -> None:
     result = run_cli("--help")
     assert result.returncode == 0
     assert "usage: swarmavg" in result.stdout
-    for command in ("peer", "dht", "status"):
+    for command in ("peer", "dht", "status", "peers"):
         assert command in result.stdout
 
 
@@ -58,6 +58,7 @@ def test_help_lists_usage() -> None:
         ),
         ("dht", ["--listen", "--announce", "--join", "--identity", "--run-id"]),
         ("status", ["--control", "--json"]),
+        ("peers", ["--run-id", "--control", "--json", "--training-run"]),
     ],
 )
 def test_subcommand_help(command: str, flags: list[str]) -> None:
@@ -72,6 +73,14 @@ def test_status_without_a_daemon_is_one_clear_line() -> None:
         result = run_cli("status", "--control", str(Path(d) / "none.sock"))
     assert result.returncode == 1
     assert result.stderr.startswith("swarmavg status: error: no swarmavg daemon answers at")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_peers_without_a_daemon_is_one_clear_line() -> None:
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="sa-") as d:
+        result = run_cli("peers", "--control", str(Path(d) / "none.sock"))
+    assert result.returncode == 1
+    assert result.stderr.startswith("swarmavg peers: error: no swarmavg daemon answers at")
     assert len(result.stderr.strip().splitlines()) == 1
 
 

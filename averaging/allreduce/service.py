@@ -28,6 +28,7 @@ from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.allreduce.data_plane import DataConnector, DataPlaneServer
 from swarmavg.averaging.allreduce.round import Abort, ReduceContext, ReducerRound, abort_stream
 from swarmavg.averaging.allreduce.wire import Request, reduce_digest
+from swarmavg.averaging.errors import DataPlaneBindError
 from swarmavg.averaging.gauge import Gauge
 from swarmavg.averaging.stubs import REDUCE
 from swarmavg.compression import Codec, canonical_name, get_codec
@@ -90,8 +91,12 @@ class AllReduceService:
     async def start_data_plane(self, host: str) -> int:
         """Serve ``Reduce`` over framed TCP on ``host`` (and ``config.data_port``).
 
-        Returns the port, or 0 when the data plane is disabled or cannot listen there
-        (logged: the peer then serves ``Reduce`` over gRPC only).
+        Returns the port, or 0 when the data plane is disabled or cannot listen on a free
+        port (logged: the peer then serves ``Reduce`` over gRPC only).
+
+        Raises:
+            DataPlaneBindError: the port was chosen (``data_port`` > 0) and cannot be bound:
+                the user asked for that port, so a silent fallback would hide the mistake.
         """
         if not self.config.data_plane or self._closed or self._data_server is not None:
             return self.data_port
@@ -99,6 +104,13 @@ class AllReduceService:
         try:
             self.data_port = await server.start(host, self.config.data_port)
         except OSError as e:
+            if self.config.data_port:
+                port = self.config.data_port
+                raise DataPlaneBindError(
+                    f"the data plane cannot listen on {host}:{port} (--data-port {port}): "
+                    f"{e.strerror or e}; choose another --data-port, 0 for a free one, or -1 "
+                    "to turn the data plane off"
+                ) from None
             log.warning(
                 "data plane cannot listen on %s:%d (%s); serving Reduce over gRPC only",
                 host,

@@ -49,6 +49,7 @@ from swarmavg.averaging.state.format import (
     unpack_state,
 )
 from swarmavg.averaging.state.store import StateStore
+from swarmavg.averaging.state.transfer import TransferProgress, format_bytes
 from swarmavg.averaging.stubs import DOWNLOAD_STATE, download_state_method
 from swarmavg.dht.auth import AuthenticationError, message_digest
 from swarmavg.dht.channels import ChannelPool
@@ -107,6 +108,8 @@ class StateSharer:
         self.uploads_cut = Gauge()
         """Uploads cut because their joiner did not keep up (a write or the stream ran
         past its deadline)."""
+        self.progress: TransferProgress | None = None
+        """The newest download (bytes, rate, ETA); None before the first."""
         self.load_switches = 0
         """Times a load moved on to another advertised version because every donor of the
         one it was downloading failed or no longer held it."""
@@ -312,7 +315,24 @@ class StateSharer:
                 verified[digest] = local[digest]
         needed = [h for h in dict.fromkeys(manifest.chunk_hashes) if h not in verified]
         if needed:
+            sizes = dict(zip(manifest.chunk_hashes, manifest.chunk_sizes, strict=True))
+            self.progress = TransferProgress(sum(sizes[h] for h in needed))
+            what = f"state {root.hex()[:12]}"
+            log.info(
+                "downloading %s: %s in %d chunk(s) from %d donor(s)",
+                what,
+                format_bytes(self.progress.total),
+                len(needed),
+                len(live),
+            )
             await self._download(needed, live, verified)
+            log.info(
+                "downloaded %s: %s in %.1f s (%s/s)",
+                what,
+                format_bytes(self.progress.total),
+                self.progress.elapsed(),
+                format_bytes(self.progress.rate()),
+            )
         try:
             metadata, tensors = await asyncio.to_thread(unpack_state, manifest, verified)
         except StateFormatError as error:
@@ -427,6 +447,10 @@ class StateSharer:
                     raise _DonorFailed("chunk failed sha256 verification")
                 got[wanted] = data
                 self.downloaded_chunks += 1
+                if self.progress is not None:
+                    self.progress.add(len(data))
+                    if self.progress.due():
+                        log.info("%s", self.progress.line(f"state {donor.root.hex()[:12]}"))
         except (grpc.aio.AioRpcError, TimeoutError) as error:
             raise _DonorFailed(repr(error)) from None
         finally:

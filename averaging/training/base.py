@@ -162,6 +162,17 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         """The swarm's progress as last read (samples, rates, ETA)."""
         return self.tracker.last
 
+    def report_metrics(self, **metrics: float) -> None:
+        """Attach user metrics (``loss=0.31, accuracy=0.9``) to this process's progress
+        record: they go out with its next report and ``swarmavg peers`` shows them. Each
+        call replaces the previous metrics; no arguments clears them.
+
+        Raises:
+            ValueError: more than 8 entries, a name outside ``[A-Za-z0-9_./-]{1,32}``, or a
+                value that is not a finite number (a one-element tensor is taken).
+        """
+        self.tracker.set_metrics(metrics)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the parameters' ``.grad`` (what the wrapper accumulated is kept)."""
         self._local_optimizer.zero_grad(set_to_none=set_to_none)

@@ -38,6 +38,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeGuard
 
+from swarmavg.averaging.training.metrics import Metrics, check_metrics, parse_metrics
+
 log = logging.getLogger(__name__)
 
 MAX_EPOCH = 2**53
@@ -81,6 +83,11 @@ class PeerProgress:
         samples_per_second: this process's recent throughput.
         time: the reporter's wall clock (``time.time()``) when it reported.
         left: the process has stopped training (its last record; it no longer counts).
+        target: the ``target_batch_size`` the process steps at (0: not said; records of
+            older versions), so that a reader without an optimizer (``swarmavg peers``)
+            can tell how far the swarm is from its next step.
+        metrics: the user's metrics (loss, ...) as name-sorted pairs
+            (:mod:`swarmavg.averaging.training.metrics`).
     """
 
     peer_id: str
@@ -89,6 +96,8 @@ class PeerProgress:
     samples_per_second: float
     time: float
     left: bool = False
+    target: int = 0
+    metrics: Metrics = ()
 
     def to_record(self) -> dict[str, Any]:
         """The msgpack-able DHT value."""
@@ -101,6 +110,10 @@ class PeerProgress:
         }
         if self.left:
             record["left"] = True
+        if self.target:
+            record["target"] = self.target
+        if self.metrics:
+            record["metrics"] = dict(self.metrics)
         return record
 
     @classmethod
@@ -119,7 +132,17 @@ class PeerProgress:
         left = record.get("left", False)
         if not isinstance(left, bool):
             return None
-        return cls(peer, int(epoch), int(samples), float(sps), float(when), left)
+        # Both optional (older writers send neither); when present they must be valid, or
+        # the record is malformed as a whole (the DHT then refuses to store it).
+        target = record.get("target", 0)
+        if not (_is_int(target) and 0 <= target <= MAX_EPOCH):
+            return None
+        metrics = parse_metrics(record.get("metrics", {}))
+        if metrics is None:
+            return None
+        return cls(
+            peer, int(epoch), int(samples), float(sps), float(when), left, int(target), metrics
+        )
 
 
 def _is_int(value: object) -> TypeGuard[int]:
@@ -328,6 +351,7 @@ class ProgressTracker:
         self.epoch = 0
         self.samples = 0
         self.meter = RateMeter()
+        self.metrics: Metrics = ()
         self.last: GlobalProgress = aggregate((), target_batch_size)
         self._ignored = 0  # records ignored by the last refresh, to log changes only
 
@@ -345,10 +369,27 @@ class ProgressTracker:
         self.epoch = epoch
         self.samples = samples
 
+    def set_metrics(self, metrics: Mapping[str, object]) -> None:
+        """Replace the user metrics sent with the next reports (an empty map clears them).
+
+        Raises:
+            ValueError: the metrics break the record's rules
+                (:func:`~swarmavg.averaging.training.metrics.check_metrics`).
+        """
+        self.metrics = check_metrics(metrics)
+
     @property
     def local(self) -> PeerProgress:
         """This process's current record."""
-        return PeerProgress(self.peer_id, self.epoch, self.samples, self.meter.rate, time.time())
+        return PeerProgress(
+            self.peer_id,
+            self.epoch,
+            self.samples,
+            self.meter.rate,
+            time.time(),
+            target=self.target_batch_size,
+            metrics=self.metrics,
+        )
 
     def report(self) -> bool:
         """Store this process's record in the DHT; return the DHT's answer."""
@@ -378,23 +419,7 @@ class ProgressTracker:
         """
         raw = self.client.dht.get(self.key)
         now = time.time()
-        others: list[PeerProgress] = []
-        ignored = 0
-        if isinstance(raw, Mapping):
-            for subkey, value in raw.items():
-                if subkey == self.subkey:
-                    continue
-                parsed = PeerProgress.from_record(value)
-                # The DHT checked that the subkey's named owner signed the entry; a record
-                # that claims another daemon's id inside it is a forgery.
-                if (
-                    parsed is not None
-                    and plausible(parsed, now)
-                    and _owner_of(subkey) == parsed.peer_id
-                ):
-                    others.append(parsed)
-                else:
-                    ignored += 1
+        others, ignored = parse_records(raw, now, skip=self.subkey)
         others, ahead = within_epoch_lead(others, self.epoch, self.max_epoch_lead)
         ignored += ahead
         records = [self.local, *others]
@@ -407,6 +432,37 @@ class ProgressTracker:
             self._ignored = ignored
         self.last = aggregate(records, self.target_batch_size, now=now)
         return self.last
+
+
+def parse_records(
+    raw: object, now: float, *, skip: str | None = None
+) -> tuple[list[PeerProgress], int]:
+    """The valid records of a progress key's value (``client.dht.get(key)``), read at ``now``.
+
+    Args:
+        raw: the DHT value: a map subkey -> record (anything else holds no record).
+        now: the reader's wall clock, for :func:`plausible`.
+        skip: a subkey to leave out (the reader's own).
+
+    Returns:
+        the records that parse, are plausible and name the daemon their subkey names as its
+        owner, and how many others were ignored.
+    """
+    records: list[PeerProgress] = []
+    ignored = 0
+    if not isinstance(raw, Mapping):
+        return records, ignored
+    for subkey, value in raw.items():
+        if subkey == skip:
+            continue
+        parsed = PeerProgress.from_record(value)
+        # The DHT checked that the subkey's named owner signed the entry; a record that
+        # claims another daemon's id inside it is a forgery.
+        if parsed is not None and plausible(parsed, now) and _owner_of(subkey) == parsed.peer_id:
+            records.append(parsed)
+        else:
+            ignored += 1
+    return records, ignored
 
 
 def _owner_of(subkey: object) -> str | None:
@@ -433,6 +489,7 @@ __all__ = [
     "ProgressTracker",
     "RateMeter",
     "aggregate",
+    "parse_records",
     "plausible",
     "within_epoch_lead",
 ]

@@ -148,9 +148,14 @@ def average_in_threads(
         return list(pool.map(one, range(len(controls))))
 
 
-def swarm(pool: ProcessPool, sock_dir: Path, n: int, *first_args: str) -> list[SwarmavgProcess]:
+def swarm(
+    pool: ProcessPool, sock_dir: Path, n: int, *first_args: str, rest_args: tuple[str, ...] = ()
+) -> list[SwarmavgProcess]:
     first = start_peer(pool, sock_dir / "p0.sock", *first_args)
-    rest = [start_peer(pool, sock_dir / f"p{i}.sock", "--join", first.address) for i in range(1, n)]
+    rest = [
+        start_peer(pool, sock_dir / f"p{i}.sock", "--join", first.address, *rest_args)
+        for i in range(1, n)
+    ]
     return [first, *rest]
 
 
@@ -232,7 +237,8 @@ def test_four_daemons_four_clients_get_the_weighted_mean(
 def test_daemon_killed_mid_round_others_return_within_timeout(
     swarmavg_processes: ProcessPool, sock_dir: Path, tmp_path: Path, phase: str
 ) -> None:
-    peers = swarm(swarmavg_processes, sock_dir, 3)
+    # -v: "group formed" is a per-round line, logged at DEBUG (issue 19)
+    peers = swarm(swarmavg_processes, sock_dir, 3, rest_args=("-v",))
     timeout = 15.0
     workers = [
         Worker(

@@ -44,6 +44,7 @@ SAMPLES: dict[str, str] = {
     "run_file": '"/tmp/r.run.toml"',
     "credential": '"/tmp/id.cred.pem"',
     "metrics": '"127.0.0.1:7"',
+    "summary_interval": "30.0",
     "log_level": '"WARNING"',
     "local_window": "0.25",
     "shutdown_grace": "1.5",

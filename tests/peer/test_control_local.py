@@ -83,6 +83,12 @@ class SoloBackend:
             raise StateNotFoundError("nobody published state")
         return self.state
 
+    def state_progress(self) -> None:
+        return None  # load_state answers at once: no download to report
+
+    async def peers(self, training_run: str) -> control_pb2.PeersResponse:
+        return control_pb2.PeersResponse(run_id="solo")
+
     def status(self) -> control_pb2.StatusResponse:
         info = os.stat(SHM_DIR)
         return control_pb2.StatusResponse(

@@ -6,6 +6,7 @@ import math
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 
 from swarmavg.averaging.training.progress import (
@@ -69,6 +70,20 @@ def test_eta_is_infinite_without_throughput_and_empty_swarm_is_epoch_zero() -> N
         {"peer": "a", "epoch": 2**60, "samples": 0, "sps": 0.0, "time": 0.0},
         {"peer": "a", "epoch": 1, "samples": "3", "sps": 0.0, "time": 0.0},
         {"epoch": 1, "samples": 3, "sps": 0.0, "time": 0.0},
+        {"peer": "a", "epoch": 1, "samples": 0, "sps": 0.0, "time": 0.0, "target": -1},
+        {"peer": "a", "epoch": 1, "samples": 0, "sps": 0.0, "time": 0.0, "target": 1.5},
+        {"peer": "a", "epoch": 1, "samples": 0, "sps": 0.0, "time": 0.0, "metrics": [1]},
+        {"peer": "a", "epoch": 1, "samples": 0, "sps": 0.0, "time": 0.0, "metrics": {"l": "x"}},
+        {"peer": "a", "epoch": 1, "samples": 0, "sps": 0.0, "time": 0.0, "metrics": {"l": 1e999}},
+        {"peer": "a", "epoch": 1, "samples": 0, "sps": 0.0, "time": 0.0, "metrics": {"a b": 1}},
+        {
+            "peer": "a",
+            "epoch": 1,
+            "samples": 0,
+            "sps": 0.0,
+            "time": 0.0,
+            "metrics": {f"m{i}": 1.0 for i in range(9)},
+        },
     ],
 )
 def test_malformed_records_are_dropped(record: object) -> None:
@@ -78,6 +93,10 @@ def test_malformed_records_are_dropped(record: object) -> None:
 def test_record_round_trip() -> None:
     original = PeerProgress("ab12", 7, 96, 123.5, 1700000000.25)
     assert PeerProgress.from_record(original.to_record()) == original
+    assert set(original.to_record()) == {"peer", "epoch", "samples", "sps", "time"}
+    full = PeerProgress("ab12", 7, 96, 1.0, 1.0, target=4096, metrics=(("acc", 0.5), ("loss", 2)))
+    assert full.to_record()["metrics"] == {"acc": 0.5, "loss": 2}
+    assert PeerProgress.from_record(full.to_record()) == full
 
 
 def test_rate_meter_smooths_and_pauses() -> None:
@@ -194,3 +213,22 @@ def test_the_tracker_ignores_a_forged_epoch_jump(caplog: pytest.LogCaptureFixtur
     progress = honest[0].refresh()
     assert (progress.epoch, progress.num_peers) == (4, 3)
     assert "ignoring 1" in caplog.text
+
+
+def test_metrics_are_checked_when_set_and_sent_with_every_report() -> None:
+    dht = DictDHT()
+    tracker = ProgressTracker(DictClient(dht, "a"), "run", target_batch_size=64)
+    tracker.set_metrics({"loss": np.float32(0.5), "ppl": 3})
+    tracker.report()
+    (stored,) = dht.data["run.progress"].values()
+    assert (stored["metrics"], stored["target"]) == ({"loss": 0.5, "ppl": 3.0}, 64)
+    with pytest.raises(ValueError, match="'loss' must be a finite number"):
+        tracker.set_metrics({"loss": float("nan")})
+    with pytest.raises(ValueError, match="at most 8 metrics"):
+        tracker.set_metrics({f"m{i}": 1 for i in range(9)})
+    with pytest.raises(ValueError, match="metric name 'a b'"):
+        tracker.set_metrics({"a b": 1})
+    assert tracker.metrics == (("loss", 0.5), ("ppl", 3.0))  # a refused call changes nothing
+    tracker.set_metrics({})
+    tracker.report()
+    assert "metrics" not in next(iter(dht.data["run.progress"].values()))

@@ -92,3 +92,16 @@ def test_parameter_groups_are_fixed_once_wrapped(make: Any) -> None:
 def test_a_misspelt_codec_fails_when_the_wrapper_is_built(make: Any) -> None:
     with pytest.raises(ValueError, match="fp16"):
         make(MemorySwarm(), codec="fp16")
+
+
+@pytest.mark.parametrize("make", WRAPPERS.values(), ids=WRAPPERS.keys())
+def test_reported_metrics_travel_with_the_progress_record(make: Any) -> None:
+    swarm = MemorySwarm()
+    model, _, opt = make(swarm)
+    backward(model, batch(0))
+    opt.report_metrics(loss=torch.tensor(0.5), accuracy=0.75)
+    opt.step()
+    records = [value for values in swarm.dht.values() for value, _ in values.values()]
+    assert {"loss": 0.5, "accuracy": 0.75} in [r.get("metrics") for r in records]
+    with pytest.raises(ValueError, match="'loss' must be a finite number"):
+        opt.report_metrics(loss=float("inf"))

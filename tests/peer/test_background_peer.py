@@ -1,0 +1,91 @@
+"""``start_peer``: a daemon in a background thread of a synchronous script (issue 19)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from swarmavg.peer import PeerConfig, start_peer
+from swarmavg.peer.daemon import StartupError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="sa-") as d:
+        yield Path(d)
+
+
+def test_two_background_peers_average_and_stop_cleanly(sock_dir: Path) -> None:
+    with start_peer(listen="127.0.0.1:0", control=str(sock_dir / "a.sock"), run_id="bg") as a:
+        assert a.address is not None
+        assert a.ready["control"] == str(sock_dir / "a.sock")
+        config = PeerConfig(
+            listen="127.0.0.1:0", control=str(sock_dir / "b.sock"), run_id="bg", join=[a.address]
+        )
+        with start_peer(config) as b, a.connect() as ca, b.connect() as cb:
+            from concurrent.futures import ThreadPoolExecutor
+
+            x, y = np.zeros(8, np.float32), np.full(8, 2.0, np.float32)
+            with ThreadPoolExecutor(2) as pool:
+                ra, rb = pool.map(
+                    lambda args: args[0].average([args[1]], key="k", group_size=2, timeout=30),
+                    [(ca, x), (cb, y)],
+                )
+            np.testing.assert_allclose(ra.tensors[0], np.ones(8))
+            assert sorted(rb.peers) == sorted([a.peer_id, b.peer_id])
+        assert not (sock_dir / "b.sock").exists()
+        b.stop()  # idempotent
+    assert not (sock_dir / "a.sock").exists()
+
+
+def test_a_startup_error_is_raised_in_the_calling_thread(sock_dir: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(StartupError, match=f"port {port} is already in use"):
+            start_peer(listen=f"127.0.0.1:{port}", control=str(sock_dir / "c.sock"))
+    with pytest.raises(ValueError, match="either config or keyword settings"):
+        start_peer(PeerConfig(), run_id="x")
+
+
+SCRIPT = """
+import sys, threading
+import swarmavg.peer
+swarmavg.peer.enable_logging()
+try:
+    with swarmavg.peer.start_peer(listen="127.0.0.1:0", control=sys.argv[1]) as peer:
+        print("ready", peer.address, flush=True)
+        threading.Event().wait()
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_ctrl_c_in_the_script_is_one_graceful_shutdown(sock_dir: Path) -> None:
+    sock = sock_dir / "s.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, str(sock)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith("ready 127.0.0.1:")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert out.strip() == "interrupted"
+    assert err.count("peer stopped") == 1
+    assert "Traceback" not in err
+    assert not sock.exists()
