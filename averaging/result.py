@@ -24,8 +24,8 @@ class AveragingResult:
         group_size: members of the group.
         peers: the members' peer ids in hex, in group order.
         group_id: the group's id in hex.
-        codec: the codec the group used (its leader's choice, which may differ from the
-            one this peer asked for).
+        codec: the codec the group used: the one every member asked for (a follower
+            refuses a group of another codec).
         partial: some chunk kept local values, or was averaged without some sender.
         timings: seconds per phase: the all-reduce's ``allreduce.prepare``,
             ``allreduce.exchange``, ``allreduce.finish`` and ``allreduce.total``; the
@@ -36,6 +36,8 @@ class AveragingResult:
             state digest has it there, tagged: see :attr:`state_digests`).
         failed_parts: parts (member indices) of which some chunk kept local values.
         dropped: senders this member's reducer dropped, with the reason.
+        distrusted: parts whose reducer answered inconsistently, with the reason: they
+            keep local values and are in ``failed_parts`` (issue 17).
         local_callers: training processes of this machine combined into the round.
     """
 
@@ -51,6 +53,7 @@ class AveragingResult:
     gathered: dict[str, bytes] = field(default_factory=dict)
     failed_parts: tuple[int, ...] = ()
     dropped: dict[int, str] = field(default_factory=dict)
+    distrusted: dict[int, str] = field(default_factory=dict)
     local_callers: int = 1
 
     @property

@@ -12,11 +12,16 @@ It is opportunistic: a member that serves it advertises its port in matchmaking
 within ``AllReduceConfig.data_connect_timeout`` remembers that for a while and uses the
 gRPC ``Reduce`` method, which every member always serves.
 
-Wire, version 1. Every connection starts with a HELLO frame from the client. Frames::
+Wire, version 2. Every connection starts with a HELLO frame from the client, which the
+server answers with its own HELLO; the client sends nothing more until that answer came
+(issue 17: a member told to stream to some ``host:port`` must not pump its part at whatever
+listens there, a reflection attack; version 1 sent its chunks right behind its HELLO).
+Frames::
 
     <u32 little-endian body length> <u8 kind> <body>
 
-    HELLO  (0)  client -> server, body ``swarmavg-reduce/1``, once per connection
+    HELLO  (0)  client -> server, then server -> client, body ``swarmavg-reduce/2``, once
+                per connection
     MSG    (1)  one ``ReduceRequest`` (client -> server) or ``ReduceResponse``
                 (server -> client), the bytes the gRPC stream would carry
     CLOSE  (2)  client -> server, empty: the client wrote its last message (half-close)
@@ -63,7 +68,7 @@ __all__ = [
 HELLO, MSG, CLOSE, STATUS = 0, 1, 2, 3
 _KINDS = frozenset((HELLO, MSG, CLOSE, STATUS))
 _HEAD = struct.Struct("<IB")
-MAGIC = b"swarmavg-reduce/1"
+MAGIC = b"swarmavg-reduce/2"
 MAX_BODY = (4 << 20) + (64 << 10)
 """Largest frame body accepted: gRPC's 4 MiB message cap, which every chunk respects
 (``AllReduceConfig.chunk_bytes`` is at most ``partition.MAX_CHUNK_BYTES``, 3 MiB), plus
@@ -398,18 +403,25 @@ class DataConnector:
             return None
         idle = self._idle.get(key, [])
         while idle:
-            since, protocol = idle.pop()
-            if protocol.usable and now - since < _IDLE_CLIENT:
-                return DataCall(protocol, self._release_to(key))
-            protocol.close()
+            since, idle_protocol = idle.pop()
+            if idle_protocol.usable and now - since < _IDLE_CLIENT:
+                return DataCall(idle_protocol, self._release_to(key))
+            idle_protocol.close()
         loop = asyncio.get_running_loop()
+        protocol: _FrameProtocol | None = None
         try:
             async with asyncio.timeout(max(min(timeout, self.connect_timeout), 0.001)):
                 _, protocol = await loop.create_connection(_FrameProtocol, host, port)
-            protocol.send(HELLO, (MAGIC,))
+                protocol.send(HELLO, (MAGIC,))
+                # Not one byte of a part before the remote proved it is a data plane.
+                kind, body = await protocol.next_frame()
+                if kind != HELLO or bytes(body) != MAGIC:
+                    raise _ProtocolError(f"answered frame kind {kind}, not a data-plane HELLO")
             self.opened += 1
-        except (OSError, TimeoutError) as e:
+        except (OSError, TimeoutError, _ProtocolError) as e:
             log.info("data plane %s:%d unreachable (%r); using gRPC", host, port, e)
+            if protocol is not None:
+                protocol.close(discard=True)
             self.refused(host, port)
             return None
         return DataCall(protocol, self._release_to(key))
@@ -539,6 +551,7 @@ class DataPlaneServer:
                 kind, body = await protocol.next_frame()
             if kind != HELLO or bytes(body) != MAGIC:
                 return
+            protocol.send(HELLO, (MAGIC,))  # the client streams only after this answer
             while True:
                 try:
                     async with asyncio.timeout(_IDLE_SERVER):
