@@ -38,6 +38,8 @@ class AveragingResult:
         dropped: senders this member's reducer dropped, with the reason.
         distrusted: parts whose reducer answered inconsistently, with the reason: they
             keep local values and are in ``failed_parts`` (issue 17).
+        local_fraction: share of the elements (0..1) that kept this member's own values
+            because no trusted average came back for them, as this member observed it.
         local_callers: training processes of this machine combined into the round.
     """
 
@@ -54,6 +56,7 @@ class AveragingResult:
     failed_parts: tuple[int, ...] = ()
     dropped: dict[int, str] = field(default_factory=dict)
     distrusted: dict[int, str] = field(default_factory=dict)
+    local_fraction: float = 0.0
     local_callers: int = 1
 
     @property

@@ -48,12 +48,15 @@ class AverageResult:
         peers: their peer ids (hex).
         group_id: the group's id.
         partial: some parts were averaged without a peer that failed mid-round.
-        codec: the codec the group actually used (its leader's choice).
+        codec: the codec the group actually used (every member asked for it).
         timings: seconds per phase, as the daemon measured them.
         local_callers: training processes on this machine combined into the round.
         state_digests: the state digest each member of the group attached
             (``average(..., state_digest=...)``), peer id hex -> bytes; members that
             attached none are absent. Every member of the group sees the same map.
+        local_fraction: share (0..1) of the elements that kept this caller's own values:
+            no trusted average came back for them (a member failed, or its reducer
+            answered inconsistently), as this daemon observed it. 0 when not ``partial``.
     """
 
     tensors: list[Any]
@@ -65,6 +68,7 @@ class AverageResult:
     timings: dict[str, float] = field(default_factory=dict)
     local_callers: int = 1
     state_digests: dict[str, bytes] = field(default_factory=dict)
+    local_fraction: float = 0.0
 
 
 class PreparedAverage:
@@ -183,6 +187,7 @@ class PreparedAverage:
             timings=dict(done.timings),
             local_callers=done.local_callers,
             state_digests={str(peer): bytes(digest) for peer, digest in done.state_digests.items()},
+            local_fraction=done.local_fraction,
         )
 
     @property

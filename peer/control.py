@@ -327,4 +327,5 @@ def _done_message(outcome: AveragingResult) -> control_pb2.AverageDone:
         bytes_received=outcome.bytes_received,
         local_callers=outcome.local_callers,
         state_digests=outcome.state_digests,
+        local_fraction=outcome.local_fraction,
     )

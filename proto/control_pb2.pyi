@@ -66,7 +66,7 @@ class AverageAccepted(_message.Message):
     def __init__(self) -> None: ...
 
 class AverageDone(_message.Message):
-    __slots__ = ("group_size", "peers", "group_id", "partial", "timings", "bytes_sent", "bytes_received", "local_callers", "codec", "state_digests")
+    __slots__ = ("group_size", "peers", "group_id", "partial", "timings", "bytes_sent", "bytes_received", "local_callers", "codec", "state_digests", "local_fraction")
     class TimingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class AverageDone(_message.Message):
     LOCAL_CALLERS_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     STATE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FRACTION_FIELD_NUMBER: _ClassVar[int]
     group_size: int
     peers: _containers.RepeatedScalarFieldContainer[str]
     group_id: str
@@ -101,7 +102,8 @@ class AverageDone(_message.Message):
     local_callers: int
     codec: str
     state_digests: _containers.ScalarMap[str, bytes]
-    def __init__(self, group_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., group_id: _Optional[str] = ..., partial: _Optional[bool] = ..., timings: _Optional[_Mapping[str, float]] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., local_callers: _Optional[int] = ..., codec: _Optional[str] = ..., state_digests: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+    local_fraction: float
+    def __init__(self, group_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., group_id: _Optional[str] = ..., partial: _Optional[bool] = ..., timings: _Optional[_Mapping[str, float]] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., local_callers: _Optional[int] = ..., codec: _Optional[str] = ..., state_digests: _Optional[_Mapping[str, bytes]] = ..., local_fraction: _Optional[float] = ...) -> None: ...
 
 class AverageResponse(_message.Message):
     __slots__ = ("accepted", "data", "done")

@@ -558,6 +558,13 @@ async def run_allreduce(
     )
     if not me.mode.sends:  # AUX: only our own part is ours to report
         failed = tuple(j for j in failed if j == my_index)
+    considered = [j for j in range(group.size) if me.mode.sends or j == my_index]
+    elements = sum(plan.part_size(j) for j in considered)
+    local_elements = sum(
+        plan.chunk_bounds(j, int(c))[1] - plan.chunk_bounds(j, int(c))[0]
+        for j in considered
+        for c in np.flatnonzero(~ex.received[j])
+    )
     averaged_by_all = all(
         ex.full_chunks[j] == plan.num_chunks(j)
         for j in range(group.size)
@@ -589,4 +596,5 @@ async def run_allreduce(
         failed_parts=failed,
         dropped=dict(round_.dropped) if round_ is not None else {},
         distrusted=dict(ex.distrusted),
+        local_fraction=local_elements / elements if elements else 0.0,
     )
