@@ -377,12 +377,18 @@ class DataCall:
 class DataConnector:
     """Opens data-plane streams to reducers, reusing idle connections (one per daemon)."""
 
-    def __init__(self, connect_timeout: float = 1.0, retry_after: float = 300.0) -> None:
+    def __init__(
+        self, connect_timeout: float = 1.0, retry_after: float = 300.0, hello_timeout: float = 5.0
+    ) -> None:
         """Args:
         connect_timeout: at most this long to open a connection.
         retry_after: after a failed connect, use gRPC for this reducer this long.
+        hello_timeout: at most this long for the server's HELLO once connected (a loaded
+            reducer answers late, and falling back to gRPC for ``retry_after`` costs more;
+            the server gives a client as long, ``registration_wait``, for its HELLO).
         """
         self.connect_timeout = connect_timeout
+        self.hello_timeout = hello_timeout
         self.retry_after = retry_after
         self._idle: dict[tuple[str, int], list[tuple[float, _FrameProtocol]]] = {}
         self._unreachable: dict[tuple[str, int], float] = {}
@@ -409,11 +415,14 @@ class DataConnector:
             idle_protocol.close()
         loop = asyncio.get_running_loop()
         protocol: _FrameProtocol | None = None
+        until = now + max(timeout, 0.001)
         try:
             async with asyncio.timeout(max(min(timeout, self.connect_timeout), 0.001)):
                 _, protocol = await loop.create_connection(_FrameProtocol, host, port)
-                protocol.send(HELLO, (MAGIC,))
-                # Not one byte of a part before the remote proved it is a data plane.
+            protocol.send(HELLO, (MAGIC,))
+            # Not one byte of a part before the remote proved it is a data plane.
+            wait = min(until - time.monotonic(), self.hello_timeout)
+            async with asyncio.timeout(max(wait, 0.001)):
                 kind, body = await protocol.next_frame()
                 if kind != HELLO or bytes(body) != MAGIC:
                     raise _ProtocolError(f"answered frame kind {kind}, not a data-plane HELLO")
