@@ -25,8 +25,8 @@ class AveragingResult:
         group_size: members of the group.
         peers: the members' peer ids in hex, in group order.
         group_id: the group's id in hex.
-        codec: the codec the group used (its leader's choice, which may differ from the
-            one this peer asked for).
+        codec: the codec the group used: the one every member asked for (a follower
+            refuses a group of another codec).
         partial: some chunk kept local values, or was averaged without some sender.
         timings: seconds per phase: the all-reduce's ``allreduce.prepare``,
             ``allreduce.exchange``, ``allreduce.finish`` and ``allreduce.total``; the
@@ -39,6 +39,10 @@ class AveragingResult:
         dropped: senders this member's reducer dropped, with the reason.
         errors: failures of this member's own tasks in the round, each with its cause
             (also logged); a round with any is ``partial``.
+        distrusted: parts whose reducer answered inconsistently, with the reason: they
+            keep local values and are in ``failed_parts`` (issue 17).
+        local_fraction: share of the elements (0..1) that kept this member's own values
+            because no trusted average came back for them, as this member observed it.
         local_callers: training processes of this machine combined into the round.
         aggregation: the canonical aggregation rule the group ran (its leader's, which
             every member checked against its own).
@@ -63,6 +67,8 @@ class AveragingResult:
     failed_parts: tuple[int, ...] = ()
     dropped: dict[int, str] = field(default_factory=dict)
     errors: tuple[str, ...] = ()
+    distrusted: dict[int, str] = field(default_factory=dict)
+    local_fraction: float = 0.0
     local_callers: int = 1
     aggregation: str = MEAN
     num_adjusted: int = 0

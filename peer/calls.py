@@ -48,7 +48,7 @@ class AverageResult:
         peers: their peer ids (hex).
         group_id: the group's id.
         partial: some parts were averaged without a peer that failed mid-round.
-        codec: the codec the group actually used (its leader's choice).
+        codec: the codec the group actually used (every member asked for it).
         timings: seconds per phase, as the daemon measured them.
         local_callers: training processes on this machine combined into the round.
         state_digests: the state digest each member of the group attached
@@ -61,6 +61,9 @@ class AverageResult:
             received; 0 for the mean.
         weights_clipped: senders' weights the reducers bounded to ``weight_bound``
             times the median weight, summed over the same parts.
+        local_fraction: share (0..1) of the elements that kept this caller's own values:
+            no trusted average came back for them (a member failed, or its reducer
+            answered inconsistently), as this daemon observed it. 0 when not ``partial``.
     """
 
     tensors: list[Any]
@@ -75,6 +78,7 @@ class AverageResult:
     aggregation: str = "mean"
     num_adjusted: int = 0
     weights_clipped: int = 0
+    local_fraction: float = 0.0
 
 
 class PreparedAverage:
@@ -199,6 +203,7 @@ class PreparedAverage:
             aggregation=done.aggregation or "mean",
             num_adjusted=done.num_adjusted,
             weights_clipped=done.weights_clipped,
+            local_fraction=done.local_fraction,
         )
 
     @property

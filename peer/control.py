@@ -373,4 +373,5 @@ def _done_message(outcome: AveragingResult) -> control_pb2.AverageDone:
         aggregation=outcome.aggregation,
         num_adjusted=outcome.num_adjusted,
         weights_clipped=outcome.weights_clipped,
+        local_fraction=outcome.local_fraction,
     )

@@ -68,7 +68,7 @@ class AverageAccepted(_message.Message):
     def __init__(self) -> None: ...
 
 class AverageDone(_message.Message):
-    __slots__ = ("group_size", "peers", "group_id", "partial", "timings", "bytes_sent", "bytes_received", "local_callers", "codec", "state_digests", "aggregation", "num_adjusted", "weights_clipped")
+    __slots__ = ("group_size", "peers", "group_id", "partial", "timings", "bytes_sent", "bytes_received", "local_callers", "codec", "state_digests", "aggregation", "num_adjusted", "weights_clipped", "local_fraction")
     class TimingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class AverageDone(_message.Message):
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     NUM_ADJUSTED_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_CLIPPED_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FRACTION_FIELD_NUMBER: _ClassVar[int]
     group_size: int
     peers: _containers.RepeatedScalarFieldContainer[str]
     group_id: str
@@ -109,7 +110,8 @@ class AverageDone(_message.Message):
     aggregation: str
     num_adjusted: int
     weights_clipped: int
-    def __init__(self, group_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., group_id: _Optional[str] = ..., partial: _Optional[bool] = ..., timings: _Optional[_Mapping[str, float]] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., local_callers: _Optional[int] = ..., codec: _Optional[str] = ..., state_digests: _Optional[_Mapping[str, bytes]] = ..., aggregation: _Optional[str] = ..., num_adjusted: _Optional[int] = ..., weights_clipped: _Optional[int] = ...) -> None: ...
+    local_fraction: float
+    def __init__(self, group_size: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., group_id: _Optional[str] = ..., partial: _Optional[bool] = ..., timings: _Optional[_Mapping[str, float]] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., local_callers: _Optional[int] = ..., codec: _Optional[str] = ..., state_digests: _Optional[_Mapping[str, bytes]] = ..., aggregation: _Optional[str] = ..., num_adjusted: _Optional[int] = ..., weights_clipped: _Optional[int] = ..., local_fraction: _Optional[float] = ...) -> None: ...
 
 class AverageResponse(_message.Message):
     __slots__ = ("accepted", "data", "done")

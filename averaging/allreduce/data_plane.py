@@ -12,11 +12,16 @@ It is opportunistic: a member that serves it advertises its port in matchmaking
 within ``AllReduceConfig.data_connect_timeout`` remembers that for a while and uses the
 gRPC ``Reduce`` method, which every member always serves.
 
-Wire, version 1. Every connection starts with a HELLO frame from the client. Frames::
+Wire, version 2. Every connection starts with a HELLO frame from the client, which the
+server answers with its own HELLO; the client sends nothing more until that answer came
+(issue 17: a member told to stream to some ``host:port`` must not pump its part at whatever
+listens there, a reflection attack; version 1 sent its chunks right behind its HELLO).
+Frames::
 
     <u32 little-endian body length> <u8 kind> <body>
 
-    HELLO  (0)  client -> server, body ``swarmavg-reduce/1``, once per connection
+    HELLO  (0)  client -> server, then server -> client, body ``swarmavg-reduce/2``, once
+                per connection
     MSG    (1)  one ``ReduceRequest`` (client -> server) or ``ReduceResponse``
                 (server -> client), the bytes the gRPC stream would carry
     CLOSE  (2)  client -> server, empty: the client wrote its last message (half-close)
@@ -70,7 +75,7 @@ __all__ = [
 HELLO, MSG, CLOSE, STATUS = 0, 1, 2, 3
 _KINDS = frozenset((HELLO, MSG, CLOSE, STATUS))
 _HEAD = struct.Struct("<IB")
-MAGIC = b"swarmavg-reduce/1"
+MAGIC = b"swarmavg-reduce/2"
 MAX_BODY = (4 << 20) + (64 << 10)
 """Largest frame body accepted: gRPC's 4 MiB message cap, which every chunk respects
 (``AllReduceConfig.chunk_bytes`` is at most ``partition.MAX_CHUNK_BYTES``, 3 MiB), plus
@@ -458,14 +463,22 @@ class DataConnector:
     """Opens data-plane streams to reducers, reusing idle connections (one per daemon)."""
 
     def __init__(
-        self, connect_timeout: float = 1.0, retry_after: float = 300.0, tls: PeerTLS | None = None
+        self,
+        connect_timeout: float = 1.0,
+        retry_after: float = 300.0,
+        tls: PeerTLS | None = None,
+        hello_timeout: float = 5.0,
     ) -> None:
         """Args:
         connect_timeout: at most this long to open a connection (TLS handshake included).
         retry_after: after a failed connect, use gRPC for this reducer this long.
         tls: this peer's TLS setup in a private run (None: plain TCP).
+        hello_timeout: at most this long for the server's HELLO once connected (a loaded
+            reducer answers late, and falling back to gRPC for ``retry_after`` costs more;
+            the server gives a client as long, ``registration_wait``, for its HELLO).
         """
         self.connect_timeout = connect_timeout
+        self.hello_timeout = hello_timeout
         self.retry_after = retry_after
         self._tls = tls
         self._idle: dict[tuple[str, int], list[tuple[float, _FrameProtocol]]] = {}
@@ -501,12 +514,14 @@ class DataConnector:
             return None
         idle = self._idle.get(key, [])
         while idle:
-            since, protocol = idle.pop()
-            if protocol.usable and now - since < _IDLE_CLIENT:
-                return DataCall(protocol, self._release_to(key))
-            protocol.close()
+            since, idle_protocol = idle.pop()
+            if idle_protocol.usable and now - since < _IDLE_CLIENT:
+                return DataCall(idle_protocol, self._release_to(key))
+            idle_protocol.close()
         self._idle.pop(key, None)  # no empty lists left behind for every address ever used
         loop = asyncio.get_running_loop()
+        protocol: _FrameProtocol | None = None
+        until = now + max(timeout, 0.001)
         try:
             async with asyncio.timeout(max(min(timeout, self.connect_timeout), 0.001)):
                 if self._tls is None:
@@ -520,9 +535,17 @@ class DataConnector:
                         server_hostname=SERVER_HOSTNAME,
                     )
             protocol.send(HELLO, (MAGIC,))
+            # Not one byte of a part before the remote proved it is a data plane.
+            wait = min(until - time.monotonic(), self.hello_timeout)
+            async with asyncio.timeout(max(wait, 0.001)):
+                kind, body = await protocol.next_frame()
+                if kind != HELLO or bytes(body) != MAGIC:
+                    raise _ProtocolError(f"answered frame kind {kind}, not a data-plane HELLO")
             self.opened += 1
-        except (OSError, TimeoutError) as e:
+        except (OSError, TimeoutError, _ProtocolError) as e:
             log.info("data plane %s:%d unreachable (%r); using gRPC", host, port, e)
+            if protocol is not None:
+                protocol.close(discard=True)
             self.refused(host, port)
             return None
         return DataCall(protocol, self._release_to(key))
@@ -695,6 +718,7 @@ class DataPlaneServer:
                 kind, body = await protocol.next_frame()
             if kind != HELLO or bytes(body) != MAGIC:
                 return
+            protocol.send(HELLO, (MAGIC,))  # the client streams only after this answer
             while True:
                 try:
                     async with asyncio.timeout(_IDLE_SERVER):

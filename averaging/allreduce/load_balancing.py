@@ -11,15 +11,41 @@ hivemind's ``load_balance_peers``, which solves it with scipy's LP solver).
 
 The result is deterministic: every member computes the same integers from the same
 inputs.
+
+Bounded claims (issue 17): a bandwidth is a member's unverifiable word, and the member that
+reduces a part decides what every member gets back for it. Claiming 1e9 used to hand the
+claimant the whole vector (part sizes ``[0, 0, 0, N]``). So before balancing, every claim
+is clamped to :data:`MAX_BANDWIDTH_RATIO` times the group's (lower) median claim, and no
+reducer gets more than :data:`MAX_SHARE_RATIO` times an equal share of the vector. Both are
+protocol constants, not settings: every member must compute the same parts. Claims the
+daemon makes itself are its measured throughput (``throughput.py``) unless its user set one.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 
 from swarmavg.averaging.group import Member, Mode
 
 _BISECTION_STEPS = 200
+MAX_BANDWIDTH_RATIO = 4.0
+"""A claim counts as at most this many times the group's lower median claim: a peer 4x
+faster than its group still takes more work, a liar no more than that."""
+MAX_SHARE_RATIO = 1.5
+"""No reducer reduces more than 1.5x an equal share (3/4 of the vector in a group of two
+reducers, 3/8 in one of four), whatever the claims: the part a lying reducer can forge is
+bounded, and honest members' observation then marks it (see ``runner.py``)."""
+
+
+def effective_bandwidths(members: Sequence[Member]) -> list[float]:
+    """Each member's claim clamped to ``MAX_BANDWIDTH_RATIO`` x the reducers' lower median
+    claim (0 for members that reduce nothing)."""
+    claims = [m.bandwidth for m in members if m.is_reducer]
+    if not claims:
+        return [0.0] * len(members)
+    cap = MAX_BANDWIDTH_RATIO * statistics.median_low(claims)
+    return [min(m.bandwidth, cap) if m.is_reducer else 0.0 for m in members]
 
 
 def _load_coefficients(members: Sequence[Member], total: int) -> list[tuple[float, float]]:
@@ -41,6 +67,8 @@ def part_sizes(members: Sequence[Member], total: int) -> list[int]:
     """Elements of the flat vector reduced by each member, in member order.
 
     Members that cannot reduce (clients, bandwidth 0) get 0. The sizes sum to ``total``.
+    Claims are bounded first (:func:`effective_bandwidths`) and no part exceeds
+    ``MAX_SHARE_RATIO`` x ``total / reducers`` (plus rounding).
 
     Raises:
         ValueError: ``total < 0`` or no member can reduce.
@@ -54,17 +82,20 @@ def part_sizes(members: Sequence[Member], total: int) -> list[int]:
     if total == 0:
         return sizes
     coeff = _load_coefficients(members, total)
+    bandwidth = effective_bandwidths(members)
+    cap = MAX_SHARE_RATIO * total / len(reducers)
 
     def fill(level: float) -> list[float]:
         out = []
         for i in reducers:
             fixed, per_element = coeff[i]
-            out.append(max(0.0, (level * members[i].bandwidth - fixed) / per_element))
+            out.append(min(cap, max(0.0, (level * bandwidth[i] - fixed) / per_element)))
         return out
 
-    # Bracket the water level: at `high` every reducer alone could take everything.
+    # Bracket the water level: at `high` every reducer reaches its cap (the caps sum to
+    # more than the total).
     low = 0.0
-    high = max((coeff[i][0] + coeff[i][1] * total) / members[i].bandwidth for i in reducers)
+    high = max((coeff[i][0] + coeff[i][1] * cap) / bandwidth[i] for i in reducers)
     for _ in range(_BISECTION_STEPS):
         mid = (low + high) / 2
         if mid in (low, high):

@@ -19,6 +19,13 @@ the chunks it did not return with this member's local values and ``partial=True`
 runner returns by ``deadline`` (plus the time to cancel its streams) and never mutates
 the caller's tensors.
 
+Honest reporting (issue 17): what a member reports comes from what it observed itself,
+not from the reducers' word. A reducer that answers inconsistently (more senders than the
+group has, or than it can have heard from: ``num_senders`` counting this member for a chunk
+it had not sent yet; a chunk out of range, twice, of the wrong size or codec) is distrusted
+for its whole part: the part keeps this member's local values, counts as not averaged
+(``failed_parts``, ``distrusted``) and makes the result partial.
+
 API (used by ``swarmavg.averaging.averager``)::
 
     service = AllReduceService(node.authenticator)  # once per daemon, inside the loop
@@ -137,6 +144,8 @@ class _Exchange:
         self.full_chunks = {j: 0 for j in range(group.size)}  # averaged over every sender
         self.adjusted = {j: 0 for j in range(group.size)}  # inputs clipped/trimmed, per part
         self.weights_clipped = {j: 0 for j in range(group.size)}  # as each reducer said
+        self.handed = dict.fromkeys(range(group.size), 0)  # chunks of part j given to its stream
+        self.distrusted: dict[int, str] = {}  # part -> why its reducer's word is refused
         self.crashed = asyncio.Event()
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -254,6 +263,8 @@ class _Exchange:
                 if self.fault_plan.stops_sending(chunk):
                     await asyncio.Event().wait()  # a stalled sender: the stream stays open
             request = await offload(self.service.executor, self._encode_request, part, chunk)
+            # Counted before the write: a reply may come back before the write returns.
+            self.handed[part] = chunk + 1
             if isinstance(call, DataCall):
                 await call.write_pieces(request.pieces)  # no join: the socket takes pieces
             else:
@@ -355,6 +366,26 @@ class _Exchange:
             call.cancel()
         return False
 
+    def _distrust(self, part: int, reason: str) -> bool:
+        """Refuse everything the reducer of ``part`` returned: the whole part keeps local
+        values (``fill_missing``) and counts as not averaged. Returns ``False``."""
+        log.warning(
+            "part %d: reducer %s answered inconsistently (%s); keeping local values",
+            part,
+            self.group.members[part].peer_id.hex()[:12],
+            reason,
+        )
+        self.distrusted.setdefault(part, reason)
+        self.received[part][:] = False
+        self.full_chunks[part] = 0
+        return False
+
+    def _senders_bound(self, part: int, chunk: int) -> int:
+        """The most senders an honest reducer of ``part`` can have averaged ``chunk`` over:
+        every sender of the group, less this member if it had not sent that chunk yet."""
+        senders = len(self.group.senders)
+        return senders if self.handed[part] > chunk else senders - 1
+
     async def _accept_reply(self, part: int, reply: Reply) -> bool:
         """Validate and store one averaged chunk; ``False`` means "stop trusting it"."""
         chunk = reply.chunk_index
@@ -362,16 +393,20 @@ class _Exchange:
             log.warning("part %d: %s", part, reply.error)
             return False
         if chunk >= self.plan.num_chunks(part) or self.received[part][chunk]:
-            log.warning("part %d: reducer sent chunk %d out of range or twice", part, chunk)
-            return False
+            return self._distrust(part, f"chunk {chunk} out of range or twice")
         self.bytes_received += reply.nbytes
+        if reply.num_senders > self._senders_bound(part, chunk):
+            return self._distrust(
+                part,
+                f"chunk {chunk} claims {reply.num_senders} senders, at most "
+                f"{self._senders_bound(part, chunk)} possible",
+            )
         if reply.num_senders == 0:
             return True  # nobody delivered this chunk in time: it stays local
         try:
             await offload(self.service.executor, self._decode_reply, part, reply)
         except ValueError as e:  # CodecError included
-            log.warning("part %d: reducer sent an invalid chunk: %s", part, e)
-            return False
+            return self._distrust(part, f"invalid chunk {chunk}: {e}")
         self.received[part][chunk] = True
         if reply.num_senders >= len(self.group.senders):
             self.full_chunks[part] += 1
@@ -541,6 +576,13 @@ async def run_allreduce(
     )
     if not me.mode.sends:  # AUX: only our own part is ours to report
         failed = tuple(j for j in failed if j == my_index)
+    considered = [j for j in range(group.size) if me.mode.sends or j == my_index]
+    elements = sum(plan.part_size(j) for j in considered)
+    local_elements = sum(
+        plan.chunk_bounds(j, int(c))[1] - plan.chunk_bounds(j, int(c))[0]
+        for j in considered
+        for c in np.flatnonzero(~ex.received[j])
+    )
     averaged_by_all = all(
         ex.full_chunks[j] == plan.num_chunks(j)
         for j in range(group.size)
@@ -578,4 +620,6 @@ async def run_allreduce(
         aggregation=group.aggregation,
         num_adjusted=sum(ex.adjusted.values()),
         weights_clipped=sum(ex.weights_clipped.values()),
+        distrusted=dict(ex.distrusted),
+        local_fraction=local_elements / elements if elements else 0.0,
     )

@@ -82,7 +82,10 @@ class AllReduceService:
         self.data_connector: DataConnector | None = None
         if self.config.data_plane:
             self.data_connector = DataConnector(
-                self.config.data_connect_timeout, self.config.data_retry_after, tls
+                self.config.data_connect_timeout,
+                self.config.data_retry_after,
+                tls,
+                hello_timeout=self.config.registration_wait,
             )
         self._data_server: DataPlaneServer | None = None
         self.data_port = 0

@@ -9,7 +9,11 @@ from dataclasses import dataclass
 
 from swarmavg.averaging.aggregation import MEAN, canonical_aggregation
 from swarmavg.averaging.group import MAX_GROUP_SIZE, Mode
-from swarmavg.averaging.matchmaking.declarations import MAX_USER_DATA_BYTES, SCHEMA_HASH_BYTES
+from swarmavg.averaging.matchmaking.declarations import (
+    DEFAULT_START_WINDOW,
+    MAX_USER_DATA_BYTES,
+    SCHEMA_HASH_BYTES,
+)
 
 
 class MatchmakingEvent(enum.Enum):
@@ -39,6 +43,8 @@ class MatchmakerConfig:
         max_redirects: redirects followed in a row before reading the DHT again.
         initial_latency: seconds assumed for one DHT or RPC round trip until this peer
             measured its own (the settle time derives from them, see ``closing``).
+        start_window: ``(before, after)``: seconds before and after now within which a
+            declared start must lie for the declaration to count (issue 17).
     """
 
     poll_interval: float = 0.5
@@ -47,8 +53,11 @@ class MatchmakerConfig:
     dht_timeout: float = 3.0
     max_redirects: int = 4
     initial_latency: float = 0.02
+    start_window: tuple[float, float] = DEFAULT_START_WINDOW
 
     def __post_init__(self) -> None:
+        if not all(math.isfinite(w) and w > 0 for w in self.start_window):
+            raise ValueError("start_window must be two positive, finite numbers of seconds")
         for name in (
             "poll_interval",
             "join_timeout",

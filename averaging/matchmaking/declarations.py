@@ -15,6 +15,7 @@ cannot both wait: one of them answers ``JOIN_REJECT_NOT_LEADER`` immediately.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -31,6 +32,12 @@ MAX_ADDRESS_CHARS = 256
 MAX_USER_DATA_BYTES = 64 * 1024
 MAX_CODEC_CHARS = 64
 MAX_KEY_CHARS = 512
+USER_DATA_DIGEST_BYTES = 16
+DEFAULT_START_WINDOW = (600.0, 30.0)
+"""How far a declared ``start`` may lie before and after now (seconds) for the declaration
+to count (issue 17): the earliest start leads, so a declaration with ``start=-1e300`` would
+otherwise lead every round. 600 s covers the longest matchmaking a peer waits through; 30 s
+covers clock skew between honest peers."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,9 @@ class Declaration:
         group_size: the group size it asks for (as a leader, the cap it enforces).
         aggregation: the canonical aggregation rule it averages with; peers of different
             rules never group (a robust member must not end up in a mean group).
+        codec: the codec it averages with; a follower only takes a group of its codec.
+        data_port: its data-plane port (0: none); members stream only to signed ports.
+        user_data_digest: :func:`user_data_digest` of the user data it joins with.
     """
 
     peer_id: bytes
@@ -61,6 +71,9 @@ class Declaration:
     schema_hash: bytes
     group_size: int
     aggregation: str = MEAN
+    codec: str = ""
+    data_port: int = 0
+    user_data_digest: bytes = b""
 
     @property
     def order(self) -> tuple[float, bytes]:
@@ -85,7 +98,20 @@ class Declaration:
             "schema": self.schema_hash,
             "gs": self.group_size,
             "agg": self.aggregation,
+            "codec": self.codec,
+            "dp": self.data_port,
+            "ud": self.user_data_digest,
         }
+
+    def within_window(self, now: float, window: tuple[float, float] = DEFAULT_START_WINDOW) -> bool:
+        """Whether the declared start lies in ``[now - window[0], now + window[1]]``."""
+        before, after = window
+        return now - before <= self.start <= now + after
+
+
+def user_data_digest(user_data: bytes) -> bytes:
+    """What a declaration signs of the user data (the data itself may be 64 KiB)."""
+    return hashlib.sha256(b"swarmavg.user-data.v1" + user_data).digest()[:USER_DATA_DIGEST_BYTES]
 
 
 def _finite(value: object) -> float | None:
@@ -121,6 +147,9 @@ def decode_declaration(subkey: object, value: object) -> Declaration | None:
     start, deadline, give_up, bandwidth = (
         _finite(value.get(k)) for k in ("start", "deadline", "give_up", "bw")
     )
+    codec = value.get("codec", "")
+    data_port = value.get("dp", 0)
+    digest = value.get("ud", b"")
     if (
         not isinstance(address, str)
         or len(address) > MAX_ADDRESS_CHARS
@@ -138,6 +167,13 @@ def decode_declaration(subkey: object, value: object) -> Declaration | None:
         or bandwidth < 0
         or not start <= deadline <= give_up
         or aggregation is None
+        or not isinstance(codec, str)
+        or len(codec) > MAX_CODEC_CHARS
+        or not isinstance(data_port, int)
+        or isinstance(data_port, bool)
+        or not 0 <= data_port <= 65535
+        or not isinstance(digest, bytes)
+        or len(digest) not in (0, USER_DATA_DIGEST_BYTES)
     ):
         return None
     return Declaration(
@@ -151,6 +187,9 @@ def decode_declaration(subkey: object, value: object) -> Declaration | None:
         schema_hash=schema,
         group_size=group_size,
         aggregation=aggregation,
+        codec=codec,
+        data_port=data_port,
+        user_data_digest=digest,
     )
 
 
@@ -185,8 +224,8 @@ def leader_candidates(
     """Peers that ``me`` should ask to lead it, best first.
 
     A candidate comes before ``me`` in leader order, can be dialled, has not given up, has
-    the same schema hash and aggregation rule, and is not in ``excluded``. A client-mode
-    ``me`` cannot lead, so for it every dialable peer qualifies, whatever its start.
+    the same schema hash, codec and aggregation rule, and is not in ``excluded``. A
+    client-mode ``me`` cannot lead, so for it every dialable peer qualifies, whatever its start.
     """
     result = [
         d
@@ -197,6 +236,7 @@ def leader_candidates(
         and d.give_up > now
         and d.schema_hash == me.schema_hash
         and d.aggregation == me.aggregation
+        and d.codec == me.codec
         and (d.order < me.order or not me.can_lead)
     ]
     result.sort(key=lambda d: d.order)
@@ -339,33 +379,98 @@ def member_from_join_request(peer_id: bytes, request: averaging_pb2.JoinRequest)
     )
 
 
+def declaration_mismatch(member: Member, declaration: Declaration | None) -> str | None:
+    """Why ``member`` (as a leader or a join request describes it) is not what its owner
+    signed in ``declaration``; ``None`` when every field it signs agrees.
+
+    The declaration is an owner-signed DHT record (see ``averaging/protocol_keys.py``), so
+    its address, data port, mode, bandwidth and user data digest are the member's own word;
+    a ``JoinRequest``'s or a leader's copy of them is not (issue 17: an unsigned address
+    made every member stream its part at any ``host:port``).
+    """
+    if declaration is None:
+        return "no signed declaration of it is visible"
+    if declaration.peer_id != member.peer_id:
+        return "the declaration is another peer's"
+    if member.mode is not declaration.mode:
+        return f"mode {member.mode.name} differs from its signed {declaration.mode.name}"
+    if (member.address or "") != declaration.address:
+        return f"address {member.address!r} differs from its signed {declaration.address!r}"
+    if member.data_port != declaration.data_port:
+        return f"data port {member.data_port} differs from its signed {declaration.data_port}"
+    if member.bandwidth != declaration.bandwidth:
+        return f"bandwidth {member.bandwidth} differs from its signed {declaration.bandwidth}"
+    if user_data_digest(member.user_data) != declaration.user_data_digest:
+        return "user data differs from what it signed"
+    return None
+
+
+@dataclass(frozen=True)
+class FollowerAsk:
+    """What a follower asked for, against which it checks the group its leader formed."""
+
+    peer_id: bytes
+    address: str | None
+    mode: Mode
+    bandwidth: float
+    user_data: bytes
+    data_port: int
+    schema_hash: bytes
+    codec: str
+    min_group_size: int
+    group_size: int
+    aggregation: str = MEAN
+
+
 def check_formed_group(
     message: averaging_pb2.GroupDescription,
-    my_id: bytes,
+    ask: FollowerAsk,
     leader_id: bytes,
-    schema_hash: bytes,
-    mode: Mode,
-    user_data: bytes,
-    aggregation: str = MEAN,
+    declarations: Mapping[bytes, Declaration],
 ) -> GroupInfo:
-    """Parse the group a leader sent and check it is one we can take part in.
+    """Parse the group a leader sent and check it is the one we asked for (issue 17).
+
+    The leader decides, the follower checks: the group must have our schema and codec, a
+    size within our bounds, our own entry exactly as we asked, and only members whose
+    entries match the declarations they signed (``declarations``: the live ones we read,
+    by peer id), so we stream only to addresses their owners signed.
 
     Raises:
-        ValueError: malformed, or without us or the leader, another schema, another
-            aggregation rule than ``aggregation`` (a leader must not downgrade a robust
-            member to the mean), or our own entry altered.
+        ValueError: malformed, or any of the above differs; the message says what.
     """
     group = group_from_proto(message)
-    index = group.index_of(my_id)
+    index = group.index_of(ask.peer_id)
     if index is None or group.index_of(leader_id) is None:
         raise ValueError("the group lacks this peer or its leader")
-    if group.schema_hash != schema_hash:
+    if group.schema_hash != ask.schema_hash:
         raise ValueError("the group has another schema hash")
-    if group.aggregation != aggregation:
+    if group.aggregation != ask.aggregation:
         raise ValueError(
-            f"the group runs aggregation {group.aggregation!r}, this peer asked for {aggregation!r}"
+            f"the group runs aggregation {group.aggregation!r}, "
+            f"this peer asked for {ask.aggregation!r}"
+        )
+    if group.codec != ask.codec:
+        raise ValueError(f"the group uses codec {group.codec!r}, this peer asked for {ask.codec!r}")
+    if not ask.min_group_size <= group.size <= ask.group_size:
+        raise ValueError(
+            f"the group has {group.size} members, this peer asked for "
+            f"{ask.min_group_size}..{ask.group_size}"
         )
     mine = group.members[index]
-    if mine.mode is not mode or mine.user_data != user_data:
+    wanted = Member(
+        peer_id=ask.peer_id,
+        address=ask.address if ask.mode is not Mode.CLIENT else None,
+        mode=ask.mode,
+        bandwidth=ask.bandwidth,
+        user_data=ask.user_data,
+        data_port=ask.data_port if ask.mode is not Mode.CLIENT else 0,
+    )
+    if mine != wanted:
         raise ValueError("the leader altered this peer's member entry")
+    for member in group.members:
+        if member.peer_id == ask.peer_id:
+            continue
+        reason = declaration_mismatch(member, declarations.get(member.peer_id))
+        if reason is not None:
+            raise ValueError(f"member {member.peer_id.hex()[:12]}: {reason}")
     return group

@@ -61,9 +61,11 @@ from swarmavg.averaging.matchmaking.config import (
 from swarmavg.averaging.matchmaking.declarations import (
     MAX_ADDRESS_CHARS,
     Declaration,
+    FollowerAsk,
     JoinState,
     check_formed_group,
     decide_join,
+    declaration_mismatch,
     declaration_subkey,
     decode_declaration,
     group_to_proto,
@@ -71,6 +73,7 @@ from swarmavg.averaging.matchmaking.declarations import (
     member_from_join_request,
     mismatched_schemas,
     requested_aggregation,
+    user_data_digest,
 )
 from swarmavg.averaging.stubs import JOIN_GROUP, join_group_method
 from swarmavg.dht.auth import AuthenticationError, message_digest
@@ -138,7 +141,16 @@ class _Round:
     mismatched: dict[bytes, bytes] = field(default_factory=dict)
     failures: dict[bytes, int] = field(default_factory=dict)
     declarations: tuple[Declaration, ...] = ()
-    """The live declarations of our schema at the last read, our own included."""
+    """The live declarations of our schema and codec at the last read, our own included."""
+    signed: dict[bytes, Declaration] = field(default_factory=dict)
+    """Every live declaration read under our key whose start lies in the window, by peer id:
+    what members signed, against which a group's entries are checked (issue 17)."""
+    other_codecs: dict[bytes, str] = field(default_factory=dict)
+    """Peers of our schema seen averaging with another codec (they never group with us)."""
+    refusals: list[str] = field(default_factory=list)
+    """Why this peer refused groups that leaders formed (for the NoGroupError)."""
+    reading: asyncio.Task[None] | None = None
+    """A read of the declarations in flight that join requests wait for (one at a time)."""
     first_seen: dict[bytes, float] = field(default_factory=dict)
     last_read: float = -math.inf
     """``time.monotonic()`` when the last successful read of the declarations started."""
@@ -237,6 +249,9 @@ class Matchmaker:
             schema_hash=request.schema_hash,
             group_size=request.group_size,
             aggregation=request.aggregation,
+            codec=request.codec,
+            data_port=request.data_port if request.mode is not Mode.CLIENT and self.address else 0,
+            user_data_digest=user_data_digest(request.user_data),
         )
         family = request.family or request.key
         rnd = _Round(
@@ -258,6 +273,8 @@ class Matchmaker:
             if self._rounds.get(request.key) is rnd:
                 del self._rounds[request.key]
             self._disband(rnd, "the leader stopped matchmaking")
+            if rnd.reading is not None:
+                await _cancel_and_wait(rnd.reading)
 
     async def _declare(self, rnd: _Round) -> None:
         subkey = declaration_subkey(self.peer_id)
@@ -351,12 +368,23 @@ class Matchmaker:
         # Remembered across reads: a later read may fail or miss them.
         for other in mismatched_schemas(found, rnd.me):
             rnd.mismatched[other.peer_id] = other.schema_hash
-        live = {
+        # A start outside the window is ignored (issue 17): the earliest start leads, so a
+        # declaration with start=-1e300 would otherwise lead every round.
+        signed = {
             d.peer_id: d
             for d in found
-            if d.give_up > now_wall and d.schema_hash == rnd.me.schema_hash
+            if d.give_up > now_wall and d.within_window(now_wall, self.config.start_window)
         }
-        live[self.peer_id] = rnd.me  # our own write may not be readable yet
+        signed[self.peer_id] = rnd.me
+        rnd.signed = signed
+        for other in signed.values():
+            if other.schema_hash == rnd.me.schema_hash and other.codec != rnd.me.codec:
+                rnd.other_codecs[other.peer_id] = other.codec
+        live = {
+            p: d
+            for p, d in signed.items()
+            if d.schema_hash == rnd.me.schema_hash and d.codec == rnd.me.codec
+        }
         for peer_id in live:
             rnd.first_seen.setdefault(peer_id, started)
         rnd.declarations = tuple(live.values())
@@ -526,6 +554,11 @@ class Matchmaker:
                 return None
             if code == averaging_pb2.JOIN_REJECT_FULL and first.taken:
                 rnd.taken |= _peer_ids(first.taken)
+            if code == averaging_pb2.JOIN_REJECT_BAD_REQUEST:
+                # Most often: the leader has not read our declaration yet. Ask again soon.
+                log.debug("%s refused our request: %s", target.peer_id.hex()[:8], first.detail)
+                banned[target.peer_id] = time.time() + self._backoff(rnd, target.peer_id)
+                return None
             if code != averaging_pb2.JOIN_ACCEPTED:
                 log.debug(
                     "%s rejected us: %s %s",
@@ -554,7 +587,10 @@ class Matchmaker:
                 banned[target.peer_id] = time.time() + self._backoff(rnd, target.peer_id)
                 return None
             if final.code == averaging_pb2.JOIN_GROUP_FORMED:
-                group = self._check_group(rnd, final.group, target.peer_id)
+                group = await self._check_group(rnd, final.group, target.peer_id)
+                if group is None:
+                    banned[target.peer_id] = forever
+                    return None
                 rnd.closed = True
                 rnd.result.set_result(group)
                 self._notify(MatchmakingEvent.GROUP_FORMED, req.key, self.peer_id)
@@ -596,22 +632,61 @@ class Matchmaker:
         rnd.failures[peer_id] = failures = rnd.failures.get(peer_id, 0) + 1
         return float(min(self.config.retry_after * 2 ** (failures - 1), MAX_BACKOFF))
 
-    def _check_group(
+    async def _check_group(
         self, rnd: _Round, message: averaging_pb2.GroupDescription, leader_id: bytes
-    ) -> GroupInfo:
+    ) -> GroupInfo | None:
+        """The group a leader formed, if it is what we asked for and what its members
+        signed; ``None`` (logged, remembered for the NoGroupError) when we refuse it."""
         req = rnd.request
+        ask = FollowerAsk(
+            peer_id=self.peer_id,
+            address=rnd.me.address or None,
+            mode=req.mode,
+            bandwidth=req.bandwidth,
+            user_data=req.user_data,
+            data_port=rnd.me.data_port,
+            schema_hash=req.schema_hash,
+            codec=req.codec,
+            min_group_size=req.min_group_size,
+            group_size=req.group_size,
+            aggregation=req.aggregation,
+        )
+        members = [bytes(m.peer_id) for m in message.members[:MAX_GROUP_SIZE]]
+        if any(p not in rnd.signed for p in members):
+            await self._refresh_once(rnd)  # a member declared after our last read
         try:
-            return check_formed_group(
-                message,
-                self.peer_id,
-                leader_id,
-                req.schema_hash,
-                req.mode,
-                req.user_data,
-                req.aggregation,
-            )
+            return check_formed_group(message, ask, leader_id, rnd.signed)
         except ValueError as error:
-            raise MatchmakingError(f"leader {leader_id.hex()} sent a bad group: {error}") from None
+            reason = f"leader {leader_id.hex()[:12]} formed a group this peer refused: {error}"
+            log.warning("%s: %s", req.key, reason)
+            rnd.refusals.append(reason)
+            return None
+
+    async def _refresh_once(self, rnd: _Round) -> None:
+        """Read the declarations, sharing one read among everyone who needs it now."""
+        if rnd.reading is None or rnd.reading.done():
+            rnd.reading = asyncio.ensure_future(self._refresh_declarations(rnd))
+        await asyncio.shield(rnd.reading)
+
+    async def _verify_follower(
+        self, rnd: _Round, member: Member, declared_start: float
+    ) -> str | None:
+        """Why a would-be follower's request differs from its signed declaration, or
+        ``None``: a leader lists only members whose entries their owners signed."""
+        declaration = rnd.signed.get(member.peer_id)
+        if declaration_mismatch(member, declaration) is not None:
+            await self._refresh_once(rnd)  # it may have declared after our last read
+            declaration = rnd.signed.get(member.peer_id)
+        reason = declaration_mismatch(member, declaration)
+        if reason is None and declaration is not None:
+            if declaration.start != declared_start:
+                reason = "declared start differs from its signed one"
+            elif declaration.codec != rnd.request.codec:
+                reason = (
+                    f"it averages with codec {declaration.codec!r}, this group with "
+                    f"{rnd.request.codec!r}"
+                )
+        return reason
 
     def _no_group_error(self, rnd: _Round) -> Exception:
         req = rnd.request
@@ -625,11 +700,20 @@ class Matchmaker:
             )
         came = rnd.member_ids()
         expected = expected_members(self._leader_view(rnd), time.monotonic(), self._patience())
+        refused = f"; refused: {'; '.join(rnd.refusals[-3:])}" if rnd.refusals else ""
+        if rnd.other_codecs:
+            codecs = ", ".join(
+                f"{p.hex()[:12]} ({c!r})" for p, c in sorted(rnd.other_codecs.items())[:4]
+            )
+            refused += (
+                f"; peer(s) {codecs} average with another codec than {req.codec!r}: "
+                "a group has one codec, which every member asked for"
+            )
         return NoGroupError(
             f"only {rnd.num_members} peer(s) gathered under {req.key!r} within "
             f"{_give_up_seconds(rnd.me):.1f}s; min_group_size is {req.min_group_size} "
             f"(expected: {short_ids(expected)}; came: {short_ids(came)}; declared: "
-            f"{short_ids({d.peer_id for d in rnd.declarations})})"
+            f"{short_ids({d.peer_id for d in rnd.declarations})}){refused}"
         )
 
     # ------------------------------------------------------------------ leader side
@@ -771,6 +855,35 @@ class Matchmaker:
                 code=code, leader_id=rnd.leader[0], leader_address=rnd.leader[1]
             )
             return
+        if code == averaging_pb2.JOIN_ACCEPTED:
+            reason = await self._verify_follower(rnd, member, request.declared_start)
+            if reason is not None:
+                yield averaging_pb2.JoinResponse(
+                    code=averaging_pb2.JOIN_REJECT_BAD_REQUEST,
+                    leader_id=self.peer_id,
+                    detail=f"not what you signed: {reason}",
+                )
+                return
+            if self._rounds.get(request.key) is not rnd or rnd.result.done():
+                yield averaging_pb2.JoinResponse(
+                    code=averaging_pb2.JOIN_REJECT_NOT_LOOKING, leader_id=self.peer_id
+                )
+                return
+            state = JoinState(  # the read took a while: decide again on the present state
+                me=rnd.me,
+                following=rnd.leader is not None,
+                closed=rnd.closed,
+                num_members=rnd.num_members,
+                group_size=rnd.request.group_size,
+            )
+            code = decide_join(
+                state, (request.declared_start, peer_id), can_lead, bytes(request.schema_hash)
+            )
+            if code == averaging_pb2.JOIN_REDIRECT and rnd.leader is not None:
+                yield averaging_pb2.JoinResponse(
+                    code=code, leader_id=rnd.leader[0], leader_address=rnd.leader[1]
+                )
+                return
         if code != averaging_pb2.JOIN_ACCEPTED:
             detail = FINAL_CODES_TEXT.get(code, "")
             if code == averaging_pb2.JOIN_REJECT_SCHEMA_MISMATCH:

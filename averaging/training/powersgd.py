@@ -179,6 +179,7 @@ class _TwoRounds:
     group_id: str
     partial: bool
     state_digests: dict[str, bytes]
+    local_fraction: float = 0.0
 
 
 class PowerSGDOptimizer(CollaborativeOptimizer):
@@ -270,6 +271,8 @@ class PowerSGDOptimizer(CollaborativeOptimizer):
             first.group_id,
             first.partial or bool(second and second.partial),
             dict(first.state_digests),
+            # the step takes both rounds: it is as local as the more local of the two
+            max(first.local_fraction, second.local_fraction if second else 0.0),
         ), ""
 
     def _shared_digest(self) -> bytes:

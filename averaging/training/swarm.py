@@ -52,6 +52,7 @@ class RoundResultLike(Protocol):
     group_id: str
     partial: bool
     state_digests: dict[str, bytes]
+    local_fraction: float
 
 
 class SwarmClient(Protocol):
@@ -92,6 +93,19 @@ def _is_no_state(exc: Exception) -> bool:
     return isinstance(exc, StateNotFoundError)
 
 
+MIN_AVERAGED_FRACTION = 0.5
+"""A partial round's result is applied only when at least this share of its elements came
+back averaged (``1 - local_fraction``, the member's own observation; issue 17).
+
+Why apply a partial result at all: its un-averaged elements hold this member's own values,
+exactly what a failed round steps with, so for them it is a local step, and the rest is
+the group's average. Why not always: a round that averaged little (a reducer that answered
+inconsistently for a large part, several members lost) moves this member away from the
+group for little gain; stepping locally then is as good and is what the member reports.
+Members that stepped differently are brought back to one state by the next round's state
+digests (docs/training.md, "One shared state")."""
+
+
 class SwarmRoundWarning(UserWarning):
     """A round failed and the wrapper stepped with local values instead."""
 
@@ -104,6 +118,9 @@ class RoundStats:
         rounds: rounds attempted.
         failed: rounds that raised a swarm error (the step used local values).
         partial: rounds that finished with ``partial=True``.
+        partial_skipped: of those, the rounds whose result was not applied: more than
+            ``1 - min_averaged_fraction`` of it kept local values (the step used local
+            values, as for a failed round; ``failed`` does not count them).
         group_sizes: the group size of every successful round, in order.
         seconds: wall time spent inside ``average`` calls.
         states_published, states_loaded: state sharing calls that succeeded.
@@ -124,6 +141,7 @@ class RoundStats:
     rounds: int = 0
     failed: int = 0
     partial: int = 0
+    partial_skipped: int = 0
     group_sizes: list[int] = field(default_factory=list)
     seconds: float = 0.0
     states_published: int = 0
@@ -189,6 +207,8 @@ class SwarmLink:
         self.timeout = timeout
         self.min_group_size = min_group_size
         self.state_timeout = state_timeout
+        self.min_averaged_fraction = MIN_AVERAGED_FRACTION
+        """See :data:`MIN_AVERAGED_FRACTION`; 0 applies every partial result, 1 none."""
         self.stats = RoundStats()
 
     def average(
@@ -251,7 +271,28 @@ class SwarmLink:
         self.stats.group_sizes.append(int(result.group_size))
         if result.partial:
             self.stats.partial += 1
-            log.warning("round %s was partial (a peer failed mid-round)", key)
+            averaged = 1.0 - float(result.local_fraction)
+            if averaged < self.min_averaged_fraction:
+                self.stats.partial_skipped += 1
+                self.stats.last_error = (
+                    f"partial round: only {averaged:.0%} averaged, below "
+                    f"min_averaged_fraction {self.min_averaged_fraction:.0%}"
+                )
+                log.warning("round %s not applied: %s", key, self.stats.last_error)
+                if warn:
+                    warnings.warn(
+                        f"averaging round {key!r} {self.stats.last_error}; stepping with "
+                        "local values",
+                        SwarmRoundWarning,
+                        stacklevel=3,
+                    )
+                return None
+            log.warning(
+                "round %s was partial (%.0f%% averaged; a peer failed or answered "
+                "inconsistently): applied",
+                key,
+                100 * averaged,
+            )
         return result
 
     def _failed(self, key: str, exc: Exception, warn: bool, stacklevel: int) -> None:

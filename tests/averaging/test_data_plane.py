@@ -196,7 +196,10 @@ async def test_connections_beyond_the_limit_are_refused(grpc_servers: GrpcServer
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(_frame(0, MAGIC))
         await writer.drain()
-        # The first connection is served (it idles, open); the second is cut at once.
+        # The first connection is served (answered, then it idles, open); the second is
+        # cut at once.
+        async with asyncio.timeout(5.0):
+            assert await reader.readexactly(len(_frame(0, MAGIC))) == _frame(0, MAGIC)
         assert await _closed_by_server(port, _frame(0, MAGIC), within=5.0)
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.5):
@@ -245,7 +248,8 @@ async def test_a_full_data_plane_refuses_with_a_status_and_senders_use_grpc(
         await _round_is_exact(peers, channels, 5, data_ports=[full_port, 0, 0])
         for p in peers[1:]:  # they tried the data plane once, then remembered the refusal
             assert p.service.data_connector is not None
-            assert p.service.data_connector.opened == 1
+            # The refusal answered their HELLO: no stream was opened, nothing was sent.
+            assert p.service.data_connector.opened == 0
             assert await p.service.data_connector.open("127.0.0.1", full_port, 1.0) is None
     finally:
         await full.close()

@@ -8,7 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmavg.averaging.allreduce.load_balancing import _load_coefficients, part_sizes
+from swarmavg.averaging.allreduce.load_balancing import (
+    MAX_BANDWIDTH_RATIO,
+    MAX_SHARE_RATIO,
+    _load_coefficients,
+    effective_bandwidths,
+    part_sizes,
+)
 from swarmavg.averaging.group import Member, Mode
 
 
@@ -20,9 +26,11 @@ def _members(spec: list[tuple[Mode, float]]) -> list[Member]:
 
 
 def _cost(members: list[Member], sizes: list[int], total: int) -> float:
+    """The round time the balancer minimises, with the claims as it bounds them."""
     coeff = _load_coefficients(members, total)
+    bandwidth = effective_bandwidths(members)
     return max(
-        (coeff[i][0] + coeff[i][1] * sizes[i]) / m.bandwidth
+        (coeff[i][0] + coeff[i][1] * sizes[i]) / bandwidth[i]
         for i, m in enumerate(members)
         if m.is_reducer
     )
@@ -79,15 +87,35 @@ def test_minimax_is_optimal_against_brute_force(spec: list[tuple[Mode, float]], 
     assert sum(sizes) == total
     assert min(sizes) >= 0
     reducers = [i for i, m in enumerate(members) if m.is_reducer]
+    cap = MAX_SHARE_RATIO * total / len(reducers)
+    assert max(sizes) <= cap + 1  # rounding may add one element
     best = float("inf")
     for combo in itertools.product(range(total + 1), repeat=len(reducers) - 1):
         last = total - sum(combo)
-        if last < 0:
+        if last < 0 or max((*combo, last)) > cap:
             continue
         candidate = [0] * len(members)
         for i, x in zip(reducers, [*combo, last], strict=True):
             candidate[i] = x
         best = min(best, _cost(members, candidate, total))
     # Integer rounding may cost at most one element on the worst reducer.
-    slack = max(_load_coefficients(members, total)[i][1] / members[i].bandwidth for i in reducers)
+    bandwidth = effective_bandwidths(members)
+    slack = max(_load_coefficients(members, total)[i][1] / bandwidth[i] for i in reducers)
     assert _cost(members, sizes, total) <= best + slack + 1e-9
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_an_inflated_claim_buys_at_most_a_bounded_share(n: int) -> None:
+    """Issue 17: claiming 1e9 used to give the claimant the whole vector ([0, 0, 0, N])."""
+    members = _members([(Mode.NODE, 1.0)] * (n - 1) + [(Mode.NODE, 1e9)])
+    assert effective_bandwidths(members)[-1] == MAX_BANDWIDTH_RATIO * 1.0
+    total = 1_000_000
+    sizes = part_sizes(members, total)
+    assert sum(sizes) == total
+    assert sizes[-1] <= MAX_SHARE_RATIO * total / n + 1
+    assert min(sizes[:-1]) > 0
+
+
+def test_claims_below_the_cap_are_untouched() -> None:
+    members = _members([(Mode.NODE, 1.0), (Mode.NODE, 3.0), (Mode.NODE, 2.0), (Mode.CLIENT, 0.0)])
+    assert effective_bandwidths(members) == [1.0, 3.0, 2.0, 0.0]

@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from swarmavg.averaging.errors import NoGroupError, SchemaMismatchError
-from swarmavg.averaging.matchmaking.declarations import Declaration, decode_declaration
+from swarmavg.averaging.group import Mode
+from swarmavg.averaging.matchmaking.declarations import (
+    Declaration,
+    declaration_subkey,
+    decode_declaration,
+    user_data_digest,
+)
 from swarmavg.averaging.matchmaking.keys import matchmaking_key
 from swarmavg.averaging.matchmaking.matchmaker import MatchmakingEvent, dictionary_entries
 from swarmavg.averaging.result import AveragingResult
@@ -119,6 +125,26 @@ async def declarations(peer: Peer, key: str) -> dict[bytes, Declaration]:
     return found
 
 
+async def declare(peer: Peer, key: str, schema: bytes, start: float) -> None:
+    """Store a declaration signed by ``peer`` (a hand-made follower): a leader takes only
+    followers whose requests match what they signed (issue 17)."""
+    declaration = Declaration(
+        peer_id=peer.peer_id,
+        address=peer.address,
+        start=start,
+        deadline=start,
+        give_up=time.time() + 30,
+        mode=Mode.NODE,
+        bandwidth=0.0,
+        schema_hash=schema,
+        group_size=2,
+        codec="none",
+        user_data_digest=user_data_digest(b""),
+    )
+    subkey = declaration_subkey(peer.peer_id)
+    assert await peer.node.store(key, declaration.encode(), declaration.give_up, subkey=subkey)
+
+
 @pytest.mark.timeout(60)
 async def test_simultaneous_mutual_join_does_not_deadlock() -> None:
     """Two leaders asking each other at once both get an answer at once.
@@ -153,6 +179,7 @@ async def test_simultaneous_mutual_join_does_not_deadlock() -> None:
                 mode=int(d.mode),
                 bandwidth=d.bandwidth,
                 declared_start=d.start,
+                data_port=d.data_port,  # a leader takes only what the follower signed
             )
             asker.node.signer.signed(request, leader.peer_id, JOIN_GROUP)
             return join_group_method(asker.channels.channel(leader.address))(request, timeout=10)
@@ -234,11 +261,11 @@ async def test_repeated_join_supersedes_the_stale_stream() -> None:
         )
         await swarm.wait_for(lambda: any(e[0] is MatchmakingEvent.DECLARED for e in leader.events))
         schema = (await declarations(leader, key))[leader.peer_id].schema_hash
+        start = time.time() + 1
+        await declare(stranger, key, schema, start)
 
         def join_request() -> averaging_pb2.JoinRequest:
-            request = averaging_pb2.JoinRequest(
-                key=key, schema_hash=schema, declared_start=time.time() + 100
-            )
+            request = averaging_pb2.JoinRequest(key=key, schema_hash=schema, declared_start=start)
             return stranger.node.signer.signed(request, leader.peer_id, JOIN_GROUP)
 
         method = join_group_method(stranger.channels.channel(leader.address))

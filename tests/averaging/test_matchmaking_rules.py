@@ -9,15 +9,18 @@ import pytest
 from swarmavg.averaging.group import GroupInfo, Member, Mode
 from swarmavg.averaging.matchmaking.declarations import (
     Declaration,
+    FollowerAsk,
     JoinState,
     check_formed_group,
     decide_join,
+    declaration_mismatch,
     declaration_subkey,
     decode_declaration,
     group_from_proto,
     group_to_proto,
     leader_candidates,
     mismatched_schemas,
+    user_data_digest,
 )
 from swarmavg.proto import averaging_pb2
 
@@ -173,25 +176,94 @@ def test_group_wire_round_trip_and_validation() -> None:
         group_from_proto(broken)
 
 
+def _ask(me: bytes, **changes: object) -> FollowerAsk:
+    fields: dict[str, object] = {
+        "peer_id": me,
+        "address": "127.0.0.1:5",
+        "mode": Mode.NODE,
+        "bandwidth": 1.0,
+        "user_data": b"mine",
+        "data_port": 7,
+        "schema_hash": SCHEMA,
+        "codec": "none",
+        "min_group_size": 2,
+        "group_size": 4,
+    }
+    fields.update(changes)
+    return FollowerAsk(**fields)  # type: ignore[arg-type]
+
+
+def _signed(member: Member, **changes: object) -> Declaration:
+    fields: dict[str, object] = {
+        "peer_id": member.peer_id,
+        "address": member.address or "",
+        "start": 1.0,
+        "deadline": 2.0,
+        "give_up": 3.0,
+        "mode": member.mode,
+        "bandwidth": member.bandwidth,
+        "schema_hash": SCHEMA,
+        "group_size": 4,
+        "codec": "none",
+        "data_port": member.data_port,
+        "user_data_digest": user_data_digest(member.user_data),
+    }
+    fields.update(changes)
+    return Declaration(**fields)  # type: ignore[arg-type]
+
+
 def test_follower_checks_the_formed_group() -> None:
     me, leader = bytes([1]) * 20, bytes([2]) * 20
-    group = GroupInfo(
-        group_id=b"g",
-        members=(
-            Member(me, "127.0.0.1:5", Mode.NODE, 1.0, b"mine"),
-            Member(leader, "127.0.0.1:6", Mode.NODE, 1.0),
-        ),
-        schema_hash=SCHEMA,
-    )
+    mine = Member(me, "127.0.0.1:5", Mode.NODE, 1.0, b"mine", data_port=7)
+    theirs = Member(leader, "127.0.0.1:6", Mode.NODE, 1.0, b"", data_port=8)
+    group = GroupInfo(group_id=b"g", members=(mine, theirs), schema_hash=SCHEMA)
     wire = group_to_proto(group)
-    assert check_formed_group(wire, me, leader, SCHEMA, Mode.NODE, b"mine") == group
-    with pytest.raises(ValueError, match="lacks"):
-        check_formed_group(wire, bytes([3]) * 20, leader, SCHEMA, Mode.NODE, b"mine")
-    with pytest.raises(ValueError, match="lacks"):
-        check_formed_group(wire, me, bytes([3]) * 20, SCHEMA, Mode.NODE, b"mine")
-    with pytest.raises(ValueError, match="schema"):
-        check_formed_group(wire, me, leader, b"x" * 32, Mode.NODE, b"mine")
-    with pytest.raises(ValueError, match="altered"):
-        check_formed_group(wire, me, leader, SCHEMA, Mode.AUX, b"mine")
-    with pytest.raises(ValueError, match="altered"):
-        check_formed_group(wire, me, leader, SCHEMA, Mode.NODE, b"other")
+    signed = {leader: _signed(theirs)}
+    assert check_formed_group(wire, _ask(me), leader, signed) == group
+    refused: list[tuple[FollowerAsk, bytes, dict[bytes, Declaration], str]] = [
+        (_ask(bytes([3]) * 20), leader, signed, "lacks"),
+        (_ask(me), bytes([3]) * 20, signed, "lacks"),
+        (_ask(me, schema_hash=b"x" * 32), leader, signed, "schema"),
+        (_ask(me, codec="float16"), leader, signed, "codec 'none'"),
+        (_ask(me, min_group_size=3), leader, signed, "2 members"),
+        (_ask(me, group_size=1, min_group_size=1), leader, signed, "2 members"),
+        (_ask(me, mode=Mode.AUX), leader, signed, "altered"),
+        (_ask(me, user_data=b"other"), leader, signed, "altered"),
+        (_ask(me, bandwidth=2.0), leader, signed, "altered"),
+        (_ask(me, address="127.0.0.1:9"), leader, signed, "altered"),
+        (_ask(me, data_port=9), leader, signed, "altered"),
+        (_ask(me), leader, {}, "no signed declaration"),
+        (_ask(me), leader, {leader: _signed(theirs, address="10.0.0.1:6")}, "address"),
+        (_ask(me), leader, {leader: _signed(theirs, data_port=9)}, "data port"),
+        (_ask(me), leader, {leader: _signed(theirs, bandwidth=1e9)}, "bandwidth"),
+        (_ask(me), leader, {leader: _signed(theirs, mode=Mode.AUX)}, "mode"),
+        (_ask(me), leader, {leader: _signed(theirs, user_data_digest=b"u" * 16)}, "user data"),
+    ]
+    for ask, leader_id, declarations, reason in refused:
+        with pytest.raises(ValueError, match=reason):
+            check_formed_group(wire, ask, leader_id, declarations)
+
+
+def test_declared_starts_outside_the_window_do_not_count() -> None:
+    now = 1_000_000.0
+    assert decl(now - 5, 1).within_window(now)
+    assert decl(now + 5, 1).within_window(now)
+    for start in (-1e300, now - 601, now + 31, 1e300):
+        assert not decl(start, 1).within_window(now)
+    assert not decl(now - 11, 1).within_window(now, (10.0, 10.0))
+
+
+def test_declarations_sign_codec_data_port_and_user_data() -> None:
+    member = Member(bytes([4]) * 20, "127.0.0.1:5", Mode.NODE, 2.0, b"u", data_port=9)
+    d = _signed(member)
+    assert decode_declaration(declaration_subkey(d.peer_id), d.encode()) == d
+    assert declaration_mismatch(member, d) is None
+    good = d.encode()
+    for bad in (
+        {**good, "dp": 70000},
+        {**good, "dp": True},
+        {**good, "codec": 5},
+        {**good, "codec": "x" * 65},
+        {**good, "ud": b"short"},
+    ):
+        assert decode_declaration(declaration_subkey(d.peer_id), bad) is None

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from swarmavg.peer import Peer, PeerConfig, SchemaMismatchError, ValidationError
+from swarmavg.peer import NoGroupError, Peer, PeerConfig, SchemaMismatchError, ValidationError
 from swarmavg.peer.cli import build_parser
 from swarmavg.peer.settings import flags_from_args, resolve_config
 from swarmavg.peer.status import format_status
@@ -184,8 +184,9 @@ def test_daemon_never_imports_torch() -> None:
 
 
 async def test_result_and_stats_name_the_codec_the_group_used(sock_dir: Path) -> None:
-    # Each peer asks for another codec; the group uses its leader's. Both results and both
-    # daemons' per-codec figures must name that one, also on the peer that asked otherwise.
+    # A group has one codec, which every member asked for (issue 17: a follower refuses a
+    # leader's other codec). Peers asking for different codecs form no group and say why;
+    # with one codec, both results and both daemons' per-codec figures name it.
     first = PeerConfig(listen="127.0.0.1:0", control=str(sock_dir / "a.sock"), run_id="t")
     async with Peer(first) as a:
         assert a.address is not None
@@ -194,15 +195,21 @@ async def test_result_and_stats_name_the_codec_the_group_used(sock_dir: Path) ->
         )
         async with Peer(second) as b, a.client() as ca, b.client() as cb:
             x = np.linspace(-1, 1, 4096, dtype=np.float32)
+            mixed = await asyncio.gather(
+                ca.average([x], key="m", group_size=2, timeout=4, codec="float16"),
+                cb.average([x], key="m", group_size=2, timeout=4, codec="none"),
+                return_exceptions=True,
+            )
+            assert all(isinstance(r, NoGroupError) for r in mixed), mixed
+            assert any("another codec" in str(r) for r in mixed), mixed
             ra, rb = await asyncio.gather(
                 ca.average([x], key="c", group_size=2, timeout=20, codec="float16"),
-                cb.average([x], key="c", group_size=2, timeout=20, codec="none"),
+                cb.average([x], key="c", group_size=2, timeout=20, codec="float16"),
             )
-            assert ra.codec == rb.codec
-            assert ra.codec in {"float16", "none"}
+            assert ra.codec == rb.codec == "float16"
             for client in (ca, cb):
                 status = await client.status()
-                assert set(status["codecs"]) == {ra.codec}
+                assert set(status["codecs"]) == {"float16"}
 
 
 def test_rounds_are_counted_by_outcome_in_status_and_metrics() -> None:

@@ -32,6 +32,7 @@ class Result:
     group_id: str
     partial: bool = False
     state_digests: dict[str, bytes] = field(default_factory=dict)
+    local_fraction: float = 0.0
 
 
 @dataclass
