@@ -24,6 +24,14 @@ without the protobuf copy that ``encode`` adds.
     python benchmarks/compression.py                    # everything (~2-4 min)
     python benchmarks/compression.py --codecs float16,uint8-blockwise --repeats 3
     python benchmarks/compression.py --codecs none --reference    # hivemind's accuracy
+    python benchmarks/compression.py --public --repeats 7          # public API vs internal
+
+``--public`` (issue 21) times instead, per codec on each tensor, the public
+``Codec.encode``/``Codec.decode`` (protobuf ``TensorChunk`` in and out) against the
+internal path the all-reduce uses (``encode_payload``/``decode_payload``: no protobuf), one
+thread, each run right after an ``np.copy`` of the same array, the five interleaved in
+every repeat; it prints ONE JSON line PER CODEC: medians of the ratios to memcpy, and
+whether the public message carries exactly the internal payload.
 
 ``--reference`` adds the relative MSE of hivemind 1.1.12's three 8-bit algorithms,
 re-implemented in numpy from its source (for accuracy only, no timing).
@@ -248,6 +256,59 @@ def measure(name: str, x: np.ndarray, repeats: int, pool: ThreadPoolExecutor) ->
     }
 
 
+def measure_public(name: str, x: np.ndarray, repeats: int) -> dict[str, Any]:
+    """Ratios to memcpy of the public API and the internal path (see module doc)."""
+    info = CodecInfo(key="bench")
+    codec: Codec = get_codec(name)
+    internal = codec.encode_payload(x, info)
+    message = get_codec(name).encode(x, info)
+    clock = time.thread_time
+    variants: dict[str, Callable[[], object]] = {
+        # A fresh codec per run: top-k carries no residual between timed runs.
+        "encode_internal": lambda: get_codec(name).encode_payload(x, info),
+        "encode_public": lambda: get_codec(name).encode(x, info),
+        "decode_internal": lambda: codec.decode_payload(internal.header, internal.payload),
+        "decode_public": lambda: codec.decode(message),
+    }
+    ratios: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(repeats):
+        for key, fn in variants.items():
+            t0 = clock()
+            np.copy(x)
+            t1 = clock()
+            fn()
+            t2 = clock()
+            ratios[key].append((t1 - t0) / max(t2 - t1, 1e-9))
+    out: dict[str, Any] = {k: statistics.median(v) for k, v in ratios.items()}
+    out["identical_bytes"] = message.buffer == bytes(internal.payload) and (
+        message.meta == internal.header.meta_bytes()
+    )
+    return out
+
+
+def main_public(names: list[str], data: dict[str, np.ndarray], repeats: int) -> None:
+    for name in names:
+        per_tensor = {label: measure_public(name, x, repeats) for label, x in data.items()}
+        keys = ["encode_internal", "encode_public", "decode_internal", "decode_public"]
+        print(
+            json.dumps(
+                {
+                    "benchmark": "compression_public",
+                    "codec": name,
+                    "elements": next(iter(data.values())).size,
+                    "repeats": repeats,
+                    "unit": "ratio to np.copy of the same array, thread CPU time, median",
+                    "tensors": per_tensor,
+                    "median_of_tensors": {
+                        k: statistics.median(t[k] for t in per_tensor.values()) for k in keys
+                    },
+                    "hivemind_1_1_12_scaled_float16_encode": 0.12,
+                }
+            ),
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--codecs", default=",".join(CODECS))
@@ -259,9 +320,17 @@ def main() -> None:
         action="store_true",
         help="also compute the relative MSE of hivemind's 8-bit algorithms (numpy port)",
     )
+    parser.add_argument(
+        "--public",
+        action="store_true",
+        help="public encode/decode against the internal path, one JSON line per codec",
+    )
     args = parser.parse_args()
     names = [c for c in args.codecs.split(",") if c]
     data = {k: v for k, v in tensors(args.elements).items() if k in args.tensors.split(",")}
+    if args.public:
+        main_public(names, data, args.repeats)
+        return
     threads = os.cpu_count() or 1
     results: dict[str, dict[str, Any]] = {}
     with ThreadPoolExecutor(threads) as pool:

@@ -37,6 +37,7 @@ __all__ = [
     "Header",
     "Role",
     "parse_header",
+    "parse_header_with",
 ]
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
@@ -195,15 +196,26 @@ def parse_header(
         CodecError: unknown dtype, absurd shape, bad meta, or a message that is one
             piece of a split stream rather than a whole payload.
     """
+    return parse_header_with(message, message.buffer, max_elements)
+
+
+def parse_header_with(
+    message: tensor_pb2.TensorChunk, buffer: bytes, max_elements: int = DEFAULT_MAX_ELEMENTS
+) -> Header:
+    """:func:`parse_header` for a caller that has already read ``message.buffer``.
+
+    Reading a bytes field of a protobuf message copies it every time, so a decoder
+    reads it once and passes it here instead of paying a second copy for the length
+    check.
+    """
     if message.num_chunks > 1 or message.offset != 0 or message.seq != 0:
         raise CodecError(
             f"message is chunk {message.seq} of {message.num_chunks} of a stream; "
             "only whole messages are decoded"
         )
-    if message.total_bytes and message.total_bytes != len(message.buffer):
+    if message.total_bytes and message.total_bytes != len(buffer):
         raise CodecError(
-            f"message declares total_bytes={message.total_bytes} "
-            f"but carries {len(message.buffer)} bytes"
+            f"message declares total_bytes={message.total_bytes} but carries {len(buffer)} bytes"
         )
     if not message.codec:
         raise CodecError("message names no codec")
@@ -256,10 +268,12 @@ class Codec(ABC):
         Raises:
             CodecError: malformed message, or one produced by another codec.
         """
-        header = parse_header(message, max_elements)
+        # One read of the bytes field: each read of it is a copy of the payload.
+        buffer = message.buffer
+        header = parse_header_with(message, buffer, max_elements)
         if not self.accepts(header.codec):
             raise CodecError(f"codec {self.name!r} cannot decode a {header.codec!r} message")
-        return writable(self.decode_payload(header, message.buffer))
+        return writable(self.decode_payload(header, buffer))
 
     def accepts(self, codec_name: str) -> bool:
         """Whether this codec decodes messages labelled ``codec_name``."""

@@ -34,6 +34,8 @@ from swarmavg.compression.base import (
 )
 from swarmavg.compression.dtypes import BFLOAT16, FLOATING
 from swarmavg.compression.errors import CodecError
+from swarmavg.compression.native import kernels as native
+from swarmavg.compression.native import takes
 
 __all__ = ["BFloat16Codec", "Float16Codec", "NoneCodec", "ScaledFloat16Codec"]
 
@@ -303,6 +305,9 @@ def _encode_scaled_fast(x: np.ndarray, means: np.ndarray, k: np.ndarray, words: 
     product reaches binary16's overflow threshold (``_fast_path_safe``).
     """
     rows, row = x.shape
+    if native is not None and takes(x, means, k, words):
+        native.scaled16(x, means, k, row, words)  # the same bits in one pass
+        return
     m = min(x.size, _STATS_SLAB)
     y = np.empty(m, np.float32)
     sign = np.empty(m, np.uint16)

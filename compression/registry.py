@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from swarmavg.compression.base import DEFAULT_MAX_ELEMENTS, Codec, parse_header, writable
+from swarmavg.compression.base import DEFAULT_MAX_ELEMENTS, Codec, parse_header_with, writable
 from swarmavg.compression.errors import CodecError
 from swarmavg.proto import tensor_pb2
 
@@ -236,5 +236,6 @@ def decode_chunk(
     Raises:
         CodecError: unknown codec or malformed message.
     """
-    header = parse_header(message, max_elements)
-    return writable(decoder_for(header.codec).decode_payload(header, message.buffer))
+    buffer = message.buffer  # read once: each read of a bytes field copies it
+    header = parse_header_with(message, buffer, max_elements)
+    return writable(decoder_for(header.codec).decode_payload(header, buffer))

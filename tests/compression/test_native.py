@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from swarmavg.compression import Codec, CodecInfo, blockwise, get_codec, halfconv
+from swarmavg.compression import Codec, CodecInfo, blockwise, floating, get_codec, halfconv
 from swarmavg.compression.errors import CodecError
 from swarmavg.compression.native import kernels
 
@@ -34,6 +34,7 @@ def both(fn: Callable[[], T]) -> tuple[T, T]:
     with pytest.MonkeyPatch.context() as m:
         m.setattr(halfconv, "native", None)
         m.setattr(blockwise, "native", None)
+        m.setattr(floating, "native", None)
         reference = fn()
     return compiled, reference
 
@@ -238,3 +239,31 @@ def test_kernels_reject_unfit_buffers() -> None:
     read_only = np.frombuffer(bytes(40), np.float32)
     with pytest.raises(ValueError, match="read-only"):
         kernels.f16_to_f32(np.zeros(10, np.uint16), read_only)
+
+
+# --- scaled-float16 --------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "shape", [(1 << 16,), (64, 1000), (3, 7, 129), (1, 1 << 18), (1 << 18, 1), (5, 0)]
+)
+def test_scaled_float16_same_bits(shape: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(sum(shape))
+    n = int(np.prod(shape))
+    x = (rng.standard_normal(n) * rng.choice([1e-30, 1e-3, 1.0, 1e4], n)).astype(np.float32)
+    x[::97] = 0.0
+    x[1::101] = -0.0
+    assert_paths_match(get_codec("scaled-float16"), x.reshape(shape))
+
+
+@SETTINGS
+@given(
+    hnp.arrays(
+        np.float32,
+        st.tuples(st.integers(1, 9), st.integers(1, 300)),
+        elements=st.floats(-1e6, 1e6, width=32, allow_subnormal=True),
+    )
+)
+def test_scaled_float16_same_bits_any_input(x: np.ndarray) -> None:
+    assert_paths_match(get_codec("scaled-float16"), x)
