@@ -370,6 +370,7 @@ INTERNAL: Mapping[type, tuple[str, ...]] = MappingProxyType(
             "dht_timeout",
             "max_redirects",
             "initial_latency",
+            "start_window",  # a protocol bound on declared starts (issue 17)
         ),
         # Sizes and patience measured in docs/benchmarks-allreduce.md; min_stall is the one
         # a slow link needs, and it is in [allreduce].

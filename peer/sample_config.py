@@ -26,6 +26,8 @@ EXAMPLES: dict[str, Any] = {
     "metrics": "127.0.0.1:9100",
     "bandwidth": 50.0,
     "executor_threads": 2,
+    "run_file": "/etc/swarmavg/my-run.run",
+    "credential": "/var/lib/swarmavg/identity.key.cred",
 }
 """Values shown for settings whose default is "unset" (None) or empty."""
 

@@ -877,7 +877,11 @@ class Matchmaker:
                 group_size=rnd.request.group_size,
             )
             code = decide_join(
-                state, (request.declared_start, peer_id), can_lead, bytes(request.schema_hash)
+                state,
+                (request.declared_start, peer_id),
+                can_lead,
+                bytes(request.schema_hash),
+                aggregation,
             )
             if code == averaging_pb2.JOIN_REDIRECT and rnd.leader is not None:
                 yield averaging_pb2.JoinResponse(

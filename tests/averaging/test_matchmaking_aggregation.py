@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from swarmavg.averaging.group import GroupInfo, Member, Mode
 from swarmavg.averaging.matchmaking.declarations import (
     Declaration,
+    FollowerAsk,
     JoinState,
     check_formed_group,
     decide_join,
@@ -21,6 +23,7 @@ from swarmavg.averaging.matchmaking.declarations import (
     group_to_proto,
     leader_candidates,
     requested_aggregation,
+    user_data_digest,
 )
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.proto import averaging_pb2
@@ -75,6 +78,26 @@ def test_candidates_and_joins_need_the_same_rule() -> None:
         requested_aggregation(averaging_pb2.JoinRequest(aggregation="median"))
 
 
+def declaration_of(member: Member, codec: str, aggregation: str) -> Declaration:
+    """The declaration ``member`` signed (what a follower reads from the DHT)."""
+    now = time.time()
+    return Declaration(
+        peer_id=member.peer_id,
+        address=member.address or "",
+        start=now,
+        deadline=now + 5,
+        give_up=now + 10,
+        mode=member.mode,
+        bandwidth=member.bandwidth,
+        schema_hash=SCHEMA,
+        group_size=2,
+        aggregation=aggregation,
+        codec=codec,
+        data_port=member.data_port,
+        user_data_digest=user_data_digest(member.user_data),
+    )
+
+
 def test_follower_refuses_a_group_of_another_rule() -> None:
     me, leader = bytes([1]) * 20, bytes([2]) * 20
     group = GroupInfo(
@@ -88,13 +111,29 @@ def test_follower_refuses_a_group_of_another_rule() -> None:
     )
     wire = group_to_proto(group)
     assert group_from_proto(wire) == group
-    assert check_formed_group(wire, me, leader, SCHEMA, Mode.NODE, b"", CLIP) == group
+    ask = FollowerAsk(
+        peer_id=me,
+        address="127.0.0.1:5",
+        mode=Mode.NODE,
+        bandwidth=1.0,
+        user_data=b"",
+        data_port=0,
+        schema_hash=SCHEMA,
+        codec=group.codec,
+        min_group_size=2,
+        group_size=2,
+        aggregation=CLIP,
+    )
+    leader_signed = {leader: declaration_of(group.members[1], group.codec, CLIP)}
+    assert check_formed_group(wire, ask, leader, leader_signed) == group
     # a leader must not downgrade a robust member to the mean, nor the reverse
     mean_wire = group_to_proto(dataclasses.replace(group, aggregation="mean"))
     with pytest.raises(ValueError, match="aggregation"):
-        check_formed_group(mean_wire, me, leader, SCHEMA, Mode.NODE, b"", CLIP)
+        check_formed_group(mean_wire, ask, leader, leader_signed)
     with pytest.raises(ValueError, match="aggregation"):
-        check_formed_group(wire, me, leader, SCHEMA, Mode.NODE, b"", "mean")
+        check_formed_group(
+            wire, dataclasses.replace(ask, aggregation="mean"), leader, leader_signed
+        )
     for bad, match in (("centered-clip", "canonical"), ("median", "unknown"), ("c" * 100, "long")):
         broken = averaging_pb2.GroupDescription()
         broken.CopyFrom(wire)

@@ -26,7 +26,7 @@ from swarmavg.dht import ChannelPool
 from swarmavg.proto import averaging_pb2
 from tests.averaging.allreduce_peers import FAST, LocalPeer, close_peers, make_group, start_peers
 from tests.averaging.averager_swarm import RUN_ID, averager_swarm, fast_config
-from tests.averaging.test_matchmaking import declarations
+from tests.averaging.test_matchmaking import declarations, declare
 from tests.averaging.test_message_auth import Outsider
 from tests.harness import GrpcServerPool
 
@@ -101,9 +101,9 @@ async def test_a_captured_join_request_cannot_be_replayed() -> None:
         )
         await swarm.wait_for(lambda: any(e[0] is MatchmakingEvent.DECLARED for e in leader.events))
         schema = (await declarations(leader, key))[leader.peer_id].schema_hash
-        captured = averaging_pb2.JoinRequest(
-            key=key, schema_hash=schema, declared_start=time.time() + 100
-        )
+        start = time.time() + 1
+        await declare(follower, key, schema, start)  # a leader takes only what was signed
+        captured = averaging_pb2.JoinRequest(key=key, schema_hash=schema, declared_start=start)
         follower.node.signer.signed(captured, leader.peer_id, JOIN_GROUP)
         genuine = join_group_method(follower.channels.channel(leader.address))(captured, timeout=10)
         replayed = join_group_method(outsider.channels.channel(leader.address))(

@@ -18,6 +18,7 @@ from swarmavg.averaging.group import Mode
 from swarmavg.averaging.matchmaking.declarations import Declaration, declaration_subkey
 from swarmavg.averaging.protocol_keys import protocol_key_classes
 from swarmavg.dht import DHTConfig, DHTLimits, DHTNode, Identity
+from swarmavg.dht.auth import RequestSigner
 from swarmavg.dht.ids import key_id
 from swarmavg.dht.records import pack, pack_subkey, signing_payload
 from swarmavg.dht.storage import FULL, STORED
@@ -32,12 +33,15 @@ MATCHMAKING_KEY = f"{RUN}.step.0b"
 class Sender:
     """One identity sending raw DHT requests to one node (client mode: no address)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, node: DHTNode) -> None:
+        assert node.address is not None
         self.identity = Identity.generate()
-        self.channel = grpc.aio.insecure_channel(address)
+        self.signer = RequestSigner(self.identity, RUN, lambda: "")
+        self.receiver = node.peer_id
+        self.channel = grpc.aio.insecure_channel(node.address)
 
     async def call(self, method: str, message: dht_pb2.PingRequest | dht_pb2.StoreRequest) -> bytes:
-        message.header.CopyFrom(self.identity.make_header(RUN))
+        self.signer.signed(message, self.receiver, f"/swarmavg.v1.DHT/{method}")
         data: bytes = await self.channel.unary_unary(f"/swarmavg.v1.DHT/{method}")(
             message.SerializeToString(), timeout=10
         )
@@ -110,7 +114,7 @@ async def test_subkey_flooding_leaves_room_for_honest_declarations(node: DHTNode
     """One identity stores 4096 declarations (each signed by a throwaway owner) under one
     matchmaking key, which would fill the key's 4096 subkeys; an honest one still stores."""
     assert node.address is not None
-    flooder = Sender(node.address)
+    flooder = Sender(node)
     honest = await honest_client(node)
     try:
         owners = [Identity.generate() for _ in range(node.config.limits.max_subkeys_per_key)]
@@ -148,7 +152,7 @@ async def test_one_source_cannot_fill_the_node(node: DHTNode) -> None:
     """A source storing 48 KiB values until refused stops at its share (an eighth of the
     node's 2 MiB); other sources still store."""
     assert node.address is not None
-    flooder = Sender(node.address)
+    flooder = Sender(node)
     honest = await honest_client(node)
     try:
         payload = "x" * (48 * 1024)
@@ -171,7 +175,7 @@ async def test_one_source_cannot_fill_the_node(node: DHTNode) -> None:
 
 async def test_a_seven_day_ttl_under_a_protocol_key_is_refused(node: DHTNode) -> None:
     assert node.address is not None
-    sender = Sender(node.address)
+    sender = Sender(node)
     try:
         week = declaration(Identity.generate(), ttl=7 * 24 * 3600.0 - 60)
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -192,7 +196,7 @@ async def test_a_request_flood_gets_resource_exhausted_and_others_are_served() -
         DHTConfig(run_id=RUN, rate_limits=RateLimits(per_source_rate=0.5, per_source_burst=20))
     )
     assert node.address is not None
-    flooder, other = Sender(node.address), Sender(node.address)
+    flooder, other = Sender(node), Sender(node)
     try:
         results = await asyncio.gather(
             *(flooder.call("Ping", dht_pb2.PingRequest()) for _ in range(60)),
