@@ -37,8 +37,8 @@ from swarmavg.averaging.matchmaking.declarations import (
 from swarmavg.averaging.matchmaking.keys import matchmaking_key
 from swarmavg.averaging.matchmaking.matchmaker import MatchmakingEvent, dictionary_entries
 from swarmavg.averaging.result import AveragingResult
-from swarmavg.averaging.stubs import join_group_method
-from swarmavg.dht import Identity
+from swarmavg.averaging.stubs import JOIN_GROUP, join_group_method
+from swarmavg.dht import Identity, RequestSigner
 from swarmavg.proto import averaging_pb2
 from tests.averaging.averager_swarm import RUN_ID, Peer, averager_swarm, fast_config
 
@@ -309,15 +309,18 @@ async def test_no_part_is_streamed_at_an_unrelated_port(how: Reflection) -> None
                     stranger, target, start, data_port=listener.port, bandwidth=bandwidth
                 )
                 await sign(stranger, key, declaration)
-            header = stranger.node.identity.make_header(RUN_ID, target)
             request = averaging_pb2.JoinRequest(
-                header=header,
                 key=key,
                 schema_hash=schema_hash(inputs()),
                 mode=int(Mode.NODE),
                 bandwidth=bandwidth,
                 declared_start=start,
                 data_port=listener.port,
+            )
+            # Signed by the stranger's own key, from the listener's address: the signature
+            # proves who sent it, not who listens there.
+            RequestSigner(stranger.node.identity, RUN_ID, lambda: target).signed(
+                request, leader.peer_id, JOIN_GROUP
             )
             call = join_group_method(stranger.channels.channel(leader.address))(request, timeout=20)
             try:
@@ -328,6 +331,8 @@ async def test_no_part_is_streamed_at_an_unrelated_port(how: Reflection) -> None
                     else averaging_pb2.JOIN_REJECT_BAD_REQUEST
                 )
                 assert answer.code == expected, answer
+                if how is Reflection.UNSIGNED:  # refused for the missing declaration alone
+                    assert answer.detail.startswith("not what you signed:"), answer
                 second = other.averager.average(
                     inputs(), "k", group_size=3, min_group_size=2, timeout=15
                 )

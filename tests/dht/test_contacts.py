@@ -2,8 +2,10 @@
 
 The routing hijack of issue 16: a node answers a lookup with ``(victim id, attacker
 address)`` and then answers, at that address, with the victim's public key copied into its
-header. The querier must keep the victim's real address, and the fake address must never
-enter its table (the attacker cannot sign the victim's binding of that address).
+header (a real signed header of the victim, replayed, with its real address binding). The
+attacker's own node is an honest, correctly signing peer. The querier must keep the victim's
+real address, and the fake address must never enter its table: the attacker can sign neither
+an answer as the victim nor the victim's binding of its own address.
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ from __future__ import annotations
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import grpc
 import pytest
+from google.protobuf.message import Message
 
 from swarmavg.dht import DHTConfig, DHTNode, Identity
-from swarmavg.dht.identity import address_signature_payload
+from swarmavg.dht.auth import AuthenticationError, RequestSigner, message_digest, sign_request
+from swarmavg.dht.identity import HeaderError, address_signature_payload
 from swarmavg.dht.ranges import address_range, grpc_peer_host, limited_range
 from swarmavg.dht.routing import Contact, RoutingTable
 from swarmavg.dht.traversal import traverse
@@ -25,6 +30,11 @@ from swarmavg.proto import common_pb2, dht_pb2
 pytestmark = pytest.mark.timeout(60)
 
 Answer = Callable[[str, bytes], bytes]  # (method, request bytes) -> answer bytes
+REQUESTS: dict[str, type[Message]] = {
+    "Ping": dht_pb2.PingRequest,
+    "Store": dht_pb2.StoreRequest,
+    "Find": dht_pb2.FindRequest,
+}
 
 
 @asynccontextmanager
@@ -38,7 +48,7 @@ async def fake_dht(answer: Answer, host: str = "127.0.0.1") -> AsyncIterator[str
         return grpc.unary_unary_rpc_method_handler(behavior)
 
     server = grpc.aio.server()
-    methods = {m: handler(m) for m in ("Ping", "Store", "Find")}
+    methods = {m: handler(m) for m in REQUESTS}
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("swarmavg.v1.DHT", methods),)
     )
@@ -48,6 +58,10 @@ async def fake_dht(answer: Answer, host: str = "127.0.0.1") -> AsyncIterator[str
         yield f"{host}:{port}"
     finally:
         await server.stop(None)
+
+
+def _full(method: str) -> str:
+    return f"/swarmavg.v1.DHT/{method}"
 
 
 def _distance(a: bytes, b: bytes) -> int:
@@ -65,24 +79,42 @@ def binding(identity: Identity, address: str) -> bytes:
     return identity.sign(address_signature_payload("test", identity.peer_id, address))
 
 
-def with_binding(answer: bytes, signature: bytes) -> bytes:
-    """``answer`` with ``address_signature`` (field 15, bytes) appended, written by hand so that
-    the same fake answers run against code whose protos lack the field (it is then ignored)."""
-    return answer + bytes([15 << 3 | 2, len(signature)]) + signature
+def request_header(method: str, request: bytes) -> common_pb2.RequestHeader:
+    return REQUESTS[method].FromString(request).header  # type: ignore[attr-defined,no-any-return]
 
 
-def find_answer(
-    request: bytes, header: common_pb2.RequestHeader, signature: bytes, named: list[Contact]
-) -> bytes:
-    """A well-formed Find answer that names ``named`` as the nearest peers to every id."""
+def answer_body(method: str, request: bytes, named: list[Contact]) -> Message:
+    """A well-formed answer, without header or binding; a Find names ``named`` as the nearest
+    peers to every id."""
+    if method == "Ping":
+        return dht_pb2.PingResponse()
+    if method == "Store":
+        store = dht_pb2.StoreRequest.FromString(request)
+        return dht_pb2.StoreResponse(statuses=[dht_pb2.STORE_STATUS_STORED] * len(store.records))
     find = dht_pb2.FindRequest.FromString(request)
-    response = dht_pb2.FindResponse(header=header)
+    response = dht_pb2.FindResponse()
     for _ in find.key_ids:
         result = response.results.add()
         for c in named:
             result.nearest.add(peer_id=c.peer_id, address=c.address)
     response.store_statuses.extend([dht_pb2.STORE_STATUS_STORED] * len(find.store))
-    return with_binding(response.SerializeToString(), signature)
+    return response
+
+
+def honest_answer(
+    identity: Identity, address: str, method: str, request: bytes, named: list[Contact]
+) -> bytes:
+    """The answer an honest peer at ``address`` gives: its binding of that address, and a
+    header signed for the requester, bound to the request's nonce (as protocol._answer)."""
+    asked = request_header(method, request)
+    answer = answer_body(method, request, named)
+    answer.address_signature = binding(identity, address)  # type: ignore[attr-defined]
+    digest = message_digest(answer, bound_to=asked.nonce)
+    header = sign_request(
+        identity, "test", address, bytes(asked.peer_id), _full(method), digest, response=True
+    )
+    answer.header.CopyFrom(header)  # type: ignore[attr-defined]
+    return answer.SerializeToString()
 
 
 @pytest.mark.parametrize("victim_known", [True, False])
@@ -96,20 +128,39 @@ async def test_routing_hijack_keeps_the_victims_address(victim_known: bool, clai
     )
     assert victim.address is not None
     assert (victim.peer_id in querier.routing) == victim_known
-    front = Identity.generate()  # the attacker's own, honest-looking node
-    posing: dict[str, str] = {}  # the address that answers as the victim
+    front = Identity.generate()  # the attacker's own node: an honest, correctly signing peer
+    posing: dict[str, str] = {}  # the addresses of the attacker's two servers
+    replayed: dict[str, common_pb2.RequestHeader | bytes] = {}  # captured from the victim
+    dialled: list[str] = []  # methods asked at the address that answers as the victim
 
     def as_victim(method: str, request: bytes) -> bytes:
-        # the victim's public key copied, its real binding replayed; the header claims either
-        # the attacker's address or the victim's
+        # The victim's real signed header and its real address binding, replayed from one of
+        # its answers, readdressed to the requester and this method; the header claims either
+        # the attacker's address or the victim's. The attacker cannot sign it as the victim.
+        dialled.append(method)
         header = common_pb2.RequestHeader()
-        header.CopyFrom(victim.protocol.header)
+        header.CopyFrom(replayed["header"])  # type: ignore[arg-type]
+        header.receiver_id = request_header(method, request).peer_id
+        header.method = _full(method)
         if claimed == "attacker":
             header.address = posing["address"]
-        signature = binding(victim.identity, victim.protocol.address)  # as replayed from a request
-        if method == "Find":
-            return find_answer(request, header, signature, [])
-        return with_binding(dht_pb2.PingResponse(header=header).SerializeToString(), signature)
+        answer = answer_body(method, request, [])
+        answer.header.CopyFrom(header)  # type: ignore[attr-defined]
+        answer.address_signature = replayed["binding"]  # type: ignore[attr-defined]
+        return answer.SerializeToString()
+
+    # Refused answers, seen where the querier checks them.
+    refused: list[HeaderError] = []
+    check_response = querier.protocol.authenticator.check_response
+
+    def spy(*args: Any, **kwargs: Any) -> bytes:
+        try:
+            return check_response(*args, **kwargs)
+        except HeaderError as e:
+            refused.append(e)
+            raise
+
+    querier.protocol.authenticator.check_response = spy  # type: ignore[method-assign]
 
     try:
         async with fake_dht(as_victim) as fake_address:
@@ -117,20 +168,35 @@ async def test_routing_hijack_keeps_the_victims_address(victim_known: bool, clai
             hearsay = [Contact(victim.peer_id, fake_address)]
 
             def as_front(method: str, request: bytes) -> bytes:
-                header = front.make_header("test", posing["front"])
-                return find_answer(request, header, binding(front, posing["front"]), hearsay)
+                return honest_answer(front, posing["front"], method, request, hearsay)
 
             async with fake_dht(as_front) as front_address:
                 posing["front"] = front_address
-                # the front makes itself known to the querier with a valid, own request
+                signer = RequestSigner(front, "test", lambda: front_address)
+                own_binding = binding(front, front_address)
+                # the attacker records a real answer of the victim (to a ping of its own)
+                channel = grpc.aio.insecure_channel(victim.address)
+                ping = signer.signed(
+                    dht_pb2.PingRequest(address_signature=own_binding),
+                    victim.peer_id,
+                    _full("Ping"),
+                )
+                pong = dht_pb2.PingResponse.FromString(
+                    await channel.unary_unary(_full("Ping"))(ping.SerializeToString(), timeout=5)
+                )
+                await channel.close()
+                assert pong.header.peer_id == victim.peer_id
+                assert pong.header.signature
+                replayed["header"] = pong.header
+                replayed["binding"] = pong.address_signature
+                # the front makes itself known to the querier with a valid, own signed request
                 channel = grpc.aio.insecure_channel(querier.address)
-                ping = dht_pb2.PingRequest(
-                    header=front.make_header("test", front_address),
-                    address_signature=binding(front, front_address),
+                ping = signer.signed(
+                    dht_pb2.PingRequest(address_signature=own_binding),
+                    querier.peer_id,
+                    _full("Ping"),
                 )
-                await channel.unary_unary("/swarmavg.v1.DHT/Ping")(
-                    ping.SerializeToString(), timeout=5
-                )
+                await channel.unary_unary(_full("Ping"))(ping.SerializeToString(), timeout=5)
                 await channel.close()
                 assert front.peer_id in querier.routing
                 # a lookup of the front's id with k=2 asks the front and a dead contact nearer
@@ -145,6 +211,10 @@ async def test_routing_hijack_keeps_the_victims_address(victim_known: bool, clai
                 querier.routing.add_or_update(Contact(dead, _closed_address()))
                 lookups = await traverse(querier.protocol, [front.peer_id], want_values=False, k=2)
                 assert lookups[front.peer_id].nearest
+        # the front's own answers were accepted: it is an honest peer at its own address
+        known_front = querier.routing.get(front.peer_id)
+        assert known_front is not None
+        assert known_front.address == front_address
         known = querier.routing.get(victim.peer_id)
         if victim_known:
             assert known is not None
@@ -153,9 +223,12 @@ async def test_routing_hijack_keeps_the_victims_address(victim_known: bool, clai
             assert known is None
         assert all(c.address != fake_address for c in querier.routing)
         # a known victim is dialled at its known address; an unknown one at the named address,
-        # whose answer proves nothing and is refused
-        assert (querier.protocol.unproven_answers >= 1) != victim_known
-        assert lookups[front.peer_id].nearest[-1].address != fake_address
+        # whose answer cannot carry the victim's signature and is refused
+        assert bool(dialled) != victim_known
+        assert bool(refused) != victim_known
+        assert all(isinstance(e, AuthenticationError) for e in refused)
+        assert all("signature does not verify" in str(e) for e in refused)
+        assert all(c.address != fake_address for c in lookups[front.peer_id].nearest)
         # the real victim is still reachable under its id, and the querier learns it then
         pinged = await querier.protocol.call_ping(victim.address, expected_id=victim.peer_id)
         assert pinged.peer_id == victim.peer_id

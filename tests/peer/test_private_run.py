@@ -21,9 +21,12 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from google.protobuf.message import Message
 
 from swarmavg.averaging.allreduce.data_plane import MAGIC, split_host
-from swarmavg.dht import ChannelPool, Identity
+from swarmavg.averaging.allreduce.wire import reduce_digest
+from swarmavg.averaging.stubs import DOWNLOAD_STATE, JOIN_GROUP, REDUCE
+from swarmavg.dht import ChannelPool, Identity, RequestSigner
 from swarmavg.dht.tls import SERVER_HOSTNAME, PeerTLS
 from swarmavg.peer import Peer, PeerConfig
 from swarmavg.peer.config import AllReduceSettings
@@ -75,22 +78,41 @@ def private_config(
 class Target:
     address: str
     data_port: int
+    peer_id: bytes
 
 
 def target(peer: Peer) -> Target:
     assert peer.address is not None
     assert peer.averager is not None
-    return Target(peer.address, peer.averager.data_port)
+    return Target(peer.address, peer.averager.data_port, bytes.fromhex(peer.peer_id))
 
 
 # ---- the probes: one first message per public endpoint --------------------------------
 
 
-async def grpc_probes(channels: ChannelPool, address: str, identity: Identity) -> dict[str, str]:
-    """Each public gRPC method called once with ``identity``'s header: the status code name,
-    or ``OK`` when it answered."""
-    header = identity.make_header(RUN)
-    channel = channels.channel(address)
+def signer_of(identity: Identity) -> RequestSigner:
+    """Signs as ``identity`` would from client mode (no address of its own)."""
+    return RequestSigner(identity, RUN, lambda: "")
+
+
+def reduce_request(identity: Identity, receiver: bytes) -> bytes:
+    """A first ``Reduce`` message signed by ``identity`` for ``receiver`` (a group it has none
+    of: a handler that sees it answers NOT_FOUND)."""
+    request = averaging_pb2.ReduceRequest(group_id=b"g" * 16)
+    digest = reduce_digest(request.group_id, request.part_index, request.weight, 0)
+    request.header.CopyFrom(signer_of(identity).sign(receiver, REDUCE, digest))
+    return request.SerializeToString()
+
+
+async def grpc_probes(channels: ChannelPool, peer: Target, identity: Identity) -> dict[str, str]:
+    """Each public gRPC method called once by ``identity``, its request signed for ``peer``:
+    the status code name, or ``OK`` when it answered."""
+    signer = signer_of(identity)
+    channel = channels.channel(peer.address)
+
+    def dht(name: str, request: Message) -> bytes:
+        return signer.signed(request, peer.peer_id, f"/swarmavg.v1.DHT/{name}").SerializeToString()
+
     out: dict[str, str] = {}
 
     async def unary(name: str, request: bytes) -> None:
@@ -110,7 +132,7 @@ async def grpc_probes(channels: ChannelPool, address: str, identity: Identity) -
             out[name] = e.code().name
 
     async def reduce() -> None:
-        request = averaging_pb2.ReduceRequest(header=header, group_id=b"g" * 16).SerializeToString()
+        request = reduce_request(identity, peer.peer_id)
         call = channel.stream_stream("/swarmavg.v1.Averaging/Reduce")(timeout=10)
         try:
             with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
@@ -122,23 +144,24 @@ async def grpc_probes(channels: ChannelPool, address: str, identity: Identity) -
         except grpc.aio.AioRpcError as e:
             out["Reduce"] = e.code().name
 
-    await unary("Ping", dht_pb2.PingRequest(header=header).SerializeToString())
-    await unary("Store", dht_pb2.StoreRequest(header=header).SerializeToString())
-    await unary("Find", dht_pb2.FindRequest(header=header, key_ids=[b"k" * 20]).SerializeToString())
-    await server_stream("JoinGroup", averaging_pb2.JoinRequest(header=header).SerializeToString())
+    await unary("Ping", dht("Ping", dht_pb2.PingRequest()))
+    await unary("Store", dht("Store", dht_pb2.StoreRequest()))
+    await unary("Find", dht("Find", dht_pb2.FindRequest(key_ids=[b"k" * 20])))
+    join = signer.signed(averaging_pb2.JoinRequest(), peer.peer_id, JOIN_GROUP)
+    await server_stream("JoinGroup", join.SerializeToString())
+    state = averaging_pb2.StateRequest(want_manifest=True)
     await server_stream(
-        "DownloadState",
-        averaging_pb2.StateRequest(header=header, want_manifest=True).SerializeToString(),
+        "DownloadState", signer.signed(state, peer.peer_id, DOWNLOAD_STATE).SerializeToString()
     )
     await reduce()
     return out
 
 
-async def data_plane_probe(
-    host: str, port: int, context: ssl.SSLContext | None, identity: Identity
-) -> str:
-    """One stream on the data plane: the STATUS frame's code name, or :data:`REFUSED`."""
-    request = averaging_pb2.ReduceRequest(header=identity.make_header(RUN)).SerializeToString()
+async def data_plane_probe(peer: Target, context: ssl.SSLContext | None, identity: Identity) -> str:
+    """One stream on the data plane, its first message signed for ``peer``: the STATUS
+    frame's code name, or :data:`REFUSED`."""
+    host, port = split_host(peer.address), peer.data_port
+    request = reduce_request(identity, peer.peer_id)
     try:
         async with asyncio.timeout(10):
             if context is None:
@@ -167,10 +190,8 @@ async def data_plane_probe(
 async def probe_all(
     peer: Target, channels: ChannelPool, context: ssl.SSLContext | None, identity: Identity
 ) -> dict[str, str]:
-    out = await grpc_probes(channels, peer.address, identity)
-    out["data plane"] = await data_plane_probe(
-        split_host(peer.address), peer.data_port, context, identity
-    )
+    out = await grpc_probes(channels, peer, identity)
+    out["data plane"] = await data_plane_probe(peer, context, identity)
     return out
 
 
@@ -264,6 +285,7 @@ async def test_a_peer_without_a_credential_of_the_run_is_refused_at_the_first_me
             # The control: the same first messages reach a public peer's handlers.
             answered = await probe_all(target(public_peer), channels, None, identity)
             assert "UNAVAILABLE" not in answered.values(), answered
+            assert "UNAUTHENTICATED" not in answered.values(), answered  # signed right
             assert answered["Ping"] == answered["Store"] == answered["Find"] == "OK"
             assert answered["data plane"] != REFUSED
 
@@ -281,6 +303,7 @@ async def test_a_credential_cannot_speak_as_another_peer(
         # The control: Bob as himself passes the check (and meets the handlers' own rules).
         as_bob = await probe_all(where, channels, bob_tls.client_context, bob.identity)
         assert "PERMISSION_DENIED" not in as_bob.values(), as_bob
+        assert "UNAUTHENTICATED" not in as_bob.values(), as_bob  # signed right
         assert as_bob["Ping"] == "OK"
         assert "UNAVAILABLE" not in as_bob.values()
 
