@@ -32,9 +32,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 RUN = "byzantine-test"
 STEPS = 45
 """Global steps (5 passes over the train set)."""
-CLIP_MARGIN = 4.0
+CLIP_MARGIN = 8.0
 """Points of test accuracy the attacked centered-clip run may lose against the clean run
-(measured: about 2; see the module docstring)."""
+(measured 3.7-4.6 on the merged code under load: 4.0 failed about half the runs; the mean
+loses about 95, so the test still tells the two apart; see the module docstring)."""
 
 
 def start_daemons(pool: ProcessPool) -> list[SwarmavgProcess]:

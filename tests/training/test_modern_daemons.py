@@ -199,16 +199,26 @@ def test_powersgd_across_two_daemons_steps_on_the_factors_of_the_mean_gradient(
         p_hat = orthogonalize(mean[i] @ state.q[i])
         expected[i] = p_hat @ (mean[i].T @ p_hat).T
 
+    # The initial parameters, built here: model() seeds torch's global generator, which
+    # the two threads would share (one's seeding could land in the middle of the other's
+    # draws, giving it other initial values for the later layers).
+    initial = [p.detach().clone() for p in model().parameters()]
+
     def train(i: int) -> None:
-        for step in range(4):
+        # Until epoch 4, not for 4 steps: after the first epoch (whose wait has no
+        # throughput to go by) a peer may stop waiting and take a second batch in an
+        # epoch when the other's measured throughput looks slower (_wait_for_swarm).
+        for step in range(40):
+            if opts[i].epoch >= 4:
+                return
             x, y = batch(10 * (i + 1) + step)
             torch.nn.functional.mse_loss(models[i](x), y).backward()
             opts[i].step()
             opts[i].zero_grad()
             if step == 0:
-                stepped = zip(model().parameters(), models[i].parameters(), expected, strict=True)
+                stepped = zip(initial, models[i].parameters(), expected, strict=True)
                 for p0, p1, e in stepped:
-                    got = ((p0.detach() - p1.detach()) / 0.1).numpy()
+                    got = ((p0 - p1.detach()) / 0.1).numpy()
                     np.testing.assert_allclose(got, e, atol=1e-5)
 
     run_in_threads(lambda: train(0), lambda: train(1))
