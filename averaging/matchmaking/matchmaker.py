@@ -835,21 +835,27 @@ class Matchmaker:
                     detail="superseded by a newer request from the same peer",
                 )
             )
-        state = JoinState(
-            me=rnd.me,
-            following=rnd.leader is not None,
-            closed=rnd.closed,
-            num_members=rnd.num_members,
-            group_size=rnd.request.group_size,
-        )
         can_lead = member.mode is not Mode.CLIENT and bool(member.address)
-        code = decide_join(
-            state,
-            (request.declared_start, peer_id),
-            can_lead,
-            bytes(request.schema_hash),
-            aggregation,
-        )
+
+        def decide() -> averaging_pb2.JoinCode:
+            """The answer to this request on the round's present state (asked twice: the
+            follower's verification reads the DHT, and the round may move meanwhile)."""
+            state = JoinState(
+                me=rnd.me,
+                following=rnd.leader is not None,
+                closed=rnd.closed,
+                num_members=rnd.num_members,
+                group_size=rnd.request.group_size,
+            )
+            return decide_join(
+                state,
+                (request.declared_start, peer_id),
+                can_lead,
+                bytes(request.schema_hash),
+                aggregation,
+            )
+
+        code = decide()
         if code == averaging_pb2.JOIN_REDIRECT and rnd.leader is not None:
             yield averaging_pb2.JoinResponse(
                 code=code, leader_id=rnd.leader[0], leader_address=rnd.leader[1]
@@ -869,20 +875,7 @@ class Matchmaker:
                     code=averaging_pb2.JOIN_REJECT_NOT_LOOKING, leader_id=self.peer_id
                 )
                 return
-            state = JoinState(  # the read took a while: decide again on the present state
-                me=rnd.me,
-                following=rnd.leader is not None,
-                closed=rnd.closed,
-                num_members=rnd.num_members,
-                group_size=rnd.request.group_size,
-            )
-            code = decide_join(
-                state,
-                (request.declared_start, peer_id),
-                can_lead,
-                bytes(request.schema_hash),
-                aggregation,
-            )
+            code = decide()  # the read took a while: decide again on the present state
             if code == averaging_pb2.JOIN_REDIRECT and rnd.leader is not None:
                 yield averaging_pb2.JoinResponse(
                     code=code, leader_id=rnd.leader[0], leader_address=rnd.leader[1]
