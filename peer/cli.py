@@ -25,7 +25,13 @@ from typing import Any, Protocol
 from swarmavg.peer import __version__
 from swarmavg.peer.config import PeerConfig
 from swarmavg.peer.logs import setup_daemon_logging
-from swarmavg.peer.settings import CONFIG_ENV, add_flags, flags_from_args, resolve_config
+from swarmavg.peer.settings import (
+    CONFIG_ENV,
+    add_flags,
+    flags_from_args,
+    resolve_config,
+    unknown_env,
+)
 
 EXIT_STARTUP = 1
 EXIT_USAGE = 2
@@ -224,6 +230,8 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         _error(args.command, str(exc))
         return EXIT_USAGE
     setup_daemon_logging(config.log_level)
+    for warning in unknown_env(os.environ):
+        logging.getLogger("swarmavg.peer.cli").warning("%s", warning)
     if args.command == "peer":
         from swarmavg.peer.daemon import Peer
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import os
 import sys
 from collections.abc import Mapping
@@ -433,6 +434,28 @@ def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
         if raw is not None and raw.strip() != "":
             out[setting.name] = _coerce(setting, raw, f"{setting.env}={raw!r}", from_env=True)
     return out
+
+
+# Variables under the prefix that are read outside the settings: the config file, the
+# control endpoint (client side), the native-kernel switch.
+OTHER_ENV = frozenset({CONFIG_ENV, ENV_PREFIX + "CONTROL", ENV_PREFIX + "NATIVE"})
+
+
+def unknown_env(environ: Mapping[str, str]) -> list[str]:
+    """One warning per ``SWARMAVG_*`` variable that names no setting, with the nearest
+    setting's variable when one is close: a misspelled variable would otherwise be ignored
+    without a word, and the daemon would run with the default the user meant to change."""
+    known = {setting.env for setting in SETTINGS} | OTHER_ENV
+    warnings = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in known:
+            continue
+        # Compared without the prefix, which every name shares and would make any two alike.
+        suffixes = sorted(known_name[len(ENV_PREFIX) :] for known_name in known)
+        close = difflib.get_close_matches(name[len(ENV_PREFIX) :], suffixes, n=1, cutoff=0.75)
+        hint = f" (did you mean {ENV_PREFIX}{close[0]}?)" if close else ""
+        warnings.append(f"{name} is not a swarmavg setting{hint}; it is ignored")
+    return warnings
 
 
 def resolve_config(

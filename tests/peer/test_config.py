@@ -28,6 +28,7 @@ from swarmavg.peer.settings import (
     flag_name,
     flags_from_args,
     resolve_config,
+    unknown_env,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -301,6 +302,29 @@ def test_join_repeatable_and_comma_separated() -> None:
 @pytest.mark.parametrize(("raw", "expected"), [("1", True), ("yes", True), ("false", False)])
 def test_env_bool(raw: str, expected: bool) -> None:
     assert resolve_config({}, {"SWARMAVG_CLIENT_MODE": raw}).client_mode is expected
+
+
+def test_misspelled_env_var_is_named_with_the_setting_it_resembles() -> None:
+    warnings = unknown_env(
+        {
+            "SWARMAVG_GROUPSIZE": "8",  # the user meant SWARMAVG_GROUP_SIZE
+            "SWARMAVG_FROBNICATE": "1",
+            "SWARMAVG_GROUP_SIZE": "4",
+            "SWARMAVG_CONFIG": "x.toml",
+            "SWARMAVG_CONTROL": "/tmp/c.sock",
+            "SWARMAVG_NATIVE": "0",
+            "PATH": "/bin",
+        }
+    )
+    assert warnings == [
+        "SWARMAVG_FROBNICATE is not a swarmavg setting; it is ignored",
+        "SWARMAVG_GROUPSIZE is not a swarmavg setting (did you mean SWARMAVG_GROUP_SIZE?);"
+        " it is ignored",
+    ]
+
+
+def test_every_setting_env_var_is_known() -> None:
+    assert unknown_env({setting.env: "x" for setting in SETTINGS}) == []
 
 
 def test_blank_env_vars_are_ignored() -> None:
