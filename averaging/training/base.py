@@ -125,7 +125,12 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
             state_timeout=state_timeout,
         )
         self.tracker = ProgressTracker(
-            client, progress_key, target_samples, ttl=progress_ttl, peer_id=peer_id
+            client,
+            progress_key,
+            target_samples,
+            ttl=progress_ttl,
+            peer_id=peer_id,
+            no_shows=self.link.no_shows,
         )
         self._closed = False
         self._provenance: Provenance | None = None

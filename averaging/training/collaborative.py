@@ -307,7 +307,6 @@ class CollaborativeOptimizer(SwarmOptimizer):
         """
         epoch = self.epoch
         weight = float(self.tracker.samples) or ZERO_WEIGHT
-        group_size = progress.num_peers
         self.tracker.meter.pause()
         if self._grads is not None:
             key = f"grads.{epoch}"
@@ -318,13 +317,13 @@ class CollaborativeOptimizer(SwarmOptimizer):
         if self._executor is not None and not late:
             self._apply_pending(block=True)
             digest = self._shared_digest()  # after the previous round was applied
-            future = self._executor.submit(self._round, local, key, weight, group_size, digest)
+            future = self._executor.submit(self._round, local, key, weight, progress, digest)
             self._pending = _PendingRound(epoch, local, digest, future)
             self._advance(epoch + 1, publish=False)
             return
         self._apply_pending(block=True)
         digest = self._shared_digest()
-        result, error = self._round(local, key, weight, group_size, digest)
+        result, error = self._round(local, key, weight, progress, digest)
         if result is None and (late or (error and self._others_moved_on())):
             self._catch_up(progress if late else self.tracker.last)
             return
@@ -418,19 +417,30 @@ class CollaborativeOptimizer(SwarmOptimizer):
         return self.tracker.refresh().epoch > self.epoch
 
     def _round(
-        self, arrays: list[np.ndarray], key: str, weight: float, group_size: int, digest: bytes
+        self,
+        arrays: list[np.ndarray],
+        key: str,
+        weight: float,
+        progress: GlobalProgress,
+        digest: bytes,
     ) -> tuple[RoundResultLike | None, str]:
         """One round: the result, or None and why it failed ("" when alone in the swarm).
 
         Runs in the background thread with ``delay_updates``: it only reads its arguments
         and the link (whose counters no other thread writes meanwhile).
         """
-        if group_size <= 1:
+        if progress.num_peers <= 1:
             log.debug("alone in the swarm at %s: stepping locally", key)
             return None, ""
         failed = self.link.stats.failed
         result = self.link.average(
-            arrays, key=key, weight=weight, group_size=group_size, warn=False, state_digest=digest
+            arrays,
+            key=key,
+            weight=weight,
+            group_size=progress.num_peers,
+            warn=False,
+            state_digest=digest,
+            expected=progress.members(),
         )
         error = self.link.stats.last_error if self.link.stats.failed > failed else ""
         return result, error

@@ -239,6 +239,7 @@ class DiLoCo(SwarmOptimizer):
                 group_size=progress.num_peers,
                 warn=False,
                 state_digest=digest,
+                expected=progress.members(),
             )
             if result is None:
                 after = self.tracker.refresh()

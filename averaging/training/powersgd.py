@@ -23,6 +23,7 @@ own. :class:`PowerSGDState` is the pure math (tested against numpy's SVD);
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ from swarmavg.averaging.training.swarm import RoundResultLike, SwarmClient
 
 if TYPE_CHECKING:
     import torch
+
+    from swarmavg.averaging.training.progress import GlobalProgress
 
 
 def orthogonalize(p: np.ndarray) -> np.ndarray:
@@ -243,14 +246,19 @@ class PowerSGDOptimizer(CollaborativeOptimizer):
             }
 
     def _round(
-        self, arrays: list[np.ndarray], key: str, weight: float, group_size: int, digest: bytes
+        self,
+        arrays: list[np.ndarray],
+        key: str,
+        weight: float,
+        progress: GlobalProgress,
+        digest: bytes,
     ) -> tuple[RoundResultLike | None, str]:
-        if group_size <= 1:
+        if progress.num_peers <= 1:
             return None, ""
         state = self.powersgd
         matrices = state.matrices(arrays)
         first, error = super()._round(
-            state.first_round(arrays, matrices), f"{key}.p", weight, group_size, digest
+            state.first_round(arrays, matrices), f"{key}.p", weight, progress, digest
         )
         if first is None:
             return None, error
@@ -258,7 +266,10 @@ class PowerSGDOptimizer(CollaborativeOptimizer):
         qs = [local_qs[i] for i in state.compressed]
         second: RoundResultLike | None = None
         if qs:
-            second, error = super()._round(qs, f"{key}.q", weight, group_size, digest)
+            # The second round expects the first one's members: a peer that missed the
+            # first cannot join the second, and waiting for it would cost a window again.
+            members = dataclasses.replace(progress, num_peers=first.group_size)
+            second, error = super()._round(qs, f"{key}.q", weight, members, digest)
             if second is None:
                 return None, error
         tensors = state.finish(

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeGuard
 
 from swarmavg.averaging.training.metrics import Metrics, check_metrics, parse_metrics
+from swarmavg.averaging.training.no_shows import NoShows
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +186,15 @@ class GlobalProgress:
         """True when the swarm has gathered ``target`` samples for ``epoch``."""
         return self.samples >= self.target
 
+    def members(self) -> dict[str, float]:
+        """The daemons counted in ``num_peers``, each with the time of its newest record:
+        who a round at this progress expects (see ``no_shows``)."""
+        newest: dict[str, float] = {}
+        for p in self.peers:
+            if p.epoch >= self.epoch - 1:
+                newest[p.peer_id] = max(newest.get(p.peer_id, 0.0), p.time)
+        return newest
+
     def samples_per_peer(self) -> dict[str, float]:
         """Throughput of each daemon (summed over its processes), at any epoch."""
         rates: dict[str, float] = {}
@@ -317,6 +327,8 @@ class ProgressTracker:
         peer_id: the daemon's peer id; read from ``client.status()`` when None.
         max_epoch_lead: records further ahead of the swarm's majority epoch are ignored
             (:func:`within_epoch_lead`).
+        no_shows: daemons that missed a round they were expected at; their records count
+            again once they report anew (shared with the rounds' caller; see ``no_shows``).
 
     Not thread-safe: one tracker per training process, used from one thread.
     """
@@ -330,6 +342,7 @@ class ProgressTracker:
         ttl: float = 30.0,
         peer_id: str | None = None,
         max_epoch_lead: int = MAX_EPOCH_LEAD,
+        no_shows: NoShows | None = None,
     ) -> None:
         if target_batch_size <= 0:
             raise ValueError(f"target_batch_size must be positive, got {target_batch_size}")
@@ -342,6 +355,7 @@ class ProgressTracker:
         self.target_batch_size = target_batch_size
         self.ttl = ttl
         self.max_epoch_lead = max_epoch_lead
+        self.no_shows = NoShows() if no_shows is None else no_shows
         self.peer_id = peer_id if peer_id is not None else _peer_id_of(client)
         # Several processes may share one daemon: each writes its own subkey, which names
         # the daemon as its owner (``[owner:<hex>]``, dht/records.py): the daemon signs it
@@ -422,6 +436,7 @@ class ProgressTracker:
         others, ignored = parse_records(raw, now, skip=self.subkey)
         others, ahead = within_epoch_lead(others, self.epoch, self.max_epoch_lead)
         ignored += ahead
+        others = self.no_shows.admitted(others)
         records = [self.local, *others]
         if ignored != self._ignored:
             log.warning(

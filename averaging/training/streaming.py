@@ -278,6 +278,7 @@ class StreamingDiLoCo(DiLoCo):
             group_size=progress.num_peers,
             warn=False,
             state_digest=digest,
+            expected=progress.members(),
         )
         return result, (self.link.stats.last_error if self.link.stats.failed > failed else "")
 

@@ -13,7 +13,7 @@ import logging
 import random
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -28,6 +28,7 @@ from swarmavg.averaging.errors import (
 )
 from swarmavg.averaging.group import MAX_GROUP_SIZE
 from swarmavg.averaging.training.consensus import Provenance
+from swarmavg.averaging.training.no_shows import NoShows
 from swarmavg.averaging.training.progress import DHTLike
 from swarmavg.averaging.training.state import (
     StateFormatError,
@@ -210,6 +211,9 @@ class SwarmLink:
         self.min_averaged_fraction = MIN_AVERAGED_FRACTION
         """See :data:`MIN_AVERAGED_FRACTION`; 0 applies every partial result, 1 none."""
         self.stats = RoundStats()
+        self.no_shows = NoShows()
+        """Daemons that missed a round the progress records expected them at; the
+        wrapper's tracker shares it, so they stop counting until they report anew."""
 
     def average(
         self,
@@ -220,6 +224,7 @@ class SwarmLink:
         group_size: int | None,
         warn: bool = True,
         state_digest: bytes | None = None,
+        expected: Mapping[str, float] | None = None,
     ) -> RoundResultLike | None:
         """Run one round; None when it failed (a warning says why, unless ``warn`` is False:
         a background thread leaves the warning to the thread that applies the result).
@@ -228,6 +233,11 @@ class SwarmLink:
         turned into a local step. What other peers cause is a failed round: a schema that
         differs from theirs, or a ``group_size`` read from more progress records than one
         group can hold (clamped to ``MAX_GROUP_SIZE``, with a log line).
+
+        ``expected``: the daemons ``group_size`` was counted from, each with the time of
+        its newest record (``GlobalProgress.members()``). Those a round closes without are
+        remembered in :attr:`no_shows`, so a dead daemon whose records linger is waited for
+        once, not every round until its records expire.
 
         Thread-safe as far as the client is: the overlap mode calls it from its worker.
         """
@@ -269,6 +279,18 @@ class SwarmLink:
         finally:
             self.stats.seconds += time.monotonic() - started
         self.stats.group_sizes.append(int(result.group_size))
+        if expected and group_size is not None and result.group_size < group_size:
+            missed = self.no_shows.note(expected, result.peers)
+            if missed:
+                log.info(
+                    "round %s closed with %d of the %d peers the progress named; not waiting "
+                    "for %s again until they report: %s",
+                    key,
+                    result.group_size,
+                    group_size,
+                    "it" if len(missed) == 1 else "them",
+                    ", ".join(p[:12] for p in missed),
+                )
         if result.partial:
             self.stats.partial += 1
             averaged = 1.0 - float(result.local_fraction)
