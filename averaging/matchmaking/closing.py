@@ -117,6 +117,9 @@ class LeaderView:
         group_size: the most members it takes.
         min_group_size: the fewest members it may close with.
         wanted: members the caller expects (0: none beyond the declared ones).
+        gone: previous members found dead (their address refused a connection): neither
+            expected, nor counted in ``wanted``, which the caller most likely counted them
+            in (from the records they left behind).
     """
 
     me: Declaration
@@ -128,6 +131,12 @@ class LeaderView:
     group_size: int
     min_group_size: int
     wanted: int = 0
+    gone: frozenset[bytes] = frozenset()
+
+    @property
+    def awaited_previous(self) -> frozenset[bytes]:
+        """Members of the previous round that are neither elsewhere nor dead."""
+        return self.previous - self.taken - self.gone
 
 
 def expected_members(view: LeaderView, now: float, patience: float) -> frozenset[bytes]:
@@ -147,7 +156,7 @@ def expected_members(view: LeaderView, now: float, patience: float) -> frozenset
             continue
         if now - view.first_seen.get(d.peer_id, now) <= patience:
             expected.add(d.peer_id)
-    expected |= {p for p in view.previous if p not in declared and p not in view.taken}
+    expected |= {p for p in view.awaited_previous if p not in declared}
     return frozenset(expected)
 
 
@@ -175,11 +184,12 @@ def close_reason(
     size = len(view.members)
     if size >= view.group_size:
         return "full"
-    if size < max(view.min_group_size, view.wanted):
+    wanted = view.wanted - len(view.gone - view.members)
+    if size < max(view.min_group_size, wanted):
         return None
     if not expected_members(view, now, patience) <= view.members:
         return None
-    previous = view.previous - view.taken - {view.me.peer_id}
+    previous = view.awaited_previous - {view.me.peer_id}
     if previous and previous <= view.members:
         return "quorum"
     if now >= started + settle and fresh:

@@ -34,7 +34,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +134,12 @@ class _Round:
     started: float
     """``time.monotonic()`` when this peer started looking."""
     previous: frozenset[bytes] = frozenset()
+    previous_addresses: Mapping[bytes, str] = field(default_factory=dict)
+    """Where the previous round's members listened (client-mode ones are absent)."""
+    gone: set[bytes] = field(default_factory=set)
+    """Previous members whose address refused a connection: dead, not merely late."""
+    probing: asyncio.Task[None] | None = None
+    """The one probe of the previous members that have not declared (see ``_probe``)."""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     followers: dict[bytes, _Follower] = field(default_factory=dict)
     leader: tuple[bytes, str] | None = None
@@ -209,8 +215,9 @@ class Matchmaker:
         self._closed: collections.OrderedDict[str, tuple[float, frozenset[bytes]]] = (
             collections.OrderedDict()
         )
-        # family -> the other members of our last group in it (the fast quorum).
-        self._previous: collections.OrderedDict[str, frozenset[bytes]] = collections.OrderedDict()
+        # family -> the other members of our last group in it and their addresses (the
+        # fast quorum; "" for a client-mode member).
+        self._previous: collections.OrderedDict[str, dict[bytes, str]] = collections.OrderedDict()
 
     def settle_time(self) -> float:
         """How long a new leader waits before its first close (from measured latency)."""
@@ -259,14 +266,16 @@ class Matchmaker:
             me,
             asyncio.get_running_loop().create_future(),
             started=time.monotonic(),
-            previous=self._previous.get(family, frozenset()),
+            previous=frozenset(self._previous.get(family, {})),
+            previous_addresses={p: a for p, a in self._previous.get(family, {}).items() if a},
         )
         self._rounds[request.key] = rnd
         try:
             await self._declare(rnd)
             group = await self._search(rnd)
             members = frozenset(m.peer_id for m in group.members)
-            _remember(self._previous, family, members - {self.peer_id})
+            others = {m.peer_id: m.address for m in group.members if m.peer_id != self.peer_id}
+            _remember(self._previous, family, others)
             _remember(self._closed, request.key, (rnd.started + _give_up_seconds(me), members))
             return group
         finally:
@@ -275,6 +284,8 @@ class Matchmaker:
             self._disband(rnd, "the leader stopped matchmaking")
             if rnd.reading is not None:
                 await _cancel_and_wait(rnd.reading)
+            if rnd.probing is not None:
+                await _cancel_and_wait(rnd.probing)
 
     async def _declare(self, rnd: _Round) -> None:
         subkey = declaration_subkey(self.peer_id)
@@ -322,6 +333,7 @@ class Matchmaker:
                 return rnd.result.result()
             now = time.monotonic()
             if rnd.leader is None and me.can_lead:
+                self._probe_missing_previous(rnd, now)
                 reason = self._close_reason(rnd, now)
                 if (
                     reason is None
@@ -417,6 +429,7 @@ class Matchmaker:
             group_size=rnd.request.group_size,
             min_group_size=rnd.request.min_group_size,
             wanted=rnd.request.wanted,
+            gone=frozenset(rnd.gone),
         )
 
     def _close_reason(self, rnd: _Round, now: float) -> str | None:
@@ -469,6 +482,48 @@ class Matchmaker:
             f"{len(rnd.taken)} peer(s) ({short_ids(rnd.taken)}) averaged without it and no "
             f"other peer is looking; min_group_size is {rnd.request.min_group_size}"
         )
+
+    def _probe_missing_previous(self, rnd: _Round, now: float) -> None:
+        """Once per round, after the settle time: dial the previous members that have not
+        declared. A killed daemon's port refuses the connection at once, so the fast quorum
+        stops waiting for it instead of holding the group until ``close_by``; a peer that
+        is only slow (or unreachable: a timeout proves nothing) stays expected."""
+        if rnd.probing is not None or now < rnd.started + self.settle_time():
+            return
+        declared = {d.peer_id for d in rnd.declarations}
+        missing = {
+            peer_id: address
+            for peer_id, address in rnd.previous_addresses.items()
+            if peer_id not in declared and peer_id not in rnd.taken and peer_id not in rnd.followers
+        }
+        if missing:
+            rnd.probing = asyncio.ensure_future(self._probe(rnd, missing))
+
+    async def _probe(self, rnd: _Round, addresses: Mapping[bytes, str]) -> None:
+        async def refused(address: str) -> bool:
+            host, _, port = address.rpartition(":")
+            try:
+                async with asyncio.timeout(self.config.join_timeout):
+                    _, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+            except (TimeoutError, ValueError):
+                return False  # no answer is not a refusal: it may be a slow or far peer
+            except OSError:
+                return True  # refused, or no route to it: nothing listens there
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+            return False
+
+        answers = await asyncio.gather(*(refused(a) for a in addresses.values()))
+        dead = {peer_id for peer_id, no in zip(addresses, answers, strict=True) if no}
+        if dead:
+            log.info(
+                "previous member(s) %s of %s refused a connection: not waiting for them",
+                short_ids(dead),
+                rnd.request.key,
+            )
+            rnd.gone |= dead
+            rnd.changed.set()
 
     async def _wait_as_leader(self, rnd: _Round, next_read: float) -> None:
         """Sleep until a follower arrives or leaves, the group forms, or the next check."""

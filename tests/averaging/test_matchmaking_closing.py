@@ -47,6 +47,8 @@ def view(
     *,
     previous: set[int] = frozenset(),  # type: ignore[assignment]
     taken: set[int] = frozenset(),  # type: ignore[assignment]
+    gone: set[int] = frozenset(),  # type: ignore[assignment]
+    wanted: int = 0,
     seen_at: float = 0.0,
     group_size: int = 16,
     min_group_size: int = 2,
@@ -60,6 +62,8 @@ def view(
         taken=frozenset(pid(i) for i in taken),
         group_size=group_size,
         min_group_size=min_group_size,
+        wanted=wanted,
+        gone=frozenset(pid(i) for i in gone),
     )
 
 
@@ -132,6 +136,20 @@ def test_an_undeclared_previous_member_is_expected() -> None:
     assert close_reason(v, now=5.0, started=0.0, settle=0.1, patience=1.0, fresh=False) == (
         "quorum"
     )
+
+
+def test_a_dead_previous_member_is_neither_expected_nor_wanted() -> None:
+    # Previous round 0, 1, 2, 3; 3 was found dead. The caller counted 4 (3's records).
+    v = view({1, 2}, [1, 2], previous={1, 2, 3}, wanted=4)
+    assert close_reason(v, now=5.0, started=0.0, settle=0.1, patience=1.0, fresh=True) is None
+    v = view({1, 2}, [1, 2], previous={1, 2, 3}, wanted=4, gone={3})
+    assert pid(3) not in expected_members(v, now=5.0, patience=1.0)
+    assert close_reason(v, now=0.0, started=0.0, settle=0.1, patience=1.0, fresh=False) == (
+        "quorum"
+    )
+    # A dead peer that is in the group after all (it restarted) still counts as wanted.
+    v = view({1, 2, 3}, [1, 2, 3], previous={1, 2, 3}, wanted=5, gone={3})
+    assert close_reason(v, now=5.0, started=0.0, settle=0.1, patience=1.0, fresh=True) is None
 
 
 def test_peers_of_the_other_half_of_a_split_are_not_expected() -> None:

@@ -102,3 +102,23 @@ async def test_a_late_peer_learns_at_once_that_the_round_is_gone() -> None:
         assert [len(g) for g in groups_of(list(results))] == [2]
         with pytest.raises(NoGroupError, match="closed before this peer joined"):
             await late.averager.average(inputs(2), "gone", group_size=2, timeout=60.0)
+
+
+@pytest.mark.parametrize("given", [False, True])
+@pytest.mark.timeout(90)
+async def test_a_dead_previous_member_is_not_waited_for(given: bool) -> None:
+    async with averager_swarm(3, SLOW_WINDOW) as swarm:
+        options = {"group_size": 3} if given else {}
+        results = await round_of(swarm, "step-1", timeout=60.0, **options)
+        assert [len(g) for g in groups_of(results)] == [3]
+        dead = swarm.peers.pop()
+        await dead.stop()  # killed: its port now refuses connections
+        before = close_reasons(swarm)
+        # The survivors' fast quorum names the dead peer, and a given group size counted
+        # it: the leader dials it, is refused, and closes without it instead of waiting
+        # out the 40 s window.
+        results = await round_of(swarm, "step-2", timeout=60.0, **options)
+        assert [len(g) for g in groups_of(results)] == [2]
+        after = close_reasons(swarm)
+        assert after.get("deadline", 0) == before.get("deadline", 0), after
+        swarm.peers.append(dead)  # stopped again (a no-op) on close
