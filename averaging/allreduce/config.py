@@ -6,6 +6,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from swarmavg.averaging.allreduce.congestion import check_name
 from swarmavg.averaging.allreduce.partition import (
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES,
@@ -65,6 +66,10 @@ class AllReduceConfig:
         weight_bound: a sender's weight counts as at most this many times the median
             weight of the part's senders (issue 17: one member must not dictate the
             mean); larger weights are clipped to it and counted. >= 1.
+        congestion_control: TCP congestion control algorithm of the data plane's sockets,
+            both the connections this peer opens and the ones it accepts (``cubic``,
+            ``bbr``, ...; :mod:`~swarmavg.averaging.allreduce.congestion`). ``None``: the
+            kernel's default. The service checks at start that the kernel accepts it.
     """
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -83,6 +88,7 @@ class AllReduceConfig:
     data_connect_timeout: float = 1.0
     data_retry_after: float = 300.0
     weight_bound: float = DEFAULT_WEIGHT_BOUND
+    congestion_control: str | None = None
 
     def __post_init__(self) -> None:
         if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
@@ -102,5 +108,7 @@ class AllReduceConfig:
             raise ValueError("max_reply_backlog must hold at least one chunk (3 MiB + 64 KiB)")
         if self.max_codec_instances < 1:
             raise ValueError("max_codec_instances must be >= 1")
+        if self.congestion_control is not None:
+            check_name(self.congestion_control)
         if self.max_waiting_streams < 1 or self.executor_threads < 0:
             raise ValueError("max_waiting_streams must be >= 1 and executor_threads >= 0")
