@@ -16,7 +16,10 @@ progress goes to stderr.
 
 ``--congestion-control``: comma-separated variants, each the daemons'
 ``--congestion-control`` (``default``: unset, the kernel's choice); raw TCP is measured
-with the same algorithm per variant. ``--group-size default`` lets the daemons form the
+with the same algorithm per variant. ``--variant NAME=FLAGS`` (repeatable, instead) gives
+each variant's daemons any extra flags, e.g. ``--variant "cubic-1m=--congestion-control
+cubic --bandwidth 45"`` (a fixed bandwidth of 45 MB/s makes 1 MiB chunks,
+averaging/allreduce/chunking.py). ``--group-size default`` lets the daemons form the
 group themselves (``average(group_size=None)``) instead of naming 4.
 
 Needs root, iproute2 and iptables (like the test bed).
@@ -29,11 +32,13 @@ import asyncio
 import hashlib
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -178,7 +183,7 @@ def start_daemons(
     run_id: str,
     *,
     port: int = PORT,
-    congestion_control: str | None = None,
+    extra: Sequence[str] = (),
 ) -> list[SwarmavgProcess]:
     """One daemon per host on ``HOST_ADDRESS:port``; all join the first."""
     daemons: list[SwarmavgProcess] = []
@@ -186,8 +191,7 @@ def start_daemons(
         args = ["peer", "--listen", f"{host.address}:{port}", "--run-id", run_id]
         args += ["--control", str(workdir / f"{name}-{run_id}.sock")]
         args += ["--log-level", os.environ.get("BW_LOG_LEVEL", "WARNING")]
-        if congestion_control is not None:
-            args += ["--congestion-control", congestion_control]
+        args += extra
         if daemons:
             args += ["--join", daemons[0].address]
         daemons.append(pool.start(args, executable=host.swarmavg_command()))
@@ -301,15 +305,37 @@ class Swarm:
     """One variant's daemons (one per host) and training processes."""
 
     name: str
-    congestion_control: str | None
     daemons: list[SwarmavgProcess]
     workers: list[Worker]
+
+
+def parse_variants(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Variant name -> the extra daemon flags of its swarm."""
+    if args.variant:
+        variants = {}
+        for spec in args.variant:
+            name, _, flags = spec.partition("=")
+            variants[name] = shlex.split(flags)
+        return variants
+    return {
+        name: [] if name == "default" else ["--congestion-control", name]
+        for name in args.congestion_control.split(",")
+        if name
+    }
+
+
+def flag_value(flags: Sequence[str], flag: str) -> str | None:
+    """The value of ``flag`` in ``flags`` (None when absent)."""
+    for i, item in enumerate(flags[:-1]):
+        if item == flag:
+            return flags[i + 1]
+    return None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     n, rate, nbytes = args.hosts, args.rate_mbit, int(args.mb * 1e6)
     codecs = [c for c in args.codecs.split(",") if c]
-    variants = [v for v in args.congestion_control.split(",") if v]
+    variants = parse_variants(args)
     group_size = n if args.group_size == "given" else None
     figures: dict[str, Any] = {
         "benchmark": "bandwidth",
@@ -320,6 +346,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tensor_mb": args.mb,
         "rounds": args.rounds,
         "group_size": args.group_size,
+        "variant_flags": {name: shlex.join(flags) for name, flags in variants.items()},
         "load_average_at_start": round(os.getloadavg()[0], 1),
         "cpu_cores": os.cpu_count(),
     }
@@ -336,9 +363,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ["sysctl", "-n", "net.ipv4.tcp_congestion_control"], check=False
         ).stdout.strip()
         raws: dict[str, dict[str, float]] = {}
-        for variant in variants:
-            cc = None if variant == "default" else variant
-            raws[variant] = raw_tcp(bed, nbytes, args.raw_repeats, cc)
+        by_algorithm: dict[str | None, dict[str, float]] = {}
+        for variant, flags in variants.items():
+            cc = flag_value(flags, "--congestion-control")
+            if cc not in by_algorithm:  # variants of one algorithm share the reference
+                by_algorithm[cc] = raw_tcp(bed, nbytes, args.raw_repeats, cc)
+            raws[variant] = by_algorithm[cc]
             log(f"raw TCP, butterfly pattern, {variant}: {raws[variant]}")
         pool = ProcessPool(workdir)
         swarms: list[Swarm] = []
@@ -347,12 +377,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             expected = np.zeros(len(range(0, elements, SAMPLE_STRIDE)))
             for seed in range(n):
                 expected += make_input(seed, elements)[::SAMPLE_STRIDE] / n
-            for k, variant in enumerate(variants):
-                cc = None if variant == "default" else variant
+            for k, (variant, flags) in enumerate(variants.items()):
                 daemons = start_daemons(
-                    bed, pool, workdir, f"bandwidth{k}", port=PORT + 10 * k, congestion_control=cc
+                    bed, pool, workdir, f"bandwidth{k}", port=PORT + 10 * k, extra=flags
                 )
-                swarm = Swarm(variant, cc, daemons, [])
+                swarm = Swarm(variant, daemons, [])
                 swarms.append(swarm)
                 for seed, (host, daemon) in enumerate(
                     zip(bed.hosts.values(), daemons, strict=True)
@@ -405,7 +434,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if handle.proc.stdout is not None:
                     handle.proc.stdout.close()
     figures["load_average_at_end"] = round(os.getloadavg()[0], 1)
-    if variants == ["default"]:  # the single-variant layout of earlier runs
+    if list(variants) == ["default"]:  # the single-variant layout of earlier runs
         figures["raw_tcp"] = raws["default"]
         figures["codecs"] = results["default"]
         figures.update(goodput(results["default"], raws["default"], n, nbytes, rate))
@@ -441,6 +470,13 @@ def main() -> int:
         "--congestion-control",
         default="default",
         help="comma-separated variants: the daemons' --congestion-control, or 'default'",
+    )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME=FLAGS: a swarm whose daemons get FLAGS; repeatable (overrides "
+        "--congestion-control)",
     )
     parser.add_argument(
         "--group-size",
