@@ -11,6 +11,16 @@ progress goes to stderr.
 
     sudo .venv/bin/python benchmarks/bandwidth.py                       # the docs' figures
     sudo .venv/bin/python benchmarks/bandwidth.py --mb 8 --rounds 1     # a quick look
+    sudo .venv/bin/python benchmarks/bandwidth.py --congestion-control default,cubic
+        # A/B in one run: one swarm of daemons per variant, rounds interleaved
+
+``--congestion-control``: comma-separated variants, each the daemons'
+``--congestion-control`` (``default``: unset, the kernel's choice); raw TCP is measured
+with the same algorithm per variant. ``--variant NAME=FLAGS`` (repeatable, instead) gives
+each variant's daemons any extra flags, e.g. ``--variant "cubic-1m=--congestion-control
+cubic --bandwidth 45"`` (a fixed bandwidth of 45 MB/s makes 1 MiB chunks,
+averaging/allreduce/chunking.py). ``--group-size default`` lets the daemons form the
+group themselves (``average(group_size=None)``) instead of naming 4.
 
 Needs root, iproute2 and iptables (like the test bed).
 """
@@ -22,11 +32,13 @@ import asyncio
 import hashlib
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,7 +89,7 @@ async def worker_main(control: str, seed: int, elements: int) -> int:
                     [tensor[: request["elements"]]],
                     key=request["key"],
                     group_size=request["group_size"],
-                    min_group_size=request["group_size"],
+                    min_group_size=request["group_size"] or 2,
                     timeout=request["timeout"],
                     codec=request["codec"],
                 )
@@ -165,14 +177,21 @@ def cpu_seconds(daemon: SwarmavgProcess) -> float:
 
 
 def start_daemons(
-    bed: TestBed, pool: ProcessPool, workdir: Path, run_id: str
+    bed: TestBed,
+    pool: ProcessPool,
+    workdir: Path,
+    run_id: str,
+    *,
+    port: int = PORT,
+    extra: Sequence[str] = (),
 ) -> list[SwarmavgProcess]:
-    """One daemon per host on ``HOST_ADDRESS:31337``; all join the first."""
+    """One daemon per host on ``HOST_ADDRESS:port``; all join the first."""
     daemons: list[SwarmavgProcess] = []
     for name, host in bed.hosts.items():
-        args = ["peer", "--listen", f"{host.address}:{PORT}", "--run-id", run_id]
-        args += ["--control", str(workdir / f"{name}.sock")]
+        args = ["peer", "--listen", f"{host.address}:{port}", "--run-id", run_id]
+        args += ["--control", str(workdir / f"{name}-{run_id}.sock")]
         args += ["--log-level", os.environ.get("BW_LOG_LEVEL", "WARNING")]
+        args += extra
         if daemons:
             args += ["--join", daemons[0].address]
         daemons.append(pool.start(args, executable=host.swarmavg_command()))
@@ -189,6 +208,7 @@ def one_round(
     codec: str,
     elements: int,
     timeout: float,
+    group_size: int | None,
 ) -> Round:
     """Every host's worker averages at once; raises RuntimeError when any call failed."""
     hosts = list(bed.hosts.values())
@@ -196,7 +216,7 @@ def one_round(
     cpu_before = [cpu_seconds(d) for d in daemons]
     for worker in workers:
         worker.request(
-            key=key, codec=codec, elements=elements, group_size=len(workers), timeout=timeout
+            key=key, codec=codec, elements=elements, group_size=group_size, timeout=timeout
         )
     records = [worker.result() for worker in workers]
     after = [host.link_bytes()[0] for host in hosts]
@@ -223,19 +243,100 @@ def one_round(
     )
 
 
-def raw_tcp(bed: TestBed, nbytes: int, repeats: int) -> dict[str, float]:
+def raw_tcp(
+    bed: TestBed, nbytes: int, repeats: int, congestion_control: str | None = None
+) -> dict[str, float]:
     """The butterfly's traffic pattern over plain TCP: each host sends 2*S/N to each other."""
     hosts = list(bed.hosts.values())
     per_pair = 2 * nbytes // len(hosts)
-    times = [all_to_all(hosts, per_pair, timeout=300).seconds for _ in range(repeats)]
+    times = [
+        all_to_all(hosts, per_pair, timeout=300, congestion_control=congestion_control).seconds
+        for _ in range(repeats)
+    ]
     seconds = statistics.median(times)
     egress = per_pair * (len(hosts) - 1)
     return {"seconds": round(seconds, 3), "per_host_egress_mbit_s": egress * 8 / seconds / 1e6}
 
 
+def summarize(done: list[Round], failed: list[str]) -> dict[str, Any]:
+    """One codec's figures over its rounds (median round for the phase timings)."""
+    if not done:
+        return {"error": "; ".join(failed)}
+    chronological = [round(r.seconds, 3) for r in done]
+    done = sorted(done, key=lambda r: r.seconds)
+    tx = statistics.median(statistics.mean(r.tx_bytes) for r in done)
+    return {
+        "seconds": round(statistics.median(r.seconds for r in done), 3),
+        "rounds_seconds": chronological,
+        "wire_mb_per_host": round(tx / 1e6, 2),
+        "daemon_cpu_seconds": round(statistics.median(r.cpu_seconds for r in done), 2),
+        "rel_rms_error": float(f"{max(r.rel_rms_error for r in done):.3g}"),
+        "partial": any(r.partial for r in done),
+        "bit_identical": all(r.bit_identical for r in done),
+        # The daemon's phases in the median round (one member's view).
+        "timings": {k: round(v, 3) for k, v in sorted(done[len(done) // 2].timings.items())},
+        "failed_rounds": failed,
+    }
+
+
+def goodput(
+    per_codec: dict[str, Any], raw: dict[str, float], n: int, nbytes: int, rate: float
+) -> dict[str, Any]:
+    """Goodput of ``none`` against the link and raw TCP; speedups of the other codecs."""
+    figures: dict[str, Any] = {}
+    base = per_codec.get("none", {})
+    if "seconds" not in base:
+        return figures
+    payload = 2 * (n - 1) * nbytes / n  # bytes each host must send in a butterfly
+    figures["goodput_none_fraction"] = round(payload * 8 / base["seconds"] / (rate * 1e6), 3)
+    figures["goodput_none_vs_raw_tcp"] = round(raw["seconds"] / base["seconds"], 3)
+    exchange = base["timings"].get("allreduce.exchange")
+    if exchange:  # the streaming phase alone, without preparing and finishing the parts
+        figures["goodput_none_exchange_fraction"] = round(payload * 8 / exchange / (rate * 1e6), 3)
+    for entry in per_codec.values():
+        if "seconds" in entry:
+            entry["speedup"] = round(base["seconds"] / entry["seconds"], 2)
+            entry["byte_ratio"] = round(base["wire_mb_per_host"] / entry["wire_mb_per_host"], 2)
+    return figures
+
+
+@dataclass
+class Swarm:
+    """One variant's daemons (one per host) and training processes."""
+
+    name: str
+    daemons: list[SwarmavgProcess]
+    workers: list[Worker]
+
+
+def parse_variants(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Variant name -> the extra daemon flags of its swarm."""
+    if args.variant:
+        variants = {}
+        for spec in args.variant:
+            name, _, flags = spec.partition("=")
+            variants[name] = shlex.split(flags)
+        return variants
+    return {
+        name: [] if name == "default" else ["--congestion-control", name]
+        for name in args.congestion_control.split(",")
+        if name
+    }
+
+
+def flag_value(flags: Sequence[str], flag: str) -> str | None:
+    """The value of ``flag`` in ``flags`` (None when absent)."""
+    for i, item in enumerate(flags[:-1]):
+        if item == flag:
+            return flags[i + 1]
+    return None
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     n, rate, nbytes = args.hosts, args.rate_mbit, int(args.mb * 1e6)
     codecs = [c for c in args.codecs.split(",") if c]
+    variants = parse_variants(args)
+    group_size = n if args.group_size == "given" else None
     figures: dict[str, Any] = {
         "benchmark": "bandwidth",
         "path": "swarmavg peer daemons (CLI) + one client process per host, "
@@ -244,6 +345,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rate_mbit": rate,
         "tensor_mb": args.mb,
         "rounds": args.rounds,
+        "group_size": args.group_size,
+        "variant_flags": {name: shlex.join(flags) for name, flags in variants.items()},
         "load_average_at_start": round(os.getloadavg()[0], 1),
         "cpu_cores": os.cpu_count(),
     }
@@ -253,100 +356,97 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ):
         workdir = Path(tmp)
         log(f"test bed {bed.prefix}: {n} hosts at {rate} Mbit/s")
-        # The figures depend on it: with BBR, connections reused from round to round carry a
-        # stale minimum-RTT estimate (docs/benchmarks-bandwidth.md).
+        # The kernel's default (variant "default"): with BBR, connections reused from round
+        # to round carry a stale minimum-RTT estimate (docs/benchmarks-bandwidth.md).
         first = next(iter(bed.hosts.values()))
         figures["tcp_congestion_control"] = first.run(
             ["sysctl", "-n", "net.ipv4.tcp_congestion_control"], check=False
         ).stdout.strip()
-        raw = raw_tcp(bed, nbytes, args.raw_repeats)
-        figures["raw_tcp"] = raw
-        log(f"raw TCP, butterfly pattern: {raw}")
+        raws: dict[str, dict[str, float]] = {}
+        by_algorithm: dict[str | None, dict[str, float]] = {}
+        for variant, flags in variants.items():
+            cc = flag_value(flags, "--congestion-control")
+            if cc not in by_algorithm:  # variants of one algorithm share the reference
+                by_algorithm[cc] = raw_tcp(bed, nbytes, args.raw_repeats, cc)
+            raws[variant] = by_algorithm[cc]
+            log(f"raw TCP, butterfly pattern, {variant}: {raws[variant]}")
         pool = ProcessPool(workdir)
-        workers: list[Worker] = []
+        swarms: list[Swarm] = []
         try:
-            daemons = start_daemons(bed, pool, workdir, "bandwidth")
             elements = nbytes // 4
             expected = np.zeros(len(range(0, elements, SAMPLE_STRIDE)))
             for seed in range(n):
                 expected += make_input(seed, elements)[::SAMPLE_STRIDE] / n
-            for seed, (host, daemon) in enumerate(zip(bed.hosts.values(), daemons, strict=True)):
-                workers.append(Worker(host, daemon.control, seed, elements))
-            per_codec: dict[str, Any] = {}
-            rounds: dict[str, list[Round]] = {}
-            for codec in codecs:
-                try:
-                    # Untimed: connections, lazy imports and first-use costs of the codec.
-                    one_round(
-                        bed, daemons, workers, None, key=f"warm-{codec}", codec=codec,
-                        elements=1 << 18, timeout=args.timeout,
-                    )  # fmt: skip
-                    rounds[codec] = []
-                except Exception as exc:  # a codec that is missing or fails is reported
-                    per_codec[codec] = {"error": f"{type(exc).__name__}: {exc}"}
-                    log(f"{codec}: {exc!r}")
-            # Codecs take turns round by round, so that the load of the shared machine
-            # drifting during the run weighs on all of them alike.
-            failed: dict[str, list[str]] = {codec: [] for codec in rounds}
-            for r in range(args.rounds):
-                for codec in rounds:
+            for k, (variant, flags) in enumerate(variants.items()):
+                daemons = start_daemons(
+                    bed, pool, workdir, f"bandwidth{k}", port=PORT + 10 * k, extra=flags
+                )
+                swarm = Swarm(variant, daemons, [])
+                swarms.append(swarm)
+                for seed, (host, daemon) in enumerate(
+                    zip(bed.hosts.values(), daemons, strict=True)
+                ):
+                    swarm.workers.append(Worker(host, daemon.control, seed, elements))
+            results: dict[str, dict[str, Any]] = {swarm.name: {} for swarm in swarms}
+            rounds: dict[tuple[str, str], list[Round]] = {}
+            for swarm in swarms:
+                for codec in codecs:
                     try:
-                        result = one_round(
-                            bed, daemons, workers, expected, key=f"bw-{codec}-{r}",
-                            codec=codec, elements=elements, timeout=args.timeout,
+                        # Untimed: connections, lazy imports and first-use costs of the codec.
+                        one_round(
+                            bed, swarm.daemons, swarm.workers, None, key=f"warm-{codec}-0",
+                            codec=codec, elements=1 << 18, timeout=args.timeout,
+                            group_size=group_size,
                         )  # fmt: skip
-                    except Exception as exc:  # reported with the figures, never hidden
-                        failed[codec].append(f"{type(exc).__name__}: {exc}")
-                        log(f"{codec} round {r} failed: {exc!r}")
-                        continue
-                    log(f"{codec} round {r}: {result}")
-                    rounds[codec].append(result)
-            for codec, done in rounds.items():
-                if not done:
-                    per_codec[codec] = {"error": "; ".join(failed[codec])}
-                    continue
-                chronological = [round(r.seconds, 3) for r in done]
-                done.sort(key=lambda r: r.seconds)
-                seconds = statistics.median(r.seconds for r in done)
-                tx = statistics.median(statistics.mean(r.tx_bytes) for r in done)
-                per_codec[codec] = {
-                    "seconds": round(seconds, 3),
-                    "rounds_seconds": chronological,
-                    "wire_mb_per_host": round(tx / 1e6, 2),
-                    "daemon_cpu_seconds": round(statistics.median(r.cpu_seconds for r in done), 2),
-                    "rel_rms_error": float(f"{max(r.rel_rms_error for r in done):.3g}"),
-                    "partial": any(r.partial for r in done),
-                    "bit_identical": all(r.bit_identical for r in done),
-                    # The daemon's phases in the median round (one member's view).
-                    "timings": {
-                        k: round(v, 3) for k, v in sorted(done[len(done) // 2].timings.items())
-                    },
-                    "failed_rounds": failed[codec],
-                }
+                        rounds[swarm.name, codec] = []
+                    except Exception as exc:  # a codec that is missing or fails is reported
+                        results[swarm.name][codec] = {"error": f"{type(exc).__name__}: {exc}"}
+                        log(f"{swarm.name} {codec}: {exc!r}")
+            # Codecs and variants take turns round by round, so that the load of the shared
+            # machine drifting during the run weighs on all of them alike.
+            failed: dict[tuple[str, str], list[str]] = {key: [] for key in rounds}
+            for r in range(args.rounds):
+                for codec in codecs:
+                    for swarm in swarms:
+                        if (swarm.name, codec) not in rounds:
+                            continue
+                        try:
+                            result = one_round(
+                                bed, swarm.daemons, swarm.workers, expected,
+                                key=f"bw-{codec}-{r + 1}", codec=codec, elements=elements,
+                                timeout=args.timeout, group_size=group_size,
+                            )  # fmt: skip
+                        except Exception as exc:  # reported with the figures, never hidden
+                            failed[swarm.name, codec].append(f"{type(exc).__name__}: {exc}")
+                            log(f"{swarm.name} {codec} round {r} failed: {exc!r}")
+                            continue
+                        log(f"{swarm.name} {codec} round {r}: {result}")
+                        rounds[swarm.name, codec].append(result)
+            for (name, codec), done in rounds.items():
+                results[name][codec] = summarize(done, failed[name, codec])
         finally:
-            for worker in workers:
-                worker.close()
+            for swarm in swarms:
+                for worker in swarm.workers:
+                    worker.close()
             handles = list(pool.processes)
             pool.close()
             for handle in handles:  # tests/harness.py leaves the stdout pipes open
                 if handle.proc.stdout is not None:
                     handle.proc.stdout.close()
     figures["load_average_at_end"] = round(os.getloadavg()[0], 1)
-    figures["codecs"] = per_codec
-    base = per_codec.get("none", {})
-    if "seconds" in base:
-        payload = 2 * (n - 1) * nbytes / n  # bytes each host must send in a butterfly
-        figures["goodput_none_fraction"] = round(payload * 8 / base["seconds"] / (rate * 1e6), 3)
-        figures["goodput_none_vs_raw_tcp"] = round(raw["seconds"] / base["seconds"], 3)
-        exchange = base["timings"].get("allreduce.exchange")
-        if exchange:  # the streaming phase alone, without preparing and finishing the parts
-            figures["goodput_none_exchange_fraction"] = round(
-                payload * 8 / exchange / (rate * 1e6), 3
-            )
-        for entry in per_codec.values():
-            if "seconds" in entry:
-                entry["speedup"] = round(base["seconds"] / entry["seconds"], 2)
-                entry["byte_ratio"] = round(base["wire_mb_per_host"] / entry["wire_mb_per_host"], 2)
+    if list(variants) == ["default"]:  # the single-variant layout of earlier runs
+        figures["raw_tcp"] = raws["default"]
+        figures["codecs"] = results["default"]
+        figures.update(goodput(results["default"], raws["default"], n, nbytes, rate))
+        return figures
+    figures["variants"] = {
+        name: {
+            "raw_tcp": raws[name],
+            "codecs": per_codec,
+            **goodput(per_codec, raws[name], n, nbytes, rate),
+        }
+        for name, per_codec in results.items()
+    }
     return figures
 
 
@@ -366,6 +466,24 @@ def main() -> int:
     parser.add_argument("--codecs", default=DEFAULT_CODECS)
     parser.add_argument("--timeout", type=float, default=180.0, help="per average() call")
     parser.add_argument("--raw-repeats", type=int, default=2)
+    parser.add_argument(
+        "--congestion-control",
+        default="default",
+        help="comma-separated variants: the daemons' --congestion-control, or 'default'",
+    )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME=FLAGS: a swarm whose daemons get FLAGS; repeatable (overrides "
+        "--congestion-control)",
+    )
+    parser.add_argument(
+        "--group-size",
+        choices=("given", "default"),
+        default="given",
+        help="name the group size in average() (given) or let the daemons form it (default)",
+    )
     args = parser.parse_args()
     reason = missing_requirements()
     if reason is not None:

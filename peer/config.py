@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from swarmavg.averaging.allreduce.config import AllReduceConfig
+from swarmavg.averaging.allreduce.congestion import check_name
 from swarmavg.averaging.averager import AveragerConfig
 from swarmavg.averaging.group import Mode
 from swarmavg.averaging.matchmaking.config import MatchmakerConfig
@@ -136,12 +137,16 @@ class AllReduceSettings:
         weight_bound: under the mean, a sender's weight counts as at most this many times
             the median weight of the part's senders (issue 17; the robust aggregation
             rules bound it by the median).
+        congestion_control: TCP congestion control algorithm of the data plane's
+            connections (``cubic``, ``bbr``, ...); ``None``: the kernel's default. The
+            daemon refuses to start with a name the kernel does not let it use.
     """
 
     data_port: int = AllReduceConfig.data_port
     executor_threads: int | None = None
     min_stall: float = AllReduceConfig.min_stall
     weight_bound: float = AllReduceConfig.weight_bound
+    congestion_control: str | None = None
 
     def __post_init__(self) -> None:
         _check(
@@ -159,6 +164,8 @@ class AllReduceSettings:
             )
         _check(0 < self.min_stall <= 600, "min_stall", self.min_stall, "(0, 600] seconds")
         _check(1 <= self.weight_bound <= 1e6, "weight_bound", self.weight_bound, "in [1, 1e6]")
+        if self.congestion_control is not None:
+            check_name(self.congestion_control)  # the kernel is asked when the daemon starts
 
 
 @dataclass(frozen=True)
@@ -301,6 +308,7 @@ class PeerConfig:
         allreduce_config = AllReduceConfig(
             min_stall=allreduce.min_stall,
             weight_bound=allreduce.weight_bound,
+            congestion_control=allreduce.congestion_control,
             data_plane=allreduce.data_port >= 0,
             data_host=listen_host,
             data_port=max(allreduce.data_port, 0),

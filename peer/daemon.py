@@ -27,6 +27,10 @@ from typing import Any
 import grpc
 import numpy as np
 
+from swarmavg.averaging.allreduce.congestion import (
+    CongestionControlError,
+    check_congestion_control,
+)
 from swarmavg.averaging.averager import Averager
 from swarmavg.averaging.errors import DataPlaneBindError
 from swarmavg.averaging.matchmaking.matchmaker import MatchmakingEvent
@@ -227,6 +231,12 @@ class Peer:
             raise
 
     async def _start(self, cfg: PeerConfig) -> None:
+        congestion = self._averager_config.allreduce.congestion_control
+        if congestion is not None and self._averager_config.allreduce.data_plane:
+            try:  # before binding anything: a name the kernel refuses is a usage mistake
+                check_congestion_control(congestion)
+            except CongestionControlError as exc:
+                raise StartupError(str(exc)) from None
         try:
             self.control = parse_control_endpoint(cfg.control, cfg.run_id)
             if self.control.path is not None:

@@ -248,6 +248,13 @@ SETTINGS: tuple[Setting, ...] = (
         "K",
     ),
     Setting(
+        "allreduce",
+        "congestion_control",
+        "TCP congestion control of the data plane's connections, e.g. cubic or bbr "
+        "(default: the kernel's); the daemon refuses one the kernel does not allow it",
+        "NAME",
+    ),
+    Setting(
         "state",
         "max_state_bytes",
         "largest state load_state accepts (default 16 GiB)",

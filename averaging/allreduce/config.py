@@ -6,11 +6,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from swarmavg.averaging.allreduce.partition import (
-    DEFAULT_CHUNK_BYTES,
-    MAX_CHUNK_BYTES,
-    MIN_CHUNK_BYTES,
-)
+from swarmavg.averaging.allreduce.congestion import check_name
+from swarmavg.averaging.allreduce.partition import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from swarmavg.averaging.allreduce.reducer import DEFAULT_WEIGHT_BOUND
 
 
@@ -24,7 +21,10 @@ class AllReduceConfig:
 
     Attributes:
         chunk_bytes: target size of one encoded chunk on the wire (gRPC's 4 MiB message
-            cap stays; see docs/benchmarks-allreduce.md for why 1 MiB).
+            cap stays). ``None`` (the default): chosen per round from the group's
+            advertised bandwidths (:func:`~swarmavg.averaging.allreduce.chunking.link_chunk_bytes`:
+            256 KiB on 100 Mbit/s links, 2 MiB on loopback and fast LANs). A fixed value
+            must be the same on every member of a group (members cut the same chunks).
         min_stall: a sender that delivers nothing new for this long (and for
             ``stall_factor`` times its own mean interval between chunks; twice this long
             before its first chunk) is dropped by the reducer; a reducer that returns
@@ -65,9 +65,13 @@ class AllReduceConfig:
         weight_bound: a sender's weight counts as at most this many times the median
             weight of the part's senders (issue 17: one member must not dictate the
             mean); larger weights are clipped to it and counted. >= 1.
+        congestion_control: TCP congestion control algorithm of the data plane's sockets,
+            both the connections this peer opens and the ones it accepts (``cubic``,
+            ``bbr``, ...; :mod:`~swarmavg.averaging.allreduce.congestion`). ``None``: the
+            kernel's default. The service checks at start that the kernel accepts it.
     """
 
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    chunk_bytes: int | None = None
     min_stall: float = 3.0
     stall_factor: float = 8.0
     registration_wait: float = 5.0
@@ -83,9 +87,12 @@ class AllReduceConfig:
     data_connect_timeout: float = 1.0
     data_retry_after: float = 300.0
     weight_bound: float = DEFAULT_WEIGHT_BOUND
+    congestion_control: str | None = None
 
     def __post_init__(self) -> None:
-        if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
+        if self.chunk_bytes is not None and not (
+            MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES
+        ):
             raise ValueError("chunk_bytes must be within 4 KiB..3 MiB (gRPC caps messages at 4)")
         for name in ("min_stall", "stall_factor", "registration_wait", "write_timeout"):
             if not getattr(self, name) > 0:
@@ -102,5 +109,7 @@ class AllReduceConfig:
             raise ValueError("max_reply_backlog must hold at least one chunk (3 MiB + 64 KiB)")
         if self.max_codec_instances < 1:
             raise ValueError("max_codec_instances must be >= 1")
+        if self.congestion_control is not None:
+            check_name(self.congestion_control)
         if self.max_waiting_streams < 1 or self.executor_threads < 0:
             raise ValueError("max_waiting_streams must be >= 1 and executor_threads >= 0")

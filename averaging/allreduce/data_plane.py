@@ -55,6 +55,10 @@ import numpy as np
 
 from swarmavg.averaging.allreduce.admission import ByteBudget, host_group
 from swarmavg.averaging.allreduce.config import AllReduceConfig
+from swarmavg.averaging.allreduce.congestion import (
+    CongestionControlError,
+    set_congestion_control,
+)
 from swarmavg.averaging.allreduce.round import ReduceContext
 from swarmavg.averaging.allreduce.wire import Request, deserialize_reply, deserialize_request
 from swarmavg.dht.tasks import TaskSet
@@ -141,15 +145,19 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self,
         admit: Callable[[_FrameProtocol, str], bool] | None = None,
         budget: ByteBudget | None = None,
+        congestion_control: str | None = None,
     ) -> None:
         """Args:
         admit: on a server, called with the client's host group once connected;
             ``False`` refuses the connection (see :attr:`reject`).
         budget: on a server, the bytes every frame body is charged to before it is
             allocated (:mod:`~swarmavg.averaging.allreduce.admission`).
+        congestion_control: TCP congestion control algorithm for the connection's socket
+            (:mod:`~swarmavg.averaging.allreduce.congestion`); ``None``: the kernel's default.
         """
         self._admit = admit
         self._budget = budget
+        self._congestion_control = congestion_control
         self.host_group = ""
         self._held = 0  # budget bytes of this connection: the body being read, queued bodies
         self._wanted = 0  # a declared body length waiting for the budget
@@ -177,6 +185,8 @@ class _FrameProtocol(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self.transport.set_write_buffer_limits(high=_WRITE_HIGH, low=_WRITE_LOW)
+        if self._congestion_control is not None:
+            self._set_congestion_control(self._congestion_control)
         ssl_object = self.transport.get_extra_info("ssl_object")
         if ssl_object is not None:  # called after the handshake: the certificate is verified
             der = ssl_object.getpeercert(binary_form=True)
@@ -193,6 +203,19 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             body = _status_body(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many data connections")
             self.transport.writelines([_HEAD.pack(len(body), STATUS), body])
             asyncio.get_running_loop().call_later(_END_WAIT, self.transport.abort)
+
+    def _set_congestion_control(self, name: str) -> None:
+        """Give this connection's socket algorithm ``name``. Both ends set it: each side's
+        algorithm governs what that side sends (the chunks one way, the averages back).
+        The daemon checked the name at start, so a refusal here is unexpected: logged,
+        and the connection goes on with the kernel's default rather than failing."""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is None:
+            return
+        try:
+            set_congestion_control(sock, name)
+        except (CongestionControlError, OSError) as exc:
+            log.warning("data plane connection keeps the default congestion control: %s", exc)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.reject:
@@ -468,6 +491,7 @@ class DataConnector:
         retry_after: float = 300.0,
         tls: PeerTLS | None = None,
         hello_timeout: float = 5.0,
+        congestion_control: str | None = None,
     ) -> None:
         """Args:
         connect_timeout: at most this long to open a connection (TLS handshake included).
@@ -476,7 +500,10 @@ class DataConnector:
         hello_timeout: at most this long for the server's HELLO once connected (a loaded
             reducer answers late, and falling back to gRPC for ``retry_after`` costs more;
             the server gives a client as long, ``registration_wait``, for its HELLO).
+        congestion_control: TCP congestion control algorithm of every connection opened
+            (``None``: the kernel's default).
         """
+        self._congestion_control = congestion_control
         self.connect_timeout = connect_timeout
         self.hello_timeout = hello_timeout
         self.retry_after = retry_after
@@ -525,10 +552,10 @@ class DataConnector:
         try:
             async with asyncio.timeout(max(min(timeout, self.connect_timeout), 0.001)):
                 if self._tls is None:
-                    _, protocol = await loop.create_connection(_FrameProtocol, host, port)
+                    _, protocol = await loop.create_connection(self._new_protocol, host, port)
                 else:
                     _, protocol = await loop.create_connection(
-                        _FrameProtocol,
+                        self._new_protocol,
                         host,
                         port,
                         ssl=self._tls.client_context,
@@ -549,6 +576,9 @@ class DataConnector:
             self.refused(host, port)
             return None
         return DataCall(protocol, self._release_to(key))
+
+    def _new_protocol(self) -> _FrameProtocol:
+        return _FrameProtocol(congestion_control=self._congestion_control)
 
     def _release_to(self, key: tuple[str, int]) -> Callable[[_FrameProtocol], None]:
         def release(protocol: _FrameProtocol) -> None:
@@ -649,10 +679,13 @@ class DataPlaneServer:
         max_buffered_bytes: int = 256 << 20,
         max_buffered_bytes_per_host: int = 64 << 20,
         tls: PeerTLS | None = None,
+        congestion_control: str | None = None,
     ) -> None:
         """Args:
         tls: this peer's TLS setup in a private run (None: plain TCP): only clients with a
             credential of the run complete the handshake.
+        congestion_control: TCP congestion control algorithm of every accepted connection
+            (``None``: the kernel's default).
         max_connections: open connections in all; more are refused.
         max_connections_per_host: open connections from one host group (an IPv4
             address, an IPv6 /64). An honest member holds one per concurrent stream to
@@ -674,6 +707,7 @@ class DataPlaneServer:
         self._per_host: collections.Counter[str] = collections.Counter()
         self._refused: set[_FrameProtocol] = set()  # closing themselves (see reject)
         self._tls = tls
+        self._congestion_control = congestion_control
         self.port = 0
 
     async def start(self, host: str, port: int = 0) -> int:
@@ -693,7 +727,9 @@ class DataPlaneServer:
         return self.port
 
     def _accept(self) -> _FrameProtocol:
-        return _FrameProtocol(admit=self._admit, budget=self.budget)
+        return _FrameProtocol(
+            admit=self._admit, budget=self.budget, congestion_control=self._congestion_control
+        )
 
     def _admit(self, protocol: _FrameProtocol, host: str) -> bool:
         """Serve a new connection from ``host``, or refuse it (at a limit)."""

@@ -21,8 +21,9 @@ import numpy as np
 from swarmavg.compression.dtypes import REDUCED_IN_FLOAT64, SUPPORTED
 
 DEFAULT_CHUNK_BYTES = 1024 * 1024
-"""Target size of one encoded chunk on the wire, the default of
-``AllReduceConfig.chunk_bytes``: smaller chunks cost more CPU per byte (per-message
+"""Chunk target of :func:`chunk_elements_for` when none is given. Rounds choose theirs
+from the group's links (:mod:`~swarmavg.averaging.allreduce.chunking`) unless
+``AllReduceConfig.chunk_bytes`` is set: smaller chunks cost more CPU per byte (per-message
 overhead), bigger ones save CPU but slow rounds on 100 Mbit/s links, which volunteers
 have (docs/benchmarks-allreduce.md, docs/benchmarks-bandwidth.md)."""
 MIN_CHUNK_BYTES = 4096

@@ -47,6 +47,7 @@ from typing import Protocol
 import grpc
 import numpy as np
 
+from swarmavg.averaging.allreduce.chunking import link_chunk_bytes
 from swarmavg.averaging.allreduce.data_plane import DataCall, DataStreamError, split_host
 from swarmavg.averaging.allreduce.faults import FaultPlan, InjectedCrash
 from swarmavg.averaging.allreduce.load_balancing import part_sizes
@@ -476,10 +477,12 @@ async def run_allreduce(
             executor, _bytes_per_element, codec, layout.dtype
         )
     # A chunk is at most chunk_bytes on the wire AND in the reduction dtype, so that
-    # strongly compressing codecs keep enough chunks per part to pipeline.
+    # strongly compressing codecs keep enough chunks per part to pipeline. Unless set, the
+    # target follows the group's links (every member reads the same bandwidths).
+    chunk_bytes = service.config.chunk_bytes or link_chunk_bytes(group.members)
     chunk_elements = min(
-        chunk_elements_for(service.bytes_per_element[probe_key], service.config.chunk_bytes),
-        chunk_elements_for(float(layout.dtype.itemsize), service.config.chunk_bytes),
+        chunk_elements_for(service.bytes_per_element[probe_key], chunk_bytes),
+        chunk_elements_for(float(layout.dtype.itemsize), chunk_bytes),
     )
     plan = PartPlan.build(part_sizes(group.members, layout.total), chunk_elements)
     ex = _Exchange(

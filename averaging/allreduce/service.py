@@ -25,6 +25,7 @@ import grpc
 
 from swarmavg.averaging.allreduce.admission import ByteBudget
 from swarmavg.averaging.allreduce.config import AllReduceConfig
+from swarmavg.averaging.allreduce.congestion import check_congestion_control
 from swarmavg.averaging.allreduce.data_plane import DataConnector, DataPlaneServer
 from swarmavg.averaging.allreduce.round import Abort, ReduceContext, ReducerRound, abort_stream
 from swarmavg.averaging.allreduce.wire import Request, reduce_digest
@@ -60,10 +61,17 @@ class AllReduceService:
         tls: the peer's TLS setup in a private run: the data plane's server and connections
             are then mutual TLS (None: plain TCP, a public run).
         config: timings and sizes of every round.
+
+        Raises:
+            CongestionControlError: ``config.congestion_control`` names an algorithm this
+                kernel or process cannot use (a ``ValueError``; checked here, at start,
+                rather than on the first connection of a round).
         """
         self.authenticator = authenticator
         self.run_id = authenticator.run_id
         self.config = config or AllReduceConfig()
+        if self.config.congestion_control is not None and self.config.data_plane:
+            check_congestion_control(self.config.congestion_control)
         self.executor: ThreadPoolExecutor | None = None
         if self.config.executor_threads > 0:
             self.executor = ThreadPoolExecutor(
@@ -86,6 +94,7 @@ class AllReduceService:
                 self.config.data_retry_after,
                 tls,
                 hello_timeout=self.config.registration_wait,
+                congestion_control=self.config.congestion_control,
             )
         self._data_server: DataPlaneServer | None = None
         self.data_port = 0
@@ -103,7 +112,9 @@ class AllReduceService:
         """
         if not self.config.data_plane or self._closed or self._data_server is not None:
             return self.data_port
-        server = DataPlaneServer(self, tls=self._tls)
+        server = DataPlaneServer(
+            self, tls=self._tls, congestion_control=self.config.congestion_control
+        )
         try:
             self.data_port = await server.start(host, self.config.data_port)
         except OSError as e:

@@ -45,22 +45,19 @@ class Transfer:
 class Sink:
     """A ``tcpprobe.py sink`` running in a host, accepting ``connections`` connections."""
 
-    def __init__(self, host: Host, connections: int = 1, timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        host: Host,
+        connections: int = 1,
+        timeout: float = 60.0,
+        congestion_control: str | None = None,
+    ) -> None:
         self.host = host
-        self.proc = host.popen(
-            [
-                sys.executable,
-                PROBE,
-                "sink",
-                "--bind",
-                host.address,
-                "--connections",
-                str(connections),
-                "--timeout",
-                str(timeout),
-            ],
-            stdout=subprocess.PIPE,
-        )
+        args = [sys.executable, PROBE, "sink", "--bind", host.address]
+        args += ["--connections", str(connections), "--timeout", str(timeout)]
+        if congestion_control is not None:
+            args += ["--congestion-control", congestion_control]
+        self.proc = host.popen(args, stdout=subprocess.PIPE)
         self._pending: list[dict[str, Any]] = []
         self.port = int(self._next("ready")["port"])
 
@@ -113,12 +110,19 @@ class Sink:
 
 
 def send_command(
-    sender: Host, endpoints: str | Sequence[str], nbytes: int, timeout: float
+    sender: Host,
+    endpoints: str | Sequence[str],
+    nbytes: int,
+    timeout: float,
+    congestion_control: str | None = None,
 ) -> list[str]:
     """The command that sends ``nbytes`` from ``sender`` to each endpoint (``HOST:PORT``)
-    at once, one connection each."""
+    at once, one connection each (with TCP congestion control ``congestion_control``;
+    None: the kernel's default)."""
     targets = [endpoints] if isinstance(endpoints, str) else list(endpoints)
     args = [sys.executable, PROBE, "send", "--bytes", str(nbytes), "--timeout", str(timeout)]
+    if congestion_control is not None:
+        args += ["--congestion-control", congestion_control]
     for target in targets:
         args += ["--to", target]
     return sender.command(args)
@@ -170,21 +174,29 @@ class Exchange:
         return max(t.ended_at for t in self.transfers) - min(t.started_at for t in self.transfers)
 
 
-def all_to_all(hosts: Sequence[Host], nbytes: int, timeout: float = 120.0) -> Exchange:
+def all_to_all(
+    hosts: Sequence[Host],
+    nbytes: int,
+    timeout: float = 120.0,
+    congestion_control: str | None = None,
+) -> Exchange:
     """Every host sends ``nbytes`` to every other host at once (the traffic pattern of a
-    butterfly all-reduce); one sender process per host, one connection per pair.
+    butterfly all-reduce); one sender process per host, one connection per pair, both
+    ends with TCP congestion control ``congestion_control`` (None: the kernel's default).
 
     Raises:
         TestBedError: a transfer failed.
     """
-    sinks = [Sink(host, connections=len(hosts) - 1, timeout=timeout) for host in hosts]
+    sinks = [
+        Sink(host, len(hosts) - 1, timeout, congestion_control=congestion_control) for host in hosts
+    ]
     senders: list[subprocess.Popen[str]] = []
     try:
         for i, host in enumerate(hosts):
             targets = [sink.endpoint for j, sink in enumerate(sinks) if j != i]
             senders.append(
                 subprocess.Popen(
-                    send_command(host, targets, nbytes, timeout),
+                    send_command(host, targets, nbytes, timeout, congestion_control),
                     stdout=subprocess.PIPE,
                     stdin=subprocess.DEVNULL,
                     text=True,

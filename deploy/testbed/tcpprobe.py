@@ -1,10 +1,11 @@
 """Raw TCP goodput probe run inside test bed hosts (standard library only; runs by path).
 
-    python tcpprobe.py sink --bind ADDR [--connections N] [--timeout S]
+    python tcpprobe.py sink --bind ADDR [--connections N] [--timeout S] [--congestion-control C]
         prints {"event": "ready", "port": P}; per connection {"event": "accepted", "peer": ...}
         and later {"event": "received", ...}: bytes, seconds from accept to EOF, and the peer
         address it came from.
     python tcpprobe.py send --to HOST:PORT [--to HOST:PORT ...] --bytes N [--timeout S]
+        [--congestion-control C]
         sends N bytes to every target at once; prints {"event": "sent", "bytes": total,
         "seconds": S} or {"event": "error", ...} (exit 1).
 
@@ -22,6 +23,13 @@ import threading
 import time
 
 BLOCK = 256 * 1024
+
+
+def _set_congestion_control(sock: socket.socket, name: str | None) -> None:
+    """TCP congestion control ``name`` for ``sock`` (None: the kernel's default). Set on a
+    listening socket, accepted connections inherit it."""
+    if name is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
 
 
 def _emit(record: dict[str, object]) -> None:
@@ -53,8 +61,11 @@ def _drain(
         _emit(record)
 
 
-def sink(bind: str, port: int, connections: int, timeout: float) -> int:
+def sink(
+    bind: str, port: int, connections: int, timeout: float, congestion: str | None = None
+) -> int:
     with socket.create_server((bind, port)) as server:
+        _set_congestion_control(server, congestion)
         server.settimeout(timeout)
         _emit({"event": "ready", "port": server.getsockname()[1]})
         lock = threading.Lock()
@@ -75,12 +86,13 @@ def sink(bind: str, port: int, connections: int, timeout: float) -> int:
     return 0
 
 
-def _send_one(target: str, size: int, timeout: float) -> str | None:
+def _send_one(target: str, size: int, timeout: float, congestion: str | None) -> str | None:
     """Send ``size`` bytes to ``target``; None on success, else the error."""
     host, _, port = target.rpartition(":")
     payload = memoryview(bytes(BLOCK))
     try:
         with socket.create_connection((host, int(port)), timeout=timeout) as conn:
+            _set_congestion_control(conn, congestion)
             remaining = size
             while remaining > 0:
                 step = min(remaining, BLOCK)
@@ -93,13 +105,13 @@ def _send_one(target: str, size: int, timeout: float) -> str | None:
     return None
 
 
-def send(targets: list[str], size: int, timeout: float) -> int:
+def send(targets: list[str], size: int, timeout: float, congestion: str | None = None) -> int:
     """Send ``size`` bytes to every target at once, one connection (thread) each."""
     started = time.monotonic()
     errors: dict[str, str] = {}
 
     def one(target: str) -> None:
-        error = _send_one(target, size, timeout)
+        error = _send_one(target, size, timeout, congestion)
         if error is not None:
             errors[target] = error
 
@@ -128,10 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     p_send.add_argument("--to", required=True, action="append", help="repeatable")
     p_send.add_argument("--bytes", type=int, required=True)
     p_send.add_argument("--timeout", type=float, default=60.0)
+    for sub in (p_sink, p_send):
+        sub.add_argument("--congestion-control", default=None, help="TCP_CONGESTION name")
     args = parser.parse_args(argv)
     if args.command == "sink":
-        return sink(args.bind, args.port, args.connections, args.timeout)
-    return send(args.to, args.bytes, args.timeout)
+        return sink(args.bind, args.port, args.connections, args.timeout, args.congestion_control)
+    return send(args.to, args.bytes, args.timeout, args.congestion_control)
 
 
 if __name__ == "__main__":

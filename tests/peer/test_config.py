@@ -60,6 +60,7 @@ SAMPLES: dict[str, str] = {
     "executor_threads": "3",
     "min_stall": "9.0",
     "weight_bound": "5.0",
+    "congestion_control": '"cubic"',
     "max_state_bytes": "1024",
     "max_uploads": "2",
     "keep_loaded_chunks": "false",

@@ -1,0 +1,70 @@
+"""Chunk size from the group's links (issue 21): small chunks on slow links, large on fast.
+
+A round streams each part as chunks, and the reducer returns a chunk once every sender
+delivered it. So each stream's return direction idles until the first chunk is in, and its
+forward direction idles while the last one is averaged and returned: a round pays about
+one chunk's transfer time per stream at either end, on top of the bytes themselves. On a
+100 Mbit/s link a 1 MiB chunk shared by three streams takes a quarter of a second to pass;
+on loopback the same chunk passes in a millisecond, and the cost that matters there is the
+CPU per message (headers, encoder and reducer calls, event-loop turns), which falls with
+larger chunks. Hence the rule: a chunk carries :data:`CHUNK_SECONDS` of the slowest
+member's link, rounded down to a power of two and kept within
+[:data:`MIN_LINK_CHUNK_BYTES`, :data:`MAX_LINK_CHUNK_BYTES`]. The figures behind it are in
+docs/benchmarks-bandwidth.md (session 7, "Chunk sizes measured"): on loopback 256 KiB
+chunks cost the most CPU and time; the gain of small chunks on a 100 Mbit/s link is the
+argument above and still to be measured on a quiet test bed.
+
+Every member must cut the same chunks, so the rule reads only what the group description
+gives every member alike: the bandwidths the members advertised in matchmaking (measured
+by each peer from its rounds, :mod:`~swarmavg.averaging.allreduce.throughput`, or set by
+its user). A member that under-claims makes chunks smaller (down to the floor: more CPU per
+byte, nothing worse); over-claims cannot make them larger than the slowest honest claim.
+
+Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from swarmavg.averaging.allreduce.throughput import MB
+from swarmavg.averaging.group import Member
+
+__all__ = [
+    "CHUNK_SECONDS",
+    "MAX_LINK_CHUNK_BYTES",
+    "MIN_LINK_CHUNK_BYTES",
+    "link_chunk_bytes",
+]
+
+CHUNK_SECONDS = 0.025
+"""Link time one chunk may take at the slowest member's advertised bandwidth: 256 KiB at
+10 MB/s (80-100 Mbit/s), the cap from about 84 MB/s up."""
+
+MIN_LINK_CHUNK_BYTES = 256 * 1024
+"""Floor, whatever a member claims: smaller chunks save at most a few tens of milliseconds
+of fill and drain per round on any link, while the CPU per message keeps growing (a 4 MiB
+part is already 16 messages)."""
+
+MAX_LINK_CHUNK_BYTES = 2 * 1024 * 1024
+"""Cap: of the sizes measured on loopback (256 KiB, 1 MiB, 2 MiB), 2 MiB cost the least CPU
+with codec none and about as much as 1 MiB with uint8-blockwise; 3 MiB, the message limit,
+is not a power of two."""
+
+
+def link_chunk_bytes(members: Sequence[Member]) -> int:
+    """The chunk target for a group of ``members``: :data:`CHUNK_SECONDS` of the slowest
+    positive advertised bandwidth (MB/s), a power of two within the bounds above.
+
+    Members advertising 0 (clients that reduce nothing) are left out; with no positive
+    claim at all, the cap.
+    """
+    claims = [m.bandwidth for m in members if m.bandwidth > 0 and math.isfinite(m.bandwidth)]
+    if not claims:
+        return MAX_LINK_CHUNK_BYTES
+    target = min(claims) * MB * CHUNK_SECONDS
+    if target <= MIN_LINK_CHUNK_BYTES:
+        return MIN_LINK_CHUNK_BYTES
+    power = 1 << int(math.log2(target))  # round down: a slow link's chunk errs small
+    return min(max(power, MIN_LINK_CHUNK_BYTES), MAX_LINK_CHUNK_BYTES)

@@ -1,0 +1,168 @@
+"""``[allreduce] congestion_control``: checked at start, applied to real data-plane sockets."""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from swarmavg.averaging.allreduce.config import AllReduceConfig
+from swarmavg.averaging.allreduce.congestion import (
+    CongestionControlError,
+    check_congestion_control,
+    check_name,
+    get_congestion_control,
+    set_congestion_control,
+)
+from swarmavg.averaging.allreduce.data_plane import DataPlaneServer, _FrameProtocol
+from swarmavg.averaging.allreduce.reducer import weighted_mean
+from swarmavg.averaging.allreduce.service import AllReduceService
+from swarmavg.averaging.result import AveragingResult
+from swarmavg.dht import ChannelPool
+from swarmavg.dht.auth import Authenticator
+from swarmavg.dht.identity import Identity
+from swarmavg.peer import PeerConfig, start_peer
+from swarmavg.peer.config import AllReduceSettings
+from swarmavg.peer.daemon import StartupError
+from swarmavg.peer.settings import resolve_config
+from tests.averaging.allreduce_peers import FAST, close_peers, make_group, run_group, start_peers
+from tests.harness import GrpcServerPool
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(
+        not hasattr(socket, "TCP_CONGESTION"), reason="TCP_CONGESTION is Linux's socket option"
+    ),
+]
+
+# reno is built into every Linux kernel and always in tcp_allowed_congestion_control, so an
+# unprivileged test can set it; it is also never the default of a modern kernel, so a
+# socket that reports it got it from us.
+ALGORITHM = "reno"
+MISSING = "nosuchcc"
+
+
+def _default_algorithm() -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        return get_congestion_control(probe)
+
+
+@pytest.mark.parametrize("name", ["", "a" * 16, "cu bic", "cübic", "cubic\0"])
+def test_a_malformed_name_is_refused_before_any_socket(name: str) -> None:
+    with pytest.raises(CongestionControlError, match="algorithm name"):
+        check_name(name)
+    with pytest.raises(ValueError, match="congestion_control"):
+        AllReduceConfig(congestion_control=name)
+    with pytest.raises(ValueError, match="congestion_control"):
+        AllReduceSettings(congestion_control=name)
+
+
+def test_an_algorithm_the_kernel_lacks_is_refused_with_what_it_has() -> None:
+    with pytest.raises(CongestionControlError, match=r"refused it.*available here: .*reno"):
+        check_congestion_control(MISSING)
+    check_congestion_control(ALGORITHM)  # no error
+
+
+def test_set_congestion_control_changes_a_real_socket() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        set_congestion_control(sock, ALGORITHM)
+        assert get_congestion_control(sock) == ALGORITHM
+        with pytest.raises(CongestionControlError, match=MISSING):
+            set_congestion_control(sock, MISSING)
+        assert get_congestion_control(sock) == ALGORITHM  # a refusal changes nothing
+
+
+def test_the_service_refuses_a_missing_algorithm_at_start() -> None:
+    auth = Authenticator(Identity.generate(), "cc")
+    with pytest.raises(CongestionControlError, match=MISSING):
+        AllReduceService(auth, AllReduceConfig(congestion_control=MISSING))
+    # Without a data plane there is no socket to set it on: nothing to refuse.
+    AllReduceService(auth, AllReduceConfig(congestion_control=MISSING, data_plane=False))
+
+
+def test_flag_env_and_file_reach_the_allreduce_config(tmp_path: Path) -> None:
+    toml = tmp_path / "peer.toml"
+    toml.write_text('[allreduce]\ncongestion_control = "cubic"\n')
+
+    def chosen(flags: dict[str, str], env: dict[str, str], path: Path | None) -> str | None:
+        config = resolve_config(flags, env, path)
+        return config.averager_config().allreduce.congestion_control
+
+    assert chosen({}, {}, None) is None  # the kernel's default
+    assert chosen({}, {}, toml) == "cubic"
+    assert chosen({}, {"SWARMAVG_CONGESTION_CONTROL": "bbr"}, toml) == "bbr"
+    assert chosen({"congestion_control": "reno"}, {"SWARMAVG_CONGESTION_CONTROL": "bbr"}, toml) == (
+        "reno"
+    )
+    with pytest.raises(ValueError, match="congestion_control"):
+        resolve_config({}, {"SWARMAVG_CONGESTION_CONTROL": "two words"})
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="sa-cc-") as d:
+        yield Path(d)
+
+
+def test_a_daemon_with_a_missing_algorithm_does_not_start(sock_dir: Path) -> None:
+    config = PeerConfig(
+        listen="127.0.0.1:0",
+        control=str(sock_dir / "p.sock"),
+        allreduce=AllReduceSettings(congestion_control=MISSING),
+    )
+    with pytest.raises(StartupError, match=f"congestion_control '{MISSING}'.*available here"):
+        start_peer(config)
+    assert not (sock_dir / "p.sock").exists()  # refused before binding anything
+
+
+def _algorithms(protocols: list[_FrameProtocol]) -> set[str]:
+    sockets = [p.transport.get_extra_info("socket") for p in protocols if p.transport is not None]
+    return {get_congestion_control(s) for s in sockets}  # type: ignore[arg-type]
+
+
+async def test_a_round_runs_on_sockets_with_the_chosen_algorithm(
+    grpc_servers: GrpcServerPool,
+) -> None:
+    if _default_algorithm() == ALGORITHM:
+        pytest.skip(f"{ALGORITHM} is this kernel's default: the test could not tell")
+    config = AllReduceConfig(
+        min_stall=FAST.min_stall,
+        registration_wait=FAST.registration_wait,
+        chunk_bytes=4096,
+        congestion_control=ALGORITHM,
+    )
+    peers = await start_peers(grpc_servers, 3, config, data_plane=True)
+    channels = ChannelPool()
+    try:
+        rng = np.random.default_rng(0)
+        inputs = [[rng.standard_normal(5000).astype(np.float32)] for _ in peers]
+        group = make_group(peers, inputs[0])
+        results = await run_group(peers, group, inputs, [1.0] * 3, channels, timeout=20)
+        mean = weighted_mean([x[0] for x in inputs], [1.0] * 3)
+        for r in results:
+            assert isinstance(r, AveragingResult), r
+            assert not r.partial
+            np.testing.assert_allclose(r.tensors[0], mean, rtol=1e-5, atol=1e-6)
+        # Every connection of the round, both ends: the ones the senders opened (kept idle
+        # for the next round) and the ones the reducers accepted.
+        opened: list[_FrameProtocol] = []
+        accepted: list[_FrameProtocol] = []
+        for p in peers:
+            connector = p.service.data_connector
+            assert connector is not None
+            assert connector.opened == 2  # one to each other reducer
+            opened += [proto for idle in connector._idle.values() for _, proto in idle]
+            server = p.service._data_server
+            assert isinstance(server, DataPlaneServer)
+            accepted += list(server._protocols)
+        assert len(opened) == 6
+        assert len(accepted) == 6
+        assert _algorithms(opened) == {ALGORITHM}
+        assert _algorithms(accepted) == {ALGORITHM}
+    finally:
+        await channels.close()
+        await close_peers(peers)
