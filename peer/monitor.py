@@ -215,9 +215,9 @@ class Monitor:
                     "monitor: reading the run's records took over %.0f s; retrying",
                     self.settings.poll_timeout,
                 )
-            except (ConnectionError, OSError) as exc:
+            except Exception as exc:  # a monitor outlives a bad poll: log it and poll again
                 self.polls_failed += 1
-                log.warning("monitor: a poll failed (%s); retrying", exc)
+                log.warning("monitor: a poll failed (%s: %s); retrying", type(exc).__name__, exc)
             await asyncio.sleep(max(self.settings.interval - (loop.time() - started), 0.0))
 
     def _narrate(self, sample: Sample) -> None:
