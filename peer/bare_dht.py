@@ -69,14 +69,17 @@ class BareDHT:
     def ready_record(self) -> dict[str, Any]:
         if self._identity is None:
             raise RuntimeError("not started")
-        return {
+        record: dict[str, Any] = {
             "event": "ready",
             "peer_id": self._identity.peer_id_hex,
             "address": self.address,
             "control": str(self.control) if self.control is not None else None,
             "run_id": self.config.run_id,
-            "metrics": self._metrics_address,
         }
+        if self._metrics_address is not None:
+            # only then: the ready line's fields are a contract (DESIGN 3.1)
+            record["metrics"] = self._metrics_address  # the bound HOST:PORT (port 0 resolved)
+        return record
 
     async def start(self) -> None:
         """Bind and bootstrap. Raises ``StartupError`` with a one-line reason."""
