@@ -74,6 +74,11 @@ class Storage:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def num_records(self) -> int:
+        """Records held (a dictionary value counts one per subkey; expired ones not yet
+        swept included), for ``status`` and metrics."""
+        return sum((e.plain is not None) + len(e.subkeys) for e in self._entries.values())
+
     def put(
         self,
         record: StoredRecord,

@@ -1,19 +1,33 @@
 """``swarmavg dht``: a bare DHT node, e.g. a long-lived bootstrap peer for a public run.
 
 Same ``--listen/--announce/--join/--identity/--run-id`` flags and ready line as
-``swarmavg peer``, without the averager or a control endpoint (``"control": null``).
+``swarmavg peer``, without the averager. Two optional endpoints: ``--metrics HOST:PORT``
+(Prometheus: DHT size, routing table, stored records) and ``--control ENDPOINT``, which
+``swarmavg status`` and ``swarmavg peers`` ask (peer/dht_control.py). The control endpoint
+is off unless asked for (``"control": null`` in the ready line): a bootstrap node often
+shares a machine with a peer of the same run, whose default socket it must not take.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import time
 from typing import Any
 
 import grpc
 
 from swarmavg.dht import BootstrapError, ChannelPool, DHTNode, Identity
 from swarmavg.dht.tasks import TaskSet, bounded_step
+from swarmavg.peer import __version__
 from swarmavg.peer.config import PeerConfig
+from swarmavg.peer.control_server import (
+    ControlBindError,
+    ControlServer,
+    prepare_endpoint,
+    start_control_server,
+)
 from swarmavg.peer.daemon import (
     StartupError,
     bootstrap_message,
@@ -22,7 +36,12 @@ from swarmavg.peer.daemon import (
     start_public_server,
 )
 from swarmavg.peer.daemon_log import narrate
+from swarmavg.peer.dht_control import DHTControlService
+from swarmavg.peer.endpoint import ControlEndpoint
 from swarmavg.peer.netutil import announce_address
+from swarmavg.peer.run_gather import gather_view, read_value
+from swarmavg.peer.run_view import ThisPeer
+from swarmavg.proto import control_pb2
 
 log = logging.getLogger(__name__)
 
@@ -39,19 +58,28 @@ class BareDHT:
         self._identity: Identity | None = None
         self._server: grpc.aio.Server | None = None
         self._channels: ChannelPool | None = None
+        self.control: ControlEndpoint | None = None
+        self._control_server: ControlServer | None = None
+        self._metrics: Any = None
+        self._metrics_address: str | None = None  # bound HOST:PORT (port 0 resolved)
         self._tasks = TaskSet()  # the narrator (peers joining and leaving, summaries)
+        self._started_at = time.monotonic()
         self._stopped = False
 
     def ready_record(self) -> dict[str, Any]:
         if self._identity is None:
             raise RuntimeError("not started")
-        return {
+        record: dict[str, Any] = {
             "event": "ready",
             "peer_id": self._identity.peer_id_hex,
             "address": self.address,
-            "control": None,
+            "control": str(self.control) if self.control is not None else None,
             "run_id": self.config.run_id,
         }
+        if self._metrics_address is not None:
+            # only then: the ready line's fields are a contract (DESIGN 3.1)
+            record["metrics"] = self._metrics_address  # the bound HOST:PORT (port 0 resolved)
+        return record
 
     async def start(self) -> None:
         """Bind and bootstrap. Raises ``StartupError`` with a one-line reason."""
@@ -63,6 +91,11 @@ class BareDHT:
 
     async def _start(self) -> None:
         cfg = self.config
+        if cfg.control is not None:
+            try:
+                self.control = prepare_endpoint(cfg.control, cfg.run_id)
+            except ControlBindError as exc:
+                raise StartupError(str(exc)) from None
         try:
             self._identity = (
                 Identity.load_or_create(cfg.identity) if cfg.identity else Identity.generate()
@@ -78,6 +111,17 @@ class BareDHT:
             await self.node.start(self.address)
         except BootstrapError as exc:
             raise StartupError(bootstrap_message(exc, cfg.private)) from None
+        if self.control is not None:
+            service = DHTControlService(self)  # type: ignore[arg-type]  # no averaging calls
+            try:
+                self._control_server = await start_control_server(
+                    self.control, service.add_to_server
+                )
+            except ControlBindError as exc:
+                raise StartupError(str(exc)) from None
+            self.control = self._control_server.endpoint
+        if cfg.metrics is not None:
+            await self._start_metrics(cfg.metrics)
         log.debug("DHT node %s ready at %s", self._identity.peer_id_hex, self.address)
         node = self.node
         self._tasks.spawn(
@@ -89,12 +133,73 @@ class BareDHT:
             name="narrator",
         )
 
+    async def _start_metrics(self, address: str) -> None:
+        from swarmavg.peer.metrics import MetricsServer
+
+        node = self.node
+        assert node is not None
+        metrics = MetricsServer(
+            address,
+            None,
+            dht_size=lambda: float(node.size_estimate()),
+            known_peers=node.num_known_peers,
+            stored_records=node.storage.num_records,
+        )
+        try:
+            self._metrics_address = await asyncio.to_thread(metrics.start)
+        except OSError as exc:
+            raise StartupError(f"cannot serve metrics on {address}: {exc.strerror}") from None
+        self._metrics = metrics
+
+    # ---- what the control endpoint answers (peer/dht_control.py) ----
+
+    def status(self) -> control_pb2.StatusResponse:
+        """The node's figures (``swarmavg status``): no rounds, no bytes of averaging."""
+        node = self.node
+        if node is None or self._identity is None:
+            raise RuntimeError("the DHT node is not started")
+        return control_pb2.StatusResponse(
+            kind="dht",
+            peer_id=self._identity.peer_id_hex,
+            run_id=self.config.run_id,
+            address=self.address or "",
+            control=str(self.control) if self.control is not None else "",
+            known_peers=node.num_known_peers(),
+            dht_size_estimate=float(node.size_estimate()),
+            stored_records=node.storage.num_records(),
+            uptime=time.monotonic() - self._started_at,
+            version=__version__,
+            pid=os.getpid(),
+        )
+
+    async def peers(self, training_run: str) -> control_pb2.PeersResponse:
+        """The run's view through this node (``swarmavg peers``)."""
+        if self.node is None or self._identity is None:
+            raise RuntimeError("the DHT node is not started")
+        this = ThisPeer(self._identity.peer_id_hex, self.address)
+        return await gather_view(self.node, self.config.run_id, training_run, this)
+
+    async def dht_get(self, key: str) -> tuple[bool, Any]:
+        if self.node is None:
+            raise RuntimeError("the DHT node is not started")
+        return await read_value(self.node, key)
+
+    async def dht_store(self, key: str, value: Any, ttl: float, subkey: Any) -> bool:
+        if self.node is None:
+            raise RuntimeError("the DHT node is not started")
+        return bool(await self.node.store(key, value, time.time() + ttl, subkey=subkey))
+
     async def shutdown(self, grace: float | None = None) -> None:
-        """Leave the DHT and close the server and channels (idempotent, bounded)."""
+        """Leave the DHT and close the servers and channels (idempotent, bounded)."""
         if self._stopped:
             return
         self._stopped = True
+        if self._control_server is not None:
+            await bounded_step(self._control_server.stop(0.2), 1.0, "control server")
+            self._control_server.remove_files()
         await self._tasks.close()
+        if self._metrics is not None:
+            await bounded_step(asyncio.to_thread(self._metrics.stop), 5.0, "metrics")
         if self.node is not None:
             await bounded_step(self.node.shutdown(), 1.0, "DHT shutdown")
         if self._server is not None:

@@ -312,6 +312,8 @@ def status_to_dict(status: control_pb2.StatusResponse) -> dict[str, Any]:
         "bandwidth": status.bandwidth,
         "bandwidth_measured": status.bandwidth_measured,
         "bandwidth_samples": status.bandwidth_samples,
+        "kind": status.kind or "peer",
+        "stored_records": status.stored_records,
     }
 
 

@@ -2,7 +2,8 @@
 
 ``swarmavg peer`` runs a daemon in the foreground, ``swarmavg dht`` a bare DHT node,
 ``swarmavg status`` asks a running daemon for its figures, ``swarmavg peers`` for every peer of
-its run, ``swarmavg run`` creates a private run's authority and invites its peers
+its run, ``swarmavg monitor`` records a run over time and plots it (``peer/monitor_cli.py``),
+``swarmavg run`` creates a private run's authority and invites its peers
 (``peer/run_cli.py``). The daemon prints exactly one
 JSON line on stdout once it is ready; everything else (logs, errors) goes to stderr.
 Heavy modules are imported only by the subcommand that needs them, so ``--help`` is fast
@@ -94,8 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the run id the trainers report progress under, when it differs from the "
         "daemon's (default: the daemon's run id)",
     )
+    from swarmavg.peer.monitor_cli import add_monitor_parser
     from swarmavg.peer.run_cli import add_run_parser
 
+    add_monitor_parser(sub)
     add_run_parser(sub)
     return parser
 
@@ -304,6 +307,10 @@ def _main(argv: Sequence[str] | None) -> int:
         return cmd_status(args)
     if args.command == "peers":
         return cmd_peers(args)
+    if args.command == "monitor":
+        from swarmavg.peer.monitor_cli import cmd_monitor
+
+        return cmd_monitor(args)
     if args.command == "run":
         from swarmavg.peer.run_cli import cmd_run
 

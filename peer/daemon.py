@@ -14,13 +14,11 @@ within the grace period (then cancel them), leave the DHT, close servers and cha
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -38,14 +36,12 @@ from swarmavg.averaging.protocol_keys import protocol_key_classes
 from swarmavg.averaging.request import RoundRequest
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.averaging.state.transfer import TransferProgress
-from swarmavg.averaging.training.progress import PeerProgress, parse_records
 from swarmavg.dht import (
     BootstrapError,
     ChannelPool,
     DHTConfig,
     DHTNode,
     Identity,
-    ValueWithExpiration,
 )
 from swarmavg.dht.credentials import CredentialError, load_peer_credentials
 from swarmavg.dht.server_limits import ServerLimits
@@ -56,30 +52,23 @@ from swarmavg.peer.client import AsyncClient
 from swarmavg.peer.combiner import LocalCombiner
 from swarmavg.peer.config import PeerConfig
 from swarmavg.peer.control import ControlService, classify
-from swarmavg.peer.control_access import (
-    TokenInterceptor,
-    check_private_folder,
-    new_token,
-    write_token_file,
+from swarmavg.peer.control_server import (
+    ControlBindError,
+    ControlServer,
+    prepare_endpoint,
+    start_control_server,
 )
 from swarmavg.peer.daemon_log import narrate
-from swarmavg.peer.endpoint import ControlEndpoint, parse_control_endpoint, prepare_unix_socket
+from swarmavg.peer.endpoint import ControlEndpoint
 from swarmavg.peer.netutil import announce_address, explain_bind_failure
-from swarmavg.peer.run_view import Neighbour, ThisPeer, build_view, progress_keys
+from swarmavg.peer.run_gather import gather_view, read_value
+from swarmavg.peer.run_view import ThisPeer
 from swarmavg.peer.stats import PeerStats
 from swarmavg.proto import control_pb2
 
 log = logging.getLogger(__name__)
 
 SHM_SWEEP_INTERVAL = 5.0
-SERVER_OPTIONS = [
-    # The local control server's options (the public one uses dht.server_limits).
-    # grpc enables SO_REUSEPORT by default, which would let a second daemon "bind" a port
-    # that is in use and split its traffic with the first; a clear error is better.
-    ("grpc.so_reuseport", 0),
-    ("grpc.max_receive_message_length", 8 << 20),
-    ("grpc.max_send_message_length", 8 << 20),
-]
 
 
 class StartupError(RuntimeError):
@@ -190,8 +179,7 @@ class Peer:
         self._averager_config = config.averager_config()
         self._control_service: ControlService | None = None
         self._public_server: grpc.aio.Server | None = None
-        self._control_server: grpc.aio.Server | None = None
-        self._token_file: Path | None = None
+        self._control_server: ControlServer | None = None
         self._channels: ChannelPool | None = None
         self._metrics: Any = None
         self._tasks = TaskSet()  # shm sweeper, metrics sync
@@ -238,11 +226,8 @@ class Peer:
             except CongestionControlError as exc:
                 raise StartupError(str(exc)) from None
         try:
-            self.control = parse_control_endpoint(cfg.control, cfg.run_id)
-            if self.control.path is not None:
-                prepare_unix_socket(self.control.path)
-                check_private_folder(self.control.path.parent)
-        except (ValueError, OSError, RuntimeError) as exc:
+            self.control = prepare_endpoint(cfg.control, cfg.run_id)
+        except ControlBindError as exc:
             raise StartupError(str(exc)) from None
         try:
             self.identity = (
@@ -311,34 +296,12 @@ class Peer:
 
     async def _start_control(self) -> None:
         assert self.control is not None  # set in _start
-        self._control_service = ControlService(self)
-        # A TCP endpoint is reachable by every local user: only callers that read the token
-        # file (mode 600, this user's folder) get through. A unix socket is private by its mode.
-        token = new_token() if self.control.path is None else None
-        server = grpc.aio.server(
-            options=SERVER_OPTIONS,
-            interceptors=[TokenInterceptor(token)] if token is not None else None,
-        )
-        self._control_service.add_to_server(server)
+        service = self._control_service = ControlService(self)
         try:
-            port = server.add_insecure_port(self.control.grpc_target())
-        except RuntimeError:
-            port = 0
-        if port == 0:
-            await server.stop(None)
-            raise StartupError(f"cannot bind the control endpoint {self.control}")
-        if self.control.path is None:
-            assert token is not None
-            self.control = ControlEndpoint(host=self.control.host, port=port)
-            try:
-                self._token_file = write_token_file(self.control, token)
-            except OSError as exc:
-                await server.stop(None)
-                raise StartupError(f"cannot write the control token: {exc}") from None
-        else:
-            os.chmod(self.control.path, 0o600)
-        self._control_server = server
-        await server.start()
+            self._control_server = await start_control_server(self.control, service.add_to_server)
+        except ControlBindError as exc:
+            raise StartupError(str(exc)) from None
+        self.control = self._control_server.endpoint
 
     async def _start_metrics(self, address: str) -> None:
         from swarmavg.peer.metrics import MetricsServer
@@ -350,6 +313,7 @@ class Peer:
             self.stats,
             dht_size=lambda: float(dht.size_estimate()),
             known_peers=dht.num_known_peers,
+            stored_records=dht.storage.num_records,
         )
         try:
             await asyncio.to_thread(metrics.start)
@@ -424,17 +388,7 @@ class Peer:
     async def dht_get(self, key: str) -> tuple[bool, Any]:
         if self.dht is None:
             raise RuntimeError("the peer is not started")
-        found = await self.dht.get(key, latest=True)
-        if found is None:
-            return False, None
-        value = found.value
-        if (
-            isinstance(value, dict)
-            and value
-            and all(isinstance(v, ValueWithExpiration) for v in value.values())
-        ):
-            return True, {k: v.value for k, v in value.items()}
-        return True, value
+        return await read_value(self.dht, key)
 
     async def publish_state(self, arrays: list[np.ndarray], metadata: bytes) -> None:
         if self.averager is None:
@@ -459,27 +413,8 @@ class Peer:
         the routing table for addresses."""
         if self.dht is None:
             raise RuntimeError("the peer is not started")
-        keys = progress_keys(training_run or self.config.run_id)
-        values = await asyncio.gather(*(self.dht_get(key) for key in keys.values()))
-        now = time.time()
-        records: dict[str, list[PeerProgress]] = {}
-        ignored = 0
-        for method, (found, value) in zip(keys, values, strict=True):
-            records[method], bad = parse_records(value if found else None, now)
-            ignored += bad
-        seen_now = time.monotonic()
-        neighbours = [
-            Neighbour(c.peer_id.hex(), c.address, max(seen_now - c.last_seen, 0.0))
-            for c in self.dht.routing
-        ]
-        return build_view(
-            self.config.run_id,
-            ThisPeer(self.peer_id, self.address),
-            neighbours,
-            records,
-            now,
-            ignored,
-        )
+        this = ThisPeer(self.peer_id, self.address)
+        return await gather_view(self.dht, self.config.run_id, training_run, this)
 
     def status(self) -> control_pb2.StatusResponse:
         """The daemon's figures (``active_calls`` is filled in by the control service)."""
@@ -492,6 +427,8 @@ class Peer:
             control=str(self.control),
             client_mode=self.config.client_mode,
             known_peers=dht.num_known_peers() if dht is not None else 0,
+            kind="peer",
+            stored_records=dht.storage.num_records() if dht is not None else 0,
             dht_size_estimate=float(dht.size_estimate()) if dht is not None else 0.0,
             rounds_done=s.rounds_done,
             rounds_failed=s.rounds_failed,
@@ -567,12 +504,8 @@ class Peer:
             await bounded_step(self._channels.close(), max(left(2.0), 0.5), "channels")
         if self._metrics is not None:
             await asyncio.to_thread(self._metrics.stop)
-        if self.control is not None and self.control.path is not None and self._control_server:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.control.path)
-        if self._token_file is not None:
-            with contextlib.suppress(FileNotFoundError):
-                self._token_file.unlink()
+        if self._control_server is not None:
+            self._control_server.remove_files()
         log.info("peer stopped")
 
     async def __aenter__(self) -> Peer:

@@ -65,9 +65,14 @@ def join_banner(record: Mapping[str, Any], command: str) -> list[str]:
 
     Args:
         record: its ready record (``peer_id``, ``address``, ``control``, ``run_id``).
-        command: ``peer`` or ``dht``.
+        command: ``peer``, ``dht`` or ``monitor``.
     """
     run_id = str(record["run_id"])
+    if command == "monitor":
+        return [
+            f"swarmavg monitor: watching run {run_id!r} as {record['peer_id']} (client mode)",
+            f"  dashboard: {record.get('dashboard') or 'off (--no-http)'}",
+        ]
     address = record.get("address")
     what = "bootstrap DHT node" if command == "dht" else "peer"
     lines = [f"swarmavg {command}: {what} {record['peer_id']} of run {run_id!r} is ready"]

@@ -1,8 +1,9 @@
 """Prometheus export of a daemon's figures (``--metrics HOST:PORT``, docs/peer.md).
 
 prometheus-client is imported only here, and this module only when metrics are enabled.
-Counters come from :class:`~swarmavg.peer.stats.PeerStats`; gauges (DHT size, known peers)
-are read when Prometheus scrapes.
+Counters come from :class:`~swarmavg.peer.stats.PeerStats`; gauges (DHT size, known peers,
+stored records) are read when Prometheus scrapes. A bare DHT node (``swarmavg dht
+--metrics``) has no rounds: it exports the gauges only.
 """
 
 from __future__ import annotations
@@ -29,17 +30,35 @@ class MetricsServer:
     def __init__(
         self,
         address: str,
-        stats: PeerStats,
+        stats: PeerStats | None,
         dht_size: Callable[[], float],
         known_peers: Callable[[], int],
+        stored_records: Callable[[], int] | None = None,
     ) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client import CollectorRegistry, Gauge
 
         self.host, self.port = parse_host_port(address, "metrics", allow_port_zero=True)
         self._stats = stats
         self.registry = CollectorRegistry(auto_describe=True)
         self._server: Any = None
         self._thread: threading.Thread | None = None
+        reg = self.registry
+        dht = Gauge("swarmavg_dht_size", "Estimated number of DHT nodes", registry=reg)
+        dht.set_function(dht_size)
+        peers = Gauge("swarmavg_known_peers", "Peers in the routing table", registry=reg)
+        peers.set_function(lambda: float(known_peers()))
+        if stored_records is not None:
+            stored = Gauge(
+                "swarmavg_dht_stored_records", "DHT records this node stores", registry=reg
+            )
+            stored.set_function(lambda: float(stored_records()))
+        self._seen: dict[str, float] = {}
+        if stats is not None:
+            self._add_round_metrics()
+
+    def _add_round_metrics(self) -> None:
+        from prometheus_client import Counter, Histogram
+
         reg = self.registry
         self._rounds = Counter("swarmavg_rounds", "Averaging rounds", ["outcome"], registry=reg)
         self._partial = Counter(
@@ -60,15 +79,12 @@ class MetricsServer:
             buckets=PHASE_BUCKETS,
             registry=reg,
         )
-        dht = Gauge("swarmavg_dht_size", "Estimated number of DHT nodes", registry=reg)
-        dht.set_function(dht_size)
-        peers = Gauge("swarmavg_known_peers", "Peers in the routing table", registry=reg)
-        peers.set_function(lambda: float(known_peers()))
-        self._seen: dict[str, float] = {}
 
     def sync(self) -> None:
         """Move the counters' increments since the last call into Prometheus."""
         s = self._stats
+        if s is None:
+            return
         self._bump(self._rounds.labels("done"), "done", s.rounds_done)
         self._bump(self._rounds.labels("failed"), "failed", s.rounds_failed)
         self._bump(self._partial, "partial", s.rounds_partial)

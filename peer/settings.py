@@ -148,12 +148,20 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "peer",
         "control",
-        "local control endpoint: a unix socket path or 127.0.0.1:PORT (default "
-        "$XDG_RUNTIME_DIR/swarmavg/<run-id>.sock or ~/.swarmavg/<run-id>.sock)",
+        "local control endpoint: a unix socket path or 127.0.0.1:PORT (peer default "
+        "$XDG_RUNTIME_DIR/swarmavg/<run-id>.sock or ~/.swarmavg/<run-id>.sock; a dht node "
+        "has none unless given one)",
         "ENDPOINT",
+        BOTH,
     ),
     Setting("peer", "client_mode", "accept no incoming connections (behind NAT)"),
-    Setting("peer", "metrics", "serve Prometheus metrics at http://HOST:PORT/metrics", "HOST:PORT"),
+    Setting(
+        "peer",
+        "metrics",
+        "serve Prometheus metrics at http://HOST:PORT/metrics",
+        "HOST:PORT",
+        BOTH,
+    ),
     Setting("peer", "log_level", f"one of {', '.join(LOG_LEVELS)} (default INFO)", "LEVEL", BOTH),
     Setting(
         "peer",

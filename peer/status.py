@@ -29,8 +29,35 @@ def _rounds_done(status: dict[str, Any]) -> str:
     return f"{done} ({done - partial} complete, {partial} partial)" if partial else str(done)
 
 
+def _table(rows: list[tuple[str, str]]) -> list[str]:
+    width = max(len(name) for name, _ in rows)
+    return [f"{name:<{width}}  {value}" for name, value in rows]
+
+
+def format_dht_status(status: dict[str, Any]) -> str:
+    """A bare DHT node's figures (``swarmavg dht --control``): it has no rounds."""
+    return "\n".join(
+        _table(
+            [
+                ("kind", "bare DHT node (swarmavg dht): no averaging"),
+                ("peer id", status["peer_id"]),
+                ("run", status["run_id"]),
+                ("address", status["address"] or "-"),
+                ("control", status["control"]),
+                ("routing table", f"{status['known_peers']} peers"),
+                ("DHT size estimate", f"{status['dht_size_estimate']:.0f}"),
+                ("stored records", str(status["stored_records"])),
+                ("uptime", f"{status['uptime']:.0f} s"),
+                ("version", status["version"]),
+            ]
+        )
+    )
+
+
 def format_status(status: dict[str, Any]) -> str:
     """A small table of the figures ``client.status()`` returns."""
+    if status.get("kind") == "dht":
+        return format_dht_status(status)
     known = int(status["known_peers"])
     rows = [
         ("peer id", status["peer_id"]),
@@ -39,6 +66,7 @@ def format_status(status: dict[str, Any]) -> str:
         ("control", status["control"]),
         ("peers", f"{known + 1} ({known} known + this one)"),
         ("DHT size estimate", f"{status['dht_size_estimate']:.0f}"),
+        ("stored records", str(status.get("stored_records", 0))),
         ("bandwidth", _bandwidth(status)),
         ("rounds done", _rounds_done(status)),
         ("rounds failed", str(status["rounds_failed"])),
@@ -48,7 +76,7 @@ def format_status(status: dict[str, Any]) -> str:
         ("version", status["version"]),
     ]
     width = max(len(name) for name, _ in rows)
-    lines = [f"{name:<{width}}  {value}" for name, value in rows]
+    lines = _table(rows)
     if status["failures"]:
         lines.append("failures:")
         lines += [

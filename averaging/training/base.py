@@ -48,6 +48,7 @@ from swarmavg.averaging.training.swarm import (
     swarm_errors,
 )
 from swarmavg.averaging.training.tensors import collect_params
+from swarmavg.averaging.training.verbose import ProgressLog
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,9 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         progress_ttl: seconds a progress record lives in the DHT.
         publish_state_every: publish the state every this many epochs (0: never).
         peer_id: the daemon's peer id (read from ``client.status()`` when None).
+        verbose: log the epoch, the swarm's samples/s and the time to the next global step
+            at INFO (:mod:`~swarmavg.averaging.training.verbose`; make the library's logs
+            visible with ``swarmavg.peer.enable_logging()``).
 
     Raises:
         ValueError: a non-positive batch size, a negative ``publish_state_every``, or an
@@ -100,6 +104,7 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         publish_state_every: int,
         state_timeout: float,
         peer_id: str | None,
+        verbose: bool = False,
     ) -> None:
         if batch_size_per_step <= 0:
             raise ValueError(f"batch_size_per_step must be positive, got {batch_size_per_step}")
@@ -132,6 +137,8 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
             peer_id=peer_id,
             no_shows=self.link.no_shows,
         )
+        self.verbose = bool(verbose)
+        self._progress_log = ProgressLog() if verbose else None
         self._closed = False
         self._provenance: Provenance | None = None
         """The round step that produced the current state (None: a local step, a restored
@@ -224,6 +231,26 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
             self.tracker.leave()
         except swarm_errors() as exc:
             log.warning("could not withdraw the progress record: %s", exc)
+
+    def _log_progress(self) -> None:
+        """``verbose=True``: write the progress line when it is due (after each step)."""
+        if self._progress_log is not None:
+            self._progress_log.update(self.epoch, *self._verbose_figures())
+
+    def _verbose_figures(self) -> tuple[int, int, float, int, float]:
+        """``(samples, target, swarm samples/s, peers, eta)`` towards the next global step.
+
+        The swarm's figures as last read; right after a global step, before the others'
+        records of the new epoch are read, the samples are this process's own.
+        """
+        p = self.tracker.last
+        target = self.tracker.target_batch_size
+        if p.epoch == self.epoch:
+            return p.samples, target, p.samples_per_second, p.num_peers, p.eta
+        samples = self.tracker.samples
+        rate = max(p.samples_per_second, self.tracker.meter.rate)
+        eta = max(target - samples, 0) / rate if rate > 0 else float("inf")
+        return samples, target, rate, max(p.num_peers, 1), eta
 
     def _run_closure(self, closure: Callable[[], Any] | None) -> Any:
         """The closure's loss, computed with gradients enabled (None without a closure)."""

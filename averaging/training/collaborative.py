@@ -109,6 +109,9 @@ class CollaborativeOptimizer(SwarmOptimizer):
             finish the epoch when they are about to (instead of computing one more batch,
             which would make the global batch larger than ``target_batch_size``).
         peer_id: the daemon's peer id (read from ``client.status()`` when None).
+        verbose: log the epoch, the swarm's samples/s and the time to the next global step
+            at INFO after a step (on a new epoch, else at most every 10 s); make the
+            library's logs visible with ``swarmavg.peer.enable_logging()``.
 
     Call ``zero_grad()`` after ``step()`` as usual. ``step()`` returns the closure's loss
     (or None). Not thread-safe: use it from the training thread. Close it (or use it as a
@@ -138,6 +141,7 @@ class CollaborativeOptimizer(SwarmOptimizer):
         state_timeout: float = 60.0,
         max_wait: float = 1.0,
         peer_id: str | None = None,
+        verbose: bool = False,
     ) -> None:
         if average not in ("gradients", "parameters"):
             raise ValueError(f"average must be 'gradients' or 'parameters', got {average!r}")
@@ -161,6 +165,7 @@ class CollaborativeOptimizer(SwarmOptimizer):
             publish_state_every=publish_state_every,
             state_timeout=state_timeout,
             peer_id=peer_id,
+            verbose=verbose,
         )
         self.optimizer = optimizer
         self.average = average
@@ -218,6 +223,7 @@ class CollaborativeOptimizer(SwarmOptimizer):
             self._global_step(progress, late=True)
         elif progress.ready:
             self._global_step(progress)
+        self._log_progress()
         self.tracker.meter.start()
         return loss
 

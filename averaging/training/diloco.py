@@ -120,7 +120,9 @@ class DiLoCo(SwarmOptimizer):
             (docs/averaging.md, "Aggregation"); robust rules for runs that admit
             strangers. A wrong name raises ``ValueError`` here.
         averaging_timeout, min_group_size, progress_ttl, publish_state_every,
-        load_state_on_start, state_timeout, peer_id: as for ``CollaborativeOptimizer``.
+        load_state_on_start, state_timeout, peer_id, verbose: as for
+            ``CollaborativeOptimizer`` (``verbose``: the samples and the time to the outer
+            step are this process's own inner steps).
 
     ``epoch`` counts outer steps. A late joiner loads the last synchronised parameters, the
     outer optimizer's state and the epoch, then runs only the inner steps the swarm has left
@@ -148,6 +150,7 @@ class DiLoCo(SwarmOptimizer):
         load_state_on_start: bool = True,
         state_timeout: float = 60.0,
         peer_id: str | None = None,
+        verbose: bool = False,
     ) -> None:
         if local_steps <= 0:
             raise ValueError(f"local_steps must be positive, got {local_steps}")
@@ -167,6 +170,7 @@ class DiLoCo(SwarmOptimizer):
             publish_state_every=publish_state_every,
             state_timeout=state_timeout,
             peer_id=peer_id,
+            verbose=verbose,
         )
         self.inner_optimizer = inner_optimizer
         self.local_steps = local_steps
@@ -191,8 +195,20 @@ class DiLoCo(SwarmOptimizer):
             self._outer_sync()
         else:
             self.tracker.report()
+        self._log_progress()
         self.tracker.meter.start()
         return loss
+
+    def _verbose_figures(self) -> tuple[int, int, float, int, float]:
+        """Each process runs its own inner steps: the samples are this process's towards
+        its ``local_steps``, the time to the outer step its remaining steps at its own rate;
+        the swarm's throughput is the one read at the last outer step."""
+        samples = self.tracker.samples
+        target = self.steps_this_round * self.batch_size_per_step
+        own = self.tracker.meter.rate
+        eta = max(target - samples, 0) / own if own > 0 else float("inf")
+        p = self.tracker.last
+        return samples, target, max(p.samples_per_second, own), max(p.num_peers, 1), eta
 
     def state_dict(self) -> dict[str, Any]:
         """Epoch, inner progress, anchor, and both optimizers' states (a checkpoint)."""

@@ -221,6 +221,7 @@ class StreamingDiLoCo(DiLoCo):
             self._start_sync()
         else:
             self.tracker.report()
+        self._log_progress()
         self.tracker.meter.start()
         return loss
 

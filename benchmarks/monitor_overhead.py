@@ -1,0 +1,175 @@
+"""Overhead of ``swarmavg monitor`` and ``swarmavg peers`` on a 16-peer run (issue 19), as
+one JSON line.
+
+16 ``swarmavg peer`` processes on 127.0.0.1 and one writer process reporting a progress
+record (with metrics) for every daemon every 2 s, as trainers do. Windows of ``--window``
+seconds alternate (A/B/C interleaved): idle (nobody watches); monitor (a
+:class:`~swarmavg.peer.monitor.Monitor` in this process, polling every ``--interval`` s, as
+``swarmavg monitor`` does, its dashboard off); peers (``client.peers()`` on one daemon every
+``--every`` s, what ``swarmavg peers`` calls). Per window: CPU seconds of the 16 daemons
+together (``/proc/PID/stat``), CPU seconds of this process (in monitor windows: the
+monitor), and the bytes of the monitor's DHT calls (signed requests + answers, their
+protobuf sizes, counted at its protocol's ``_call``): the swarm's peers send and receive
+the same bytes for it. The monitor is started before and stopped after its window (its
+join is not counted).
+
+    PYTHONPATH=. python benchmarks/monitor_overhead.py [--peers 16] [--window 30] [--reps 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.run_view import WRITER
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of the processes so far."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+    return total / TICKS
+
+
+async def monitor_window(
+    address: str, run: str, args: argparse.Namespace, pids: list[int]
+) -> tuple[float, float, int, int, dict[str, Any]]:
+    from swarmavg.peer.monitor import Monitor, MonitorSettings
+
+    monitor = Monitor(
+        MonitorSettings(run_id=run, join=[address], interval=args.interval, http=None)
+    )
+    await monitor.start()
+    assert monitor.node is not None
+    protocol = monitor.node.protocol
+    counted = {"bytes": 0}
+    original = protocol._call
+
+    async def counting_call(target: str, method: str, request: Any, *rest: Any) -> Any:
+        peer_id, answer = await original(target, method, request, *rest)
+        # the signed request as sent and the answer as received (protobuf sizes)
+        counted["bytes"] += request.ByteSize() + answer.ByteSize()
+        return peer_id, answer
+
+    protocol._call = counting_call
+    try:
+        swarm, own = cpu_seconds(pids), time.process_time()
+        await asyncio.sleep(args.window)
+        return (
+            cpu_seconds(pids) - swarm,
+            time.process_time() - own,
+            counted["bytes"],
+            monitor.history.total,
+            dict(monitor.history.to_json()["series"]),
+        )
+    finally:
+        await monitor.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--peers", type=int, default=16)
+    parser.add_argument("--window", type=float, default=30.0)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--interval", type=float, default=5.0)
+    parser.add_argument("--every", type=float, default=3.0)
+    args = parser.parse_args()
+    from swarmavg.peer import connect
+    from tests.harness import ProcessPool
+
+    run = "bench-monitor"
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="sa-bm-") as tmp:
+        work = Path(tmp)
+        pool = ProcessPool(work)
+        try:
+            listen = ["peer", "--listen", "127.0.0.1:0", "-q", "--run-id", run]
+            first = pool.start([*listen, "--control", str(work / "p0.sock")], ready_timeout=180)
+            daemons = [first] + [
+                pool.start(
+                    [*listen, "--control", str(work / f"p{i}.sock"), "--join", first.address],
+                    ready_timeout=180,
+                )
+                for i in range(1, args.peers)
+            ]
+            pids = [d.proc.pid for d in daemons]
+            writer = subprocess.Popen(
+                [sys.executable, "-c", WRITER, run, *(d.control for d in daemons)]
+            )
+            try:
+                with connect(first.control, use_shm=False) as client:
+                    deadline = time.monotonic() + 180
+                    while (
+                        sum(r["method"] is not None for r in client.peers()["peers"]) < args.peers
+                    ):
+                        if time.monotonic() > deadline:
+                            raise SystemExit("the run's view never listed every trainer")
+                        time.sleep(1.0)
+                    result = measure(client, first.address, run, args, pids)
+            finally:
+                writer.kill()
+                writer.wait()
+        finally:
+            pool.close()
+    print(json.dumps(result))
+
+
+def measure(
+    client: Any, address: str, run: str, args: argparse.Namespace, pids: list[int]
+) -> dict[str, Any]:
+    windows: dict[str, list[tuple[float, float, int]]] = {"idle": [], "monitor": [], "peers": []}
+    polls, last_series = 0, {}
+    for _ in range(args.reps):
+        for kind in ("idle", "monitor", "peers"):
+            if kind == "monitor":
+                swarm, own, sent, n, last_series = asyncio.run(
+                    monitor_window(address, run, args, pids)
+                )
+                polls += n
+                windows[kind].append((swarm, own, sent))
+                continue
+            swarm, own = cpu_seconds(pids), time.process_time()
+            end = time.monotonic() + args.window
+            while time.monotonic() < end:
+                if kind == "peers":
+                    client.peers()
+                time.sleep(min(args.every, max(end - time.monotonic(), 0.0)))
+            windows[kind].append((cpu_seconds(pids) - swarm, time.process_time() - own, 0))
+    per_minute = 60.0 / args.window
+
+    def med(kind: str, i: int) -> float:
+        return statistics.median(w[i] for w in windows[kind]) * per_minute
+
+    return {
+        "peers": args.peers,
+        "interval_s": args.interval,
+        "every_s": args.every,
+        "window_s": args.window,
+        "reps": args.reps,
+        "monitor_polls": polls,
+        "monitor_saw_peers": last_series.get("peers", [None])[-1],
+        "monitor_saw_trainers": last_series.get("trainers", [None])[-1],
+        "swarm_cpu_s_per_min_idle": round(med("idle", 0), 3),
+        "swarm_cpu_s_per_min_monitor": round(med("monitor", 0), 3),
+        "swarm_cpu_s_per_min_peers": round(med("peers", 0), 3),
+        "monitor_cpu_s_per_min": round(med("monitor", 1), 3),
+        "monitor_dht_bytes_per_min": round(med("monitor", 2)),
+        "load_average": os.getloadavg(),
+        "windows": windows,
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Binding a local control endpoint (``swarmavg peer``'s, and ``swarmavg dht``'s when given
+``--control``): the socket's folder checks, the TCP token, the cleanup on stop.
+
+A unix socket is private by its folder and mode (peer/control_access.py); a TCP endpoint is
+reachable by every local user, so only callers that read the token file (mode 600, this
+user's folder) get through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from swarmavg.peer.control_access import (
+    TokenInterceptor,
+    check_private_folder,
+    new_token,
+    write_token_file,
+)
+from swarmavg.peer.endpoint import ControlEndpoint, parse_control_endpoint, prepare_unix_socket
+
+SERVER_OPTIONS = [
+    # The local control server's options (the public one uses dht.server_limits).
+    # grpc enables SO_REUSEPORT by default, which would let a second daemon "bind" a port
+    # that is in use and split its traffic with the first; a clear error is better.
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_receive_message_length", 8 << 20),
+    ("grpc.max_send_message_length", 8 << 20),
+]
+
+
+class ControlBindError(RuntimeError):
+    """The endpoint cannot be used; the message is one line meant for the user."""
+
+
+def prepare_endpoint(text: str | None, run_id: str) -> ControlEndpoint:
+    """Parse ``text`` (None: the run's default socket) and check a socket's folder.
+
+    Raises:
+        ControlBindError: a public TCP address, an over-long path, a folder others can
+            write, or a socket in use by a live daemon.
+    """
+    try:
+        endpoint = parse_control_endpoint(text, run_id)
+        if endpoint.path is not None:
+            prepare_unix_socket(endpoint.path)
+            check_private_folder(endpoint.path.parent)
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise ControlBindError(str(exc)) from None
+    return endpoint
+
+
+class ControlServer:
+    """A started control server on one endpoint; ``stop`` and ``remove_files`` clean up."""
+
+    def __init__(self, server: grpc.aio.Server, endpoint: ControlEndpoint, token: Path | None):
+        self.server = server
+        self.endpoint = endpoint  # the bound endpoint (a TCP port 0 resolved)
+        self.token_file = token
+
+    async def stop(self, grace: float = 0.2) -> None:
+        await self.server.stop(grace)
+
+    def remove_files(self) -> None:
+        """Unlink the socket and the token file (after the server stopped)."""
+        if self.endpoint.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.endpoint.path)
+        if self.token_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.token_file.unlink()
+
+
+async def start_control_server(
+    endpoint: ControlEndpoint, register: Callable[[grpc.aio.Server], None]
+) -> ControlServer:
+    """Bind ``endpoint``, let ``register`` add the services, start.
+
+    Raises:
+        ControlBindError: the endpoint cannot be bound or the token file not written.
+    """
+    token = new_token() if endpoint.path is None else None
+    server = grpc.aio.server(
+        options=SERVER_OPTIONS,
+        interceptors=[TokenInterceptor(token)] if token is not None else None,
+    )
+    register(server)
+    try:
+        port = server.add_insecure_port(endpoint.grpc_target())
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        await server.stop(None)
+        raise ControlBindError(f"cannot bind the control endpoint {endpoint}")
+    token_file: Path | None = None
+    if endpoint.path is None:
+        assert token is not None
+        endpoint = ControlEndpoint(host=endpoint.host, port=port)
+        try:
+            token_file = write_token_file(endpoint, token)
+        except OSError as exc:
+            await server.stop(None)
+            raise ControlBindError(f"cannot write the control token: {exc}") from None
+    else:
+        os.chmod(endpoint.path, 0o600)
+    await server.start()
+    return ControlServer(server, endpoint, token_file)

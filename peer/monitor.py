@@ -1,0 +1,251 @@
+"""``swarmavg monitor``: a light peer that records a run over time (docs/peer.md, "Monitor").
+
+The monitor joins the run's DHT in client mode (it serves nothing to the swarm and takes no
+part in averaging), reads the run's view every ``interval`` seconds (the progress records
+of every trainer and its routing table, as ``swarmavg peers`` does:
+:mod:`swarmavg.peer.run_gather`), keeps the newest samples in a ring buffer
+(:mod:`swarmavg.peer.monitor_series`), writes each sample to the sinks asked for (CSV,
+TensorBoard, wandb: :mod:`swarmavg.peer.monitor_sinks`) and serves a dashboard that plots
+them (:mod:`swarmavg.peer.monitor_http`).
+
+It has the daemons' lifecycle (``start``, ``ready_record``, ``shutdown``), so the CLI runs it
+like them: one JSON ready line on stdout, the first Ctrl+C stops it (within a few seconds:
+every step of the shutdown is bounded), a second exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from swarmavg.dht import BootstrapError, ChannelPool, DHTNode, Identity
+from swarmavg.dht.tasks import TaskSet, bounded_step
+from swarmavg.peer.config import DHTSettings, PeerConfig, parse_host_port
+from swarmavg.peer.daemon import StartupError, bootstrap_message, node_dht_config
+from swarmavg.peer.monitor_http import DashboardServer
+from swarmavg.peer.monitor_page import render_page
+from swarmavg.peer.monitor_series import DEFAULT_HISTORY, History, Sample, sample_from_view
+from swarmavg.peer.monitor_sinks import Sink, SinkUnavailable, close_sinks, open_sinks, write_all
+from swarmavg.peer.run_gather import gather_view
+from swarmavg.peer.run_view import ThisPeer, view_to_dict
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL = 5.0
+"""Seconds between polls: a poll costs two DHT lookups (docs/benchmarks.md, "Monitor")."""
+DEFAULT_HTTP = "127.0.0.1:8470"
+"""Where the dashboard listens unless told otherwise (loopback: see ``--http``)."""
+MAX_INTERVAL = 3600.0
+
+
+@dataclass(frozen=True)
+class MonitorSettings:
+    """What ``swarmavg monitor`` was asked to do.
+
+    Attributes:
+        run_id: the run to join (its DHT refuses other runs' nodes).
+        join: initial peers, ``HOST:PORT``; at least one (a monitor alone sees nothing).
+        training_run: the run id the trainers report progress under; empty: ``run_id``.
+        interval: seconds between polls.
+        history: samples the dashboard keeps (older ones leave the ring buffer; the CSV,
+            TensorBoard and wandb logs keep everything).
+        http: ``HOST:PORT`` of the dashboard; None: no dashboard.
+        csv: a CSV file to append every sample to.
+        tensorboard: a TensorBoard log folder.
+        wandb_project: a wandb project to log to.
+        bootstrap_timeout: seconds to retry the initial peers.
+        poll_timeout: the longest one poll (two DHT lookups) may take.
+        log_level: the logging level name.
+
+    Raises:
+        ValueError: a setting out of range or an address that is not ``HOST:PORT`` (the
+            message says which and what to write).
+    """
+
+    run_id: str
+    join: list[str]
+    training_run: str = ""
+    interval: float = DEFAULT_INTERVAL
+    history: int = DEFAULT_HISTORY
+    http: str | None = DEFAULT_HTTP
+    csv: Path | None = None
+    tensorboard: Path | None = None
+    wandb_project: str | None = None
+    bootstrap_timeout: float = 30.0
+    poll_timeout: float = 20.0
+    log_level: str = "INFO"
+    peer_config: PeerConfig = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.interval) and 0.1 <= self.interval <= MAX_INTERVAL):
+            raise ValueError(
+                f"--interval must be between 0.1 and {MAX_INTERVAL:.0f} s, got {self.interval}"
+            )
+        if self.history < 2:
+            raise ValueError(f"--history must keep at least 2 samples, got {self.history}")
+        if not (math.isfinite(self.poll_timeout) and self.poll_timeout > 0):
+            raise ValueError(f"poll_timeout must be positive, got {self.poll_timeout}")
+        if self.http is not None:
+            parse_host_port(self.http, "--http", allow_port_zero=True)
+        # PeerConfig checks the run id and the initial peers' addresses like a daemon's.
+        config = PeerConfig(
+            run_id=self.run_id,
+            join=list(self.join),
+            client_mode=True,
+            log_level=self.log_level,
+            dht=DHTSettings(bootstrap_timeout=self.bootstrap_timeout),
+        )
+        if not config.join:
+            raise ValueError(
+                "a monitor needs at least one initial peer of the run: "
+                "--initial-peers HOST:PORT (a running peer's or bootstrap node's address)"
+            )
+        object.__setattr__(self, "peer_config", config)
+
+
+class Monitor:
+    """A running monitor. ``start`` once; ``shutdown`` is idempotent and bounded."""
+
+    def __init__(self, settings: MonitorSettings) -> None:
+        self.settings = settings
+        self.history = History(settings.run_id, settings.history)
+        self.node: DHTNode | None = None
+        self.dashboard: DashboardServer | None = None
+        self.polls_failed = 0
+        self._identity = Identity.generate()
+        self._channels: ChannelPool | None = None
+        self._sinks: list[Sink] = []
+        self._tasks = TaskSet()  # the poll loop
+        self._last_logged: tuple[float, float] | None = None
+        self._stopped = False
+
+    @property
+    def peer_id(self) -> str:
+        return self._identity.peer_id_hex
+
+    def ready_record(self) -> dict[str, Any]:
+        return {
+            "event": "ready",
+            "peer_id": self.peer_id,
+            "address": None,
+            "control": None,
+            "run_id": self.settings.run_id,
+            "dashboard": self.dashboard.url if self.dashboard is not None else None,
+        }
+
+    async def start(self) -> None:
+        """Open the sinks, join the DHT, bind the dashboard, start polling.
+
+        Raises:
+            StartupError: a sink cannot be opened, no initial peer answered, or the
+                dashboard's address cannot be bound (one line saying what to do).
+        """
+        try:
+            await self._start()
+        except BaseException:
+            await self.shutdown()
+            raise
+
+    async def _start(self) -> None:
+        s = self.settings
+        try:
+            self._sinks = await asyncio.to_thread(
+                open_sinks, s.run_id, s.csv, s.tensorboard, s.wandb_project
+            )
+        except SinkUnavailable as exc:
+            raise StartupError(str(exc)) from None
+        except OSError as exc:
+            raise StartupError(f"cannot write {exc.filename}: {exc.strerror}") from None
+        if s.http is not None:
+            dashboard = DashboardServer(
+                s.http, render_page(s.run_id, min(s.interval, 5.0)), self.history.to_json
+            )
+            try:
+                await dashboard.start()
+            except OSError as exc:
+                raise StartupError(
+                    f"cannot serve the dashboard on {s.http}: {exc.strerror or exc}; choose "
+                    "another with --http HOST:PORT (port 0 picks a free one)"
+                ) from None
+            self.dashboard = dashboard
+        self._channels = ChannelPool()
+        self.node = DHTNode(node_dht_config(s.peer_config), self._identity, self._channels)
+        try:
+            await self.node.start(None)
+        except BootstrapError as exc:
+            raise StartupError(bootstrap_message(exc)) from None
+        self._tasks.spawn(self._poll_forever(), name="monitor-poll")
+
+    async def poll_once(self) -> Sample:
+        """Read the run's view once, keep it and write it to the sinks.
+
+        Raises:
+            TimeoutError: the DHT lookups took longer than ``poll_timeout``.
+        """
+        node = self.node
+        if node is None:
+            raise RuntimeError("the monitor is not started")
+        s = self.settings
+        view = await asyncio.wait_for(
+            gather_view(node, s.run_id, s.training_run, ThisPeer(self.peer_id, None)),
+            s.poll_timeout,
+        )
+        sample = sample_from_view(view_to_dict(view), time.time())
+        step = self.history.total
+        self.history.add(sample)
+        if self._sinks:
+            await asyncio.to_thread(write_all, self._sinks, sample, step)
+        self._narrate(sample)
+        return sample
+
+    async def _poll_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            try:
+                await self.poll_once()
+            except (TimeoutError, asyncio.TimeoutError):
+                self.polls_failed += 1
+                log.warning(
+                    "monitor: reading the run's records took over %.0f s; retrying",
+                    self.settings.poll_timeout,
+                )
+            except Exception as exc:  # a monitor outlives a bad poll: log it and poll again
+                self.polls_failed += 1
+                log.warning("monitor: a poll failed (%s: %s); retrying", type(exc).__name__, exc)
+            await asyncio.sleep(max(self.settings.interval - (loop.time() - started), 0.0))
+
+    def _narrate(self, sample: Sample) -> None:
+        """An INFO line when the number of peers or the epoch changes (not every poll)."""
+        now = (sample.values.get("peers", 0.0), sample.values.get("epoch", -1.0))
+        if now != self._last_logged:
+            self._last_logged = now
+            sps = sample.values.get("samples_per_second")
+            log.info(
+                "run %s: %d peer(s), epoch %s, %s samples/s",
+                self.settings.run_id,
+                int(now[0]),
+                int(now[1]) if now[1] >= 0 else "-",
+                f"{sps:.1f}" if sps is not None else "-",
+            )
+
+    async def shutdown(self, grace: float | None = None) -> None:
+        """Stop polling, leave the DHT, close the dashboard and the sinks (idempotent)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self._tasks.close()
+        if self.dashboard is not None:
+            await bounded_step(self.dashboard.stop(), 2.0, "dashboard")
+        if self.node is not None:
+            await bounded_step(self.node.shutdown(), 1.0, "DHT shutdown")
+        if self._channels is not None:
+            await bounded_step(self._channels.close(), 2.0, "channels")
+        sinks, self._sinks = self._sinks, []
+        if sinks:
+            await bounded_step(asyncio.to_thread(close_sinks, sinks), 5.0, "sinks")
