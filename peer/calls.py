@@ -312,6 +312,14 @@ def status_to_dict(status: control_pb2.StatusResponse) -> dict[str, Any]:
         "bandwidth": status.bandwidth,
         "bandwidth_measured": status.bandwidth_measured,
         "bandwidth_samples": status.bandwidth_samples,
+        "reachability": status.reachability or "unknown",
+        "relay": status.relay or None,
+        "relay_id": status.relay_id or None,
+        "observed_host": status.observed_host or None,
+        "relay_moves": status.relay_moves,
+        "relaying_reservations": status.relaying_reservations,
+        "relayed_bytes": status.relayed_bytes,
+        "relayed_connections": status.relayed_connections,
     }
 
 

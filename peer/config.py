@@ -195,7 +195,11 @@ class PeerConfig:
         run_id: the collaboration's name; everything stored or averaged is namespaced by it.
         control: control endpoint (unix socket path or ``127.0.0.1:PORT``); ``None``: the
             default socket for ``run_id``.
-        client_mode: accept no incoming connections (behind NAT or a firewall).
+        client_mode: accept no incoming connections (behind NAT or a firewall). Without it a
+            peer finds out itself whether others can dial it (dial-back) and, behind NAT,
+            is reached through a relay (docs/peer.md, "Behind NAT").
+        relay: when this peer is publicly reachable, relay connections for NATed peers
+            (bounded: peer/nat/limits.py).
         identity: file holding the Ed25519 key; ``None``: a fresh identity per start.
         run_file: a private run's run file (``swarmavg run init``): the run id and the run
             authority's certificate. With ``credential``: mutual TLS on the gRPC port and the
@@ -222,6 +226,7 @@ class PeerConfig:
     run_id: str = "default"
     control: str | None = None
     client_mode: bool = False
+    relay: bool = True
     identity: str | None = None
     run_file: str | None = None
     credential: str | None = None

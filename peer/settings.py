@@ -151,7 +151,17 @@ SETTINGS: tuple[Setting, ...] = (
         "$XDG_RUNTIME_DIR/swarmavg/<run-id>.sock or ~/.swarmavg/<run-id>.sock)",
         "ENDPOINT",
     ),
-    Setting("peer", "client_mode", "accept no incoming connections (behind NAT)"),
+    Setting(
+        "peer",
+        "client_mode",
+        "accept no incoming connections (without it, a peer behind NAT is found out and "
+        "reached through a relay)",
+    ),
+    Setting(
+        "peer",
+        "relay",
+        "when publicly reachable, relay connections for peers behind NAT (default on)",
+    ),
     Setting("peer", "metrics", "serve Prometheus metrics at http://HOST:PORT/metrics", "HOST:PORT"),
     Setting("peer", "log_level", f"one of {', '.join(LOG_LEVELS)} (default INFO)", "LEVEL", BOTH),
     Setting(

@@ -40,6 +40,7 @@ SAMPLES: dict[str, str] = {
     "run_id": '"r"',
     "control": '"/tmp/x.sock"',
     "client_mode": "true",
+    "relay": "false",
     "identity": '"/tmp/id.key"',
     "run_file": '"/tmp/r.run.toml"',
     "credential": '"/tmp/id.cred.pem"',
