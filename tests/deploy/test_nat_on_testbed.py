@@ -6,11 +6,16 @@ reach it, and the NATed ones reserve at a public relay and announce the relayed 
 
 from __future__ import annotations
 
+import asyncio
+import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from deploy.testbed import HostSpec, TestBed
+from swarmavg.peer import connect_async
+from swarmavg.peer.calls import AverageResult
 from tests.deploy.conftest import MakeTestBed
 from tests.deploy.test_swarm_on_testbed import (
     PORT,
@@ -21,7 +26,6 @@ from tests.deploy.test_swarm_on_testbed import (
     status_inside,
 )
 from tests.harness import ProcessPool, SwarmavgProcess
-from swarmavg.peer.calls import AverageResult
 
 pytestmark = pytest.mark.integration
 
@@ -60,7 +64,7 @@ async def test_nated_hosts_are_reducing_members_through_relays(
         assert by_host[name].address == f"{bed[name].address}:{PORT}"
     for name in NATED:
         # Announced at a relay: a public host's address, another port.
-        host, _, port = by_host[name].address.rpartition(":")
+        host = by_host[name].address.rpartition(":")[0]
         assert host in {bed[p].address for p in PUBLIC}, by_host[name].address
         assert by_host[name].address not in public_addresses
         status = status_inside(bed[name], by_host[name])
@@ -87,7 +91,97 @@ async def test_nated_hosts_are_reducing_members_through_relays(
     for name in by_host:
         received = bed[name].link_bytes()[1] - received_before[name]
         assert received >= 0.9 * 2 * (n - 1) / n * 4 * size, (name, received)
-    relayed = sum(
-        int(status_inside(bed[name], by_host[name])["relayed_bytes"]) for name in PUBLIC
-    )
+    relayed = sum(int(status_inside(bed[name], by_host[name])["relayed_bytes"]) for name in PUBLIC)
     assert relayed >= 3 * 2 * (n - 1) / n * 4 * size  # the NATed members' parts went through
+
+
+async def wait_for_status(
+    bed: TestBed, name: str, daemon: SwarmavgProcess, key: str, wanted: object, within: float
+) -> dict[str, object]:
+    """Ask ``swarmavg status`` until ``key`` reads ``wanted``; the change happens in another
+    process with no event to wait on, so this polls, with a deadline."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + within
+    while True:
+        status = await asyncio.to_thread(status_inside, bed[name], daemon)
+        if status[key] == wanted or loop.time() > give_up:
+            return status
+        await asyncio.sleep(0.5)
+
+
+@pytest.mark.timeout(240)
+async def test_relay_killed_mid_round_survivors_finish_and_reservations_move(
+    make_testbed: MakeTestBed, peer_pool: ProcessPool, tmp_path: Path
+) -> None:
+    bed = nat_bed(make_testbed, rate_mbit=20)
+    daemons = start_swarm(peer_pool, bed, tmp_path)
+    by_host = dict(zip((*PUBLIC, *NATED), daemons, strict=True))
+    relay0, relay1 = (f"{bed[name].address}:{PORT}" for name in PUBLIC)
+    # Every NATed peer reserved at the peer it joined through (the one that dialled it back).
+    for name in NATED:
+        assert status_inside(bed[name], by_host[name])["relay"] == relay0
+
+    inputs = make_inputs(5, [1_000_000], seed=4)
+    timeout = 45.0
+    received_before = bed[PUBLIC[0]].link_bytes()[1]
+
+    async def kill_mid_round() -> None:
+        # Once the relay has carried 2 MB of the round (a kernel counter: polled).
+        while (await asyncio.to_thread(bed[PUBLIC[0]].link_bytes))[1] - received_before < 2e6:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        by_host[PUBLIC[0]].signal(signal.SIGKILL)
+
+    killer = asyncio.create_task(kill_mid_round())
+    try:
+        results = await average_all(daemons, inputs, key="kill-relay", timeout=timeout)
+    finally:
+        if not killer.done():
+            killer.cancel()
+        await asyncio.gather(killer, return_exceptions=True)
+    assert killer.done()
+    assert not killer.cancelled(), "the round ended before the relay carried 2 MB"
+    # The survivors (the other public host and the three NATed ones, whose relay died)
+    # finish within their own timeout; the client would raise a deadline error otherwise.
+    survivors = results[1:]
+    assert all(isinstance(r, AverageResult) for r in survivors), survivors
+
+    # Their reservations move to the other public host, and they announce the new address.
+    for name in NATED:
+        status = await wait_for_status(bed, name, by_host[name], "relay", relay1, within=30)
+        assert status["relay"] == relay1, status
+        assert status["relay_moves"] == 1
+        assert status["reachability"] == "relayed"
+    rest = daemons[1:]
+    second_inputs = make_inputs(4, [200_000], seed=5)
+    again = await average_all(rest, second_inputs, key="after-move", timeout=60)
+    assert all(isinstance(r, AverageResult) for r in again), again
+    check_exact_mean([r for r in again if isinstance(r, AverageResult)], second_inputs)
+
+
+@pytest.mark.timeout(180)
+async def test_nated_donor_serves_a_joiner(
+    make_testbed: MakeTestBed, peer_pool: ProcessPool, tmp_path: Path
+) -> None:
+    bed = make_testbed(
+        [HostSpec("pub0", rate_mbit=100)]
+        + [HostSpec(name, rate_mbit=100, nat=True) for name in ("home0", "home1")]
+    )
+    first = start_daemon(peer_pool, bed["pub0"], tmp_path, listen=f"0.0.0.0:{PORT}")
+    donor = start_daemon(
+        peer_pool, bed["home0"], tmp_path, join=first.address, listen=f"0.0.0.0:{PORT}"
+    )
+    state = [np.arange(300_000, dtype=np.float32), np.ones((3, 4), dtype=np.float32)]
+    async with connect_async(donor.control) as client:
+        await client.publish_state(state, {"epoch": 7})
+    # The joiner comes later, behind another NAT: the only peer holding state is NATed too.
+    joiner = start_daemon(
+        peer_pool, bed["home1"], tmp_path, join=first.address, listen=f"0.0.0.0:{PORT}"
+    )
+    donor_sent_before = bed["home0"].link_bytes()[0]
+    async with connect_async(joiner.control) as client:
+        metadata, tensors = await client.load_state(timeout=60)
+    assert metadata == {"epoch": 7}
+    for got, want in zip(tensors, state, strict=True):
+        assert np.array_equal(got, want)
+    # The state came from the donor's host, out through its NAT router.
+    assert bed["home0"].link_bytes()[0] - donor_sent_before >= state[0].nbytes
