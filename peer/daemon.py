@@ -62,6 +62,7 @@ from swarmavg.peer.control_access import (
 from swarmavg.peer.daemon_log import narrate
 from swarmavg.peer.endpoint import ControlEndpoint, parse_control_endpoint, prepare_unix_socket
 from swarmavg.peer.nat.agent import NatAgent
+from swarmavg.peer.nat.limits import MiB, RelayLimits
 from swarmavg.peer.nat.reservation import RelayedAddress
 from swarmavg.peer.netutil import announce_address, explain_bind_failure
 from swarmavg.peer.run_view import Neighbour, ThisPeer, build_view, progress_keys
@@ -298,7 +299,13 @@ class Peer:
         assert dht is not None
         assert averager is not None
         listen_host = split_host(cfg.listen)
-        nat = NatAgent(self._channels, self.identity.peer_id, cfg.relay, listen_host)
+        nat = NatAgent(
+            self._channels,
+            self.identity.peer_id,
+            cfg.relay,
+            listen_host,
+            RelayLimits(bytes_per_second_per_source=cfg.relay_rate * MiB),
+        )
         self.nat = nat
 
         def register(server: grpc.aio.Server) -> None:

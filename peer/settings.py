@@ -162,6 +162,12 @@ SETTINGS: tuple[Setting, ...] = (
         "relay",
         "when publicly reachable, relay connections for peers behind NAT (default on)",
     ),
+    Setting(
+        "peer",
+        "relay_rate",
+        "MiB/s one source may push through this peer's relay, both ways (default 32)",
+        "MIBPS",
+    ),
     Setting("peer", "metrics", "serve Prometheus metrics at http://HOST:PORT/metrics", "HOST:PORT"),
     Setting("peer", "log_level", f"one of {', '.join(LOG_LEVELS)} (default INFO)", "LEVEL", BOTH),
     Setting(

@@ -185,3 +185,45 @@ async def test_nated_donor_serves_a_joiner(
         assert np.array_equal(got, want)
     # The state came from the donor's host, out through its NAT router.
     assert bed["home0"].link_bytes()[0] - donor_sent_before >= state[0].nbytes
+
+
+@pytest.mark.timeout(240)
+async def test_relay_under_a_bytes_flood_stays_within_its_rate(
+    make_testbed: MakeTestBed, peer_pool: ProcessPool, tmp_path: Path
+) -> None:
+    """A public joiner pulls a 24 MB state from a NATed donor as fast as it can: every byte
+    crosses the relay, which lets one source through at ``relay_rate`` (2 MiB/s here) plus
+    its burst, and slows it rather than cutting it (the download completes)."""
+    bed = make_testbed(
+        [HostSpec("pub0"), HostSpec("pub1"), HostSpec("home0", nat=True)]  # unshaped links
+    )
+    relay_args = ["--relay-rate", "2"]
+    relay = peer_pool.start(
+        ["peer", "--run-id", "testbed", "--control", str(tmp_path / "pub0.sock"),
+         "--listen", f"0.0.0.0:{PORT}", *relay_args],
+        executable=bed["pub0"].swarmavg_command(),
+    )  # fmt: skip
+    donor = start_daemon(
+        peer_pool, bed["home0"], tmp_path, join=relay.address, listen=f"0.0.0.0:{PORT}"
+    )
+    assert status_inside(bed["home0"], donor)["relay"] == relay.address
+    state = [np.random.default_rng(6).standard_normal(6_000_000, dtype=np.float32)]
+    async with connect_async(donor.control) as client:
+        await client.publish_state(state, {"epoch": 1})
+    joiner = start_daemon(
+        peer_pool, bed["pub1"], tmp_path, join=relay.address, listen=f"0.0.0.0:{PORT}"
+    )
+    loop = asyncio.get_running_loop()
+    before = status_inside(bed["pub0"], relay)
+    started = loop.time()
+    async with connect_async(joiner.control) as client:
+        _, tensors = await client.load_state(timeout=120)
+    after = status_inside(bed["pub0"], relay)
+    elapsed = loop.time() - started
+    assert np.array_equal(tensors[0], state[0])
+    relayed = int(after["relayed_bytes"]) - int(before["relayed_bytes"])
+    assert relayed >= state[0].nbytes  # the state did go through the relay
+    # The bucket's bound (4 MiB burst + 2 MiB/s over the whole exchange); a slower machine
+    # only relays less, so this cannot fail for lack of speed.
+    mib = 1 << 20
+    assert relayed <= 4 * mib + 2 * mib * elapsed, (relayed, elapsed)
