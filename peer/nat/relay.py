@@ -35,6 +35,10 @@ ACCEPT_TIMEOUT = 10.0
 """Seconds a dialer waits for the NATed peer's back-connection."""
 EVENT_BACKLOG = 256
 """Incoming-connection events queued per reservation; beyond that, dialers are closed."""
+LINGER = 15.0
+"""Seconds a reservation's ports stay open after its stream ended, for the same peer to
+reserve again and keep its address (a gRPC server ends every connection after its maximum
+age, 30 min; a NATed peer re-reserves at once)."""
 
 
 class RelayRefused(Exception):
@@ -52,6 +56,8 @@ class ActiveReservation:
     events: asyncio.Queue[relay_pb2.Incoming] = field(
         default_factory=lambda: asyncio.Queue(EVENT_BACKLOG)
     )
+    linger: asyncio.Task[None] | None = None
+    """Set while no stream holds the reservation: closes it after :data:`LINGER`."""
 
 
 class RelayServer:
@@ -95,6 +101,12 @@ class RelayServer:
         if not 1 <= nports <= MAX_RELAYED_PORTS:
             raise RelayRefused(f"a reservation has 1..{MAX_RELAYED_PORTS} ports, not {nports}")
         old = self.reservations.get(peer_id)
+        if old is not None and old.linger is not None and len(old.ports) == nports:
+            # The same peer again, its previous stream just ended: same ports, same address;
+            # dialers queued meanwhile are taken by the new stream.
+            old.linger.cancel()
+            old.linger = None
+            return old
         if old is not None:
             await self.release(old)
         if len(self.reservations) >= self.limits.max_reservations:
@@ -117,10 +129,27 @@ class RelayServer:
         )
         return reservation
 
+    def detach(self, reservation: ActiveReservation) -> None:
+        """The reservation's stream ended: keep its ports for :data:`LINGER` seconds."""
+        if self.reservations.get(reservation.peer_id) is not reservation:
+            return
+        if reservation.linger is None:
+            reservation.linger = self._tasks.spawn(
+                self._release_later(reservation), name="relay-linger"
+            )
+
+    async def _release_later(self, reservation: ActiveReservation) -> None:
+        await asyncio.sleep(LINGER)
+        reservation.linger = None
+        await self.release(reservation)
+
     async def release(self, reservation: ActiveReservation) -> None:
         """Close a reservation's ports (its relayed connections end with their dialers)."""
         if self.reservations.get(reservation.peer_id) is reservation:
             del self.reservations[reservation.peer_id]
+        if reservation.linger is not None and reservation.linger is not asyncio.current_task():
+            reservation.linger.cancel()
+        reservation.linger = None
         for server in reservation.servers:
             server.close()
         reservation.servers.clear()

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from swarmavg.dht.channels import ChannelPool
+from swarmavg.dht.channels import DEFAULT_OPTIONS, ChannelPool
 from swarmavg.dht.ranges import split_host
 from swarmavg.dht.tasks import TaskSet
+from swarmavg.dht.tls import CHANNEL_OPTIONS
 from swarmavg.peer.nat.dialback import relay_stub
 from swarmavg.peer.nat.splice import splice
 from swarmavg.proto import common_pb2, relay_pb2
@@ -32,6 +33,24 @@ RESERVE_METHOD = "/swarmavg.v1.Relay/Reserve"
 CONNECT_TIMEOUT = 5.0
 RESERVE_TIMEOUT = 8.0
 RETRY_DELAY = 1.0
+KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
+    # A relay that vanished without a FIN (its link cut) is noticed within 30 s. The relay's
+    # server tolerates a ping every 10 s (dht/server_limits.py); 20 s stays clear of it.
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+
+
+def reservation_channel(pool: ChannelPool, address: str) -> grpc.aio.Channel:
+    """A channel of its own for one reservation stream: not the pool's, whose idle sweep
+    would close a channel that only carries a quiet stream, and with keepalive pings."""
+    options = [*DEFAULT_OPTIONS, *KEEPALIVE_OPTIONS]
+    if pool.tls is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(
+        address, pool.tls.channel_credentials(), options=[*options, *CHANNEL_OPTIONS]
+    )
 
 
 @dataclass(frozen=True)
@@ -80,6 +99,8 @@ class ReservationKeeper:
         self.candidates = candidates
         self.on_change = on_change
         self.current: RelayedAddress | None = None
+        self.announced: RelayedAddress | None = None
+        """The address the daemon announces (the last one reported)."""
         self.moves = 0
         self.taken = 0
         self._first: asyncio.Future[RelayedAddress] | None = None
@@ -128,8 +149,8 @@ class ReservationKeeper:
         """One reservation at ``relay`` for as long as its stream lasts."""
         request = relay_pb2.ReserveRequest(ports=len(self.local))
         request.header.CopyFrom(self.sign(request))
-        stub = relay_stub(self.channels.channel(relay))
-        call = stub.Reserve(request)
+        channel = reservation_channel(self.channels, relay)
+        call = relay_stub(channel).Reserve(request)
         try:
             async with asyncio.timeout(RESERVE_TIMEOUT):
                 first = await call.read()
@@ -144,12 +165,18 @@ class ReservationKeeper:
                 address=_format(relay_host, ports[0]),
                 data_port=ports[1] if len(ports) > 1 else 0,
             )
-            moved = self._first is not None and self._first.done()
+            before = self.announced
             self.current = here
             if self._first is not None and not self._first.done():
                 self._first.set_result(here)
-            elif moved:
+                self.announced = here
+            elif (
+                before is None
+                or here.address != before.address
+                or here.data_port != before.data_port
+            ):
                 self.moves += 1
+                self.announced = here
                 if self.on_change is not None:
                     self.on_change(here)
             log.info("reachable through relay %s as %s", relay, here.address)
@@ -164,6 +191,7 @@ class ReservationKeeper:
                     )
         finally:
             call.cancel()
+            await channel.close()
 
     async def _take(self, relay_host: str, splice_port: int, incoming: relay_pb2.Incoming) -> None:
         """Connect out to the relay for one dialer and join it to the local port."""

@@ -102,4 +102,4 @@ class RelayService(relay_pb2_grpc.RelayServicer):
                 incoming = await reservation.events.get()
                 yield relay_pb2.RelayEvent(incoming=incoming)
         finally:
-            await relay.release(reservation)
+            relay.detach(reservation)

@@ -135,3 +135,22 @@ async def test_dialers_over_the_per_source_limit_are_closed() -> None:
             writer.close()
     finally:
         await relay.close()
+
+
+async def test_a_peer_that_reserves_again_keeps_its_ports() -> None:
+    """A reservation's stream ends at the relay's connection age; the peer reserves again at
+    once and keeps its address. Another peer, or a later one, does not get the ports."""
+    relay = RelayServer("127.0.0.1", "127.0.0.1", RelayLimits())
+    try:
+        first = await relay.reserve(b"a" * 20, 2)
+        relay.detach(first)  # its stream ended
+        again = await relay.reserve(b"a" * 20, 2)
+        assert again is first
+        assert again.linger is None
+        relay.detach(again)
+        other = await relay.reserve(b"a" * 20, 1)  # asks for other ports: a new reservation
+        assert other is not first
+        assert relay.reservations[b"a" * 20] is other
+        assert not first.servers  # the old ports are closed
+    finally:
+        await relay.close()
