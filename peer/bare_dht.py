@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 
 from swarmavg.dht import BootstrapError, ChannelPool, DHTNode, Identity
+from swarmavg.dht.ranges import split_host
 from swarmavg.dht.tasks import TaskSet, bounded_step
 from swarmavg.peer.config import PeerConfig
 from swarmavg.peer.daemon import (
@@ -22,6 +23,8 @@ from swarmavg.peer.daemon import (
     start_public_server,
 )
 from swarmavg.peer.daemon_log import narrate
+from swarmavg.peer.nat.agent import NatAgent
+from swarmavg.peer.nat.limits import MiB, RelayLimits
 from swarmavg.peer.netutil import announce_address
 
 log = logging.getLogger(__name__)
@@ -39,6 +42,7 @@ class BareDHT:
         self._identity: Identity | None = None
         self._server: grpc.aio.Server | None = None
         self._channels: ChannelPool | None = None
+        self._nat: NatAgent | None = None
         self._tasks = TaskSet()  # the narrator (peers joining and leaving, summaries)
         self._stopped = False
 
@@ -72,14 +76,39 @@ class BareDHT:
         tls = load_tls(cfg, self._identity)
         self._channels = ChannelPool(tls=tls)
         self.node = DHTNode(node_dht_config(cfg), self._identity, self._channels)
-        self._server, port = await start_public_server(cfg.listen, self.node.add_to_server, tls)
+        node = self.node
+        # A bootstrap node is what NATed peers ask first: it answers dial-backs and relays
+        # (docs/peer.md, "Behind NAT"). It is taken as public: behind NAT it is of no use.
+        nat = NatAgent(
+            self._channels,
+            self._identity.peer_id,
+            cfg.relay,
+            split_host(cfg.listen),
+            RelayLimits(bytes_per_second_per_source=cfg.relay_rate * MiB),
+        )
+        self._nat = nat
+
+        def register(server: grpc.aio.Server) -> None:
+            node.add_to_server(server)
+            nat.service.add_to_server(server)
+
+        self._server, port = await start_public_server(cfg.listen, register, tls)
         self.address = announce_address(cfg.listen, port, cfg.announce)
+        await nat.settle(
+            port=port,
+            announced=self.address,
+            join=[],
+            explicit_announce=True,
+            signer=node.signer,
+            authenticator=node.authenticator,
+            routing=lambda: [c.address for c in node.routing],
+            on_move=lambda _: None,
+        )
         try:
             await self.node.start(self.address)
         except BootstrapError as exc:
             raise StartupError(bootstrap_message(exc, cfg.private)) from None
         log.debug("DHT node %s ready at %s", self._identity.peer_id_hex, self.address)
-        node = self.node
         self._tasks.spawn(
             narrate(
                 lambda: [(c.peer_id.hex(), c.address) for c in node.routing],
@@ -97,6 +126,8 @@ class BareDHT:
         await self._tasks.close()
         if self.node is not None:
             await bounded_step(self.node.shutdown(), 1.0, "DHT shutdown")
+        if self._nat is not None:
+            await bounded_step(self._nat.close(), 1.0, "relay")
         if self._server is not None:
             await bounded_step(self._server.stop(0.2), 1.0, "server")
         if self._channels is not None:

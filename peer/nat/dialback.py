@@ -174,7 +174,7 @@ async def check_reachability(
     tokens: TokenBook,
     peers: Iterable[str],
     port: int,
-    timeout: float = 8.0,
+    timeout: float = 5.0,
 ) -> Reachability:
     """Ask each of ``peers`` (at most 4) to dial this peer back on ``port``.
 

@@ -130,20 +130,25 @@ class ReservationKeeper:
 
     async def _keep(self) -> None:
         while True:
-            tried = False
+            held = False
             for relay in list(dict.fromkeys(self.candidates())):
-                tried = True
                 try:
                     await self._hold(relay)
                 except grpc.aio.AioRpcError as exc:
                     self._failed[relay] = exc.code().name
                     log.debug("relay %s: %s %s", relay, exc.code().name, exc.details())
+                except TimeoutError:
+                    self._failed[relay] = "no answer"
+                    log.debug("relay %s: no reservation within %.0f s", relay, RESERVE_TIMEOUT)
                 if self.current is not None and self.current.relay == relay:
-                    log.warning("lost the reservation at relay %s; moving to another", relay)
+                    log.info("the reservation at relay %s ended; reserving again", relay)
                     self.current = None
-            if not tried:
-                log.debug("no relay candidates yet")
-            await asyncio.sleep(RETRY_DELAY)
+                    held = True
+                    # From the best candidate again: the same relay, when it is alive, keeps
+                    # the ports for a while (relay.LINGER), so the address stays the same.
+                    break
+            if not held:
+                await asyncio.sleep(RETRY_DELAY)
 
     async def _hold(self, relay: str) -> None:
         """One reservation at ``relay`` for as long as its stream lasts."""
