@@ -136,7 +136,7 @@ async def test_nated_hosts_are_reducing_members_through_relays(
     for name in by_host:
         received = bed[name].link_bytes()[1] - received_before[name]
         assert received >= 0.9 * 2 * (n - 1) / n * 4 * size, (name, received)
-    relayed = sum(int((await status_of(by_host[name]))["relayed_bytes"]) for name in PUBLIC)
+    relayed = sum([int((await status_of(by_host[name]))["relayed_bytes"]) for name in PUBLIC])
     assert relayed >= 3 * 2 * (n - 1) / n * 4 * size  # the NATed members' parts went through
 
 
