@@ -168,6 +168,8 @@ class Averager:
         self._servicer = AveragingServicer(lambda: self._components)
         self._rounds: set[asyncio.Task[Any]] = set()
         self._closed = False
+        self.announced_data_port = 0
+        """The data-plane port others are told (0: the bound one); a relayed port behind NAT."""
 
     @property
     def group_bits(self) -> str:
@@ -196,6 +198,14 @@ class Averager:
     def data_port(self) -> int:
         """Port of this peer's all-reduce data plane (0: none; raises like ``matchmaker``)."""
         return self._require()[1].data_port
+
+    def relocate(self, address: str, data_port: int) -> None:
+        """Announce ``address`` and ``data_port`` from the next round on (a NATed peer whose
+        reservation moved to another relay); rounds in flight keep the old ones."""
+        matchmaker, _, sharer = self._require()
+        matchmaker.address = address
+        sharer.address = address
+        self.announced_data_port = data_port
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Register the ``Averaging`` service on ``server`` (before it starts)."""
@@ -324,7 +334,7 @@ class Averager:
             user_data=request.user_data(self.config.user_data),
             close_by=min(started + self.config.matchmaking_time, give_up_by - margin),
             give_up_by=give_up_by,
-            data_port=allreduce.data_port,
+            data_port=self.announced_data_port or allreduce.data_port,
             wanted=request.group_size or 0,
             family=self._keys.key_for(key_family(request.key)),
             aggregation=request.aggregation,

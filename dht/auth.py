@@ -58,7 +58,11 @@ _REQUEST_TAG = b"swarmavg.v1.request\x00"
 _RESPONSE_TAG = b"swarmavg.v1.response\x00"
 
 # Methods that may be sent before the sender knows whom it reaches (bootstrap by address).
-UNADDRESSED_METHODS = frozenset({"/swarmavg.v1.DHT/Ping", "/swarmavg.v1.DHT/Find"})
+# A relay reservation (peer/nat) is asked of a relay known only by the address that answered
+# its dial-back.
+UNADDRESSED_METHODS = frozenset(
+    {"/swarmavg.v1.DHT/Ping", "/swarmavg.v1.DHT/Find", "/swarmavg.v1.Relay/Reserve"}
+)
 
 
 class AuthenticationError(HeaderError):

@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from swarmavg.dht import BootstrapError, ChannelPool, DHTNode, Identity
+from swarmavg.dht.ranges import split_host
 from swarmavg.dht.tasks import TaskSet, bounded_step
 from swarmavg.peer import __version__
 from swarmavg.peer.config import PeerConfig
@@ -38,6 +39,8 @@ from swarmavg.peer.daemon import (
 from swarmavg.peer.daemon_log import narrate
 from swarmavg.peer.dht_control import DHTControlService
 from swarmavg.peer.endpoint import ControlEndpoint
+from swarmavg.peer.nat.agent import NatAgent
+from swarmavg.peer.nat.limits import MiB, RelayLimits
 from swarmavg.peer.netutil import announce_address
 from swarmavg.peer.run_gather import gather_view, read_value
 from swarmavg.peer.run_view import ThisPeer
@@ -62,6 +65,8 @@ class BareDHT:
         self._control_server: ControlServer | None = None
         self._metrics: Any = None
         self._metrics_address: str | None = None  # bound HOST:PORT (port 0 resolved)
+
+        self._nat: NatAgent | None = None
         self._tasks = TaskSet()  # the narrator (peers joining and leaving, summaries)
         self._started_at = time.monotonic()
         self._stopped = False
@@ -105,8 +110,34 @@ class BareDHT:
         tls = load_tls(cfg, self._identity)
         self._channels = ChannelPool(tls=tls)
         self.node = DHTNode(node_dht_config(cfg), self._identity, self._channels)
-        self._server, port = await start_public_server(cfg.listen, self.node.add_to_server, tls)
+        node = self.node
+        # A bootstrap node is what NATed peers ask first: it answers dial-backs and relays
+        # (docs/peer.md, "Behind NAT"). It is taken as public: behind NAT it is of no use.
+        nat = NatAgent(
+            self._channels,
+            self._identity.peer_id,
+            cfg.relay,
+            split_host(cfg.listen),
+            RelayLimits(bytes_per_second_per_source=cfg.relay_rate * MiB),
+        )
+        self._nat = nat
+
+        def register(server: grpc.aio.Server) -> None:
+            node.add_to_server(server)
+            nat.service.add_to_server(server)
+
+        self._server, port = await start_public_server(cfg.listen, register, tls)
         self.address = announce_address(cfg.listen, port, cfg.announce)
+        await nat.settle(
+            port=port,
+            announced=self.address,
+            join=[],
+            explicit_announce=True,
+            signer=node.signer,
+            authenticator=node.authenticator,
+            routing=lambda: [c.address for c in node.routing],
+            on_move=lambda _: None,
+        )
         try:
             await self.node.start(self.address)
         except BootstrapError as exc:
@@ -123,7 +154,6 @@ class BareDHT:
         if cfg.metrics is not None:
             await self._start_metrics(cfg.metrics)
         log.debug("DHT node %s ready at %s", self._identity.peer_id_hex, self.address)
-        node = self.node
         self._tasks.spawn(
             narrate(
                 lambda: [(c.peer_id.hex(), c.address) for c in node.routing],
@@ -202,6 +232,8 @@ class BareDHT:
             await bounded_step(asyncio.to_thread(self._metrics.stop), 5.0, "metrics")
         if self.node is not None:
             await bounded_step(self.node.shutdown(), 1.0, "DHT shutdown")
+        if self._nat is not None:
+            await bounded_step(self._nat.close(), 1.0, "relay")
         if self._server is not None:
             await bounded_step(self._server.stop(0.2), 1.0, "server")
         if self._channels is not None:

@@ -314,6 +314,14 @@ def status_to_dict(status: control_pb2.StatusResponse) -> dict[str, Any]:
         "bandwidth_samples": status.bandwidth_samples,
         "kind": status.kind or "peer",
         "stored_records": status.stored_records,
+        "reachability": status.reachability or "unknown",
+        "relay": status.relay or None,
+        "relay_id": status.relay_id or None,
+        "observed_host": status.observed_host or None,
+        "relay_moves": status.relay_moves,
+        "relaying_reservations": status.relaying_reservations,
+        "relayed_bytes": status.relayed_bytes,
+        "relayed_connections": status.relayed_connections,
     }
 
 

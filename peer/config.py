@@ -202,7 +202,13 @@ class PeerConfig:
         run_id: the collaboration's name; everything stored or averaged is namespaced by it.
         control: control endpoint (unix socket path or ``127.0.0.1:PORT``); ``None``: the
             default socket for ``run_id``.
-        client_mode: accept no incoming connections (behind NAT or a firewall).
+        client_mode: accept no incoming connections (behind NAT or a firewall). Without it a
+            peer finds out itself whether others can dial it (dial-back) and, behind NAT,
+            is reached through a relay (docs/peer.md, "Behind NAT").
+        relay: when this peer is publicly reachable, relay connections for NATed peers
+            (bounded: peer/nat/limits.py).
+        relay_rate: MiB/s that one source (a dialer's address range) may push through this
+            peer's relay, both directions together; a faster one is slowed, not cut.
         identity: file holding the Ed25519 key; ``None``: a fresh identity per start.
         run_file: a private run's run file (``swarmavg run init``): the run id and the run
             authority's certificate. With ``credential``: mutual TLS on the gRPC port and the
@@ -229,6 +235,8 @@ class PeerConfig:
     run_id: str = "default"
     control: str | None = None
     client_mode: bool = False
+    relay: bool = True
+    relay_rate: float = 32.0
     identity: str | None = None
     run_file: str | None = None
     credential: str | None = None
@@ -273,6 +281,8 @@ class PeerConfig:
             )
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level {self.log_level!r}: one of {', '.join(LOG_LEVELS)}")
+        if not 0 < self.relay_rate <= 1e6:
+            raise ValueError(f"relay_rate {self.relay_rate}: MiB/s, above 0")
         if not 0 <= self.local_window <= 10:
             raise ValueError(f"local_window {self.local_window}: between 0 and 10 seconds")
         if not 0 <= self.shutdown_grace <= 60:

@@ -44,6 +44,7 @@ from swarmavg.dht import (
     Identity,
 )
 from swarmavg.dht.credentials import CredentialError, load_peer_credentials
+from swarmavg.dht.ranges import split_host
 from swarmavg.dht.server_limits import ServerLimits
 from swarmavg.dht.tasks import TaskSet, bounded_step
 from swarmavg.dht.tls import PeerTLS, bind_port, new_server
@@ -60,6 +61,9 @@ from swarmavg.peer.control_server import (
 )
 from swarmavg.peer.daemon_log import narrate
 from swarmavg.peer.endpoint import ControlEndpoint
+from swarmavg.peer.nat.agent import NatAgent
+from swarmavg.peer.nat.limits import MiB, RelayLimits
+from swarmavg.peer.nat.reservation import RelayedAddress
 from swarmavg.peer.netutil import announce_address, explain_bind_failure
 from swarmavg.peer.run_gather import gather_view, read_value
 from swarmavg.peer.run_view import ThisPeer
@@ -181,6 +185,7 @@ class Peer:
         self._public_server: grpc.aio.Server | None = None
         self._control_server: ControlServer | None = None
         self._channels: ChannelPool | None = None
+        self.nat: NatAgent | None = None
         self._metrics: Any = None
         self._tasks = TaskSet()  # shm sweeper, metrics sync
         self._started_at = 0.0
@@ -237,20 +242,11 @@ class Peer:
             raise StartupError(f"identity file {cfg.identity}: {exc}") from None
         tls = load_tls(cfg, self.identity)
         self._channels = ChannelPool(tls=tls)
-        self.dht = DHTNode(node_dht_config(cfg), self.identity, self._channels)
-        self._averager_config = cfg.averager_config()
-        self.averager = Averager(
-            self.dht, self._averager_config, self._channels, observer=self._on_matchmaking
-        )
+        self._build_members(cfg)
         if not cfg.client_mode:
-            dht, averager = self.dht, self.averager
-
-            def register(server: grpc.aio.Server) -> None:
-                dht.add_to_server(server)
-                averager.add_to_server(server)
-
-            self._public_server, port = await start_public_server(cfg.listen, register, tls)
-            self.address = announce_address(cfg.listen, port, cfg.announce)
+            cfg = await self._serve_public(cfg, tls)
+        assert self.dht is not None  # built above
+        assert self.averager is not None
         try:
             await self.dht.start(self.address)
         except BootstrapError as exc:
@@ -260,6 +256,8 @@ class Peer:
             await self.averager.start()
         except DataPlaneBindError as exc:
             raise StartupError(str(exc)) from None
+        if self.nat is not None:
+            self.nat.set_data_port(self.averager.data_port)
         await self._start_control()
         if cfg.metrics:
             await self._start_metrics(cfg.metrics)
@@ -275,6 +273,72 @@ class Peer:
             cfg.run_id,
             self.dht.num_known_peers(),
         )
+
+    def _build_members(self, cfg: PeerConfig) -> None:
+        """The DHT node and the averager for ``cfg`` (not started)."""
+        assert self.identity is not None  # set in _start
+        assert self._channels is not None
+        self.dht = DHTNode(node_dht_config(cfg), self.identity, self._channels)
+        self._averager_config = cfg.averager_config()
+        self.averager = Averager(
+            self.dht, self._averager_config, self._channels, observer=self._on_matchmaking
+        )
+
+    async def _serve_public(self, cfg: PeerConfig, tls: PeerTLS | None) -> PeerConfig:
+        """Bind the public server, find out how others reach this peer (dial-back) and
+        announce accordingly: directly, through a relay, or not at all (client mode, the
+        returned config says so). Returns the config the daemon runs with."""
+        assert self.identity is not None
+        assert self._channels is not None
+        dht, averager = self.dht, self.averager
+        assert dht is not None
+        assert averager is not None
+        listen_host = split_host(cfg.listen)
+        nat = NatAgent(
+            self._channels,
+            self.identity.peer_id,
+            cfg.relay,
+            listen_host,
+            RelayLimits(bytes_per_second_per_source=cfg.relay_rate * MiB),
+        )
+        self.nat = nat
+
+        def register(server: grpc.aio.Server) -> None:
+            dht.add_to_server(server)
+            averager.add_to_server(server)
+            nat.service.add_to_server(server)
+
+        self._public_server, port = await start_public_server(cfg.listen, register, tls)
+        settled = await nat.settle(
+            port=port,
+            announced=announce_address(cfg.listen, port, cfg.announce),
+            join=cfg.join,
+            explicit_announce=cfg.announce is not None,
+            signer=dht.signer,
+            authenticator=dht.authenticator,
+            routing=lambda: [address for _, address in self._contacts()],
+            on_move=self._on_relay_moved,
+        )
+        if settled.address is not None:
+            self.address = settled.address
+            averager.announced_data_port = settled.data_port
+            return cfg
+        # NATed and no relay: nobody can dial in, so serve nothing, as --client-mode would.
+        await self._public_server.stop(None)
+        self._public_server = None
+        cfg = dataclasses.replace(cfg, client_mode=True)
+        self.config = cfg
+        self._build_members(cfg)
+        return cfg
+
+    def _on_relay_moved(self, relayed: RelayedAddress) -> None:
+        """The reservation moved to another relay: announce the new address from now on."""
+        self.address = relayed.address
+        if self.dht is not None:
+            self.dht.protocol.set_address(relayed.address)
+        if self.averager is not None:
+            self.averager.relocate(relayed.address, relayed.data_port)
+        log.info("now reachable through relay %s as %s", relayed.relay, relayed.address)
 
     def _contacts(self) -> list[tuple[str, str]]:
         """The routing table as ``(peer id hex, address)`` pairs (for the narrator)."""
@@ -440,6 +504,7 @@ class Peer:
             version=__version__,
             pid=os.getpid(),
         )
+        self._fill_reachability(response)
         if self.averager is not None:
             response.bandwidth = self.averager.bandwidth.value
             response.bandwidth_measured = self.averager.bandwidth.measured
@@ -459,6 +524,25 @@ class Peer:
             response.shm_dev = info.st_dev
             response.shm_ino = info.st_ino
         return response
+
+    def _fill_reachability(self, response: control_pb2.StatusResponse) -> None:
+        nat = self.nat
+        if self.config.client_mode:
+            response.reachability = "client"
+        if nat is None:
+            return
+        response.reachability = nat.mode
+        if nat.reachability is not None:
+            response.observed_host = nat.reachability.observed_host
+        if nat.keeper is not None and nat.keeper.current is not None:
+            response.relay = nat.keeper.current.relay
+            response.relay_id = nat.keeper.current.relay_id.hex()
+            response.relay_moves = nat.keeper.moves
+        if nat.relay is not None:
+            relay = nat.relay.status()
+            response.relaying_reservations = relay["reservations"]
+            response.relayed_bytes = relay["relayed_bytes"]
+            response.relayed_connections = relay["relayed_connections"]
 
     def client(self) -> AsyncClient:
         """An :class:`AsyncClient` for this peer (``async with peer.client() as c:``)."""
@@ -497,6 +581,8 @@ class Peer:
         self.segments.close()
         if self.dht is not None:
             await bounded_step(self.dht.shutdown(), left(1.0), "DHT shutdown")
+        if self.nat is not None:
+            await bounded_step(self.nat.close(), left(1.0), "relay")
         if self._public_server is not None:
             await bounded_step(self._public_server.stop(0.2), left(1.0), "public server")
         if self._channels is not None:

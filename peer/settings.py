@@ -154,7 +154,25 @@ SETTINGS: tuple[Setting, ...] = (
         "ENDPOINT",
         BOTH,
     ),
-    Setting("peer", "client_mode", "accept no incoming connections (behind NAT)"),
+    Setting(
+        "peer",
+        "client_mode",
+        "accept no incoming connections (without it, a peer behind NAT is found out and "
+        "reached through a relay)",
+    ),
+    Setting(
+        "peer",
+        "relay",
+        "when publicly reachable, relay connections for peers behind NAT (default on)",
+        commands=BOTH,
+    ),
+    Setting(
+        "peer",
+        "relay_rate",
+        "MiB/s one source may push through this peer's relay, both ways (default 32)",
+        "MIBPS",
+        BOTH,
+    ),
     Setting(
         "peer",
         "metrics",

@@ -54,6 +54,29 @@ def format_dht_status(status: dict[str, Any]) -> str:
     )
 
 
+def reachability(status: dict[str, Any]) -> str:
+    """How others reach this peer, in words: "public", "relayed through HOST:PORT (...)"."""
+    kind = status.get("reachability") or "unknown"
+    seen = f", seen as {status['observed_host']}" if status.get("observed_host") else ""
+    if kind == "relayed":
+        moves = int(status.get("relay_moves") or 0)
+        moved = f", moved {moves} time{'s' if moves != 1 else ''}" if moves else ""
+        relay_id = str(status.get("relay_id") or "")[:12]
+        return f"behind NAT, relayed through {status.get('relay')} ({relay_id}{seen}{moved})"
+    if kind == "public":
+        relayed = int(status.get("relaying_reservations") or 0)
+        relaying = (
+            f"; relaying for {relayed} peer{'s' if relayed != 1 else ''}, "
+            f"{_bytes(int(status.get('relayed_bytes') or 0))} so far"
+            if relayed or status.get("relayed_bytes")
+            else ""
+        )
+        return f"public (dialled directly{seen}){relaying}"
+    if kind == "client":
+        return "client mode (no incoming connections)"
+    return "not checked (no initial peer could dial back): announced as configured"
+
+
 def format_status(status: dict[str, Any]) -> str:
     """A small table of the figures ``client.status()`` returns."""
     if status.get("kind") == "dht":
@@ -63,6 +86,7 @@ def format_status(status: dict[str, Any]) -> str:
         ("peer id", status["peer_id"]),
         ("run", status["run_id"]),
         ("address", status["address"] or "(client mode: no incoming connections)"),
+        ("reachable", reachability(status)),
         ("control", status["control"]),
         ("peers", f"{known + 1} ({known} known + this one)"),
         ("DHT size estimate", f"{status['dht_size_estimate']:.0f}"),

@@ -216,7 +216,7 @@ class CodecStats(_message.Message):
     def __init__(self, rounds: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("peer_id", "run_id", "address", "control", "client_mode", "known_peers", "dht_size_estimate", "rounds_done", "rounds_failed", "bytes_sent", "bytes_received", "codecs", "failures", "uptime", "version", "active_calls", "shm_dir", "shm_dev", "shm_ino", "pid", "bandwidth", "bandwidth_measured", "bandwidth_samples", "rounds_partial", "kind", "stored_records")
+    __slots__ = ("peer_id", "run_id", "address", "control", "client_mode", "known_peers", "dht_size_estimate", "rounds_done", "rounds_failed", "bytes_sent", "bytes_received", "codecs", "failures", "uptime", "version", "active_calls", "shm_dir", "shm_dev", "shm_ino", "pid", "bandwidth", "bandwidth_measured", "bandwidth_samples", "rounds_partial", "kind", "stored_records", "reachability", "relay", "relay_id", "observed_host", "relay_moves", "relaying_reservations", "relayed_bytes", "relayed_connections")
     class CodecsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +257,14 @@ class StatusResponse(_message.Message):
     ROUNDS_PARTIAL_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     STORED_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    RELAY_ID_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_HOST_FIELD_NUMBER: _ClassVar[int]
+    RELAY_MOVES_FIELD_NUMBER: _ClassVar[int]
+    RELAYING_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     run_id: str
     address: str
@@ -283,7 +291,15 @@ class StatusResponse(_message.Message):
     rounds_partial: int
     kind: str
     stored_records: int
-    def __init__(self, peer_id: _Optional[str] = ..., run_id: _Optional[str] = ..., address: _Optional[str] = ..., control: _Optional[str] = ..., client_mode: _Optional[bool] = ..., known_peers: _Optional[int] = ..., dht_size_estimate: _Optional[float] = ..., rounds_done: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., codecs: _Optional[_Mapping[str, CodecStats]] = ..., failures: _Optional[_Mapping[str, int]] = ..., uptime: _Optional[float] = ..., version: _Optional[str] = ..., active_calls: _Optional[int] = ..., shm_dir: _Optional[str] = ..., shm_dev: _Optional[int] = ..., shm_ino: _Optional[int] = ..., pid: _Optional[int] = ..., bandwidth: _Optional[float] = ..., bandwidth_measured: _Optional[bool] = ..., bandwidth_samples: _Optional[int] = ..., rounds_partial: _Optional[int] = ..., kind: _Optional[str] = ..., stored_records: _Optional[int] = ...) -> None: ...
+    reachability: str
+    relay: str
+    relay_id: str
+    observed_host: str
+    relay_moves: int
+    relaying_reservations: int
+    relayed_bytes: int
+    relayed_connections: int
+    def __init__(self, peer_id: _Optional[str] = ..., run_id: _Optional[str] = ..., address: _Optional[str] = ..., control: _Optional[str] = ..., client_mode: _Optional[bool] = ..., known_peers: _Optional[int] = ..., dht_size_estimate: _Optional[float] = ..., rounds_done: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., codecs: _Optional[_Mapping[str, CodecStats]] = ..., failures: _Optional[_Mapping[str, int]] = ..., uptime: _Optional[float] = ..., version: _Optional[str] = ..., active_calls: _Optional[int] = ..., shm_dir: _Optional[str] = ..., shm_dev: _Optional[int] = ..., shm_ino: _Optional[int] = ..., pid: _Optional[int] = ..., bandwidth: _Optional[float] = ..., bandwidth_measured: _Optional[bool] = ..., bandwidth_samples: _Optional[int] = ..., rounds_partial: _Optional[int] = ..., kind: _Optional[str] = ..., stored_records: _Optional[int] = ..., reachability: _Optional[str] = ..., relay: _Optional[str] = ..., relay_id: _Optional[str] = ..., observed_host: _Optional[str] = ..., relay_moves: _Optional[int] = ..., relaying_reservations: _Optional[int] = ..., relayed_bytes: _Optional[int] = ..., relayed_connections: _Optional[int] = ...) -> None: ...
 
 class PeersRequest(_message.Message):
     __slots__ = ("training_run",)

@@ -41,6 +41,8 @@ SAMPLES: dict[str, str] = {
     "run_id": '"r"',
     "control": '"/tmp/x.sock"',
     "client_mode": "true",
+    "relay": "false",
+    "relay_rate": "8.0",
     "identity": '"/tmp/id.key"',
     "run_file": '"/tmp/r.run.toml"',
     "credential": '"/tmp/id.cred.pem"',
