@@ -11,7 +11,7 @@ from swarmavg.averaging.optim import StreamingDiLoCo
 from tests.harness import ProcessPool, SwarmavgProcess
 
 RUN = "train-test"
-DAEMON_READY = 90.0
+DAEMON_READY = 240.0
 """Seconds a daemon may take to print its ready line: a deadline for a loaded machine
 (these tests start three), not a measurement."""
 PROGRESS_TTL = 3.0
