@@ -47,6 +47,7 @@ import functools
 import hashlib
 import json
 import math
+import re
 import sys
 import sysconfig
 import tempfile
@@ -64,6 +65,8 @@ PEERS = 4
 HEADS = 4
 STREAMING_FRAGMENTS = 5
 """Streaming DiLoCo's fragments: H = 50 -> a fragment sync every 10 inner steps."""
+SPLIT_BLOCK = 16384
+"""Bytes per block of the ``interleaved`` split (a few files' worth, far above a window)."""
 VAL_SHARE = 26
 """A file is validation when the last byte of its path's sha256 is below this (~10%)."""
 METHODS = (
@@ -75,6 +78,11 @@ METHODS = (
     "sparseloco-h50",
     "streaming-h50",
     "powersgd-r4",
+)
+"""The default methods; any ``diloco-hN``, ``sparseloco-hN``, ``streaming-hN`` (N a multiple
+of the fragments), ``powersgd-rN`` or ``grad-CODEC`` is accepted too."""
+METHOD_PATTERN = re.compile(
+    r"(diloco|sparseloco|streaming)-h[1-9][0-9]*|powersgd-r[1-9][0-9]*|grad-.+"
 )
 
 
@@ -96,6 +104,16 @@ class Config:
     sparse_fraction: float = 1 / 32
     outer_momentum: float = 0.9
     """DiLoCo's and streaming DiLoCo's outer Nesterov momentum (the paper's 0.9)."""
+    outer_lr: float = 0.7
+    """DiLoCo's and streaming DiLoCo's outer Nesterov lr (the paper's 0.7)."""
+    sparse_decay: float = 1.0
+    """SparseLoCo's error-feedback decay (1: classic error feedback)."""
+    warmup: int = 0
+    """Inner steps of linear lr warm-up before the cosine (the reference's too)."""
+    split: str = "contiguous"
+    """How the training text becomes 4 shards: ``contiguous`` (4 runs of files: each
+    trainer sees other modules, non-iid) or ``interleaved`` (blocks of ``SPLIT_BLOCK``
+    bytes dealt round robin: disjoint, but every trainer sees every module)."""
     timeout: float = 60.0
 
 
@@ -126,8 +144,16 @@ def corpus(max_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     return as_array(train)[:max_bytes], as_array(val)
 
 
-def shard(train: np.ndarray, index: int, peers: int = PEERS) -> np.ndarray:
-    """Trainer ``index``'s contiguous, disjoint part of the training text."""
+def shard(
+    train: np.ndarray, index: int, split: str = "contiguous", peers: int = PEERS
+) -> np.ndarray:
+    """Trainer ``index``'s disjoint part of the training text (``Config.split``)."""
+    if split == "interleaved":
+        blocks = train.size // SPLIT_BLOCK
+        mine = [train[b * SPLIT_BLOCK : (b + 1) * SPLIT_BLOCK] for b in range(index, blocks, peers)]
+        return np.concatenate(mine)
+    if split != "contiguous":
+        raise ValueError(f"unknown split {split!r}")
     bounds = np.linspace(0, train.size, peers + 1).astype(np.int64)
     return train[bounds[index] : bounds[index + 1]]
 
@@ -217,7 +243,12 @@ def validation_loss(model: Any, rows: Any) -> float:
 
 
 def lr_at(step: int, cfg: Config) -> float:
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step, cfg.steps) / cfg.steps)))
+    """Linear warm-up over ``cfg.warmup`` steps, then cosine from ``cfg.lr`` to 10%."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    span = max(1, cfg.steps - cfg.warmup)
+    done = min(step - cfg.warmup, span) / span
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
 
 
 def adamw(model: Any, cfg: Config) -> Any:
@@ -302,12 +333,16 @@ def build_wrapper(
     family, _, h = method.partition("-h")
     options: dict[str, Any] = {"local_steps": int(h), "batch_size_per_step": cfg.batch}
     momentum = cfg.outer_momentum
-    nesterov = lambda p: torch.optim.SGD(p, lr=0.7, momentum=momentum, nesterov=True)  # noqa: E731
+    nesterov = lambda p: torch.optim.SGD(  # noqa: E731
+        p, lr=cfg.outer_lr, momentum=momentum, nesterov=momentum > 0
+    )
     if family == "diloco":
         options.update(codec="uint8-blockwise", outer_optimizer=nesterov)
     elif family == "sparseloco":
         lr = cfg.sparse_outer_lr
-        options["codec"] = f"sparseloco:fraction={cfg.sparse_fraction}"
+        options["codec"] = f"sparseloco:fraction={cfg.sparse_fraction}" + (
+            f",decay={cfg.sparse_decay}" if cfg.sparse_decay != 1.0 else ""
+        )
         options["outer_optimizer"] = (
             sgd_outer_optimizer if lr == 1.0 else lambda p: torch.optim.SGD(p, lr=lr)
         )
@@ -331,7 +366,9 @@ def train_peer(job: Job) -> dict[str, Any]:
 
     cfg = Config(**job.config)
     train, val = corpus(cfg.max_bytes)
-    windows = Windows(shard(train, job.shard), cfg.context, 100 + job.shard + 1000 * cfg.seed)
+    windows = Windows(
+        shard(train, job.shard, cfg.split), cfg.context, 100 + job.shard + 1000 * cfg.seed
+    )
     model = make_model(cfg)
     inner = adamw(model, cfg)
     with connect(job.control) as client:
@@ -426,6 +463,32 @@ def run_method(
     }
 
 
+REFERENCE_FIELDS = (
+    "steps",
+    "batch",
+    "context",
+    "d_model",
+    "layers",
+    "lr",
+    "max_bytes",
+    "val_windows",
+    "seed",
+    "warmup",
+)
+"""The settings the single process depends on (the split and the outer settings do not)."""
+
+
+def reference_key(cfg: Config) -> str:
+    return json.dumps({f: getattr(cfg, f) for f in REFERENCE_FIELDS}, sort_keys=True)
+
+
+def load_cache(path: Path | None) -> dict[str, Any]:
+    if path is None or not path.exists():
+        return {}
+    loaded = json.loads(path.read_text())
+    return loaded if isinstance(loaded, dict) else {}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -445,7 +508,17 @@ def main() -> None:
     parser.add_argument("--sparse-outer-lr", type=float, default=defaults.sparse_outer_lr)
     parser.add_argument("--sparse-fraction", type=float, default=defaults.sparse_fraction)
     parser.add_argument("--outer-momentum", type=float, default=defaults.outer_momentum)
+    parser.add_argument("--outer-lr", type=float, default=defaults.outer_lr)
+    parser.add_argument("--sparse-decay", type=float, default=defaults.sparse_decay)
+    parser.add_argument("--warmup", type=int, default=defaults.warmup, help="lr warm-up steps")
+    parser.add_argument("--split", choices=("contiguous", "interleaved"), default=defaults.split)
     parser.add_argument("--timeout", type=float, default=defaults.timeout, help="s per round")
+    parser.add_argument(
+        "--reference-cache",
+        type=Path,
+        help="a JSON file of single-process results by configuration: read if it holds "
+        "this one, else written (the reference does not depend on the methods' settings)",
+    )
     parser.add_argument("--smoke", action="store_true", help="a one-minute configuration")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -464,6 +537,10 @@ def main() -> None:
         sparse_outer_lr=args.sparse_outer_lr,
         sparse_fraction=args.sparse_fraction,
         outer_momentum=args.outer_momentum,
+        outer_lr=args.outer_lr,
+        sparse_decay=args.sparse_decay,
+        warmup=args.warmup,
+        split=args.split,
         timeout=args.timeout,
     )
     if args.smoke:
@@ -478,12 +555,16 @@ def main() -> None:
             sparse_outer_lr=args.sparse_outer_lr,
             sparse_fraction=args.sparse_fraction,
             outer_momentum=args.outer_momentum,
+            outer_lr=args.outer_lr,
+            sparse_decay=args.sparse_decay,
+            warmup=args.warmup,
+            split=args.split,
             timeout=args.timeout,
         )
     methods = [m for m in args.methods.split(",") if m]
     for m in methods:
-        if m not in METHODS:
-            parser.error(f"unknown method {m!r}; known: {', '.join(METHODS)}")
+        if not METHOD_PATTERN.fullmatch(m):
+            parser.error(f"unknown method {m!r}; known: {', '.join(METHODS)} (any H, r, codec)")
     with tempfile.TemporaryDirectory(prefix="swarmavg-lm-") as tmp:
         workdir = Path(tmp)
         with open(workdir / "log.txt", "wb") as log:
@@ -493,10 +574,16 @@ def main() -> None:
             try:
                 for w in workers:
                     w.wait_for(lambda r: r.get("event") == "idle", 300)
-                mark = workers[0].send({"reference": asdict(cfg)})
-                reference = workers[0].wait_for(
-                    lambda r: r.get("event") == "reference", 60 + 10 * cfg.steps, mark
-                )
+                cache = load_cache(args.reference_cache)
+                reference = cache.get(reference_key(cfg))
+                if reference is None:
+                    mark = workers[0].send({"reference": asdict(cfg)})
+                    reference = workers[0].wait_for(
+                        lambda r: r.get("event") == "reference", 60 + 10 * cfg.steps, mark
+                    )
+                    if args.reference_cache is not None:
+                        cache[reference_key(cfg)] = reference
+                        args.reference_cache.write_text(json.dumps(cache, indent=1))
                 emit({"method": "single-process", "config": asdict(cfg), **reference})
                 base_bytes: int | None = None
                 for method in methods:

@@ -15,9 +15,10 @@ torch is imported inside functions only.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -25,6 +26,14 @@ from swarmavg.averaging.training.base import SwarmOptimizer
 from swarmavg.averaging.training.consensus import Provenance, Role, Verdict
 from swarmavg.averaging.training.digest import state_digest
 from swarmavg.averaging.training.progress import GlobalProgress
+from swarmavg.averaging.training.schedule import (
+    DEFAULT_BOUNDS,
+    DEFAULT_OVERHEAD,
+    RoundTimer,
+    check_bounds,
+    diloco_local_steps,
+    swarm_ratio,
+)
 from swarmavg.averaging.training.state import TrainingState
 from swarmavg.averaging.training.swarm import SwarmClient, SwarmRoundWarning
 from swarmavg.averaging.training.tensors import copy_into, to_arrays
@@ -109,7 +118,11 @@ class DiLoCo(SwarmOptimizer):
             its state stays local.
         client: a connected swarmavg client.
         run_id: the training run.
-        local_steps: H, inner steps between two outer steps.
+        local_steps: H, inner steps between two outer steps, or ``"auto"``: H chosen
+            from the measured inner step and round times so that a round costs at most
+            ``auto_overhead`` of the compute between two (module
+            :mod:`~swarmavg.averaging.training.schedule`; every member must use
+            ``"auto"`` then, and all of them pick the same H).
         batch_size_per_step: samples behind one ``step()`` (the round's weight is the
             samples since the last outer step).
         outer_optimizer: builds the outer optimizer from the parameter list (default:
@@ -119,6 +132,9 @@ class DiLoCo(SwarmOptimizer):
             ``"centered-clip"`` or ``"trimmed-mean"``, parameters in the name
             (docs/averaging.md, "Aggregation"); robust rules for runs that admit
             strangers. A wrong name raises ``ValueError`` here.
+        local_steps_bounds: (lowest, highest) H for ``"auto"`` (the first outer step uses
+            the lowest: nothing is measured yet).
+        auto_overhead: for ``"auto"``, the share of compute a blocking round may cost.
         averaging_timeout, min_group_size, progress_ttl, publish_state_every,
         load_state_on_start, state_timeout, peer_id, verbose: as for
             ``CollaborativeOptimizer`` (``verbose``: the samples and the time to the outer
@@ -137,11 +153,13 @@ class DiLoCo(SwarmOptimizer):
         inner_optimizer: torch.optim.Optimizer,
         client: SwarmClient,
         run_id: str,
-        local_steps: int,
+        local_steps: int | Literal["auto"],
         batch_size_per_step: int = 1,
         outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
         codec: str | None = None,
         *,
+        local_steps_bounds: tuple[int, int] = DEFAULT_BOUNDS,
+        auto_overhead: float = DEFAULT_OVERHEAD,
         aggregation: str = "mean",
         averaging_timeout: float = 60.0,
         min_group_size: int = 2,
@@ -152,8 +170,23 @@ class DiLoCo(SwarmOptimizer):
         peer_id: str | None = None,
         verbose: bool = False,
     ) -> None:
+        self.auto = local_steps == "auto"
+        self.local_steps_bounds = check_bounds(local_steps_bounds)
+        if not auto_overhead > 0:
+            raise ValueError(f"auto_overhead must be positive, got {auto_overhead}")
+        self.auto_overhead = float(auto_overhead)
+        if isinstance(local_steps, str):
+            if not self.auto:
+                raise ValueError(
+                    f"local_steps must be a positive int or 'auto', got {local_steps!r}"
+                )
+            local_steps = self._initial_local_steps()
         if local_steps <= 0:
             raise ValueError(f"local_steps must be positive, got {local_steps}")
+        self.timer = RoundTimer()
+        self.agreed_ratio: float | None = None
+        """The swarm's last agreed round-to-step time ratio (``"auto"``; None before)."""
+        self._last_step_end: float | None = None
         super().__init__(
             params,
             inner_optimizer,
@@ -189,6 +222,7 @@ class DiLoCo(SwarmOptimizer):
         loss = self._run_closure(closure)
         samples = self._samples(batch_size)
         self.inner_optimizer.step()
+        self._time_step()
         self.inner_steps += 1
         self.tracker.add_samples(samples)
         if self.inner_steps >= self.steps_this_round:
@@ -197,6 +231,7 @@ class DiLoCo(SwarmOptimizer):
             self.tracker.report()
         self._log_progress()
         self.tracker.meter.start()
+        self._last_step_end = time.monotonic()
         return loss
 
     def _verbose_figures(self) -> tuple[int, int, float, int, float]:
@@ -210,6 +245,58 @@ class DiLoCo(SwarmOptimizer):
         p = self.tracker.last
         return samples, target, max(p.samples_per_second, own), max(p.num_peers, 1), eta
 
+    # ------------------------------------------------------------ local_steps="auto"
+
+    def _initial_local_steps(self) -> int:
+        """H before anything is measured (``"auto"``): the lowest bound."""
+        return self.local_steps_bounds[0]
+
+    def _time_step(self) -> None:
+        """One inner step's seconds: from the end of the last ``step()`` (after any sync)
+        to the end of this one's inner update, so forward, backward and the update."""
+        if self._last_step_end is not None:
+            self.timer.add_step(time.monotonic() - self._last_step_end)
+
+    def _with_schedule(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """``arrays`` plus the two one-element tensors that carry this member's measured
+        ratio (``"auto"`` only; module :mod:`~swarmavg.averaging.training.schedule`)."""
+        if not self.auto:
+            return arrays
+        weighted, known = self.timer.ratio_pair()
+        return [*arrays, np.array([weighted], np.float32), np.array([known], np.float32)]
+
+    def _split_schedule(self, tensors: Sequence[Any]) -> tuple[list[Any], float | None]:
+        """A round's tensors without the schedule pair, and the swarm's ratio (None: not
+        ``"auto"``, or no member had measured one)."""
+        if not self.auto:
+            return list(tensors), None
+        *rest, weighted, known = tensors
+        ratio = swarm_ratio(
+            float(np.asarray(weighted).reshape(-1)[0]), float(np.asarray(known).reshape(-1)[0])
+        )
+        return rest, ratio
+
+    def _plan(self, ratio: float | None) -> None:
+        """Take the H the swarm's ratio asks for (the same on every member)."""
+        if ratio is not None:
+            self.agreed_ratio = ratio
+            self.local_steps = diloco_local_steps(
+                ratio, overhead=self.auto_overhead, bounds=self.local_steps_bounds
+            )
+            self.tracker.target_batch_size = self.local_steps * self.batch_size_per_step
+
+    def _schedule_extra(self) -> dict[str, Any]:
+        """The schedule a published state or checkpoint carries (``"auto"`` only)."""
+        return {"local_steps": self.local_steps} if self.auto else {}
+
+    def _adopt_schedule(self, extra: dict[str, Any]) -> None:
+        """Continue with the schedule of a loaded state (the swarm's H)."""
+        h = extra.get("local_steps")
+        if self.auto and isinstance(h, int) and not isinstance(h, bool):
+            low, high = self.local_steps_bounds
+            self.local_steps = max(low, min(high, h))
+            self.tracker.target_batch_size = self.local_steps * self.batch_size_per_step
+
     def state_dict(self) -> dict[str, Any]:
         """Epoch, inner progress, anchor, and both optimizers' states (a checkpoint)."""
         return {
@@ -220,6 +307,7 @@ class DiLoCo(SwarmOptimizer):
             "anchor": [a.clone() for a in self.anchor],
             "outer": self.outer_optimizer.state_dict(),
             "inner": self.inner_optimizer.state_dict(),
+            **self._schedule_extra(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -229,6 +317,7 @@ class DiLoCo(SwarmOptimizer):
         self.outer_optimizer.load_state_dict(state["outer"])
         self.inner_optimizer.load_state_dict(state["inner"])
         self.inner_steps = int(state["inner_steps"])
+        self._adopt_schedule(state)
         self.steps_this_round = self.local_steps
         self.tracker.set_epoch(int(state["epoch"]), int(state.get("samples", 0)))
         self._provenance = None
@@ -246,10 +335,12 @@ class DiLoCo(SwarmOptimizer):
         delta = to_arrays(pseudo_gradient(self.anchor, self.params))
         digest = self._shared_digest()
         result = None
+        averaged: list[Any] = []
         verdict: Verdict | None = None
         if progress.num_peers > 1:
+            started = time.monotonic()
             result = self.link.average(
-                delta,
+                self._with_schedule(delta),
                 key=key,
                 weight=float(self.tracker.samples),
                 group_size=progress.num_peers,
@@ -269,6 +360,10 @@ class DiLoCo(SwarmOptimizer):
                     stacklevel=3,
                 )
             else:
+                self.timer.add_round(time.monotonic() - started)
+                averaged, ratio = self._split_schedule(result.tensors)
+                if not result.partial:  # a partial round's pair may be this member's own
+                    self._plan(ratio)
                 verdict = self._judge(result, digest, key)
         if result is not None and verdict is not None and verdict.role is Role.REPAIR:
             state = self._repair(verdict, result, epoch + 1, key, self.params)
@@ -280,7 +375,7 @@ class DiLoCo(SwarmOptimizer):
         outer_step(
             self.params,
             self.anchor,
-            delta if result is None else result.tensors,
+            delta if result is None else averaged,
             self.outer_optimizer,
         )
         if result is None:
@@ -291,6 +386,7 @@ class DiLoCo(SwarmOptimizer):
         self._next_outer_step(epoch + 1, serve=serve)
 
     def _next_outer_step(self, epoch: int, *, serve: bool) -> None:
+        self.timer.reset_steps()
         self.inner_steps = 0
         self.steps_this_round = self.local_steps
         self.tracker.set_epoch(epoch)
@@ -307,6 +403,7 @@ class DiLoCo(SwarmOptimizer):
         copy_into(self.params, state.params)
         if "outer" in state.optimizers:
             self.outer_optimizer.load_state_dict(state.optimizers["outer"])
+        self._adopt_schedule(state.extra)
 
     def _shared_digest(self) -> bytes:
         """The synchronised parameters (the anchor), the outer optimizer's state and the
@@ -322,6 +419,7 @@ class DiLoCo(SwarmOptimizer):
                 "outer": self.outer_optimizer.state_dict(),
                 "inner": self.inner_optimizer.state_dict(),
             },
+            extra=self._schedule_extra(),
         )
 
     def _catch_up(self, progress: GlobalProgress) -> None:
@@ -338,6 +436,7 @@ class DiLoCo(SwarmOptimizer):
                 self.outer_optimizer.load_state_dict(state.optimizers["outer"])
             if "inner" in state.optimizers:
                 self.inner_optimizer.load_state_dict(state.optimizers["inner"])
+            self._adopt_schedule(state.extra)
             epoch = max(state.epoch, progress.epoch)
         else:
             copy_into(self.anchor, [p.detach() for p in self.params])
@@ -354,6 +453,7 @@ class DiLoCo(SwarmOptimizer):
         self.steps_this_round = max(1, self.local_steps - done // self.batch_size_per_step)
         self.tracker.set_epoch(epoch)
         self.tracker.report()
+        self._last_step_end = None  # the download is not an inner step
 
 
 __all__ = [

@@ -28,17 +28,25 @@ work as for DiLoCo. Its cost is staleness of ``overlap_steps`` steps, small agai
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from swarmavg.averaging.training.consensus import Provenance, Role, Verdict
 from swarmavg.averaging.training.diloco import DiLoCo, outer_step, pseudo_gradient
 from swarmavg.averaging.training.progress import GlobalProgress
+from swarmavg.averaging.training.schedule import (
+    DEFAULT_BOUNDS,
+    DEFAULT_MARGIN,
+    StreamingSchedule,
+    check_bounds,
+    streaming_schedule,
+)
 from swarmavg.averaging.training.swarm import RoundResultLike, SwarmClient, SwarmRoundWarning
 from swarmavg.averaging.training.tensors import collect_params, to_arrays
 
@@ -118,7 +126,7 @@ class _PendingSync:
     """The fragment's parameters when the sync started."""
     local: list[np.ndarray]
     digest: bytes
-    future: Future[tuple[RoundResultLike | None, str]]
+    future: Future[tuple[RoundResultLike | None, str, float]]
     samples: int
     """This member's samples counted when the sync started (its round's weight)."""
     waited: int = 0
@@ -134,11 +142,16 @@ class StreamingDiLoCo(DiLoCo):
             ``uint4-blockwise`` included; the outer optimizer steps only the synced
             fragment's tensors).
         local_steps: H, inner steps between two syncs of the same fragment; a multiple of
-            ``fragments``.
+            ``fragments``. Or ``"auto"``: H and ``overlap_steps`` chosen from the measured
+            inner step and round times so that each round ends within the steps it
+            overlaps (:func:`~swarmavg.averaging.training.schedule.streaming_schedule`;
+            every member must use ``"auto"`` then, and all of them pick the same).
         fragments: F, the number of fragments (contiguous groups of parameter tensors of
             about equal size).
         overlap_steps: inner steps a sync's round overlaps before its result is applied;
-            at least 1 and less than ``H / F``.
+            at least 1 and less than ``H / F`` (ignored with ``"auto"``).
+        local_steps_bounds: (lowest, highest) H for ``"auto"``.
+        auto_margin: for ``"auto"``, overlap this many times the measured round.
 
     ``epoch`` counts fragment syncs (F per H inner steps). ``anchor`` holds the swarm's
     synchronised parameters; the model's own parameters are the anchor plus this
@@ -159,15 +172,29 @@ class StreamingDiLoCo(DiLoCo):
         inner_optimizer: torch.optim.Optimizer,
         client: SwarmClient,
         run_id: str,
-        local_steps: int,
+        local_steps: int | Literal["auto"],
         batch_size_per_step: int = 1,
         outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
         codec: str | None = None,
         *,
         fragments: int = 4,
         overlap_steps: int = 1,
+        local_steps_bounds: tuple[int, int] = DEFAULT_BOUNDS,
+        auto_margin: float = DEFAULT_MARGIN,
         **options: Any,
     ) -> None:
+        if not auto_margin > 0:
+            raise ValueError(f"auto_margin must be positive, got {auto_margin}")
+        self.auto_margin = float(auto_margin)
+        auto = local_steps == "auto"
+        if auto:
+            # Nothing measured yet: the shortest schedule the bounds allow.
+            first = streaming_schedule(
+                0.0, fragments, margin=auto_margin, bounds=check_bounds(local_steps_bounds)
+            )
+            local_steps, overlap_steps = first.local_steps, first.overlap_steps
+        elif isinstance(local_steps, str):
+            raise ValueError(f"local_steps must be a positive int or 'auto', got {local_steps!r}")
         if fragments < 1 or local_steps <= 0 or local_steps % fragments:
             raise ValueError(
                 f"local_steps ({local_steps}) must be a positive multiple of fragments "
@@ -191,10 +218,11 @@ class StreamingDiLoCo(DiLoCo):
                 inner_optimizer,
                 client,
                 run_id,
-                local_steps=period,
+                local_steps="auto" if auto else period,
                 batch_size_per_step=batch_size_per_step,
                 outer_optimizer=outer_optimizer,
                 codec=codec,
+                local_steps_bounds=local_steps_bounds,
                 **options,
             )
         except BaseException:
@@ -211,6 +239,7 @@ class StreamingDiLoCo(DiLoCo):
         loss = self._run_closure(closure)
         samples = self._samples(batch_size)
         self.inner_optimizer.step()
+        self._time_step()
         self.inner_steps += 1
         self.tracker.add_samples(samples)
         if self._pending is not None:
@@ -223,7 +252,48 @@ class StreamingDiLoCo(DiLoCo):
             self.tracker.report()
         self._log_progress()
         self.tracker.meter.start()
+        self._last_step_end = time.monotonic()  # a wait for a round is not an inner step
         return loss
+
+    # ------------------------------------------------------------ local_steps="auto"
+
+    def _initial_local_steps(self) -> int:
+        """DiLoCo's bookkeeping counts H / F inner steps per sync."""
+        return self.cycle_steps // len(self.fragments)
+
+    def _plan(self, ratio: float | None) -> None:
+        if ratio is not None:
+            self.agreed_ratio = ratio
+            self._set_schedule(
+                streaming_schedule(
+                    ratio,
+                    len(self.fragments),
+                    margin=self.auto_margin,
+                    bounds=self.local_steps_bounds,
+                )
+            )
+
+    def _set_schedule(self, schedule: StreamingSchedule) -> None:
+        self.cycle_steps = schedule.local_steps
+        self.overlap_steps = schedule.overlap_steps
+        self.local_steps = schedule.local_steps // len(self.fragments)
+        self.steps_this_round = self.local_steps
+        self.tracker.target_batch_size = self.local_steps * self.batch_size_per_step
+
+    def _schedule_extra(self) -> dict[str, Any]:
+        if not self.auto:
+            return {}
+        return {"local_steps": self.cycle_steps, "overlap_steps": self.overlap_steps}
+
+    def _adopt_schedule(self, extra: dict[str, Any]) -> None:
+        """The swarm's schedule from a loaded state, when it is a valid one."""
+        h, overlap = extra.get("local_steps"), extra.get("overlap_steps")
+        if not (self.auto and type(h) is int and type(overlap) is int):
+            return
+        low, high = self.local_steps_bounds
+        f = len(self.fragments)
+        if low <= h <= high and h % f == 0 and 1 <= overlap < h // f:
+            self._set_schedule(StreamingSchedule(h, overlap))
 
     def state_dict(self) -> dict[str, Any]:
         """As for DiLoCo; a sync still in flight is applied first (early)."""
@@ -252,7 +322,12 @@ class StreamingDiLoCo(DiLoCo):
         digest = self._shared_digest()
         samples = int(self.tracker.samples)
         future = self._executor.submit(
-            self._round, local, f"diloco.{epoch}", float(samples), progress, digest
+            self._round,
+            self._with_schedule(local),
+            f"diloco.{epoch}",
+            float(samples),
+            progress,
+            digest,
         )
         start = [p.detach().clone() for p in current]
         self._pending = _PendingSync(epoch, fragment, start, local, digest, future, samples)
@@ -267,11 +342,13 @@ class StreamingDiLoCo(DiLoCo):
         weight: float,
         progress: GlobalProgress,
         digest: bytes,
-    ) -> tuple[RoundResultLike | None, str]:
-        """The round, in the background thread (it only reads its arguments and the link)."""
+    ) -> tuple[RoundResultLike | None, str, float]:
+        """The round, in the background thread (it only reads its arguments and the link);
+        returns the result, the error if it failed, and its seconds."""
         if progress.num_peers <= 1:
-            return None, ""
+            return None, "", 0.0
         failed = self.link.stats.failed
+        started = time.monotonic()
         result = self.link.average(
             arrays,
             key=key,
@@ -281,7 +358,8 @@ class StreamingDiLoCo(DiLoCo):
             state_digest=digest,
             expected=progress.members(),
         )
-        return result, (self.link.stats.last_error if self.link.stats.failed > failed else "")
+        error = self.link.stats.last_error if self.link.stats.failed > failed else ""
+        return result, error, time.monotonic() - started
 
     def _apply_pending(self) -> None:
         """Wait for the sync in flight (bounded by the round's deadline) and apply it."""
@@ -289,7 +367,7 @@ class StreamingDiLoCo(DiLoCo):
         if pending is None:
             return
         self._pending = None
-        result, error = pending.future.result()
+        result, error, seconds = pending.future.result()
         epoch, key = pending.epoch, f"diloco.{pending.epoch}"
         indices = self.fragments[pending.fragment]
         done = int(self.tracker.samples) - pending.samples  # samples during the overlap
@@ -304,7 +382,12 @@ class StreamingDiLoCo(DiLoCo):
                 SwarmRoundWarning,
                 stacklevel=3,
             )
-        elif result is not None:
+        averaged: list[Any] = []
+        if result is not None:
+            self.timer.add_round(seconds)
+            averaged, ratio = self._split_schedule(result.tensors)
+            if not result.partial:  # a partial round's pair may be this member's own
+                self._plan(ratio)
             verdict = self._judge(result, pending.digest, key)
         if result is not None and verdict is not None and verdict.role is Role.REPAIR:
             state = self._repair(verdict, result, epoch + 1, key, self.params)
@@ -323,7 +406,7 @@ class StreamingDiLoCo(DiLoCo):
             self.params,
             self.anchor,
             indices,
-            pending.local if result is None else result.tensors,
+            pending.local if result is None else averaged,
             self.outer_optimizer,
         )
         with torch.no_grad():
@@ -338,6 +421,7 @@ class StreamingDiLoCo(DiLoCo):
         )
 
     def _advance_sync(self, epoch: int, samples: int, *, serve: bool) -> None:
+        self.timer.reset_steps()
         self.tracker.set_epoch(epoch, samples)
         self._maybe_publish(epoch, serve=serve)
         self.tracker.report()
