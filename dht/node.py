@@ -383,15 +383,26 @@ class DHTNode:
     def _neighbourhood_in_doubt(self, seeds: Sequence[Contact]) -> bool:
         """Whether a maintenance round should look up our own id in full.
 
-        Yes when the rejoin's answer named a peer we do not know (a newcomer near us, or the
-        other half of a split swarm, hivemind issue 624) or when our own bucket had no lookup
-        within ``refresh_interval`` (paper 2.3). Otherwise newcomers near us already queried
-        us on their own join lookup and so are known: a full lookup every round in a stable
-        swarm costs each node about k RPCs and serves as many every 30 s, which dominated a
-        1000-node swarm's CPU (issue 21) and brings nothing new.
+        Yes when the rejoin's answer named a peer we do not know that is nearer to us than
+        our k-th nearest contact (a newcomer in our neighbourhood, or the other half of a
+        split swarm, hivemind issue 624) or when our own bucket had no lookup within
+        ``refresh_interval`` (paper 2.3). Otherwise newcomers near us already queried us on
+        their own join lookup and so are known: a full lookup every round in a stable swarm
+        costs each node about k RPCs and serves as many every 30 s, which dominated a
+        1000-node swarm's CPU (issue 21) and brings nothing new. Unknown peers farther
+        away sit in buckets that are full anyway and do not move where records go.
         """
-        fresh = [s for s in seeds if s.peer_id != self.peer_id and s.peer_id not in self.routing]
-        own_bucket = self.routing.buckets[self.routing.bucket_index(self.routing.own_int)]
+        own = self.routing.own_int
+        nearest = self.routing.nearest(own, self.config.k)
+        horizon = nearest[-1].id_int ^ own if len(nearest) >= self.config.k else 1 << 160
+        fresh = [
+            s
+            for s in seeds
+            if s.peer_id != self.peer_id
+            and s.peer_id not in self.routing
+            and s.id_int ^ own < horizon
+        ]
+        own_bucket = self.routing.buckets[self.routing.bucket_index(own)]
         stale = time.monotonic() - own_bucket.last_lookup > self.config.refresh_interval
         return bool(fresh) or stale
 
