@@ -118,7 +118,9 @@ class WorkerPeers:
                 # the leader's first reply is as slow as the loop it shares with N / processes
                 # other peers: a follower that gives up on it after the default 2 s may leave
                 # a seat it was already given (see docs/benchmarks.md, "Scale (issue 21)")
-                matchmaker=MatchmakerConfig(join_timeout=cmd["join_timeout"]),
+                matchmaker=MatchmakerConfig(
+                    join_timeout=cmd["join_timeout"], poll_interval=cmd["poll_interval"]
+                ),
             )
             averager = Averager(node, config, channels)
             averager.add_to_server(server)
@@ -166,6 +168,7 @@ class WorkerPeers:
                 "matchmaking": res.timings["matchmaking"],
                 "allreduce": res.timings["allreduce"],
                 "bytes": res.bytes_sent + res.bytes_received,
+                "local_fraction": res.local_fraction,
             }
 
         results = await asyncio.gather(*(one(p, a) for p, _, a, _ in self.peers))
@@ -303,6 +306,7 @@ def run_swarm(n: int, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]
             "elements": args.elements,
             "matchmaking_time": args.timeout / 2,
             "join_timeout": args.join_timeout,
+            "poll_interval": args.poll_interval,
         }
         # the first peer alone founds the DHT; each worker's peers then join through a
         # random peer created before them (the first, or an earlier one of their worker)
@@ -342,6 +346,10 @@ def run_swarm(n: int, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]
                 "groups": len({x["group"] for x in ok}),
                 "group_sizes": sorted({x["group_size"] for x in ok}),
                 "partial": sum(x["partial"] for x in ok),
+                # share of the elements that kept local values (parts whose reducer stalled)
+                "local_fraction_mean": round(statistics.mean(x["local_fraction"] for x in ok), 4)
+                if ok
+                else None,
                 "last_peer_s": round(max(x["done"] for x in results), 3),
                 "matchmaking_median_s": round(statistics.median(x["matchmaking"] for x in ok), 3)
                 if ok
@@ -399,6 +407,9 @@ def main() -> None:
     parser.add_argument(
         "--join-timeout", type=float, default=10.0, help="MatchmakerConfig.join_timeout"
     )
+    parser.add_argument(
+        "--poll-interval", type=float, default=0.5, help="MatchmakerConfig.poll_interval"
+    )
     args = parser.parse_args()
     if args.worker:
         try:
@@ -423,6 +434,7 @@ def main() -> None:
                 "benchmark": "scale",
                 "elements_float32": args.elements,
                 "join_timeout": args.join_timeout,
+                "poll_interval": args.poll_interval,
                 "runs": runs,
                 "cpu_count": os.cpu_count(),
                 "load_avg_1m_start": load_start,

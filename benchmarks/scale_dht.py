@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import logging
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -184,8 +186,158 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     return {"benchmark": "scale_dht", "k": config.k, "alpha": config.alpha, "sizes": rows}
 
 
+# ------------------------------------------------------- several processes, one swarm
+
+
+async def dht_worker() -> None:
+    """``--dht-worker``: holds a share of the swarm's nodes, driven by JSON lines."""
+    loop = asyncio.get_running_loop()
+    config = DHTConfig(run_id="bench", request_timeout=5.0)
+    channels = ChannelPool()
+    nodes: list[DHTNode] = []
+    retried: list[str] = []
+    print(json.dumps({"event": "ready"}), flush=True)
+    try:
+        while True:
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            if not line:
+                break
+            cmd = json.loads(line)
+            out: dict[str, Any]
+            if cmd["op"] == "grow":
+                rng = random.Random(cmd["seed"])
+                mine: list[DHTNode] = []
+                for _ in range(cmd["count"]):
+                    known = cmd["join"] + [n.address for n in mine if n.address]
+                    for attempt in range(JOIN_ATTEMPTS):
+                        initial = [rng.choice(known)] if known else []
+                        cfg = DHTConfig(**{**config.__dict__, "initial_peers": initial})
+                        try:
+                            mine.append(await DHTNode.create(cfg, channels=channels))
+                            break
+                        except BootstrapError as error:
+                            if attempt == JOIN_ATTEMPTS - 1:
+                                raise
+                            retried.append(str(error)[-120:])
+                nodes.extend(mine)
+                gc.collect()
+                gc.freeze()
+                out = {
+                    "addresses": [n.address for n in nodes],
+                    "retried": len(retried),
+                    "rss_mib": rss_mib(),
+                    "tables": [n.num_known_peers() for n in nodes],
+                    "estimates": [n.size_estimate() for n in nodes],
+                }
+            elif cmd["op"] == "probe":
+                out = await probe(nodes, cmd["count"], random.Random(cmd["seed"]), cmd["prefix"])
+            elif cmd["op"] == "served":
+                out = {"served": sum(n.protocol.rpcs_received for n in nodes), "nodes": len(nodes)}
+            else:
+                break
+            print(json.dumps(out), flush=True)
+    finally:
+        for node in nodes:
+            await node.shutdown()
+        await channels.close()
+
+
+class DHTWorker:
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--dht-worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            env={**os.environ, "GRPC_VERBOSITY": "ERROR"},
+        )
+        self.next()
+
+    def send(self, **cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def next(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("a DHT worker exited (its stderr is this process's)")
+        return dict(json.loads(line))
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.send(op="quit")
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def run_processes(args: argparse.Namespace) -> dict[str, Any]:
+    """The same phases with the nodes spread over ``--processes`` processes (one swarm,
+    real sockets between them): each process gets its own share of the cores, as each
+    daemon would; probes run from the first process."""
+    workers = [DHTWorker() for _ in range(args.processes)]
+    rows = []
+    addresses: list[str] = []
+    build_total = 0.0
+    current = 0
+    try:
+        for size in args.sizes:
+            t0 = time.perf_counter()
+            if current == 0:  # the first node alone founds the DHT
+                workers[0].send(op="grow", count=1, join=[], seed=args.seed)
+                addresses = workers[0].next()["addresses"]
+                current = 1
+            add = size - current
+            shares = [add // len(workers) + (i < add % len(workers)) for i in range(len(workers))]
+            for i, (w, count) in enumerate(zip(workers, shares, strict=True)):
+                w.send(op="grow", count=count, join=addresses, seed=args.seed + 1000 * size + i)
+            grown = [w.next() for w in workers]
+            took = time.perf_counter() - t0
+            build_total += took
+            addresses = [a for g in grown for a in g["addresses"]]
+            current = size
+            tables = [t for g in grown for t in g["tables"]]
+            progress(f"grown to {size} nodes in {took:.1f} s")
+            row: dict[str, Any] = {
+                "n": size,
+                "processes": len(workers),
+                "build_s": round(took, 1),
+                "build_ms_per_node": round(took * 1e3 / max(add, 1), 1),
+                "build_total_s": round(build_total, 1),
+                "joins_retried": sum(g["retried"] for g in grown),
+                "routing_table_mean": round(statistics.mean(tables), 1),
+                "routing_table_max": max(tables),
+                "size_estimate_median": statistics.median(e for g in grown for e in g["estimates"]),
+                "rss_mib_per_node": round(sum(g["rss_mib"] for g in grown) / size, 3),
+            }
+            workers[0].send(op="probe", count=args.probes, seed=args.seed + size, prefix=f"s{size}")
+            row.update(workers[0].next())
+            if args.idle > 0:
+                for w in workers:
+                    w.send(op="served")
+                before = sum(w.next()["served"] for w in workers)
+                time.sleep(args.idle)
+                for w in workers:
+                    w.send(op="served")
+                served = sum(w.next()["served"] for w in workers) - before
+                row["idle_requests_per_node_per_min"] = round(served / size / (args.idle / 60), 2)
+            progress(json.dumps(row))
+            rows.append(row)
+    finally:
+        for w in workers:
+            w.close()
+    return {"benchmark": "scale_dht", "k": DHTConfig().k, "alpha": DHTConfig().alpha, "sizes": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dht-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--sizes", default="250,500,1000,2000")
     parser.add_argument("--probes", type=int, default=200)
     parser.add_argument("--idle", type=float, default=40.0, help="seconds of idle load")
@@ -194,9 +346,12 @@ def main() -> None:
     args.sizes = [int(s) for s in args.sizes.split(",")]
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    if args.dht_worker:
+        asyncio.run(dht_worker())
+        return
     t0 = time.perf_counter()
     load_start = os.getloadavg()[0]
-    result = asyncio.run(main_async(args))
+    result = run_processes(args) if args.processes > 1 else asyncio.run(main_async(args))
     result["cpu_count"] = os.cpu_count()
     result["load_avg_1m_start"] = load_start
     result["load_avg_1m_end"] = os.getloadavg()[0]
