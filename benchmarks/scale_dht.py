@@ -1,6 +1,7 @@
 """A DHT grown to thousands of nodes in one process, built and queried; prints ONE JSON line.
 
     python benchmarks/scale_dht.py [--sizes 250,500,1000,2000] [--probes 200] [--idle 40]
+                                   [--processes 1]
 
 One swarm is grown node by node (each bootstraps from a random earlier node, with the full
 issue-16 authentication: every request and answer signed and verified, contacts only from
@@ -16,7 +17,10 @@ their owners). At each size in ``--sizes``:
 - DHT load: requests each node served per minute over ``--idle`` seconds of nothing but
   the nodes' own maintenance (bucket refreshes, rejoin pings), and RPCs per store and get.
 
-All nodes share one event loop and one ``ChannelPool`` (with separate pools 2000 nodes
+With ``--processes P`` > 1 the nodes are spread over P processes (``--dht-worker``), one
+swarm over real sockets, probes from the first process: each process then gets its own
+share of the cores, as each daemon would. Otherwise all nodes share one event loop and one
+``ChannelPool`` (with separate pools 2000 nodes
 would open ~10^6 loopback connections); a daemon holds one node, so the latencies here
 include queueing behind every other node of the process.
 """
