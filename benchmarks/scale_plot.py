@@ -47,6 +47,7 @@ def plot(runs: list[dict[str, Any]], sizes: list[dict[str, Any]], out: Path) -> 
         )
         ax.plot(n, [r["rss_mib_per_peer"] for r in runs], "^-", label="RSS MiB / peer")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")  # seconds and MiB differ by orders of magnitude
     ax.set_xlabel("peers N (Moshpit groups of 16)")
     ax.set_title("averaging: time, CPU and memory per peer")
     ax.legend()
@@ -82,6 +83,7 @@ def plot(runs: list[dict[str, Any]], sizes: list[dict[str, Any]], out: Path) -> 
             label="requests / node / min during rounds",
         )
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("N")
     ax.set_title("DHT load per node")
     ax.legend()
