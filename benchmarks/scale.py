@@ -114,7 +114,7 @@ class WorkerPeers:
                 else "",
                 # every peer of this process shares one loop on shared cores: a member can
                 # lag by seconds without being dead (as in tests/averaging/averager_swarm.py)
-                allreduce=AllReduceConfig(min_stall=20.0),
+                allreduce=AllReduceConfig(min_stall=cmd["min_stall"]),
                 # the leader's first reply is as slow as the loop it shares with N / processes
                 # other peers: a follower that gives up on it after the default 2 s may leave
                 # a seat it was already given (see docs/benchmarks.md, "Scale (issue 21)")
@@ -307,6 +307,7 @@ def run_swarm(n: int, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]
             "matchmaking_time": args.timeout / 2,
             "join_timeout": args.join_timeout,
             "poll_interval": args.poll_interval,
+            "min_stall": args.min_stall,
         }
         # the first peer alone founds the DHT; each worker's peers then join through a
         # random peer created before them (the first, or an earlier one of their worker)
@@ -410,6 +411,7 @@ def main() -> None:
     parser.add_argument(
         "--poll-interval", type=float, default=0.5, help="MatchmakerConfig.poll_interval"
     )
+    parser.add_argument("--min-stall", type=float, default=20.0, help="AllReduceConfig.min_stall")
     args = parser.parse_args()
     if args.worker:
         try:
@@ -435,6 +437,7 @@ def main() -> None:
                 "elements_float32": args.elements,
                 "join_timeout": args.join_timeout,
                 "poll_interval": args.poll_interval,
+                "min_stall": args.min_stall,
                 "runs": runs,
                 "cpu_count": os.cpu_count(),
                 "load_avg_1m_start": load_start,
