@@ -350,13 +350,20 @@ class DHTNode:
         return answers[0].nearest
 
     async def refresh(self, all_buckets: bool = False, seeds: Sequence[Contact] = ()) -> None:
-        """Look up a random id in every bucket without a recent lookup (paper 2.3), and our id."""
+        """Look up a random id in every bucket without a recent lookup (paper 2.3), and our id
+        when our neighbourhood may have changed (see :meth:`_neighbourhood_in_doubt`)."""
         buckets = (
             list(self.routing.buckets)
             if all_buckets
             else self.routing.stale_buckets(self.config.refresh_interval)
         )
         targets = [int_to_id(random_id_in_range(b.lower, b.upper)) for b in buckets]
+        if not all_buckets and not self._neighbourhood_in_doubt(seeds):
+            if targets:
+                await traverse(
+                    self.protocol, targets, want_values=False, converge=self.config.alpha
+                )
+            return
         await asyncio.gather(
             # A refresh exists to fill buckets, and every answer names up to k peers, so these
             # lookups end once alpha nearest answered instead of k: a join, which refreshes
@@ -372,6 +379,32 @@ class DHTNode:
             # where records go, exact as nodes come and go (the paper's join lookup, repeated).
             traverse(self.protocol, [self.peer_id], want_values=False, seeds=seeds),
         )
+
+    def _neighbourhood_in_doubt(self, seeds: Sequence[Contact]) -> bool:
+        """Whether a maintenance round should look up our own id in full.
+
+        Yes when the rejoin's answer named a peer we do not know that is nearer to us than
+        our k-th nearest contact (a newcomer in our neighbourhood, or the other half of a
+        split swarm, hivemind issue 624) or when our own bucket had no lookup within
+        ``refresh_interval`` (paper 2.3). Otherwise newcomers near us already queried us on
+        their own join lookup and so are known: a full lookup every round in a stable swarm
+        costs each node about k RPCs and serves as many every 30 s, which dominated a
+        1000-node swarm's CPU (issue 21) and brings nothing new. Unknown peers farther
+        away sit in buckets that are full anyway and do not move where records go.
+        """
+        own = self.routing.own_int
+        nearest = self.routing.nearest(own, self.config.k)
+        horizon = nearest[-1].id_int ^ own if len(nearest) >= self.config.k else 1 << 160
+        fresh = [
+            s
+            for s in seeds
+            if s.peer_id != self.peer_id
+            and s.peer_id not in self.routing
+            and s.id_int ^ own < horizon
+        ]
+        own_bucket = self.routing.buckets[self.routing.bucket_index(own)]
+        stale = time.monotonic() - own_bucket.last_lookup > self.config.refresh_interval
+        return bool(fresh) or stale
 
     async def republish(self, everything: bool = False) -> int:
         """Re-store our records on their current nearest nodes (paper 2.5); return how many."""

@@ -33,6 +33,7 @@ import contextlib
 import logging
 import math
 import os
+import random
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -120,6 +121,10 @@ async def _cancel_and_wait(task: asyncio.Future[Any]) -> None:
         pass
 
 
+_MEMBER_READS = 3
+"""Reads of the declarations a follower makes at most to see every member of its group."""
+
+
 @dataclass
 class _Follower:
     member: Member
@@ -166,6 +171,10 @@ class _Round:
     """Peers that closed leaders told us are in their (already formed) group."""
     lonely_reads: int = 0
     """Reads of the declarations in a row while alone (see ``_read_interval``)."""
+    declaring: asyncio.Task[None] | None = None
+    """Retries of a declaration whose first store did not finish in time (see ``_declare``)."""
+    read_failures: int = 0
+    """Reads of the declarations in a row that missed their deadline (see ``_dht_budget``)."""
 
     @property
     def num_members(self) -> int:
@@ -286,10 +295,23 @@ class Matchmaker:
                 await _cancel_and_wait(rnd.reading)
             if rnd.probing is not None:
                 await _cancel_and_wait(rnd.probing)
+            if rnd.declaring is not None:
+                await _cancel_and_wait(rnd.declaring)
 
-    async def _declare(self, rnd: _Round) -> None:
+    def _dht_budget(self, failures: int, give_up: float) -> float:
+        """Deadline of one DHT store or read after ``failures`` that missed theirs in a row.
+
+        It doubles with each miss (up to 8x ``dht_timeout``), within the give-up time: when
+        a whole swarm starts a round at once, the burst of stores and reads can keep the
+        DHT nodes busy for longer than ``dht_timeout``; a fixed deadline then cancels every
+        operation before it completes, each retry adds to the same burst, and no peer ever
+        sees another (issue 21, 256 peers). A growing one lets the burst drain.
+        """
+        budget = self.config.dht_timeout * 2.0 ** min(failures, 3)
+        return min(budget, max(0.05, give_up - time.time()))
+
+    async def _store_declaration(self, rnd: _Round, budget: float) -> bool:
         subkey = declaration_subkey(self.peer_id)
-        budget = min(self.config.dht_timeout, max(0.05, rnd.me.give_up - time.time()))
         try:
             started = time.monotonic()
             async with asyncio.timeout(budget):
@@ -298,15 +320,37 @@ class Matchmaker:
                 )
             self.dht_latency.observe(time.monotonic() - started)
         except (TimeoutError, grpc.aio.AioRpcError) as error:
-            ok = False
-            log.warning("declaring under %s failed: %r", rnd.request.key, error)
-        if not ok:
-            log.warning("declaration under %s was not stored; only joining others", rnd.request.key)
+            log.debug("declaring under %s failed: %r", rnd.request.key, error)
+            return False
+        return ok
+
+    async def _declare(self, rnd: _Round) -> None:
+        """Store our declaration; when the store misses its deadline, keep retrying it in
+        the background (``rnd.declaring``) while we look for a leader: a peer nobody can
+        see can never lead, and when every peer's first store failed, nobody would."""
+        if not await self._store_declaration(rnd, self._dht_budget(0, rnd.me.give_up)):
+            log.info(
+                "declaration under %s not stored yet; retrying while joining others",
+                rnd.request.key,
+            )
+            rnd.declaring = asyncio.ensure_future(self._keep_declaring(rnd))
         self._notify(MatchmakingEvent.DECLARED, rnd.request.key, self.peer_id)
 
-    async def _read_declarations(self, key: str, give_up: float) -> list[Declaration] | None:
+    async def _keep_declaring(self, rnd: _Round) -> None:
+        failures = 1
+        while time.time() < rnd.me.give_up and not rnd.closed:
+            # jittered, so that a swarm's retries do not arrive as one burst again
+            await asyncio.sleep(self.config.retry_after * random.uniform(0.5, 1.5))
+            if await self._store_declaration(rnd, self._dht_budget(failures, rnd.me.give_up)):
+                return
+            failures += 1
+        log.warning("declaration under %s was never stored; only joined others", rnd.request.key)
+
+    async def _read_declarations(
+        self, key: str, give_up: float, failures: int = 0
+    ) -> list[Declaration] | None:
         """The declarations under ``key``; ``None`` when the read failed (not: nobody)."""
-        budget = min(self.config.dht_timeout, max(0.05, give_up - time.time()))
+        budget = self._dht_budget(failures, give_up)
         try:
             started = time.monotonic()
             async with asyncio.timeout(budget):
@@ -373,9 +417,11 @@ class Matchmaker:
     async def _refresh_declarations(self, rnd: _Round) -> None:
         """Read the declarations under our key; keep the live ones of our schema."""
         started = time.monotonic()
-        found = await self._read_declarations(rnd.request.key, rnd.me.give_up)
+        found = await self._read_declarations(rnd.request.key, rnd.me.give_up, rnd.read_failures)
         if found is None:
+            rnd.read_failures += 1
             return  # keep what we knew: a failed read must not look like an empty key
+        rnd.read_failures = 0
         now_wall = time.time()
         # Remembered across reads: a later read may fail or miss them.
         for other in mismatched_schemas(found, rnd.me):
@@ -707,8 +753,14 @@ class Matchmaker:
             aggregation=req.aggregation,
         )
         members = [bytes(m.peer_id) for m in message.members[:MAX_GROUP_SIZE]]
-        if any(p not in rnd.signed for p in members):
-            await self._refresh_once(rnd)  # a member declared after our last read
+        # A member declared after our last read, or our read missed its deadline while the
+        # DHT was busy (a swarm that starts a round at once, issue 21): read again, a few
+        # times at most, each under a longer deadline after a miss. Refusing a group only
+        # because our view lags costs every member a partial round.
+        for _ in range(_MEMBER_READS):
+            if all(p in rnd.signed for p in members) or time.time() >= rnd.me.give_up:
+                break
+            await self._refresh_once(rnd)
         try:
             return check_formed_group(message, ask, leader_id, rnd.signed)
         except ValueError as error:

@@ -93,3 +93,15 @@ def test_key_format_and_validation() -> None:
     manager.on_group_formed(b"gid", 1, 4)
     assert len(manager.group_bits) == 2
     assert set(itertools.chain(manager.group_bits)) <= {"0", "1"}
+
+
+@pytest.mark.parametrize(("group_size", "num_peers"), [(16, 64), (16, 128), (16, 256), (8, 32)])
+def test_folded_grid_two_rounds_give_exact_global_mean(group_size: int, num_peers: int) -> None:
+    """N = g * 2**b peers with b < log2(g) initial bits (benchmarks/scale.py, issue 21):
+    round 1 folds the g members of a round-0 group onto 2**b buckets, g / 2**b in each, so
+    every round-1 group takes as many peers from every round-0 group: exact after 2 rounds."""
+    nbits = (num_peers // group_size).bit_length() - 1
+    initial = [format(p // group_size, f"0{nbits}b") for p in range(num_peers)]
+    values = simulate(num_peers, group_size, 2, initial)
+    exact = Fraction(sum(i * i + 3 * i for i in range(num_peers)), num_peers)
+    assert all(v == exact for v in values)

@@ -1,0 +1,63 @@
+"""RPCs one DHT maintenance round costs each node of a stable swarm; prints ONE JSON line.
+
+    python benchmarks/dht_maintenance.py [--nodes 128] [--rounds 2]
+
+Grows ``--nodes`` nodes in one process (background maintenance disabled, so only the rounds
+run here count), then calls ``maintain_once`` on every node ``--rounds`` times and reports
+the RPCs sent per node in each round. To compare two checkouts, run this script with each
+one's interpreter (the ``code`` field says which ``swarmavg.dht.node`` ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+
+from swarmavg.dht import ChannelPool, DHTConfig, DHTNode
+from swarmavg.dht import node as node_module
+
+
+async def main_async(nodes_wanted: int, rounds: int, seed: int) -> dict[str, object]:
+    rng = random.Random(seed)
+    channels = ChannelPool()
+    nodes: list[DHTNode] = []
+    config = DHTConfig(run_id="bench", request_timeout=5.0, maintenance_interval=3600.0)
+    try:
+        while len(nodes) < nodes_wanted:
+            initial = [rng.choice(nodes).address or ""] if nodes else []
+            cfg = DHTConfig(**{**config.__dict__, "initial_peers": initial})
+            nodes.append(await DHTNode.create(cfg, channels=channels))
+        per_round = []
+        for _ in range(rounds):
+            before = sum(n.protocol.rpcs_sent for n in nodes)
+            for node in nodes:
+                await node.maintain_once()
+            sent = sum(n.protocol.rpcs_sent for n in nodes) - before
+            per_round.append(round(sent / len(nodes), 2))
+    finally:
+        for node in nodes:
+            await node.shutdown()
+        await channels.close()
+    return {
+        "benchmark": "dht_maintenance",
+        "code": node_module.__file__,
+        "nodes": nodes_wanted,
+        "rpcs_per_node_per_round": per_round,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    print(json.dumps(asyncio.run(main_async(args.nodes, args.rounds, args.seed))))
+
+
+if __name__ == "__main__":
+    main()
