@@ -16,6 +16,8 @@ processes run torch gloo's ``all_reduce`` of a tensor of the same size (the refe
 as in benchmarks/allreduce.py). Prints ONE JSON line on stdout; progress on stderr.
 
     python benchmarks/rounds.py --peers 2,4,8 --codecs none,float16,uint8-blockwise
+    python benchmarks/rounds.py --peers 4,8 --codecs none --modes given \
+        --aggregations mean,centered-clip,trimmed-mean
     python benchmarks/rounds.py --stability 500
 
 ``--stability R`` instead runs 4 daemons and 4 workers for R consecutive rounds in the
@@ -27,7 +29,11 @@ Correctness: member ``i`` holds ``base * (1 + i/10) + i`` (``base`` the same N(0
 everywhere), so the mean over a group's members ``R`` is ``a * base + b`` with
 ``a = mean(1 + r/10)`` and ``b = mean(r)``. Every worker checks its result against it
 (max error relative to max |mean|, against a tolerance per codec) and hashes it: the
-members of one group must hold bit-identical results.
+members of one group must hold bit-identical results. ``--aggregations`` adds the reducers'
+rule as an axis: within each round of a codec every rule takes a turn (which goes first
+rotates), so ratios between rules are A/B in one swarm. A robust rule's result is not the
+mean of these members (their copies differ by design), so for those only bit-identity is
+checked and ``rel_error`` says how far from the mean it landed.
 """
 
 from __future__ import annotations
@@ -177,6 +183,7 @@ def worker_main(args: argparse.Namespace) -> int:
                         key=command["key"],
                         timeout=command["timeout"],
                         codec=command["codec"],
+                        aggregation=command.get("aggregation", "mean"),
                         **({"group_size": command["group_size"]} if command["group_size"] else {}),
                     )
                 except Exception as exc:  # every failure is a figure, reported to the parent
@@ -414,7 +421,12 @@ class Swarm:
 
 
 def one_round(
-    swarm: Swarm, key: str, codec: str, group_size: int | None, timeout: float
+    swarm: Swarm,
+    key: str,
+    codec: str,
+    group_size: int | None,
+    timeout: float,
+    aggregation: str = "mean",
 ) -> dict[str, Any]:
     """Every worker calls at one instant; then each checks its result."""
     start_at = time.monotonic() + START_LEAD
@@ -424,6 +436,7 @@ def one_round(
                 "op": "round",
                 "key": key,
                 "codec": codec,
+                "aggregation": aggregation,
                 "group_size": group_size,
                 "timeout": timeout,
                 "start_at": start_at,
@@ -465,9 +478,11 @@ def _med(values: list[float]) -> float | None:
     return round(statistics.median(values), 4) if values else None
 
 
-def summarize(rounds: list[dict[str, Any]], warmup: dict[str, Any], codec: str) -> dict[str, Any]:
+def summarize(
+    rounds: list[dict[str, Any]], warmup: dict[str, Any], codec: str, aggregation: str = "mean"
+) -> dict[str, Any]:
     ok = [r for r in rounds if not r["errors"]]
-    tolerance = TOLERANCE.get(codec)
+    tolerance = TOLERANCE.get(codec) if aggregation == "mean" else None
     errors = [r["rel_error"] for r in rounds if r["rel_error"] is not None]
     biases = [r["rel_bias"] for r in rounds if r["rel_bias"] is not None]
     sizes = Counter(s for r in rounds for s in r["group_sizes"])
@@ -505,6 +520,20 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a is not None and b else None
 
 
+def _rule_ratios(this: list[dict[str, Any]], first: list[dict[str, Any]]) -> dict[str, Any]:
+    """Slowest-worker round time of one rule against the first rule's: the ratio of the
+    medians and each round's own ratio (round r of both ran back to back)."""
+    pairs = [(a["slowest"], b["slowest"]) for a, b in zip(this, first, strict=True)]
+    per_round = [round(a / b, 2) for a, b in pairs if b]
+    return {
+        "slowest_ratio_of_medians": _ratio(
+            statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs)
+        ),
+        "per_round": per_round,
+        "per_round_median": round(statistics.median(per_round), 2) if per_round else None,
+    }
+
+
 def _free_port() -> int:
     import socket
 
@@ -533,7 +562,8 @@ def bench_peers(
     """Append one record per codec to ``results`` (kept there if a later step fails)."""
     elements = int(args.mb * 1e6) // 4
     codecs = [c for c in args.codecs.split(",") if c]
-    modes = {"default": None, "given": n}
+    aggregations = [a for a in args.aggregations.split(",") if a]
+    modes = {m: {"default": None, "given": n}[m] for m in args.modes.split(",") if m}
     swarm = Swarm(n, elements, workdir / f"n{n}", args.daemon_log_level)
     mine: list[dict[str, Any]] = []
     try:
@@ -542,33 +572,50 @@ def bench_peers(
         outcome = one_round(swarm, "prime-r0", codecs[0], n, args.timeout)
         log(f"N={n} prime round: slowest {outcome['slowest']:.3f} s, {outcome['group_sizes']}")
         for codec in codecs:
-            measured: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
-            warmups: dict[str, dict[str, Any]] = {}
-            for r in range(args.rounds + 1):  # round 0 warms up each (mode, codec) family
-                # The modes take turns going first, so neither always runs right after
-                # the other's checks.
-                for mode in sorted(modes, reverse=r % 2 == 1):
+            families = [(a, m) for a in aggregations for m in modes]
+            measured: dict[tuple[str, str], list[dict[str, Any]]] = {f: [] for f in families}
+            warmups: dict[tuple[str, str], dict[str, Any]] = {}
+            for r in range(args.rounds + 1):  # round 0 warms up each (rule, mode) family
+                # The families take turns going first, so none always runs right after
+                # another's checks.
+                shift = r % len(families)
+                for aggregation, mode in families[shift:] + families[:shift]:
                     group_size = modes[mode]
-                    key = f"{codec}-{mode}-r{r}"
-                    outcome = one_round(swarm, key, codec, group_size, args.timeout)
+                    rule = "" if aggregation == "mean" else f"{aggregation}-"
+                    key = f"{codec}-{rule}{mode}-r{r}"
+                    outcome = one_round(swarm, key, codec, group_size, args.timeout, aggregation)
                     log(
-                        f"N={n} {codec} {mode} round {r}: slowest {outcome['slowest']:.3f} s, "
+                        f"N={n} {codec} {aggregation} {mode} round {r}: "
+                        f"slowest {outcome['slowest']:.3f} s, "
                         f"median {outcome['median']:.3f} s, groups {outcome['group_sizes']}"
                         + (f", errors {outcome['errors']}" if outcome["errors"] else "")
                     )
                     if r == 0:
-                        warmups[mode] = outcome
+                        warmups[(aggregation, mode)] = outcome
                     else:
-                        measured[mode].append(outcome)
-            figures = {m: summarize(measured[m], warmups[m], codec) for m in modes}
-            mine.append({"peers": n, "codec": codec, **figures})
-            results.append(mine[-1])
+                        measured[(aggregation, mode)].append(outcome)
+            for aggregation in aggregations:
+                figures = {
+                    m: summarize(
+                        measured[(aggregation, m)], warmups[(aggregation, m)], codec, aggregation
+                    )
+                    for m in modes
+                }
+                record = {"peers": n, "codec": codec, "aggregation": aggregation, **figures}
+                if aggregation != aggregations[0]:
+                    first = measured[(aggregations[0], next(iter(modes)))]
+                    this = measured[(aggregation, next(iter(modes)))]
+                    record["vs_" + aggregations[0]] = _rule_ratios(this, first)
+                mine.append(record)
+                results.append(mine[-1])
         reference = gloo(swarm, args.rounds) if args.gloo else None
         if reference is not None:
             log(f"N={n} gloo: {reference}")
         for result in mine:
-            d, g = result["default"], result["given"]
             result["gloo"] = reference
+            if "default" not in result or "given" not in result:
+                continue
+            d, g = result["default"], result["given"]
             ref = reference or {}
             result["ratios"] = {
                 "default/given": _ratio(d["slowest_s"], g["slowest_s"]),
@@ -696,6 +743,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--codecs", default="none,float16,uint8-blockwise")
     parser.add_argument("--mb", type=float, default=64.0, help="MB (1e6 bytes) of float32")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per (mode, codec)")
+    parser.add_argument(
+        "--aggregations",
+        default="mean",
+        help="reducer rules (mean, centered-clip, trimmed-mean), A/B in every round; "
+        "ratios are against the first",
+    )
+    parser.add_argument(
+        "--modes", default="default,given", help="default (no group_size) and/or given"
+    )
     parser.add_argument("--timeout", type=float, default=CALL_TIMEOUT, help="average timeout")
     parser.add_argument(
         "--stability", type=int, default=0, metavar="R", help="run R back-to-back rounds only"

@@ -10,8 +10,13 @@ the loops run over senders or iterations only. The rules and their parameters:
 Sorting each coordinate's ``n`` copies is the costly step (``np.sort`` along the short
 axis is about 50x a sum for ``n = 4``), so equal weights, the common case, go through a
 sorting network of elementwise ``minimum``/``maximum`` instead (Batcher's odd-even merge
-sort, Knuth TAOCP vol. 3, 5.3.4); with unequal weights the network carries each value's
-weight along.
+sort, Knuth TAOCP vol. 3, 5.3.4), pruned to the comparators the wanted rows (the median's
+two, the trimmed mean's middle) depend on. With unequal weights the trimmed mean ranks
+each value by pairwise comparisons instead of carrying weights through the network.
+CenteredClip's cost after the median is one float32 BLAS product per block of coordinates
+(:func:`_gram`). Per 1 MiB chunk that made CenteredClip 2x (4 copies) to 3x (8 copies)
+cheaper than sorting fully and forming the Gram matrix in float64 (``benchmarks/
+robust_kernels.py``; docs/benchmarks.md, "Security costs, session 7 (issues 16, 17)").
 """
 
 from __future__ import annotations
@@ -20,10 +25,42 @@ import functools
 
 import numpy as np
 
-__all__ = ["centered_clip", "sorted_copies", "trimmed_mean", "weighted_median"]
+__all__ = ["centered_clip", "selected_rows", "sorted_copies", "trimmed_mean", "weighted_median"]
 
 _NETWORK_MAX = 32
 """Above this many senders ``np.sort`` beats the network's ~n log^2 n passes."""
+
+
+_GRAM_BLOCK = 8192
+"""Coordinates per block of :func:`_gram`: each block's products are summed by BLAS in the
+copies' dtype, the blocks' sums in float64."""
+
+
+def _gram(diff: np.ndarray) -> np.ndarray:
+    """The Gram matrix ``diff @ diff.T`` (float64) of the ``(n, m)`` rows of ``diff``.
+
+    Converting the copies to float64 for one product costs 10-30x the product itself
+    (``np.einsum(..., dtype=float64)``: 4 ms for 4 rows of 256 Ki float32, 60 ms for 8);
+    one float32 product over all ``m`` coordinates loses 6 digits (relative error 5e-7).
+    Blocks of :data:`_GRAM_BLOCK` coordinates, each one batched BLAS product, summed in
+    float64, keep the error near 3e-8 at the cost of the float32 product (0.7 / 2 ms).
+    """
+    n, m = diff.shape
+    whole = m - m % _GRAM_BLOCK
+    gram = np.zeros((n, n), dtype=np.float64)
+    if whole:  # a view (no copy even when m is not a multiple): (blocks, n, _GRAM_BLOCK)
+        row, item = diff.strides
+        blocks = np.lib.stride_tricks.as_strided(
+            diff,
+            shape=(whole // _GRAM_BLOCK, n, _GRAM_BLOCK),
+            strides=(_GRAM_BLOCK * item, row, item),
+            writeable=False,
+        )
+        gram += np.matmul(blocks, blocks.transpose(0, 2, 1)).sum(axis=0, dtype=np.float64)
+    if whole < m:
+        rest = diff[:, whole:]
+        gram += rest @ rest.T
+    return gram
 
 
 @functools.cache
@@ -60,6 +97,54 @@ def sorted_copies(stack: np.ndarray) -> np.ndarray:
         np.maximum(out[i], out[j], out=out[j])
         out[i] = low
     return out
+
+
+@functools.cache
+def _selection_pairs(n: int, rows: tuple[int, ...]) -> tuple[tuple[int, int, bool, bool], ...]:
+    """The comparators of :func:`_batcher_pairs` that the output ``rows`` depend on, each
+    as ``(i, j, keep_min, keep_max)``: whether its minimum (to ``i``) and its maximum (to
+    ``j``) are read later. Walking the network backwards from the wanted outputs drops
+    every comparator they do not depend on."""
+    needed = set(rows)
+    kept = []
+    for i, j in reversed(_batcher_pairs(n)):
+        keep_min, keep_max = i in needed, j in needed
+        if keep_min or keep_max:
+            kept.append((i, j, keep_min, keep_max))
+            needed |= {i, j}
+    return tuple(reversed(kept))
+
+
+def selected_rows(stack: np.ndarray, rows: tuple[int, ...]) -> list[np.ndarray]:
+    """Rows ``rows`` of :func:`sorted_copies` of ``stack`` (in that order), computing only
+    the compare-exchanges they depend on (the median of 8: 17 of the 19, 6 of them
+    one-sided). The first comparator on a row reads it from ``stack`` and writes a work
+    row, so nothing is copied for its own sake. The rows may be views of ``stack``."""
+    n = stack.shape[0]
+    if n > _NETWORK_MAX:
+        ordered = np.sort(stack, axis=0)
+        return [ordered[r] for r in rows]
+    current = list(stack)  # row i's values so far: a row of stack until a comparator wrote it
+    work = np.empty((n + 1, stack.shape[1]), dtype=stack.dtype)
+    spare = list(work)  # rows of `work` not holding anything now
+    owned = [False] * n
+    for i, j, keep_min, keep_max in _selection_pairs(n, rows):
+        a, b = current[i], current[j]
+        if keep_min and keep_max:  # elementwise: writing an input of the same call is exact
+            low, high = spare.pop(), b if owned[j] else spare.pop()
+            np.minimum(a, b, out=low)
+            np.maximum(a, b, out=high)
+            if owned[i]:
+                spare.append(a)
+            current[i], current[j] = low, high
+            owned[i] = owned[j] = True
+        elif keep_min:
+            current[i] = np.minimum(a, b, out=a if owned[i] else spare.pop())
+            owned[i] = True
+        else:
+            current[j] = np.maximum(a, b, out=b if owned[j] else spare.pop())
+            owned[j] = True
+    return [current[r] for r in rows]
 
 
 def _sorted_with_weights(stack: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -104,8 +189,7 @@ def weighted_median(stack: np.ndarray, weights: np.ndarray) -> np.ndarray:
     w = _effective(weights)
     n = stack.shape[0]
     if _equal(w):
-        ordered = sorted_copies(stack)
-        lower, upper = ordered[(n - 1) // 2], ordered[n // 2]
+        lower, upper = selected_rows(stack, ((n - 1) // 2, n // 2))
     else:
         ordered, carried = _sorted_with_weights(stack, w)
         half = w.sum() / 2
@@ -155,11 +239,10 @@ def centered_clip(
     start = weighted_median(stack, np.ones_like(w))
     diff = stack - start
     with np.errstate(over="ignore", invalid="ignore"):
-        gram = np.einsum("ij,kj->ik", diff, diff, dtype=np.float64)
-    unit = 1.0
+        gram = _gram(diff)
     if not np.isfinite(gram).all():  # copies near the dtype's range: work in units of the largest
         unit = float(np.abs(diff).max())
-        gram = np.einsum("ij,kj->ik", diff / unit, diff / unit, dtype=np.float64)
+        gram = _gram(diff / diff.dtype.type(unit))
     norms = np.diag(gram).copy()
     radius = tau * float(np.median(np.sqrt(np.maximum(norms[positive], 0.0))))
     a = np.zeros(len(w))
@@ -185,7 +268,8 @@ def centered_clip(
 def trimmed_mean(stack: np.ndarray, weights: np.ndarray, trim_per_side: int) -> np.ndarray:
     """Per column of ``stack`` (``(n, m)``): drop the ``trim_per_side`` smallest and
     largest values, then the weighted mean of the rest (plain mean where their weights
-    are all zero).
+    are all zero). Equal values are ranked by row, as a stable sort ranks them: which of
+    two equal values is dropped matters when their weights differ.
 
     Raises:
         ValueError: ``2 * trim_per_side >= n`` (nothing would be left).
@@ -197,16 +281,57 @@ def trimmed_mean(stack: np.ndarray, weights: np.ndarray, trim_per_side: int) -> 
     w = _effective(weights)
     dtype = stack.dtype.type
     if _equal(w):
-        middle = sorted_copies(stack)[k : n - k] if k else stack
-        out: np.ndarray = middle.sum(axis=0, dtype=stack.dtype) / dtype(n - 2 * k)
+        middle = selected_rows(stack, tuple(range(k, n - k))) if k else list(stack)
+        out: np.ndarray = middle[0].copy()
+        for row in middle[1:]:
+            out += row
+        out /= dtype(n - 2 * k)
         return out
-    ordered, carried = _sorted_with_weights(stack, w)
-    kept, kept_weights = ordered[k : n - k], carried[k : n - k]
-    total = kept_weights.sum(axis=0)
-    weighted = np.einsum("ij,ij->j", kept, kept_weights)
-    plain = kept.mean(axis=0)
+    kept = _kept_by_rank(stack, k) if k else np.ones(stack.shape, dtype=bool)
+    return _weighted_average(stack, w.astype(stack.dtype), kept, n - 2 * k)
+
+
+def _kept_by_rank(stack: np.ndarray, k: int) -> np.ndarray:
+    """``(n, m)`` booleans: whether each value is neither among the ``k`` smallest nor the
+    ``k`` largest of its column, ties ranked by row (so exactly ``n - 2k`` per column).
+
+    Ranks from the ``n (n - 1) / 2`` pairwise comparisons: for 4 to 8 senders a fraction of
+    sorting the values with their weights carried along (which moves every weight with
+    every compare-exchange).
+    """
+    n, m = stack.shape
+    rank = np.zeros((n, m), dtype=np.uint8 if n < 256 else np.int32)
+    before = np.empty(m, dtype=bool)
+    for i in range(n):
+        for j in range(i + 1, n):
+            np.less_equal(stack[i], stack[j], out=before)  # i sorts before j (a tie: by row)
+            rank[j] += before
+            np.logical_not(before, out=before)
+            rank[i] += before
+    kept: np.ndarray = (rank >= k) & (rank < n - k)
+    return kept
+
+
+def _weighted_average(
+    stack: np.ndarray, weights: np.ndarray, kept: np.ndarray, count: int
+) -> np.ndarray:
+    """Per column, the ``weights``-weighted mean of the ``count`` kept values; their plain
+    mean where the kept values' weights are all zero."""
+    m = stack.shape[1]
+    weighted, total, plain = (np.zeros(m, dtype=stack.dtype) for _ in range(3))
+    indicator, product = np.empty(m, dtype=stack.dtype), np.empty(m, dtype=stack.dtype)
+    for row, weight, keep in zip(stack, weights, kept, strict=True):
+        # products with a 0/1 indicator: numpy's masked (where=) operations cost 20-30x
+        np.copyto(indicator, keep)
+        np.multiply(row, indicator, out=product)
+        plain += product
+        product *= weight
+        weighted += product
+        indicator *= weight
+        total += indicator
+    dtype = stack.dtype.type
     combined: np.ndarray = np.where(
-        total > 0, weighted / np.where(total > 0, total, dtype(1)), plain
+        total > 0, weighted / np.where(total > 0, total, dtype(1)), plain / dtype(count)
     )
     return combined
 

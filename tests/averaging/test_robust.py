@@ -11,6 +11,7 @@ from swarmavg.averaging.allreduce.reducer import PartReducer, weighted_mean
 from swarmavg.averaging.allreduce.robust import (
     centered_clip,
     clip_weights,
+    selected_rows,
     sorted_copies,
     trimmed_mean,
     weighted_median,
@@ -86,6 +87,59 @@ def test_sorting_network_and_median_match_numpy(n: int) -> None:
     np.testing.assert_array_equal(sorted_copies(stack), np.sort(stack, axis=0))
     expected = np.median(stack, axis=0)
     np.testing.assert_allclose(weighted_median(stack, np.ones(n)), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 13, 16, 33])
+def test_selected_rows_are_the_sorted_rows(n: int) -> None:
+    stack = _rng().standard_normal((n, 257)).astype(np.float32)
+    stack[:, :40] = np.round(stack[:, :40])  # ties
+    before = stack.copy()
+    ordered = np.sort(stack, axis=0)
+    for rows in [((n - 1) // 2, n // 2), tuple(range(n // 4, n - n // 4)), (0, n - 1), (n - 1,)]:
+        got = selected_rows(stack, rows)
+        assert len(got) == len(rows)
+        for row, values in zip(rows, got, strict=True):
+            np.testing.assert_array_equal(values, ordered[row])
+    np.testing.assert_array_equal(stack, before)  # the input is only read
+
+
+def _trimmed_reference(stack: np.ndarray, weights: np.ndarray, k: int) -> np.ndarray:
+    """Per column in float64: a stable sort, drop k per side, weighted mean of the rest."""
+    n = stack.shape[0]
+    order = np.argsort(stack, axis=0, kind="stable")
+    kept = np.take_along_axis(stack, order, axis=0)[k : n - k].astype(np.float64)
+    kept_w = weights[order][k : n - k]
+    total = kept_w.sum(axis=0)
+    safe = np.where(total > 0, total, 1.0)
+    return np.where(total > 0, (kept * kept_w).sum(axis=0) / safe, kept.mean(axis=0))
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 8, 9])
+def test_weighted_trimmed_mean_matches_a_stable_sort(n: int) -> None:
+    rng = _rng()
+    stack = rng.standard_normal((n, 513)).astype(np.float32)
+    stack[:, :100] = np.round(stack[:, :100])  # ties: dropped by row order, as a stable sort
+    weights = 1.0 + np.arange(n) % 3
+    for k in range((n + 1) // 2):
+        got = trimmed_mean(stack, weights, k)
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, _trimmed_reference(stack, weights, k), rtol=1e-5, atol=1e-6)
+    weights[: n // 2] = 0.0  # some kept values weigh nothing; all-zero kept sets: plain mean
+    for k in range((n + 1) // 2):
+        expected = _trimmed_reference(stack, weights, k)
+        np.testing.assert_allclose(trimmed_mean(stack, weights, k), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_centered_clip_gram_keeps_float64_accuracy() -> None:
+    # 2.5 blocks of coordinates with a large common offset: one float32 product over all
+    # coordinates would lose digits; the clipped estimate must match a float64 reference
+    rng = _rng()
+    honest = (rng.standard_normal((3, 20481)) + 1000.0).astype(np.float32)
+    stack = np.concatenate([honest, honest[:1] + 50.0])
+    out, clipped = centered_clip(stack, np.ones(4), tau=1.0, iters=20)
+    ref, ref_clipped = centered_clip(stack.astype(np.float64), np.ones(4), tau=1.0, iters=20)
+    assert clipped == ref_clipped
+    np.testing.assert_allclose(out, ref, rtol=1e-6)
 
 
 def test_weighted_median_known_answers() -> None:
