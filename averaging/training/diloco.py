@@ -16,7 +16,7 @@ torch is imported inside functions only.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,6 +24,7 @@ import numpy as np
 from swarmavg.averaging.training.base import SwarmOptimizer
 from swarmavg.averaging.training.consensus import Provenance, Role, Verdict
 from swarmavg.averaging.training.digest import state_digest
+from swarmavg.averaging.training.local_group import LocalGroup, resolve_local_group
 from swarmavg.averaging.training.progress import GlobalProgress
 from swarmavg.averaging.training.state import TrainingState
 from swarmavg.averaging.training.swarm import SwarmClient, SwarmRoundWarning
@@ -31,6 +32,7 @@ from swarmavg.averaging.training.tensors import copy_into, to_arrays
 
 if TYPE_CHECKING:
     import torch
+    import torch.distributed
 
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
@@ -121,6 +123,13 @@ class DiLoCo(SwarmOptimizer):
             strangers. A wrong name raises ``ValueError`` here.
         averaging_timeout, min_group_size, progress_ttl, publish_state_every,
         load_state_on_start, state_timeout, peer_id: as for ``CollaborativeOptimizer``.
+        process_group, local_leader: the hierarchical mode, as for
+            ``CollaborativeOptimizer``: at every outer step the ranks' parameters are
+            averaged locally (weighted by their samples), the leader averages the
+            machine's pseudo-gradient through the daemon, and every rank takes the
+            leader's synchronised parameters and outer optimizer state (each rank keeps
+            its own inner optimizer state, unless the leader loaded one from the swarm).
+            ``batch_size_per_step`` stays per rank.
 
     ``epoch`` counts outer steps. A late joiner loads the last synchronised parameters, the
     outer optimizer's state and the epoch, then runs only the inner steps the swarm has left
@@ -148,16 +157,20 @@ class DiLoCo(SwarmOptimizer):
         load_state_on_start: bool = True,
         state_timeout: float = 60.0,
         peer_id: str | None = None,
+        process_group: LocalGroup | torch.distributed.ProcessGroup | str | None = None,
+        local_leader: int = 0,
     ) -> None:
         if local_steps <= 0:
             raise ValueError(f"local_steps must be positive, got {local_steps}")
+        local_group = resolve_local_group(process_group, local_leader)
+        ranks = local_group.size if local_group is not None else 1
         super().__init__(
             params,
             inner_optimizer,
             client,
             run_id,
             progress_key=f"{run_id}.diloco",
-            target_samples=local_steps * batch_size_per_step,
+            target_samples=local_steps * batch_size_per_step * ranks,
             batch_size_per_step=batch_size_per_step,
             codec=codec,
             aggregation=aggregation,
@@ -167,6 +180,7 @@ class DiLoCo(SwarmOptimizer):
             publish_state_every=publish_state_every,
             state_timeout=state_timeout,
             peer_id=peer_id,
+            local_group=local_group,
         )
         self.inner_optimizer = inner_optimizer
         self.local_steps = local_steps
@@ -186,10 +200,16 @@ class DiLoCo(SwarmOptimizer):
         samples = self._samples(batch_size)
         self.inner_optimizer.step()
         self.inner_steps += 1
-        self.tracker.add_samples(samples)
+        self._machine_samples(samples)
         if self.inner_steps >= self.steps_this_round:
-            self._outer_sync()
-        else:
+            if self.local_group is not None:
+                # Every rank reaches this together (the same inner_steps and
+                # steps_this_round, from the leader's last broadcast): the machine's
+                # replicas become their weighted mean on the leader, whose pseudo-gradient
+                # is then the machine's.
+                self._weighted_mean_onto_leader(self.params)
+            self._as_machine(self._outer_sync)
+        elif not self._follower:
             self.tracker.report()
         self.tracker.meter.start()
         return loss
@@ -280,12 +300,32 @@ class DiLoCo(SwarmOptimizer):
         self._maybe_publish(epoch, serve=serve)
         self.tracker.report()
 
+    def _machine_state(self) -> dict[str, Any]:
+        """The synchronised parameters, the outer optimizer's state and where the next
+        outer step is; the inner optimizer's state when the leader loaded one."""
+        return {
+            "params": [p.detach().cpu() for p in self.params],
+            "anchor": [a.detach().cpu() for a in self.anchor],
+            "outer": self.outer_optimizer.state_dict(),
+            "optimizer": self.inner_optimizer.state_dict() if self._state_loaded else None,
+            "inner_steps": self.inner_steps,
+            "steps_this_round": self.steps_this_round,
+        }
+
+    def _take_machine_state(self, state: Mapping[str, Any]) -> None:
+        super()._take_machine_state(state)
+        copy_into(self.anchor, state["anchor"])
+        self.outer_optimizer.load_state_dict(state["outer"])
+        self.inner_steps = int(state["inner_steps"])
+        self.steps_this_round = int(state["steps_this_round"])
+
     def _take_synced(self, state: TrainingState) -> None:
         """A repair: the majority's synchronised parameters and outer optimizer state.
 
         The inner optimizer's state is each member's own (it follows its own batches), so
         it is kept.
         """
+        self._state_loaded = True
         copy_into(self.anchor, state.params)
         copy_into(self.params, state.params)
         if "outer" in state.optimizers:
@@ -314,6 +354,7 @@ class DiLoCo(SwarmOptimizer):
         epoch = progress.epoch
         self._provenance = None
         if state is not None:
+            self._state_loaded = True
             self._provenance = Provenance.from_extra(state.extra)
             copy_into(self.anchor, state.params)
             copy_into(self.params, state.params)
@@ -334,7 +375,7 @@ class DiLoCo(SwarmOptimizer):
             default=0,
         )
         self.inner_steps = 0
-        self.steps_this_round = max(1, self.local_steps - done // self.batch_size_per_step)
+        self.steps_this_round = max(1, self.local_steps - done // self._machine_batch)
         self.tracker.set_epoch(epoch)
         self.tracker.report()
 
