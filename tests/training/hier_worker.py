@@ -122,6 +122,10 @@ def main(spec: dict[str, Any]) -> int:
                 if spec.get("die_after") is not None and steps >= spec["die_after"]:
                     os._exit(3)  # the leader vanishes: its followers must not hang
                 backward(model, data)
+                if spec.get("nan_grad"):  # a rank with a bug: the daemon refuses NaN
+                    first = next(model.parameters())
+                    assert first.grad is not None
+                    first.grad.view(-1)[0] = float("nan")
                 started = time.monotonic()
                 opt.step()
                 opt.zero_grad()

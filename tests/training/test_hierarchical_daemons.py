@@ -10,12 +10,6 @@ machine; and a leader that vanishes makes its follower fail, not hang.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,136 +19,31 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed")
 
 from tests.harness import ProcessPool, SwarmavgProcess  # noqa: E402
+from tests.training import hier_machines  # noqa: E402
 from tests.training.hier_worker import LR, backward, fixed_batch, make_model  # noqa: E402
 
 pytestmark = pytest.mark.integration
-WORKER = Path(__file__).with_name("hier_worker.py")
 RUN = "hier-test"
-REPO = Path(__file__).resolve().parents[2]
 BATCHES = {(0, 0): 2, (0, 1): 4, (1, 0): 6, (1, 1): 8}
 """Samples per step of each (machine, rank): unequal, so that the weights matter."""
 
 
 def start_daemons(pool: ProcessPool, n: int) -> list[SwarmavgProcess]:
-    base = ["peer", "--listen", "127.0.0.1:0", "--run-id", RUN]
-    first = pool.start([*base, "--control", str(pool.workdir / "m0.sock")])
-    daemons = [first]
-    for i in range(1, n):
-        daemons.append(
-            pool.start(
-                [*base, "--join", first.address, "--control", str(pool.workdir / f"m{i}.sock")]
-            )
-        )
-    return daemons
-
-
-def worker_env() -> dict[str, str]:
-    path = os.environ.get("PYTHONPATH", "")
-    return {
-        **os.environ,
-        "GLOO_SOCKET_IFNAME": "lo",
-        "PYTHONPATH": f"{REPO}{os.pathsep}{path}" if path else str(REPO),
-        "OMP_NUM_THREADS": "1",
-    }
+    return hier_machines.start_daemons(pool, n, RUN)
 
 
 def run_machines(
     workdir: Path, daemons: list[SwarmavgProcess], ranks: int, timeout: float, **spec: Any
-) -> dict[tuple[int, int], dict[str, Any]]:
-    """Start every rank of every machine, wait for all, return their records."""
-    procs: dict[tuple[int, int], subprocess.Popen[bytes]] = {}
-    outs: dict[tuple[int, int], Path] = {}
-    for m, daemon in enumerate(daemons):
-        for r in range(ranks):
-            out = workdir / f"m{m}r{r}"
-            full = {
-                "run_id": RUN,
-                "control": daemon.control,
-                "store": str(workdir / f"store-{m}"),
-                "rank": r,
-                "size": ranks,
-                "batch": BATCHES[(m, r)],
-                "data_seed": 10 * m + r,
-                # the leaders start alike (as a run's peers do); their followers start
-                # elsewhere: the leader's parameters must win
-                "model_seed": 0 if r == 0 else 100 * m + r,
-                "out": str(out),
-                "go_file": str(workdir / "go") if spec.get("barrier", True) else None,
-                **spec,
-            }
-            for key, value in spec.items():  # per-(machine, rank) values: {"MR": value}
-                if isinstance(value, dict):
-                    full[key] = value.get(f"{m}{r}")
-            outs[(m, r)] = out
-            procs[(m, r)] = subprocess.Popen(
-                [sys.executable, str(WORKER), json.dumps(full)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=worker_env(),
-                cwd=workdir,
-            )
-    records: dict[tuple[int, int], dict[str, Any]] = {}
-    try:
-        if spec.get("barrier", True):
-            release_when_ready(workdir, procs, outs, timeout)
-        deadline = time.monotonic() + timeout
-        for key, proc in procs.items():
-            try:
-                _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"rank {key} did not finish: {dump_stacks(procs)}") from None
-            json_path = outs[key].with_suffix(".json")
-            record = json.loads(json_path.read_text()) if json_path.exists() else {}
-            record["returncode"] = proc.returncode
-            record["stderr"] = err.decode(errors="replace")[-3000:]
-            if outs[key].with_suffix(".pt").exists():
-                record["params"] = torch.load(outs[key].with_suffix(".pt"))
-            records[key] = record
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-    return records
-
-
-def dump_stacks(procs: dict[tuple[int, int], subprocess.Popen[bytes]]) -> dict[str, str]:
-    """Every rank's stderr, with the stacks of those still running (hier_worker dumps
-    them on SIGUSR1), for the failure message; the ranks are stopped."""
-    running = [key for key, proc in procs.items() if proc.poll() is None]
-    for key in running:
-        procs[key].send_signal(signal.SIGUSR1)
-    details: dict[str, str] = {}
-    for key, proc in procs.items():
-        try:
-            _, err = proc.communicate(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate(timeout=10)
-        details[f"{key} ({'running' if key in running else proc.returncode})"] = err.decode(
-            errors="replace"
-        )[-4000:]
-    return details
-
-
-def release_when_ready(
-    workdir: Path,
-    procs: dict[tuple[int, int], subprocess.Popen[bytes]],
-    outs: dict[tuple[int, int], Path],
-    timeout: float,
-) -> None:
-    """The start barrier (hier_worker.start_barrier): once every rank has built its
-    wrapper, let them all train; a rank that exits before that fails the test."""
-    deadline = time.monotonic() + timeout
-    while not all(out.with_suffix(".ready").exists() for out in outs.values()):
-        exited = {key: p.returncode for key, p in procs.items() if p.poll() is not None}
-        if exited or time.monotonic() > deadline:
-            late = [key for key, out in outs.items() if not out.with_suffix(".ready").exists()]
-            raise AssertionError(
-                f"ranks {late} did not get ready (exited: {exited}): {dump_stacks(procs)}"
-            )
-        time.sleep(0.02)
-    (workdir / "go").write_text("go")
+) -> hier_machines.Records:
+    return hier_machines.run_machines(
+        workdir,
+        daemons,
+        ranks,
+        timeout,
+        run_id=RUN,
+        batch_of=lambda m, r: BATCHES[(m, r)],
+        **spec,
+    )
 
 
 def expected_collaborative(records: dict[tuple[int, int], dict[str, Any]], epochs: int) -> Any:
@@ -276,3 +165,39 @@ def test_a_vanished_leader_makes_its_follower_fail_instead_of_hanging(
     assert follower["returncode"] == 0, follower["stderr"]
     assert follower["ok"] is False
     assert follower["error"] == "LocalGroupError", follower
+
+
+@pytest.mark.timeout(300)
+def test_a_failure_of_the_leaders_round_reaches_every_rank_the_same_way(
+    swarmavg_processes: ProcessPool, tmp_path: Path
+) -> None:
+    """Machine 0's follower feeds NaN gradients: its leader's round refuses them (an
+    error, re-raised there) and its follower raises the same failure as LocalGroupError.
+    Machine 1 then has no partner: its round fails and both its ranks step locally, each
+    with the leader's SwarmRoundWarning, and end identical."""
+    daemons = start_daemons(swarmavg_processes, 2)
+    records = run_machines(
+        tmp_path,
+        daemons,
+        2,
+        timeout=240,
+        wrapper="collaborative",
+        target=48,
+        epochs=1,
+        nan_grad={"01": True},
+        averaging_timeout=10.0,
+    )
+    leader, follower = records[(0, 0)], records[(0, 1)]
+    assert leader["ok"] is False, leader
+    assert follower["ok"] is False, follower
+    assert follower["error"] == "LocalGroupError"
+    assert leader["error"] in follower["message"]
+    assert leader["message"] in follower["message"]
+    others = records[(1, 0)], records[(1, 1)]
+    for record in others:
+        assert record["ok"], record
+        assert record["epoch"] == 1
+        assert any("SwarmRoundWarning" in w and "failed" in w for w in record["warnings"])
+    assert any("(local leader)" in w for w in others[1]["warnings"])
+    for a, b in zip(others[0]["params"], others[1]["params"], strict=True):
+        assert torch.equal(a, b)
