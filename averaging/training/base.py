@@ -389,6 +389,12 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         size = self.local_group.size if self.local_group is not None else 1
         return self.batch_size_per_step * size
 
+    def _report_unless_follower(self) -> None:
+        """Report progress, except on a follower rank (a checkpoint restored on every rank:
+        the leader's record stands for the machine, and a follower has no daemon)."""
+        if not self._follower:
+            self.tracker.report()
+
     def _machine_samples(self, samples: int) -> int:
         """Hierarchical mode: count this step's samples of every rank, once, on the leader's
         progress record (a collective: every rank calls it at every step). Otherwise:

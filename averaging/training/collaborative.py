@@ -284,7 +284,7 @@ class CollaborativeOptimizer(SwarmOptimizer):
         self.tracker.set_epoch(int(state["epoch"]), int(state.get("samples", 0)))
         self._provenance = None
         self._mark_synced()
-        self.tracker.report()
+        self._report_unless_follower()
 
     def close(self) -> None:
         """Finish and apply a round still running in the background, and tell the swarm this

@@ -209,8 +209,8 @@ class DiLoCo(SwarmOptimizer):
                 # is then the machine's.
                 self._weighted_mean_onto_leader(self.params)
             self._as_machine(self._outer_sync)
-        elif not self._follower:
-            self.tracker.report()
+        else:
+            self._report_unless_follower()
         self.tracker.meter.start()
         return loss
 
@@ -236,7 +236,7 @@ class DiLoCo(SwarmOptimizer):
         self.steps_this_round = self.local_steps
         self.tracker.set_epoch(int(state["epoch"]), int(state.get("samples", 0)))
         self._provenance = None
-        self.tracker.report()
+        self._report_unless_follower()
 
     def _outer_sync(self) -> None:
         self.tracker.report()
