@@ -13,7 +13,11 @@ the parts that do not depend on *what* a wrapper averages or *when*:
   the group's digests (:mod:`swarmavg.averaging.training.consensus`), the repair of a
   member that differs and the publication its holders make for it;
 * ``close()`` (idempotent; withdraws the progress record), ``with`` support, checkpoint
-  kinds.
+  kinds;
+* the hierarchical mode's envelope (:meth:`SwarmOptimizer._as_machine`): with a
+  :class:`~swarmavg.averaging.training.local_group.LocalGroup`, only the group's leader
+  talks to the daemon, and every other rank takes the leader's outcome (its state, its
+  warnings, its failure) from one broadcast.
 
 A subclass builds its own fields after ``super().__init__`` and then calls
 :meth:`_join_swarm`, which may already call its :meth:`_catch_up`.
@@ -37,6 +41,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from swarmavg.averaging.training.consensus import Provenance, Role, Verdict, judge
+from swarmavg.averaging.training.local_group import LocalGroup, LocalGroupError, outcome_timeout
 from swarmavg.averaging.training.progress import GlobalProgress, ProgressTracker
 from swarmavg.averaging.training.state import TrainingState
 from swarmavg.averaging.training.swarm import (
@@ -47,7 +52,7 @@ from swarmavg.averaging.training.swarm import (
     SwarmRoundWarning,
     swarm_errors,
 )
-from swarmavg.averaging.training.tensors import collect_params
+from swarmavg.averaging.training.tensors import collect_params, copy_into
 from swarmavg.averaging.training.verbose import ProgressLog
 
 log = logging.getLogger(__name__)
@@ -76,10 +81,14 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         verbose: log the epoch, the swarm's samples/s and the time to the next global step
             at INFO (:mod:`~swarmavg.averaging.training.verbose`; make the library's logs
             visible with ``swarmavg.peer.enable_logging()``).
+        local_group: the hierarchical mode (docs/training.md): this machine's ranks, of
+            which only the leader talks to the daemon (None: this process is one peer).
+            ``client`` may be None on the other ranks.
 
     Raises:
-        ValueError: a non-positive batch size, a negative ``publish_state_every``, or an
-            unknown aggregation rule (the message lists the known ones).
+        ValueError: a non-positive batch size, a negative ``publish_state_every``, an
+            unknown aggregation rule (the message lists the known ones), or no client on
+            a process that talks to the daemon.
     """
 
     KIND: ClassVar[str]
@@ -90,7 +99,7 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         self,
         params: Iterable[Any],
         local_optimizer: torch.optim.Optimizer,
-        client: SwarmClient,
+        client: SwarmClient | None,
         run_id: str,
         *,
         progress_key: str,
@@ -105,6 +114,7 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         state_timeout: float,
         peer_id: str | None,
         verbose: bool = False,
+        local_group: LocalGroup | None = None,
     ) -> None:
         if batch_size_per_step <= 0:
             raise ValueError(f"batch_size_per_step must be positive, got {batch_size_per_step}")
@@ -120,6 +130,20 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         self.batch_size_per_step = batch_size_per_step
         self.publish_state_every = publish_state_every
         self._local_optimizer = local_optimizer
+        self.local_group = local_group
+        self._follower = local_group is not None and not local_group.is_leader
+        self._outcome_timeout = outcome_timeout(averaging_timeout, state_timeout)
+        self._state_loaded = False
+        """Set when the leader takes a state from the swarm (catch-up, repair): the parts
+        each rank otherwise keeps as its own then travel to the other ranks too."""
+        if client is None and not self._follower:
+            raise ValueError(
+                "client is None: this process talks to the daemon (it is not a follower "
+                "rank of a local group), so it needs swarmavg.peer.connect()"
+            )
+        if client is None:
+            client = _NoDaemon()
+            peer_id = peer_id or f"local-rank-{local_group.rank if local_group else 0}"
         self.link = SwarmLink(
             client,
             run_id,
@@ -140,6 +164,9 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         self.verbose = bool(verbose)
         self._progress_log = ProgressLog() if verbose else None
         self._closed = False
+        self._rank_samples = 0
+        """Hierarchical mode: samples this rank processed since the last global step (its
+        weight in the machine's contribution)."""
         self._provenance: Provenance | None = None
         """The round step that produced the current state (None: a local step, a restored
         checkpoint, ...); published with the state so that repairing members find it."""
@@ -150,11 +177,17 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         Called by the subclass at the end of its ``__init__``, once :meth:`_catch_up` can
         run.
         """
-        if load_state_on_start:
-            progress = self.tracker.refresh()
-            if progress.epoch > self.epoch:
-                self._catch_up(progress)
-        self.tracker.report()
+
+        def join() -> None:
+            if load_state_on_start:
+                progress = self.tracker.refresh()
+                if progress.epoch > self.epoch:
+                    self._catch_up(progress)
+            self.tracker.report()
+
+        # Hierarchical mode: every rank starts from the leader's state (like DDP's first
+        # broadcast), the one it loaded from the swarm if it caught up.
+        self._as_machine(join)
         self.tracker.meter.start()
 
     # ------------------------------------------------------------------ public API
@@ -226,7 +259,10 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         """Work to complete before leaving the swarm on :meth:`close` (default: none)."""
 
     def _leave(self) -> None:
-        """Withdraw from the swarm's progress so that nobody waits for this process."""
+        """Withdraw from the swarm's progress so that nobody waits for this process (a
+        follower rank never reported: its leader's record stands for the machine)."""
+        if self._follower:
+            return
         try:
             self.tracker.leave()
         except swarm_errors() as exc:
@@ -377,6 +413,131 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
             )
         return state
 
+    # ------------------------------------------------------------------ hierarchical mode
+
+    @property
+    def _machine_batch(self) -> int:
+        """Samples behind one ``step()`` of the whole machine (every rank steps once)."""
+        size = self.local_group.size if self.local_group is not None else 1
+        return self.batch_size_per_step * size
+
+    def _report_unless_follower(self) -> None:
+        """Report progress, except on a follower rank (a checkpoint restored on every rank:
+        the leader's record stands for the machine, and a follower has no daemon)."""
+        if not self._follower:
+            self.tracker.report()
+
+    def _machine_samples(self, samples: int) -> int:
+        """Hierarchical mode: count this step's samples of every rank, once, on the leader's
+        progress record (a collective: every rank calls it at every step). Otherwise:
+        ``samples``, counted."""
+        group = self.local_group
+        if group is None:
+            self.tracker.add_samples(samples)
+            return samples
+        self._rank_samples += samples
+        total = group.sum_int(samples)
+        if group.is_leader:
+            self.tracker.add_samples(total)
+        return total
+
+    def _weighted_mean_onto_leader(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Replace the leader's ``tensors`` with the mean of every rank's, weighted by the
+        samples each rank processed since the last global step (a collective)."""
+        group = self.local_group
+        assert group is not None
+        weight = float(self._rank_samples)
+        summed = group.reduce_sum([t.detach().float() * weight for t in tensors])
+        if summed is None:
+            return
+        total = float(self.tracker.samples)
+        if total <= 0:
+            return  # nothing was processed: the leader's own values stand
+        copy_into(tensors, [s / total for s in summed])
+
+    def _sum_onto_leader(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Replace the leader's ``tensors`` with the sum of every rank's (a collective)."""
+        group = self.local_group
+        assert group is not None
+        summed = group.reduce_sum(tensors)
+        if summed is not None:
+            copy_into(tensors, summed)
+
+    def _as_machine(self, work: Callable[[], None]) -> None:
+        """Run ``work`` (what talks to the swarm) on this process, or in the hierarchical
+        mode on the leader only, and give every other rank the leader's outcome.
+
+        The leader broadcasts one envelope: its failure (if ``work`` raised), the
+        :class:`SwarmRoundWarning` messages it gave, and its state after ``work``
+        (:meth:`_machine_state`). A follower re-issues the warnings, raises
+        :class:`~swarmavg.averaging.training.local_group.LocalGroupError` when the leader
+        failed (the leader re-raises its own error), or takes the state: every rank ends
+        the same way, with the same parameters.
+        """
+        group = self.local_group
+        if group is None:
+            work()
+            return
+        if group.is_leader:
+            self._state_loaded = False
+            error: Exception | None = None
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    work()
+                except Exception as exc:  # re-raised below, after the followers know
+                    error = exc
+            notes: list[str] = []
+            for w in caught:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+                if issubclass(w.category, SwarmRoundWarning):
+                    notes.append(str(w.message))
+            envelope: dict[str, Any] = {
+                "error": None if error is None else f"{type(error).__name__}: {error}",
+                "warnings": notes,
+                "state": None if error is not None else self._envelope_state(),
+            }
+            group.broadcast_object(envelope, timeout=self._outcome_timeout)
+            if error is not None:
+                raise error
+            return
+        received = group.broadcast_object(None, timeout=self._outcome_timeout)
+        if not isinstance(received, dict):
+            raise LocalGroupError(f"the local leader sent {type(received).__name__}, not a dict")
+        for note in received.get("warnings", []):
+            warnings.warn(f"{note} (local leader)", SwarmRoundWarning, stacklevel=4)
+        if received.get("error"):
+            raise LocalGroupError(
+                f"the local leader (rank {group.leader}) failed: {received['error']}"
+            )
+        state = received["state"]
+        self.tracker.set_epoch(int(state["epoch"]), int(state["samples"]))
+        self._rank_samples = 0
+        self._take_machine_state(state)
+
+    def _envelope_state(self) -> dict[str, Any]:
+        state = self._machine_state()
+        state["epoch"] = self.epoch
+        state["samples"] = self.tracker.samples
+        self._rank_samples = 0
+        return state
+
+    def _machine_state(self) -> dict[str, Any]:
+        """Hierarchical mode: what the leader sends its followers after talking to the
+        swarm: here the parameters and the local optimizer's state (a subclass with more
+        shared state, or state each rank keeps as its own, overrides both methods;
+        ``self._state_loaded`` says whether the leader took a state from the swarm)."""
+        return {
+            "params": [p.detach().cpu() for p in self.params],
+            "optimizer": self._local_optimizer.state_dict(),
+        }
+
+    def _take_machine_state(self, state: Mapping[str, Any]) -> None:
+        """A follower takes what :meth:`_machine_state` sent."""
+        copy_into(self.params, state["params"])
+        if state.get("optimizer") is not None:
+            self._local_optimizer.load_state_dict(state["optimizer"])
+
     @abstractmethod
     def _training_state(self, epoch: int) -> TrainingState:
         """What this wrapper publishes for ``epoch``."""
@@ -389,6 +550,16 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
     @abstractmethod
     def _catch_up(self, progress: GlobalProgress) -> None:
         """Behind the swarm: take its newest state and continue at its epoch."""
+
+
+class _NoDaemon:
+    """The client of a follower rank, which never talks to the daemon: any use is a bug
+    in the wrapper, and says so."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(
+            f"a follower rank of a local group used the daemon ({name}); only the leader may"
+        )
 
 
 def _digests_of(result: RoundResultLike) -> dict[str, bytes]:

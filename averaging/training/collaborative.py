@@ -37,10 +37,11 @@ Synchronisation rules (one place, so they can be checked):
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -50,6 +51,11 @@ import numpy as np
 from swarmavg.averaging.training.base import SwarmOptimizer
 from swarmavg.averaging.training.consensus import Provenance, Role
 from swarmavg.averaging.training.digest import state_digest
+from swarmavg.averaging.training.local_group import (
+    LocalGroup,
+    LocalGroupError,
+    resolve_local_group,
+)
 from swarmavg.averaging.training.progress import GlobalProgress
 from swarmavg.averaging.training.state import TrainingState
 from swarmavg.averaging.training.swarm import RoundResultLike, SwarmClient, SwarmRoundWarning
@@ -57,11 +63,25 @@ from swarmavg.averaging.training.tensors import copy_into, to_arrays
 
 if TYPE_CHECKING:
     import torch
+    import torch.distributed
 
 log = logging.getLogger(__name__)
 
 ZERO_WEIGHT = 1e-3
 """Weight of a process that has no samples in a round (the daemon requires weight > 0)."""
+
+
+class _Action(enum.Enum):
+    """What one ``step()`` leads to (the leader's decision in the hierarchical mode)."""
+
+    NONE = 0
+    GLOBAL = 1
+    LATE = 2
+    CATCH_UP = 3
+
+
+_FAILED = -1
+"""Broadcast instead of an action when the leader could not decide."""
 
 
 @dataclass
@@ -112,6 +132,15 @@ class CollaborativeOptimizer(SwarmOptimizer):
         verbose: log the epoch, the swarm's samples/s and the time to the next global step
             at INFO after a step (on a new epoch, else at most every 10 s); make the
             library's logs visible with ``swarmavg.peer.enable_logging()``.
+        process_group: the hierarchical mode (docs/training.md, "Hierarchical mode"):
+            this machine's ``torch.distributed`` group (or ``"world"`` for the default
+            group, or a :class:`~swarmavg.averaging.training.local_group.LocalGroup`).
+            The ranks reduce their gradients (or parameters) and sample counts locally;
+            only the leader averages through the daemon, with the machine's weight, and
+            every rank takes its result. Every rank must build the wrapper and call
+            ``step()`` the same number of times; ``client`` may be None on the others.
+            Not with ``delay_updates``.
+        local_leader: the group rank that talks to the daemon (default 0).
 
     Call ``zero_grad()`` after ``step()`` as usual. ``step()`` returns the closure's loss
     (or None). Not thread-safe: use it from the training thread. Close it (or use it as a
@@ -142,13 +171,20 @@ class CollaborativeOptimizer(SwarmOptimizer):
         max_wait: float = 1.0,
         peer_id: str | None = None,
         verbose: bool = False,
+        process_group: LocalGroup | torch.distributed.ProcessGroup | str | None = None,
+        local_leader: int = 0,
     ) -> None:
         if average not in ("gradients", "parameters"):
             raise ValueError(f"average must be 'gradients' or 'parameters', got {average!r}")
         if delay_updates and average != "gradients":
             raise ValueError("delay_updates needs average='gradients'")
+        if delay_updates and process_group is not None:
+            raise ValueError(
+                "delay_updates is not available in the hierarchical mode (process_group=)"
+            )
         if max_wait < 0:
             raise ValueError("max_wait must not be negative")
+        local_group = resolve_local_group(process_group, local_leader)
         super().__init__(
             params,
             optimizer,
@@ -166,6 +202,7 @@ class CollaborativeOptimizer(SwarmOptimizer):
             state_timeout=state_timeout,
             peer_id=peer_id,
             verbose=verbose,
+            local_group=local_group,
         )
         self.optimizer = optimizer
         self.average = average
@@ -211,18 +248,12 @@ class CollaborativeOptimizer(SwarmOptimizer):
                         acc.add_(p.grad.to(acc.dtype), alpha=float(samples))
         else:
             self.optimizer.step()
-        self.tracker.add_samples(samples)
-        self.tracker.report()
-        progress = self.tracker.refresh()
-        if progress.epoch == self.epoch and not progress.ready:
-            progress = self._wait_for_swarm(progress)
-        if progress.epoch > self.epoch + 1:
-            self._catch_up(progress)
-        elif progress.epoch == self.epoch + 1:
-            # The others have just started the round of our epoch: join it late.
-            self._global_step(progress, late=True)
-        elif progress.ready:
-            self._global_step(progress)
+        if self.local_group is not None:
+            self._machine_step(samples)
+        else:
+            self.tracker.add_samples(samples)
+            self.tracker.report()
+            self._act(*self._decide())
         self._log_progress()
         self.tracker.meter.start()
         return loss
@@ -259,7 +290,7 @@ class CollaborativeOptimizer(SwarmOptimizer):
         self.tracker.set_epoch(int(state["epoch"]), int(state.get("samples", 0)))
         self._provenance = None
         self._mark_synced()
-        self.tracker.report()
+        self._report_unless_follower()
 
     def close(self) -> None:
         """Finish and apply a round still running in the background, and tell the swarm this
@@ -275,6 +306,80 @@ class CollaborativeOptimizer(SwarmOptimizer):
 
     # ------------------------------------------------------------------ the state machine
 
+    def _decide(self) -> tuple[_Action, GlobalProgress]:
+        """What this step leads to, from the swarm's progress (after this step's report)."""
+        progress = self.tracker.refresh()
+        if progress.epoch == self.epoch and not progress.ready:
+            progress = self._wait_for_swarm(progress)
+        if progress.epoch > self.epoch + 1:
+            return _Action.CATCH_UP, progress
+        if progress.epoch == self.epoch + 1:
+            # The others have just started the round of our epoch: join it late.
+            return _Action.LATE, progress
+        if progress.ready:
+            return _Action.GLOBAL, progress
+        return _Action.NONE, progress
+
+    def _act(self, action: _Action, progress: GlobalProgress) -> None:
+        if action is _Action.CATCH_UP:
+            self._catch_up(progress)
+        elif action is _Action.LATE:
+            self._global_step(progress, late=True)
+        elif action is _Action.GLOBAL:
+            self._global_step(progress)
+
+    def _machine_step(self, samples: int) -> None:
+        """Hierarchical mode, after this rank's local work: sum the machine's samples onto
+        the leader's record, let the leader decide, and when the epoch ends, reduce the
+        ranks' contributions onto the leader, which takes the global step; every rank then
+        holds the leader's result (:meth:`_as_machine`)."""
+        group = self.local_group
+        assert group is not None
+        self._machine_samples(samples)
+        action, progress = _Action.NONE, self.tracker.last
+        failure: Exception | None = None
+        if group.is_leader:
+            try:
+                self.tracker.report()
+                action, progress = self._decide()
+            except Exception as exc:  # the followers learn of it through the broadcast
+                failure = exc
+        code = group.broadcast_int(
+            _FAILED if failure is not None else action.value,
+            timeout=group.timeout + self.max_wait,
+        )
+        if failure is not None:
+            raise failure
+        if code == _FAILED:
+            raise LocalGroupError(
+                f"the local leader (rank {group.leader}) failed reading the swarm's progress"
+            )
+        action = _Action(code)
+        if action is _Action.NONE:
+            return
+        if action is not _Action.CATCH_UP:
+            if self._grads is not None:
+                self._sum_onto_leader(self._grads)
+            else:
+                self._weighted_mean_onto_leader(self.params)
+        self._as_machine(lambda: self._act(action, progress))
+
+    def _machine_state(self) -> dict[str, Any]:
+        """The parameters; the optimizer's state in gradients mode (shared by the swarm)
+        or when the leader loaded a state (parameters mode: each rank's own otherwise)."""
+        share_optimizer = self._grads is not None or self._state_loaded
+        return {
+            "params": [p.detach().cpu() for p in self.params],
+            "optimizer": self.optimizer.state_dict() if share_optimizer else None,
+        }
+
+    def _take_machine_state(self, state: Mapping[str, Any]) -> None:
+        super()._take_machine_state(state)
+        if self._grads is not None:
+            for g in self._grads:
+                g.zero_()
+        self._mark_synced()
+
     def _wait_for_swarm(self, progress: GlobalProgress) -> GlobalProgress:
         """Wait (briefly) for the others when they are about to complete the epoch.
 
@@ -288,7 +393,7 @@ class CollaborativeOptimizer(SwarmOptimizer):
         if progress.num_processes <= 1 or self.max_wait == 0:
             return progress
         own_rate = self.tracker.meter.rate
-        own_step = self.batch_size_per_step / own_rate if own_rate > 0 else None
+        own_step = self._machine_batch / own_rate if own_rate > 0 else None
         poll = 0.01 if own_step is None else min(max(own_step / 4, 0.002), 0.05)
         deadline = time.monotonic() + self.max_wait
         while not progress.ready and progress.epoch == self.epoch:
@@ -396,6 +501,7 @@ class CollaborativeOptimizer(SwarmOptimizer):
 
     def _take_state(self, state: TrainingState) -> None:
         """Parameters and optimizer state of a loaded state (the epoch is the caller's)."""
+        self._state_loaded = True
         copy_into(self.params, state.params)
         if "optimizer" in state.optimizers:
             self.optimizer.load_state_dict(state.optimizers["optimizer"])

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -25,6 +25,7 @@ import numpy as np
 from swarmavg.averaging.training.base import SwarmOptimizer
 from swarmavg.averaging.training.consensus import Provenance, Role, Verdict
 from swarmavg.averaging.training.digest import state_digest
+from swarmavg.averaging.training.local_group import LocalGroup, resolve_local_group
 from swarmavg.averaging.training.progress import GlobalProgress
 from swarmavg.averaging.training.schedule import (
     DEFAULT_BOUNDS,
@@ -40,6 +41,7 @@ from swarmavg.averaging.training.tensors import copy_into, to_arrays
 
 if TYPE_CHECKING:
     import torch
+    import torch.distributed
 
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
@@ -139,6 +141,14 @@ class DiLoCo(SwarmOptimizer):
         load_state_on_start, state_timeout, peer_id, verbose: as for
             ``CollaborativeOptimizer`` (``verbose``: the samples and the time to the outer
             step are this process's own inner steps).
+        load_state_on_start, state_timeout, peer_id: as for ``CollaborativeOptimizer``.
+        process_group, local_leader: the hierarchical mode, as for
+            ``CollaborativeOptimizer``: at every outer step the ranks' parameters are
+            averaged locally (weighted by their samples), the leader averages the
+            machine's pseudo-gradient through the daemon, and every rank takes the
+            leader's synchronised parameters and outer optimizer state (each rank keeps
+            its own inner optimizer state, unless the leader loaded one from the swarm).
+            ``batch_size_per_step`` stays per rank.
 
     ``epoch`` counts outer steps. A late joiner loads the last synchronised parameters, the
     outer optimizer's state and the epoch, then runs only the inner steps the swarm has left
@@ -169,6 +179,8 @@ class DiLoCo(SwarmOptimizer):
         state_timeout: float = 60.0,
         peer_id: str | None = None,
         verbose: bool = False,
+        process_group: LocalGroup | torch.distributed.ProcessGroup | str | None = None,
+        local_leader: int = 0,
     ) -> None:
         self.auto = local_steps == "auto"
         self.local_steps_bounds = check_bounds(local_steps_bounds)
@@ -187,13 +199,15 @@ class DiLoCo(SwarmOptimizer):
         self.agreed_ratio: float | None = None
         """The swarm's last agreed round-to-step time ratio (``"auto"``; None before)."""
         self._last_step_end: float | None = None
+        local_group = resolve_local_group(process_group, local_leader)
+        ranks = local_group.size if local_group is not None else 1
         super().__init__(
             params,
             inner_optimizer,
             client,
             run_id,
             progress_key=f"{run_id}.diloco",
-            target_samples=local_steps * batch_size_per_step,
+            target_samples=local_steps * batch_size_per_step * ranks,
             batch_size_per_step=batch_size_per_step,
             codec=codec,
             aggregation=aggregation,
@@ -204,6 +218,7 @@ class DiLoCo(SwarmOptimizer):
             state_timeout=state_timeout,
             peer_id=peer_id,
             verbose=verbose,
+            local_group=local_group,
         )
         self.inner_optimizer = inner_optimizer
         self.local_steps = local_steps
@@ -224,11 +239,17 @@ class DiLoCo(SwarmOptimizer):
         self.inner_optimizer.step()
         self._time_step()
         self.inner_steps += 1
-        self.tracker.add_samples(samples)
+        self._machine_samples(samples)
         if self.inner_steps >= self.steps_this_round:
-            self._outer_sync()
+            if self.local_group is not None:
+                # Every rank reaches this together (the same inner_steps and
+                # steps_this_round, from the leader's last broadcast): the machine's
+                # replicas become their weighted mean on the leader, whose pseudo-gradient
+                # is then the machine's.
+                self._weighted_mean_onto_leader(self.params)
+            self._as_machine(self._outer_sync)
         else:
-            self.tracker.report()
+            self._report_unless_follower()
         self._log_progress()
         self.tracker.meter.start()
         self._last_step_end = time.monotonic()
@@ -321,7 +342,7 @@ class DiLoCo(SwarmOptimizer):
         self.steps_this_round = self.local_steps
         self.tracker.set_epoch(int(state["epoch"]), int(state.get("samples", 0)))
         self._provenance = None
-        self.tracker.report()
+        self._report_unless_follower()
 
     def _outer_sync(self) -> None:
         self.tracker.report()
@@ -393,12 +414,32 @@ class DiLoCo(SwarmOptimizer):
         self._maybe_publish(epoch, serve=serve)
         self.tracker.report()
 
+    def _machine_state(self) -> dict[str, Any]:
+        """The synchronised parameters, the outer optimizer's state and where the next
+        outer step is; the inner optimizer's state when the leader loaded one."""
+        return {
+            "params": [p.detach().cpu() for p in self.params],
+            "anchor": [a.detach().cpu() for a in self.anchor],
+            "outer": self.outer_optimizer.state_dict(),
+            "optimizer": self.inner_optimizer.state_dict() if self._state_loaded else None,
+            "inner_steps": self.inner_steps,
+            "steps_this_round": self.steps_this_round,
+        }
+
+    def _take_machine_state(self, state: Mapping[str, Any]) -> None:
+        super()._take_machine_state(state)
+        copy_into(self.anchor, state["anchor"])
+        self.outer_optimizer.load_state_dict(state["outer"])
+        self.inner_steps = int(state["inner_steps"])
+        self.steps_this_round = int(state["steps_this_round"])
+
     def _take_synced(self, state: TrainingState) -> None:
         """A repair: the majority's synchronised parameters and outer optimizer state.
 
         The inner optimizer's state is each member's own (it follows its own batches), so
         it is kept.
         """
+        self._state_loaded = True
         copy_into(self.anchor, state.params)
         copy_into(self.params, state.params)
         if "outer" in state.optimizers:
@@ -429,6 +470,7 @@ class DiLoCo(SwarmOptimizer):
         epoch = progress.epoch
         self._provenance = None
         if state is not None:
+            self._state_loaded = True
             self._provenance = Provenance.from_extra(state.extra)
             copy_into(self.anchor, state.params)
             copy_into(self.params, state.params)
@@ -450,7 +492,7 @@ class DiLoCo(SwarmOptimizer):
             default=0,
         )
         self.inner_steps = 0
-        self.steps_this_round = max(1, self.local_steps - done // self.batch_size_per_step)
+        self.steps_this_round = max(1, self.local_steps - done // self._machine_batch)
         self.tracker.set_epoch(epoch)
         self.tracker.report()
         self._last_step_end = None  # the download is not an inner step

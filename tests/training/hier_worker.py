@@ -1,0 +1,164 @@
+"""One rank of a "machine" in the hierarchical-mode tests (and the benchmark).
+
+Run as ``python hier_worker.py '<json spec>'``. The rank joins its machine's gloo group
+(a FileStore per machine), builds a wrapper with ``process_group="world"`` (or, with
+``spec["flat"]``, as a process of its own with its own daemon), trains a tiny linear model
+on one fixed batch and writes ``spec["out"]``: a ``.pt`` file with the final parameters
+and a ``.json`` file with what the test checks (or the exception's class and message).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+LR = 0.1
+
+
+def fixed_batch(seed: int, size: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(size, dim, generator=g), torch.randn(size, 2, generator=g)
+
+
+def make_model(seed: int, dim: int) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(dim, 2)
+
+
+def backward(model: torch.nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> None:
+    x, y = data
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def build(spec: dict[str, Any], model: torch.nn.Module, client: Any) -> Any:
+    from swarmavg.averaging.optim import CollaborativeOptimizer, DiLoCo, sgd_outer_optimizer
+
+    group: Any = None if spec.get("flat") else "world"
+    common: dict[str, Any] = {
+        "codec": "none",
+        "averaging_timeout": spec.get("averaging_timeout", 30.0),
+        "process_group": group,
+        "peer_id": None,
+    }
+    if spec["wrapper"] == "diloco":
+        return DiLoCo(
+            model.parameters(),
+            torch.optim.SGD(model.parameters(), lr=LR),
+            client,
+            spec["run_id"],
+            local_steps=spec["local_steps"],
+            batch_size_per_step=spec["batch"],
+            outer_optimizer=sgd_outer_optimizer,
+            **common,
+        )
+    return CollaborativeOptimizer(
+        model.parameters(),
+        torch.optim.SGD(model.parameters(), lr=LR),
+        client,
+        spec["run_id"],
+        target_batch_size=spec["target"],
+        batch_size_per_step=spec["batch"],
+        max_wait=10.0,
+        **common,
+    )
+
+
+def start_barrier(out: Path, go: Path, deadline: float = 120.0) -> None:
+    """Say this rank is built (every leader has reported epoch 0), then wait for the test
+    to start every rank at once, so that no machine trains before the others exist."""
+    out.with_suffix(".ready").write_text("ready")
+    until = time.monotonic() + deadline
+    while not go.exists():
+        if time.monotonic() > until:
+            raise TimeoutError(f"no start signal ({go}) within {deadline}s")
+        time.sleep(0.01)
+
+
+def main(spec: dict[str, Any]) -> int:
+    from swarmavg.peer import connect
+
+    faulthandler.register(signal.SIGUSR1)  # a stuck rank shows where, when the test asks
+
+    out = Path(spec["out"])
+    record: dict[str, Any] = {"rank": spec["rank"]}
+    flat = bool(spec.get("flat"))
+    if not flat:
+        store = dist.FileStore(spec["store"], spec["size"])
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=spec["rank"],
+            world_size=spec["size"],
+            timeout=timedelta(seconds=spec.get("gloo_timeout", 120)),
+        )
+    talks = flat or spec["rank"] == 0
+    client = connect(spec["control"]) if talks else None
+    model = make_model(spec["model_seed"], spec.get("dim", 3))
+    data = fixed_batch(spec["data_seed"], spec["batch"], spec.get("dim", 3))
+    caught: list[str] = []
+    steps_per_epoch: list[int] = []
+    round_seconds: list[float] = []
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            opt = build(spec, model, client)
+            record["initial"] = [p.detach().tolist() for p in model.parameters()]
+            if spec.get("go_file"):
+                start_barrier(out, Path(spec["go_file"]))
+            steps = 0
+            last_epoch = opt.epoch
+            while opt.epoch < spec["epochs"]:
+                if spec.get("die_after") is not None and steps >= spec["die_after"]:
+                    os._exit(3)  # the leader vanishes: its followers must not hang
+                backward(model, data)
+                if spec.get("nan_grad"):  # a rank with a bug: the daemon refuses NaN
+                    first = next(model.parameters())
+                    assert first.grad is not None
+                    first.grad.view(-1)[0] = float("nan")
+                started = time.monotonic()
+                opt.step()
+                opt.zero_grad()
+                steps += 1
+                if opt.epoch != last_epoch:
+                    round_seconds.append(time.monotonic() - started)
+                    steps_per_epoch.append(steps)
+                    steps = 0
+                    last_epoch = opt.epoch
+                if len(steps_per_epoch) + steps > 500:
+                    raise RuntimeError("no global step after 500 local steps")
+            record["progress_processes"] = opt.global_progress().num_processes
+            record["group_sizes"] = list(opt.stats.group_sizes)
+            record["failed"] = opt.stats.failed
+            opt.close()
+        caught = [f"{w.category.__name__}: {w.message}" for w in seen]
+        record["ok"] = True
+    except Exception as exc:  # the test reads the failure from the record
+        record["ok"] = False
+        record["error"] = type(exc).__name__
+        record["message"] = str(exc)
+    record["epoch"] = opt.epoch if "opt" in locals() else None
+    record["steps_per_epoch"] = steps_per_epoch
+    record["round_seconds"] = round_seconds
+    record["warnings"] = caught
+    torch.save([p.detach().clone() for p in model.parameters()], out.with_suffix(".pt"))
+    out.with_suffix(".json").write_text(json.dumps(record))
+    if client is not None:
+        client.close()
+    if not flat and record["ok"]:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(json.loads(sys.argv[1])))

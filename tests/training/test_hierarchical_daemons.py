@@ -1,0 +1,203 @@
+"""The hierarchical mode end to end: 2 "machines" x 2 local ranks on loopback.
+
+Each machine is a real ``swarmavg peer`` daemon and two trainer processes
+(tests/training/hier_worker.py) in one gloo group (a FileStore of its own); only each
+group's rank 0 talks to its daemon. The tests check what a user of a DDP job expects:
+every rank ends with the same parameters, equal to the swarm's step on the mean of all
+four ranks' contributions weighted by their samples; the swarm sees one process per
+machine; and a leader that vanishes makes its follower fail, not hang.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torch.distributed")
+
+from tests.harness import ProcessPool, SwarmavgProcess  # noqa: E402
+from tests.training import hier_machines  # noqa: E402
+from tests.training.hier_worker import LR, backward, fixed_batch, make_model  # noqa: E402
+
+pytestmark = pytest.mark.integration
+RUN = "hier-test"
+BATCHES = {(0, 0): 2, (0, 1): 4, (1, 0): 6, (1, 1): 8}
+"""Samples per step of each (machine, rank): unequal, so that the weights matter."""
+
+
+def start_daemons(pool: ProcessPool, n: int) -> list[SwarmavgProcess]:
+    return hier_machines.start_daemons(pool, n, RUN)
+
+
+def run_machines(
+    workdir: Path, daemons: list[SwarmavgProcess], ranks: int, timeout: float, **spec: Any
+) -> hier_machines.Records:
+    return hier_machines.run_machines(
+        workdir,
+        daemons,
+        ranks,
+        timeout,
+        run_id=RUN,
+        batch_of=lambda m, r: BATCHES[(m, r)],
+        **spec,
+    )
+
+
+def expected_collaborative(records: dict[tuple[int, int], dict[str, Any]], epochs: int) -> Any:
+    """SGD (no momentum) on the samples-weighted mean of all four ranks' accumulated
+    gradients, epoch by epoch, from machine 0's leader's initial parameters."""
+    model = make_model(0, 3)
+    for epoch in range(epochs):
+        total = 0.0
+        summed = [torch.zeros_like(p) for p in model.parameters()]
+        for (m, r), record in records.items():
+            steps = record["steps_per_epoch"][epoch]
+            samples = steps * BATCHES[(m, r)]
+            model.zero_grad()
+            backward(model, fixed_batch(10 * m + r, BATCHES[(m, r)], 3))
+            for acc, p in zip(summed, model.parameters(), strict=True):
+                assert p.grad is not None
+                acc += p.grad * samples
+            total += samples
+        with torch.no_grad():
+            for p, acc in zip(model.parameters(), summed, strict=True):
+                p -= LR * acc / total
+    return [p.detach() for p in model.parameters()]
+
+
+def assert_one_machine_per_peer(
+    records: dict[tuple[int, int], dict[str, Any]], daemons: list[SwarmavgProcess], epochs: int
+) -> None:
+    from swarmavg.peer import connect
+
+    for key, record in records.items():
+        assert record.get("ok"), (key, record)
+    for m, _ in enumerate(daemons):
+        leader = records[(m, 0)]
+        # the swarm sees one progress record per machine, and each round two members
+        assert leader["progress_processes"] == 2
+        assert leader["group_sizes"] == [2] * epochs
+        assert leader["failed"] == 0
+    for daemon in daemons:
+        with connect(daemon.control) as client:
+            status = client.status()
+        # the machine's bytes crossed its daemon once per round: one round per epoch
+        assert status["rounds_done"] == epochs
+        assert status["rounds_failed"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_two_machines_of_two_ranks_average_gradients_once_per_machine(
+    swarmavg_processes: ProcessPool, tmp_path: Path
+) -> None:
+    daemons = start_daemons(swarmavg_processes, 2)
+    epochs = 2
+    records = run_machines(
+        tmp_path, daemons, 2, timeout=240, wrapper="collaborative", target=48, epochs=epochs
+    )
+    assert_one_machine_per_peer(records, daemons, epochs)
+    for m in range(2):  # ranks of one machine step in lockstep
+        assert records[(m, 0)]["steps_per_epoch"] == records[(m, 1)]["steps_per_epoch"]
+    final = records[(0, 0)]["params"]
+    for key, record in records.items():
+        for a, b in zip(record["params"], final, strict=True):
+            assert torch.equal(a, b), key
+    for got, want in zip(final, expected_collaborative(records, epochs), strict=True):
+        assert torch.allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_two_machines_of_two_ranks_diloco_takes_the_weighted_mean_of_all_replicas(
+    swarmavg_processes: ProcessPool, tmp_path: Path
+) -> None:
+    daemons = start_daemons(swarmavg_processes, 2)
+    local_steps = 3
+    records = run_machines(
+        tmp_path, daemons, 2, timeout=240, wrapper="diloco", local_steps=local_steps, epochs=1
+    )
+    assert_one_machine_per_peer(records, daemons, 1)
+    # With outer SGD at lr 1 the outer step lands on the mean of the replicas after H
+    # inner steps, weighted by samples (H * batch per rank), all from the leader's start.
+    total = 0.0
+    summed: list[Any] = []
+    for m, r in records:
+        replica = make_model(0, 3)
+        inner = torch.optim.SGD(replica.parameters(), lr=LR)
+        data = fixed_batch(10 * m + r, BATCHES[(m, r)], 3)
+        for _ in range(local_steps):
+            backward(replica, data)
+            inner.step()
+            inner.zero_grad()
+        weight = float(local_steps * BATCHES[(m, r)])
+        params = [p.detach() * weight for p in replica.parameters()]
+        summed = params if not summed else [a + b for a, b in zip(summed, params, strict=True)]
+        total += weight
+    final = records[(0, 0)]["params"]
+    for key, record in records.items():
+        for a, b in zip(record["params"], final, strict=True):
+            assert torch.equal(a, b), key
+    for got, want in zip(final, [s / total for s in summed], strict=True):
+        assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.timeout(180)
+def test_a_vanished_leader_makes_its_follower_fail_instead_of_hanging(
+    swarmavg_processes: ProcessPool, tmp_path: Path
+) -> None:
+    daemons = start_daemons(swarmavg_processes, 1)
+    records = run_machines(
+        tmp_path,
+        daemons,
+        2,
+        timeout=150,
+        wrapper="collaborative",
+        target=10_000,
+        epochs=1,
+        die_after={"00": 3},
+        gloo_timeout=30,
+        barrier=False,
+    )
+    assert records[(0, 0)]["returncode"] == 3
+    follower = records[(0, 1)]
+    assert follower["returncode"] == 0, follower["stderr"]
+    assert follower["ok"] is False
+    assert follower["error"] == "LocalGroupError", follower
+
+
+@pytest.mark.timeout(300)
+def test_a_failure_of_the_leaders_round_reaches_every_rank_the_same_way(
+    swarmavg_processes: ProcessPool, tmp_path: Path
+) -> None:
+    """Machine 0's follower feeds NaN gradients: its leader's round refuses them (an
+    error, re-raised there) and its follower raises the same failure as LocalGroupError.
+    Machine 1 then has no partner: its round fails and both its ranks step locally, each
+    with the leader's SwarmRoundWarning, and end identical."""
+    daemons = start_daemons(swarmavg_processes, 2)
+    records = run_machines(
+        tmp_path,
+        daemons,
+        2,
+        timeout=240,
+        wrapper="collaborative",
+        target=48,
+        epochs=1,
+        nan_grad={"01": True},
+        averaging_timeout=10.0,
+    )
+    leader, follower = records[(0, 0)], records[(0, 1)]
+    assert leader["ok"] is False, leader
+    assert follower["ok"] is False, follower
+    assert follower["error"] == "LocalGroupError"
+    assert leader["error"] in follower["message"]
+    assert leader["message"] in follower["message"]
+    others = records[(1, 0)], records[(1, 1)]
+    for record in others:
+        assert record["ok"], record
+        assert record["epoch"] == 1
+        assert any("SwarmRoundWarning" in w and "failed" in w for w in record["warnings"])
+    assert any("(local leader)" in w for w in others[1]["warnings"])
+    for a, b in zip(others[0]["params"], others[1]["params"], strict=True):
+        assert torch.equal(a, b)
