@@ -42,12 +42,20 @@ class SoloBackend:
         self.combiner = LocalCombiner(self._average, window)
         self.segments = DaemonSegmentCache()
         self.rounds: list[RoundRequest] = []
+        self.outs: list[list[np.ndarray] | None] = []  # where each round was told to write
         self.store: dict[str, Any] = {}
         self.state: tuple[bytes, list[np.ndarray]] | None = None
         self.failures: list[str] = []
 
-    async def _average(self, arrays: list[np.ndarray], params: RoundRequest) -> AveragingResult:
+    async def _average(
+        self,
+        arrays: list[np.ndarray],
+        params: RoundRequest,
+        *,
+        out: list[np.ndarray] | None = None,
+    ) -> AveragingResult:
         self.rounds.append(params)
+        self.outs.append(out)
         if params.min_group_size > 1:
             from swarmavg.averaging.errors import NoGroupError as AveragingNoGroup
 
