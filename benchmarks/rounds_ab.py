@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -28,12 +29,17 @@ HEAD_SCRIPT = Path(__file__).resolve().with_name("rounds.py")
 
 
 def run_once(python: str, script: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One ``rounds.py`` invocation's JSON record, with ``cpu_s``: user+sys seconds of it
+    and every process it started (daemons, workers), all reaped by the time it exits."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     argv = [python, script, "--peers", str(n), "--codecs", args.codecs, "--mb", str(args.mb)]
     argv += ["--rounds", str(args.rounds)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=args.run_timeout)
     if done.returncode != 0 or not done.stdout.strip():
         raise RuntimeError(f"{script} N={n} failed ({done.returncode}): {done.stderr[-2000:]}")
     record: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    record["cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return record
 
 
@@ -59,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     # (peers, codec, mode) -> tree -> list of (slowest_s, gloo slowest_s, phases)
     runs: dict[tuple[int, str, str], dict[str, list[dict[str, Any]]]] = {}
     loads: list[float] = []
+    cpu: dict[tuple[int, str], list[float]] = {}  # (peers, tree) -> CPU s per invocation
     for repeat in range(args.repeats):
         for n in (int(p) for p in args.peers.split(",")):
             order = ["base", "head"] if repeat % 2 == 0 else ["head", "base"]
@@ -67,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 started = time.monotonic()
                 record = run_once(python, script, n, args)
                 loads.append(os.getloadavg()[0])
+                cpu.setdefault((n, tree), []).append(round(record["cpu_s"], 1))
                 print(
                     f"{time.strftime('%H:%M:%S')} ab: {tree} N={n} repeat {repeat} "
                     f"in {time.monotonic() - started:.0f} s, load {loads[-1]:.1f}",
@@ -117,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                 "repeats": args.repeats,
                 "load_average": [round(x, 1) for x in loads],
                 "rows": table,
+                # Everything one invocation ran (same rounds in both trees): less noisy
+                # than wall time on a loaded machine.
+                "cpu_s_per_invocation": {f"{n}/{tree}": v for (n, tree), v in sorted(cpu.items())},
             }
         ),
         flush=True,
