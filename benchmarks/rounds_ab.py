@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--run-timeout", type=float, default=1800.0)
+    parser.add_argument(
+        "--raw", type=Path, default=None, help="also write each invocation's JSON line here"
+    )
     args = parser.parse_args(argv)
     trees = {
         "base": (args.base_python, args.base_script),
@@ -73,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
                 python, script = trees[tree]
                 started = time.monotonic()
                 record = run_once(python, script, n, args)
+                if args.raw is not None:  # kept even if a later invocation never ends
+                    with args.raw.open("a") as raw:
+                        raw.write(json.dumps({"tree": tree, "peers": n, **record}) + "\n")
                 loads.append(os.getloadavg()[0])
                 cpu.setdefault((n, tree), []).append(round(record["cpu_s"], 1))
                 print(

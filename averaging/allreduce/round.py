@@ -361,8 +361,10 @@ class ReducerRound:
             self.executor, decode_checked, self.codec, request, end - start
         )
         self.bytes_received += nbytes
-        if sender not in self.reducer.live_senders:
-            return  # dropped while decoding (too slow): its late chunks are ignored
+        if sender not in self.reducer.live_senders or self.closed:
+            # Dropped while decoding (too slow), or the round closed and handed its
+            # accumulator on: late chunks are ignored.
+            return
         finite = self.codec.decodes_finite  # decode_checked's decoder checked already
         self._queue_final(self.reducer.add(sender, chunk, values, finite=finite))
         self._progress[sender] = time.monotonic()

@@ -173,7 +173,7 @@ def test_contiguous_span_sees_views_of_one_buffer_only() -> None:
 
 
 def test_buffer_pool_reuses_by_size_and_keeps_at_most_its_cap() -> None:
-    pool = BufferPool(max_idle_bytes=4096)
+    pool = BufferPool(max_idle_bytes=4096, max_idle=4)
     a = pool.take(256, np.float32)  # 1024 bytes
     pool.give(a)
     b = pool.take(256, np.float32)
@@ -189,6 +189,21 @@ def test_buffer_pool_reuses_by_size_and_keeps_at_most_its_cap() -> None:
     assert pool.idle_bytes == 4096  # the oldest went first
     pool.give(np.empty(8192, np.uint8))  # larger than the cap: not kept
     assert pool.idle_bytes == 4096
+
+
+def test_buffer_pool_serves_sizes_that_drift_a_little() -> None:
+    """A reducer's part follows measured bandwidths: 8 MB one round, 8.3 MB the next."""
+    pool = BufferPool()
+    first = pool.take(2_000_000, np.float32)
+    pool.give(first)
+    second = pool.take(2_080_000, np.float32)  # within the first allocation's headroom
+    assert pool.reused == 1
+    assert _address(second) == _address(first)
+    assert second.shape == (2_080_000,)
+    pool.give(second)
+    pool.take(4_000_000, np.float32)  # far larger: a new buffer, the idle one stays
+    assert pool.reused == 1
+    assert pool.idle_bytes > 0
 
 
 def test_a_released_reducer_takes_no_more_contributions() -> None:
