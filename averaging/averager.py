@@ -297,13 +297,21 @@ class Averager:
         await asyncio.to_thread(check_finite, arrays)
         return await self.run(arrays, request)
 
-    async def run(self, arrays: Sequence[np.ndarray], request: RoundRequest) -> AveragingResult:
+    async def run(
+        self,
+        arrays: Sequence[np.ndarray],
+        request: RoundRequest,
+        *,
+        out: Sequence[np.ndarray] | None = None,
+    ) -> AveragingResult:
         """Run one round for a checked request: matchmaking, then the all-reduce.
 
         Args:
             arrays: tensors that passed :func:`~swarmavg.averaging.request.check_tensors`
                 and :func:`~swarmavg.averaging.request.check_finite` (not checked again).
             request: the round's parameters; its ``deadline`` bounds the whole call.
+            out: arrays of ``arrays``' layout, not overlapping them, that receive the
+                result (``run_allreduce``'s ``out``); ``None``: new arrays.
 
         Raises:
             InvalidRequestError: ``min_group_size`` exceeds the default group size.
@@ -363,6 +371,7 @@ class Averager:
                     signer=self.dht.signer,
                     fault_plan=self._fault_plan,
                     checked=True,
+                    out=out,
                 )
         except TimeoutError:
             if phase == "matchmaking":

@@ -471,7 +471,34 @@ def one_round(
         "matchmaking": max(
             (r["timings"].get("matchmaking", 0.0) for r in replies if "timings" in r), default=None
         ),
+        "phases": _phases(max(replies, key=lambda r: r["seconds"])),
     }
+
+
+PHASES = (
+    "client.prepare",
+    "daemon.accept",
+    "daemon.check",
+    "matchmaking",
+    "allreduce.prepare",
+    "allreduce.exchange",
+    "allreduce.finish",
+    "daemon.write_back",
+)
+"""Where a call's time goes (issue 21), in order: the client's checks and copy into shared
+memory, the daemon mapping it, its checked copy of the inputs, matchmaking, the all-reduce's
+three steps, the result's copy into shared memory; ``other`` is the rest of the call
+(control RPC, the local combiner, scheduling)."""
+
+
+def _phases(reply: dict[str, Any]) -> dict[str, float] | None:
+    """One worker's call split into :data:`PHASES` (``None`` without timings)."""
+    timings = reply.get("timings")
+    if not timings:
+        return None
+    phases = {name: float(timings.get(name, 0.0)) for name in PHASES}
+    phases["other"] = max(reply["seconds"] - sum(phases.values()), 0.0)
+    return phases
 
 
 def _med(values: list[float]) -> float | None:
@@ -492,6 +519,10 @@ def summarize(
         "slowest_all": [round(r["slowest"], 4) for r in rounds],
         "median_all": [round(r["median"], 4) for r in rounds],
         "matchmaking_s": _med([r["matchmaking"] for r in ok if r["matchmaking"] is not None]),
+        "phases_s": {  # the slowest worker's call, median per phase over the rounds
+            name: _med([r["phases"][name] for r in ok if r["phases"] is not None])
+            for name in (*PHASES, "other")
+        },
         "group_sizes": {str(k): v for k, v in sorted(sizes.items())},
         "groups_per_round": sorted({r["groups"] for r in rounds}),
         "failed_rounds": len(rounds) - len(ok),

@@ -9,6 +9,7 @@ than the shared-memory segment.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from swarmavg.averaging.errors import InvalidRequestError
+from swarmavg.averaging.errors import InvalidRequestError, InvalidTensorsError
 from swarmavg.averaging.request import RoundRequest
 from swarmavg.peer import shm
 from swarmavg.peer.errors import SwarmError, ValidationError
@@ -29,7 +30,7 @@ from swarmavg.peer.tensors import (
     specs_of,
     to_numpy,
 )
-from swarmavg.peer.validation import validate_arrays
+from swarmavg.peer.validation import validate_arrays, validate_finite, validate_layout
 from swarmavg.proto import control_pb2
 
 SHM_THRESHOLD = 1 << 20
@@ -49,7 +50,11 @@ class AverageResult:
         group_id: the group's id.
         partial: some parts were averaged without a peer that failed mid-round.
         codec: the codec the group actually used (every member asked for it).
-        timings: seconds per phase, as the daemon measured them.
+        timings: seconds per phase, as the daemon measured them (``matchmaking``,
+            ``allreduce``, ``allreduce.*``, the handoff's ``daemon.accept``,
+            ``daemon.check``, ``daemon.write_back``), and the client's own
+            ``client.prepare`` (checks and the copy into shared memory) and
+            ``client.call`` (from then until the result was read).
         local_callers: training processes on this machine combined into the round.
         state_digests: the state digest each member of the group attached
             (``average(..., state_digest=...)``), peer id hex -> bytes; members that
@@ -109,6 +114,7 @@ class PreparedAverage:
         Raises:
             ValidationError: bad key, parameters, tensor types, dtypes or values.
         """
+        began = time.monotonic()
         try:  # the daemon's rules, so a bad argument fails here, before anything is sent
             request = RoundRequest.build(
                 key=key,
@@ -123,14 +129,20 @@ class PreparedAverage:
         except InvalidRequestError as exc:
             raise ValidationError(str(exc)) from None
         arrays, self.origins = to_numpy(tensors)
-        self.total_bytes = validate_arrays(arrays)
+        self.total_bytes = validate_layout([a.dtype for a in arrays], [a.shape for a in arrays])
         self.timeout = float(timeout)
         self._arrays: list[np.ndarray] | None = arrays
         self._pool = segments
         self.segment: shm.ClientSegment | None = None
         self._ok = False
         if segments is not None and self.total_bytes >= shm_threshold:
-            self.segment = segments.acquire(arrays)
+            # The NaN/Inf check runs on each block as it is copied in: one pass, not two.
+            try:
+                self.segment = segments.acquire(arrays)
+            except InvalidTensorsError as exc:
+                raise ValidationError(str(exc)) from None
+        else:
+            validate_finite(arrays)
         self.start = control_pb2.AverageStart(
             key=request.key,
             weight=request.weight,
@@ -148,6 +160,8 @@ class PreparedAverage:
         )
         self._assembler: TensorAssembler | None = None
         self._done: control_pb2.AverageDone | None = None
+        self._prepared_at = time.monotonic()
+        self._prepare_s = self._prepared_at - began
 
     @property
     def deadline(self) -> float:
@@ -190,6 +204,11 @@ class PreparedAverage:
         else:
             raise SwarmError("the daemon sent no result tensors")
         self._ok = True
+        # The client's own share: conversion, checks and the copy into shared memory
+        # (prepare), then everything until the daemon's answer was read (call).
+        timings = dict(done.timings)
+        timings["client.prepare"] = self._prepare_s
+        timings["client.call"] = time.monotonic() - self._prepared_at
         return AverageResult(
             tensors=from_numpy(arrays, self.origins),
             group_size=done.group_size,
@@ -197,7 +216,7 @@ class PreparedAverage:
             group_id=done.group_id,
             partial=done.partial,
             codec=done.codec,
-            timings=dict(done.timings),
+            timings=timings,
             local_callers=done.local_callers,
             state_digests={str(peer): bytes(digest) for peer, digest in done.state_digests.items()},
             aggregation=done.aggregation or "mean",

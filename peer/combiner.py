@@ -22,8 +22,9 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -33,7 +34,17 @@ from swarmavg.dht.tasks import TaskSet
 from swarmavg.peer.errors import DaemonUnavailableError, ValidationError
 from swarmavg.peer.validation import same_layout
 
-AverageFn = Callable[[list[np.ndarray], RoundRequest], Awaitable[AveragingResult]]
+
+class AverageFn(Protocol):
+    """One swarm round (``Peer._average``): ``out`` receives the result when given."""
+
+    def __call__(
+        self,
+        arrays: list[np.ndarray],
+        request: RoundRequest,
+        *,
+        out: list[np.ndarray] | None = None,
+    ) -> Awaitable[AveragingResult]: ...
 
 
 @dataclass
@@ -41,6 +52,7 @@ class _Member:
     arrays: list[np.ndarray]
     request: RoundRequest
     future: asyncio.Future[AveragingResult]
+    out: list[np.ndarray] | None = None
 
 
 @dataclass
@@ -90,7 +102,11 @@ class LocalCombiner:
         return max(self._recent_sizes, default=1)
 
     async def submit(
-        self, arrays: list[np.ndarray], request: RoundRequest, client_id: str = ""
+        self,
+        arrays: list[np.ndarray],
+        request: RoundRequest,
+        client_id: str = "",
+        out: list[np.ndarray] | None = None,
     ) -> AveragingResult:
         """Join (or open) the batch for ``request.key`` and wait for the round's outcome.
 
@@ -98,6 +114,9 @@ class LocalCombiner:
             arrays: the caller's tensors (checked).
             request: the caller's round parameters (checked).
             client_id: the calling client's id ("" counts as one anonymous caller).
+            out: where the caller wants the result (its shared memory); used when it is
+                the batch's only caller, so the round writes there directly. The
+                result's tensors are then these arrays.
 
         Raises:
             ValidationError: the tensors differ in layout from the batch's other callers.
@@ -129,7 +148,7 @@ class LocalCombiner:
                     f"tensors for key {request.key!r} differ from those another local "
                     f"process is averaging: {difference}"
                 )
-        member = _Member(arrays, request, loop.create_future())
+        member = _Member(arrays, request, loop.create_future(), out)
         batch.members.append(member)
         batch.has_newcomer |= newcomer
         if not batch.has_newcomer and len(batch.members) >= self.expected_callers():
@@ -165,8 +184,9 @@ class LocalCombiner:
         # The batch takes its first caller's parameters, the sum of the weights and the
         # earliest deadline, so no caller waits past its own timeout.
         request = members[0].request
+        out = None
         if len(members) == 1:
-            arrays = members[0].arrays
+            arrays, out = members[0].arrays, members[0].out
         else:
             weights = [m.request.weight for m in members]
             arrays = await asyncio.to_thread(combine, [m.arrays for m in members], weights)
@@ -175,7 +195,10 @@ class LocalCombiner:
                 weight=float(sum(weights)),
                 deadline=min(m.request.deadline for m in members),
             )
-        result = await self._average(arrays, request)
+        if out is None:
+            result = await self._average(arrays, request)
+        else:
+            result = await self._average(arrays, request, out=out)
         return dataclasses.replace(result, local_callers=len(members))
 
     async def close(self) -> None:

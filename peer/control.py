@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,6 +33,7 @@ from swarmavg.peer.errors import (
     SwarmError,
     ValidationError,
 )
+from swarmavg.peer.handoff import InputCopy, copy_checked
 from swarmavg.peer.tensors import TensorAssembler, iter_bytes, layout_from_specs, specs_of
 from swarmavg.peer.validation import validate_finite, validate_key
 from swarmavg.proto import control_pb2, control_pb2_grpc
@@ -197,6 +199,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
         cache drops the segments of exited client processes.
         """
         segment: shm.DaemonSegment | None = None
+        copy: InputCopy | None = None
         shm_name = ""
         in_round = False  # failures of the round itself are counted by the daemon's backend
         self.active_calls += 1
@@ -222,11 +225,16 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 now=started,
             )
             dtypes, shapes, _ = layout_from_specs(start.tensors)
+            out: list[np.ndarray] | None = None
             if start.shm_name:
                 segment = self._backend.segments.open(
                     start.shm_name, start.shm_size, start.shm_reuse
                 )
-                arrays = segment.inputs(dtypes, shapes)
+                # The result goes straight into the segment; the round reads a checked
+                # copy of the inputs (peer/handoff.py).
+                out = segment.inputs(dtypes, shapes)
+                copy = InputCopy(out, self._backend.segments.input_buffers)
+                arrays = copy.arrays
             else:
                 assembler = TensorAssembler(dtypes, shapes)
                 while not assembler.complete:
@@ -236,12 +244,33 @@ class ControlService(control_pb2_grpc.ControlServicer):
                     assembler.add(message.data)
                 arrays = assembler.finish()
             yield control_pb2.AverageResponse(accepted=control_pb2.AverageAccepted())
-            await asyncio.to_thread(check_finite, arrays)
+            accepted_at = time.monotonic()
+            if out is not None:
+                await asyncio.to_thread(copy_checked, out, arrays)
+            else:
+                await asyncio.to_thread(check_finite, arrays)
+            checked_at = time.monotonic()
             in_round = True
-            outcome = await self._backend.combiner.submit(arrays, request, start.client_id[:64])
+            outcome = await self._backend.combiner.submit(
+                arrays, request, start.client_id[:64], out=out
+            )
+            returned_at = time.monotonic()
             if segment is not None:
                 await asyncio.to_thread(segment.write_results, outcome.tensors)
-            else:
+                if copy is not None:
+                    copy.release()  # the round is over: nothing reads the copy any more
+            written_at = time.monotonic()
+            outcome = dataclasses.replace(
+                outcome,
+                timings={
+                    **outcome.timings,
+                    # The handoff's share of the call, as the client cannot see it.
+                    "daemon.accept": accepted_at - started,
+                    "daemon.check": checked_at - accepted_at,
+                    "daemon.write_back": written_at - returned_at,
+                },
+            )
+            if segment is None:
                 for piece in iter_bytes(outcome.tensors):
                     yield control_pb2.AverageResponse(data=piece)
             yield control_pb2.AverageResponse(done=_done_message(outcome))

@@ -407,14 +407,21 @@ class Peer:
 
     # ---- what the control service calls ----
 
-    async def _average(self, arrays: list[np.ndarray], request: RoundRequest) -> AveragingResult:
+    async def _average(
+        self,
+        arrays: list[np.ndarray],
+        request: RoundRequest,
+        *,
+        out: list[np.ndarray] | None = None,
+    ) -> AveragingResult:
         """One swarm round for a local batch; counts it in the stats under the codec the
-        group used (its leader's choice)."""
+        group used (its leader's choice). ``out``: where the result goes (a client's shared
+        memory), else new arrays."""
         if self.averager is None:
             raise RuntimeError("the peer is not started")
         started = time.monotonic()
         try:
-            result = await self.averager.run(arrays, request)
+            result = await self.averager.run(arrays, request, out=out)
         except asyncio.CancelledError:
             self.stats.record_failure("cancelled")
             raise

@@ -34,7 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
+from swarmavg.averaging.allreduce.buffers import BufferPool
 from swarmavg.peer.errors import ValidationError
+from swarmavg.peer.handoff import copy_checked
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,10 @@ def _views(
     ]
 
 
+def _address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
 def pid_of(name: str) -> int | None:
     """The creating process of segment ``name``, or ``None`` for a foreign name."""
     match = NAME_RE.match(name)
@@ -114,10 +120,14 @@ class ClientSegment:
         return segment
 
     def fill(self, arrays: Sequence[np.ndarray]) -> None:
-        """Copy ``arrays`` in (their layout must have this segment's size)."""
+        """Copy ``arrays`` in (their layout must have this segment's size), checking them
+        for NaN/Inf block by block as they are copied.
+
+        Raises:
+            InvalidTensorsError: a tensor holds NaN or Inf (the segment is then unusable).
+        """
         views = _views(self._map, [a.dtype for a in arrays], [a.shape for a in arrays])
-        for view, array in zip(views, arrays, strict=True):
-            view[...] = array
+        copy_checked(arrays, views)
 
     def in_use(self) -> bool:
         """Whether arrays returned by :meth:`results` still point into the mapping.
@@ -163,7 +173,11 @@ class SegmentPool:
         self._idle: list[ClientSegment] = []  # oldest first
 
     def acquire(self, arrays: Sequence[np.ndarray]) -> ClientSegment:
-        """A segment holding copies of ``arrays``: an idle one when it fits, else a fresh one."""
+        """A segment holding copies of ``arrays``: an idle one when it fits, else a fresh one.
+
+        Raises:
+            InvalidTensorsError: a tensor holds NaN or Inf (checked while copying).
+        """
         _, size = segment_layout([a.dtype for a in arrays], [a.shape for a in arrays])
         segment: ClientSegment | None = None
         with self._lock:
@@ -247,7 +261,8 @@ class DaemonSegment:
         """Copy the results over the inputs (same dtypes and shapes)."""
         views = self.inputs([a.dtype for a in arrays], [a.shape for a in arrays])
         for view, array in zip(views, arrays, strict=True):
-            if not np.shares_memory(view, array):
+            # The round usually wrote its result here already (run_allreduce's `out`).
+            if _address(view) != _address(array):
                 view[...] = array
 
     def close(self) -> None:
@@ -270,6 +285,8 @@ class DaemonSegmentCache:
         self.max_bytes = max_bytes
         self.per_client = per_client
         self._segments: dict[str, DaemonSegment] = {}  # insertion order = age
+        self.input_buffers = BufferPool()
+        """The daemon's checked copies of calls' inputs (peer/handoff.py), reused."""
 
     def open(self, name: str, size: int, reuse: bool) -> DaemonSegment:
         """The mapping of segment ``name``: the cached one when ``reuse``, else freshly
@@ -313,6 +330,7 @@ class DaemonSegmentCache:
     def close(self) -> None:
         for name in list(self._segments):
             self.drop(name)
+        self.input_buffers.clear()
 
     def __len__(self) -> int:
         return len(self._segments)

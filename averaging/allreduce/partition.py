@@ -122,18 +122,56 @@ def unflatten(vector: np.ndarray, layout: TensorLayout, *, copy: bool = True) ->
     return result
 
 
+def _address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
+def contiguous_span(tensors: Sequence[np.ndarray], layout: TensorLayout) -> np.ndarray | None:
+    """A 1-D view over ``tensors`` when they already lie back to back in memory, in the
+    reduction dtype, in one buffer (one contiguous tensor, or views cut from one flat
+    buffer in order); ``None`` otherwise. Writable when the buffer is.
+
+    This is what lets a caller hand the all-reduce memory it already holds (the daemon's
+    copy of a client's inputs, a client's shared memory as the result) without a copy.
+    """
+    if not tensors or not layout.matches(tensors):
+        return None
+    arrays = [np.asarray(t) for t in tensors]
+    if any(a.dtype != layout.dtype or not a.flags.c_contiguous for a in arrays):
+        return None
+    if len(arrays) == 1:
+        return arrays[0].reshape(-1)
+    arrays = [a for a in arrays if a.size]  # an empty view's address means nothing
+    if not arrays:
+        return None
+    start = cursor = _address(arrays[0])
+    for a in arrays:
+        if _address(a) != cursor:
+            return None
+        cursor += a.nbytes
+    root = arrays[0]
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if not root.flags.c_contiguous:
+        return None
+    offset = start - _address(root)
+    if offset < 0 or offset + (cursor - start) > root.nbytes:
+        return None
+    span: np.ndarray = root.reshape(-1).view(np.uint8)[offset : offset + cursor - start]
+    return span.view(layout.dtype)
+
+
 def flat_view(tensors: Sequence[np.ndarray], layout: TensorLayout) -> np.ndarray | None:
-    """A read-only 1-D view of a single contiguous tensor already in the reduction dtype.
+    """A read-only 1-D view of tensors already laid out as the reduction vector (one
+    contiguous tensor in the reduction dtype, or :func:`contiguous_span`'s case).
 
     Saves the copy of :func:`flatten` in the common case of one big float32 tensor;
     ``None`` when a copy is needed.
     """
-    if len(tensors) != 1 or not layout.matches(tensors):
+    span = contiguous_span(tensors, layout)
+    if span is None:
         return None
-    t = np.asarray(tensors[0])
-    if t.dtype != layout.dtype or not t.flags.c_contiguous:
-        return None
-    view = t.reshape(-1).view()
+    view = span.view()
     view.flags.writeable = False
     return view
 

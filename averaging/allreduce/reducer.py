@@ -69,6 +69,7 @@ class PartReducer:
         senders: Iterable[int],
         aggregation: Aggregation | None = None,
         weight_bound: float = DEFAULT_WEIGHT_BOUND,
+        accumulator: np.ndarray | None = None,
     ):
         """Prepare an empty reducer for ``part`` of ``plan``.
 
@@ -81,6 +82,9 @@ class PartReducer:
             weight_bound: for the mean, weights above this many times the median
                 positive weight of the part's senders are clipped to it (>= 1); the
                 robust rules clip at the median.
+            accumulator: memory for the weighted sums (the part's size in ``dtype``,
+                any contents: each chunk's first copy overwrites it), e.g. a reused
+                buffer; ``None``: a new one. :meth:`release` hands it back.
         """
         self.plan = plan
         self.part = part
@@ -93,7 +97,12 @@ class PartReducer:
         self.weight_bound = float(weight_bound)
         self.num_chunks = plan.num_chunks(part)
         self._robust = self.aggregation.robust
-        self._acc = np.zeros(0 if self._robust else plan.part_size(part), dtype=self.dtype)
+        size = 0 if self._robust else plan.part_size(part)
+        if accumulator is not None and (accumulator.shape != (size,) or accumulator.dtype != dtype):
+            accumulator = None  # not this part's shape (robust rules need none): a new one
+        # No zero-fill: a chunk's first copy (weight > 0) is written, not added.
+        self._acc = accumulator if accumulator is not None else np.empty(size, dtype=self.dtype)
+        self._released = False
         self._zero_acc: np.ndarray | None = None  # plain sums from weight-0 senders
         self._weight_sum = np.zeros(self.num_chunks, dtype=np.float64)
         self._zero_count = np.zeros(self.num_chunks, dtype=np.int64)
@@ -182,6 +191,8 @@ class PartReducer:
         Raises:
             ContributionError: see :meth:`check`; nothing is accumulated then.
         """
+        if self._released:
+            raise ContributionError("the round is over")
         self.check(sender, chunk, values, finite=finite)
         self._have[sender][chunk] = True
         self._delivered[chunk] += 1
@@ -246,6 +257,15 @@ class PartReducer:
                 self._final[chunk] = True
                 newly.append(chunk)
         return newly
+
+    def release(self) -> np.ndarray | None:
+        """End this reducer and hand back its accumulator for reuse (``None`` when it has
+        none); later :meth:`add` calls raise :class:`ContributionError`. Idempotent."""
+        if self._released:
+            return None
+        self._released = True
+        acc, self._acc = self._acc, np.empty(0, dtype=self.dtype)
+        return acc if acc.size else None
 
     def contributors(self, chunk: int) -> int:
         """How many senders' copies the final value of ``chunk`` averages."""

@@ -22,6 +22,7 @@ from typing import Any, NoReturn, Protocol, TypeVar
 import grpc
 import numpy as np
 
+from swarmavg.averaging.allreduce.buffers import BufferPool
 from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.allreduce.faults import FaultPlan, InjectedFault
 from swarmavg.averaging.allreduce.partition import PartPlan
@@ -163,6 +164,7 @@ class ReducerRound:
         deadline: float,
         on_result: ResultCallback,
         fault_plan: FaultPlan | None = None,
+        buffers: BufferPool | None = None,
     ) -> None:
         self.group = group
         self.my_index = my_index
@@ -173,8 +175,12 @@ class ReducerRound:
         self.deadline = deadline  # time.monotonic()
         self.on_result = on_result
         self.fault_plan = fault_plan
+        self._buffers = buffers
+        accumulator = None
+        if buffers is not None and not group.rule.robust:
+            accumulator = buffers.take(plan.part_size(my_index), dtype)
         self.reducer = PartReducer(
-            plan, my_index, dtype, group.senders, group.rule, config.weight_bound
+            plan, my_index, dtype, group.senders, group.rule, config.weight_bound, accumulator
         )
         self.start_time = time.monotonic()
         budget = max(deadline - self.start_time, 0.0)
@@ -231,6 +237,11 @@ class ReducerRound:
         for stream in self.streams.values():
             stream.queue.put_nowait(abort)
         await self._tasks.close()
+        # The mean's sums are touched only on the event loop, and release() refuses any
+        # later add(), so the next round may take this buffer now.
+        accumulator = self.reducer.release()
+        if accumulator is not None and self._buffers is not None:
+            self._buffers.give(accumulator)
 
     # ---- contributions ----
 
@@ -350,8 +361,10 @@ class ReducerRound:
             self.executor, decode_checked, self.codec, request, end - start
         )
         self.bytes_received += nbytes
-        if sender not in self.reducer.live_senders:
-            return  # dropped while decoding (too slow): its late chunks are ignored
+        if sender not in self.reducer.live_senders or self.closed:
+            # Dropped while decoding (too slow), or the round closed and handed its
+            # accumulator on: late chunks are ignored.
+            return
         finite = self.codec.decodes_finite  # decode_checked's decoder checked already
         self._queue_final(self.reducer.add(sender, chunk, values, finite=finite))
         self._progress[sender] = time.monotonic()

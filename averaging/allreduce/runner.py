@@ -37,6 +37,7 @@ API (used by ``swarmavg.averaging.averager``)::
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import math
 import threading
@@ -46,6 +47,7 @@ from typing import Protocol
 
 import grpc
 import numpy as np
+from numpy.lib.array_utils import byte_bounds
 
 from swarmavg.averaging.allreduce.chunking import link_chunk_bytes
 from swarmavg.averaging.allreduce.data_plane import DataCall, DataStreamError, split_host
@@ -55,6 +57,7 @@ from swarmavg.averaging.allreduce.partition import (
     PartPlan,
     TensorLayout,
     chunk_elements_for,
+    contiguous_span,
     flat_view,
     flatten,
     unflatten,
@@ -416,6 +419,47 @@ class _Exchange:
         return True
 
 
+def _result_target(
+    out: Sequence[np.ndarray] | None, tensors: Sequence[np.ndarray], layout: TensorLayout
+) -> np.ndarray | None:
+    """The flat view of ``out`` that replies decode into, ``None`` when ``out`` is not
+    one span of the reduction dtype (then the result is copied into it at the end).
+
+    Raises:
+        ValueError: ``out`` has another layout, is read-only or overlaps ``tensors``
+            (the round still reads the inputs after the first replies came back).
+    """
+    if out is None:
+        return None
+    if not layout.matches(out):
+        raise ValueError("out does not have the tensors' shapes and dtypes")
+    if not all(o.flags.writeable for o in out):
+        raise ValueError("out is read-only")
+    if _extents_overlap(out, tensors):
+        raise ValueError("out overlaps the input tensors")
+    return contiguous_span(out, layout)
+
+
+def _extents_overlap(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> bool:
+    """Whether any array of ``a`` spans memory that an array of ``b`` spans (each taken
+    from its lowest to its highest byte): O((len(a) + len(b)) log len(b))."""
+    union: list[list[int]] = []  # b's extents merged, sorted, disjoint
+    for lo, hi in sorted(byte_bounds(x) for x in b if x.size):
+        if union and lo < union[-1][1]:
+            union[-1][1] = max(union[-1][1], hi)
+        else:
+            union.append([lo, hi])
+    starts = [lo for lo, _ in union]
+    for x in a:
+        if not x.size:
+            continue
+        lo, hi = byte_bounds(x)
+        k = bisect.bisect_left(starts, hi) - 1  # the last of b's extents starting below hi
+        if k >= 0 and union[k][1] > lo:
+            return True
+    return False
+
+
 async def run_allreduce(
     group: GroupInfo,
     my_index: int,
@@ -428,6 +472,7 @@ async def run_allreduce(
     signer: RequestSigner,
     fault_plan: FaultPlan | None = None,
     checked: bool = False,
+    out: Sequence[np.ndarray] | None = None,
 ) -> AveragingResult:
     """Run this member's side of one butterfly all-reduce round.
 
@@ -444,13 +489,19 @@ async def run_allreduce(
         fault_plan: test seam; ``None`` in production.
         checked: the caller already verified that the tensors hold no NaN/Inf (the
             ``Averager`` does, before matchmaking), which saves one pass over them.
+        out: arrays of the tensors' layout (writable, not overlapping ``tensors``) that
+            receive the result; the result's ``tensors`` are then these arrays. When they
+            lie back to back in the reduction dtype (one float32 tensor, say) the replies
+            are decoded straight into them: no fresh result buffer, no copy afterwards.
+            ``None``: the result goes into new arrays.
 
     Returns:
         The outcome; ``partial`` when a member failed mid-round.
 
     Raises:
         ValueError: the tensors do not match ``group.schema_hash``, hold NaN/Inf, the
-            weight is invalid, or ``my_index``/``signer`` do not name a member.
+            weight is invalid, ``my_index``/``signer`` do not name a member, or ``out``
+            has another layout, is read-only or overlaps ``tensors``.
         AllReduceError: the deadline has already passed.
         InjectedCrash: only when ``fault_plan`` says so.
     """
@@ -467,6 +518,7 @@ async def run_allreduce(
     if deadline <= t0:
         raise AllReduceError("the round's deadline has already passed")
     layout = TensorLayout.of(tensors)
+    target = _result_target(out, tensors, layout)
     codec = service.codec(group.codec)
     loop = asyncio.get_running_loop()
     executor = service.executor
@@ -505,7 +557,7 @@ async def run_allreduce(
         # Flattening only widens (partition.reduction_dtype), so checked inputs stay finite.
         if me.mode.sends and not checked and not all_finite(ex.vector):
             raise ValueError("tensors hold NaN or Inf")
-        ex.result = np.empty_like(ex.vector)
+        ex.result = target if target is not None else np.empty_like(ex.vector)
 
     await offload(executor, prepare)
     t_prepared = time.monotonic()
@@ -524,6 +576,7 @@ async def run_allreduce(
             deadline,
             ex.on_local_result,
             fault_plan,
+            buffers=service.buffers,
         )
         service.register(round_)
         round_.start()
@@ -594,7 +647,12 @@ async def run_allreduce(
 
     def finish() -> list[np.ndarray]:
         ex.fill_missing()
-        return unflatten(ex.result, layout, copy=False)  # result is ours to hand over
+        if out is None:
+            return unflatten(ex.result, layout, copy=False)  # result is ours to hand over
+        if target is None:  # `out` is not one span: one copy into the caller's arrays
+            for dst, src in zip(out, unflatten(ex.result, layout, copy=False), strict=True):
+                np.copyto(dst, src)
+        return list(out)
 
     out = await offload(executor, finish)
     t_done = time.monotonic()

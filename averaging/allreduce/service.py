@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from swarmavg.averaging.allreduce.admission import ByteBudget
+from swarmavg.averaging.allreduce.buffers import BufferPool
 from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.allreduce.congestion import check_congestion_control
 from swarmavg.averaging.allreduce.data_plane import DataConnector, DataPlaneServer
@@ -85,6 +86,8 @@ class AllReduceService:
         """``Reduce`` streams being served now, over either transport (status, tests)."""
         self._closed = False
         self.bytes_per_element: dict[tuple[str, str], float] = {}
+        self.buffers = BufferPool()
+        """Reducers' accumulators, reused round after round (no page faults per round)."""
         self._codecs: collections.OrderedDict[str, Codec] = collections.OrderedDict()
         self._tls = tls
         self.data_connector: DataConnector | None = None

@@ -97,8 +97,10 @@ async def run_group(
     timeout: float = 20.0,
     faults: dict[int, FaultPlan] | None = None,
     skip: Sequence[int] = (),
+    outs: Sequence[Sequence[np.ndarray] | None] | None = None,
 ) -> list[AveragingResult | BaseException | None]:
-    """Run every member's side at once; ``skip`` members never start (None in results)."""
+    """Run every member's side at once; ``skip`` members never start (None in results);
+    ``outs[i]`` is member i's ``out`` (where its result goes)."""
     deadline = time.monotonic() + timeout
     faults = faults or {}
 
@@ -115,6 +117,7 @@ async def run_group(
             channels=channels,
             signer=peers[i].signer,
             fault_plan=faults.get(i),
+            out=None if outs is None else outs[i],
         )
 
     return list(await asyncio.gather(*(one(i) for i in range(len(peers))), return_exceptions=True))

@@ -42,12 +42,20 @@ class SoloBackend:
         self.combiner = LocalCombiner(self._average, window)
         self.segments = DaemonSegmentCache()
         self.rounds: list[RoundRequest] = []
+        self.outs: list[list[np.ndarray] | None] = []  # where each round was told to write
         self.store: dict[str, Any] = {}
         self.state: tuple[bytes, list[np.ndarray]] | None = None
         self.failures: list[str] = []
 
-    async def _average(self, arrays: list[np.ndarray], params: RoundRequest) -> AveragingResult:
+    async def _average(
+        self,
+        arrays: list[np.ndarray],
+        params: RoundRequest,
+        *,
+        out: list[np.ndarray] | None = None,
+    ) -> AveragingResult:
         self.rounds.append(params)
+        self.outs.append(out)
         if params.min_group_size > 1:
             from swarmavg.averaging.errors import NoGroupError as AveragingNoGroup
 
@@ -332,4 +340,91 @@ async def test_shm_segments_are_reused_across_calls(daemon: Daemon) -> None:
         daemon.backend.segments.close()  # as if the daemon restarted or evicted them
         fourth = await client.average(y, key="d", min_group_size=1)  # retried transparently
         np.testing.assert_array_equal(fourth.tensors[0], y[0])
+    assert my_segments() == []
+
+
+async def test_a_shm_call_hands_the_round_its_segment_as_the_result(daemon: Daemon) -> None:
+    """Issue 21: the round writes into the client's segment (no result copied back) and
+    reads a checked copy of the inputs, kept in a buffer reused by the next call."""
+    rng = np.random.default_rng(4)
+    tensors = [rng.standard_normal(s).astype(np.float32) for s in [(300_000,), (7,), (2, 3)]]
+    async with connect_async(daemon.endpoint) as client:
+        for key in ("a", "b"):
+            result = await client.average(tensors, key=key, min_group_size=1)
+            for got, want in zip(result.tensors, tensors, strict=True):
+                np.testing.assert_array_equal(got, want)
+            for phase in ("daemon.check", "daemon.write_back", "client.prepare", "client.call"):
+                assert result.timings[phase] >= 0.0
+            del result
+    outs = daemon.backend.outs
+    assert len(outs) == 2
+    assert all(
+        out is not None and [o.shape for o in out] == [(300_000,), (7,), (2, 3)] for out in outs
+    )
+    assert daemon.backend.segments.input_buffers.reused >= 1  # the second call's copy
+
+
+async def test_nan_in_shared_memory_is_refused_by_the_daemon(daemon: Daemon) -> None:
+    """A caller that skips the client's check: the daemon's copy finds the NaN, names the
+    tensor, and the round never starts."""
+    from swarmavg.peer import shm
+    from swarmavg.proto import control_pb2_grpc, tensor_pb2
+
+    values = [np.ones(300_000, np.float32), np.ones(5, np.float32)]
+    values[1][3] = np.inf
+    segment = shm.ClientSegment(
+        shm.segment_layout([v.dtype for v in values], [v.shape for v in values])[1]
+    )
+    try:
+        for view, v in zip(
+            segment.results([v.dtype for v in values], [v.shape for v in values]),
+            values,
+            strict=True,
+        ):
+            view[...] = v  # bypasses the client's checked copy
+        start = control_pb2.AverageStart(
+            key="k",
+            weight=1,
+            min_group_size=1,
+            timeout=5,
+            shm_name=segment.name,
+            shm_size=segment.size,
+            tensors=[
+                control_pb2.TensorSpec(dtype=tensor_pb2.FLOAT32, shape=v.shape) for v in values
+            ],
+        )
+        async with grpc.aio.insecure_channel(f"unix:{daemon.endpoint}") as channel:
+            stub = control_pb2_grpc.ControlStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in stub.Average(
+                    iter([control_pb2.AverageRequest(start=start)]), timeout=5
+                ):
+                    pass
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "tensor 1 holds 1 NaN/Inf" in (info.value.details() or "")
+        assert daemon.backend.rounds == []
+    finally:
+        segment.unlink()
+
+
+def test_the_client_checks_while_it_copies_into_shared_memory() -> None:
+    from swarmavg.peer.calls import PreparedAverage
+    from swarmavg.peer.errors import ValidationError
+    from swarmavg.peer.shm import SegmentPool
+
+    x = np.ones(1 << 20, np.float32)
+    x[-1] = np.nan  # in the last block
+    pool = SegmentPool()
+    with pytest.raises(ValidationError, match="tensor 0 holds 1 NaN/Inf"):
+        PreparedAverage(
+            [x],
+            key="k",
+            weight=1.0,
+            group_size=None,
+            min_group_size=1,
+            timeout=5.0,
+            codec=None,
+            segments=pool,
+        )
+    assert len(pool) == 0
     assert my_segments() == []
