@@ -214,23 +214,41 @@ async def check_reachability(
     return Reachability(reach, observed, tuple(public), tuple(details))
 
 
+class DialBackRefused(Exception):
+    """A dial-back this peer did not try (a bad request, or over its limits).
+
+    Not an answer: an answer says whether the asker could be reached, and a refusal knows
+    nothing about that. Answered with ``status`` instead (the service aborts with it), so
+    the asker counts the peer as not having answered. Answering "not reached" instead made
+    every public peer past the rate limit (eight daemons started at once on one host)
+    believe it was behind NAT and relay all its traffic.
+    """
+
+    def __init__(self, status: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 async def dial_back(
     rules: DialBackRules, channels: ChannelPool, observed_host: str, port: int, token: bytes
 ) -> relay_pb2.DialBackResponse:
-    """Serve one dial-back: the rules, then the probe (bounded by ``probe_timeout``)."""
+    """Serve one dial-back: the rules, then the probe (bounded by ``probe_timeout``).
+
+    Raises:
+        DialBackRefused: not tried (bad port or token, no usable IP, over the limits).
+    """
     answer = relay_pb2.DialBackResponse(observed_host=observed_host)
     try:
         target = rules.target(observed_host, port)
     except ValueError as exc:
-        answer.detail = str(exc)
-        return answer
+        raise DialBackRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
     if len(token) != TOKEN_BYTES:
-        answer.detail = f"the token must have {TOKEN_BYTES} bytes"
-        return answer
+        raise DialBackRefused(
+            grpc.StatusCode.INVALID_ARGUMENT, f"the token must have {TOKEN_BYTES} bytes"
+        )
     refusal = rules.admit(observed_host)
     if refusal is not None:
-        answer.detail = refusal
-        return answer
+        raise DialBackRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
     try:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(rules.limits.probe_timeout + 1.0):

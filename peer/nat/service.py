@@ -13,7 +13,7 @@ from swarmavg.dht.auth import AuthenticationError, Authenticator, message_digest
 from swarmavg.dht.channels import ChannelPool
 from swarmavg.dht.identity import HeaderError
 from swarmavg.dht.ranges import grpc_peer_host
-from swarmavg.peer.nat.dialback import DialBackRules, TokenBook, dial_back
+from swarmavg.peer.nat.dialback import DialBackRefused, DialBackRules, TokenBook, dial_back
 from swarmavg.peer.nat.relay import RelayRefused, RelayServer
 from swarmavg.peer.nat.reservation import RESERVE_METHOD
 from swarmavg.proto import relay_pb2, relay_pb2_grpc
@@ -59,7 +59,11 @@ class RelayService(relay_pb2_grpc.RelayServicer):
     ) -> relay_pb2.DialBackResponse:
         observed = grpc_peer_host(context.peer())
         self.dial_backs += 1
-        return await dial_back(self.rules, self.channels, observed, request.port, request.token)
+        try:
+            return await dial_back(self.rules, self.channels, observed, request.port, request.token)
+        except DialBackRefused as exc:
+            await context.abort(exc.status, str(exc))
+            raise  # abort raises; this keeps the type checker's flow honest
 
     async def Probe(
         self, request: relay_pb2.ProbeRequest, context: grpc.aio.ServicerContext[Any, Any]

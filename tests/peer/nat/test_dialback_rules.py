@@ -12,6 +12,7 @@ import pytest
 from swarmavg.dht.channels import ChannelPool
 from swarmavg.peer.nat.dialback import (
     DialBackLimits,
+    DialBackRefused,
     DialBackRules,
     Reach,
     TokenBook,
@@ -90,9 +91,11 @@ async def _serve(service: RelayService) -> tuple[grpc.aio.Server, int]:
     return server, port
 
 
-def _service(channels: ChannelPool, tokens: TokenBook) -> RelayService:
+def _service(
+    channels: ChannelPool, tokens: TokenBook, limits: DialBackLimits | None = None
+) -> RelayService:
     return RelayService(
-        channels, DialBackRules(DialBackLimits(probe_timeout=2.0)), tokens,
+        channels, DialBackRules(limits or DialBackLimits(probe_timeout=2.0)), tokens,
         lambda: None, lambda: None, b"r" * 20,
     )  # fmt: skip
 
@@ -137,6 +140,28 @@ async def test_reachable_when_the_asker_answers_its_own_probe() -> None:
         await public_channels.close()
 
 
+async def test_a_public_peer_past_the_rate_limit_is_not_taken_for_nated() -> None:
+    # Many daemons of one host start at once: the public peer dials back the first and
+    # refuses the next. The second is not reached, but nobody tried: unknown, not NATed.
+    channels, public_channels = ChannelPool(), ChannelPool()
+    public_tokens, asker_tokens = TokenBook(), TokenBook()
+    limits = DialBackLimits(probe_timeout=2.0, per_source_burst=1, per_source_rate=0.001)
+    public, public_port = await _serve(_service(public_channels, public_tokens, limits))
+    asker, asker_port = await _serve(_service(channels, asker_tokens))
+    try:
+        address = [f"127.0.0.1:{public_port}"]
+        first = await check_reachability(channels, asker_tokens, address, asker_port)
+        assert first.reach is Reach.PUBLIC
+        second = await check_reachability(channels, asker_tokens, address, asker_port)
+        assert second.reach is Reach.UNKNOWN, second.details
+        assert "RESOURCE_EXHAUSTED" in second.details[0]
+    finally:
+        await public.stop(None)
+        await asker.stop(None)
+        await channels.close()
+        await public_channels.close()
+
+
 async def test_refused_dial_backs_do_not_dial() -> None:
     channels = ChannelPool()
     rules = DialBackRules(DialBackLimits(per_source_burst=1, per_source_rate=0.001))
@@ -144,11 +169,14 @@ async def test_refused_dial_backs_do_not_dial() -> None:
         first = await dial_back(rules, channels, "127.0.0.1", _free_port(), b"t" * 16)
         assert not first.reachable
         assert first.observed_host == "127.0.0.1"
-        second = await dial_back(rules, channels, "127.0.0.1", _free_port(), b"t" * 16)
-        assert not second.reachable
-        assert "too many dial-backs" in second.detail
-        bad_token = await dial_back(rules, channels, "127.0.0.2", 80, b"short")
-        assert "16 bytes" in bad_token.detail
+        # Refusals are not answers ("not reached" would make a public asker think it is
+        # behind NAT): they raise, and the service answers them with a status.
+        with pytest.raises(DialBackRefused, match="too many dial-backs") as refused:
+            await dial_back(rules, channels, "127.0.0.1", _free_port(), b"t" * 16)
+        assert refused.value.status is grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(DialBackRefused, match="16 bytes") as bad_token:
+            await dial_back(rules, channels, "127.0.0.2", 80, b"short")
+        assert bad_token.value.status is grpc.StatusCode.INVALID_ARGUMENT
         assert rules.in_flight == 0
     finally:
         await channels.close()
