@@ -88,15 +88,15 @@ def add_monitor_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 
 def cmd_monitor(args: argparse.Namespace) -> int:
-    from swarmavg.peer.cli import EXIT_USAGE, _error, _run_loop, serve
     from swarmavg.peer.config import split_addresses
     from swarmavg.peer.logs import setup_daemon_logging
     from swarmavg.peer.monitor import Monitor, MonitorSettings
+    from swarmavg.peer.process import EXIT_USAGE, report_error, run_loop, serve
 
     run_id = args.run_id or os.environ.get("SWARMAVG_RUN_ID") or ""
     join = args.join or split_addresses(os.environ.get("SWARMAVG_JOIN", ""))
     if not run_id:
-        _error("monitor", "which run? give --run-id NAME (or set SWARMAVG_RUN_ID)")
+        report_error("monitor", "which run? give --run-id NAME (or set SWARMAVG_RUN_ID)")
         return EXIT_USAGE
     try:
         settings = MonitorSettings(
@@ -113,7 +113,7 @@ def cmd_monitor(args: argparse.Namespace) -> int:
             log_level=args.log_level,
         )
     except ValueError as exc:
-        _error("monitor", str(exc))
+        report_error("monitor", str(exc))
         return EXIT_USAGE
     setup_daemon_logging(settings.peer_config.log_level)
-    return _run_loop(serve(Monitor(settings), "monitor"))
+    return run_loop(serve(Monitor(settings), "monitor"))
