@@ -478,6 +478,34 @@ class DHTNode:
         records = [self._make_record(item, now) for item in items]
         return await self._store_records(records)
 
+    async def store_and_get(
+        self, key: str | bytes, value: Any, expiration: float, subkey: Subkey | None = None
+    ) -> tuple[bool, ValueWithExpiration[Any] | None]:
+        """:meth:`store`, then what the nearest nodes hold under ``key`` (our record
+        included), in one traversal: the Find requests that carry the record also ask for
+        the key's values, as ``get(key, latest=True)`` would.
+
+        A peer that writes its entry into a shared dictionary and then reads the others'
+        (matchmaking's declarations) saves a whole lookup, which on a swarm's busy nodes
+        costs as much as the store itself. The read sees what each node held when our
+        request reached it: an entry stored at the same moment elsewhere may be missing,
+        exactly as from a separate read made a little later.
+
+        Returns:
+            ``(stored, value)``: ``stored`` as :meth:`store` returns it; ``value`` as
+            :meth:`get` with ``latest=True`` returns it.
+        """
+        record = self._make_record((key, value, expiration, subkey), time.time())
+        stored, lookups = await self._store_traversal([record], read_back=True)
+        kid = key_id(record.key)
+        if kid not in lookups:  # expired already: nothing to carry, a plain read
+            return False, await self.get(key, latest=True)
+        now = time.time()
+        merged = Storage(self.config.limits.max_subkeys_per_key)
+        for held in (*self.storage.get(kid, now), *lookups[kid].records):
+            merged.put(held, now, key_id_=kid)
+        return stored[0], self._decode(merged.get(kid, now))
+
     async def _store_records(
         self, records: Sequence[StoredRecord], cache_on: Contact | None = None
     ) -> list[bool]:
@@ -489,6 +517,15 @@ class DHTNode:
             ):
                 statuses += await self.protocol.call_store(cache_on, chunk, cache=True)
             return [s == STORED for s in statuses]
+        return (await self._store_traversal(records))[0]
+
+    async def _store_traversal(
+        self, records: Sequence[StoredRecord], read_back: bool = False
+    ) -> tuple[list[bool], dict[bytes, LookupResult]]:
+        """Store ``records`` on the nodes nearest to their keys; with ``read_back``, the
+        Find requests also ask for the keys' values and visit the nearest nodes as a
+        ``latest`` get does. Returns one bool per record and the lookups."""
+        limits = self.config.limits
         now = time.time()
         live = [i for i, r in enumerate(records) if r.expiration > now]
         by_key: dict[bytes, list[int]] = {}
@@ -501,7 +538,8 @@ class DHTNode:
         lookups = await traverse(
             self.protocol,
             list(by_key),
-            want_values=False,
+            want_values=read_back,
+            quorum=self.config.k,
             k=replicas,
             store={kid: [records[i] for i in idx] for kid, idx in by_key.items()},
             replication=replicas,
@@ -545,7 +583,7 @@ class DHTNode:
                 stored[i] = stored[i] or status == STORED
 
         await asyncio.gather(*(send(c, idx) for c, idx in batches.values()))
-        return stored
+        return stored, lookups
 
     # ---- get ----
 

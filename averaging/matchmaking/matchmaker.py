@@ -311,17 +311,22 @@ class Matchmaker:
         return min(budget, max(0.05, give_up - time.time()))
 
     async def _store_declaration(self, rnd: _Round, budget: float) -> bool:
+        """Store our declaration; the same traversal reads the others' (``store_and_get``),
+        which counts as a read of the declarations: a peer learns whom to join one DHT
+        lookup sooner than with a store followed by a read."""
         subkey = declaration_subkey(self.peer_id)
         try:
             started = time.monotonic()
             async with asyncio.timeout(budget):
-                ok = await self.dht.store(
+                ok, record = await self.dht.store_and_get(
                     rnd.request.key, rnd.me.encode(), rnd.me.give_up, subkey=subkey
                 )
             self.dht_latency.observe(time.monotonic() - started)
         except (TimeoutError, grpc.aio.AioRpcError) as error:
             log.debug("declaring under %s failed: %r", rnd.request.key, error)
             return False
+        if started >= rnd.last_read:  # a retry in the background must not undo a newer read
+            self._apply_declarations(rnd, _decode_declarations(record), started)
         return ok
 
     async def _declare(self, rnd: _Round) -> None:
@@ -359,19 +364,18 @@ class Matchmaker:
         except (TimeoutError, grpc.aio.AioRpcError) as error:
             log.debug("reading declarations under %s failed: %r", key, error)
             return None
-        found = []
-        for subkey, value in dictionary_entries(record).items():
-            declaration = decode_declaration(subkey, value)
-            if declaration is not None:
-                found.append(declaration)
-        return found
+        return _decode_declarations(record)
 
     async def _search(self, rnd: _Round) -> GroupInfo:
         me = rnd.me
         banned: dict[bytes, float] = {}  # peer id -> unix time until which we skip it
         redirect: _Redirect | None = None
         redirects = 0
-        next_read = 0.0  # time.monotonic() of the next read of the declarations
+        # time.monotonic() of the next read of the declarations; storing ours read them
+        # already when it succeeded
+        next_read = 0.0
+        if rnd.last_read > -math.inf:
+            next_read = rnd.last_read + self._read_interval(rnd)
         while True:
             if rnd.result.done():
                 return rnd.result.result()
@@ -422,6 +426,10 @@ class Matchmaker:
             rnd.read_failures += 1
             return  # keep what we knew: a failed read must not look like an empty key
         rnd.read_failures = 0
+        self._apply_declarations(rnd, found, started)
+
+    def _apply_declarations(self, rnd: _Round, found: list[Declaration], started: float) -> None:
+        """Take a read of the declarations that began at ``started`` as the round's view."""
         now_wall = time.time()
         # Remembered across reads: a later read may fail or miss them.
         for other in mismatched_schemas(found, rnd.me):
@@ -1061,6 +1069,16 @@ class Matchmaker:
         log.debug("%s %s %s", key, event.value, peer_id.hex()[:8])
         if self.observer is not None:
             self.observer(event, key, peer_id)
+
+
+def _decode_declarations(record: Any) -> list[Declaration]:
+    """The well-formed declarations in a DHT read of a key (``None``: none)."""
+    found = []
+    for subkey, value in dictionary_entries(record).items():
+        declaration = decode_declaration(subkey, value)
+        if declaration is not None:
+            found.append(declaration)
+    return found
 
 
 def _give_up_seconds(me: Declaration) -> float:

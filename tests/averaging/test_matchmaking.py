@@ -289,3 +289,31 @@ async def test_repeated_join_supersedes_the_stale_stream() -> None:
         result = await round_
         assert sorted(result.peers) == sorted([leader.peer_id.hex(), late.peer_id.hex()])
         assert other.group_id == result.group_id
+
+
+@pytest.mark.timeout(60)
+async def test_storing_a_declaration_reads_the_others_so_a_joiner_needs_no_separate_read() -> None:
+    async with averager_swarm(2) as swarm:
+        leader, joiner = swarm.peers
+        key = matchmaking_key(RUN_ID, "k", leader.averager.group_bits)
+        leading = asyncio.ensure_future(
+            leader.averager.average(inputs(0), "k", group_size=2, timeout=30.0)
+        )
+        await swarm.wait_for(lambda: any(e[0] is MatchmakingEvent.DECLARED for e in leader.events))
+        reads: list[str] = []
+        plain_get = joiner.node.get
+
+        async def counting_get(k: str, latest: bool = False) -> object:
+            reads.append(k)
+            return await plain_get(k, latest=latest)
+
+        joiner.node.get = counting_get  # type: ignore[method-assign]
+        joined = await joiner.averager.average(inputs(1), "k", group_size=2, timeout=30.0)
+        led = await leading
+        assert (
+            sorted(joined.peers)
+            == sorted(led.peers)
+            == sorted(p.peer_id.hex() for p in swarm.peers)
+        )
+        # the traversal that stored the joiner's declaration returned the leader's
+        assert key not in reads, reads

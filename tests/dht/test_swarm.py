@@ -169,3 +169,36 @@ async def test_owner_records_are_written_only_by_their_owner() -> None:
         assert found is not None
         assert found.value == {"v": 1}
         assert Identity.generate().peer_id != owner.peer_id
+
+
+async def test_store_and_get_stores_and_reads_the_dictionary_in_one_lookup() -> None:
+    async with swarm(N, k=K) as s:
+        now = time.time()
+        writers = s.rng.sample(s.nodes, 6)
+        for i, writer in enumerate(writers[:5]):
+            assert await writer.store("decl", i, now + 60, subkey=writer.identity.peer_id_hex)
+        last = writers[5]
+        stored, found = await last.store_and_get(
+            "decl", 5, now + 60, subkey=last.identity.peer_id_hex
+        )
+        assert stored
+        assert found is not None
+        # everyone's entry, ours included: the read went with the store
+        assert {k: v.value for k, v in found.value.items()} == {
+            w.identity.peer_id_hex: i for i, w in enumerate(writers)
+        }
+        # and the store itself landed: a plain reader elsewhere sees it
+        again = await s.rng.choice(s.nodes).get("decl", latest=True)
+        assert again is not None
+        assert again.value[last.identity.peer_id_hex].value == 5
+
+
+async def test_store_and_get_of_an_expired_record_stores_nothing_and_reads_the_rest() -> None:
+    async with swarm(N, k=K) as s:
+        now = time.time()
+        a, b = s.rng.sample(s.nodes, 2)
+        assert await a.store("d", "a", now + 60, subkey="a")
+        stored, found = await b.store_and_get("d", "b", now - 1, subkey="b")
+        assert not stored
+        assert found is not None
+        assert {k: v.value for k, v in found.value.items()} == {"a": "a"}
