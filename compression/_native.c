@@ -428,7 +428,71 @@ done:
     return result;
 }
 
+/* ---------------------------------------------------------------------------------
+ * Copy and check: the daemon's and the client's one pass over a call's inputs
+ * (peer/handoff.py). A value is NaN or Inf exactly when its exponent bits are all ones;
+ * the copy moves bits, so it is exact for every value. */
+
+CLONES static uint32_t copy_bits32_loop(const u32 *x, u32 *o, Py_ssize_t n) {
+    uint32_t special = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t v = x[i];
+        o[i] = v;
+        special |= (uint32_t)((v & F32_INF) == F32_INF);
+    }
+    return special;
+}
+
+#if defined(__GNUC__)
+typedef uint64_t u64 __attribute__((aligned(1)));
+#else
+typedef uint64_t u64;
+#endif
+#define F64_INF 0x7FF0000000000000ull
+
+CLONES static uint64_t copy_bits64_loop(const u64 *x, u64 *o, Py_ssize_t n) {
+    uint64_t special = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t v = x[i];
+        o[i] = v;
+        special |= (uint64_t)((v & F64_INF) == F64_INF);
+    }
+    return special;
+}
+
+static PyObject *copy_finite(PyObject *self, PyObject *args) {
+    PyObject *src_o, *out_o;
+    int itemsize;
+    if (!PyArg_ParseTuple(args, "OOi:copy_finite", &src_o, &out_o, &itemsize)) return NULL;
+    if (itemsize != 4 && itemsize != 8) {
+        PyErr_SetString(PyExc_ValueError, "copy_finite: itemsize must be 4 or 8");
+        return NULL;
+    }
+    Buf src, out;
+    Py_ssize_t n = get(src_o, &src, 0, itemsize, 0, "src");
+    if (n < 0) return NULL;
+    Py_ssize_t no = get(out_o, &out, 1, itemsize, 0, "out");
+    if (no < 0) { release(&src); return NULL; }
+    if (no != n) {
+        PyErr_SetString(PyExc_ValueError, "copy_finite: out needs src's length");
+        release(&src); release(&out);
+        return NULL;
+    }
+    int special;
+    Py_BEGIN_ALLOW_THREADS
+    if (itemsize == 4)
+        special = copy_bits32_loop(src.view.buf, out.view.buf, n) != 0;
+    else
+        special = copy_bits64_loop(src.view.buf, out.view.buf, n) != 0;
+    Py_END_ALLOW_THREADS
+    release(&src); release(&out);
+    return PyBool_FromLong(!special);
+}
+
 static PyMethodDef methods[] = {
+    {"copy_finite", copy_finite, METH_VARARGS,
+     "copy_finite(src, out, itemsize) -> bool: copy float32 (itemsize 4) or float64 (8) "
+     "values bit for bit; False if src holds NaN/Inf."},
     {"f32_to_f16", f32_to_f16, METH_VARARGS,
      "f32_to_f16(src, words, values) -> bool: float32 to binary16 words (nearest even, "
      "saturating at +/-65504) and/or their float32 values; False if src holds NaN/Inf."},
