@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -303,6 +303,7 @@ class Averager:
         request: RoundRequest,
         *,
         out: Sequence[np.ndarray] | None = None,
+        inputs_ready: Awaitable[object] | None = None,
     ) -> AveragingResult:
         """Run one round for a checked request: matchmaking, then the all-reduce.
 
@@ -312,6 +313,9 @@ class Averager:
             request: the round's parameters; its ``deadline`` bounds the whole call.
             out: arrays of ``arrays``' layout, not overlapping them, that receive the
                 result (``run_allreduce``'s ``out``); ``None``: new arrays.
+            inputs_ready: when given, ``arrays`` are still being filled and checked (the
+                daemon's copy of a client's tensors); matchmaking declares meanwhile and
+                waits for it before joining a group, and its exception ends the call.
 
         Raises:
             InvalidRequestError: ``min_group_size`` exceeds the default group size.
@@ -353,7 +357,7 @@ class Averager:
         phase = "matchmaking"
         try:
             async with asyncio.timeout(request.remaining() + self.config.timeout_grace):
-                group = await matchmaker.find_group(match)
+                group = await matchmaker.find_group(match, inputs_ready)
                 matched = time.monotonic()
                 index = group.index_of(self.dht.peer_id)
                 if index is None:  # find_group checks this; keep mypy and -O honest

@@ -44,6 +44,7 @@ class AverageFn(Protocol):
         request: RoundRequest,
         *,
         out: list[np.ndarray] | None = None,
+        inputs_ready: Awaitable[object] | None = None,
     ) -> Awaitable[AveragingResult]: ...
 
 
@@ -53,6 +54,7 @@ class _Member:
     request: RoundRequest
     future: asyncio.Future[AveragingResult]
     out: list[np.ndarray] | None = None
+    ready: Awaitable[object] | None = None
 
 
 @dataclass
@@ -107,16 +109,20 @@ class LocalCombiner:
         request: RoundRequest,
         client_id: str = "",
         out: list[np.ndarray] | None = None,
+        inputs_ready: Awaitable[object] | None = None,
     ) -> AveragingResult:
         """Join (or open) the batch for ``request.key`` and wait for the round's outcome.
 
         Args:
-            arrays: the caller's tensors (checked).
+            arrays: the caller's tensors (checked, or being checked: ``inputs_ready``).
             request: the caller's round parameters (checked).
             client_id: the calling client's id ("" counts as one anonymous caller).
             out: where the caller wants the result (its shared memory); used when it is
                 the batch's only caller, so the round writes there directly. The
                 result's tensors are then these arrays.
+            inputs_ready: the copy and check of ``arrays`` still running: a batch of
+                one hands it to the round (matchmaking overlaps it), a larger batch
+                waits for it before combining and leaves out a caller whose check failed.
 
         Raises:
             ValidationError: the tensors differ in layout from the batch's other callers.
@@ -148,7 +154,7 @@ class LocalCombiner:
                     f"tensors for key {request.key!r} differ from those another local "
                     f"process is averaging: {difference}"
                 )
-        member = _Member(arrays, request, loop.create_future(), out)
+        member = _Member(arrays, request, loop.create_future(), out, inputs_ready)
         batch.members.append(member)
         batch.has_newcomer |= newcomer
         if not batch.has_newcomer and len(batch.members) >= self.expected_callers():
@@ -169,6 +175,10 @@ class LocalCombiner:
             if not members:
                 return
             self._recent_sizes.append(len(members))
+            if len(members) > 1:
+                members = await _checked(members)
+                if not members:
+                    return
             outcome = await self._round(members)
         except asyncio.CancelledError:
             _fail(batch.members, DaemonUnavailableError("the daemon is shutting down"))
@@ -185,8 +195,9 @@ class LocalCombiner:
         # earliest deadline, so no caller waits past its own timeout.
         request = members[0].request
         out = None
+        ready = None
         if len(members) == 1:
-            arrays, out = members[0].arrays, members[0].out
+            arrays, out, ready = members[0].arrays, members[0].out, members[0].ready
         else:
             weights = [m.request.weight for m in members]
             arrays = await asyncio.to_thread(combine, [m.arrays for m in members], weights)
@@ -195,10 +206,10 @@ class LocalCombiner:
                 weight=float(sum(weights)),
                 deadline=min(m.request.deadline for m in members),
             )
-        if out is None:
+        if out is None and ready is None:
             result = await self._average(arrays, request)
         else:
-            result = await self._average(arrays, request, out=out)
+            result = await self._average(arrays, request, out=out, inputs_ready=ready)
         return dataclasses.replace(result, local_callers=len(members))
 
     async def close(self) -> None:
@@ -208,6 +219,22 @@ class LocalCombiner:
         for batch in self._open.values():
             _fail(batch.members, DaemonUnavailableError("the daemon is shutting down"))
         self._open.clear()
+
+
+async def _checked(members: list[_Member]) -> list[_Member]:
+    """The members whose inputs passed their check; the others get its exception."""
+    kept = []
+    for m in members:
+        if m.ready is not None:
+            try:
+                await m.ready
+            except Exception as exc:
+                if not m.future.done():
+                    m.future.set_exception(exc)
+                continue
+            m.ready = None  # checked: nothing left to wait for
+        kept.append(m)
+    return kept
 
 
 def _fail(members: list[_Member], exc: BaseException) -> None:

@@ -89,6 +89,20 @@ def classify(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, "internal"
 
 
+def _start_checked_copy(sources: list[np.ndarray], out: list[np.ndarray]) -> asyncio.Future[float]:
+    """Copy and check ``sources`` into ``out`` in a worker thread; the future gives the
+    ``time.monotonic()`` at which it finished (or the check's error). Its exception is
+    marked retrieved, so a call that failed for another reason first logs no warning."""
+
+    def run() -> float:
+        copy_checked(sources, out)
+        return time.monotonic()
+
+    future = asyncio.ensure_future(asyncio.to_thread(run))
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
+
+
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> None:
     code, reason = classify(exc)
     if code is grpc.StatusCode.INTERNAL:
@@ -200,6 +214,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
         """
         segment: shm.DaemonSegment | None = None
         copy: InputCopy | None = None
+        checking: asyncio.Future[float] | None = None
         shm_name = ""
         in_round = False  # failures of the round itself are counted by the daemon's backend
         self.active_calls += 1
@@ -245,15 +260,24 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 arrays = assembler.finish()
             yield control_pb2.AverageResponse(accepted=control_pb2.AverageAccepted())
             accepted_at = time.monotonic()
+            checked_at = accepted_at
             if out is not None:
-                await asyncio.to_thread(copy_checked, out, arrays)
+                # The checked copy runs in a thread while matchmaking declares this peer;
+                # the round waits for it before it joins a group (Matchmaker.find_group).
+                checking = _start_checked_copy(out, arrays)
             else:
                 await asyncio.to_thread(check_finite, arrays)
-            checked_at = time.monotonic()
+                checked_at = time.monotonic()
             in_round = True
-            outcome = await self._backend.combiner.submit(
-                arrays, request, start.client_id[:64], out=out
-            )
+            try:
+                outcome = await self._backend.combiner.submit(
+                    arrays, request, start.client_id[:64], out=out, inputs_ready=checking
+                )
+                if checking is not None:
+                    checked_at = await checking
+            finally:
+                if checking is not None and not checking.done():
+                    checking.cancel()
             returned_at = time.monotonic()
             if segment is not None:
                 await asyncio.to_thread(segment.write_results, outcome.tensors)
@@ -285,7 +309,16 @@ class ControlService(control_pb2_grpc.ControlServicer):
             # Rejected before it reached the round (bad input here, or a layout the local
             # batch refuses): count it once here. The round's own failures (a schema
             # mismatch with other peers, ...) were counted where the round ran.
-            if reason == "invalid_input" and (not in_round or isinstance(exc, ValidationError)):
+            # the caller's tensors failed the check that ran alongside matchmaking
+            refused = (
+                checking is not None
+                and checking.done()
+                and not checking.cancelled()
+                and checking.exception() is exc
+            )
+            if reason == "invalid_input" and (
+                not in_round or refused or isinstance(exc, ValidationError)
+            ):
                 self._backend.record_failure(reason)
             await _abort(context, exc)
         finally:

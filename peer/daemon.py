@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any
 
@@ -413,19 +413,23 @@ class Peer:
         request: RoundRequest,
         *,
         out: list[np.ndarray] | None = None,
+        inputs_ready: Awaitable[object] | None = None,
     ) -> AveragingResult:
         """One swarm round for a local batch; counts it in the stats under the codec the
         group used (its leader's choice). ``out``: where the result goes (a client's shared
-        memory), else new arrays."""
+        memory), else new arrays. ``inputs_ready``: the check of ``arrays`` still running
+        (:meth:`Averager.run`)."""
         if self.averager is None:
             raise RuntimeError("the peer is not started")
         started = time.monotonic()
         try:
-            result = await self.averager.run(arrays, request, out=out)
+            result = await self.averager.run(arrays, request, out=out, inputs_ready=inputs_ready)
         except asyncio.CancelledError:
             self.stats.record_failure("cancelled")
             raise
         except Exception as exc:
+            if _is_outcome_of(inputs_ready, exc):
+                raise  # the caller's own tensors, refused: the control service counts it
             reason = classify(exc)[1]
             self.stats.record_failure(reason)
             log.info("round %s failed (%s): %s", request.key, reason, exc)
@@ -612,3 +616,13 @@ class Peer:
         tb: TracebackType | None,
     ) -> None:
         await self.shutdown()
+
+
+def _is_outcome_of(future: Awaitable[object] | None, exc: BaseException) -> bool:
+    """Whether ``exc`` is what the finished ``future`` raised."""
+    return (
+        isinstance(future, asyncio.Future)
+        and future.done()
+        and not future.cancelled()
+        and future.exception() is exc
+    )

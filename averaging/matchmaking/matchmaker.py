@@ -35,7 +35,7 @@ import math
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -238,10 +238,17 @@ class Matchmaker:
 
     # ------------------------------------------------------------------ follower side
 
-    async def find_group(self, request: MatchRequest) -> GroupInfo:
+    async def find_group(
+        self, request: MatchRequest, inputs_ready: Awaitable[object] | None = None
+    ) -> GroupInfo:
         """Find or lead a group under ``request.key``; return it once it is formed.
 
         Returns by ``request.give_up_by`` (plus one DHT or RPC deadline at most).
+
+        ``inputs_ready``, when given, is awaited after the declaration is stored and
+        before this peer joins or closes any group: the daemon's checked copy of the
+        caller's tensors runs meanwhile (issue 21), and a failure of that check (NaN in
+        the caller's own tensors) ends the search before any group counts this peer.
 
         Raises:
             NoGroupError: fewer than ``min_group_size`` peers before the give-up time.
@@ -281,6 +288,8 @@ class Matchmaker:
         self._rounds[request.key] = rnd
         try:
             await self._declare(rnd)
+            if inputs_ready is not None:
+                await inputs_ready
             group = await self._search(rnd)
             members = frozenset(m.peer_id for m in group.members)
             others = {m.peer_id: m.address for m in group.members if m.peer_id != self.peer_id}

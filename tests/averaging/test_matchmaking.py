@@ -317,3 +317,30 @@ async def test_storing_a_declaration_reads_the_others_so_a_joiner_needs_no_separ
         )
         # the traversal that stored the joiner's declaration returned the leader's
         assert key not in reads, reads
+
+
+@pytest.mark.timeout(60)
+async def test_a_peer_whose_inputs_fail_their_check_while_it_declares_joins_no_group() -> None:
+    """The daemon checks a client's tensors while matchmaking declares; a failed check
+    ends the search before any group counts the peer, and the others form no group
+    with it."""
+    from swarmavg.averaging.errors import InvalidTensorsError
+    from swarmavg.averaging.request import RoundRequest, check_tensors
+
+    async with averager_swarm(2) as swarm:
+        bad, good = swarm.peers
+        ready: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        request = RoundRequest.build(key="k", weight=1.0, timeout=6.0, group_size=2)
+        failing = asyncio.ensure_future(
+            bad.averager.run(check_tensors(inputs(0)), request, inputs_ready=ready)
+        )
+        await swarm.wait_for(lambda: any(e[0] is MatchmakingEvent.DECLARED for e in bad.events))
+        other = asyncio.ensure_future(
+            good.averager.average(inputs(1), "k", group_size=2, timeout=6.0)
+        )
+        await swarm.wait_for(lambda: any(e[0] is MatchmakingEvent.DECLARED for e in good.events))
+        ready.set_exception(InvalidTensorsError("tensor 0 holds 1 NaN/Inf value(s)"))
+        with pytest.raises(InvalidTensorsError):
+            await failing
+        with pytest.raises(NoGroupError):
+            await other

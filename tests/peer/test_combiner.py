@@ -164,3 +164,31 @@ async def test_a_batch_takes_the_earliest_deadline_and_the_summed_weight() -> No
     ((_, request),) = rec.calls
     assert request.deadline == early.deadline
     assert request.weight == 3.0
+
+
+async def test_a_caller_whose_inputs_fail_their_check_is_left_out_of_the_batch() -> None:
+    """Inputs still being checked when the batch closes: a batch of several callers waits
+    for every check, and a caller whose tensors failed gets that error alone."""
+    from swarmavg.averaging.errors import InvalidTensorsError
+
+    rec = Recorder()
+    combiner = LocalCombiner(rec, window=0.2)
+    loop = asyncio.get_running_loop()
+    good: asyncio.Future[object] = loop.create_future()
+    bad: asyncio.Future[object] = loop.create_future()
+    calls = asyncio.gather(
+        combiner.submit([np.ones(3, np.float32)], params(weight=1.0), "a", inputs_ready=good),
+        combiner.submit([np.zeros(3, np.float32)], params(weight=1.0), "b", inputs_ready=bad),
+        return_exceptions=True,
+    )
+    await asyncio.sleep(0)
+    good.set_result(None)
+    bad.set_exception(InvalidTensorsError("tensor 0 holds 1 NaN/Inf value(s)"))
+    ok, refused = await calls
+    assert isinstance(refused, InvalidTensorsError)
+    assert isinstance(ok, AveragingResult)
+    assert ok.local_callers == 1
+    [(arrays, p)] = rec.calls
+    np.testing.assert_array_equal(arrays[0], [1.0, 1.0, 1.0])  # b's zeros are not in it
+    assert p.weight == 1.0
+    await combiner.close()

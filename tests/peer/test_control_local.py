@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +53,10 @@ class SoloBackend:
         params: RoundRequest,
         *,
         out: list[np.ndarray] | None = None,
+        inputs_ready: Awaitable[object] | None = None,
     ) -> AveragingResult:
+        if inputs_ready is not None:  # as the averager does before it joins a group
+            await inputs_ready
         self.rounds.append(params)
         self.outs.append(out)
         if params.min_group_size > 1:
