@@ -380,10 +380,12 @@ class Matchmaker:
         banned: dict[bytes, float] = {}  # peer id -> unix time until which we skip it
         redirect: _Redirect | None = None
         redirects = 0
-        # time.monotonic() of the next read of the declarations; storing ours read them
-        # already when it succeeded
+        # time.monotonic() of the next read of the declarations. Storing ours read them
+        # too; when that read named a leader to join, the next read can wait. A peer that
+        # found nobody to join reads again at once: its store may have reached the nodes
+        # before an earlier declarer's, whose group it belongs to.
         next_read = 0.0
-        if rnd.last_read > -math.inf:
+        if rnd.last_read > -math.inf and self._pick_leader(rnd, banned) is not None:
             next_read = rnd.last_read + self._read_interval(rnd)
         while True:
             if rnd.result.done():
