@@ -201,11 +201,16 @@ async def worker(log_level: str) -> None:
     import logging
 
     if log_level:
-        # for a post-mortem of a round (which peers found no group, who closed with whom)
+        # for a post-mortem of a round (which peers found no group, who closed with whom):
+        # "info" or e.g. "info,swarmavg.averaging.matchmaking=debug"
+        root, *loggers = log_level.split(",")
         logging.basicConfig(
-            level=log_level.upper(),
+            level=root.upper(),
             format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s",
         )
+        for item in loggers:
+            name, _, level = item.partition("=")
+            logging.getLogger(name).setLevel(level.upper())
 
     from swarmavg.dht import ChannelPool
 

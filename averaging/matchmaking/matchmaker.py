@@ -129,6 +129,8 @@ _MEMBER_READS = 3
 class _Follower:
     member: Member
     outcome: asyncio.Future[averaging_pb2.JoinResponse]
+    declared_start: float
+    """The start it signed, which its request repeated (checked before it was accepted)."""
 
 
 @dataclass
@@ -185,6 +187,21 @@ class _Round:
 
 
 @dataclass(frozen=True)
+class _LedGroup:
+    """A group this peer led and closed, and the declared start of each member in it."""
+
+    group: GroupInfo
+    starts: Mapping[bytes, float]
+
+    def seat_of(self, peer_id: bytes, declared_start: float) -> bool:
+        """Whether this request comes from a member of the group, for that same round
+        (a later round of the member under a reused key declares a later start)."""
+        return self.group.index_of(peer_id) is not None and self.starts.get(peer_id) == (
+            declared_start
+        )
+
+
+@dataclass(frozen=True)
 class _Redirect:
     peer_id: bytes
     address: str
@@ -220,10 +237,11 @@ class Matchmaker:
         """Seconds a leader takes to answer ``JoinGroup`` (measured)."""
         self.closes: collections.Counter[str] = collections.Counter()
         """Groups this peer closed as leader, by reason (full, quorum, complete, deadline)."""
-        # key -> (monotonic expiry, members): answers late joiners of a closed group.
-        self._closed: collections.OrderedDict[str, tuple[float, frozenset[bytes]]] = (
-            collections.OrderedDict()
-        )
+        # key -> (monotonic expiry, members, the group if we led it): answers late
+        # joiners of a closed group.
+        self._closed: collections.OrderedDict[
+            str, tuple[float, frozenset[bytes], _LedGroup | None]
+        ] = collections.OrderedDict()
         # family -> the other members of our last group in it and their addresses (the
         # fast quorum; "" for a client-mode member).
         self._previous: collections.OrderedDict[str, dict[bytes, str]] = collections.OrderedDict()
@@ -285,7 +303,9 @@ class Matchmaker:
             members = frozenset(m.peer_id for m in group.members)
             others = {m.peer_id: m.address for m in group.members if m.peer_id != self.peer_id}
             _remember(self._previous, family, others)
-            _remember(self._closed, request.key, (rnd.started + _give_up_seconds(me), members))
+            led = _led_group(rnd)
+            expiry = rnd.started + _give_up_seconds(me)
+            _remember(self._closed, request.key, (expiry, members, led))
             return group
         finally:
             if self._rounds.get(request.key) is rnd:
@@ -330,7 +350,8 @@ class Matchmaker:
         see can never lead, and when every peer's first store failed, nobody would."""
         if not await self._store_declaration(rnd, self._dht_budget(0, rnd.me.give_up)):
             log.info(
-                "declaration under %s not stored yet; retrying while joining others",
+                "declaration of %s under %s not stored yet; retrying while joining others",
+                self.peer_id.hex()[:12],
                 rnd.request.key,
             )
             rnd.declaring = asyncio.ensure_future(self._keep_declaring(rnd))
@@ -342,9 +363,21 @@ class Matchmaker:
             # jittered, so that a swarm's retries do not arrive as one burst again
             await asyncio.sleep(self.config.retry_after * random.uniform(0.5, 1.5))
             if await self._store_declaration(rnd, self._dht_budget(failures, rnd.me.give_up)):
+                log.info(
+                    "declaration of %s under %s stored at try %d, %.1fs after the start",
+                    self.peer_id.hex()[:12],
+                    rnd.request.key,
+                    failures + 1,
+                    time.monotonic() - rnd.started,
+                )
                 return
             failures += 1
-        log.warning("declaration under %s was never stored; only joined others", rnd.request.key)
+        if not rnd.closed:
+            log.warning(
+                "declaration of %s under %s was never stored; only joined others",
+                self.peer_id.hex()[:12],
+                rnd.request.key,
+            )
 
     async def _read_declarations(
         self, key: str, give_up: float, failures: int = 0
@@ -649,6 +682,9 @@ class Matchmaker:
                 ):
                     return _Redirect(bytes(first.leader_id), first.leader_address)
                 return None
+            if code == averaging_pb2.JOIN_GROUP_FORMED:
+                # We hold a seat in the group it closed (we had left its stream): take it.
+                return await self._take_formed_group(rnd, first.group, target, banned)
             if code == averaging_pb2.JOIN_REJECT_SCHEMA_MISMATCH:
                 rnd.mismatched[target.peer_id] = b""
                 banned[target.peer_id] = forever
@@ -688,14 +724,7 @@ class Matchmaker:
                 banned[target.peer_id] = time.time() + self._backoff(rnd, target.peer_id)
                 return None
             if final.code == averaging_pb2.JOIN_GROUP_FORMED:
-                group = await self._check_group(rnd, final.group, target.peer_id)
-                if group is None:
-                    banned[target.peer_id] = forever
-                    return None
-                rnd.closed = True
-                rnd.result.set_result(group)
-                self._notify(MatchmakingEvent.GROUP_FORMED, req.key, self.peer_id)
-                return group
+                return await self._take_formed_group(rnd, final.group, target, banned)
             if final.code == averaging_pb2.JOIN_REDIRECT:
                 banned[target.peer_id] = time.time() + self.config.retry_after
                 if (
@@ -727,6 +756,34 @@ class Matchmaker:
                 rnd.leader = None
                 self._notify(MatchmakingEvent.LEFT_LEADER, req.key, target.peer_id)
             call.cancel()
+
+    async def _take_formed_group(
+        self,
+        rnd: _Round,
+        message: averaging_pb2.GroupDescription,
+        leader: _Redirect,
+        banned: dict[bytes, float],
+    ) -> GroupInfo | None:
+        """Join the group a leader formed with us, once it passed our checks."""
+        group = await self._check_group(rnd, message, leader.peer_id)
+        if group is None or rnd.result.done():
+            banned[leader.peer_id] = math.inf
+            return None
+        # Followers we took meanwhile (we may have left that leader's stream first) are
+        # told at once; those of a normal join were redirected when it accepted us.
+        self._release_followers(
+            rnd,
+            averaging_pb2.JoinResponse(
+                code=averaging_pb2.JOIN_DISBANDED,
+                leader_id=self.peer_id,
+                detail="this peer is in a group that formed elsewhere",
+            ),
+        )
+        rnd.leader = (leader.peer_id, leader.address)
+        rnd.closed = True
+        rnd.result.set_result(group)
+        self._notify(MatchmakingEvent.GROUP_FORMED, rnd.request.key, self.peer_id)
+        return group
 
     def _backoff(self, rnd: _Round, peer_id: bytes) -> float:
         """Seconds to skip a peer after its n-th transport failure: doubling, capped."""
@@ -909,6 +966,19 @@ class Matchmaker:
             taken = self._closed_members(request.key)
             if rnd is not None and rnd.result.done() and not rnd.result.cancelled():
                 taken = frozenset(m.peer_id for m in rnd.result.result().members)
+            led = self._led_group(request.key, rnd)
+            if led is not None and led.seat_of(peer_id, request.declared_start):
+                # A member of the group we closed asks again: it left its stream after we
+                # gave it a seat (its first answer came after its join_timeout on a busy
+                # loop) or lost it. It is in the group the others are averaging now: tell
+                # it, rather than leave its seat empty and every member partial (issue 21).
+                yield averaging_pb2.JoinResponse(
+                    code=averaging_pb2.JOIN_GROUP_FORMED,
+                    leader_id=self.peer_id,
+                    group=group_to_proto(led.group),
+                    detail="you are a member of the group that formed",
+                )
+                return
             if taken is not None:  # our group under that key already formed
                 yield averaging_pb2.JoinResponse(
                     code=averaging_pb2.JOIN_REJECT_FULL,
@@ -1002,7 +1072,9 @@ class Matchmaker:
                 )
             yield averaging_pb2.JoinResponse(code=code, leader_id=self.peer_id, detail=detail)
             return
-        follower = _Follower(member, asyncio.get_running_loop().create_future())
+        follower = _Follower(
+            member, asyncio.get_running_loop().create_future(), request.declared_start
+        )
         rnd.followers[peer_id] = follower
         rnd.last_change = time.monotonic()
         rnd.changed.set()
@@ -1040,6 +1112,15 @@ class Matchmaker:
             return None
         return entry[1]
 
+    def _led_group(self, key: str, rnd: _Round | None) -> _LedGroup | None:
+        """The group we led and closed under ``key``, while late joiners may ask."""
+        if rnd is not None:
+            return _led_group(rnd)
+        entry = self._closed.get(key)
+        if entry is None or entry[0] < time.monotonic():
+            return None
+        return entry[2]
+
     async def shutdown(self) -> None:
         """Disband every pending group here (followers are told at once)."""
         for rnd in list(self._rounds.values()):
@@ -1061,6 +1142,14 @@ class Matchmaker:
         log.debug("%s %s %s", key, event.value, peer_id.hex()[:8])
         if self.observer is not None:
             self.observer(event, key, peer_id)
+
+
+def _led_group(rnd: _Round) -> _LedGroup | None:
+    """The group ``rnd`` closed with this peer as its leader, if it did."""
+    if rnd.leader is not None or not rnd.result.done() or rnd.result.cancelled():
+        return None
+    starts = {p: f.declared_start for p, f in rnd.followers.items()}
+    return _LedGroup(rnd.result.result(), starts)
 
 
 def _give_up_seconds(me: Declaration) -> float:
