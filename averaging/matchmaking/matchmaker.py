@@ -814,10 +814,20 @@ class Matchmaker:
         # DHT was busy (a swarm that starts a round at once, issue 21): read again, a few
         # times at most, each under a longer deadline after a miss. Refusing a group only
         # because our view lags costs every member a partial round.
-        for _ in range(_MEMBER_READS):
+        # Only a read that completed counts: a read that missed its deadline saw nothing,
+        # and at 256 peers 3 such reads in a row made a whole group's followers refuse it
+        # for its leader's declaration, stored 40 s before (docs/benchmarks.md, "Scale,
+        # session 8"). Failed reads go on, each under a longer deadline, until give-up.
+        completed = 0
+        while completed < _MEMBER_READS:
             if all(p in rnd.signed for p in members) or time.time() >= rnd.me.give_up:
                 break
+            last_read = rnd.last_read
             await self._refresh_once(rnd)
+            if rnd.last_read != last_read:
+                completed += 1
+            else:  # failed (a failure can be quick): pause, as a store retry does
+                await asyncio.sleep(self.config.retry_after * random.uniform(0.5, 1.5))
         try:
             return check_formed_group(message, ask, leader_id, rnd.signed)
         except ValueError as error:
