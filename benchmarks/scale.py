@@ -196,8 +196,21 @@ class WorkerPeers:
             await node.shutdown()
 
 
-async def worker() -> None:
+async def worker(log_level: str) -> None:
     import gc
+    import logging
+
+    if log_level:
+        # for a post-mortem of a round (which peers found no group, who closed with whom):
+        # "info" or e.g. "info,swarmavg.averaging.matchmaking=debug"
+        root, *loggers = log_level.split(",")
+        logging.basicConfig(
+            level=root.upper(),
+            format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s",
+        )
+        for item in loggers:
+            name, _, level = item.partition("=")
+            logging.getLogger(name).setLevel(level.upper())
 
     from swarmavg.dht import ChannelPool
 
@@ -238,11 +251,11 @@ async def worker() -> None:
 class Worker:
     """One worker process driven by JSON lines."""
 
-    def __init__(self, log_dir: Path, name: str) -> None:
+    def __init__(self, log_dir: Path, name: str, log_level: str) -> None:
         self.log_path = log_dir / f"{name}.log"
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, __file__, "--worker"],
+                [sys.executable, __file__, "--worker", "--log-level", log_level],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
@@ -298,7 +311,7 @@ def run_swarm(n: int, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]
     g = args.group_size
     bits = grid_bits(n, g)
     processes = min(args.processes, n)
-    workers = [Worker(log_dir, f"n{n}-w{i}") for i in range(processes)]
+    workers = [Worker(log_dir, f"n{n}-w{i}", args.log_level) for i in range(processes)]
     try:
         common = {
             "group_size": g,
@@ -336,6 +349,8 @@ def run_swarm(n: int, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]
                 )
             answers = [w.next(args.timeout + 120.0) for w in workers]
             results = [x for a in answers for x in a["results"]]
+            # every peer's outcome (its NoGroupError names who it expected, saw and refused)
+            (log_dir / f"n{n}-round{r}.json").write_text(json.dumps(results, indent=1))
             ok = [x for x in results if x["ok"]]
             seconds = max(a["seconds"] for a in answers)
             served = sum(a["dht_served"] for a in answers)
@@ -412,6 +427,9 @@ def main() -> None:
         "--poll-interval", type=float, default=0.5, help="MatchmakerConfig.poll_interval"
     )
     parser.add_argument("--min-stall", type=float, default=20.0, help="AllReduceConfig.min_stall")
+    parser.add_argument(
+        "--log-level", default="", help="the workers' log level (their logs: the log folder)"
+    )
     args = parser.parse_args()
     if args.worker:
         try:
@@ -420,7 +438,7 @@ def main() -> None:
             uvloop.install()
         except ImportError:
             pass
-        asyncio.run(worker())
+        asyncio.run(worker(args.log_level))
         return
     sizes = [int(n) for n in args.peers.split(",")]
     for n in sizes:

@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import enum
 import logging
 import math
+import random
 import threading
 import time
 from collections.abc import Sequence
@@ -111,6 +113,27 @@ def _bytes_per_element(codec: Codec, dtype: np.dtype) -> float:
     probe = np.random.default_rng(0).standard_normal(_PROBE_ELEMENTS).astype(dtype)
     message = codec.encode(probe, CodecInfo(key="swarmavg.chunk-size-probe"))
     return max(message.ByteSize(), 1) / _PROBE_ELEMENTS
+
+
+class _Outcome(enum.Enum):
+    """How one ``Reduce`` stream to a reducer ended."""
+
+    DONE = "done"
+    """Finished, failed or gave up: whatever came back is kept, the rest stays local."""
+    REFUSED = "refused"
+    """``RESOURCE_EXHAUSTED`` before any reply: the reducer's data plane is full."""
+    NOT_STARTED = "not started"
+    """``NOT_FOUND`` before any reply: the reducer has no round of this group (yet)."""
+
+
+def _not_started_pause(attempt: int, registration_wait: float) -> float:
+    """Seconds before asking again a reducer that has not started the round.
+
+    Its service already held each stream up to ``registration_wait`` before refusing it,
+    so the pause only spreads the group's senders: short, jittered, growing a little.
+    """
+    base = min(0.05 * 2.0 ** min(attempt, 6), max(registration_wait, 0.05))
+    return base * random.uniform(0.5, 1.5)
 
 
 class _Exchange:
@@ -308,22 +331,48 @@ class _Exchange:
         if self.fault_plan is not None and self.fault_plan.crashes(0):
             self.crashed.set()  # before connecting: a crash at the start sends nothing
             return
-        call = await self._open_call(part, address)
-        if await self._exchange(part, address, call) and isinstance(call, DataCall):
-            # Refused before the stream started (the reducer's data plane is full): nothing
-            # we sent was processed, so the same stream over gRPC is not a duplicate.
-            log.info("part %d: %s refused a data-plane stream; using gRPC", part, address)
-            connector = self.service.data_connector
-            if connector is not None:
-                connector.refused(split_host(address), self.group.members[part].data_port)
-            await self._exchange(part, address, self._grpc_call(address))
+        # Members learn that their group formed at different times (a follower checks the
+        # leader's member list against the declarations it reads from a busy DHT first),
+        # and a reducer's service waits only `registration_wait` for its round to start.
+        # A reducer that has not started yet is asked again, within the patience we give
+        # any reducer: at 256 peers, a group's senders gave up on the 3 members that came
+        # 3-8 s late, and all 16 ended with partial results (docs/benchmarks.md, "Scale,
+        # session 8"). Nothing was processed by a reducer that had no round: not a duplicate.
+        asked = time.monotonic()
+        give_up = asked + self._reply_patience(asked, 0)
+        attempt = 0
+        while True:
+            call = await self._open_call(part, address)
+            outcome = await self._exchange(part, address, call)
+            if outcome is _Outcome.REFUSED and isinstance(call, DataCall):
+                # Refused before the stream started (the reducer's data plane is full):
+                # nothing we sent was processed, so the same stream over gRPC is not a
+                # duplicate.
+                log.info("part %d: %s refused a data-plane stream; using gRPC", part, address)
+                connector = self.service.data_connector
+                if connector is not None:
+                    connector.refused(split_host(address), self.group.members[part].data_port)
+                outcome = await self._exchange(part, address, self._grpc_call(address))
+            if outcome is not _Outcome.NOT_STARTED:
+                return
+            attempt += 1
+            pause = _not_started_pause(attempt, self.config.registration_wait)
+            if time.monotonic() + pause >= min(give_up, self.deadline):
+                log.info(
+                    "part %d: %s never started this round in %.1fs, keeping local values",
+                    part,
+                    address,
+                    time.monotonic() - asked,
+                )
+                return
+            log.info("part %d: %s has not started this round yet; asking again", part, address)
+            await asyncio.sleep(pause)
 
     async def _exchange(
         self, part: int, address: str, call: grpc.aio.StreamStreamCall | DataCall
-    ) -> bool:
-        """Run one ``Reduce`` stream for ``part``; return whether the reducer refused it
-        before starting it (``RESOURCE_EXHAUSTED`` before any reply). Never raises
-        (except CancelledError)."""
+    ) -> _Outcome:
+        """Run one ``Reduce`` stream for ``part``; say whether the reducer refused it
+        before starting it. Never raises (except CancelledError)."""
         loop = asyncio.get_running_loop()
         num_chunks = self.plan.num_chunks(part)
         sender = loop.create_task(self._send_part(part, call))
@@ -343,20 +392,22 @@ class _Exchange:
                         address,
                         wait,
                     )
-                    return False
+                    return _Outcome.DONE
                 if response is grpc.aio.EOF:
                     log.info("part %d: reducer %s ended the stream early", part, address)
-                    return False
+                    return _Outcome.DONE
                 replies += 1
                 if not await self._accept_reply(part, response):
-                    return False
+                    return _Outcome.DONE
             if isinstance(call, DataCall):  # read its OK, so the connection can be reused
                 await call.finish(min(1.0, max(self.deadline - time.monotonic(), 0.0)))
         except grpc.RpcError as e:
             known = isinstance(e, grpc.aio.AioRpcError | DataStreamError)
             code = e.code() if known else None
             if code is grpc.StatusCode.RESOURCE_EXHAUSTED and replies == 0:
-                return True
+                return _Outcome.REFUSED
+            if code is grpc.StatusCode.NOT_FOUND and replies == 0:
+                return _Outcome.NOT_STARTED
             details = e.details() if known else str(e)
             log.info("part %d: stream to %s failed: %s %s", part, address, code, details)
         finally:
@@ -368,7 +419,7 @@ class _Exchange:
             except Exception:  # the stream is gone either way; keep the round alive
                 log.exception("part %d: sending to %s failed", part, address)
             call.cancel()
-        return False
+        return _Outcome.DONE
 
     def _distrust(self, part: int, reason: str) -> bool:
         """Refuse everything the reducer of ``part`` returned: the whole part keeps local

@@ -240,9 +240,10 @@ class AllReduceService:
 
         Ends with OK once the sender got every averaged chunk of this part; otherwise
         aborts with INVALID_ARGUMENT (bad input), UNAUTHENTICATED (bad header),
-        NOT_FOUND (unknown group), PERMISSION_DENIED (not a sender of the group),
-        FAILED_PRECONDITION (round over, sender dropped), RESOURCE_EXHAUSTED (too many
-        streams waiting), or UNAVAILABLE (this peer is shutting down).
+        NOT_FOUND (no round of that group started here within ``registration_wait``),
+        PERMISSION_DENIED (not a sender of the group), FAILED_PRECONDITION (round over,
+        sender dropped), RESOURCE_EXHAUSTED (too many streams waiting), or UNAVAILABLE
+        (this peer is shutting down).
         """
         until = time.monotonic() + self.config.registration_wait
         iterator = request_iterator.__aiter__()
@@ -282,6 +283,14 @@ class AllReduceService:
                 round_ = await self._find_round(first.group_id, until)
             finally:
                 self._waiting -= 1
+        if round_ is None and self._closed:
+            await abort_stream(context, grpc.StatusCode.UNAVAILABLE, "this peer is shutting down")
+        if round_ is None and first.group_id in self._recent:
+            # Distinct from NOT_FOUND, which a sender takes for "not started yet" and asks
+            # again (runner.py): a round that is over here will not start.
+            await abort_stream(
+                context, grpc.StatusCode.FAILED_PRECONDITION, "that round is over here"
+            )
         if round_ is None:
             await abort_stream(context, grpc.StatusCode.NOT_FOUND, "unknown group id")
         sender = round_.group.index_of(peer_id)

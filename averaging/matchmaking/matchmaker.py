@@ -129,6 +129,8 @@ _MEMBER_READS = 3
 class _Follower:
     member: Member
     outcome: asyncio.Future[averaging_pb2.JoinResponse]
+    declared_start: float
+    """The start it signed, which its request repeated (checked before it was accepted)."""
 
 
 @dataclass
@@ -185,6 +187,21 @@ class _Round:
 
 
 @dataclass(frozen=True)
+class _LedGroup:
+    """A group this peer led and closed, and the declared start of each member in it."""
+
+    group: GroupInfo
+    starts: Mapping[bytes, float]
+
+    def seat_of(self, peer_id: bytes, declared_start: float) -> bool:
+        """Whether this request comes from a member of the group, for that same round
+        (a later round of the member under a reused key declares a later start)."""
+        return self.group.index_of(peer_id) is not None and self.starts.get(peer_id) == (
+            declared_start
+        )
+
+
+@dataclass(frozen=True)
 class _Redirect:
     peer_id: bytes
     address: str
@@ -220,10 +237,11 @@ class Matchmaker:
         """Seconds a leader takes to answer ``JoinGroup`` (measured)."""
         self.closes: collections.Counter[str] = collections.Counter()
         """Groups this peer closed as leader, by reason (full, quorum, complete, deadline)."""
-        # key -> (monotonic expiry, members): answers late joiners of a closed group.
-        self._closed: collections.OrderedDict[str, tuple[float, frozenset[bytes]]] = (
-            collections.OrderedDict()
-        )
+        # key -> (monotonic expiry, members, the group if we led it): answers late
+        # joiners of a closed group.
+        self._closed: collections.OrderedDict[
+            str, tuple[float, frozenset[bytes], _LedGroup | None]
+        ] = collections.OrderedDict()
         # family -> the other members of our last group in it and their addresses (the
         # fast quorum; "" for a client-mode member).
         self._previous: collections.OrderedDict[str, dict[bytes, str]] = collections.OrderedDict()
@@ -294,7 +312,9 @@ class Matchmaker:
             members = frozenset(m.peer_id for m in group.members)
             others = {m.peer_id: m.address for m in group.members if m.peer_id != self.peer_id}
             _remember(self._previous, family, others)
-            _remember(self._closed, request.key, (rnd.started + _give_up_seconds(me), members))
+            led = _led_group(rnd)
+            expiry = rnd.started + _give_up_seconds(me)
+            _remember(self._closed, request.key, (expiry, members, led))
             return group
         finally:
             if self._rounds.get(request.key) is rnd:
@@ -344,7 +364,8 @@ class Matchmaker:
         see can never lead, and when every peer's first store failed, nobody would."""
         if not await self._store_declaration(rnd, self._dht_budget(0, rnd.me.give_up)):
             log.info(
-                "declaration under %s not stored yet; retrying while joining others",
+                "declaration of %s under %s not stored yet; retrying while joining others",
+                self.peer_id.hex()[:12],
                 rnd.request.key,
             )
             rnd.declaring = asyncio.ensure_future(self._keep_declaring(rnd))
@@ -356,9 +377,21 @@ class Matchmaker:
             # jittered, so that a swarm's retries do not arrive as one burst again
             await asyncio.sleep(self.config.retry_after * random.uniform(0.5, 1.5))
             if await self._store_declaration(rnd, self._dht_budget(failures, rnd.me.give_up)):
+                log.info(
+                    "declaration of %s under %s stored at try %d, %.1fs after the start",
+                    self.peer_id.hex()[:12],
+                    rnd.request.key,
+                    failures + 1,
+                    time.monotonic() - rnd.started,
+                )
                 return
             failures += 1
-        log.warning("declaration under %s was never stored; only joined others", rnd.request.key)
+        if not rnd.closed:
+            log.warning(
+                "declaration of %s under %s was never stored; only joined others",
+                self.peer_id.hex()[:12],
+                rnd.request.key,
+            )
 
     async def _read_declarations(
         self, key: str, give_up: float, failures: int = 0
@@ -668,6 +701,9 @@ class Matchmaker:
                 ):
                     return _Redirect(bytes(first.leader_id), first.leader_address)
                 return None
+            if code == averaging_pb2.JOIN_GROUP_FORMED:
+                # We hold a seat in the group it closed (we had left its stream): take it.
+                return await self._take_formed_group(rnd, first.group, target, banned)
             if code == averaging_pb2.JOIN_REJECT_SCHEMA_MISMATCH:
                 rnd.mismatched[target.peer_id] = b""
                 banned[target.peer_id] = forever
@@ -707,14 +743,7 @@ class Matchmaker:
                 banned[target.peer_id] = time.time() + self._backoff(rnd, target.peer_id)
                 return None
             if final.code == averaging_pb2.JOIN_GROUP_FORMED:
-                group = await self._check_group(rnd, final.group, target.peer_id)
-                if group is None:
-                    banned[target.peer_id] = forever
-                    return None
-                rnd.closed = True
-                rnd.result.set_result(group)
-                self._notify(MatchmakingEvent.GROUP_FORMED, req.key, self.peer_id)
-                return group
+                return await self._take_formed_group(rnd, final.group, target, banned)
             if final.code == averaging_pb2.JOIN_REDIRECT:
                 banned[target.peer_id] = time.time() + self.config.retry_after
                 if (
@@ -747,6 +776,34 @@ class Matchmaker:
                 self._notify(MatchmakingEvent.LEFT_LEADER, req.key, target.peer_id)
             call.cancel()
 
+    async def _take_formed_group(
+        self,
+        rnd: _Round,
+        message: averaging_pb2.GroupDescription,
+        leader: _Redirect,
+        banned: dict[bytes, float],
+    ) -> GroupInfo | None:
+        """Join the group a leader formed with us, once it passed our checks."""
+        group = await self._check_group(rnd, message, leader.peer_id)
+        if group is None or rnd.result.done():
+            banned[leader.peer_id] = math.inf
+            return None
+        # Followers we took meanwhile (we may have left that leader's stream first) are
+        # told at once; those of a normal join were redirected when it accepted us.
+        self._release_followers(
+            rnd,
+            averaging_pb2.JoinResponse(
+                code=averaging_pb2.JOIN_DISBANDED,
+                leader_id=self.peer_id,
+                detail="this peer is in a group that formed elsewhere",
+            ),
+        )
+        rnd.leader = (leader.peer_id, leader.address)
+        rnd.closed = True
+        rnd.result.set_result(group)
+        self._notify(MatchmakingEvent.GROUP_FORMED, rnd.request.key, self.peer_id)
+        return group
+
     def _backoff(self, rnd: _Round, peer_id: bytes) -> float:
         """Seconds to skip a peer after its n-th transport failure: doubling, capped."""
         rnd.failures[peer_id] = failures = rnd.failures.get(peer_id, 0) + 1
@@ -776,10 +833,20 @@ class Matchmaker:
         # DHT was busy (a swarm that starts a round at once, issue 21): read again, a few
         # times at most, each under a longer deadline after a miss. Refusing a group only
         # because our view lags costs every member a partial round.
-        for _ in range(_MEMBER_READS):
+        # Only a read that completed counts: a read that missed its deadline saw nothing,
+        # and at 256 peers 3 such reads in a row made a whole group's followers refuse it
+        # for its leader's declaration, stored 40 s before (docs/benchmarks.md, "Scale,
+        # session 8"). Failed reads go on, each under a longer deadline, until give-up.
+        completed = 0
+        while completed < _MEMBER_READS:
             if all(p in rnd.signed for p in members) or time.time() >= rnd.me.give_up:
                 break
+            last_read = rnd.last_read
             await self._refresh_once(rnd)
+            if rnd.last_read != last_read:
+                completed += 1
+            else:  # failed (a failure can be quick): pause, as a store retry does
+                await asyncio.sleep(self.config.retry_after * random.uniform(0.5, 1.5))
         try:
             return check_formed_group(message, ask, leader_id, rnd.signed)
         except ValueError as error:
@@ -928,6 +995,19 @@ class Matchmaker:
             taken = self._closed_members(request.key)
             if rnd is not None and rnd.result.done() and not rnd.result.cancelled():
                 taken = frozenset(m.peer_id for m in rnd.result.result().members)
+            led = self._led_group(request.key, rnd)
+            if led is not None and led.seat_of(peer_id, request.declared_start):
+                # A member of the group we closed asks again: it left its stream after we
+                # gave it a seat (its first answer came after its join_timeout on a busy
+                # loop) or lost it. It is in the group the others are averaging now: tell
+                # it, rather than leave its seat empty and every member partial (issue 21).
+                yield averaging_pb2.JoinResponse(
+                    code=averaging_pb2.JOIN_GROUP_FORMED,
+                    leader_id=self.peer_id,
+                    group=group_to_proto(led.group),
+                    detail="you are a member of the group that formed",
+                )
+                return
             if taken is not None:  # our group under that key already formed
                 yield averaging_pb2.JoinResponse(
                     code=averaging_pb2.JOIN_REJECT_FULL,
@@ -1021,7 +1101,9 @@ class Matchmaker:
                 )
             yield averaging_pb2.JoinResponse(code=code, leader_id=self.peer_id, detail=detail)
             return
-        follower = _Follower(member, asyncio.get_running_loop().create_future())
+        follower = _Follower(
+            member, asyncio.get_running_loop().create_future(), request.declared_start
+        )
         rnd.followers[peer_id] = follower
         rnd.last_change = time.monotonic()
         rnd.changed.set()
@@ -1059,6 +1141,15 @@ class Matchmaker:
             return None
         return entry[1]
 
+    def _led_group(self, key: str, rnd: _Round | None) -> _LedGroup | None:
+        """The group we led and closed under ``key``, while late joiners may ask."""
+        if rnd is not None:
+            return _led_group(rnd)
+        entry = self._closed.get(key)
+        if entry is None or entry[0] < time.monotonic():
+            return None
+        return entry[2]
+
     async def shutdown(self) -> None:
         """Disband every pending group here (followers are told at once)."""
         for rnd in list(self._rounds.values()):
@@ -1090,6 +1181,14 @@ def _decode_declarations(record: Any) -> list[Declaration]:
         if declaration is not None:
             found.append(declaration)
     return found
+
+
+def _led_group(rnd: _Round) -> _LedGroup | None:
+    """The group ``rnd`` closed with this peer as its leader, if it did."""
+    if rnd.leader is not None or not rnd.result.done() or rnd.result.cancelled():
+        return None
+    starts = {p: f.declared_start for p, f in rnd.followers.items()}
+    return _LedGroup(rnd.result.result(), starts)
 
 
 def _give_up_seconds(me: Declaration) -> float:

@@ -344,3 +344,45 @@ async def test_a_peer_whose_inputs_fail_their_check_while_it_declares_joins_no_g
             await failing
         with pytest.raises(NoGroupError):
             await other
+
+
+async def test_a_member_that_left_its_stream_is_told_the_group_when_it_asks_again() -> None:
+    """A follower that gave up on its stream after the leader had seated it (the first
+    answer came after its join_timeout on a busy loop) is in the group the others average
+    now: asking again, it gets that group, not a refusal (issue 21: at 256 peers such a
+    member failed its round and left every member of its group with partial results)."""
+    async with averager_swarm(2) as swarm:
+        leader, follower = swarm.peers
+        key = matchmaking_key(RUN_ID, "k", leader.averager.group_bits)
+        round_ = asyncio.ensure_future(
+            leader.averager.average(inputs(0), "k", group_size=2, timeout=12.0)
+        )
+        await swarm.wait_for(lambda: any(e[0] is MatchmakingEvent.DECLARED for e in leader.events))
+        schema = (await declarations(leader, key))[leader.peer_id].schema_hash
+        start = time.time() + 1
+        await declare(follower, key, schema, start)
+        method = join_group_method(follower.channels.channel(leader.address))
+
+        async def ask(declared_start: float) -> averaging_pb2.JoinResponse:
+            request = averaging_pb2.JoinRequest(
+                key=key, schema_hash=schema, declared_start=declared_start
+            )
+            call = method(follower.node.signer.signed(request, leader.peer_id, JOIN_GROUP))
+            try:
+                return await call.read()  # type: ignore[no-any-return]
+            finally:
+                call.cancel()  # leaves the stream after its first answer
+
+        assert (await ask(start)).code == averaging_pb2.JOIN_ACCEPTED  # group of 2: closed
+        await swarm.wait_for(
+            lambda: any(e[0] is MatchmakingEvent.GROUP_FORMED for e in leader.events)
+        )
+        again = await ask(start)
+        assert again.code == averaging_pb2.JOIN_GROUP_FORMED, again
+        assert sorted(bytes(m.peer_id) for m in again.group.members) == sorted(
+            [leader.peer_id, follower.peer_id]
+        )
+        # Another round of the same peer under a reused key is not that seat.
+        assert (await ask(start + 5)).code == averaging_pb2.JOIN_REJECT_FULL
+        round_.cancel()
+        await asyncio.gather(round_, return_exceptions=True)
