@@ -116,6 +116,17 @@ def fragment_outer_step(
             params[i].grad = grad
 
 
+NO_HIERARCHICAL = (
+    "StreamingDiLoCo has no hierarchical mode (process_group=): its fragment syncs run in "
+    "the background while each rank trains on, so the ranks would have to agree on every "
+    "fragment's local mean and on when each sync lands, which it does not do. Use "
+    "DiLoCo(process_group=...) for one sync per H steps, or give every rank its own "
+    "StreamingDiLoCo connected to the machine's one daemon (connect() on each rank, no "
+    "process_group): the daemon combines the machine's processes into one contribution"
+)
+"""Why ``StreamingDiLoCo(process_group=...)`` is refused, and what to use instead."""
+
+
 @dataclass
 class _PendingSync:
     """A fragment sync whose round runs in the background."""
@@ -160,8 +171,9 @@ class StreamingDiLoCo(DiLoCo):
     swarm's model).
 
     Raises:
-        ValueError: H not a multiple of F, too few tensors for F fragments, or
-            ``overlap_steps`` out of range.
+        ValueError: H not a multiple of F, too few tensors for F fragments,
+            ``overlap_steps`` out of range, or ``process_group=`` (the hierarchical mode
+            is not built for streaming syncs: see :data:`NO_HIERARCHICAL`).
     """
 
     KIND = "streaming-diloco"
@@ -183,6 +195,8 @@ class StreamingDiLoCo(DiLoCo):
         auto_margin: float = DEFAULT_MARGIN,
         **options: Any,
     ) -> None:
+        if options.get("process_group") is not None:
+            raise ValueError(NO_HIERARCHICAL)
         if not auto_margin > 0:
             raise ValueError(f"auto_margin must be positive, got {auto_margin}")
         self.auto_margin = float(auto_margin)

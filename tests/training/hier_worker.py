@@ -41,8 +41,20 @@ def backward(model: torch.nn.Module, data: tuple[torch.Tensor, torch.Tensor]) ->
     torch.nn.functional.mse_loss(model(x), y).backward()
 
 
+def linear_backward(model: torch.nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """A loss linear in the parameters: its gradient is the same wherever they are, so a
+    test knows the swarm's result whenever each delayed update landed."""
+    x, y = data
+    (model(x) * y).mean().backward()
+
+
 def build(spec: dict[str, Any], model: torch.nn.Module, client: Any) -> Any:
-    from swarmavg.averaging.optim import CollaborativeOptimizer, DiLoCo, sgd_outer_optimizer
+    from swarmavg.averaging.optim import (
+        CollaborativeOptimizer,
+        DiLoCo,
+        PowerSGDOptimizer,
+        sgd_outer_optimizer,
+    )
 
     group: Any = None if spec.get("flat") else "world"
     common: dict[str, Any] = {
@@ -62,6 +74,18 @@ def build(spec: dict[str, Any], model: torch.nn.Module, client: Any) -> Any:
             outer_optimizer=sgd_outer_optimizer,
             **common,
         )
+    if spec["wrapper"] == "powersgd":
+        return PowerSGDOptimizer(
+            model.parameters(),
+            torch.optim.SGD(model.parameters(), lr=LR),
+            client,
+            spec["run_id"],
+            target_batch_size=spec["target"],
+            batch_size_per_step=spec["batch"],
+            rank=1,
+            max_wait=10.0,
+            **common,
+        )
     return CollaborativeOptimizer(
         model.parameters(),
         torch.optim.SGD(model.parameters(), lr=LR),
@@ -70,6 +94,7 @@ def build(spec: dict[str, Any], model: torch.nn.Module, client: Any) -> Any:
         target_batch_size=spec["target"],
         batch_size_per_step=spec["batch"],
         max_wait=10.0,
+        delay_updates=bool(spec.get("delay_updates")),
         **common,
     )
 
@@ -121,7 +146,7 @@ def main(spec: dict[str, Any]) -> int:
             while opt.epoch < spec["epochs"]:
                 if spec.get("die_after") is not None and steps >= spec["die_after"]:
                     os._exit(3)  # the leader vanishes: its followers must not hang
-                backward(model, data)
+                (linear_backward if spec.get("linear_loss") else backward)(model, data)
                 if spec.get("nan_grad"):  # a rank with a bug: the daemon refuses NaN
                     first = next(model.parameters())
                     assert first.grad is not None
@@ -137,10 +162,13 @@ def main(spec: dict[str, Any]) -> int:
                     last_epoch = opt.epoch
                 if len(steps_per_epoch) + steps > 500:
                     raise RuntimeError("no global step after 500 local steps")
+            opt.close()  # lands a round still in the background (delay_updates)
             record["progress_processes"] = opt.global_progress().num_processes
             record["group_sizes"] = list(opt.stats.group_sizes)
             record["failed"] = opt.stats.failed
-            opt.close()
+            if hasattr(opt, "powersgd"):  # the shared Q and the machine's error feedback
+                record["q"] = {str(k): v.tolist() for k, v in opt.powersgd.q.items()}
+                record["residual"] = {str(k): v.tolist() for k, v in opt.powersgd.residual.items()}
         caught = [f"{w.category.__name__}: {w.message}" for w in seen]
         record["ok"] = True
     except Exception as exc:  # the test reads the failure from the record
