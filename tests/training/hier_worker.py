@@ -53,6 +53,7 @@ def build(spec: dict[str, Any], model: torch.nn.Module, client: Any) -> Any:
         CollaborativeOptimizer,
         DiLoCo,
         PowerSGDOptimizer,
+        StreamingDiLoCo,
         sgd_outer_optimizer,
     )
 
@@ -72,6 +73,19 @@ def build(spec: dict[str, Any], model: torch.nn.Module, client: Any) -> Any:
             local_steps=spec["local_steps"],
             batch_size_per_step=spec["batch"],
             outer_optimizer=sgd_outer_optimizer,
+            **common,
+        )
+    if spec["wrapper"] == "streaming":
+        return StreamingDiLoCo(
+            model.parameters(),
+            torch.optim.SGD(model.parameters(), lr=LR),
+            client,
+            spec["run_id"],
+            local_steps=spec["local_steps"],
+            batch_size_per_step=spec["batch"],
+            outer_optimizer=sgd_outer_optimizer,
+            fragments=2,
+            overlap_steps=1,
             **common,
         )
     if spec["wrapper"] == "powersgd":
@@ -134,6 +148,7 @@ def main(spec: dict[str, Any]) -> int:
     caught: list[str] = []
     steps_per_epoch: list[int] = []
     round_seconds: list[float] = []
+    anchors: list[list[Any]] = []  # DiLoCo's anchor after each epoch
     try:
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
@@ -156,6 +171,8 @@ def main(spec: dict[str, Any]) -> int:
                 opt.zero_grad()
                 steps += 1
                 if opt.epoch != last_epoch:
+                    if hasattr(opt, "anchor"):
+                        anchors.append([a.tolist() for a in opt.anchor])
                     round_seconds.append(time.monotonic() - started)
                     steps_per_epoch.append(steps)
                     steps = 0
@@ -166,6 +183,8 @@ def main(spec: dict[str, Any]) -> int:
             record["progress_processes"] = opt.global_progress().num_processes
             record["group_sizes"] = list(opt.stats.group_sizes)
             record["failed"] = opt.stats.failed
+            if hasattr(opt, "anchor"):  # DiLoCo's synchronised parameters
+                record["anchor"] = [a.tolist() for a in opt.anchor]
             if hasattr(opt, "powersgd"):  # the shared Q and the machine's error feedback
                 record["q"] = {str(k): v.tolist() for k, v in opt.powersgd.q.items()}
                 record["residual"] = {str(k): v.tolist() for k, v in opt.powersgd.residual.items()}
@@ -178,6 +197,7 @@ def main(spec: dict[str, Any]) -> int:
     record["epoch"] = opt.epoch if "opt" in locals() else None
     record["steps_per_epoch"] = steps_per_epoch
     record["round_seconds"] = round_seconds
+    record["anchors"] = anchors
     record["warnings"] = caught
     torch.save([p.detach().clone() for p in model.parameters()], out.with_suffix(".pt"))
     out.with_suffix(".json").write_text(json.dumps(record))

@@ -302,3 +302,46 @@ def test_two_machines_of_two_ranks_with_delayed_updates_land_each_round_on_every
     for got, expected in zip(final, want, strict=True):
         assert torch.allclose(got, expected, atol=1e-6)
     assert not torch.equal(final[0], next(make_model(0, 3).parameters()).detach())
+
+
+@pytest.mark.timeout(300)
+def test_two_machines_of_two_ranks_streaming_diloco_syncs_each_fragment_once_per_machine(
+    swarmavg_processes: ProcessPool, tmp_path: Path
+) -> None:
+    """``StreamingDiLoCo`` (2 fragments, H = 4, overlap 1): every sync starts from the
+    machine's mean of the fragment, runs in the leader's background while both ranks
+    train on, and lands on both one step later; every rank of both machines ends with the
+    same anchor, and each rank keeps its own progress on top of it."""
+    daemons = start_daemons(swarmavg_processes, 2)
+    syncs = 4  # two of each fragment
+    records = run_machines(
+        tmp_path, daemons, 2, timeout=240, wrapper="streaming", local_steps=4, epochs=syncs
+    )
+    assert_one_machine_per_peer(records, daemons, syncs)
+    anchor = records[(0, 0)]["anchor"]
+    for key, record in records.items():
+        assert record["anchor"] == anchor, key
+    initial = [p.detach().tolist() for p in make_model(0, 3).parameters()]
+    assert anchor != initial
+    # The first sync is of fragment 1 (the bias), after 2 inner steps of every rank from
+    # the leader's start: its anchor is the samples-weighted mean of the four replicas'
+    # biases then (outer SGD at lr 1), on every rank; the weight's anchor is untouched.
+    total, summed = 0.0, torch.zeros(2)
+    for m, r in records:
+        replica = make_model(0, 3)
+        inner = torch.optim.SGD(replica.parameters(), lr=LR)
+        for _ in range(2):
+            backward(replica, fixed_batch(10 * m + r, BATCHES[(m, r)], 3))
+            inner.step()
+            inner.zero_grad()
+        summed += replica.bias.detach() * 2 * BATCHES[(m, r)]
+        total += 2 * BATCHES[(m, r)]
+    for key, record in records.items():
+        weight, bias = record["anchors"][0]
+        assert weight == initial[0], key
+        assert torch.allclose(torch.tensor(bias), summed / total, atol=1e-6), key
+    for m in range(2):  # the ranks trained on their own batches since the last syncs
+        assert not all(
+            torch.equal(a, b)
+            for a, b in zip(records[(m, 0)]["params"], records[(m, 1)]["params"], strict=True)
+        )
