@@ -11,8 +11,9 @@ $(STAMP): pyproject.toml setup.py compression/_native.c
 	$(BIN)/pip install -q --upgrade pip
 	# torch pinned: a CPU build is cached on the project's machines; an unpinned one pulls CUDA wheels.
 	$(BIN)/pip install -q torch==2.13.0
-	# hf, lightning: the framework integrations' tests run against the real libraries.
-	$(BIN)/pip install -q -e ".[dev,torch,hf,lightning]"
+	# hf, lightning: the framework integrations' tests run against the real libraries;
+	# monitor: the monitor's TensorBoard and wandb logs are tested too.
+	$(BIN)/pip install -q -e ".[dev,torch,hf,lightning,monitor]"
 	touch $(STAMP)
 
 setup: $(STAMP)

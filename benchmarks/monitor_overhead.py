@@ -14,6 +14,13 @@ the same bytes for it. The monitor is started before and stopped after its windo
 join is not counted).
 
     PYTHONPATH=. python benchmarks/monitor_overhead.py [--peers 16] [--window 30] [--reps 2]
+        [--kinds idle,monitor,peers]
+
+The kinds' order alternates from one rep to the next (A B C, then C B A, ...), so that a
+load that drifts during the run weighs on every kind alike; ``paired`` is the median over
+reps of each kind's window minus the idle window of the same rep (the daemons' CPU seconds
+per minute that the monitor or ``peers`` adds), and every window records the load average
+when it ended.
 """
 
 from __future__ import annotations
@@ -86,7 +93,15 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--interval", type=float, default=5.0)
     parser.add_argument("--every", type=float, default=3.0)
+    parser.add_argument(
+        "--kinds",
+        default="idle,monitor,peers",
+        help="the windows to alternate, comma-separated, among idle, monitor, peers",
+    )
     args = parser.parse_args()
+    args.kinds = [k for k in args.kinds.split(",") if k]
+    if "idle" not in args.kinds or not set(args.kinds) <= {"idle", "monitor", "peers"}:
+        parser.error("--kinds: idle and any of monitor, peers")
     from swarmavg.peer import connect
     from tests.harness import ProcessPool
 
@@ -129,44 +144,63 @@ def main() -> None:
 def measure(
     client: Any, address: str, run: str, args: argparse.Namespace, pids: list[int]
 ) -> dict[str, Any]:
-    windows: dict[str, list[tuple[float, float, int]]] = {"idle": [], "monitor": [], "peers": []}
+    windows: dict[str, list[tuple[float, float, int]]] = {k: [] for k in args.kinds}
+    loads: dict[str, list[float]] = {k: [] for k in args.kinds}
     polls, last_series = 0, {}
-    for _ in range(args.reps):
-        for kind in ("idle", "monitor", "peers"):
+    for rep in range(args.reps):
+        order = args.kinds if rep % 2 == 0 else list(reversed(args.kinds))
+        for kind in order:
             if kind == "monitor":
                 swarm, own, sent, n, last_series = asyncio.run(
                     monitor_window(address, run, args, pids)
                 )
                 polls += n
                 windows[kind].append((swarm, own, sent))
-                continue
-            swarm, own = cpu_seconds(pids), time.process_time()
-            end = time.monotonic() + args.window
-            while time.monotonic() < end:
-                if kind == "peers":
-                    client.peers()
-                time.sleep(min(args.every, max(end - time.monotonic(), 0.0)))
-            windows[kind].append((cpu_seconds(pids) - swarm, time.process_time() - own, 0))
+            else:
+                swarm, own = cpu_seconds(pids), time.process_time()
+                end = time.monotonic() + args.window
+                while time.monotonic() < end:
+                    if kind == "peers":
+                        client.peers()
+                    time.sleep(min(args.every, max(end - time.monotonic(), 0.0)))
+                windows[kind].append((cpu_seconds(pids) - swarm, time.process_time() - own, 0))
+            loads[kind].append(round(os.getloadavg()[0], 1))
     per_minute = 60.0 / args.window
 
-    def med(kind: str, i: int) -> float:
-        return statistics.median(w[i] for w in windows[kind]) * per_minute
+    def med(kind: str, i: int) -> float | None:
+        if kind not in windows:
+            return None
+        return round(statistics.median(w[i] for w in windows[kind]) * per_minute, 3)
 
+    def paired(kind: str) -> float | None:
+        if kind not in windows:
+            return None
+        diffs = [
+            (w[0] - idle[0]) * per_minute
+            for w, idle in zip(windows[kind], windows["idle"], strict=True)
+        ]
+        return round(statistics.median(diffs), 3)
+
+    bytes_per_min = med("monitor", 2)
     return {
         "peers": args.peers,
         "interval_s": args.interval,
         "every_s": args.every,
         "window_s": args.window,
         "reps": args.reps,
+        "kinds": args.kinds,
         "monitor_polls": polls,
         "monitor_saw_peers": last_series.get("peers", [None])[-1],
         "monitor_saw_trainers": last_series.get("trainers", [None])[-1],
-        "swarm_cpu_s_per_min_idle": round(med("idle", 0), 3),
-        "swarm_cpu_s_per_min_monitor": round(med("monitor", 0), 3),
-        "swarm_cpu_s_per_min_peers": round(med("peers", 0), 3),
-        "monitor_cpu_s_per_min": round(med("monitor", 1), 3),
-        "monitor_dht_bytes_per_min": round(med("monitor", 2)),
-        "load_average": os.getloadavg(),
+        "swarm_cpu_s_per_min_idle": med("idle", 0),
+        "swarm_cpu_s_per_min_monitor": med("monitor", 0),
+        "swarm_cpu_s_per_min_peers": med("peers", 0),
+        "swarm_cpu_s_per_min_added_by_monitor": paired("monitor"),
+        "swarm_cpu_s_per_min_added_by_peers": paired("peers"),
+        "monitor_cpu_s_per_min": med("monitor", 1),
+        "monitor_dht_bytes_per_min": None if bytes_per_min is None else round(bytes_per_min),
+        "load_average_end": os.getloadavg(),
+        "load_after_each_window": loads,
         "windows": windows,
     }
 

@@ -26,7 +26,7 @@ from typing import Any
 from swarmavg.dht import BootstrapError, ChannelPool, DHTNode, Identity
 from swarmavg.dht.tasks import TaskSet, bounded_step
 from swarmavg.peer.config import DHTSettings, PeerConfig, parse_host_port
-from swarmavg.peer.daemon import StartupError, bootstrap_message, node_dht_config
+from swarmavg.peer.daemon import StartupError, bootstrap_message, load_tls, node_dht_config
 from swarmavg.peer.monitor_http import DashboardServer
 from swarmavg.peer.monitor_page import render_page
 from swarmavg.peer.monitor_series import DEFAULT_HISTORY, History, Sample, sample_from_view
@@ -61,6 +61,11 @@ class MonitorSettings:
         bootstrap_timeout: seconds to retry the initial peers.
         poll_timeout: the longest one poll (two DHT lookups) may take.
         log_level: the logging level name.
+        identity: the monitor's Ed25519 identity file (None: a fresh identity per start).
+        run_file, credential: a private run's run file and the monitor's credential in it
+            (both, with ``identity``, or neither; docs/private-runs.md): the monitor then
+            dials the run's peers over mutual TLS, presenting its credential, as any
+            client-mode peer of the run does.
 
     Raises:
         ValueError: a setting out of range or an address that is not ``HOST:PORT`` (the
@@ -79,6 +84,9 @@ class MonitorSettings:
     bootstrap_timeout: float = 30.0
     poll_timeout: float = 20.0
     log_level: str = "INFO"
+    identity: str | None = None
+    run_file: str | None = None
+    credential: str | None = None
     peer_config: PeerConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -98,6 +106,9 @@ class MonitorSettings:
             join=list(self.join),
             client_mode=True,
             log_level=self.log_level,
+            identity=self.identity,
+            run_file=self.run_file,
+            credential=self.credential,
             dht=DHTSettings(bootstrap_timeout=self.bootstrap_timeout),
         )
         if not config.join:
@@ -173,12 +184,20 @@ class Monitor:
                     "another with --http HOST:PORT (port 0 picks a free one)"
                 ) from None
             self.dashboard = dashboard
-        self._channels = ChannelPool()
-        self.node = DHTNode(node_dht_config(s.peer_config), self._identity, self._channels)
+        cfg = s.peer_config
+        if cfg.identity is not None:
+            try:
+                self._identity = await asyncio.to_thread(Identity.load_or_create, cfg.identity)
+            except (OSError, ValueError) as exc:
+                raise StartupError(f"identity file {cfg.identity}: {exc}") from None
+        # A private run's peers refuse any handshake without a credential of the run: the
+        # monitor presents its own on every channel it opens (it serves nothing).
+        self._channels = ChannelPool(tls=load_tls(cfg, self._identity))
+        self.node = DHTNode(node_dht_config(cfg), self._identity, self._channels)
         try:
             await self.node.start(None)
         except BootstrapError as exc:
-            raise StartupError(bootstrap_message(exc)) from None
+            raise StartupError(bootstrap_message(exc, cfg.private)) from None
         self._tasks.spawn(self._poll_forever(), name="monitor-poll")
 
     async def poll_once(self) -> Sample:

@@ -85,6 +85,28 @@ def add_monitor_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     monitor.add_argument(
         "--log-level", default="INFO", metavar="LEVEL", help="logging level (default INFO)"
     )
+    private = monitor.add_argument_group(
+        "private runs",
+        "a monitor of a private run needs an invitation like any peer (docs/private-runs.md)",
+    )
+    private.add_argument(
+        "--run-file",
+        metavar="FILE",
+        help="the private run's run file (swarmavg run init); names the run, so --run-id "
+        "may be left out (default: $SWARMAVG_RUN_FILE)",
+    )
+    private.add_argument(
+        "--credential",
+        metavar="FILE",
+        help="the monitor's credential in the run (swarmavg run invite) "
+        "(default: $SWARMAVG_CREDENTIAL)",
+    )
+    private.add_argument(
+        "--identity",
+        metavar="FILE",
+        help="the Ed25519 identity the credential was issued for (swarmavg run whoami); "
+        "in a public run, a fixed peer id for the monitor (default: $SWARMAVG_IDENTITY)",
+    )
 
 
 def cmd_monitor(args: argparse.Namespace) -> int:
@@ -93,8 +115,15 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     from swarmavg.peer.monitor import Monitor, MonitorSettings
     from swarmavg.peer.process import EXIT_USAGE, report_error, run_loop, serve
 
-    run_id = args.run_id or os.environ.get("SWARMAVG_RUN_ID") or ""
     join = args.join or split_addresses(os.environ.get("SWARMAVG_JOIN", ""))
+    run_file = args.run_file or os.environ.get("SWARMAVG_RUN_FILE") or None
+    credential = args.credential or os.environ.get("SWARMAVG_CREDENTIAL") or None
+    identity = args.identity or os.environ.get("SWARMAVG_IDENTITY") or None
+    try:
+        run_id = args.run_id or os.environ.get("SWARMAVG_RUN_ID") or run_file_run(run_file)
+    except ValueError as exc:
+        report_error("monitor", str(exc))
+        return EXIT_USAGE
     if not run_id:
         report_error("monitor", "which run? give --run-id NAME (or set SWARMAVG_RUN_ID)")
         return EXIT_USAGE
@@ -111,9 +140,28 @@ def cmd_monitor(args: argparse.Namespace) -> int:
             wandb_project=args.wandb_project if args.wandb else None,
             bootstrap_timeout=args.bootstrap_timeout,
             log_level=args.log_level,
+            identity=identity,
+            run_file=run_file,
+            credential=credential,
         )
     except ValueError as exc:
         report_error("monitor", str(exc))
         return EXIT_USAGE
     setup_daemon_logging(settings.peer_config.log_level)
     return run_loop(serve(Monitor(settings), "monitor"))
+
+
+def run_file_run(run_file: str | None) -> str:
+    """The run a private run's file names ("" without one), as ``swarmavg peer`` reads it.
+
+    Raises:
+        ValueError: the file cannot be read or is not a run file (the message says which).
+    """
+    if run_file is None:
+        return ""
+    from swarmavg.dht.credentials import CredentialError, read_run_id
+
+    try:
+        return read_run_id(run_file)
+    except CredentialError as exc:
+        raise ValueError(str(exc)) from None

@@ -138,8 +138,10 @@ class CollaborativeOptimizer(SwarmOptimizer):
             The ranks reduce their gradients (or parameters) and sample counts locally;
             only the leader averages through the daemon, with the machine's weight, and
             every rank takes its result. Every rank must build the wrapper and call
-            ``step()`` the same number of times; ``client`` may be None on the others.
-            Not with ``delay_updates``.
+            ``step()`` the same number of times (and ``close()``); ``client`` may be None
+            on the others. With ``delay_updates`` the leader's round runs in the
+            background and every rank takes its result at the same later step (the
+            leader says when; one more small collective per step).
         local_leader: the group rank that talks to the daemon (default 0).
 
     Call ``zero_grad()`` after ``step()`` as usual. ``step()`` returns the closure's loss
@@ -153,7 +155,7 @@ class CollaborativeOptimizer(SwarmOptimizer):
         self,
         params: Iterable[Any],
         optimizer: torch.optim.Optimizer,
-        client: SwarmClient,
+        client: SwarmClient | None,
         run_id: str,
         target_batch_size: int,
         batch_size_per_step: int,
@@ -178,10 +180,6 @@ class CollaborativeOptimizer(SwarmOptimizer):
             raise ValueError(f"average must be 'gradients' or 'parameters', got {average!r}")
         if delay_updates and average != "gradients":
             raise ValueError("delay_updates needs average='gradients'")
-        if delay_updates and process_group is not None:
-            raise ValueError(
-                "delay_updates is not available in the hierarchical mode (process_group=)"
-            )
         if max_wait < 0:
             raise ValueError("max_wait must not be negative")
         local_group = resolve_local_group(process_group, local_leader)
@@ -214,6 +212,12 @@ class CollaborativeOptimizer(SwarmOptimizer):
             self._grads = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         self._executor = ThreadPoolExecutor(1, "swarmavg-round") if delay_updates else None
         self._pending: _PendingRound | None = None
+        self._landed_alone = False
+        """Hierarchical mode: the leader applied a background round outside the ranks'
+        common landing (``state_dict``): its followers take its state at the next step."""
+        self._landing = False
+        """Hierarchical mode: a background round's result is being shared with the ranks,
+        whose accumulators of the current epoch must be kept."""
         self._synced = b""  # parameters mode: digest of the last synchronised parameters
         self._join_swarm(load_state_on_start)
         self._mark_synced()
@@ -240,7 +244,7 @@ class CollaborativeOptimizer(SwarmOptimizer):
             raise RuntimeError("step() on a closed CollaborativeOptimizer")
         loss = self._run_closure(closure)
         samples = self._samples(batch_size)
-        self._apply_pending(block=False)
+        self._land_pending()
         if self._grads is not None:
             with torch.no_grad():
                 for acc, p in zip(self._grads, self.params, strict=True):
@@ -299,7 +303,10 @@ class CollaborativeOptimizer(SwarmOptimizer):
 
     def _finish(self) -> None:
         try:
-            self._apply_pending(block=True)
+            if self.local_group is not None and self._executor is not None:
+                self._land_on_every_rank()
+            else:
+                self._apply_pending(block=True)
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
@@ -368,6 +375,7 @@ class CollaborativeOptimizer(SwarmOptimizer):
         """The parameters; the optimizer's state in gradients mode (shared by the swarm)
         or when the leader loaded a state (parameters mode: each rank's own otherwise)."""
         share_optimizer = self._grads is not None or self._state_loaded
+        self._landed_alone = False  # this envelope carries whatever the leader applied
         return {
             "params": [p.detach().cpu() for p in self.params],
             "optimizer": self.optimizer.state_dict() if share_optimizer else None,
@@ -375,10 +383,37 @@ class CollaborativeOptimizer(SwarmOptimizer):
 
     def _take_machine_state(self, state: Mapping[str, Any]) -> None:
         super()._take_machine_state(state)
-        if self._grads is not None:
+        if self._grads is not None and not self._landing:
             for g in self._grads:
                 g.zero_()
         self._mark_synced()
+
+    def _land_pending(self) -> None:
+        """Apply a background round that finished (``delay_updates``), before this step's
+        gradients are accumulated. In the hierarchical mode only the leader has the round:
+        it tells its ranks whether one landed (a collective at every step), and then all
+        of them take its result together, keeping the accumulators of the current epoch.
+        """
+        if self.local_group is None:
+            self._apply_pending(block=False)
+            return
+        if self._executor is None:
+            return  # nothing ever runs in the background: no collective needed
+        group = self.local_group
+        pending = self._pending
+        landed = self._landed_alone or (pending is not None and pending.future.done())
+        if group.broadcast_int(int(group.is_leader and landed)):
+            self._land_on_every_rank()
+
+    def _land_on_every_rank(self) -> None:
+        """Hierarchical mode with ``delay_updates``: the leader applies its background
+        round (if any) and every rank takes the leader's parameters and optimizer state."""
+        self._landing = True
+        try:
+            self._as_machine(lambda: self._apply_pending(block=True))
+        finally:
+            self._landing = False
+            self._landed_alone = False
 
     def _wait_for_swarm(self, progress: GlobalProgress) -> GlobalProgress:
         """Wait (briefly) for the others when they are about to complete the epoch.
@@ -573,6 +608,8 @@ class CollaborativeOptimizer(SwarmOptimizer):
         if pending is None or (not block and not pending.future.done()):
             return
         self._pending = None
+        if self.local_group is not None and not self._landing:
+            self._landed_alone = True  # e.g. state_dict() on the leader alone
         result, error = pending.future.result()
         key = f"grads.{pending.epoch}"
         if error:

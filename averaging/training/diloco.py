@@ -161,7 +161,7 @@ class DiLoCo(SwarmOptimizer):
         self,
         params: Iterable[Any],
         inner_optimizer: torch.optim.Optimizer,
-        client: SwarmClient,
+        client: SwarmClient | None,
         run_id: str,
         local_steps: int | Literal["auto"],
         batch_size_per_step: int = 1,

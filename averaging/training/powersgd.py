@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,11 +33,13 @@ import numpy as np
 
 from swarmavg.averaging.training.collaborative import CollaborativeOptimizer
 from swarmavg.averaging.training.digest import state_digest
+from swarmavg.averaging.training.local_group import LocalGroup
 from swarmavg.averaging.training.state import TrainingState
 from swarmavg.averaging.training.swarm import RoundResultLike, SwarmClient
 
 if TYPE_CHECKING:
     import torch
+    import torch.distributed
 
     from swarmavg.averaging.training.progress import GlobalProgress
 
@@ -191,6 +193,13 @@ class PowerSGDOptimizer(CollaborativeOptimizer):
     Args:
         rank: r (default 4).
         seed: seeds the initial ``Q`` (the same on every member).
+        verbose: log the epoch, the swarm's samples/s and the time to the next global step
+            at INFO, as :class:`CollaborativeOptimizer` does.
+        process_group, local_leader: the hierarchical mode, as for
+            :class:`CollaborativeOptimizer`: the ranks sum their gradients onto the leader,
+            which compresses the machine's gradient (its error feedback is the machine's)
+            and runs both rounds; every rank then takes the leader's parameters, optimizer
+            state and ``Q``.
         others: as for :class:`CollaborativeOptimizer` (gradients mode only; the codec
             applies to the factors, ``none`` is a good choice).
 
@@ -198,6 +207,13 @@ class PowerSGDOptimizer(CollaborativeOptimizer):
     with this member's state digest; a step whose second round fails is a local step and
     leaves ``Q`` and the residuals as they were (the member then differs from those whose
     rounds succeeded, and the next round's digests repair it).
+
+    Raises:
+        ValueError: as for :class:`CollaborativeOptimizer`, a ``rank`` below 1, or
+            ``delay_updates=True`` (the two rounds of a step are sequential, and the
+            residuals and ``Q`` of one step feed the next: use
+            ``CollaborativeOptimizer(delay_updates=True)`` with a compressing codec
+            such as ``uint8-blockwise`` to overlap rounds with compute).
     """
 
     KIND = "powersgd"
@@ -206,7 +222,7 @@ class PowerSGDOptimizer(CollaborativeOptimizer):
         self,
         params: Iterable[Any],
         optimizer: torch.optim.Optimizer,
-        client: SwarmClient,
+        client: SwarmClient | None,
         run_id: str,
         target_batch_size: int,
         batch_size_per_step: int,
@@ -214,8 +230,27 @@ class PowerSGDOptimizer(CollaborativeOptimizer):
         *,
         rank: int = 4,
         seed: int = 0,
-        **options: Any,
+        aggregation: str = "mean",
+        delay_updates: bool = False,
+        averaging_timeout: float = 30.0,
+        min_group_size: int = 2,
+        progress_ttl: float = 30.0,
+        publish_state_every: int = 1,
+        load_state_on_start: bool = True,
+        state_timeout: float = 60.0,
+        max_wait: float = 1.0,
+        peer_id: str | None = None,
+        verbose: bool = False,
+        process_group: LocalGroup | torch.distributed.ProcessGroup | str | None = None,
+        local_leader: int = 0,
     ) -> None:
+        if delay_updates:
+            raise ValueError(
+                "PowerSGDOptimizer cannot delay its updates: each step's two rounds run one "
+                "after the other and its residuals and Q feed the next step; use "
+                "CollaborativeOptimizer(delay_updates=True) with a compressing codec "
+                "(e.g. codec='uint8-blockwise') to overlap rounds with compute"
+            )
         tensors = list(params)
         self.powersgd = PowerSGDState([tuple(p.shape) for p in tensors], rank=rank, seed=seed)
         super().__init__(
@@ -227,7 +262,18 @@ class PowerSGDOptimizer(CollaborativeOptimizer):
             batch_size_per_step,
             "gradients",
             codec,
-            **options,
+            aggregation=aggregation,
+            averaging_timeout=averaging_timeout,
+            min_group_size=min_group_size,
+            progress_ttl=progress_ttl,
+            publish_state_every=publish_state_every,
+            load_state_on_start=load_state_on_start,
+            state_timeout=state_timeout,
+            max_wait=max_wait,
+            peer_id=peer_id,
+            verbose=verbose,
+            process_group=process_group,
+            local_leader=local_leader,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -309,6 +355,31 @@ class PowerSGDOptimizer(CollaborativeOptimizer):
         super()._take_state(state)
         if "powersgd" in state.optimizers:
             self.powersgd.load_shared(state.optimizers["powersgd"])
+
+    def _machine_state(self) -> dict[str, Any]:
+        """Hierarchical mode: also the leader's ``Q`` s and residuals. Only the leader
+        compresses (the residuals are the machine's error feedback), but every rank holds
+        them, so that any rank's checkpoint (``state_dict``) is the machine's."""
+        import torch
+
+        state = super()._machine_state()
+        state["powersgd"] = {
+            "q": {k: torch.from_numpy(v.copy()) for k, v in self._shared_q().items()},
+            "residual": {
+                str(i): torch.from_numpy(r.copy()) for i, r in self.powersgd.residual.items()
+            },
+        }
+        return state
+
+    def _take_machine_state(self, state: Mapping[str, Any]) -> None:
+        super()._take_machine_state(state)
+        shared = state.get("powersgd")
+        if isinstance(shared, Mapping):
+            self.powersgd.load_shared(dict(shared.get("q", {})))
+            self.powersgd.residual = {
+                int(k): np.asarray(v.numpy() if hasattr(v, "numpy") else v, np.float32)
+                for k, v in dict(shared.get("residual", {})).items()
+            }
 
 
 __all__ = [

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -47,8 +47,9 @@ from swarmavg.averaging.training.schedule import (
     check_bounds,
     streaming_schedule,
 )
+from swarmavg.averaging.training.state import TrainingState
 from swarmavg.averaging.training.swarm import RoundResultLike, SwarmClient, SwarmRoundWarning
-from swarmavg.averaging.training.tensors import collect_params, to_arrays
+from swarmavg.averaging.training.tensors import collect_params, copy_into, to_arrays
 
 if TYPE_CHECKING:
     import torch
@@ -117,6 +118,18 @@ def fragment_outer_step(
 
 
 @dataclass
+class _RankSync:
+    """Hierarchical mode: a fragment sync as every rank of the machine tracks it (only the
+    leader runs its round; the others know when it lands from the shared step count)."""
+
+    fragment: int
+    start: list[torch.Tensor]
+    """The fragment's parameters when the sync started (the machine's mean: the same on
+    every rank)."""
+    waited: int = 0
+
+
+@dataclass
 class _PendingSync:
     """A fragment sync whose round runs in the background."""
 
@@ -159,6 +172,15 @@ class StreamingDiLoCo(DiLoCo):
     anchors are identical and their parameters are not (evaluate ``anchor`` for the
     swarm's model).
 
+    **Hierarchical mode** (``process_group=``, ``local_leader=``: docs/training.md): when
+    a sync starts, the ranks average the fragment's parameters onto the leader (weighted by
+    the samples each processed since the previous sync) and every rank continues from that
+    mean; the leader's round runs in its background thread while all ranks train on, and
+    ``overlap_steps`` steps later every rank takes the leader's new anchor and outer
+    optimizer state and keeps its own progress of the overlap on top, as a single member
+    does. Each rank's other fragments are its own between their syncs. ``state_dict()``
+    there leaves a sync in flight out (applying it is a step of every rank together).
+
     Raises:
         ValueError: H not a multiple of F, too few tensors for F fragments, or
             ``overlap_steps`` out of range.
@@ -170,7 +192,7 @@ class StreamingDiLoCo(DiLoCo):
         self,
         params: Iterable[Any],
         inner_optimizer: torch.optim.Optimizer,
-        client: SwarmClient,
+        client: SwarmClient | None,
         run_id: str,
         local_steps: int | Literal["auto"],
         batch_size_per_step: int = 1,
@@ -210,6 +232,14 @@ class StreamingDiLoCo(DiLoCo):
         self.overlap_steps = overlap_steps
         self.fragments = split_fragments([p.numel() for p in tensors], fragments)
         self._pending: _PendingSync | None = None
+        self._rank_sync: _RankSync | None = None
+        self._follower_sync: _RankSync | None = None
+        self._overlap: list[torch.Tensor] = []
+        self._full_envelope = True
+        """Hierarchical mode: the leader's next broadcast carries its whole state (the
+        start, a catch-up, a repair), not only the synced fragment's."""
+        self._sync_weight = 0
+        """Hierarchical mode: this rank's samples since the last sync started."""
         self._executor = ThreadPoolExecutor(1, "swarmavg-stream")
         try:
             # DiLoCo's bookkeeping counts one "outer step" per sync: H / F inner steps.
@@ -228,6 +258,7 @@ class StreamingDiLoCo(DiLoCo):
         except BaseException:
             self._executor.shutdown(wait=False)
             raise
+        self._full_envelope = False
 
     def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
         """One inner step; applies a sync ``overlap_steps`` steps after it started, and
@@ -241,15 +272,18 @@ class StreamingDiLoCo(DiLoCo):
         self.inner_optimizer.step()
         self._time_step()
         self.inner_steps += 1
-        self.tracker.add_samples(samples)
-        if self._pending is not None:
-            self._pending.waited += 1
-            if self._pending.waited >= self.overlap_steps:
-                self._apply_pending()
-        if self._pending is None and self.inner_steps >= self.steps_this_round:
-            self._start_sync()
+        if self.local_group is not None:
+            self._machine_step(samples)
         else:
-            self.tracker.report()
+            self.tracker.add_samples(samples)
+            if self._pending is not None:
+                self._pending.waited += 1
+                if self._pending.waited >= self.overlap_steps:
+                    self._apply_pending()
+            if self._pending is None and self.inner_steps >= self.steps_this_round:
+                self._start_sync()
+            else:
+                self.tracker.report()
         self._log_progress()
         self.tracker.meter.start()
         self._last_step_end = time.monotonic()  # a wait for a round is not an inner step
@@ -296,15 +330,153 @@ class StreamingDiLoCo(DiLoCo):
             self._set_schedule(StreamingSchedule(h, overlap))
 
     def state_dict(self) -> dict[str, Any]:
-        """As for DiLoCo; a sync still in flight is applied first (early)."""
-        self._apply_pending()
+        """As for DiLoCo; a sync still in flight is applied first (early), except in the
+        hierarchical mode, where applying it is a step of every rank together."""
+        if self.local_group is None:
+            self._apply_pending()
         return super().state_dict()
 
     def _finish(self) -> None:
         try:
-            self._apply_pending()
+            if self.local_group is not None:
+                if self._rank_sync is not None:  # every rank closes: land it together
+                    self._land_machine_sync()
+            else:
+                self._apply_pending()
         finally:
             self._executor.shutdown(wait=True)
+
+    # ------------------------------------------------------------ hierarchical mode
+
+    def _machine_step(self, samples: int) -> None:
+        """After this rank's inner step: count the machine's samples, land a sync whose
+        overlap is over and start the next one when due, all ranks together (their step
+        counts agree: every sync's outcome reaches them from the leader)."""
+        self._machine_samples(samples)
+        self._sync_weight += samples
+        sync = self._rank_sync
+        if sync is not None:
+            sync.waited += 1
+            if sync.waited >= self.overlap_steps:
+                self._land_machine_sync()
+        if self._rank_sync is None and self.inner_steps >= self.steps_this_round:
+            self._start_machine_sync()
+        else:
+            self._report_unless_follower()
+
+    def _start_machine_sync(self) -> None:
+        """Average the fragment due onto the leader (weighted by each rank's samples since
+        the last sync), let the leader start its round (or catch up), and continue every
+        rank from the leader's outcome."""
+        group = self.local_group
+        assert group is not None
+        indices = self.fragments[fragment_of_sync(self.epoch, len(self.fragments))]
+        self._mean_onto_leader([self.params[i] for i in indices], self._sync_weight)
+        self._sync_weight = 0
+        self._as_machine(self._leader_starts_sync)
+        self._rank_sync = None
+        pending = self._pending
+        if group.is_leader and pending is not None:
+            self._rank_sync = _RankSync(pending.fragment, pending.start)
+        elif not group.is_leader and self._follower_sync is not None:
+            self._rank_sync = self._follower_sync
+        self._follower_sync = None
+
+    def _leader_starts_sync(self) -> None:
+        self._full_envelope = False
+        self._start_sync()
+
+    def _land_machine_sync(self) -> None:
+        """The leader applies its sync (waiting for its round if need be); every rank takes
+        the new anchor and outer optimizer state and keeps its own overlap progress."""
+        sync = self._rank_sync
+        assert sync is not None
+        import torch
+
+        indices = self.fragments[sync.fragment]
+        with torch.no_grad():
+            self._overlap = [
+                self.params[i].detach() - s for i, s in zip(indices, sync.start, strict=True)
+            ]
+        try:
+            self._as_machine(self._leader_lands_sync)
+        finally:
+            self._rank_sync = None
+            self._overlap = []
+
+    def _leader_lands_sync(self) -> None:
+        self._full_envelope = False
+        self._apply_pending()
+
+    def _catch_up(self, progress: GlobalProgress) -> None:
+        super()._catch_up(progress)
+        self._full_envelope = True  # every rank takes the loaded state whole
+
+    def _take_synced(self, state: TrainingState) -> None:
+        super()._take_synced(state)
+        self._full_envelope = True
+
+    def _mean_onto_leader(self, tensors: Sequence[torch.Tensor], weight: int) -> None:
+        """Replace the leader's ``tensors`` with the mean of every rank's, weighted by
+        ``weight`` (one reduction: the weights travel with the tensors)."""
+        group = self.local_group
+        assert group is not None
+        import torch
+
+        w = float(max(weight, 0))
+        scaled = [t.detach().float() * w for t in tensors]
+        summed = group.reduce_sum([*scaled, torch.tensor([w])])
+        if summed is None:
+            return
+        total = float(summed[-1].reshape(-1)[0])
+        if total > 0:
+            copy_into(tensors, [s / total for s in summed[:-1]])
+
+    def _machine_state(self) -> dict[str, Any]:
+        """What the leader's ranks take after a sync starts or lands: its whole state when
+        it loaded one (or at the start); otherwise the anchor, the outer optimizer's state,
+        the schedule, and at a sync's start the fragment's (mean) parameters."""
+        state = super()._machine_state()
+        state["full"] = self._full_envelope
+        state["schedule"] = (self.cycle_steps, self.overlap_steps, self.local_steps)
+        pending = self._pending
+        state["sync"] = None
+        if pending is not None and pending.waited == 0:
+            state["sync"] = (pending.fragment, [t.detach().cpu() for t in pending.start])
+        if not self._full_envelope:
+            del state["params"]
+        return state
+
+    def _take_machine_state(self, state: Mapping[str, Any]) -> None:
+        cycle, overlap, local = state["schedule"]
+        self.cycle_steps, self.overlap_steps, self.local_steps = cycle, overlap, local
+        self.tracker.target_batch_size = self.local_steps * self.batch_size_per_step
+        self._follower_sync = None
+        if state["full"]:
+            super()._take_machine_state(state)
+            self._rank_sync = None
+            return
+        overlap_progress = self._overlap
+        if state.get("optimizer") is not None:
+            self.inner_optimizer.load_state_dict(state["optimizer"])
+        copy_into(self.anchor, state["anchor"])
+        self.outer_optimizer.load_state_dict(state["outer"])
+        self.inner_steps = int(state["inner_steps"])
+        self.steps_this_round = int(state["steps_this_round"])
+        sync = state.get("sync")
+        if sync is not None:  # a sync started: continue from the machine's mean
+            fragment, start = sync
+            indices = self.fragments[fragment]
+            copy_into([self.params[i] for i in indices], start)
+            self._follower_sync = _RankSync(fragment, [t.clone() for t in start])
+        elif overlap_progress and self._rank_sync is not None:
+            # a sync landed: the new anchor plus this rank's own progress of the overlap
+            import torch
+
+            indices = self.fragments[self._rank_sync.fragment]
+            with torch.no_grad():
+                for i, moved in zip(indices, overlap_progress, strict=True):
+                    self.params[i].copy_(self.anchor[i] + moved)
 
     # ------------------------------------------------------------------ one sync
 

@@ -9,6 +9,7 @@ import asyncio
 import csv
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -177,23 +178,64 @@ def test_the_csv_sink_appends_one_row_per_series(tmp_path: Path) -> None:
     ]
 
 
-def test_tensorboard_writes_scalars_when_installed(tmp_path: Path) -> None:
-    pytest.importorskip("torch.utils.tensorboard", reason="needs torch and tensorboard")
+def test_tensorboard_writes_the_samples_as_scalars(tmp_path: Path) -> None:
+    # installed by `make setup` (the `monitor` extra), so this runs in CI
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     (sink,) = open_sinks("r", tensorboard=tmp_path / "tb")
-    sink.write(Sample(1.0, {"peers": 2.0}), 0)
+    sink.write(Sample(1.0, {"peers": 2.0, "metric/loss": 0.5}), 0)
+    sink.write(Sample(2.0, {"peers": 3.0, "metric/loss": 0.25}), 1)
     sink.close()
-    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == {"peers", "metric/loss"}
+    loss = events.Scalars("metric/loss")
+    assert [(e.step, e.value, e.wall_time) for e in loss] == [(0, 0.5, 1.0), (1, 0.25, 2.0)]
+    assert [e.value for e in events.Scalars("peers")] == [2.0, 3.0]
 
 
-def test_a_missing_optional_sink_says_what_to_install(tmp_path: Path) -> None:
-    try:
-        import wandb  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("wandb is installed here")
-    with pytest.raises(SinkUnavailable, match="pip install wandb"):
-        open_sinks("r", csv_path=tmp_path / "x.csv", wandb_project="p")
+@pytest.mark.timeout(120)
+def test_wandb_logs_the_samples_in_offline_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # offline: a run folder on disk, nothing sent (WANDB_MODE is how a user asks for it)
+    for name, value in {
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(tmp_path),
+        "WANDB_CONFIG_DIR": str(tmp_path / "config"),
+        "WANDB_CACHE_DIR": str(tmp_path / "cache"),
+        "WANDB_DATA_DIR": str(tmp_path / "data"),
+        "WANDB_SILENT": "true",
+    }.items():
+        monkeypatch.setenv(name, value)
+    (sink,) = open_sinks("my-run", wandb_project="swarm-test")
+    sink.write(Sample(1.0, {"peers": 2.0, "metric/loss": 0.5}), 0)
+    sink.write(Sample(2.0, {"peers": 3.0, "metric/loss": 0.25}), 1)
+    sink.close()
+    (log,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    # the run's records (wandb's own binary log): the series' names and values are in it
+    data = log.read_bytes()
+    assert b"metric/loss" in data
+    assert b"peers" in data
+    assert b"0.25" in data
+    assert b"my-run" in data
+
+
+@pytest.mark.parametrize(
+    ("module", "flag", "hint"),
+    [
+        ("wandb", "wandb_project", "--wandb needs the wandb package: pip install wandb"),
+        ("torch.utils.tensorboard", "tensorboard", "pip install torch tensorboard"),
+    ],
+)
+def test_a_missing_optional_sink_says_what_to_install(
+    module: str, flag: str, hint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # what `import` sees when it is absent
+    csv_path = tmp_path / "x.csv"
+    value: Any = "p" if flag == "wandb_project" else tmp_path / "tb"
+    with pytest.raises(SinkUnavailable, match=re.escape(hint)):
+        open_sinks("r", csv_path=csv_path, **{flag: value})
 
 
 @pytest.mark.parametrize(

@@ -41,8 +41,21 @@ def backward(model: torch.nn.Module, data: tuple[torch.Tensor, torch.Tensor]) ->
     torch.nn.functional.mse_loss(model(x), y).backward()
 
 
+def linear_backward(model: torch.nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """A loss linear in the parameters: its gradient is the same wherever they are, so a
+    test knows the swarm's result whenever each delayed update landed."""
+    x, y = data
+    (model(x) * y).mean().backward()
+
+
 def build(spec: dict[str, Any], model: torch.nn.Module, client: Any) -> Any:
-    from swarmavg.averaging.optim import CollaborativeOptimizer, DiLoCo, sgd_outer_optimizer
+    from swarmavg.averaging.optim import (
+        CollaborativeOptimizer,
+        DiLoCo,
+        PowerSGDOptimizer,
+        StreamingDiLoCo,
+        sgd_outer_optimizer,
+    )
 
     group: Any = None if spec.get("flat") else "world"
     common: dict[str, Any] = {
@@ -62,6 +75,31 @@ def build(spec: dict[str, Any], model: torch.nn.Module, client: Any) -> Any:
             outer_optimizer=sgd_outer_optimizer,
             **common,
         )
+    if spec["wrapper"] == "streaming":
+        return StreamingDiLoCo(
+            model.parameters(),
+            torch.optim.SGD(model.parameters(), lr=LR),
+            client,
+            spec["run_id"],
+            local_steps=spec["local_steps"],
+            batch_size_per_step=spec["batch"],
+            outer_optimizer=sgd_outer_optimizer,
+            fragments=2,
+            overlap_steps=1,
+            **common,
+        )
+    if spec["wrapper"] == "powersgd":
+        return PowerSGDOptimizer(
+            model.parameters(),
+            torch.optim.SGD(model.parameters(), lr=LR),
+            client,
+            spec["run_id"],
+            target_batch_size=spec["target"],
+            batch_size_per_step=spec["batch"],
+            rank=1,
+            max_wait=10.0,
+            **common,
+        )
     return CollaborativeOptimizer(
         model.parameters(),
         torch.optim.SGD(model.parameters(), lr=LR),
@@ -70,6 +108,7 @@ def build(spec: dict[str, Any], model: torch.nn.Module, client: Any) -> Any:
         target_batch_size=spec["target"],
         batch_size_per_step=spec["batch"],
         max_wait=10.0,
+        delay_updates=bool(spec.get("delay_updates")),
         **common,
     )
 
@@ -109,6 +148,7 @@ def main(spec: dict[str, Any]) -> int:
     caught: list[str] = []
     steps_per_epoch: list[int] = []
     round_seconds: list[float] = []
+    anchors: list[list[Any]] = []  # DiLoCo's anchor after each epoch
     try:
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
@@ -121,7 +161,7 @@ def main(spec: dict[str, Any]) -> int:
             while opt.epoch < spec["epochs"]:
                 if spec.get("die_after") is not None and steps >= spec["die_after"]:
                     os._exit(3)  # the leader vanishes: its followers must not hang
-                backward(model, data)
+                (linear_backward if spec.get("linear_loss") else backward)(model, data)
                 if spec.get("nan_grad"):  # a rank with a bug: the daemon refuses NaN
                     first = next(model.parameters())
                     assert first.grad is not None
@@ -131,16 +171,23 @@ def main(spec: dict[str, Any]) -> int:
                 opt.zero_grad()
                 steps += 1
                 if opt.epoch != last_epoch:
+                    if hasattr(opt, "anchor"):
+                        anchors.append([a.tolist() for a in opt.anchor])
                     round_seconds.append(time.monotonic() - started)
                     steps_per_epoch.append(steps)
                     steps = 0
                     last_epoch = opt.epoch
                 if len(steps_per_epoch) + steps > 500:
                     raise RuntimeError("no global step after 500 local steps")
+            opt.close()  # lands a round still in the background (delay_updates)
             record["progress_processes"] = opt.global_progress().num_processes
             record["group_sizes"] = list(opt.stats.group_sizes)
             record["failed"] = opt.stats.failed
-            opt.close()
+            if hasattr(opt, "anchor"):  # DiLoCo's synchronised parameters
+                record["anchor"] = [a.tolist() for a in opt.anchor]
+            if hasattr(opt, "powersgd"):  # the shared Q and the machine's error feedback
+                record["q"] = {str(k): v.tolist() for k, v in opt.powersgd.q.items()}
+                record["residual"] = {str(k): v.tolist() for k, v in opt.powersgd.residual.items()}
         caught = [f"{w.category.__name__}: {w.message}" for w in seen]
         record["ok"] = True
     except Exception as exc:  # the test reads the failure from the record
@@ -150,6 +197,7 @@ def main(spec: dict[str, Any]) -> int:
     record["epoch"] = opt.epoch if "opt" in locals() else None
     record["steps_per_epoch"] = steps_per_epoch
     record["round_seconds"] = round_seconds
+    record["anchors"] = anchors
     record["warnings"] = caught
     torch.save([p.detach().clone() for p in model.parameters()], out.with_suffix(".pt"))
     out.with_suffix(".json").write_text(json.dumps(record))

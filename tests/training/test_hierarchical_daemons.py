@@ -201,3 +201,147 @@ def test_a_failure_of_the_leaders_round_reaches_every_rank_the_same_way(
     assert any("(local leader)" in w for w in others[1]["warnings"])
     for a, b in zip(others[0]["params"], others[1]["params"], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(300)
+def test_two_machines_of_two_ranks_powersgd_compresses_each_machines_gradient_once(
+    swarmavg_processes: ProcessPool, tmp_path: Path
+) -> None:
+    from swarmavg.averaging.training.powersgd import PowerSGDState, orthogonalize
+    from swarmavg.peer import connect
+
+    daemons = start_daemons(swarmavg_processes, 2)
+    records = run_machines(
+        tmp_path, daemons, 2, timeout=240, wrapper="powersgd", target=48, epochs=1
+    )
+    for key, record in records.items():
+        assert record.get("ok"), (key, record)
+    for m in range(2):
+        leader, follower = records[(m, 0)], records[(m, 1)]
+        assert leader["progress_processes"] == 2
+        assert leader["group_sizes"] == [2, 2]  # the P round and the Q round
+        # the follower holds its machine's error feedback and the swarm's Q
+        assert follower["residual"] == leader["residual"]
+        assert follower["q"] == records[(0, 0)]["q"]
+    assert records[(0, 0)]["residual"] != records[(1, 0)]["residual"]  # each machine's own
+    for daemon in daemons:
+        with connect(daemon.control) as client:
+            status = client.status()
+        assert status["rounds_done"] == 2  # the step's two rounds (P, Q), once per machine
+        assert status["rounds_failed"] == 0
+    final = records[(0, 0)]["params"]
+    for key, record in records.items():
+        for a, b in zip(record["params"], final, strict=True):
+            assert torch.equal(a, b), key
+    # The swarm's step: rank-1 factors of the samples-weighted mean of all four ranks'
+    # gradients (PowerSGD is linear in the gradient up to the orthogonalisation).
+    model = make_model(0, 3)
+    state = PowerSGDState([tuple(p.shape) for p in model.parameters()], rank=1)
+    assert state.compressed == [0]  # the 2x3 weight; the bias travels whole
+    total = 0.0
+    summed = [torch.zeros_like(p) for p in model.parameters()]
+    for (m, r), record in records.items():
+        samples = record["steps_per_epoch"][0] * BATCHES[(m, r)]
+        model.zero_grad()
+        backward(model, fixed_batch(10 * m + r, BATCHES[(m, r)], 3))
+        for acc, p in zip(summed, model.parameters(), strict=True):
+            assert p.grad is not None
+            acc += p.grad * samples
+        total += samples
+    mean = [(s / total).numpy() for s in summed]
+    p_hat = orthogonalize(mean[0] @ state.q[0])
+    update = [p_hat @ (mean[0].T @ p_hat).T, mean[1]]
+    params = list(model.parameters())
+    want = [p.detach() - LR * torch.from_numpy(u) for p, u in zip(params, update, strict=True)]
+    for got, expected in zip(final, want, strict=True):
+        assert torch.allclose(got, expected.float(), atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_two_machines_of_two_ranks_with_delayed_updates_land_each_round_on_every_rank(
+    swarmavg_processes: ProcessPool, tmp_path: Path
+) -> None:
+    """``delay_updates=True``: each leader's round runs in the background while its ranks
+    train on, and lands on both ranks at the same later step. The loss is linear in the
+    parameters, so the result does not depend on when a round landed: the initial
+    parameters minus LR times every epoch's samples-weighted mean gradient."""
+    from tests.training.hier_worker import linear_backward
+
+    daemons = start_daemons(swarmavg_processes, 2)
+    epochs = 2
+    records = run_machines(
+        tmp_path,
+        daemons,
+        2,
+        timeout=240,
+        wrapper="collaborative",
+        target=48,
+        epochs=epochs,
+        delay_updates=True,
+        linear_loss=True,
+    )
+    assert_one_machine_per_peer(records, daemons, epochs)
+    final = records[(0, 0)]["params"]
+    for key, record in records.items():
+        for a, b in zip(record["params"], final, strict=True):
+            assert torch.equal(a, b), key
+    model = make_model(0, 3)
+    want = [p.detach().clone() for p in model.parameters()]
+    for epoch in range(epochs):
+        total = 0.0
+        summed = [torch.zeros_like(p) for p in want]
+        for (m, r), record in records.items():
+            samples = record["steps_per_epoch"][epoch] * BATCHES[(m, r)]
+            model.zero_grad()
+            linear_backward(model, fixed_batch(10 * m + r, BATCHES[(m, r)], 3))
+            for acc, p in zip(summed, model.parameters(), strict=True):
+                assert p.grad is not None
+                acc += p.grad * samples
+            total += samples
+        want = [w - LR * s / total for w, s in zip(want, summed, strict=True)]
+    for got, expected in zip(final, want, strict=True):
+        assert torch.allclose(got, expected, atol=1e-6)
+    assert not torch.equal(final[0], next(make_model(0, 3).parameters()).detach())
+
+
+@pytest.mark.timeout(300)
+def test_two_machines_of_two_ranks_streaming_diloco_syncs_each_fragment_once_per_machine(
+    swarmavg_processes: ProcessPool, tmp_path: Path
+) -> None:
+    """``StreamingDiLoCo`` (2 fragments, H = 4, overlap 1): every sync starts from the
+    machine's mean of the fragment, runs in the leader's background while both ranks
+    train on, and lands on both one step later; every rank of both machines ends with the
+    same anchor, and each rank keeps its own progress on top of it."""
+    daemons = start_daemons(swarmavg_processes, 2)
+    syncs = 4  # two of each fragment
+    records = run_machines(
+        tmp_path, daemons, 2, timeout=240, wrapper="streaming", local_steps=4, epochs=syncs
+    )
+    assert_one_machine_per_peer(records, daemons, syncs)
+    anchor = records[(0, 0)]["anchor"]
+    for key, record in records.items():
+        assert record["anchor"] == anchor, key
+    initial = [p.detach().tolist() for p in make_model(0, 3).parameters()]
+    assert anchor != initial
+    # The first sync is of fragment 1 (the bias), after 2 inner steps of every rank from
+    # the leader's start: its anchor is the samples-weighted mean of the four replicas'
+    # biases then (outer SGD at lr 1), on every rank; the weight's anchor is untouched.
+    total, summed = 0.0, torch.zeros(2)
+    for m, r in records:
+        replica = make_model(0, 3)
+        inner = torch.optim.SGD(replica.parameters(), lr=LR)
+        for _ in range(2):
+            backward(replica, fixed_batch(10 * m + r, BATCHES[(m, r)], 3))
+            inner.step()
+            inner.zero_grad()
+        summed += replica.bias.detach() * 2 * BATCHES[(m, r)]
+        total += 2 * BATCHES[(m, r)]
+    for key, record in records.items():
+        weight, bias = record["anchors"][0]
+        assert weight == initial[0], key
+        assert torch.allclose(torch.tensor(bias), summed / total, atol=1e-6), key
+    for m in range(2):  # the ranks trained on their own batches since the last syncs
+        assert not all(
+            torch.equal(a, b)
+            for a, b in zip(records[(m, 0)]["params"], records[(m, 1)]["params"], strict=True)
+        )

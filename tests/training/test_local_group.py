@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from swarmavg.averaging.optim import CollaborativeOptimizer, DiLoCo  # noqa: E402
+from swarmavg.averaging.optim import CollaborativeOptimizer, DiLoCo, StreamingDiLoCo  # noqa: E402
 from swarmavg.averaging.training.local_group import LocalGroup  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
@@ -48,9 +48,9 @@ def test_without_an_initialised_group_the_error_says_what_to_call() -> None:
 
 def test_options_the_mode_does_not_take_are_refused() -> None:
     model, sgd = model_and_sgd()
-    with pytest.raises(ValueError, match="delay_updates"):
-        CollaborativeOptimizer(
-            model.parameters(), sgd, None, "run", 8, 4, delay_updates=True, process_group="world"
+    with pytest.raises(ValueError, match="'world'"):
+        StreamingDiLoCo(
+            model.parameters(), sgd, None, "run", local_steps=4, fragments=2, process_group="all"
         )
     with pytest.raises(ValueError, match="'world'"):
         DiLoCo(model.parameters(), sgd, None, "run", local_steps=2, process_group="everyone")

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from swarmavg.averaging.optim import CollaborativeOptimizer, DiLoCo
+from swarmavg.averaging.optim import CollaborativeOptimizer, DiLoCo, PowerSGDOptimizer
 from tests.training.helpers import backward, batch, linear_model
 from tests.training.memswarm import MemorySwarm
 
@@ -47,7 +47,24 @@ def diloco(swarm: MemorySwarm, **kwargs: Any) -> tuple[torch.nn.Module, Any, Any
     return model, local, opt
 
 
-WRAPPERS = {"collaborative": collaborative, "diloco": diloco}
+def powersgd(swarm: MemorySwarm, **kwargs: Any) -> tuple[torch.nn.Module, Any, Any]:
+    model = linear_model()
+    local = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = PowerSGDOptimizer(
+        model.parameters(),
+        local,
+        client=swarm.client("a"),
+        run_id="run",
+        target_batch_size=4,
+        batch_size_per_step=4,
+        rank=1,
+        min_group_size=1,
+        **kwargs,
+    )
+    return model, local, opt
+
+
+WRAPPERS = {"collaborative": collaborative, "diloco": diloco, "powersgd": powersgd}
 
 
 @pytest.mark.parametrize("make", WRAPPERS.values(), ids=WRAPPERS.keys())
@@ -105,3 +122,9 @@ def test_reported_metrics_travel_with_the_progress_record(make: Any) -> None:
     assert {"loss": 0.5, "accuracy": 0.75} in [r.get("metrics") for r in records]
     with pytest.raises(ValueError, match="'loss' must be a finite number"):
         opt.report_metrics(loss=float("inf"))
+
+
+def test_powersgd_refuses_delayed_updates_and_says_what_to_use_instead() -> None:
+    swarm = MemorySwarm()
+    with pytest.raises(ValueError, match=r"cannot delay its updates.*delay_updates=True"):
+        powersgd(swarm, delay_updates=True)
