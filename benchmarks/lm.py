@@ -82,8 +82,12 @@ METHODS = (
 """The default methods; any ``diloco-hN``, ``sparseloco-hN``, ``streaming-hN`` (N a multiple
 of the fragments), ``powersgd-rN`` or ``grad-CODEC`` is accepted too."""
 METHOD_PATTERN = re.compile(
-    r"(diloco|sparseloco|streaming)-h[1-9][0-9]*|powersgd-r[1-9][0-9]*|grad-.+"
+    r"(diloco|sparseloco|streaming)-h[1-9][0-9]*|(diloco|streaming)-auto|powersgd-r[1-9][0-9]*"
+    r"|grad-.+|compute-only"
 )
+"""``diloco-auto`` / ``streaming-auto``: ``local_steps="auto"`` (H, and streaming's overlap,
+chosen from the measured step and round times); ``compute-only``: the inner steps alone, no
+daemon traffic (the step time the others are compared with on the test bed)."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,8 @@ class Config:
     trainer sees other modules, non-iid) or ``interleaved`` (blocks of ``SPLIT_BLOCK``
     bytes dealt round robin: disjoint, but every trainer sees every module)."""
     timeout: float = 60.0
+    ready_timeout: float = 120.0
+    """Seconds a daemon or trainer may take to come up (raise it on a loaded machine)."""
 
 
 # ---------------------------------------------------------------- data
@@ -331,7 +337,12 @@ def build_wrapper(
             **common,
         )
     family, _, h = method.partition("-h")
-    options: dict[str, Any] = {"local_steps": int(h), "batch_size_per_step": cfg.batch}
+    if method.endswith("-auto"):
+        family, h = method.removesuffix("-auto"), "auto"
+    options: dict[str, Any] = {
+        "local_steps": h if h == "auto" else int(h),
+        "batch_size_per_step": cfg.batch,
+    }
     momentum = cfg.outer_momentum
     nesterov = lambda p: torch.optim.SGD(  # noqa: E731
         p, lr=cfg.outer_lr, momentum=momentum, nesterov=momentum > 0
@@ -371,39 +382,65 @@ def train_peer(job: Job) -> dict[str, Any]:
     )
     model = make_model(cfg)
     inner = adamw(model, cfg)
+    auto = job.method.endswith("-auto")
     with connect(job.control) as client:
         sent_before = int(client.status()["bytes_sent"])
-        opt = build_wrapper(job.method, model, inner, client, job.run_id, cfg)
+        opt = (
+            None
+            if job.method == "compute-only"
+            else build_wrapper(job.method, model, inner, client, job.run_id, cfg)
+        )
         emit({"event": "started"})
         sys.stdin.readline()  # every trainer starts at the same moment
         started = time.monotonic()
         # Gradient averaging counts global steps (a fast trainer may take two local steps
-        # in one); DiLoCo counts this trainer's inner steps (H per outer step).
+        # in one); DiLoCo counts this trainer's inner steps (H per outer step); with
+        # local_steps="auto" H changes between outer steps, so the trainer counts its own.
         h = getattr(opt, "local_steps", 0)
-        position = (lambda: opt.epoch) if not h else (lambda: opt.epoch * h + opt.inner_steps)
+        local = 0
+        if opt is None or auto:
+            position = lambda: local  # noqa: E731
+        elif not h:
+            position = lambda: opt.epoch  # noqa: E731
+        else:
+            position = lambda: opt.epoch * h + opt.inner_steps  # noqa: E731
         while (step := position()) < cfg.steps:
             for group in inner.param_groups:
                 group["lr"] = lr_at(step, cfg)
             lm_loss(model, windows.batch(cfg.batch)).backward()
-            opt.step()
-            opt.zero_grad()
+            (inner if opt is None else opt).step()
+            (inner if opt is None else opt).zero_grad()
+            local += 1
         train_seconds = time.monotonic() - started
-        opt.close()
+        if opt is not None:
+            opt.close()
         sent = int(client.status()["bytes_sent"]) - sent_before
-    if hasattr(opt, "fragments"):
-        # Streaming: the swarm's model is the anchor (each member's parameters add its
-        # progress since each fragment's last sync).
+    chosen: dict[str, Any] = {}
+    if opt is not None and (auto or hasattr(opt, "fragments")):
+        # Streaming, and "auto" (whose last outer step need not fall on the last inner
+        # step): the swarm's model is the anchor (each member's parameters add its
+        # progress since each fragment's, or the model's, last sync).
         with torch.no_grad():
             for p, a in zip(model.parameters(), opt.anchor, strict=True):
                 p.copy_(a)
+        if auto:
+            streaming = hasattr(opt, "fragments")
+            chosen = {
+                "local_steps": opt.cycle_steps if streaming else opt.local_steps,
+                "overlap_steps": opt.overlap_steps if streaming else None,
+                "agreed_ratio": opt.agreed_ratio,
+                "steps_after_last_sync": opt.inner_steps,
+            }
     return {
         "event": "done",
         "val_loss": validation_loss(model, validation_batch(val, cfg)),
         "bytes_sent": sent,
-        "rounds": opt.stats.rounds,
-        "failed": opt.stats.failed,
+        "rounds": 0 if opt is None else opt.stats.rounds,
+        "failed": 0 if opt is None else opt.stats.failed,
         "sha256": parameters_sha256(model),
         "train_seconds": train_seconds,
+        "steps": local,
+        **chosen,
     }
 
 
@@ -432,33 +469,50 @@ def worker() -> None:
 def run_method(
     method: str, cfg: Config, workers: list[Proc], log: Any, workdir: Path
 ) -> dict[str, Any]:
+    """``method`` on 4 fresh daemons on this machine (loopback)."""
     started = time.monotonic()
-    daemons = start_daemons(workdir, PEERS, log)
-    run_id = f"lm-{method}-{time.monotonic_ns()}"
+    daemons = start_daemons(workdir, PEERS, log, ready_timeout=cfg.ready_timeout)
     try:
-        marks = [
-            w.send(asdict(Job(method, control, i, run_id, asdict(cfg))))
-            for i, (w, (_, control)) in enumerate(zip(workers, daemons, strict=True))
-        ]
-        budget = 60 + 10 * cfg.steps
-        for w, m in zip(workers, marks, strict=True):
-            w.wait_for(lambda r: r.get("event") in ("started", "done"), 120, m)
-        for w in workers:
-            w.send({"go": True})
-        results = [
-            w.wait_for(lambda r: r.get("event") == "done", budget, m)
-            for w, m in zip(workers, marks, strict=True)
-        ]
+        out = run_jobs(method, cfg, workers, [control for _, control in daemons])
     finally:
         for proc, _ in daemons:
             proc.close()
+    out["seconds"] = round(time.monotonic() - started, 1)
+    return out
+
+
+def run_jobs(method: str, cfg: Config, workers: list[Proc], controls: list[str]) -> dict[str, Any]:
+    """``method`` on the trainers ``workers``, trainer i on the daemon at ``controls[i]``,
+    all started at once; the summary line's figures."""
+    started = time.monotonic()
+    run_id = f"lm-{method}-{time.monotonic_ns()}"
+    marks = [
+        w.send(asdict(Job(method, control, i, run_id, asdict(cfg))))
+        for i, (w, control) in enumerate(zip(workers, controls, strict=True))
+    ]
+    budget = 60 + 10 * cfg.steps
+    for w, m in zip(workers, marks, strict=True):
+        w.wait_for(lambda r: r.get("event") in ("started", "done"), cfg.ready_timeout, m)
+    for w in workers:
+        w.send({"go": True})
+    results = [
+        w.wait_for(lambda r: r.get("event") == "done", budget, m)
+        for w, m in zip(workers, marks, strict=True)
+    ]
+    chosen = {k: results[0][k] for k in ("local_steps", "overlap_steps") if k in results[0]}
+    if "agreed_ratio" in results[0]:
+        chosen["agreed_ratio"] = results[0]["agreed_ratio"]
+        chosen["steps_after_last_sync"] = results[0]["steps_after_last_sync"]
     return {
+        **chosen,
         "val_loss": round(float(np.mean([r["val_loss"] for r in results])), 4),
         "bytes_sent_per_peer": int(np.mean([r["bytes_sent"] for r in results])),
         "rounds_per_peer": float(np.mean([r["rounds"] for r in results])),
         "failed_rounds": sum(r["failed"] for r in results),
         "parameters_identical": len({r["sha256"] for r in results}) == 1,
         "train_seconds": round(max(r["train_seconds"] for r in results), 1),
+        # Wall time per inner step (the slowest trainer's): what a user waits per step.
+        "step_seconds": round(max(r["train_seconds"] / max(r["steps"], 1) for r in results), 4),
         "seconds": round(time.monotonic() - started, 1),
     }
 
@@ -514,6 +568,12 @@ def main() -> None:
     parser.add_argument("--split", choices=("contiguous", "interleaved"), default=defaults.split)
     parser.add_argument("--timeout", type=float, default=defaults.timeout, help="s per round")
     parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=defaults.ready_timeout,
+        help="s a daemon or trainer may take to start (raise it on a loaded machine)",
+    )
+    parser.add_argument(
         "--reference-cache",
         type=Path,
         help="a JSON file of single-process results by configuration: read if it holds "
@@ -542,6 +602,7 @@ def main() -> None:
         warmup=args.warmup,
         split=args.split,
         timeout=args.timeout,
+        ready_timeout=args.ready_timeout,
     )
     if args.smoke:
         cfg = Config(
@@ -560,6 +621,7 @@ def main() -> None:
             warmup=args.warmup,
             split=args.split,
             timeout=args.timeout,
+            ready_timeout=args.ready_timeout,
         )
     methods = [m for m in args.methods.split(",") if m]
     for m in methods:
@@ -573,7 +635,7 @@ def main() -> None:
             ]
             try:
                 for w in workers:
-                    w.wait_for(lambda r: r.get("event") == "idle", 300)
+                    w.wait_for(lambda r: r.get("event") == "idle", max(300, cfg.ready_timeout))
                 cache = load_cache(args.reference_cache)
                 reference = cache.get(reference_key(cfg))
                 if reference is None:
