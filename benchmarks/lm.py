@@ -27,8 +27,9 @@ total tokens and the same number of optimizer steps as the reference. Methods:
   (``--sparse-fraction`` of every 4096, default 1/32; 2-bit values; error feedback) and a
   plain SGD outer step (lr ``--sparse-outer-lr``, default 1);
 * ``streaming-h50``: ``StreamingDiLoCo``, H = 50 in 5 fragments (one sync every 10 inner
-  steps), each round overlapped with 2 inner steps, ``uint4-blockwise`` outer gradients,
-  outer Nesterov SGD as for DiLoCo; its final model is the anchor (the swarm's model);
+  steps), each round overlapped with ``--overlap-steps`` (2) inner steps, ``uint4-blockwise``
+  outer gradients, outer Nesterov SGD as for DiLoCo; its final model is the anchor (the
+  swarm's model);
 * ``powersgd-r4``: ``PowerSGDOptimizer``, rank-4 factors of every gradient matrix (error
   feedback, warm-started Q) through two rounds per step, codec ``none``, AdamW on the
   result.
@@ -120,6 +121,8 @@ class Config:
     bytes dealt round robin: disjoint, but every trainer sees every module)."""
     timeout: float = 60.0
     ready_timeout: float = 120.0
+    overlap_steps: int = 2
+    """Streaming DiLoCo: inner steps each fragment's round overlaps (below H / fragments)."""
     """Seconds a daemon or trainer may take to come up (raise it on a loaded machine)."""
 
 
@@ -361,13 +364,58 @@ def build_wrapper(
         options.update(
             codec="uint4-blockwise",
             fragments=STREAMING_FRAGMENTS,
-            overlap_steps=2,
+            overlap_steps=cfg.overlap_steps,
             outer_optimizer=nesterov,
         )
         return StreamingDiLoCo(model.parameters(), inner, client, run_id, **options, **common)
     else:
         raise ValueError(f"unknown method {method!r}")
     return DiLoCo(model.parameters(), inner, client, run_id, **options, **common)
+
+
+WRAPPER_PARTS = ("_start_sync", "_apply_pending", "_outer_sync", "_maybe_publish")
+"""The wrapper methods whose seconds a trainer reports (``parts``): where its time goes.
+``_maybe_publish`` (the state handed to the daemon for late joiners) runs inside the others."""
+
+
+def time_parts(opt: Any) -> dict[str, float]:
+    """Wrap ``opt``'s methods of ``WRAPPER_PARTS`` (those it has) to sum their seconds."""
+    seconds: dict[str, float] = {}
+    for name in WRAPPER_PARTS:
+        method = getattr(opt, name, None)
+        if method is None:
+            continue
+        seconds[name] = 0.0
+
+        def timed(*args: Any, _name: str = name, _method: Any = method, **kw: Any) -> Any:
+            entered = time.monotonic()
+            try:
+                return _method(*args, **kw)
+            finally:
+                seconds[_name] += time.monotonic() - entered
+
+        setattr(opt, name, timed)
+    return seconds
+
+
+class InnerUpdateTimer:
+    """Seconds the inner optimizer's ``step()`` took, summed (through its step hooks)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.seconds = 0.0
+        self._entered = 0.0
+
+        def before(*_: Any) -> None:
+            self._entered = time.monotonic()
+
+        def after(*_: Any) -> None:
+            self.seconds += time.monotonic() - self._entered
+
+        self._hooks = [inner.register_step_pre_hook(before), inner.register_step_post_hook(after)]
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
 
 
 def train_peer(job: Job) -> dict[str, Any]:
@@ -404,14 +452,20 @@ def train_peer(job: Job) -> dict[str, Any]:
             position = lambda: opt.epoch  # noqa: E731
         else:
             position = lambda: opt.epoch * h + opt.inner_steps  # noqa: E731
+        inner_update = InnerUpdateTimer(inner)
+        parts = {} if opt is None else time_parts(opt)
+        in_step = 0.0  # seconds inside the wrapper's step(), its inner update included
         while (step := position()) < cfg.steps:
             for group in inner.param_groups:
                 group["lr"] = lr_at(step, cfg)
             lm_loss(model, windows.batch(cfg.batch)).backward()
+            entered = time.monotonic()
             (inner if opt is None else opt).step()
+            in_step += time.monotonic() - entered
             (inner if opt is None else opt).zero_grad()
             local += 1
         train_seconds = time.monotonic() - started
+        inner_update.remove()
         if opt is not None:
             opt.close()
         sent = int(client.status()["bytes_sent"]) - sent_before
@@ -439,7 +493,11 @@ def train_peer(job: Job) -> dict[str, Any]:
         "failed": 0 if opt is None else opt.stats.failed,
         "sha256": parameters_sha256(model),
         "train_seconds": train_seconds,
+        # What the wrapper adds to the inner steps on this trainer's own clock: syncs
+        # started and applied, waits for rounds, progress reports (0 for compute-only).
+        "wrapper_seconds": 0.0 if opt is None else max(0.0, in_step - inner_update.seconds),
         "steps": local,
+        "parts": {k: round(v, 3) for k, v in parts.items()},
         **chosen,
     }
 
@@ -503,9 +561,11 @@ def run_jobs(method: str, cfg: Config, workers: list[Proc], controls: list[str])
     if "agreed_ratio" in results[0]:
         chosen["agreed_ratio"] = results[0]["agreed_ratio"]
         chosen["steps_after_last_sync"] = results[0]["steps_after_last_sync"]
+    slowest = max(results, key=lambda r: r["train_seconds"])
     return {
         **chosen,
         "val_loss": round(float(np.mean([r["val_loss"] for r in results])), 4),
+        "slowest_trainer_parts_seconds": slowest.get("parts", {}),
         "bytes_sent_per_peer": int(np.mean([r["bytes_sent"] for r in results])),
         "rounds_per_peer": float(np.mean([r["rounds"] for r in results])),
         "failed_rounds": sum(r["failed"] for r in results),
@@ -513,6 +573,15 @@ def run_jobs(method: str, cfg: Config, workers: list[Proc], controls: list[str])
         "train_seconds": round(max(r["train_seconds"] for r in results), 1),
         # Wall time per inner step (the slowest trainer's): what a user waits per step.
         "step_seconds": round(max(r["train_seconds"] / max(r["steps"], 1) for r in results), 4),
+        # Wall time over the same run's compute (wall minus what the wrapper added), the
+        # slowest trainer's: a ratio the machine's load cannot shift between two runs.
+        "wall_vs_compute": round(
+            max(
+                r["train_seconds"] / max(r["train_seconds"] - r["wrapper_seconds"], 1e-9)
+                for r in results
+            ),
+            4,
+        ),
         "seconds": round(time.monotonic() - started, 1),
     }
 
@@ -568,6 +637,12 @@ def main() -> None:
     parser.add_argument("--split", choices=("contiguous", "interleaved"), default=defaults.split)
     parser.add_argument("--timeout", type=float, default=defaults.timeout, help="s per round")
     parser.add_argument(
+        "--overlap-steps",
+        type=int,
+        default=defaults.overlap_steps,
+        help="inner steps a streaming round overlaps",
+    )
+    parser.add_argument(
         "--ready-timeout",
         type=float,
         default=defaults.ready_timeout,
@@ -603,6 +678,7 @@ def main() -> None:
         split=args.split,
         timeout=args.timeout,
         ready_timeout=args.ready_timeout,
+        overlap_steps=args.overlap_steps,
     )
     if args.smoke:
         cfg = Config(
@@ -622,6 +698,7 @@ def main() -> None:
             split=args.split,
             timeout=args.timeout,
             ready_timeout=args.ready_timeout,
+            overlap_steps=args.overlap_steps,
         )
     methods = [m for m in args.methods.split(",") if m]
     for m in methods:

@@ -15,7 +15,8 @@ every mode alike):
 * ``compute-only``: the inner AdamW steps alone (no wrapper, no traffic): the step time with
   the same CPU contention as the others (4 trainers at once);
 * ``streaming-h50``: ``StreamingDiLoCo``, H = 50 in 5 fragments (a sync every 10 inner steps),
-  each round overlapped with 2 inner steps, ``uint4-blockwise`` outer gradients;
+  each round overlapped with ``--overlap-steps`` inner steps (default 2), ``uint4-blockwise``
+  outer gradients;
 * ``grad-none``: ``CollaborativeOptimizer`` averaging the gradients every step, codec ``none``.
 
 A mode's wall time per inner step is the slowest trainer's time from the common start to its
@@ -94,6 +95,12 @@ def main() -> int:
     parser.add_argument("--d-model", type=int, default=defaults.d_model)
     parser.add_argument("--layers", type=int, default=defaults.layers)
     parser.add_argument("--ready-timeout", type=float, default=defaults.ready_timeout)
+    parser.add_argument(
+        "--overlap-steps",
+        type=int,
+        default=defaults.overlap_steps,
+        help="inner steps a streaming round overlaps",
+    )
     args = parser.parse_args()
     reason = missing_requirements()
     if reason is not None:
@@ -110,6 +117,7 @@ def main() -> int:
         layers=args.layers,
         split="interleaved",
         ready_timeout=args.ready_timeout,
+        overlap_steps=args.overlap_steps,
     )
     modes = [m for m in args.modes.split(",") if m]
     figures: dict[str, Any] = {
