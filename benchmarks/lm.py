@@ -122,6 +122,8 @@ class Config:
     timeout: float = 60.0
     ready_timeout: float = 120.0
     overlap_steps: int = 2
+    publish_every: int = 1
+    """DiLoCo-family wrappers' ``publish_state_every`` (streaming: in fragment syncs)."""
     """Streaming DiLoCo: inner steps each fragment's round overlaps (below H / fragments)."""
     """Seconds a daemon or trainer may take to come up (raise it on a loaded machine)."""
 
@@ -339,6 +341,7 @@ def build_wrapper(
             max_wait=cfg.timeout,
             **common,
         )
+    common["publish_state_every"] = cfg.publish_every
     family, _, h = method.partition("-h")
     if method.endswith("-auto"):
         family, h = method.removesuffix("-auto"), "auto"
