@@ -27,8 +27,9 @@ total tokens and the same number of optimizer steps as the reference. Methods:
   (``--sparse-fraction`` of every 4096, default 1/32; 2-bit values; error feedback) and a
   plain SGD outer step (lr ``--sparse-outer-lr``, default 1);
 * ``streaming-h50``: ``StreamingDiLoCo``, H = 50 in 5 fragments (one sync every 10 inner
-  steps), each round overlapped with 2 inner steps, ``uint4-blockwise`` outer gradients,
-  outer Nesterov SGD as for DiLoCo; its final model is the anchor (the swarm's model);
+  steps), each round overlapped with ``--overlap-steps`` (2) inner steps, ``uint4-blockwise``
+  outer gradients, outer Nesterov SGD as for DiLoCo; its final model is the anchor (the
+  swarm's model);
 * ``powersgd-r4``: ``PowerSGDOptimizer``, rank-4 factors of every gradient matrix (error
   feedback, warm-started Q) through two rounds per step, codec ``none``, AdamW on the
   result.
@@ -82,8 +83,12 @@ METHODS = (
 """The default methods; any ``diloco-hN``, ``sparseloco-hN``, ``streaming-hN`` (N a multiple
 of the fragments), ``powersgd-rN`` or ``grad-CODEC`` is accepted too."""
 METHOD_PATTERN = re.compile(
-    r"(diloco|sparseloco|streaming)-h[1-9][0-9]*|powersgd-r[1-9][0-9]*|grad-.+"
+    r"(diloco|sparseloco|streaming)-h[1-9][0-9]*|(diloco|streaming)-auto|powersgd-r[1-9][0-9]*"
+    r"|grad-.+|compute-only"
 )
+"""``diloco-auto`` / ``streaming-auto``: ``local_steps="auto"`` (H, and streaming's overlap,
+chosen from the measured step and round times); ``compute-only``: the inner steps alone, no
+daemon traffic (the step time the others are compared with on the test bed)."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,12 @@ class Config:
     trainer sees other modules, non-iid) or ``interleaved`` (blocks of ``SPLIT_BLOCK``
     bytes dealt round robin: disjoint, but every trainer sees every module)."""
     timeout: float = 60.0
+    ready_timeout: float = 120.0
+    overlap_steps: int = 2
+    publish_every: int = 1
+    """DiLoCo-family wrappers' ``publish_state_every`` (streaming: in fragment syncs)."""
+    """Streaming DiLoCo: inner steps each fragment's round overlaps (below H / fragments)."""
+    """Seconds a daemon or trainer may take to come up (raise it on a loaded machine)."""
 
 
 # ---------------------------------------------------------------- data
@@ -330,8 +341,14 @@ def build_wrapper(
             max_wait=cfg.timeout,
             **common,
         )
+    common["publish_state_every"] = cfg.publish_every
     family, _, h = method.partition("-h")
-    options: dict[str, Any] = {"local_steps": int(h), "batch_size_per_step": cfg.batch}
+    if method.endswith("-auto"):
+        family, h = method.removesuffix("-auto"), "auto"
+    options: dict[str, Any] = {
+        "local_steps": h if h == "auto" else int(h),
+        "batch_size_per_step": cfg.batch,
+    }
     momentum = cfg.outer_momentum
     nesterov = lambda p: torch.optim.SGD(  # noqa: E731
         p, lr=cfg.outer_lr, momentum=momentum, nesterov=momentum > 0
@@ -350,13 +367,58 @@ def build_wrapper(
         options.update(
             codec="uint4-blockwise",
             fragments=STREAMING_FRAGMENTS,
-            overlap_steps=2,
+            overlap_steps=cfg.overlap_steps,
             outer_optimizer=nesterov,
         )
         return StreamingDiLoCo(model.parameters(), inner, client, run_id, **options, **common)
     else:
         raise ValueError(f"unknown method {method!r}")
     return DiLoCo(model.parameters(), inner, client, run_id, **options, **common)
+
+
+WRAPPER_PARTS = ("_start_sync", "_apply_pending", "_outer_sync", "_maybe_publish")
+"""The wrapper methods whose seconds a trainer reports (``parts``): where its time goes.
+``_maybe_publish`` (the state handed to the daemon for late joiners) runs inside the others."""
+
+
+def time_parts(opt: Any) -> dict[str, float]:
+    """Wrap ``opt``'s methods of ``WRAPPER_PARTS`` (those it has) to sum their seconds."""
+    seconds: dict[str, float] = {}
+    for name in WRAPPER_PARTS:
+        method = getattr(opt, name, None)
+        if method is None:
+            continue
+        seconds[name] = 0.0
+
+        def timed(*args: Any, _name: str = name, _method: Any = method, **kw: Any) -> Any:
+            entered = time.monotonic()
+            try:
+                return _method(*args, **kw)
+            finally:
+                seconds[_name] += time.monotonic() - entered
+
+        setattr(opt, name, timed)
+    return seconds
+
+
+class InnerUpdateTimer:
+    """Seconds the inner optimizer's ``step()`` took, summed (through its step hooks)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.seconds = 0.0
+        self._entered = 0.0
+
+        def before(*_: Any) -> None:
+            self._entered = time.monotonic()
+
+        def after(*_: Any) -> None:
+            self.seconds += time.monotonic() - self._entered
+
+        self._hooks = [inner.register_step_pre_hook(before), inner.register_step_post_hook(after)]
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
 
 
 def train_peer(job: Job) -> dict[str, Any]:
@@ -371,39 +433,75 @@ def train_peer(job: Job) -> dict[str, Any]:
     )
     model = make_model(cfg)
     inner = adamw(model, cfg)
+    auto = job.method.endswith("-auto")
     with connect(job.control) as client:
         sent_before = int(client.status()["bytes_sent"])
-        opt = build_wrapper(job.method, model, inner, client, job.run_id, cfg)
+        opt = (
+            None
+            if job.method == "compute-only"
+            else build_wrapper(job.method, model, inner, client, job.run_id, cfg)
+        )
         emit({"event": "started"})
         sys.stdin.readline()  # every trainer starts at the same moment
         started = time.monotonic()
         # Gradient averaging counts global steps (a fast trainer may take two local steps
-        # in one); DiLoCo counts this trainer's inner steps (H per outer step).
+        # in one); DiLoCo counts this trainer's inner steps (H per outer step); with
+        # local_steps="auto" H changes between outer steps, so the trainer counts its own.
         h = getattr(opt, "local_steps", 0)
-        position = (lambda: opt.epoch) if not h else (lambda: opt.epoch * h + opt.inner_steps)
+        local = 0
+        if opt is None or auto:
+            position = lambda: local  # noqa: E731
+        elif not h:
+            position = lambda: opt.epoch  # noqa: E731
+        else:
+            position = lambda: opt.epoch * h + opt.inner_steps  # noqa: E731
+        inner_update = InnerUpdateTimer(inner)
+        parts = {} if opt is None else time_parts(opt)
+        in_step = 0.0  # seconds inside the wrapper's step(), its inner update included
         while (step := position()) < cfg.steps:
             for group in inner.param_groups:
                 group["lr"] = lr_at(step, cfg)
             lm_loss(model, windows.batch(cfg.batch)).backward()
-            opt.step()
-            opt.zero_grad()
+            entered = time.monotonic()
+            (inner if opt is None else opt).step()
+            in_step += time.monotonic() - entered
+            (inner if opt is None else opt).zero_grad()
+            local += 1
         train_seconds = time.monotonic() - started
-        opt.close()
+        inner_update.remove()
+        if opt is not None:
+            opt.close()
         sent = int(client.status()["bytes_sent"]) - sent_before
-    if hasattr(opt, "fragments"):
-        # Streaming: the swarm's model is the anchor (each member's parameters add its
-        # progress since each fragment's last sync).
+    chosen: dict[str, Any] = {}
+    if opt is not None and (auto or hasattr(opt, "fragments")):
+        # Streaming, and "auto" (whose last outer step need not fall on the last inner
+        # step): the swarm's model is the anchor (each member's parameters add its
+        # progress since each fragment's, or the model's, last sync).
         with torch.no_grad():
             for p, a in zip(model.parameters(), opt.anchor, strict=True):
                 p.copy_(a)
+        if auto:
+            streaming = hasattr(opt, "fragments")
+            chosen = {
+                "local_steps": opt.cycle_steps if streaming else opt.local_steps,
+                "overlap_steps": opt.overlap_steps if streaming else None,
+                "agreed_ratio": opt.agreed_ratio,
+                "steps_after_last_sync": opt.inner_steps,
+            }
     return {
         "event": "done",
         "val_loss": validation_loss(model, validation_batch(val, cfg)),
         "bytes_sent": sent,
-        "rounds": opt.stats.rounds,
-        "failed": opt.stats.failed,
+        "rounds": 0 if opt is None else opt.stats.rounds,
+        "failed": 0 if opt is None else opt.stats.failed,
         "sha256": parameters_sha256(model),
         "train_seconds": train_seconds,
+        # What the wrapper adds to the inner steps on this trainer's own clock: syncs
+        # started and applied, waits for rounds, progress reports (0 for compute-only).
+        "wrapper_seconds": 0.0 if opt is None else max(0.0, in_step - inner_update.seconds),
+        "steps": local,
+        "parts": {k: round(v, 3) for k, v in parts.items()},
+        **chosen,
     }
 
 
@@ -432,33 +530,61 @@ def worker() -> None:
 def run_method(
     method: str, cfg: Config, workers: list[Proc], log: Any, workdir: Path
 ) -> dict[str, Any]:
+    """``method`` on 4 fresh daemons on this machine (loopback)."""
     started = time.monotonic()
-    daemons = start_daemons(workdir, PEERS, log)
-    run_id = f"lm-{method}-{time.monotonic_ns()}"
+    daemons = start_daemons(workdir, PEERS, log, ready_timeout=cfg.ready_timeout)
     try:
-        marks = [
-            w.send(asdict(Job(method, control, i, run_id, asdict(cfg))))
-            for i, (w, (_, control)) in enumerate(zip(workers, daemons, strict=True))
-        ]
-        budget = 60 + 10 * cfg.steps
-        for w, m in zip(workers, marks, strict=True):
-            w.wait_for(lambda r: r.get("event") in ("started", "done"), 120, m)
-        for w in workers:
-            w.send({"go": True})
-        results = [
-            w.wait_for(lambda r: r.get("event") == "done", budget, m)
-            for w, m in zip(workers, marks, strict=True)
-        ]
+        out = run_jobs(method, cfg, workers, [control for _, control in daemons])
     finally:
         for proc, _ in daemons:
             proc.close()
+    out["seconds"] = round(time.monotonic() - started, 1)
+    return out
+
+
+def run_jobs(method: str, cfg: Config, workers: list[Proc], controls: list[str]) -> dict[str, Any]:
+    """``method`` on the trainers ``workers``, trainer i on the daemon at ``controls[i]``,
+    all started at once; the summary line's figures."""
+    started = time.monotonic()
+    run_id = f"lm-{method}-{time.monotonic_ns()}"
+    marks = [
+        w.send(asdict(Job(method, control, i, run_id, asdict(cfg))))
+        for i, (w, control) in enumerate(zip(workers, controls, strict=True))
+    ]
+    budget = 60 + 10 * cfg.steps
+    for w, m in zip(workers, marks, strict=True):
+        w.wait_for(lambda r: r.get("event") in ("started", "done"), cfg.ready_timeout, m)
+    for w in workers:
+        w.send({"go": True})
+    results = [
+        w.wait_for(lambda r: r.get("event") == "done", budget, m)
+        for w, m in zip(workers, marks, strict=True)
+    ]
+    chosen = {k: results[0][k] for k in ("local_steps", "overlap_steps") if k in results[0]}
+    if "agreed_ratio" in results[0]:
+        chosen["agreed_ratio"] = results[0]["agreed_ratio"]
+        chosen["steps_after_last_sync"] = results[0]["steps_after_last_sync"]
+    slowest = max(results, key=lambda r: r["train_seconds"])
     return {
+        **chosen,
         "val_loss": round(float(np.mean([r["val_loss"] for r in results])), 4),
+        "slowest_trainer_parts_seconds": slowest.get("parts", {}),
         "bytes_sent_per_peer": int(np.mean([r["bytes_sent"] for r in results])),
         "rounds_per_peer": float(np.mean([r["rounds"] for r in results])),
         "failed_rounds": sum(r["failed"] for r in results),
         "parameters_identical": len({r["sha256"] for r in results}) == 1,
         "train_seconds": round(max(r["train_seconds"] for r in results), 1),
+        # Wall time per inner step (the slowest trainer's): what a user waits per step.
+        "step_seconds": round(max(r["train_seconds"] / max(r["steps"], 1) for r in results), 4),
+        # Wall time over the same run's compute (wall minus what the wrapper added), the
+        # slowest trainer's: a ratio the machine's load cannot shift between two runs.
+        "wall_vs_compute": round(
+            max(
+                r["train_seconds"] / max(r["train_seconds"] - r["wrapper_seconds"], 1e-9)
+                for r in results
+            ),
+            4,
+        ),
         "seconds": round(time.monotonic() - started, 1),
     }
 
@@ -514,6 +640,18 @@ def main() -> None:
     parser.add_argument("--split", choices=("contiguous", "interleaved"), default=defaults.split)
     parser.add_argument("--timeout", type=float, default=defaults.timeout, help="s per round")
     parser.add_argument(
+        "--overlap-steps",
+        type=int,
+        default=defaults.overlap_steps,
+        help="inner steps a streaming round overlaps",
+    )
+    parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=defaults.ready_timeout,
+        help="s a daemon or trainer may take to start (raise it on a loaded machine)",
+    )
+    parser.add_argument(
         "--reference-cache",
         type=Path,
         help="a JSON file of single-process results by configuration: read if it holds "
@@ -542,6 +680,8 @@ def main() -> None:
         warmup=args.warmup,
         split=args.split,
         timeout=args.timeout,
+        ready_timeout=args.ready_timeout,
+        overlap_steps=args.overlap_steps,
     )
     if args.smoke:
         cfg = Config(
@@ -560,6 +700,8 @@ def main() -> None:
             warmup=args.warmup,
             split=args.split,
             timeout=args.timeout,
+            ready_timeout=args.ready_timeout,
+            overlap_steps=args.overlap_steps,
         )
     methods = [m for m in args.methods.split(",") if m]
     for m in methods:
@@ -573,7 +715,7 @@ def main() -> None:
             ]
             try:
                 for w in workers:
-                    w.wait_for(lambda r: r.get("event") == "idle", 300)
+                    w.wait_for(lambda r: r.get("event") == "idle", max(300, cfg.ready_timeout))
                 cache = load_cache(args.reference_cache)
                 reference = cache.get(reference_key(cfg))
                 if reference is None:

@@ -5,7 +5,9 @@ Reads JSON lines as ``benchmarks/lm.py`` prints them (one per method; extra keys
 plots validation loss relative to the single process against bytes sent per peer (log
 scale), one marker per method family and one colour per data split, and draws the
 Pareto front (no other point has both fewer bytes and a lower loss). Runs with failed
-rounds are left out (their bytes and loss are not the method's) and listed.
+rounds are left out (their bytes and loss are not the method's) and listed, and so are runs of
+another length than ``--steps`` (a row's ``steps`` key, 300 when absent: a ratio to a longer
+run's reference is not on the same scale).
 
     python benchmarks/lm_plot.py benchmarks/results/lm-front.jsonl --out docs/lm-front.png
 
@@ -49,7 +51,11 @@ def label(row: dict[str, Any]) -> str:
     return f"{row['method']} ({row.get('settings', '')}, {row.get('split', '?')})"
 
 
-def plot(rows: list[dict[str, Any]], front: list[dict[str, Any]], out: Path) -> None:
+def plot_title(steps: int) -> str:
+    return f"benchmarks/lm.py: 4 peers, {steps} steps, 120k parameters"
+
+
+def plot(rows: list[dict[str, Any]], front: list[dict[str, Any]], out: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,7 +99,7 @@ def plot(rows: list[dict[str, Any]], front: list[dict[str, Any]], out: Path) -> 
     ax.set_xscale("log")
     ax.set_xlabel("bytes sent per peer (MB, log scale)")
     ax.set_ylabel("validation loss / single process's")
-    ax.set_title("benchmarks/lm.py: 4 peers, 300 steps, 120k parameters")
+    ax.set_title(title)
     ax.legend(fontsize=7, loc="upper right")
     ax.grid(True, which="both", linewidth=0.3)
     fig.tight_layout()
@@ -104,12 +110,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("inputs", nargs="+", type=Path, help="JSON-lines files")
     parser.add_argument("--out", type=Path, default=Path("docs/lm-front.png"))
+    parser.add_argument("--steps", type=int, default=300, help="plot the runs of this length")
     args = parser.parse_args()
-    rows = load(args.inputs)
+    rows = [r for r in load(args.inputs) if r.get("steps", 300) == args.steps]
     clean = [r for r in rows if not r.get("failed_rounds")]
     left_out = [label(r) for r in rows if r.get("failed_rounds")]
     front = pareto_front(clean)
-    plot(clean, front, args.out)
+    plot(clean, front, args.out, plot_title(args.steps))
     print(
         json.dumps(
             {

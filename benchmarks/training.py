@@ -13,6 +13,13 @@ cosine schedule; its accuracy is the median over 5 data orders. Scenarios:
   averaging every step with codec none, float16, uint8-blockwise;
 * ``diloco``: ``DiLoCo`` with H=20 inner SGD steps per peer, uint8-blockwise pseudo-gradients
   (outer Nesterov SGD lr 0.7; momentum 0.5, and the paper's 0.9 as ``diloco-paper``);
+* ``streaming``: ``StreamingDiLoCo``, H=20 in 2 fragments (a sync every 10 inner steps, each
+  overlapped with 2 inner steps), ``uint4-blockwise`` outer gradients, outer Nesterov SGD lr 0.7
+  momentum 0.5; the figures are the anchor's (the swarm's model);
+* ``sparseloco``: ``DiLoCo`` H=20 with codec ``sparseloco`` (chunked top-k, 2-bit values, error
+  feedback) and the plain SGD outer step it pairs with (``sgd_outer_optimizer``);
+* ``powersgd``: ``PowerSGDOptimizer``, rank-4 factors of every gradient matrix every step
+  (codec none), the same inner SGD on the result;
 * ``churn``: gradient averaging (uint8-blockwise); at half of the run one peer's trainer and
   daemon are killed (SIGKILL); the three survivors go on for 10 global steps, then a new
   peer with a fresh daemon joins (loading the swarm's state) and takes the dead one's shard;
@@ -73,6 +80,9 @@ LOCAL_BATCH = GLOBAL_BATCH // PEERS
 HIDDEN = 32
 LR = 0.1
 DILOCO_H = 20
+STREAMING_FRAGMENTS = 2
+"""The MLP's 4 tensors in 2 fragments of about equal size: a sync every 10 inner steps."""
+POWERSGD_RANK = 4
 CHURN_GAP = 10
 """Global steps the three survivors take between the kill and the newcomer's start."""
 CHAOS_CHECKPOINT_AT = 20
@@ -182,7 +192,7 @@ class Scenario:
     name: str
     control: str
     shard: int
-    mode: str  # "grad" or "diloco"
+    mode: str  # "grad", "diloco", "streaming", "sparseloco" or "powersgd"
     codec: str
     data_epochs: int
     timeout: float
@@ -246,7 +256,13 @@ def train_peer(scenario: Scenario) -> dict[str, Any]:
 def _train_peer(scenario: Scenario) -> dict[str, Any]:
     import torch
 
-    from swarmavg.averaging.optim import CollaborativeOptimizer, DiLoCo
+    from swarmavg.averaging.optim import (
+        CollaborativeOptimizer,
+        DiLoCo,
+        PowerSGDOptimizer,
+        StreamingDiLoCo,
+        sgd_outer_optimizer,
+    )
     from swarmavg.peer import connect
 
     x_tr, y_tr, x_te, y_te = load_data()
@@ -265,29 +281,42 @@ def _train_peer(scenario: Scenario) -> dict[str, Any]:
         client = FaultyClient(real_client, scenario.fail_rounds)
         sent_before = int(client.status()["bytes_sent"])
         opt: Any
-        if scenario.mode == "diloco":
+        if scenario.mode in ("diloco", "streaming", "sparseloco"):
             momentum = scenario.outer_momentum
 
             def outer_factory(params: list[Any]) -> Any:
                 return torch.optim.SGD(params, lr=0.7, momentum=momentum, nesterov=True)
 
-            opt = DiLoCo(
+            family: Any = DiLoCo
+            extra: dict[str, Any] = {"outer_optimizer": outer_factory}
+            if scenario.mode == "streaming":
+                family = StreamingDiLoCo
+                extra.update(fragments=STREAMING_FRAGMENTS, overlap_steps=2)
+            elif scenario.mode == "sparseloco":
+                extra["outer_optimizer"] = sgd_outer_optimizer
+            opt = family(
                 model.parameters(),
                 inner,
                 client,
                 scenario.name,
                 local_steps=DILOCO_H,
                 batch_size_per_step=LOCAL_BATCH,
-                outer_optimizer=outer_factory,
                 codec=scenario.codec,
                 averaging_timeout=scenario.timeout,
                 progress_ttl=scenario.ttl,
+                **extra,
             )
+            # Inner steps per "outer step" (per fragment sync for streaming).
+            period = int(opt.local_steps)
 
             def position() -> int:
-                return int(opt.epoch * DILOCO_H + opt.inner_steps)
+                return int(opt.epoch * period + opt.inner_steps)
         else:
-            opt = CollaborativeOptimizer(
+            wrapper: Any = (
+                PowerSGDOptimizer if scenario.mode == "powersgd" else CollaborativeOptimizer
+            )
+            powersgd = {"rank": POWERSGD_RANK} if scenario.mode == "powersgd" else {}
+            opt = wrapper(
                 model.parameters(),
                 inner,
                 client,
@@ -298,6 +327,7 @@ def _train_peer(scenario: Scenario) -> dict[str, Any]:
                 averaging_timeout=scenario.timeout,
                 progress_ttl=scenario.ttl,
                 max_wait=scenario.timeout,
+                **powersgd,
             )
 
             def position() -> int:
@@ -329,6 +359,12 @@ def _train_peer(scenario: Scenario) -> dict[str, Any]:
                 emit({"event": "progress", "position": last})
         opt.close()
         sent = int(client.status()["bytes_sent"]) - sent_before
+    if scenario.mode == "streaming":
+        # The swarm's model is the anchor (each member's parameters add its own progress
+        # since each fragment's last sync).
+        with torch.no_grad():
+            for p, a in zip(model.parameters(), opt.anchor, strict=True):
+                p.copy_(a)
     stats = opt.stats
     return {
         "event": "done",
@@ -468,8 +504,11 @@ class Proc:
             self.popen.stdout.close()
 
 
-def start_daemons(workdir: Path, count: int, log: Any, join: str = "") -> list[tuple[Proc, str]]:
-    """Start ``count`` daemons (the first founds the swarm unless ``join``); (proc, control)."""
+def start_daemons(
+    workdir: Path, count: int, log: Any, join: str = "", ready_timeout: float = 60.0
+) -> list[tuple[Proc, str]]:
+    """Start ``count`` daemons (the first founds the swarm unless ``join``); (proc, control).
+    Each must print its ready line within ``ready_timeout`` seconds."""
     started: list[tuple[Proc, str]] = []
 
     def start(index: int, join_address: str) -> tuple[Proc, str]:
@@ -482,11 +521,11 @@ def start_daemons(workdir: Path, count: int, log: Any, join: str = "") -> list[t
 
     if not join:
         first = start(0, "")
-        join = str(first[0].wait_for(lambda r: r.get("event") == "ready", 60)["address"])
+        join = str(first[0].wait_for(lambda r: r.get("event") == "ready", ready_timeout)["address"])
         started.append(first)
     rest = [start(i, join) for i in range(len(started), count)]
     for proc, _ in rest:
-        proc.wait_for(lambda r: r.get("event") == "ready", 60)
+        proc.wait_for(lambda r: r.get("event") == "ready", ready_timeout)
     return started + rest
 
 
@@ -701,6 +740,9 @@ SCENARIOS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "grad-uint8-blockwise": ("grad", "uint8-blockwise", {}),
     "diloco": ("diloco", "uint8-blockwise", {"outer_momentum": 0.5}),
     "diloco-paper": ("diloco", "uint8-blockwise", {"outer_momentum": 0.9}),
+    "streaming": ("streaming", "uint4-blockwise", {"outer_momentum": 0.5}),
+    "sparseloco": ("sparseloco", "sparseloco", {}),
+    "powersgd": ("powersgd", "none", {}),
     "churn": ("grad", "uint8-blockwise", {"churn": True}),
     "chaos": ("grad", "uint8-blockwise", {"chaos": True}),
 }

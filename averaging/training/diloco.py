@@ -248,8 +248,10 @@ class DiLoCo(SwarmOptimizer):
                 # is then the machine's.
                 self._weighted_mean_onto_leader(self.params)
             self._as_machine(self._outer_sync)
-        else:
-            self._report_unless_follower()
+        elif not self._follower:
+            # Between syncs the record only feeds a late joiner's catch-up and the
+            # throughput: stored in the background, the inner step never waits for the DHT.
+            self.tracker.report_soon()
         self._log_progress()
         self.tracker.meter.start()
         self._last_step_end = time.monotonic()

@@ -35,6 +35,7 @@ import math
 import time
 import uuid
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeGuard
 
@@ -330,7 +331,8 @@ class ProgressTracker:
         no_shows: daemons that missed a round they were expected at; their records count
             again once they report anew (shared with the rounds' caller; see ``no_shows``).
 
-    Not thread-safe: one tracker per training process, used from one thread.
+    Not thread-safe: one tracker per training process, used from one thread (the stores of
+    :meth:`report_soon` run on the tracker's own thread, one at a time).
     """
 
     def __init__(
@@ -368,6 +370,8 @@ class ProgressTracker:
         self.metrics: Metrics = ()
         self.last: GlobalProgress = aggregate((), target_batch_size)
         self._ignored = 0  # records ignored by the last refresh, to log changes only
+        self._reporter: ThreadPoolExecutor | None = None  # report_soon's thread, made on use
+        self._in_flight: Future[Any] | None = None
 
     def add_samples(self, n: int) -> None:
         """Count ``n`` samples processed towards the current epoch."""
@@ -407,6 +411,7 @@ class ProgressTracker:
 
     def report(self) -> bool:
         """Store this process's record in the DHT; return the DHT's answer."""
+        self._settle()
         return bool(
             self.client.dht.store(
                 self.key, self.local.to_record(), ttl=self.ttl, subkey=self.subkey
@@ -420,10 +425,48 @@ class ProgressTracker:
         and the others' rounds would wait for it. The goodbye record replaces the last one
         (it expires later) and is ignored by :func:`aggregate`.
         """
+        self._settle()
+        if self._reporter is not None:
+            self._reporter.shutdown(wait=True)
+            self._reporter = None
         record = PeerProgress(self.peer_id, self.epoch, 0, 0.0, time.time(), left=True)
         return bool(
             self.client.dht.store(self.key, record.to_record(), ttl=self.ttl, subkey=self.subkey)
         )
+
+    def report_soon(self) -> None:
+        """Store this process's record without waiting for the DHT's answer.
+
+        For the reports between two synchronisations (DiLoCo's inner steps), which only a
+        late joiner's catch-up and the swarm's throughput read: a store is a round trip
+        through the daemon to the DHT's nearest peers, and waiting for it at every inner
+        step would put the network back on the training path that DiLoCo takes it off. The
+        record is taken now and stored on the tracker's own thread. A report made while the
+        previous one is still in flight is skipped (the next one carries newer figures), and
+        :meth:`report` and :meth:`leave` first wait for the one in flight, so the DHT never
+        ends on an older record than the last one sent. A failed store is logged, not
+        raised: the next report replaces it.
+        """
+        if self._in_flight is not None and not self._in_flight.done():
+            return
+        self._settle()
+        if self._reporter is None:
+            self._reporter = ThreadPoolExecutor(1, thread_name_prefix="swarmavg-progress")
+        record = self.local.to_record()
+        self._in_flight = self._reporter.submit(
+            self.client.dht.store, self.key, record, ttl=self.ttl, subkey=self.subkey
+        )
+
+    def _settle(self) -> None:
+        """Wait for :meth:`report_soon`'s store in flight, if any (the client's own call
+        deadline bounds it), and log its failure."""
+        pending, self._in_flight = self._in_flight, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except Exception as exc:  # a lost report is replaced by the next one
+            log.warning("a background progress report failed: %s", exc)
 
     def refresh(self) -> GlobalProgress:
         """Read every live record and return the swarm's progress (this process included).

@@ -283,7 +283,7 @@ class StreamingDiLoCo(DiLoCo):
             if self._pending is None and self.inner_steps >= self.steps_this_round:
                 self._start_sync()
             else:
-                self.tracker.report()
+                self.tracker.report_soon()  # as DiLoCo's inner steps: the step never waits on it
         self._log_progress()
         self.tracker.meter.start()
         self._last_step_end = time.monotonic()  # a wait for a round is not an inner step

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import time
 from typing import Any
 
@@ -232,3 +233,57 @@ def test_metrics_are_checked_when_set_and_sent_with_every_report() -> None:
     tracker.set_metrics({})
     tracker.report()
     assert "metrics" not in next(iter(dht.data["run.progress"].values()))
+
+
+class GatedDHT(DictDHT):
+    """A DictDHT whose stores wait for ``gate`` (a slow DHT) and log what they stored."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.stored: list[tuple[int, int]] = []
+        self.failures = 0  # the next stores that raise
+
+    def store(self, key: str, value: Any, ttl: float = 60.0, subkey: str | None = None) -> bool:
+        self.entered.set()
+        assert self.gate.wait(10), "the test never opened the gate"
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("DHT unreachable")
+        self.stored.append((int(value["epoch"]), int(value["samples"])))
+        return super().store(key, value, ttl, subkey)
+
+
+@pytest.mark.timeout(30)
+def test_report_soon_does_not_wait_for_the_dht_and_never_overtakes_a_later_report() -> None:
+    dht = GatedDHT()
+    tracker = ProgressTracker(DictClient(dht, "aa"), "run", target_batch_size=64)
+    tracker.add_samples(4)
+    tracker.report_soon()  # returns while the store is stuck behind the gate
+    assert dht.entered.wait(10)
+    assert dht.stored == []
+    tracker.add_samples(4)
+    tracker.report_soon()  # the first is still in flight: skipped, nothing queued
+    tracker.set_epoch(1)
+    dht.gate.set()
+    assert tracker.report()  # waits for the one in flight first: the new epoch lands last
+    assert dht.stored == [(0, 4), (1, 0)]
+    assert dht.get("run.progress")[tracker.subkey]["epoch"] == 1
+    tracker.leave()
+
+
+@pytest.mark.timeout(30)
+def test_a_failed_background_report_is_logged_not_raised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    dht = GatedDHT()
+    dht.gate.set()
+    dht.failures = 1  # only the background store fails; the next reports go through
+    tracker = ProgressTracker(DictClient(dht, "aa"), "run", target_batch_size=64)
+    tracker.report_soon()
+    with caplog.at_level("WARNING"):
+        assert tracker.report()
+    assert "background progress report failed" in caplog.text
+    assert dht.stored == [(0, 0)]
+    tracker.leave()
