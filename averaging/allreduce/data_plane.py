@@ -513,6 +513,10 @@ class DataConnector:
         self._closed = False
         self.opened = 0
         """Connections opened so far (the rest of the streams reused one)."""
+        self.route: Callable[[str | None, str, int], tuple[str, int]] | None = None
+        """Where a new connection to ``(peer's gRPC address, host, port)`` connects (None:
+        ``host:port``); set by a NATed peer's direct links after hole punching. Idle
+        connections stay filed under ``host:port``."""
 
     def refused(self, host: str, port: int) -> None:
         """The reducer at ``host:port`` refused or could not take a stream: use gRPC for
@@ -533,8 +537,16 @@ class DataConnector:
         """Reducers remembered as unreachable now (at most 1024)."""
         return len(self._unreachable)
 
-    async def open(self, host: str, port: int, timeout: float) -> DataCall | None:
-        """A new stream to ``host:port``, or ``None`` (unreachable now: use gRPC)."""
+    def forget(self, host: str, port: int) -> None:
+        """Close the idle connections to ``host:port`` (its route changed)."""
+        for _, protocol in self._idle.pop((host, port), []):
+            protocol.close()
+
+    async def open(
+        self, host: str, port: int, timeout: float, peer: str | None = None
+    ) -> DataCall | None:
+        """A new stream to ``host:port`` (the data plane of the peer at gRPC address
+        ``peer``), or ``None`` (unreachable now: use gRPC)."""
         key = (host, port)
         now = time.monotonic()
         if self._closed or self._unreachable.get(key, 0.0) > now:
@@ -549,15 +561,15 @@ class DataConnector:
         loop = asyncio.get_running_loop()
         protocol: _FrameProtocol | None = None
         until = now + max(timeout, 0.001)
+        target = (host, port) if self.route is None else self.route(peer, host, port)
         try:
             async with asyncio.timeout(max(min(timeout, self.connect_timeout), 0.001)):
                 if self._tls is None:
-                    _, protocol = await loop.create_connection(self._new_protocol, host, port)
+                    _, protocol = await loop.create_connection(self._new_protocol, *target)
                 else:
                     _, protocol = await loop.create_connection(
                         self._new_protocol,
-                        host,
-                        port,
+                        *target,
                         ssl=self._tls.client_context,
                         server_hostname=SERVER_HOSTNAME,
                     )

@@ -10,12 +10,14 @@
   is NATed and reserves at a relay among the peers that answered (:mod:`reservation`), and
   announces the relayed address; when nobody answered (older peers) nothing changes.
 
-A public peer with ``relay`` on serves reservations (:mod:`relay`). ``describe`` is what
-``swarmavg status`` shows.
+A public peer with ``relay`` on serves reservations (:mod:`relay`). A relayed peer punches
+holes to the other relayed peers it dials (:mod:`direct`) and answers their punches
+(:mod:`responder`). ``describe`` is what ``swarmavg status`` shows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,9 +33,12 @@ from swarmavg.peer.nat.dialback import (
     TokenBook,
     check_reachability,
 )
+from swarmavg.peer.nat.direct import DirectRoutes
 from swarmavg.peer.nat.limits import RelayLimits
+from swarmavg.peer.nat.punch import Endpoint, parse_endpoint
 from swarmavg.peer.nat.relay import RelayServer
 from swarmavg.peer.nat.reservation import RESERVE_METHOD, RelayedAddress, ReservationKeeper
+from swarmavg.peer.nat.responder import PUNCH_METHOD, PunchResponder
 from swarmavg.peer.nat.service import RelayService
 from swarmavg.proto import common_pb2, relay_pb2
 
@@ -54,6 +59,22 @@ class Settled:
 
     address: str | None
     data_port: int = 0
+
+
+@dataclass(frozen=True)
+class PunchStatus:
+    """Hole punching as ``swarmavg status`` shows it.
+
+    Attributes:
+        direct_peers: the peers this peer reaches directly after punching (``IP (relayed
+            address)``).
+        punches_succeeded: punched connections so far, as initiator or responder.
+        punches_failed: punches that gave no connection.
+    """
+
+    direct_peers: list[str]
+    punches_succeeded: int
+    punches_failed: int
 
 
 def _with_port(host: str, port: int) -> str:
@@ -92,6 +113,9 @@ class NatAgent:
         self.reachability: Reachability | None = None
         self.mode = "unknown"
         self._authenticator: Authenticator | None = None
+        self.responder = PunchResponder(self._own_relay, self._local_port, self._data_port)
+        self.routes: DirectRoutes | None = None
+        """This peer's direct links after hole punching (set while it is relayed)."""
         self.service = RelayService(
             channels,
             self.rules,
@@ -99,7 +123,30 @@ class NatAgent:
             lambda: self._authenticator,
             lambda: self.relay,
             peer_id,
+            self.responder,
         )
+
+    def _own_relay(self) -> Endpoint | None:
+        """This peer's relay's splice port while it holds a reservation."""
+        keeper = self.keeper
+        if keeper is None or keeper.current is None or not keeper.current.splice_port:
+            return None
+        try:
+            return parse_endpoint(
+                f"{split_host(keeper.current.relay)}:{keeper.current.splice_port}"
+            )
+        except ValueError:
+            return None  # a relay known by name: no punching through it
+
+    def _local_port(self, index: int) -> tuple[str, int] | None:
+        keeper = self.keeper
+        if keeper is None or index >= len(keeper.local) or keeper.local[index][1] == 0:
+            return None
+        return keeper.local[index]
+
+    def _data_port(self) -> int:
+        keeper = self.keeper
+        return 0 if keeper is None or keeper.current is None else keeper.current.data_port
 
     @property
     def local_host(self) -> str:
@@ -178,6 +225,11 @@ class NatAgent:
             )
             return Settled(None)
         self.mode = "relayed"
+
+        def sign_punch(request: relay_pb2.PunchRequest) -> common_pb2.RequestHeader:
+            return signer.sign(b"", PUNCH_METHOD, message_digest(request))
+
+        self.routes = DirectRoutes(self.channels, self._own_relay, sign_punch)
         return Settled(relayed.address, relayed.data_port)
 
     def set_data_port(self, port: int) -> None:
@@ -192,6 +244,9 @@ class NatAgent:
             self.relay = relay
 
     async def close(self) -> None:
+        if self.routes is not None:
+            await self.routes.close()
+        await self.responder.close()
         if self.keeper is not None:
             await self.keeper.close()
         if self.relay is not None:
@@ -206,4 +261,17 @@ class NatAgent:
             info.update(self.keeper.status())
         if self.relay is not None:
             info["relaying"] = self.relay.status()
+        info.update(dataclasses.asdict(self.punch_status()))
         return info
+
+    def punch_status(self) -> PunchStatus:
+        """Hole punching's part of the status: the peers reached directly, punches tried."""
+        routes = self.routes
+        responder = self.responder
+        if routes is None:
+            return PunchStatus([], responder.succeeded, responder.failed)
+        return PunchStatus(
+            routes.direct_peers(),
+            routes.succeeded + responder.succeeded,
+            routes.failed + responder.failed,
+        )
