@@ -336,6 +336,8 @@ class Peer:
         """A relayed peer's channels and data-plane connections to other relayed peers take
         their direct links once punched (peer/nat/direct.py)."""
         routes, channels = nat.routes, self._channels
+        if not self.config.hole_punching:
+            return
         if routes is None or channels is None or self.averager is None:
             return
         channels.route = routes.grpc_target
