@@ -28,10 +28,12 @@ class DialBackResponse(_message.Message):
     def __init__(self, reachable: _Optional[bool] = ..., observed_host: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
-    __slots__ = ("token",)
+    __slots__ = ("token", "header")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
     token: bytes
-    def __init__(self, token: _Optional[bytes] = ...) -> None: ...
+    header: _common_pb2.RequestHeader
+    def __init__(self, token: _Optional[bytes] = ..., header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ...) -> None: ...
 
 class ProbeResponse(_message.Message):
     __slots__ = ("token",)

@@ -18,9 +18,12 @@ holes to the other relayed peers it dials (:mod:`direct`) and answers their punc
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from google.protobuf.message import Message
 
 from swarmavg.dht.auth import Authenticator, RequestSigner, message_digest
 from swarmavg.dht.channels import ChannelPool
@@ -28,6 +31,7 @@ from swarmavg.dht.ranges import split_host
 from swarmavg.peer.nat.dialback import (
     DialBackLimits,
     DialBackRules,
+    HeaderFor,
     Reach,
     Reachability,
     TokenBook,
@@ -77,6 +81,15 @@ class PunchStatus:
     punches_failed: int
 
 
+def spread(peer_id: bytes, relays: Sequence[str]) -> list[str]:
+    """``relays`` in this peer's rendezvous order (highest sha256(peer id, address) first)."""
+    return sorted(
+        dict.fromkeys(relays),
+        key=lambda address: hashlib.sha256(peer_id + address.encode()).digest(),
+        reverse=True,
+    )
+
+
 def _with_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -113,6 +126,7 @@ class NatAgent:
         self.reachability: Reachability | None = None
         self.mode = "unknown"
         self._authenticator: Authenticator | None = None
+        self._header: HeaderFor | None = None
         self.responder = PunchResponder(self._own_relay, self._local_port, self._data_port)
         self.routes: DirectRoutes | None = None
         """This peer's direct links after hole punching (set while it is relayed)."""
@@ -124,6 +138,7 @@ class NatAgent:
             lambda: self.relay,
             peer_id,
             self.responder,
+            lambda: self._header,
         )
 
     def _own_relay(self) -> Endpoint | None:
@@ -167,11 +182,16 @@ class NatAgent:
     ) -> Settled:
         """Decide how this peer is announced; start the relay or a reservation to match."""
         self._authenticator = authenticator
+
+        def header(request: Message, method: str) -> common_pb2.RequestHeader:
+            return signer.sign(b"", method, message_digest(request))
+
+        self._header = header
         if not join or explicit_announce:
             self.mode = "public"
             await self._offer_relay(split_host(announced))
             return Settled(announced)
-        found = await check_reachability(self.channels, self.tokens, join, port)
+        found = await check_reachability(self.channels, self.tokens, join, port, header=header)
         self.reachability = found
         for line in found.details:
             log.debug("dial-back %s", line)
@@ -199,10 +219,13 @@ class NatAgent:
         def sign(request: relay_pb2.ReserveRequest) -> common_pb2.RequestHeader:
             return signer.sign(b"", RESERVE_METHOD, message_digest(request))
 
-        public = list(found.public_peers)
+        # Rendezvous order (a hash of this peer's id and the relay's address): NATed peers
+        # given the same initial peers spread over them instead of all reserving at the
+        # first, and each keeps its order across moves.
+        public = spread(self.peer_id, found.public_peers)
 
         def candidates() -> list[str]:
-            return public + [a for a in routing() if a not in public]
+            return public + spread(self.peer_id, [a for a in routing() if a not in public])
 
         keeper = ReservationKeeper(
             self.channels,

@@ -14,7 +14,13 @@ from swarmavg.dht.auth import AuthenticationError, Authenticator, message_digest
 from swarmavg.dht.channels import ChannelPool
 from swarmavg.dht.identity import HeaderError
 from swarmavg.dht.ranges import grpc_peer_host
-from swarmavg.peer.nat.dialback import DialBackRefused, DialBackRules, TokenBook, dial_back
+from swarmavg.peer.nat.dialback import (
+    DialBackRefused,
+    DialBackRules,
+    HeaderFor,
+    TokenBook,
+    dial_back,
+)
 from swarmavg.peer.nat.relay import RelayRefused, RelayServer
 from swarmavg.peer.nat.reservation import RESERVE_METHOD
 from swarmavg.peer.nat.responder import PUNCH_METHOD, PunchRefused, PunchResponder
@@ -35,6 +41,7 @@ class RelayService(relay_pb2_grpc.RelayServicer):
             ``relay = false``).
         relay_id: this peer's id, told to reserving peers.
         punch: answers hole punches (the responder's half, :mod:`responder`).
+        header: signs the header of this peer's probes, once it has a signer.
     """
 
     def __init__(
@@ -46,6 +53,7 @@ class RelayService(relay_pb2_grpc.RelayServicer):
         relay: Callable[[], RelayServer | None],
         relay_id: bytes,
         punch: PunchResponder | None = None,
+        header: Callable[[], HeaderFor | None] = lambda: None,
     ) -> None:
         self.channels = channels
         self.rules = rules
@@ -54,6 +62,7 @@ class RelayService(relay_pb2_grpc.RelayServicer):
         self._relay = relay
         self.relay_id = relay_id
         self.punch = punch
+        self._header = header
         self.dial_backs = 0
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
@@ -65,7 +74,9 @@ class RelayService(relay_pb2_grpc.RelayServicer):
         observed = grpc_peer_host(context.peer())
         self.dial_backs += 1
         try:
-            return await dial_back(self.rules, self.channels, observed, request.port, request.token)
+            return await dial_back(
+                self.rules, self.channels, observed, request.port, request.token, self._header()
+            )
         except DialBackRefused as exc:
             await context.abort(exc.status, str(exc))
             raise  # abort raises; this keeps the type checker's flow honest

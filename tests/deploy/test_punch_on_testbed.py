@@ -21,6 +21,7 @@ from tests.deploy.conftest import MakeTestBed
 from tests.deploy.test_nat_on_testbed import start_daemon, status_of
 from tests.deploy.test_swarm_on_testbed import average_all, check_exact_mean, make_inputs
 from tests.harness import ProcessPool, SwarmavgProcess
+from tests.private_runs import Authority
 
 pytestmark = pytest.mark.integration
 
@@ -46,13 +47,35 @@ def punch_bed(make_testbed: MakeTestBed, random_ports: bool) -> TestBed:
     )
 
 
+def private_args(authority: Authority | None, name: str) -> list[str]:
+    """A private run's flags for the daemon on host ``name`` (none for a public run)."""
+    if authority is None:
+        return []
+    member = authority.invite(name)
+    return [
+        "--run-file", str(authority.run_path),
+        "--identity", str(member.identity_path),
+        "--credential", str(member.credential_path),
+    ]  # fmt: skip
+
+
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("run", ["public", "private"])
 async def test_two_nated_hosts_punch_and_their_round_goes_direct(
-    make_testbed: MakeTestBed, peer_pool: ProcessPool, tmp_path: Path
+    make_testbed: MakeTestBed, peer_pool: ProcessPool, tmp_path: Path, run: str
 ) -> None:
+    """In a private run every connection is mutual TLS: the dial-backs, the reservations,
+    the punches' calls, and the gRPC and data-plane traffic on the punched connections."""
     bed = punch_bed(make_testbed, random_ports=False)
-    relay = start_daemon(peer_pool, bed["pub0"], tmp_path)
-    homes = [start_daemon(peer_pool, bed[name], tmp_path, join=relay.address) for name in HOMES]
+    authority = Authority.create(tmp_path / "run", "testbed") if run == "private" else None
+    relay = start_daemon(peer_pool, bed["pub0"], tmp_path, extra=private_args(authority, "pub0"))
+    homes = [
+        start_daemon(
+            peer_pool, bed[name], tmp_path, join=relay.address,
+            extra=private_args(authority, name),
+        )
+        for name in HOMES
+    ]  # fmt: skip
     for home in homes:
         assert (await status_of(home))["reachability"] == "relayed"
 

@@ -16,6 +16,7 @@ import pytest
 from swarmavg.dht.auth import Authenticator, RequestSigner, message_digest
 from swarmavg.dht.channels import ChannelPool
 from swarmavg.dht.identity import Identity
+from swarmavg.peer.nat.agent import spread
 from swarmavg.peer.nat.dialback import DialBackLimits, DialBackRules, TokenBook
 from swarmavg.peer.nat.direct import DirectRoutes
 from swarmavg.peer.nat.punch import (
@@ -320,3 +321,14 @@ def test_endpoints_are_ip_literals_with_a_port() -> None:
     for bad in ("10.0.0.1", "host:5", "10.0.0.1:70000", ":5", "10.0.0.1:x", "[::]:5"):
         with pytest.raises(ValueError, match=r"IP|port|connect"):
             parse_endpoint(bad)
+
+
+def test_reservations_spread_over_the_initial_peers() -> None:
+    relays = [f"203.0.113.{i}:31337" for i in range(4)]
+    firsts = [spread(Identity.generate().peer_id, relays)[0] for _ in range(400)]
+    # Each relay is some peers' first choice (today: every peer took the first initial one).
+    counts = [firsts.count(relay) for relay in relays]
+    assert min(counts) >= 50, counts
+    peer = Identity.generate().peer_id
+    assert spread(peer, relays) == spread(peer, list(reversed(relays)))  # order-independent
+    assert sorted(spread(peer, relays + relays[:1])) == sorted(relays)
