@@ -551,17 +551,19 @@ class DataConnector:
         now = time.monotonic()
         if self._closed or self._unreachable.get(key, 0.0) > now:
             return None
-        idle = self._idle.get(key, [])
+        # Idle connections are filed under where they lead: when the route changes (a direct
+        # link after hole punching), the next stream takes the new route, not an old one.
+        target = key if self.route is None else self.route(peer, host, port)
+        idle = self._idle.get(target, [])
         while idle:
             since, idle_protocol = idle.pop()
             if idle_protocol.usable and now - since < _IDLE_CLIENT:
-                return DataCall(idle_protocol, self._release_to(key))
+                return DataCall(idle_protocol, self._release_to(target))
             idle_protocol.close()
-        self._idle.pop(key, None)  # no empty lists left behind for every address ever used
+        self._idle.pop(target, None)  # no empty lists left behind for every address ever used
         loop = asyncio.get_running_loop()
         protocol: _FrameProtocol | None = None
         until = now + max(timeout, 0.001)
-        target = (host, port) if self.route is None else self.route(peer, host, port)
         try:
             async with asyncio.timeout(max(min(timeout, self.connect_timeout), 0.001)):
                 if self._tls is None:
@@ -587,7 +589,7 @@ class DataConnector:
                 protocol.close(discard=True)
             self.refused(host, port)
             return None
-        return DataCall(protocol, self._release_to(key))
+        return DataCall(protocol, self._release_to(target))
 
     def _new_protocol(self) -> _FrameProtocol:
         return _FrameProtocol(congestion_control=self._congestion_control)
