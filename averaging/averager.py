@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 
 from swarmavg.averaging.allreduce.config import AllReduceConfig
-from swarmavg.averaging.allreduce.data_plane import split_host
+from swarmavg.averaging.allreduce.data_plane import DataConnector, split_host
 from swarmavg.averaging.allreduce.faults import FaultPlan
 from swarmavg.averaging.allreduce.runner import run_allreduce
 from swarmavg.averaging.allreduce.service import AllReduceService
@@ -198,6 +198,12 @@ class Averager:
     def data_port(self) -> int:
         """Port of this peer's all-reduce data plane (0: none; raises like ``matchmaker``)."""
         return self._require()[1].data_port
+
+    @property
+    def data_connector(self) -> DataConnector | None:
+        """The all-reduce's data-plane connector (None: no data plane; raises like
+        ``matchmaker``)."""
+        return self._require()[1].data_connector
 
     def relocate(self, address: str, data_port: int) -> None:
         """Announce ``address`` and ``data_port`` from the next round on (a NATed peer whose

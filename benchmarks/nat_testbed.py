@@ -1,18 +1,21 @@
 """Peers behind NAT (issue 20) on the test bed: round time with 3 of 5 hosts NATed (reached
-through a relay) against all 5 public, and the relay's CPU and memory per relayed MB/s.
+through a relay only, and after hole punching) against all 5 public, and the relay's CPU and
+memory per relayed MB/s.
 
 One test bed (deploy/testbed) of 8 hosts, every link shaped to ``--rate`` Mbit/s: ``pub0``,
 ``pub1`` and ``p2..p4`` public, ``home0..home2`` each behind its own MASQUERADE router. Two
 swarms of real ``swarmavg peer`` daemons started as users start them (``--listen
 0.0.0.0:PORT --join FIRST``, no NAT flag): "public" = pub0, pub1, p2, p3, p4 (port 31337),
-"nat" = pub0, pub1, home0, home1, home2 (port 31338; the homes find out they are NATed and
-reserve at pub0, the peer they joined). Rounds alternate between the swarms (which goes first
-alternates too); each figure is the median over ``--rounds`` rounds after one untimed
-warm-up; every result is checked against the exact mean. The relay's cost: CPU seconds
-(utime+stime from /proc) of pub0's nat-swarm daemon minus pub0's public-swarm daemon over
-the timed rounds, per MB it relayed (its status), and both daemons' RSS. Hole punching is
-not built, so there is no "after punching" figure. Needs root and iproute2/iptables.
-Prints ONE JSON line.
+"nat" = pub0, pub1, home0, home1, home2 (port 31338, ``--no-hole-punching``: the homes find
+out they are NATed, reserve at pub0, the peer they joined, and every byte to or from a home
+crosses the relay), "punched" = the same hosts on port 31339 with hole punching on (the
+default): after one untimed round the homes reach each other directly (the script waits
+until each names the other two as direct peers), and only the public-to-home traffic still
+crosses the relay. Rounds rotate between the swarms (the order rotates too); each figure is
+the median over ``--rounds`` rounds after one untimed warm-up; every result is checked
+against the exact mean. The relay's cost: CPU seconds (utime+stime from /proc) of pub0's
+nat-swarm daemon minus pub0's public-swarm daemon over the timed rounds, per MB it relayed
+(its status), and both daemons' RSS. Needs root and iproute2/iptables. Prints ONE JSON line.
 
     sudo .venv/bin/python benchmarks/nat_testbed.py --rate 100 --mb 16 --rounds 5
 """
@@ -87,10 +90,12 @@ class Daemon:
         self._log.close()
 
 
-def start_swarm(bed: TestBed, names: list[str], port: int, workdir: Path, tag: str) -> list[Daemon]:
+def start_swarm(
+    bed: TestBed, names: list[str], port: int, workdir: Path, tag: str, extra: list[str]
+) -> list[Daemon]:
     daemons: list[Daemon] = []
     for name in names:
-        args = ["--listen", f"0.0.0.0:{port}", "--run-id", tag, "--log-level", "WARNING"]
+        args = ["--listen", f"0.0.0.0:{port}", "--run-id", tag, "--log-level", "WARNING", *extra]
         args += ["--control", str(workdir / f"{tag}-{name}.sock")]
         if daemons:
             args += ["--join", daemons[0].ready["address"]]
@@ -112,6 +117,18 @@ async def one_round(daemons: list[Daemon], inputs: list[np.ndarray], key: str) -
             raise RuntimeError(f"round {key}: group {result.group_size}, partial {result.partial}")
         np.testing.assert_allclose(result.tensors[0], expected, rtol=1e-5, atol=1e-6)
     return seconds
+
+
+def wait_for_punches(homes: list[Daemon], within: float = 120.0) -> list[int]:
+    """Wait until every home names the other homes as direct peers (or ``within`` passed);
+    return how many each names. The punches run inside the daemons: this polls."""
+    give_up = time.monotonic() + within
+    while True:
+        counts = [len(asyncio.run(h.status())["direct_peers"]) for h in homes]
+        if all(c >= len(homes) - 1 for c in counts) or time.monotonic() > give_up:
+            log(f"direct peers per home: {counts}")
+            return counts
+        time.sleep(0.5)
 
 
 def main() -> int:
@@ -141,24 +158,36 @@ def main() -> int:
     status = 0
     with TestBed(specs) as bed:
         try:
-            swarms["public"] = start_swarm(bed, PUBLIC, 31337, workdir, "public")
-            swarms["nat"] = start_swarm(bed, NAT, 31338, workdir, "nat")
+            swarms["public"] = start_swarm(bed, PUBLIC, 31337, workdir, "public", [])
+            swarms["nat"] = start_swarm(bed, NAT, 31338, workdir, "nat", ["--no-hole-punching"])
+            swarms["punched"] = start_swarm(bed, NAT, 31339, workdir, "punched", [])
             reach = [asyncio.run(d.status()).get("reachability") for d in swarms["nat"]]
             figures["nat_swarm_reachability"] = reach
             times: dict[str, list[float]] = {name: [] for name in swarms}
             relay, plain = swarms["nat"][0], swarms["public"][0]
+            punched_relay = swarms["punched"][0]
             cpu: dict[str, float] = {}
-            relayed_before = 0
+            relayed_before = punched_before = 0
+            order = sorted(swarms)
             for r in range(args.rounds + 1):
                 if r == 1:
+                    figures["punched_direct_peers"] = wait_for_punches(swarms["punched"][2:])
                     cpu = {"relay": relay.cpu_seconds(), "plain": plain.cpu_seconds()}
                     relayed_before = asyncio.run(relay.status())["relayed_bytes"]
-                for name in sorted(swarms, reverse=r % 2 == 1):
+                    punched_before = asyncio.run(punched_relay.status())["relayed_bytes"]
+                for name in order[r % 3 :] + order[: r % 3]:
                     seconds = asyncio.run(one_round(swarms[name], inputs, f"r{r}"))
                     log(f"{name} round {r}: {seconds:.3f} s")
                     if r > 0:
                         times[name].append(seconds)
             relayed_mb = (asyncio.run(relay.status())["relayed_bytes"] - relayed_before) / 1e6
+            punched_mb = (
+                asyncio.run(punched_relay.status())["relayed_bytes"] - punched_before
+            ) / 1e6
+            figures["relayed_mb_per_round"] = {
+                "nat": round(relayed_mb / args.rounds, 2),
+                "punched": round(punched_mb / args.rounds, 2),
+            }
             extra_cpu = (relay.cpu_seconds() - cpu["relay"]) - (plain.cpu_seconds() - cpu["plain"])
             nat_seconds = sum(times["nat"])
             for name, values in times.items():
@@ -166,11 +195,12 @@ def main() -> int:
                     "round_s": round(statistics.median(values), 3),
                     "all": [round(v, 3) for v in values],
                 }
-            figures["nat/public"] = round(
-                figures["nat"]["round_s"] / figures["public"]["round_s"], 3
-            )
-            per_round = [n / p for p, n in zip(times["public"], times["nat"], strict=True)]
-            figures["nat/public per round, median"] = round(statistics.median(per_round), 3)
+            for name in ("nat", "punched"):
+                figures[f"{name}/public"] = round(
+                    figures[name]["round_s"] / figures["public"]["round_s"], 3
+                )
+                per_round = [n / p for p, n in zip(times["public"], times[name], strict=True)]
+                figures[f"{name}/public per round, median"] = round(statistics.median(per_round), 3)
             figures["relay"] = {
                 "relayed_mb": round(relayed_mb, 1),
                 "relayed_mb_per_s_during_nat_rounds": round(relayed_mb / nat_seconds, 2),

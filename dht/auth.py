@@ -59,9 +59,15 @@ _RESPONSE_TAG = b"swarmavg.v1.response\x00"
 
 # Methods that may be sent before the sender knows whom it reaches (bootstrap by address).
 # A relay reservation (peer/nat) is asked of a relay known only by the address that answered
-# its dial-back.
+# its dial-back. A hole punch is asked of a peer known by its relayed address; a punch
+# replayed elsewhere only makes that peer connect to an address whose session check fails.
 UNADDRESSED_METHODS = frozenset(
-    {"/swarmavg.v1.DHT/Ping", "/swarmavg.v1.DHT/Find", "/swarmavg.v1.Relay/Reserve"}
+    {
+        "/swarmavg.v1.DHT/Ping",
+        "/swarmavg.v1.DHT/Find",
+        "/swarmavg.v1.Relay/Reserve",
+        "/swarmavg.v1.Relay/Punch",
+    }
 )
 
 

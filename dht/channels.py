@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -66,6 +67,10 @@ class ChannelPool:
         self._sweeper: asyncio.Task[None] | None = None
         self._closing = TaskSet()  # channel.close() of discarded channels: awaited, not cancelled
         self._closed = False
+        self.route: Callable[[str], str] | None = None
+        """Where a new channel to an address connects (None: the address itself). A NATed
+        peer's direct links after hole punching set it (peer/nat/direct.py): the channel stays
+        filed under the address dialled, which is what every caller checks answers against."""
 
     def channel(self, address: str) -> grpc.aio.Channel:
         """Return the channel to ``address`` (HOST:PORT), opening it on first use.
@@ -78,10 +83,11 @@ class ChannelPool:
         self._last_used[address] = time.monotonic()
         channel = self._channels.get(address)
         if channel is None:
+            target = address if self.route is None else self.route(address)
             if self._credentials is None:
-                channel = grpc.aio.insecure_channel(address, options=self._options)
+                channel = grpc.aio.insecure_channel(target, options=self._options)
             else:
-                channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
+                channel = grpc.aio.secure_channel(target, self._credentials, options=self._options)
             self._channels[address] = channel
             if self._sweeper is None:
                 self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
@@ -93,6 +99,13 @@ class ChannelPool:
         self._last_used.pop(address, None)
         if channel is not None:
             self._close_later(channel)
+
+    def retire(self, address: str, grace: float = 30.0) -> None:
+        """Open a new channel to ``address`` on its next use (its route changed); calls in
+        flight on the old one get ``grace`` seconds to finish."""
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            self._closing.spawn(channel.close(grace), name="retire-channel")
 
     def __len__(self) -> int:
         return len(self._channels)

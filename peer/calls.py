@@ -341,6 +341,9 @@ def status_to_dict(status: control_pb2.StatusResponse) -> dict[str, Any]:
         "relaying_reservations": status.relaying_reservations,
         "relayed_bytes": status.relayed_bytes,
         "relayed_connections": status.relayed_connections,
+        "direct_peers": list(status.direct_peers),
+        "punches_succeeded": status.punches_succeeded,
+        "punches_failed": status.punches_failed,
     }
 
 

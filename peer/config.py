@@ -209,6 +209,8 @@ class PeerConfig:
             (bounded: peer/nat/limits.py).
         relay_rate: MiB/s that one source (a dialer's address range) may push through this
             peer's relay, both directions together; a faster one is slowed, not cut.
+        hole_punching: when this peer is relayed, punch direct connections to the other
+            relayed peers it dials (docs/peer.md, "Hole punching"); off: always the relay.
         identity: file holding the Ed25519 key; ``None``: a fresh identity per start.
         run_file: a private run's run file (``swarmavg run init``): the run id and the run
             authority's certificate. With ``credential``: mutual TLS on the gRPC port and the
@@ -237,6 +239,7 @@ class PeerConfig:
     client_mode: bool = False
     relay: bool = True
     relay_rate: float = 32.0
+    hole_punching: bool = True
     identity: str | None = None
     run_file: str | None = None
     credential: str | None = None

@@ -258,6 +258,7 @@ class Peer:
             raise StartupError(str(exc)) from None
         if self.nat is not None:
             self.nat.set_data_port(self.averager.data_port)
+            self._route_direct(self.nat)
         await self._start_control()
         if cfg.metrics:
             await self._start_metrics(cfg.metrics)
@@ -330,6 +331,21 @@ class Peer:
         self.config = cfg
         self._build_members(cfg)
         return cfg
+
+    def _route_direct(self, nat: NatAgent) -> None:
+        """A relayed peer's channels and data-plane connections to other relayed peers take
+        their direct links once punched (peer/nat/direct.py)."""
+        routes, channels = nat.routes, self._channels
+        if not self.config.hole_punching:
+            return
+        if routes is None or channels is None or self.averager is None:
+            return
+        channels.route = routes.grpc_target
+        routes.retire = channels.retire
+        connector = self.averager.data_connector
+        if connector is not None:
+            connector.route = routes.data_target
+            routes.forget_data = connector.forget
 
     def _on_relay_moved(self, relayed: RelayedAddress) -> None:
         """The reservation moved to another relay: announce the new address from now on."""
@@ -554,6 +570,10 @@ class Peer:
             response.relaying_reservations = relay["reservations"]
             response.relayed_bytes = relay["relayed_bytes"]
             response.relayed_connections = relay["relayed_connections"]
+        punching = nat.punch_status()
+        response.direct_peers.extend(punching.direct_peers)
+        response.punches_succeeded = punching.punches_succeeded
+        response.punches_failed = punching.punches_failed
 
     def client(self) -> AsyncClient:
         """An :class:`AsyncClient` for this peer (``async with peer.client() as c:``)."""

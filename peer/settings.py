@@ -175,6 +175,11 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "peer",
+        "hole_punching",
+        "behind NAT, punch direct connections to the other peers behind NAT (default on)",
+    ),
+    Setting(
+        "peer",
         "metrics",
         "serve Prometheus metrics at http://HOST:PORT/metrics",
         "HOST:PORT",

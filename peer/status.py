@@ -62,7 +62,11 @@ def reachability(status: dict[str, Any]) -> str:
         moves = int(status.get("relay_moves") or 0)
         moved = f", moved {moves} time{'s' if moves != 1 else ''}" if moves else ""
         relay_id = str(status.get("relay_id") or "")[:12]
-        return f"behind NAT, relayed through {status.get('relay')} ({relay_id}{seen}{moved})"
+        direct = list(status.get("direct_peers") or [])
+        punched = f"; direct to {', '.join(direct)} after punching" if direct else ""
+        return (
+            f"behind NAT, relayed through {status.get('relay')} ({relay_id}{seen}{moved}){punched}"
+        )
     if kind == "public":
         relayed = int(status.get("relaying_reservations") or 0)
         relaying = (

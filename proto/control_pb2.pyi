@@ -216,7 +216,7 @@ class CodecStats(_message.Message):
     def __init__(self, rounds: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("peer_id", "run_id", "address", "control", "client_mode", "known_peers", "dht_size_estimate", "rounds_done", "rounds_failed", "bytes_sent", "bytes_received", "codecs", "failures", "uptime", "version", "active_calls", "shm_dir", "shm_dev", "shm_ino", "pid", "bandwidth", "bandwidth_measured", "bandwidth_samples", "rounds_partial", "kind", "stored_records", "reachability", "relay", "relay_id", "observed_host", "relay_moves", "relaying_reservations", "relayed_bytes", "relayed_connections")
+    __slots__ = ("peer_id", "run_id", "address", "control", "client_mode", "known_peers", "dht_size_estimate", "rounds_done", "rounds_failed", "bytes_sent", "bytes_received", "codecs", "failures", "uptime", "version", "active_calls", "shm_dir", "shm_dev", "shm_ino", "pid", "bandwidth", "bandwidth_measured", "bandwidth_samples", "rounds_partial", "kind", "stored_records", "reachability", "relay", "relay_id", "observed_host", "relay_moves", "relaying_reservations", "relayed_bytes", "relayed_connections", "direct_peers", "punches_succeeded", "punches_failed")
     class CodecsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +265,9 @@ class StatusResponse(_message.Message):
     RELAYING_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     RELAYED_BYTES_FIELD_NUMBER: _ClassVar[int]
     RELAYED_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_PEERS_FIELD_NUMBER: _ClassVar[int]
+    PUNCHES_SUCCEEDED_FIELD_NUMBER: _ClassVar[int]
+    PUNCHES_FAILED_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     run_id: str
     address: str
@@ -299,7 +302,10 @@ class StatusResponse(_message.Message):
     relaying_reservations: int
     relayed_bytes: int
     relayed_connections: int
-    def __init__(self, peer_id: _Optional[str] = ..., run_id: _Optional[str] = ..., address: _Optional[str] = ..., control: _Optional[str] = ..., client_mode: _Optional[bool] = ..., known_peers: _Optional[int] = ..., dht_size_estimate: _Optional[float] = ..., rounds_done: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., codecs: _Optional[_Mapping[str, CodecStats]] = ..., failures: _Optional[_Mapping[str, int]] = ..., uptime: _Optional[float] = ..., version: _Optional[str] = ..., active_calls: _Optional[int] = ..., shm_dir: _Optional[str] = ..., shm_dev: _Optional[int] = ..., shm_ino: _Optional[int] = ..., pid: _Optional[int] = ..., bandwidth: _Optional[float] = ..., bandwidth_measured: _Optional[bool] = ..., bandwidth_samples: _Optional[int] = ..., rounds_partial: _Optional[int] = ..., kind: _Optional[str] = ..., stored_records: _Optional[int] = ..., reachability: _Optional[str] = ..., relay: _Optional[str] = ..., relay_id: _Optional[str] = ..., observed_host: _Optional[str] = ..., relay_moves: _Optional[int] = ..., relaying_reservations: _Optional[int] = ..., relayed_bytes: _Optional[int] = ..., relayed_connections: _Optional[int] = ...) -> None: ...
+    direct_peers: _containers.RepeatedScalarFieldContainer[str]
+    punches_succeeded: int
+    punches_failed: int
+    def __init__(self, peer_id: _Optional[str] = ..., run_id: _Optional[str] = ..., address: _Optional[str] = ..., control: _Optional[str] = ..., client_mode: _Optional[bool] = ..., known_peers: _Optional[int] = ..., dht_size_estimate: _Optional[float] = ..., rounds_done: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., codecs: _Optional[_Mapping[str, CodecStats]] = ..., failures: _Optional[_Mapping[str, int]] = ..., uptime: _Optional[float] = ..., version: _Optional[str] = ..., active_calls: _Optional[int] = ..., shm_dir: _Optional[str] = ..., shm_dev: _Optional[int] = ..., shm_ino: _Optional[int] = ..., pid: _Optional[int] = ..., bandwidth: _Optional[float] = ..., bandwidth_measured: _Optional[bool] = ..., bandwidth_samples: _Optional[int] = ..., rounds_partial: _Optional[int] = ..., kind: _Optional[str] = ..., stored_records: _Optional[int] = ..., reachability: _Optional[str] = ..., relay: _Optional[str] = ..., relay_id: _Optional[str] = ..., observed_host: _Optional[str] = ..., relay_moves: _Optional[int] = ..., relaying_reservations: _Optional[int] = ..., relayed_bytes: _Optional[int] = ..., relayed_connections: _Optional[int] = ..., direct_peers: _Optional[_Iterable[str]] = ..., punches_succeeded: _Optional[int] = ..., punches_failed: _Optional[int] = ...) -> None: ...
 
 class PeersRequest(_message.Message):
     __slots__ = ("training_run",)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from swarmavg.proto import common_pb2 as swarmavg_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aswarmavg/proto/relay.proto\x12\x0bswarmavg.v1\x1a\x1bswarmavg/proto/common.proto\"Z\n\x0f\x44ialBackRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\r\n\x05token\x18\x03 \x01(\x0c\"L\n\x10\x44ialBackResponse\x12\x11\n\treachable\x18\x01 \x01(\x08\x12\x15\n\robserved_host\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\x1d\n\x0cProbeRequest\x12\r\n\x05token\x18\x01 \x01(\x0c\"\x1e\n\rProbeResponse\x12\r\n\x05token\x18\x01 \x01(\x0c\"K\n\x0eReserveRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12\r\n\x05ports\x18\x02 \x01(\r\"k\n\nRelayEvent\x12)\n\x08reserved\x18\x01 \x01(\x0b\x32\x15.swarmavg.v1.ReservedH\x00\x12)\n\x08incoming\x18\x02 \x01(\x0b\x32\x15.swarmavg.v1.IncomingH\x00\x42\x07\n\x05\x65vent\"T\n\x08Reserved\x12\x10\n\x08relay_id\x18\x01 \x01(\x0c\x12\x12\n\nrelay_host\x18\x02 \x01(\t\x12\r\n\x05ports\x18\x03 \x03(\r\x12\x13\n\x0bsplice_port\x18\x04 \x01(\r\"@\n\x08Incoming\x12\x15\n\rconnection_id\x18\x01 \x01(\x0c\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06\x64ialer\x18\x03 \x01(\t2\xd3\x01\n\x05Relay\x12G\n\x08\x44ialBack\x12\x1c.swarmavg.v1.DialBackRequest\x1a\x1d.swarmavg.v1.DialBackResponse\x12>\n\x05Probe\x12\x19.swarmavg.v1.ProbeRequest\x1a\x1a.swarmavg.v1.ProbeResponse\x12\x41\n\x07Reserve\x12\x1b.swarmavg.v1.ReserveRequest\x1a\x17.swarmavg.v1.RelayEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aswarmavg/proto/relay.proto\x12\x0bswarmavg.v1\x1a\x1bswarmavg/proto/common.proto\"Z\n\x0f\x44ialBackRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\r\n\x05token\x18\x03 \x01(\x0c\"L\n\x10\x44ialBackResponse\x12\x11\n\treachable\x18\x01 \x01(\x08\x12\x15\n\robserved_host\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"I\n\x0cProbeRequest\x12\r\n\x05token\x18\x01 \x01(\x0c\x12*\n\x06header\x18\x02 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\"\x1e\n\rProbeResponse\x12\r\n\x05token\x18\x01 \x01(\x0c\"K\n\x0eReserveRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12\r\n\x05ports\x18\x02 \x01(\r\"k\n\nRelayEvent\x12)\n\x08reserved\x18\x01 \x01(\x0b\x32\x15.swarmavg.v1.ReservedH\x00\x12)\n\x08incoming\x18\x02 \x01(\x0b\x32\x15.swarmavg.v1.IncomingH\x00\x42\x07\n\x05\x65vent\"T\n\x08Reserved\x12\x10\n\x08relay_id\x18\x01 \x01(\x0c\x12\x12\n\nrelay_host\x18\x02 \x01(\t\x12\r\n\x05ports\x18\x03 \x03(\r\x12\x13\n\x0bsplice_port\x18\x04 \x01(\r\"@\n\x08Incoming\x12\x15\n\rconnection_id\x18\x01 \x01(\x0c\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06\x64ialer\x18\x03 \x01(\t\"\x80\x01\n\x0cPunchRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12\x0f\n\x07session\x18\x02 \x01(\x0c\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x13\n\x0bstart_in_ms\x18\x05 \x01(\r\"H\n\rPunchResponse\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0bstart_in_ms\x18\x02 \x01(\r\x12\x11\n\tdata_port\x18\x03 \x01(\r2\x93\x02\n\x05Relay\x12G\n\x08\x44ialBack\x12\x1c.swarmavg.v1.DialBackRequest\x1a\x1d.swarmavg.v1.DialBackResponse\x12>\n\x05Probe\x12\x19.swarmavg.v1.ProbeRequest\x1a\x1a.swarmavg.v1.ProbeResponse\x12\x41\n\x07Reserve\x12\x1b.swarmavg.v1.ReserveRequest\x1a\x17.swarmavg.v1.RelayEvent0\x01\x12>\n\x05Punch\x12\x19.swarmavg.v1.PunchRequest\x1a\x1a.swarmavg.v1.PunchResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,17 +37,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DIALBACKRESPONSE']._serialized_start=164
   _globals['_DIALBACKRESPONSE']._serialized_end=240
   _globals['_PROBEREQUEST']._serialized_start=242
-  _globals['_PROBEREQUEST']._serialized_end=271
-  _globals['_PROBERESPONSE']._serialized_start=273
-  _globals['_PROBERESPONSE']._serialized_end=303
-  _globals['_RESERVEREQUEST']._serialized_start=305
-  _globals['_RESERVEREQUEST']._serialized_end=380
-  _globals['_RELAYEVENT']._serialized_start=382
-  _globals['_RELAYEVENT']._serialized_end=489
-  _globals['_RESERVED']._serialized_start=491
-  _globals['_RESERVED']._serialized_end=575
-  _globals['_INCOMING']._serialized_start=577
-  _globals['_INCOMING']._serialized_end=641
-  _globals['_RELAY']._serialized_start=644
-  _globals['_RELAY']._serialized_end=855
+  _globals['_PROBEREQUEST']._serialized_end=315
+  _globals['_PROBERESPONSE']._serialized_start=317
+  _globals['_PROBERESPONSE']._serialized_end=347
+  _globals['_RESERVEREQUEST']._serialized_start=349
+  _globals['_RESERVEREQUEST']._serialized_end=424
+  _globals['_RELAYEVENT']._serialized_start=426
+  _globals['_RELAYEVENT']._serialized_end=533
+  _globals['_RESERVED']._serialized_start=535
+  _globals['_RESERVED']._serialized_end=619
+  _globals['_INCOMING']._serialized_start=621
+  _globals['_INCOMING']._serialized_end=685
+  _globals['_PUNCHREQUEST']._serialized_start=688
+  _globals['_PUNCHREQUEST']._serialized_end=816
+  _globals['_PUNCHRESPONSE']._serialized_start=818
+  _globals['_PUNCHRESPONSE']._serialized_end=890
+  _globals['_RELAY']._serialized_start=893
+  _globals['_RELAY']._serialized_end=1168
 # @@protoc_insertion_point(module_scope)

@@ -28,10 +28,12 @@ class DialBackResponse(_message.Message):
     def __init__(self, reachable: _Optional[bool] = ..., observed_host: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
-    __slots__ = ("token",)
+    __slots__ = ("token", "header")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
     token: bytes
-    def __init__(self, token: _Optional[bytes] = ...) -> None: ...
+    header: _common_pb2.RequestHeader
+    def __init__(self, token: _Optional[bytes] = ..., header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ...) -> None: ...
 
 class ProbeResponse(_message.Message):
     __slots__ = ("token",)
@@ -76,3 +78,27 @@ class Incoming(_message.Message):
     index: int
     dialer: str
     def __init__(self, connection_id: _Optional[bytes] = ..., index: _Optional[int] = ..., dialer: _Optional[str] = ...) -> None: ...
+
+class PunchRequest(_message.Message):
+    __slots__ = ("header", "session", "index", "address", "start_in_ms")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    START_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    session: bytes
+    index: int
+    address: str
+    start_in_ms: int
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., session: _Optional[bytes] = ..., index: _Optional[int] = ..., address: _Optional[str] = ..., start_in_ms: _Optional[int] = ...) -> None: ...
+
+class PunchResponse(_message.Message):
+    __slots__ = ("address", "start_in_ms", "data_port")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    START_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    start_in_ms: int
+    data_port: int
+    def __init__(self, address: _Optional[str] = ..., start_in_ms: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...

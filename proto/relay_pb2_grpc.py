@@ -49,6 +49,11 @@ class RelayStub:
                 request_serializer=swarmavg_dot_proto_dot_relay__pb2.ReserveRequest.SerializeToString,
                 response_deserializer=swarmavg_dot_proto_dot_relay__pb2.RelayEvent.FromString,
                 _registered_method=True)
+        self.Punch = channel.unary_unary(
+                '/swarmavg.v1.Relay/Punch',
+                request_serializer=swarmavg_dot_proto_dot_relay__pb2.PunchRequest.SerializeToString,
+                response_deserializer=swarmavg_dot_proto_dot_relay__pb2.PunchResponse.FromString,
+                _registered_method=True)
 
 
 class RelayServicer:
@@ -79,6 +84,16 @@ class RelayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Punch(self, request, context):
+        """Hole punching (docs/peer.md "Hole punching"): a NATed peer asks another NATed peer,
+        through that peer's relayed address, to open a direct TCP connection by simultaneous
+        open. Each side names the address its relay observed for its punch port; the answer
+        carries the start time both connect at.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RelayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +111,11 @@ def add_RelayServicer_to_server(servicer, server):
                     servicer.Reserve,
                     request_deserializer=swarmavg_dot_proto_dot_relay__pb2.ReserveRequest.FromString,
                     response_serializer=swarmavg_dot_proto_dot_relay__pb2.RelayEvent.SerializeToString,
+            ),
+            'Punch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Punch,
+                    request_deserializer=swarmavg_dot_proto_dot_relay__pb2.PunchRequest.FromString,
+                    response_serializer=swarmavg_dot_proto_dot_relay__pb2.PunchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +199,33 @@ class Relay:
             '/swarmavg.v1.Relay/Reserve',
             swarmavg_dot_proto_dot_relay__pb2.ReserveRequest.SerializeToString,
             swarmavg_dot_proto_dot_relay__pb2.RelayEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Punch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmavg.v1.Relay/Punch',
+            swarmavg_dot_proto_dot_relay__pb2.PunchRequest.SerializeToString,
+            swarmavg_dot_proto_dot_relay__pb2.PunchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -513,6 +513,10 @@ class DataConnector:
         self._closed = False
         self.opened = 0
         """Connections opened so far (the rest of the streams reused one)."""
+        self.route: Callable[[str | None, str, int], tuple[str, int]] | None = None
+        """Where a new connection to ``(peer's gRPC address, host, port)`` connects (None:
+        ``host:port``); set by a NATed peer's direct links after hole punching. Idle
+        connections stay filed under ``host:port``."""
 
     def refused(self, host: str, port: int) -> None:
         """The reducer at ``host:port`` refused or could not take a stream: use gRPC for
@@ -533,31 +537,41 @@ class DataConnector:
         """Reducers remembered as unreachable now (at most 1024)."""
         return len(self._unreachable)
 
-    async def open(self, host: str, port: int, timeout: float) -> DataCall | None:
-        """A new stream to ``host:port``, or ``None`` (unreachable now: use gRPC)."""
+    def forget(self, host: str, port: int) -> None:
+        """Close the idle connections to ``host:port`` (its route changed)."""
+        for _, protocol in self._idle.pop((host, port), []):
+            protocol.close()
+
+    async def open(
+        self, host: str, port: int, timeout: float, peer: str | None = None
+    ) -> DataCall | None:
+        """A new stream to ``host:port`` (the data plane of the peer at gRPC address
+        ``peer``), or ``None`` (unreachable now: use gRPC)."""
         key = (host, port)
         now = time.monotonic()
         if self._closed or self._unreachable.get(key, 0.0) > now:
             return None
-        idle = self._idle.get(key, [])
+        # Idle connections are filed under where they lead: when the route changes (a direct
+        # link after hole punching), the next stream takes the new route, not an old one.
+        target = key if self.route is None else self.route(peer, host, port)
+        idle = self._idle.get(target, [])
         while idle:
             since, idle_protocol = idle.pop()
             if idle_protocol.usable and now - since < _IDLE_CLIENT:
-                return DataCall(idle_protocol, self._release_to(key))
+                return DataCall(idle_protocol, self._release_to(target))
             idle_protocol.close()
-        self._idle.pop(key, None)  # no empty lists left behind for every address ever used
+        self._idle.pop(target, None)  # no empty lists left behind for every address ever used
         loop = asyncio.get_running_loop()
         protocol: _FrameProtocol | None = None
         until = now + max(timeout, 0.001)
         try:
             async with asyncio.timeout(max(min(timeout, self.connect_timeout), 0.001)):
                 if self._tls is None:
-                    _, protocol = await loop.create_connection(self._new_protocol, host, port)
+                    _, protocol = await loop.create_connection(self._new_protocol, *target)
                 else:
                     _, protocol = await loop.create_connection(
                         self._new_protocol,
-                        host,
-                        port,
+                        *target,
                         ssl=self._tls.client_context,
                         server_hostname=SERVER_HOSTNAME,
                     )
@@ -575,7 +589,7 @@ class DataConnector:
                 protocol.close(discard=True)
             self.refused(host, port)
             return None
-        return DataCall(protocol, self._release_to(key))
+        return DataCall(protocol, self._release_to(target))
 
     def _new_protocol(self) -> _FrameProtocol:
         return _FrameProtocol(congestion_control=self._congestion_control)

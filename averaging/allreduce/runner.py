@@ -306,7 +306,7 @@ class _Exchange:
         connector = self.service.data_connector
         if data_port and connector is not None:
             remaining = self.deadline - time.monotonic()
-            call = await connector.open(split_host(address), data_port, remaining)
+            call = await connector.open(split_host(address), data_port, remaining, address)
             if call is not None:
                 return call
         return self._grpc_call(address)

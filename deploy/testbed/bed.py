@@ -7,7 +7,8 @@ the root namespace, so the host machine's own network is never touched)::
       |- <prefix>-<host>   public host: eth0 = 10.77.<n>.(10+i)/24
       |- <prefix>-<host>-gw   NAT router: wan0 = 10.77.<n>.(100+i)/24, lan0 = 10.78.<i>.1/24,
            |                  iptables MASQUERADE out of wan0, nothing forwarded in unless
-           |                  it belongs to a connection the LAN side opened
+           |                  it belongs to a connection the LAN side opened, and what
+           |                  arrives for the router itself unasked dropped (no reset)
            '- <prefix>-<host>  host behind NAT: eth0 = 10.78.<i>.2/24, default route via lan0
 
 A host's *link* is the veth pair from its eth0 to the switch (or to its router). A rate limit
@@ -51,11 +52,16 @@ class HostSpec:
         rate_mbit: limit of the host's link in megabits per second, both directions;
             None for no limit.
         nat: the host sits behind its own NAT router and can only dial out.
+        nat_random_ports: the router maps every connection to a random public port
+            (MASQUERADE ``--random-fully``, a "symmetric" NAT): the port a peer learns for a
+            connection says nothing about the next one, so hole punching cannot work.
+            Otherwise it keeps the host's port where it can, like most home routers.
     """
 
     name: str
     rate_mbit: float | None = None
     nat: bool = False
+    nat_random_ports: bool = False
 
 
 @dataclass(frozen=True)
@@ -264,6 +270,33 @@ class TestBed:
             host.link_ends,
         )
 
+    def count_forwarded_from(self, name: str, source_ip: str) -> None:
+        """Count, from now on, the bytes ``name``'s NAT router forwards to its host from
+        ``source_ip`` (a rule with no verdict at the top of its FORWARD chain)."""
+        router = self._router(name)
+        _system.run(
+            [
+                "ip", "netns", "exec", router, "iptables", "-I", "FORWARD", "1",
+                "-i", "wan0", "-s", f"{source_ip}/32",
+                "-m", "comment", "--comment", "testbed-count",
+            ]
+        )  # fmt: skip
+
+    def forwarded_from(self, name: str, source_ip: str) -> int:
+        """Bytes (IP packets) counted by :meth:`count_forwarded_from` so far."""
+        done = _system.run(["ip", "netns", "exec", self._router(name), "iptables-save", "-c"])
+        for line in done.stdout.splitlines():
+            if "testbed-count" in line and f"-s {source_ip}/32" in line:
+                counters = line.split("]", 1)[0].lstrip("[")
+                return int(counters.split(":")[1])
+        raise TestBedError(f"no counter for {source_ip} on {name}'s router")
+
+    def _router(self, name: str) -> str:
+        host = self.hosts[name]
+        if not host.nat:
+            raise ValueError(f"host {name} has no NAT router")
+        return host.link_ends[1][0]
+
     # -- construction ------------------------------------------------------------------------
 
     def _add_namespace(self, suffix: str) -> str:
@@ -308,7 +341,7 @@ class TestBed:
             self._configure_address(router, "lan0", f"{lan}.1/24")
             self._configure_address(namespace, "eth0", f"{lan}.2/24")
             _system.run(["ip", "-n", namespace, "route", "add", "default", "via", f"{lan}.1"])
-            self._configure_nat(router, f"{lan}.0/24")
+            self._configure_nat(router, f"{lan}.0/24", random_ports=spec.nat_random_ports)
             host = Host(
                 spec.name,
                 namespace,
@@ -347,7 +380,7 @@ class TestBed:
         _system.run(["ip", "-n", namespace, "link", "set", device, "up"])
 
     @staticmethod
-    def _configure_nat(router: str, lan_cidr: str) -> None:
+    def _configure_nat(router: str, lan_cidr: str, *, random_ports: bool = False) -> None:
         def iptables(*args: str) -> None:
             _system.run(["ip", "netns", "exec", router, "iptables", *args])
 
@@ -355,7 +388,8 @@ class TestBed:
         _system.run(
             ["ip", "netns", "exec", router, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"]
         )
-        iptables("-t", "nat", "-A", "POSTROUTING", "-s", lan_cidr, "-o", "wan0", "-j", "MASQUERADE")
+        masquerade = ["-j", "MASQUERADE", *(["--random-fully"] if random_ports else [])]
+        iptables("-t", "nat", "-A", "POSTROUTING", "-s", lan_cidr, "-o", "wan0", *masquerade)
         # A home router: replies to connections the LAN opened come in; nothing else does,
         # even from a peer that adds a route to the private range.
         iptables(
@@ -363,6 +397,14 @@ class TestBed:
             "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT",
         )  # fmt: skip
         iptables("-A", "FORWARD", "-i", "wan0", "-o", "lan0", "-j", "DROP")
+        # And, like a home router, it drops (never resets) what arrives for itself unasked:
+        # a hole-punching SYN that comes before the host's own has left is lost silently, so
+        # the host's SYN can still open the way (a reset would end the peer's attempt).
+        iptables(
+            "-A", "INPUT", "-i", "wan0",
+            "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT",
+        )  # fmt: skip
+        iptables("-A", "INPUT", "-i", "wan0", "-j", "DROP")
 
 
 @atexit.register

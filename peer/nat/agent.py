@@ -10,15 +10,20 @@
   is NATed and reserves at a relay among the peers that answered (:mod:`reservation`), and
   announces the relayed address; when nobody answered (older peers) nothing changes.
 
-A public peer with ``relay`` on serves reservations (:mod:`relay`). ``describe`` is what
-``swarmavg status`` shows.
+A public peer with ``relay`` on serves reservations (:mod:`relay`). A relayed peer punches
+holes to the other relayed peers it dials (:mod:`direct`) and answers their punches
+(:mod:`responder`). ``describe`` is what ``swarmavg status`` shows.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from google.protobuf.message import Message
 
 from swarmavg.dht.auth import Authenticator, RequestSigner, message_digest
 from swarmavg.dht.channels import ChannelPool
@@ -26,14 +31,18 @@ from swarmavg.dht.ranges import split_host
 from swarmavg.peer.nat.dialback import (
     DialBackLimits,
     DialBackRules,
+    HeaderFor,
     Reach,
     Reachability,
     TokenBook,
     check_reachability,
 )
+from swarmavg.peer.nat.direct import DirectRoutes
 from swarmavg.peer.nat.limits import RelayLimits
+from swarmavg.peer.nat.punch import Endpoint, parse_endpoint
 from swarmavg.peer.nat.relay import RelayServer
 from swarmavg.peer.nat.reservation import RESERVE_METHOD, RelayedAddress, ReservationKeeper
+from swarmavg.peer.nat.responder import PUNCH_METHOD, PunchResponder
 from swarmavg.peer.nat.service import RelayService
 from swarmavg.proto import common_pb2, relay_pb2
 
@@ -54,6 +63,31 @@ class Settled:
 
     address: str | None
     data_port: int = 0
+
+
+@dataclass(frozen=True)
+class PunchStatus:
+    """Hole punching as ``swarmavg status`` shows it.
+
+    Attributes:
+        direct_peers: the peers this peer reaches directly after punching (``IP (relayed
+            address)``).
+        punches_succeeded: punched connections so far, as initiator or responder.
+        punches_failed: punches that gave no connection.
+    """
+
+    direct_peers: list[str]
+    punches_succeeded: int
+    punches_failed: int
+
+
+def spread(peer_id: bytes, relays: Sequence[str]) -> list[str]:
+    """``relays`` in this peer's rendezvous order (highest sha256(peer id, address) first)."""
+    return sorted(
+        dict.fromkeys(relays),
+        key=lambda address: hashlib.sha256(peer_id + address.encode()).digest(),
+        reverse=True,
+    )
 
 
 def _with_port(host: str, port: int) -> str:
@@ -92,6 +126,10 @@ class NatAgent:
         self.reachability: Reachability | None = None
         self.mode = "unknown"
         self._authenticator: Authenticator | None = None
+        self._header: HeaderFor | None = None
+        self.responder = PunchResponder(self._own_relay, self._local_port, self._data_port)
+        self.routes: DirectRoutes | None = None
+        """This peer's direct links after hole punching (set while it is relayed)."""
         self.service = RelayService(
             channels,
             self.rules,
@@ -99,7 +137,31 @@ class NatAgent:
             lambda: self._authenticator,
             lambda: self.relay,
             peer_id,
+            self.responder,
+            lambda: self._header,
         )
+
+    def _own_relay(self) -> Endpoint | None:
+        """This peer's relay's splice port while it holds a reservation."""
+        keeper = self.keeper
+        if keeper is None or keeper.current is None or not keeper.current.splice_port:
+            return None
+        try:
+            return parse_endpoint(
+                f"{split_host(keeper.current.relay)}:{keeper.current.splice_port}"
+            )
+        except ValueError:
+            return None  # a relay known by name: no punching through it
+
+    def _local_port(self, index: int) -> tuple[str, int] | None:
+        keeper = self.keeper
+        if keeper is None or index >= len(keeper.local) or keeper.local[index][1] == 0:
+            return None
+        return keeper.local[index]
+
+    def _data_port(self) -> int:
+        keeper = self.keeper
+        return 0 if keeper is None or keeper.current is None else keeper.current.data_port
 
     @property
     def local_host(self) -> str:
@@ -120,11 +182,16 @@ class NatAgent:
     ) -> Settled:
         """Decide how this peer is announced; start the relay or a reservation to match."""
         self._authenticator = authenticator
+
+        def header(request: Message, method: str) -> common_pb2.RequestHeader:
+            return signer.sign(b"", method, message_digest(request))
+
+        self._header = header
         if not join or explicit_announce:
             self.mode = "public"
             await self._offer_relay(split_host(announced))
             return Settled(announced)
-        found = await check_reachability(self.channels, self.tokens, join, port)
+        found = await check_reachability(self.channels, self.tokens, join, port, header=header)
         self.reachability = found
         for line in found.details:
             log.debug("dial-back %s", line)
@@ -152,10 +219,13 @@ class NatAgent:
         def sign(request: relay_pb2.ReserveRequest) -> common_pb2.RequestHeader:
             return signer.sign(b"", RESERVE_METHOD, message_digest(request))
 
-        public = list(found.public_peers)
+        # Rendezvous order (a hash of this peer's id and the relay's address): NATed peers
+        # given the same initial peers spread over them instead of all reserving at the
+        # first, and each keeps its order across moves.
+        public = spread(self.peer_id, found.public_peers)
 
         def candidates() -> list[str]:
-            return public + [a for a in routing() if a not in public]
+            return public + spread(self.peer_id, [a for a in routing() if a not in public])
 
         keeper = ReservationKeeper(
             self.channels,
@@ -178,6 +248,11 @@ class NatAgent:
             )
             return Settled(None)
         self.mode = "relayed"
+
+        def sign_punch(request: relay_pb2.PunchRequest) -> common_pb2.RequestHeader:
+            return signer.sign(b"", PUNCH_METHOD, message_digest(request))
+
+        self.routes = DirectRoutes(self.channels, self._own_relay, sign_punch)
         return Settled(relayed.address, relayed.data_port)
 
     def set_data_port(self, port: int) -> None:
@@ -192,6 +267,9 @@ class NatAgent:
             self.relay = relay
 
     async def close(self) -> None:
+        if self.routes is not None:
+            await self.routes.close()
+        await self.responder.close()
         if self.keeper is not None:
             await self.keeper.close()
         if self.relay is not None:
@@ -206,4 +284,17 @@ class NatAgent:
             info.update(self.keeper.status())
         if self.relay is not None:
             info["relaying"] = self.relay.status()
+        info.update(dataclasses.asdict(self.punch_status()))
         return info
+
+    def punch_status(self) -> PunchStatus:
+        """Hole punching's part of the status: the peers reached directly, punches tried."""
+        routes = self.routes
+        responder = self.responder
+        if routes is None:
+            return PunchStatus([], responder.succeeded, responder.failed)
+        return PunchStatus(
+            routes.direct_peers(),
+            routes.succeeded + responder.succeeded,
+            routes.failed + responder.failed,
+        )

@@ -25,13 +25,16 @@ from enum import Enum
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
 from swarmavg.dht.channels import ChannelPool
 from swarmavg.dht.ranges import host_range
 from swarmavg.dht.ratelimit import TokenBucket
-from swarmavg.proto import relay_pb2, relay_pb2_grpc
+from swarmavg.proto import common_pb2, relay_pb2, relay_pb2_grpc
 
 TOKEN_BYTES = 16
+DIAL_BACK_METHOD = "/swarmavg.v1.Relay/DialBack"
+PROBE_METHOD = "/swarmavg.v1.Relay/Probe"
 
 
 @dataclass(frozen=True)
@@ -130,12 +133,26 @@ class TokenBook:
         self._tokens.pop(token, None)
 
 
-async def probe(channels: ChannelPool, target: str, token: bytes, timeout: float) -> str | None:
+HeaderFor = Callable[[Message, str], common_pb2.RequestHeader]
+"""Signs a request's header for a method (the daemon's DHT signer): a private run's server
+admits only requests whose header names the peer of the call's TLS credential."""
+
+
+async def probe(
+    channels: ChannelPool,
+    target: str,
+    token: bytes,
+    timeout: float,
+    header: HeaderFor | None = None,
+) -> str | None:
     """Call ``Probe`` at ``target`` with a deadline; None when the token came back, else why
     not (for the answer's detail)."""
     stub = relay_stub(channels.channel(target))
+    request = relay_pb2.ProbeRequest(token=token)
+    if header is not None:
+        request.header.CopyFrom(header(request, PROBE_METHOD))
     try:
-        answer = await stub.Probe(relay_pb2.ProbeRequest(token=token), timeout=timeout)
+        answer = await stub.Probe(request, timeout=timeout)
     except grpc.aio.AioRpcError as exc:
         # The channel stays in the pool (its idle sweep closes it): other calls may share it.
         return f"{target}: {exc.code().name} {exc.details() or ''}".strip()
@@ -175,6 +192,7 @@ async def check_reachability(
     peers: Iterable[str],
     port: int,
     timeout: float = 5.0,
+    header: HeaderFor | None = None,
 ) -> Reachability:
     """Ask each of ``peers`` (at most 4) to dial this peer back on ``port``.
 
@@ -188,6 +206,8 @@ async def check_reachability(
         try:
             stub = relay_stub(channels.channel(address))
             request = relay_pb2.DialBackRequest(port=port, token=token)
+            if header is not None:
+                request.header.CopyFrom(header(request, DIAL_BACK_METHOD))
             return address, await stub.DialBack(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             return address, f"{exc.code().name} {exc.details() or ''}".strip()
@@ -230,7 +250,12 @@ class DialBackRefused(Exception):
 
 
 async def dial_back(
-    rules: DialBackRules, channels: ChannelPool, observed_host: str, port: int, token: bytes
+    rules: DialBackRules,
+    channels: ChannelPool,
+    observed_host: str,
+    port: int,
+    token: bytes,
+    header: HeaderFor | None = None,
 ) -> relay_pb2.DialBackResponse:
     """Serve one dial-back: the rules, then the probe (bounded by ``probe_timeout``).
 
@@ -252,7 +277,7 @@ async def dial_back(
     try:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(rules.limits.probe_timeout + 1.0):
-                failure = await probe(channels, target, token, rules.limits.probe_timeout)
+                failure = await probe(channels, target, token, rules.limits.probe_timeout, header)
                 answer.reachable = failure is None
                 answer.detail = failure or ""
                 return answer

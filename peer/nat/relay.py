@@ -5,7 +5,9 @@ and its data plane): dialers connect there as to any peer, so the relayed addres
 ordinary ``HOST:PORT`` that every part of swarmavg dials unchanged. For each dialer the relay
 tells the NATed peer over its reservation stream (an outbound connection the NAT lets back
 in) "connection X on port i"; the peer connects out to the relay's splice port, sends X, and
-the relay joins the two connections byte for byte (:mod:`splice`). What passes is the peers'
+the relay joins the two connections byte for byte (:mod:`splice`). The splice port also tells
+a peer that sends :data:`OBSERVE_MAGIC` the address it sees that connection come from (a
+NATed peer's mapping, for hole punching). What passes is the peers'
 own traffic, signed end to end (and TLS in private runs), which the relay cannot read or
 alter without the receiver noticing.
 
@@ -17,6 +19,7 @@ whose connection the NATed peer does not take within ``accept_timeout`` is close
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -30,6 +33,9 @@ from swarmavg.proto import relay_pb2
 log = logging.getLogger(__name__)
 
 CONNECTION_ID_BYTES = 16
+OBSERVE_MAGIC = b"swarmavg-observe"
+"""Sent instead of a connection id on the splice port: the relay answers ``IP:PORT\\n``, the
+address it sees the connection come from, and closes (hole punching learns its mapping)."""
 MAX_RELAYED_PORTS = 2
 ACCEPT_TIMEOUT = 10.0
 """Seconds a dialer waits for the NATed peer's back-connection."""
@@ -221,6 +227,16 @@ class RelayServer:
             async with asyncio.timeout(ACCEPT_TIMEOUT):
                 connection_id = await reader.readexactly(CONNECTION_ID_BYTES)
         except (TimeoutError, asyncio.IncompleteReadError, OSError):
+            writer.close()
+            return
+        if connection_id == OBSERVE_MAGIC:
+            # A punching peer learns the public address its NAT maps a port to (punch.py).
+            peer = writer.get_extra_info("peername")
+            if peer:
+                host, port = str(peer[0]), int(peer[1])
+                writer.write(f"{host}:{port}\n".encode())
+                with contextlib.suppress(OSError, ConnectionError):
+                    await writer.drain()
             writer.close()
             return
         back = self._pending.pop(connection_id, None)

@@ -62,12 +62,14 @@ class RelayedAddress:
         relay_id: the relay's peer id.
         address: the relayed gRPC address (announce this).
         data_port: the relayed data-plane port on the relay's host (0: none).
+        splice_port: the relay's splice port (hole punching learns its mapping there).
     """
 
     relay: str
     relay_id: bytes
     address: str
     data_port: int
+    splice_port: int = 0
 
 
 def _format(host: str, port: int) -> str:
@@ -169,6 +171,7 @@ class ReservationKeeper:
                 relay_id=bytes(reserved.relay_id),
                 address=_format(relay_host, ports[0]),
                 data_port=ports[1] if len(ports) > 1 else 0,
+                splice_port=reserved.splice_port,
             )
             before = self.announced
             self.current = here

@@ -31,6 +31,7 @@ from swarmavg.averaging.allreduce.reducer import weighted_mean
 from swarmavg.averaging.group import GroupInfo, Member
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.dht import ChannelPool
+from swarmavg.peer.nat.splice import splice
 from tests.averaging.allreduce_peers import (
     FAST,
     LocalPeer,
@@ -293,3 +294,61 @@ async def test_averagers_advertise_and_use_the_data_plane_mixed_with_grpc_only()
             1,
             None,
         ]
+
+
+async def test_a_route_change_takes_effect_on_the_next_stream() -> None:
+    """An idle connection is reused only on the route it was opened on: once a peer's data
+    plane is routed elsewhere (a direct link after hole punching), the next round's stream
+    takes the new route instead of the connection the previous round left idle."""
+    async with averager_swarm(2) as swarm:
+        rng = np.random.default_rng(5)
+        services = [p.averager._require()[1] for p in swarm.peers]
+
+        async def one_round(key: str) -> None:
+            inputs = [[rng.standard_normal(70_000).astype(np.float32)] for _ in range(2)]
+            results = await asyncio.gather(
+                *(
+                    p.averager.average(inputs[i], key, group_size=2, timeout=20)
+                    for i, p in enumerate(swarm.peers)
+                )
+            )
+            mean = weighted_mean([x[0] for x in inputs], [1.0, 1.0])
+            for r in results:
+                np.testing.assert_allclose(r.tensors[0], mean, rtol=1e-5, atol=1e-6)
+
+        await one_round("before")
+        connector = services[0].data_connector
+        assert connector is not None
+        assert connector.opened == 1
+        # A forwarder to peer 1's data plane that counts what it carries.
+        target_port = services[1].data_port
+        forwarded: list[int] = []
+        joins: set[asyncio.Task[int]] = set()
+
+        def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            async def join() -> int:
+                other = await asyncio.open_connection("127.0.0.1", target_port)
+                forwarded.append(1)
+                return await splice((reader, writer), other)
+
+            joins.add(asyncio.ensure_future(join()))
+
+        forwarder = await asyncio.start_server(accept, "127.0.0.1", 0)
+        port = forwarder.sockets[0].getsockname()[1]
+        routed: list[tuple[str | None, str, int]] = []
+
+        def route(peer: str | None, host: str, data_port: int) -> tuple[str, int]:
+            routed.append((peer, host, data_port))
+            return ("127.0.0.1", port) if data_port == target_port else (host, data_port)
+
+        connector.route = route
+        try:
+            await one_round("after")
+            assert forwarded == [1]  # the new route, not the idle connection of round one
+            assert connector.opened == 2
+            assert routed[0][0] is not None  # the runner names the peer's gRPC address
+        finally:
+            forwarder.close()
+            for task in joins:
+                task.cancel()
+            await asyncio.gather(*joins, return_exceptions=True)

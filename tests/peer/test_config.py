@@ -43,6 +43,7 @@ SAMPLES: dict[str, str] = {
     "client_mode": "true",
     "relay": "false",
     "relay_rate": "8.0",
+    "hole_punching": "false",
     "identity": '"/tmp/id.key"',
     "run_file": '"/tmp/r.run.toml"',
     "credential": '"/tmp/id.cred.pem"',
