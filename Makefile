@@ -25,7 +25,7 @@ peer: $(STAMP)
 	$(BIN)/swarmavg peer
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
