@@ -22,10 +22,6 @@ class DHTAccess(Protocol):
 
     async def get(self, key: str, latest: bool = False) -> Any: ...
 
-    async def store_and_get(
-        self, key: str, value: Any, expiration: float, subkey: Any = None
-    ) -> tuple[bool, Any]: ...
-
     @property
     def signer(self) -> RequestSigner: ...
 

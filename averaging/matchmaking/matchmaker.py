@@ -340,22 +340,17 @@ class Matchmaker:
         return min(budget, max(0.05, give_up - time.time()))
 
     async def _store_declaration(self, rnd: _Round, budget: float) -> bool:
-        """Store our declaration; the same traversal reads the others' (``store_and_get``),
-        which counts as a read of the declarations: a peer learns whom to join one DHT
-        lookup sooner than with a store followed by a read."""
         subkey = declaration_subkey(self.peer_id)
         try:
             started = time.monotonic()
             async with asyncio.timeout(budget):
-                ok, record = await self.dht.store_and_get(
+                ok = await self.dht.store(
                     rnd.request.key, rnd.me.encode(), rnd.me.give_up, subkey=subkey
                 )
             self.dht_latency.observe(time.monotonic() - started)
         except (TimeoutError, grpc.aio.AioRpcError) as error:
             log.debug("declaring under %s failed: %r", rnd.request.key, error)
             return False
-        if started >= rnd.last_read:  # a retry in the background must not undo a newer read
-            self._apply_declarations(rnd, _decode_declarations(record), started)
         return ok
 
     async def _declare(self, rnd: _Round) -> None:
@@ -413,13 +408,7 @@ class Matchmaker:
         banned: dict[bytes, float] = {}  # peer id -> unix time until which we skip it
         redirect: _Redirect | None = None
         redirects = 0
-        # time.monotonic() of the next read of the declarations. Storing ours read them
-        # too; when that read named a leader to join, the next read can wait. A peer that
-        # found nobody to join reads again at once: its store may have reached the nodes
-        # before an earlier declarer's, whose group it belongs to.
-        next_read = 0.0
-        if rnd.last_read > -math.inf and self._pick_leader(rnd, banned) is not None:
-            next_read = rnd.last_read + self._read_interval(rnd)
+        next_read = 0.0  # time.monotonic() of the next read of the declarations
         while True:
             if rnd.result.done():
                 return rnd.result.result()

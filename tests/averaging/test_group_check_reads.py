@@ -51,16 +51,7 @@ class LeaderHiddenThenSlow:
                 self.stalled += 1
                 await asyncio.Event().wait()  # cancelled by the caller's deadline
             return await self._node.get(key, latest=latest)
-        return self._hide(await self._node.get(key, latest=latest))
-
-    async def store_and_get(
-        self, key: str, value: Any, expiration: float, subkey: Any = None
-    ) -> tuple[bool, Any]:
-        # the matchmaker's declaring store reads the declarations too: hide the leader there
-        stored, record = await self._node.store_and_get(key, value, expiration, subkey=subkey)
-        return stored, self._hide(record)
-
-    def _hide(self, record: Any) -> Any:
+        record = await self._node.get(key, latest=latest)
         if record is None or not isinstance(record.value, dict):
             return record
         kept = {}

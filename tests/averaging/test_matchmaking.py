@@ -292,34 +292,6 @@ async def test_repeated_join_supersedes_the_stale_stream() -> None:
 
 
 @pytest.mark.timeout(60)
-async def test_storing_a_declaration_reads_the_others_so_a_joiner_needs_no_separate_read() -> None:
-    async with averager_swarm(2) as swarm:
-        leader, joiner = swarm.peers
-        key = matchmaking_key(RUN_ID, "k", leader.averager.group_bits)
-        leading = asyncio.ensure_future(
-            leader.averager.average(inputs(0), "k", group_size=2, timeout=30.0)
-        )
-        await swarm.wait_for(lambda: any(e[0] is MatchmakingEvent.DECLARED for e in leader.events))
-        reads: list[str] = []
-        plain_get = joiner.node.get
-
-        async def counting_get(k: str, latest: bool = False) -> object:
-            reads.append(k)
-            return await plain_get(k, latest=latest)
-
-        joiner.node.get = counting_get  # type: ignore[method-assign]
-        joined = await joiner.averager.average(inputs(1), "k", group_size=2, timeout=30.0)
-        led = await leading
-        assert (
-            sorted(joined.peers)
-            == sorted(led.peers)
-            == sorted(p.peer_id.hex() for p in swarm.peers)
-        )
-        # the traversal that stored the joiner's declaration returned the leader's
-        assert key not in reads, reads
-
-
-@pytest.mark.timeout(60)
 async def test_a_peer_whose_inputs_fail_their_check_while_it_declares_joins_no_group() -> None:
     """The daemon checks a client's tensors while matchmaking declares; a failed check
     ends the search before any group counts the peer, and the others form no group

@@ -34,14 +34,11 @@ class FirstStoreStalls:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._node, name)
 
-    async def store_and_get(
-        self, key: str, value: Any, expiration: float, subkey: Any = None
-    ) -> tuple[bool, Any]:
-        # the matchmaker declares through store_and_get (a store and a read in one lookup)
+    async def store(self, key: str, value: Any, expiration: float, subkey: Any = None) -> bool:
         if self.stalled == 0:
             self.stalled += 1
             await asyncio.Event().wait()  # cancelled by the caller's deadline
-        return await self._node.store_and_get(key, value, expiration, subkey=subkey)
+        return await self._node.store(key, value, expiration, subkey=subkey)
 
 
 @pytest.mark.timeout(60)
