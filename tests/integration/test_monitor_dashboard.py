@@ -30,10 +30,13 @@ pytestmark = pytest.mark.integration
 RUN = "monitor-run"
 CHROMIUM = find_chromium()
 
+# Guarded: the first evaluations can run before the page has a body (CI saw `document.body`
+# null once) or while a plot's caption is being built; those read as "nothing plotted yet".
 PLOTS_JS = (
-    "JSON.stringify({updates: +document.body.dataset.updates, plots: Object.fromEntries("
-    "[...document.querySelectorAll('figure.plot')].map(f => [f.dataset.series, "
-    "{points: +f.dataset.points, last: f.querySelector('figcaption span').textContent}]))})"
+    "JSON.stringify(document.body ? {updates: +document.body.dataset.updates, plots: "
+    "Object.fromEntries([...document.querySelectorAll('figure.plot')].map(f => "
+    "[f.dataset.series, {points: +f.dataset.points, "
+    "last: f.querySelector('figcaption span')?.textContent ?? ''}]))} : {updates: 0, plots: {}})"
 )
 INKED_JS = (
     "(() => { const c = document.querySelector('figure[data-series=\"metric/loss\"] canvas');"
