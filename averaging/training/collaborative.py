@@ -593,15 +593,21 @@ class CollaborativeOptimizer(SwarmOptimizer):
         return result, error
 
     def _apply_gradients(self, grads: list[Any]) -> None:
+        """Step the wrapped optimizer on ``grads``. The caller's own ``.grad`` is put back
+        afterwards: a delayed round lands at the start of a ``step()``, after the caller's
+        backward, and that step's gradient is still to be accumulated."""
         import torch
 
+        own = [p.grad for p in self.params]
         with torch.no_grad():
             for p, g in zip(self.params, grads, strict=True):
                 source = g if isinstance(g, torch.Tensor) else torch.from_numpy(np.asarray(g))
                 p.grad = source.to(device=p.device, dtype=p.dtype).reshape(p.shape).clone()
-        self.optimizer.step()
-        for p in self.params:
-            p.grad = None
+        try:
+            self.optimizer.step()
+        finally:
+            for p, g in zip(self.params, own, strict=True):
+                p.grad = g
 
     def _apply_pending(self, *, block: bool) -> None:
         pending = self._pending

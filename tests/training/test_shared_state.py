@@ -206,3 +206,28 @@ def test_after_a_partial_or_failed_round_the_next_round_makes_them_one_again(fau
     else:
         assert c.failed == 1
         assert c.repairs + c.states_loaded >= 1  # repaired, or caught up from their state
+
+
+def test_a_delayed_round_that_lands_at_a_step_keeps_that_steps_gradient() -> None:
+    """The background round of ``delay_updates`` lands at the start of a later ``step()``,
+    after the caller's backward: applying it must not drop that step's gradient (its
+    samples count toward the next round's weight)."""
+    from tests.training.helpers import backward, batch
+
+    swarm = MemorySwarm()
+    peers = [make_peer(swarm, n, delay_updates=True) for n in "ab"]
+    train_all(peers, 1)  # epoch 0's round runs in the background (a late joiner's did not)
+    model, opt = next((m, o) for m, o in peers if o._pending is not None)
+    pending = opt._pending
+    assert pending is not None
+    pending.future.result(timeout=10)  # finished, not applied yet
+    backward(model, batch(7))
+    want = [p.grad.detach().clone() * 4 for p in model.parameters() if p.grad is not None]
+    opt.step()  # applies epoch 0's round, then accumulates this step
+    assert opt._pending is None
+    assert opt.epoch == 1
+    assert opt._grads is not None
+    for acc, expected in zip(opt._grads, want, strict=True):
+        assert torch.allclose(acc, expected)
+    for _, o in peers:
+        o.close()
