@@ -267,3 +267,75 @@ def test_scaled_float16_same_bits(shape: tuple[int, ...]) -> None:
 )
 def test_scaled_float16_same_bits_any_input(x: np.ndarray) -> None:
     assert_paths_match(get_codec("scaled-float16"), x)
+
+
+# --- the finiteness scan and codec none's checked copy ----------------------------------
+
+
+def _without_kernels(fn: Callable[[], T]) -> T:
+    from swarmavg.compression import native
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(native, "kernels", None)
+        m.setattr(floating, "native", None)
+        return fn()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, None])
+@pytest.mark.parametrize("where", [0, 1, 4097, -1])
+def test_the_finiteness_scan_matches_numpy(dtype: type, bad: float | None, where: int) -> None:
+    from swarmavg.compression.kernels import all_finite
+
+    x = np.random.default_rng(abs(where)).standard_normal(10_001).astype(dtype)
+    x[7] = np.finfo(dtype).max  # huge but finite: the sum overflows, the scan must not care
+    x[8] = np.finfo(dtype).max
+    x[9] = -0.0
+    x[10] = np.finfo(dtype).smallest_subnormal
+    if bad is not None:
+        x[where] = bad
+    want = bad is None
+    assert all_finite(x) is want
+    assert _without_kernels(lambda: all_finite(x)) is want
+    assert all_finite(x.reshape(73, 137)) is want  # any contiguous shape
+    assert all_finite(x[1:]) is (want or where == 0)  # at an odd offset
+
+
+def test_the_finiteness_scan_leaves_other_layouts_to_numpy() -> None:
+    from swarmavg.compression.kernels import all_finite
+
+    x = np.ones(1000, np.float32)
+    x[3] = np.nan
+    assert not all_finite(x[1::2])  # strided: numpy's path
+    assert all_finite(x[::2][2:])
+    assert not all_finite(x.astype(np.float16))
+    assert all_finite(np.empty(0, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_codec_none_decodes_into_an_output_with_the_same_bits_on_both_paths(dtype: type) -> None:
+    codec = get_codec("none")
+    x = _float32_sweep().astype(dtype)[:50_000]
+    x[:3] = [-0.0, np.finfo(dtype).smallest_subnormal, -np.finfo(dtype).max]
+    encoded = codec.encode_payload(x, CodecInfo())
+    payload = b"\x00" + bytes(memoryview(encoded.payload).cast("B"))  # at an odd offset
+    view = memoryview(payload)[1:]
+    outs = (np.full(x.size, 7, dtype), np.full(x.size, 7, dtype))
+    codec.decode_payload_into(encoded.header, view, outs[0])
+    _without_kernels(lambda: codec.decode_payload_into(encoded.header, view, outs[1]))
+    assert_same_bits(outs[0], x)
+    assert_same_bits(outs[1], x)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_codec_none_refuses_to_decode_nan_or_inf_into_an_output_on_both_paths(bad: float) -> None:
+    codec = get_codec("none")
+    x = np.ones(5000, np.float32)
+    encoded = codec.encode_payload(x, CodecInfo())
+    payload = bytearray(memoryview(encoded.payload).cast("B"))
+    payload[4 * 4321 : 4 * 4322] = np.array([bad], "<f4").tobytes()
+    out = np.empty(5000, np.float32)
+    with pytest.raises(CodecError, match="NaN or Inf"):
+        codec.decode_payload_into(encoded.header, bytes(payload), out)
+    with pytest.raises(CodecError, match="NaN or Inf"):
+        _without_kernels(lambda: codec.decode_payload_into(encoded.header, bytes(payload), out))
