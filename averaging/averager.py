@@ -368,7 +368,12 @@ class Averager:
                 index = group.index_of(self.dht.peer_id)
                 if index is None:  # find_group checks this; keep mypy and -O honest
                     raise AveragingError("matchmaking returned a group without this peer")
-                self._keys.on_group_formed(group.group_id, index, group.size)
+                together = self._keys.on_group_formed(group.group_id, index, group.size)
+                matchmaker.carry_previous(
+                    match.family,
+                    self._keys.key_for(key_family(request.key)),
+                    {group.members[j].peer_id for j in together},
+                )
                 phase = "allreduce"
                 result = await run_allreduce(
                     group,

@@ -89,6 +89,16 @@ def next_group_bits(bits: str, group_id: bytes, index: int, group_size: int) -> 
     return (bits + new)[-len(bits) :]
 
 
+def companions(bits: str, group_id: bytes, index: int, group_size: int) -> frozenset[int]:
+    """Indices of the members of a group (``index`` included) whose bits after the round
+    equal member ``index``'s: the ones it meets again under its next key. Without group
+    bits that is everyone."""
+    mine = next_group_bits(bits, group_id, index, group_size)
+    return frozenset(
+        j for j in range(group_size) if next_group_bits(bits, group_id, j, group_size) == mine
+    )
+
+
 class GroupKeyManager:
     """Holds one peer's current group bits and advances them after every round.
 
@@ -103,6 +113,9 @@ class GroupKeyManager:
         """The matchmaking DHT key for averaging ``key`` with the current bits."""
         return matchmaking_key(self.run_id, key, self.group_bits)
 
-    def on_group_formed(self, group_id: bytes, index: int, group_size: int) -> None:
-        """Advance the bits after a round at position ``index`` in a group of ``group_size``."""
+    def on_group_formed(self, group_id: bytes, index: int, group_size: int) -> frozenset[int]:
+        """Advance the bits after a round at position ``index`` in a group of ``group_size``;
+        return the indices of the members that move to the same bits (:func:`companions`)."""
+        together = companions(self.group_bits, group_id, index, group_size)
         self.group_bits = next_group_bits(self.group_bits, group_id, index, group_size)
+        return together

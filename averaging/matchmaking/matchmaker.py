@@ -35,7 +35,7 @@ import math
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -245,6 +245,15 @@ class Matchmaker:
         # family -> the other members of our last group in it and their addresses (the
         # fast quorum; "" for a client-mode member).
         self._previous: collections.OrderedDict[str, dict[bytes, str]] = collections.OrderedDict()
+
+    def carry_previous(self, family: str, next_family: str, companions: Collection[bytes]) -> None:
+        """After a round under ``family``: of its other members, only ``companions`` meet
+        this peer again, under ``next_family`` (Moshpit's group bits send the others to
+        other keys), so only they are expected there as the fast quorum. Nothing stays
+        expected under ``family``: members that moved on never declare there, and a leader
+        waits for a live previous member until ``matchmaking_time``."""
+        others = self._previous.pop(family, {})
+        _remember(self._previous, next_family, {p: a for p, a in others.items() if p in companions})
 
     def settle_time(self) -> float:
         """How long a new leader waits before its first close (from measured latency)."""

@@ -12,6 +12,7 @@ from swarmavg.averaging.matchmaking.keys import (
     GroupKeyManager,
     bits_for_group_size,
     bucket_for_member,
+    companions,
     matchmaking_key,
     next_group_bits,
     validate_bits,
@@ -105,3 +106,23 @@ def test_folded_grid_two_rounds_give_exact_global_mean(group_size: int, num_peer
     values = simulate(num_peers, group_size, 2, initial)
     exact = Fraction(sum(i * i + 3 * i for i in range(num_peers)), num_peers)
     assert all(v == exact for v in values)
+
+
+@pytest.mark.parametrize("bits", ["", "0", "01", "0110"])
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 8, 16])
+def test_companions_are_exactly_the_members_with_the_same_next_bits(bits: str, size: int) -> None:
+    group_id = bytes(range(20))
+    nexts = [next_group_bits(bits, group_id, j, size) for j in range(size)]
+    for index in range(size):
+        together = companions(bits, group_id, index, size)
+        assert index in together
+        assert together == {j for j in range(size) if nexts[j] == nexts[index]}
+    if not bits:
+        assert companions(bits, group_id, 0, size) == set(range(size))
+
+
+def test_the_key_manager_says_who_moves_along_with_it() -> None:
+    manager = GroupKeyManager("run", "01")
+    together = manager.on_group_formed(b"g" * 20, 1, 4)
+    assert together == companions("01", b"g" * 20, 1, 4)
+    assert manager.group_bits == next_group_bits("01", b"g" * 20, 1, 4)

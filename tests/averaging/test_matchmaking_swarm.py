@@ -122,3 +122,18 @@ async def test_a_dead_previous_member_is_not_waited_for(given: bool) -> None:
         after = close_reasons(swarm)
         assert after.get("deadline", 0) == before.get("deadline", 0), after
         swarm.peers.append(dead)  # stopped again (a no-op) on close
+
+
+@pytest.mark.timeout(150)
+async def test_moshpit_groups_expect_only_the_previous_members_that_share_their_next_key() -> None:
+    # With group bits, a round's members move to different keys. A peer whose bits come
+    # out unchanged must not expect the members that moved on: they never declare under
+    # its key, are alive (so no probe drops them), and would hold its group until
+    # matchmaking_time (rounds of 15 s with a window of 15 s before the fix).
+    config = fast_config(matchmaking_time=40.0, group_bits="0", target_group_size=4)
+    async with averager_swarm(6, config) as swarm:
+        for step in range(4):
+            results = await round_of(swarm, f"m{step}", timeout=90.0)
+            assert len(results) == 6
+            assert frozenset().union(*groups_of(results)) == {p.peer_id.hex() for p in swarm.peers}
+        assert "deadline" not in close_reasons(swarm), close_reasons(swarm)
