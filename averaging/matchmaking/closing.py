@@ -10,8 +10,9 @@ out a fixed window (docs/averaging.md, "When a group closes"). It expects:
   peer whose declaration is still on its way is not left out;
 - whatever the caller expects: a ``group_size`` given with the call is a number of peers
   the caller knows of (the training wrappers count them in the progress records), so
-  the leader waits for that many (up to the upper bound) and a full group closes at once;
-  the daemon's default group size is only a cap.
+  the leader waits for that many (up to the upper bound) and a full group closes at once,
+  or, when more peers are known than one group holds, for its share of the balanced
+  split (:func:`wanted_here`); the daemon's default group size is only a cap.
 
 Two guards keep a fast close from splitting a swarm. A leader never closes earlier than
 one *settle time* after it started looking, so peers that called at about the same time
@@ -139,6 +140,28 @@ class LeaderView:
         return self.previous - self.taken - self.gone
 
 
+def wanted_here(view: LeaderView) -> int:
+    """How many of the peers the caller expects this leader's group must hold.
+
+    The caller's ``wanted`` counts the swarm (the training wrappers count its progress
+    records), less the previous members found dead. While those peers fit in one group,
+    the leader waits for all of them. Once more peers are known than one group holds, the
+    balanced split (:func:`assign_leaders`) gives each leader only its share, at least the
+    smallest group of the split: waiting for the whole count there could never be met
+    (5 peers with a given group size of 4 form 2 + 3), and every group of the split
+    would wait out ``matchmaking_time``. Which peers the leader still waits for is then
+    the expected set's to decide.
+    """
+    wanted = view.wanted - len(view.gone - view.members)
+    if wanted <= 0:
+        return wanted
+    # Peers in groups that closed elsewhere count: they are part of the same split.
+    known = len({d.peer_id for d in view.declarations} | view.members)
+    swarm = max(wanted, known)
+    groups = math.ceil(swarm / view.group_size)
+    return min(wanted, swarm // groups)
+
+
 def expected_members(view: LeaderView, now: float, patience: float) -> frozenset[bytes]:
     """The peers the leader still waits for (members already in included).
 
@@ -184,8 +207,7 @@ def close_reason(
     size = len(view.members)
     if size >= view.group_size:
         return "full"
-    wanted = view.wanted - len(view.gone - view.members)
-    if size < max(view.min_group_size, wanted):
+    if size < max(view.min_group_size, wanted_here(view)):
         return None
     if not expected_members(view, now, patience) <= view.members:
         return None

@@ -191,3 +191,20 @@ def test_key_family() -> None:
     assert key_family("step-42") == key_family("step-7") == "step-"
     assert key_family("run.grad.e12") == "run.grad.e"
     assert key_family("k") == "k"
+
+
+def test_a_caller_count_larger_than_the_split_gives_waits_for_the_share_only() -> None:
+    # 5 declarers called with group_size=4 (the caller counts 4): the split is 3 + 2 and
+    # this leader gets 0, 2, 4, so its group closes rather than wait for a fourth member.
+    v = view({2, 4}, [1, 2, 3, 4], wanted=4, group_size=4)
+    assert close_reason(v, now=0.5, started=0.0, settle=0.1, patience=1.0, fresh=True) == (
+        "complete"
+    )
+    # Members of the other group, closed already, still count in the swarm.
+    v = view({2, 4}, [1, 2, 3, 4], taken={1, 3}, wanted=4, group_size=4)
+    assert close_reason(v, now=0.5, started=0.0, settle=0.1, patience=1.0, fresh=True) == (
+        "complete"
+    )
+    # While the swarm fits in one group, the caller's whole count is waited for.
+    v = view({2}, [1, 2], wanted=4, group_size=4)
+    assert close_reason(v, now=5.0, started=0.0, settle=0.1, patience=1.0, fresh=True) is None

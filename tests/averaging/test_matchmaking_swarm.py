@@ -75,6 +75,10 @@ async def test_one_more_peer_than_the_group_size_gives_balanced_groups() -> None
             groups = groups_of(results)
             assert [len(g) for g in groups] == [2, 3], groups
             assert frozenset().union(*groups) == {p.peer_id.hex() for p in swarm.peers}
+        # The caller's count (4) is more than either group of the split: neither leader
+        # may wait out the window for it.
+        reasons = close_reasons(swarm)
+        assert "deadline" not in reasons, reasons
 
 
 @pytest.mark.timeout(120)

@@ -97,7 +97,7 @@ def build(spec: dict[str, Any], model: torch.nn.Module, client: Any) -> Any:
             target_batch_size=spec["target"],
             batch_size_per_step=spec["batch"],
             rank=1,
-            max_wait=10.0,
+            max_wait=spec.get("max_wait", 10.0),
             **common,
         )
     return CollaborativeOptimizer(
@@ -107,7 +107,7 @@ def build(spec: dict[str, Any], model: torch.nn.Module, client: Any) -> Any:
         spec["run_id"],
         target_batch_size=spec["target"],
         batch_size_per_step=spec["batch"],
-        max_wait=10.0,
+        max_wait=spec.get("max_wait", 10.0),
         delay_updates=bool(spec.get("delay_updates")),
         **common,
     )

@@ -10,6 +10,9 @@ machine; and a leader that vanishes makes its follower fail, not hang.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,21 +29,78 @@ pytestmark = pytest.mark.integration
 RUN = "hier-test"
 BATCHES = {(0, 0): 2, (0, 1): 4, (1, 0): 6, (1, 1): 8}
 """Samples per step of each (machine, rank): unequal, so that the weights matter."""
+_TEST_RUNS = itertools.count()
 
 
 def start_daemons(pool: ProcessPool, n: int) -> list[SwarmavgProcess]:
     return hier_machines.start_daemons(pool, n, RUN)
 
 
+def status_of(daemon: SwarmavgProcess) -> dict[str, Any]:
+    from swarmavg.peer import connect
+
+    with connect(daemon.control) as client:
+        return client.status()
+
+
+@dataclass(frozen=True)
+class Machines:
+    """The module's two daemons as one test sees them.
+
+    Attributes:
+        daemons: the daemons, shared by the tests of this module that kill none of them
+            (starting two daemons costs more than most of these tests' training).
+        run_id: the trainers' run id (their key prefix), this test's own, so that no
+            progress record, round or state of an earlier test is seen.
+        before: each daemon's status when the test began: the rounds it counts are
+            differences from it.
+    """
+
+    daemons: list[SwarmavgProcess]
+    run_id: str
+    before: list[dict[str, Any]]
+
+    def rounds(self, m: int, field: str) -> int:
+        """Rounds of ``field`` (``rounds_done``, ``rounds_failed``) daemon ``m`` counted
+        since the test began."""
+        return int(status_of(self.daemons[m])[field]) - int(self.before[m][field])
+
+
+@pytest.fixture(scope="module")
+def shared_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[SwarmavgProcess]]:
+    pool = ProcessPool(tmp_path_factory.mktemp("hier-daemons"))
+    try:
+        yield start_daemons(pool, 2)
+    finally:
+        pool.close()
+
+
+@pytest.fixture
+def machines(shared_daemons: list[SwarmavgProcess]) -> Machines:
+    for daemon in shared_daemons:  # an earlier test must not have lost one
+        assert daemon.proc.poll() is None, daemon.stderr()
+    return Machines(
+        shared_daemons,
+        f"{RUN}-{next(_TEST_RUNS)}",
+        [status_of(daemon) for daemon in shared_daemons],
+    )
+
+
 def run_machines(
-    workdir: Path, daemons: list[SwarmavgProcess], ranks: int, timeout: float, **spec: Any
+    workdir: Path,
+    daemons: list[SwarmavgProcess],
+    ranks: int,
+    timeout: float,
+    *,
+    run_id: str = RUN,
+    **spec: Any,
 ) -> hier_machines.Records:
     return hier_machines.run_machines(
         workdir,
         daemons,
         ranks,
         timeout,
-        run_id=RUN,
+        run_id=run_id,
         batch_of=lambda m, r: BATCHES[(m, r)],
         **spec,
     )
@@ -69,36 +129,38 @@ def expected_collaborative(records: dict[tuple[int, int], dict[str, Any]], epoch
 
 
 def assert_one_machine_per_peer(
-    records: dict[tuple[int, int], dict[str, Any]], daemons: list[SwarmavgProcess], epochs: int
+    records: dict[tuple[int, int], dict[str, Any]], machines: Machines, epochs: int
 ) -> None:
-    from swarmavg.peer import connect
-
     for key, record in records.items():
         assert record.get("ok"), (key, record)
-    for m, _ in enumerate(daemons):
+    for m, _ in enumerate(machines.daemons):
         leader = records[(m, 0)]
         # the swarm sees one progress record per machine, and each round two members
         assert leader["progress_processes"] == 2
         assert leader["group_sizes"] == [2] * epochs
         assert leader["failed"] == 0
-    for daemon in daemons:
-        with connect(daemon.control) as client:
-            status = client.status()
         # the machine's bytes crossed its daemon once per round: one round per epoch
-        assert status["rounds_done"] == epochs
-        assert status["rounds_failed"] == 0
+        assert machines.rounds(m, "rounds_done") == epochs
+        assert machines.rounds(m, "rounds_failed") == 0
 
 
 @pytest.mark.timeout(300)
 def test_two_machines_of_two_ranks_average_gradients_once_per_machine(
-    swarmavg_processes: ProcessPool, tmp_path: Path
+    machines: Machines, tmp_path: Path
 ) -> None:
-    daemons = start_daemons(swarmavg_processes, 2)
+    daemons = machines.daemons
     epochs = 2
     records = run_machines(
-        tmp_path, daemons, 2, timeout=240, wrapper="collaborative", target=48, epochs=epochs
+        tmp_path,
+        daemons,
+        2,
+        timeout=240,
+        wrapper="collaborative",
+        target=48,
+        epochs=epochs,
+        run_id=machines.run_id,
     )
-    assert_one_machine_per_peer(records, daemons, epochs)
+    assert_one_machine_per_peer(records, machines, epochs)
     for m in range(2):  # ranks of one machine step in lockstep
         assert records[(m, 0)]["steps_per_epoch"] == records[(m, 1)]["steps_per_epoch"]
     final = records[(0, 0)]["params"]
@@ -111,14 +173,21 @@ def test_two_machines_of_two_ranks_average_gradients_once_per_machine(
 
 @pytest.mark.timeout(300)
 def test_two_machines_of_two_ranks_diloco_takes_the_weighted_mean_of_all_replicas(
-    swarmavg_processes: ProcessPool, tmp_path: Path
+    machines: Machines, tmp_path: Path
 ) -> None:
-    daemons = start_daemons(swarmavg_processes, 2)
+    daemons = machines.daemons
     local_steps = 3
     records = run_machines(
-        tmp_path, daemons, 2, timeout=240, wrapper="diloco", local_steps=local_steps, epochs=1
+        tmp_path,
+        daemons,
+        2,
+        timeout=240,
+        wrapper="diloco",
+        local_steps=local_steps,
+        epochs=1,
+        run_id=machines.run_id,
     )
-    assert_one_machine_per_peer(records, daemons, 1)
+    assert_one_machine_per_peer(records, machines, 1)
     # With outer SGD at lr 1 the outer step lands on the mean of the replicas after H
     # inner steps, weighted by samples (H * batch per rank), all from the leader's start.
     total = 0.0
@@ -169,13 +238,13 @@ def test_a_vanished_leader_makes_its_follower_fail_instead_of_hanging(
 
 @pytest.mark.timeout(300)
 def test_a_failure_of_the_leaders_round_reaches_every_rank_the_same_way(
-    swarmavg_processes: ProcessPool, tmp_path: Path
+    machines: Machines, tmp_path: Path
 ) -> None:
     """Machine 0's follower feeds NaN gradients: its leader's round refuses them (an
     error, re-raised there) and its follower raises the same failure as LocalGroupError.
     Machine 1 then has no partner: its round fails and both its ranks step locally, each
     with the leader's SwarmRoundWarning, and end identical."""
-    daemons = start_daemons(swarmavg_processes, 2)
+    daemons = machines.daemons
     records = run_machines(
         tmp_path,
         daemons,
@@ -185,7 +254,12 @@ def test_a_failure_of_the_leaders_round_reaches_every_rank_the_same_way(
         target=48,
         epochs=1,
         nan_grad={"01": True},
-        averaging_timeout=10.0,
+        # Machine 1 waits for machine 0 (whose record lingers) twice, both by deadline:
+        # for its samples (max_wait), then in matchmaking. Neither wait is what this test
+        # checks, so both are short; the failure's way to every rank is unchanged.
+        max_wait=1.0,
+        averaging_timeout=5.0,
+        run_id=machines.run_id,
     )
     leader, follower = records[(0, 0)], records[(0, 1)]
     assert leader["ok"] is False, leader
@@ -205,14 +279,20 @@ def test_a_failure_of_the_leaders_round_reaches_every_rank_the_same_way(
 
 @pytest.mark.timeout(300)
 def test_two_machines_of_two_ranks_powersgd_compresses_each_machines_gradient_once(
-    swarmavg_processes: ProcessPool, tmp_path: Path
+    machines: Machines, tmp_path: Path
 ) -> None:
     from swarmavg.averaging.training.powersgd import PowerSGDState, orthogonalize
-    from swarmavg.peer import connect
 
-    daemons = start_daemons(swarmavg_processes, 2)
+    daemons = machines.daemons
     records = run_machines(
-        tmp_path, daemons, 2, timeout=240, wrapper="powersgd", target=48, epochs=1
+        tmp_path,
+        daemons,
+        2,
+        timeout=240,
+        wrapper="powersgd",
+        target=48,
+        epochs=1,
+        run_id=machines.run_id,
     )
     for key, record in records.items():
         assert record.get("ok"), (key, record)
@@ -224,11 +304,9 @@ def test_two_machines_of_two_ranks_powersgd_compresses_each_machines_gradient_on
         assert follower["residual"] == leader["residual"]
         assert follower["q"] == records[(0, 0)]["q"]
     assert records[(0, 0)]["residual"] != records[(1, 0)]["residual"]  # each machine's own
-    for daemon in daemons:
-        with connect(daemon.control) as client:
-            status = client.status()
-        assert status["rounds_done"] == 2  # the step's two rounds (P, Q), once per machine
-        assert status["rounds_failed"] == 0
+    for m in range(2):
+        assert machines.rounds(m, "rounds_done") == 2  # the step's rounds (P, Q), once each
+        assert machines.rounds(m, "rounds_failed") == 0
     final = records[(0, 0)]["params"]
     for key, record in records.items():
         for a, b in zip(record["params"], final, strict=True):
@@ -259,7 +337,7 @@ def test_two_machines_of_two_ranks_powersgd_compresses_each_machines_gradient_on
 
 @pytest.mark.timeout(300)
 def test_two_machines_of_two_ranks_with_delayed_updates_land_each_round_on_every_rank(
-    swarmavg_processes: ProcessPool, tmp_path: Path
+    machines: Machines, tmp_path: Path
 ) -> None:
     """``delay_updates=True``: each leader's round runs in the background while its ranks
     train on, and lands on both ranks at the same later step. The loss is linear in the
@@ -267,7 +345,7 @@ def test_two_machines_of_two_ranks_with_delayed_updates_land_each_round_on_every
     parameters minus LR times every epoch's samples-weighted mean gradient."""
     from tests.training.hier_worker import linear_backward
 
-    daemons = start_daemons(swarmavg_processes, 2)
+    daemons = machines.daemons
     epochs = 2
     records = run_machines(
         tmp_path,
@@ -279,8 +357,9 @@ def test_two_machines_of_two_ranks_with_delayed_updates_land_each_round_on_every
         epochs=epochs,
         delay_updates=True,
         linear_loss=True,
+        run_id=machines.run_id,
     )
-    assert_one_machine_per_peer(records, daemons, epochs)
+    assert_one_machine_per_peer(records, machines, epochs)
     final = records[(0, 0)]["params"]
     for key, record in records.items():
         for a, b in zip(record["params"], final, strict=True):
@@ -306,18 +385,25 @@ def test_two_machines_of_two_ranks_with_delayed_updates_land_each_round_on_every
 
 @pytest.mark.timeout(300)
 def test_two_machines_of_two_ranks_streaming_diloco_syncs_each_fragment_once_per_machine(
-    swarmavg_processes: ProcessPool, tmp_path: Path
+    machines: Machines, tmp_path: Path
 ) -> None:
     """``StreamingDiLoCo`` (2 fragments, H = 4, overlap 1): every sync starts from the
     machine's mean of the fragment, runs in the leader's background while both ranks
     train on, and lands on both one step later; every rank of both machines ends with the
     same anchor, and each rank keeps its own progress on top of it."""
-    daemons = start_daemons(swarmavg_processes, 2)
+    daemons = machines.daemons
     syncs = 4  # two of each fragment
     records = run_machines(
-        tmp_path, daemons, 2, timeout=240, wrapper="streaming", local_steps=4, epochs=syncs
+        tmp_path,
+        daemons,
+        2,
+        timeout=240,
+        wrapper="streaming",
+        local_steps=4,
+        epochs=syncs,
+        run_id=machines.run_id,
     )
-    assert_one_machine_per_peer(records, daemons, syncs)
+    assert_one_machine_per_peer(records, machines, syncs)
     anchor = records[(0, 0)]["anchor"]
     for key, record in records.items():
         assert record["anchor"] == anchor, key
