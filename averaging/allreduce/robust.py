@@ -22,8 +22,12 @@ robust_kernels.py``; docs/benchmarks.md, "Security costs, session 7 (issues 16, 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
+
+from swarmavg.compression.native import kernels as native
+from swarmavg.compression.native import takes
 
 __all__ = ["centered_clip", "selected_rows", "sorted_copies", "trimmed_mean", "weighted_median"]
 
@@ -179,6 +183,32 @@ def _effective(weights: np.ndarray) -> np.ndarray:
     return np.ones_like(w) if not np.any(w > 0) else w
 
 
+_COMPILED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_NO_PAIRS = np.empty(0, dtype=np.int32)
+
+
+@functools.cache
+def _pairs_array(n: int, rows: tuple[int, ...]) -> np.ndarray:
+    """:func:`_selection_pairs` as the compiled kernels take them: int32 ``i, j, ...``."""
+    flat = [index for i, j, _, _ in _selection_pairs(n, rows) for index in (i, j)]
+    return np.array(flat, dtype=np.int32)
+
+
+def _compiled(stack: np.ndarray, name: str) -> Callable[..., None] | None:
+    """The compiled kernel ``name`` when it applies to ``stack``: the kernels are in use
+    (``native``: tests switch them off), have it (an older build may not), and read
+    ``stack``'s buffer; at most :data:`_NETWORK_MAX` copies (above, numpy sorts)."""
+    if (
+        native is None
+        or stack.dtype not in _COMPILED_DTYPES
+        or not 1 <= stack.shape[0] <= _NETWORK_MAX
+        or not takes(stack)
+    ):
+        return None
+    kernel: Callable[..., None] | None = getattr(native, name, None)
+    return kernel
+
+
 def weighted_median(stack: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """Per column of ``stack`` (``(n, m)``), the weighted median of its ``n`` values.
 
@@ -232,17 +262,65 @@ def centered_clip(
     w = _effective(weights)
     total = w.sum()
     positive = w > 0
-    # The start only has to be robust, not weighted: the plain median is as robust (the
-    # weights are bounded by their median, issue 17) and the fixed point of the
-    # iteration, which carries the weights, does not depend on it; sorting without
-    # weights costs a third.
-    start = weighted_median(stack, np.ones_like(w))
-    diff = stack - start
-    with np.errstate(over="ignore", invalid="ignore"):
-        gram = _gram(diff)
-    if not np.isfinite(gram).all():  # copies near the dtype's range: work in units of the largest
-        unit = float(np.abs(diff).max())
-        gram = _gram(diff / diff.dtype.type(unit))
+    compiled = _compiled_start_and_gram(stack)
+    diff: np.ndarray | None = None
+    if compiled is not None:
+        start, gram = compiled
+    else:
+        # The start only has to be robust, not weighted: the plain median is as robust
+        # (the weights are bounded by their median, issue 17) and the fixed point of the
+        # iteration, which carries the weights, does not depend on it; sorting without
+        # weights costs a third.
+        start = weighted_median(stack, np.ones_like(w))
+        diff = stack - start
+        with np.errstate(over="ignore", invalid="ignore"):
+            gram = _gram(diff)
+        if not np.isfinite(gram).all():  # copies near the dtype's range: units of the largest
+            unit = float(np.abs(diff).max())
+            gram = _gram(diff / diff.dtype.type(unit))
+    a, clipped = _clip_coefficients(gram, w, total, positive, tau, iters)
+    if diff is None:
+        out = np.empty_like(start)
+        combine = _compiled(stack, "combine")
+        assert combine is not None  # the same build gave the start and the Gram matrix
+        combine(stack, stack.shape[0], start, a, stack.dtype.itemsize, out)
+        return out, clipped
+    out = start + np.einsum("i,ij->j", a.astype(stack.dtype), diff)
+    return out, clipped
+
+
+def _compiled_start_and_gram(stack: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """CenteredClip's start (the median) and the Gram matrix of ``stack - start`` in one
+    compiled pass, or ``None`` where the kernel does not apply or the Gram matrix is not
+    finite (float64 copies beyond 1e154, which the numpy path rescales; a float32
+    product is exact in float64 and never overflows it).
+
+    The median has the bits of :func:`weighted_median` with equal weights (the same
+    comparators); the Gram matrix is a float64 sum of exact products (the numpy path's
+    float32 blocks differ from it by about 3e-8 relative, see :func:`_gram`).
+    """
+    median_gram = _compiled(stack, "median_gram")
+    if median_gram is None or _compiled(stack, "combine") is None:
+        return None
+    n, m = stack.shape
+    rows = ((n - 1) // 2, n // 2)
+    start = np.empty(m, dtype=stack.dtype)
+    gram = np.empty((n, n), dtype=np.float64)
+    median_gram(stack, n, _pairs_array(n, rows), *rows, stack.dtype.itemsize, start, gram)
+    return (start, gram) if np.isfinite(gram).all() else None
+
+
+def _clip_coefficients(
+    gram: np.ndarray,
+    w: np.ndarray,
+    total: float,
+    positive: np.ndarray,
+    tau: float,
+    iters: int,
+) -> tuple[np.ndarray, int]:
+    """CenteredClip's iterations on the coefficients ``a`` of ``v = v_0 + sum_i a_i d_i``
+    given the Gram matrix of the ``d_i = x_i - v_0``: the final ``a`` and how many rows
+    the last iteration clipped (see :func:`centered_clip`)."""
     norms = np.diag(gram).copy()
     radius = tau * float(np.median(np.sqrt(np.maximum(norms[positive], 0.0))))
     a = np.zeros(len(w))
@@ -261,8 +339,7 @@ def centered_clip(
         c = w * scale / total
         a = a * (1.0 - c.sum()) + c  # u <- u + sum_i c_i (d_i - u)
         clipped = previous_clipped = clipped_now
-    out: np.ndarray = start + np.einsum("i,ij->j", a.astype(stack.dtype), diff)
-    return out, clipped
+    return a, clipped
 
 
 def trimmed_mean(stack: np.ndarray, weights: np.ndarray, trim_per_side: int) -> np.ndarray:
@@ -280,9 +357,16 @@ def trimmed_mean(stack: np.ndarray, weights: np.ndarray, trim_per_side: int) -> 
         raise ValueError(f"cannot trim {k} per side of {n} values")
     w = _effective(weights)
     dtype = stack.dtype.type
+    out: np.ndarray
     if _equal(w):
+        trimmed = _compiled(stack, "trimmed")
+        if trimmed is not None:  # the same comparators and sums: the same bits
+            out = np.empty(stack.shape[1], dtype=stack.dtype)
+            pairs = _pairs_array(n, tuple(range(k, n - k))) if k else _NO_PAIRS  # rows as given
+            trimmed(stack, n, pairs, k, n - k, stack.dtype.itemsize, out)
+            return out
         middle = selected_rows(stack, tuple(range(k, n - k))) if k else list(stack)
-        out: np.ndarray = middle[0].copy()
+        out = middle[0].copy()
         for row in middle[1:]:
             out += row
         out /= dtype(n - 2 * k)
