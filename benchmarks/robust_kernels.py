@@ -4,7 +4,8 @@ One process, one thread: for ``--senders`` copies of one chunk of ``--kib`` KiB 
 (N(0, 1), the last copy -10 x, as an attacker), times CenteredClip (tau 1, 5 iterations)
 and the trimmed mean (trim 0.25), with equal and unequal weights (``1 + i % 3``), and the
 plain sum the mean does, in this tree's ``averaging/allreduce/robust.py`` and in the
-baseline's (``git show BASELINE:averaging/allreduce/robust.py``), taking turns
+baseline's (``git show BASELINE:averaging/allreduce/robust.py``), and in this tree with
+its compiled kernels (compression/_native.c) switched off (``numpy_ms``), taking turns
 ``--repeats`` times. Times are the thread's CPU time (``time.thread_time``), which a
 loaded machine inflates far less than wall time. Also the largest difference between the
 two versions' results. Prints ONE JSON line.
@@ -58,6 +59,15 @@ def cpu_ms(call: Callable[[ModuleType], Any], module: ModuleType) -> float:
     return (time.thread_time() - started) * 1e3
 
 
+def numpy_ms(call: Callable[[ModuleType], Any]) -> float:
+    """``cpu_ms`` of this tree's robust.py with its compiled kernels switched off."""
+    saved, robust.native = robust.native, None
+    try:
+        return cpu_ms(call, robust)
+    finally:
+        robust.native = saved
+
+
 def first(result: Any) -> np.ndarray:
     return np.asarray(result[0] if isinstance(result, tuple) else result)
 
@@ -76,14 +86,16 @@ def bench(n: int, kib: int, repeats: int, baseline: ModuleType) -> dict[str, Any
     sum_ms = statistics.median(cpu_ms(lambda m: stack.sum(axis=0), robust) for _ in range(repeats))
     out: dict[str, Any] = {"senders": n, "sum_ms": round(sum_ms, 3)}
     for name, case in cases.items():
-        before, after = [], []
+        before, after, plain = [], [], []
         for _ in range(repeats):
             before.append(cpu_ms(case, baseline))
             after.append(cpu_ms(case, robust))
+            plain.append(numpy_ms(case))
         diff = np.abs(first(case(baseline)) - first(case(robust))).max()
         out[name] = {
             "baseline_ms": round(statistics.median(before), 3),
             "this_ms": round(statistics.median(after), 3),
+            "numpy_ms": round(statistics.median(plain), 3),
             "speedup": round(
                 statistics.median(b / a for b, a in zip(before, after, strict=True)), 2
             ),
@@ -107,6 +119,7 @@ def main() -> int:
         ]
     figures = {
         "benchmark": "robust_kernels",
+        "compiled": robust.native is not None and hasattr(robust.native, "median_gram"),
         "baseline": args.baseline,
         "kib": args.kib,
         "load_average": round(os.getloadavg()[0], 2),

@@ -515,6 +515,14 @@ typedef double f64;
 /* Every loop below runs over one whole tile (a fixed trip count, vectorised); a last,
  * partial tile is padded with zeros that are never stored. */
 
+/* The robust kernels' loops are elementwise over a tile's lanes, so wider vectors do
+ * not change which operations each lane does: every clone gives the same bits. */
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__)
+#define ROBUST_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define ROBUST_CLONES
+#endif
+
 #define ROBUST_FLUSH 16 /* tiles per partial Gram sum in the product type P */
 
 #define ROBUST_KERNELS(S, T, ST)                                                        \
@@ -550,7 +558,7 @@ typedef double f64;
             part[p] = 0;                                                                \
         }                                                                               \
     }                                                                                   \
-    CLONES static void median_gram##S(const ST *x, Py_ssize_t n, Py_ssize_t m,          \
+    ROBUST_CLONES static void median_gram##S(const ST *x, Py_ssize_t n, Py_ssize_t m,          \
                                       const int32_t *pairs, Py_ssize_t npairs,          \
                                       Py_ssize_t lower, Py_ssize_t upper, ST *median,   \
                                       T *part, double *acc, double *gram) {             \
@@ -588,7 +596,7 @@ typedef double f64;
                 gram[i * n + k] = gram[k * n + i] = s;                                  \
             }                                                                           \
     }                                                                                   \
-    CLONES static void combine##S(const ST *x, Py_ssize_t n, Py_ssize_t m,              \
+    ROBUST_CLONES static void combine##S(const ST *x, Py_ssize_t n, Py_ssize_t m,              \
                                   const ST *median, const double *coeffs, ST *out) {    \
         T xt[ROBUST_MAX][ROBUST_TILE];                                                  \
         double med[ROBUST_TILE], sum[ROBUST_TILE];                                      \
@@ -610,7 +618,7 @@ typedef double f64;
     /* The trimmed mean of equal weights, as robust.py's: rows first..last-1 of the  \
      * sorted tile summed in row order in the copies' dtype, then divided by their     \
      * count (the same IEEE operations in the same order, so the same bits). */        \
-    CLONES static void trimmed##S(const ST *x, Py_ssize_t n, Py_ssize_t m,              \
+    ROBUST_CLONES static void trimmed##S(const ST *x, Py_ssize_t n, Py_ssize_t m,              \
                                   const int32_t *pairs, Py_ssize_t npairs,              \
                                   Py_ssize_t first, Py_ssize_t last, ST *out) {         \
         T v[ROBUST_MAX][ROBUST_TILE], s[ROBUST_TILE];                                   \
