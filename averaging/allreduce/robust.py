@@ -1,4 +1,4 @@
-"""Robust combination of the senders' copies of one chunk (pure numpy, no I/O).
+"""Robust combination of the senders' copies of one chunk (numpy and compiled kernels, no I/O).
 
 The reducer of a part calls these once every sender's copy of a chunk arrived
 (:mod:`~swarmavg.averaging.allreduce.reducer`), with the copies stacked as the rows of
@@ -17,6 +17,18 @@ CenteredClip's cost after the median is one float32 BLAS product per block of co
 (:func:`_gram`). Per 1 MiB chunk that made CenteredClip 2x (4 copies) to 3x (8 copies)
 cheaper than sorting fully and forming the Gram matrix in float64 (``benchmarks/
 robust_kernels.py``; docs/benchmarks.md, "Security costs, session 7 (issues 16, 17)").
+
+Where the compiled kernels are built (:mod:`swarmavg.compression.native`), contiguous
+float32/float64 copies of at most :data:`_NETWORK_MAX` senders skip numpy's pass per
+operation: CenteredClip is one tiled pass for the median (the same comparators, the same
+bits) and the Gram matrix of ``x_i - median``, then one for the result
+(``compression/_native.c``, ``median_gram`` and ``combine``); the trimmed mean of equal
+weights is one pass with numpy's bits (``trimmed``). The numpy code below stays the
+reference (tests/averaging/test_robust_native.py) and the fallback: unequal weights of the
+trimmed mean, more senders, other layouts, builds without the kernels, and Gram matrices
+that overflow (float32 products beyond 3.4e38, which the numpy path rescales). Only the
+part's reducer combines and every member receives its encoded result, so members with and
+without the kernels still end bit-identical.
 """
 
 from __future__ import annotations
@@ -292,12 +304,13 @@ def centered_clip(
 def _compiled_start_and_gram(stack: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """CenteredClip's start (the median) and the Gram matrix of ``stack - start`` in one
     compiled pass, or ``None`` where the kernel does not apply or the Gram matrix is not
-    finite (float64 copies beyond 1e154, which the numpy path rescales; a float32
-    product is exact in float64 and never overflows it).
+    finite (differences from the median beyond about 1.8e19 in float32, 1.3e154 in
+    float64, whose products overflow: the numpy path rescales them).
 
     The median has the bits of :func:`weighted_median` with equal weights (the same
-    comparators); the Gram matrix is a float64 sum of exact products (the numpy path's
-    float32 blocks differ from it by about 3e-8 relative, see :func:`_gram`).
+    comparators); the Gram matrix sums the products in partial sums of 16 per coordinate
+    in the copies' dtype, then in float64 (within 1e-6 of the exact one relative to its
+    entries' Cauchy-Schwarz bound, as tests/averaging/test_robust_native.py checks).
     """
     median_gram = _compiled(stack, "median_gram")
     if median_gram is None or _compiled(stack, "combine") is None:
