@@ -165,6 +165,7 @@ class ReducerRound:
         on_result: ResultCallback,
         fault_plan: FaultPlan | None = None,
         buffers: BufferPool | None = None,
+        combiner: ThreadPoolExecutor | None = None,
     ) -> None:
         self.group = group
         self.my_index = my_index
@@ -172,6 +173,8 @@ class ReducerRound:
         self.codec = codec
         self.config = config
         self.executor = executor
+        # a robust rule's combination of a chunk: the service's combiner, else the executor
+        self.combiner = combiner or executor
         self.deadline = deadline  # time.monotonic()
         self.on_result = on_result
         self.fault_plan = fault_plan
@@ -413,7 +416,7 @@ class ReducerRound:
         try:
             if self.reducer.aggregation.robust:  # heavier than a division: off the loop
                 response, decoded, adjusted = await offload(
-                    self.executor, self._combine_and_encode, chunk, contributors
+                    self.combiner, self._combine_and_encode, chunk, contributors
                 )
             else:
                 values, adjusted = self.reducer.aggregate(chunk)
