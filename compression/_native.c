@@ -803,6 +803,90 @@ done:
     return result;
 }
 
+/* The trimmed mean of unequal weights, as robust.py's _kept_by_rank and _weighted_average:
+ * each value's rank from the pairwise comparisons (ties ranked by row), then over the rows
+ * in order the kept values' plain sum, weighted sum and weight total in the copies' dtype,
+ * the same IEEE operations in the same order, so the same bits. */
+#define WEIGHTED_TRIMMED(S, T, ST)                                                      \
+    ROBUST_CLONES static void trimmed_weighted##S(const ST *x, Py_ssize_t n, Py_ssize_t m, \
+                                                  Py_ssize_t k, const ST *weights, ST *out) { \
+        T v[ROBUST_MAX][ROBUST_TILE];                                                   \
+        int32_t rank[ROBUST_MAX][ROBUST_TILE];                                          \
+        T weighted[ROBUST_TILE], total[ROBUST_TILE], plain[ROBUST_TILE];                \
+        const T count = (T)(n - 2 * k);                                                 \
+        for (Py_ssize_t j0 = 0; j0 < m; j0 += ROBUST_TILE) {                            \
+            const Py_ssize_t w = m - j0 < ROBUST_TILE ? m - j0 : ROBUST_TILE;           \
+            load_tile##S(x, n, m, j0, w, v);                                            \
+            memset(rank, 0, (size_t)n * sizeof(rank[0]));                               \
+            for (Py_ssize_t i = 0; i < n; i++)                                          \
+                for (Py_ssize_t j = i + 1; j < n; j++)                                  \
+                    for (Py_ssize_t l = 0; l < ROBUST_TILE; l++) {                      \
+                        const int32_t before = v[i][l] <= v[j][l];                      \
+                        rank[j][l] += before;                                           \
+                        rank[i][l] += 1 - before;                                       \
+                    }                                                                   \
+            for (Py_ssize_t l = 0; l < ROBUST_TILE; l++)                                \
+                weighted[l] = total[l] = plain[l] = 0;                                  \
+            for (Py_ssize_t i = 0; i < n; i++) {                                        \
+                const T weight = weights[i];                                            \
+                for (Py_ssize_t l = 0; l < ROBUST_TILE; l++) {                          \
+                    T indicator = (T)(rank[i][l] >= k && rank[i][l] < n - k);           \
+                    T product = v[i][l] * indicator;                                    \
+                    plain[l] += product;                                                \
+                    product *= weight;                                                  \
+                    weighted[l] += product;                                             \
+                    indicator *= weight;                                                \
+                    total[l] += indicator;                                              \
+                }                                                                       \
+            }                                                                           \
+            for (Py_ssize_t l = 0; l < w; l++)                                          \
+                out[j0 + l] = total[l] > 0 ? weighted[l] / total[l] : plain[l] / count; \
+        }                                                                               \
+    }
+
+WEIGHTED_TRIMMED(32, float, f32)
+WEIGHTED_TRIMMED(64, double, f64)
+
+static PyObject *trimmed_weighted(PyObject *self, PyObject *args) {
+    PyObject *x_o, *weights_o, *out_o;
+    Py_ssize_t n, k;
+    int itemsize;
+    if (!PyArg_ParseTuple(args, "OnnOiO:trimmed_weighted", &x_o, &n, &k, &weights_o, &itemsize,
+                          &out_o))
+        return NULL;
+    if (itemsize != 4 && itemsize != 8) {
+        PyErr_SetString(PyExc_ValueError, "trimmed_weighted: itemsize must be 4 or 8");
+        return NULL;
+    }
+    Buf xb, wb, ob;
+    xb.held = wb.held = ob.held = 0;
+    PyObject *result = NULL;
+    Py_ssize_t nx = get(x_o, &xb, 0, itemsize, 0, "stack");
+    if (nx < 0) goto done;
+    Py_ssize_t nw = get(weights_o, &wb, 0, itemsize, 0, "weights");
+    if (nw < 0) goto done;
+    Py_ssize_t no = get(out_o, &ob, 1, itemsize, 0, "out");
+    if (no < 0) goto done;
+    Py_ssize_t m = robust_shape(nx, n, NULL, 0);
+    if (m < 0) goto done;
+    if (no != m || nw != n || k < 0 || 2 * k >= n) {
+        PyErr_SetString(PyExc_ValueError,
+                        "trimmed_weighted: need len(out) == m, len(weights) == n, 0 <= 2k < n");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    if (itemsize == 4)
+        trimmed_weighted32(xb.view.buf, n, m, k, wb.view.buf, ob.view.buf);
+    else
+        trimmed_weighted64(xb.view.buf, n, m, k, wb.view.buf, ob.view.buf);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release(&xb); release(&wb); release(&ob);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy_finite", copy_finite, METH_VARARGS,
      "copy_finite(src, out, itemsize) -> bool: copy float32 (itemsize 4) or float64 (8) "
@@ -817,6 +901,10 @@ static PyMethodDef methods[] = {
     {"trimmed", trimmed, METH_VARARGS,
      "trimmed(stack, n, pairs, first, last, itemsize, out): per column, the mean of rows "
      "first..last-1 after the comparators `pairs` (summed in row order, in the dtype)."},
+    {"trimmed_weighted", trimmed_weighted, METH_VARARGS,
+     "trimmed_weighted(stack, n, k, weights, itemsize, out): per column, the weights-weighted "
+     "mean of the values neither among the k smallest nor the k largest (ties by row); "
+     "their plain mean where their weights are all zero."},
     {"f32_to_f16", f32_to_f16, METH_VARARGS,
      "f32_to_f16(src, words, values) -> bool: float32 to binary16 words (nearest even, "
      "saturating at +/-65504) and/or their float32 values; False if src holds NaN/Inf."},

@@ -50,3 +50,6 @@ def trimmed(
     itemsize: int,
     out: np.ndarray,
 ) -> None: ...
+def trimmed_weighted(
+    stack: np.ndarray, n: int, k: int, weights: np.ndarray, itemsize: int, out: np.ndarray
+) -> None: ...

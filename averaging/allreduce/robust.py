@@ -23,9 +23,10 @@ float32/float64 copies of at most :data:`_NETWORK_MAX` senders skip numpy's pass
 operation: CenteredClip is one tiled pass for the median (the same comparators, the same
 bits) and the Gram matrix of ``x_i - median``, then one for the result
 (``compression/_native.c``, ``median_gram`` and ``combine``); the trimmed mean of equal
-weights is one pass with numpy's bits (``trimmed``). The numpy code below stays the
-reference (tests/averaging/test_robust_native.py) and the fallback: unequal weights of the
-trimmed mean, more senders, other layouts, builds without the kernels, and Gram matrices
+weights is one pass with numpy's bits (``trimmed``), and so is the trimmed mean of unequal
+weights (``trimmed_weighted``: ranks by pairwise comparison, then the weighted sums). The
+numpy code below stays the reference (tests/averaging/test_robust_native.py) and the
+fallback: more senders, other layouts, builds without the kernels, and Gram matrices
 that overflow (float32 products beyond 3.4e38, which the numpy path rescales). Only the
 part's reducer combines and every member receives its encoded result, so members with and
 without the kernels still end bit-identical.
@@ -383,6 +384,11 @@ def trimmed_mean(stack: np.ndarray, weights: np.ndarray, trim_per_side: int) -> 
         for row in middle[1:]:
             out += row
         out /= dtype(n - 2 * k)
+        return out
+    weighted = _compiled(stack, "trimmed_weighted")
+    if weighted is not None:  # the same ranks and sums: the same bits
+        out = np.empty(stack.shape[1], dtype=stack.dtype)
+        weighted(stack, n, k, w.astype(stack.dtype), stack.dtype.itemsize, out)
         return out
     kept = _kept_by_rank(stack, k) if k else np.ones(stack.shape, dtype=bool)
     return _weighted_average(stack, w.astype(stack.dtype), kept, n - 2 * k)

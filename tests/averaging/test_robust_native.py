@@ -1,11 +1,13 @@
 """The compiled robust kernels (compression/_native.c: ``median_gram``, ``combine``,
-``trimmed``) against the numpy code of averaging/allreduce/robust.py they replace.
+``trimmed``, ``trimmed_weighted``) against the numpy code of averaging/allreduce/robust.py
+they replace.
 
 Each robust combination runs on one reducer and its result is sent to every member, so
 the two paths need not give the same bits for members to end bit-identical; they must
 give the same answer. The contract checked here:
 
-- the trimmed mean of equal weights: the same bits (the same comparators and sums);
+- the trimmed mean, equal or unequal weights: the same bits (the same comparators or
+  ranks, and the same sums in the same order);
 - CenteredClip: the same median bits, the same clipped count, and a result within
   ``1e-6`` (float32) / ``1e-12`` (float64) of the largest copy's magnitude (the compiled
   Gram matrix is a float64 sum of float32 products in partial sums of 512 coordinates,
@@ -112,6 +114,25 @@ def test_trimmed_mean_has_the_numpy_bits(n: int, dtype: type) -> None:
             np.testing.assert_array_equal(got.view(np.uint8), ref.view(np.uint8))
 
 
+@pytest.mark.skipif(
+    kernels is None or not hasattr(kernels, "trimmed_weighted"), reason="an older build"
+)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 9, 16, 32])
+def test_weighted_trimmed_mean_has_the_numpy_bits(n: int, dtype: type) -> None:
+    for size in SIZES:
+        stack = copies(n, size, dtype)
+        stack[:, : size // 3] = np.round(stack[:, : size // 3])  # ties: dropped by row
+        unequal = 1.0 + np.arange(n) % 3
+        some_zero = np.where(np.arange(n) < n // 2, 0.0, unequal)  # kept sets of weight 0
+        for weights in (unequal, some_zero):
+            for k in range((n + 1) // 2):
+                got = robust.trimmed_mean(stack, weights, k)
+                ref = numpy_path(robust.trimmed_mean, stack, weights, k)
+                assert got.dtype == dtype
+                np.testing.assert_array_equal(got.view(np.uint8), ref.view(np.uint8))
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_copies_near_the_range_fall_back_to_the_rescaled_numpy_path(dtype: type) -> None:
     # float32 products of 1e30 overflow (float64 ones beyond 1e154): the kernel's Gram
@@ -169,3 +190,8 @@ def test_the_kernels_refuse_inconsistent_arguments() -> None:
         kernels.trimmed(np.empty((33, 2), np.float32), 33, pairs, 0, 1, 4, np.empty(2, np.float32))
     with pytest.raises(ValueError, match="itemsize"):
         kernels.combine(stack, 4, median, np.ones(4), 2, out)
+    if hasattr(kernels, "trimmed_weighted"):
+        with pytest.raises(ValueError, match="2k < n"):
+            kernels.trimmed_weighted(stack, 4, 2, np.ones(4, np.float32), 4, out)
+        with pytest.raises(ValueError, match="len\\(weights\\)"):
+            kernels.trimmed_weighted(stack, 4, 1, np.ones(3, np.float32), 4, out)
