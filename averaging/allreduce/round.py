@@ -180,8 +180,9 @@ class ReducerRound:
         self.fault_plan = fault_plan
         self._buffers = buffers
         accumulator = None
-        if buffers is not None and not group.rule.robust:
-            accumulator = buffers.take(plan.part_size(my_index), dtype)
+        if buffers is not None:  # the mean's sums or a robust rule's copies
+            size = PartReducer.buffer_size(plan, my_index, len(set(group.senders)), group.rule)
+            accumulator = buffers.take(size, dtype)
         self.reducer = PartReducer(
             plan, my_index, dtype, group.senders, group.rule, config.weight_bound, accumulator
         )
@@ -241,7 +242,8 @@ class ReducerRound:
             stream.queue.put_nowait(abort)
         await self._tasks.close()
         # The mean's sums are touched only on the event loop, and release() refuses any
-        # later add(), so the next round may take this buffer now.
+        # later add() (and, for a robust rule's copies, any later combination, and keeps
+        # the buffer from the pool while one runs), so the next round may take it now.
         accumulator = self.reducer.release()
         if accumulator is not None and self._buffers is not None:
             self._buffers.give(accumulator)
