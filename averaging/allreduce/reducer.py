@@ -247,6 +247,8 @@ class PartReducer:
         """Once every live sender announced its weight: bound them, take the waiting chunks."""
         if self._factors is not None or not self._live <= self._weights.keys():
             return []
+        if self._released:  # the buffer is no longer ours: take nothing into it
+            return []
         # A rule robust to a minority of members must be robust to their weight claims
         # too: there a weight counts as at most the median, so members above it can
         # never outweigh the others (with 10 x the median, one member of four holds 10/13).
