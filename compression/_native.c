@@ -528,6 +528,404 @@ static PyObject *all_finite(PyObject *self, PyObject *args) {
     return PyBool_FromLong(!special);
 }
 
+/* ---------------------------------------------------------------------------------
+ * Robust aggregation (averaging/allreduce/robust.py): CenteredClip's two passes over
+ * the senders' copies of a chunk, and the trimmed mean with equal weights.
+ *
+ * numpy makes one pass over all n copies per operation: the median's compare-exchanges
+ * (17 for 8 copies), `diff = stack - median`, the Gram matrix, the result. Here the
+ * copies are read in tiles of ROBUST_TILE coordinates that stay in L1: the tile is
+ * sorted by the comparators robust.py passes in (the same pruned network, so the same
+ * median bits); `x_i - median` is formed in the copies' dtype (as numpy does) and the
+ * Gram matrix accumulated per lane (one coordinate of the tile) in that dtype over
+ * ROBUST_FLUSH tiles, 16 products per partial sum, then in float64: float32 lanes keep
+ * twice the products per vector of float64 ones, and partial sums of 16 stay within a
+ * few units in the last place, more accurate than numpy's float32 BLAS blocks of 8192
+ * (robust.py's _gram). A second pass forms `median + sum_i a_i (x_i - median)` in
+ * float64, rounded once. Every lane does the same operations in the same order whatever
+ * the vector width, and the lanes are summed in a fixed order: the results do not
+ * depend on the CPU. An overflowing product leaves the Gram matrix not finite and
+ * robust.py takes its numpy path, which rescales. */
+
+#if defined(__GNUC__)
+typedef double f64 __attribute__((aligned(1)));
+#else
+typedef double f64;
+#endif
+
+#define ROBUST_TILE 32
+#define ROBUST_MAX 32 /* robust.py's _NETWORK_MAX: above it, numpy sorts */
+
+/* Every loop below runs over one whole tile (a fixed trip count, vectorised); a last,
+ * partial tile is padded with zeros that are never stored. */
+
+/* The robust kernels' loops are elementwise over a tile's lanes, so wider vectors do
+ * not change which operations each lane does: every clone gives the same bits. */
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__)
+#define ROBUST_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define ROBUST_CLONES
+#endif
+
+#define ROBUST_FLUSH 16 /* tiles per partial Gram sum in the product type P */
+
+#define ROBUST_KERNELS(S, T, ST)                                                        \
+    static inline void load_tile##S(const ST *x, Py_ssize_t n, Py_ssize_t m, Py_ssize_t j0, \
+                                    Py_ssize_t w, T tile[][ROBUST_TILE]) {              \
+        for (Py_ssize_t i = 0; i < n; i++) {                                            \
+            const ST *xi = x + i * m + j0;                                              \
+            if (w == ROBUST_TILE)                                                       \
+                for (Py_ssize_t l = 0; l < ROBUST_TILE; l++) tile[i][l] = xi[l];        \
+            else                                                                        \
+                for (Py_ssize_t l = 0; l < ROBUST_TILE; l++) tile[i][l] = l < w ? xi[l] : 0; \
+        }                                                                               \
+    }                                                                                   \
+    static inline void exchange##S(T *restrict lo, T *restrict hi) {                    \
+        for (Py_ssize_t l = 0; l < ROBUST_TILE; l++) {                                  \
+            T a = lo[l], b = hi[l];                                                     \
+            lo[l] = b < a ? b : a;                                                      \
+            hi[l] = b < a ? a : b;                                                      \
+        }                                                                               \
+    }                                                                                   \
+    static inline void sort_tile##S(T v[][ROBUST_TILE], const int32_t *pairs,           \
+                                    Py_ssize_t npairs) {                                \
+        for (Py_ssize_t p = 0; p < npairs; p++) exchange##S(v[pairs[2 * p]], v[pairs[2 * p + 1]]); \
+    }                                                                                   \
+    static inline void add_products##S(T *restrict acc, const T *restrict a,            \
+                                       const T *restrict b) {                           \
+        for (Py_ssize_t l = 0; l < ROBUST_TILE; l++) acc[l] += a[l] * b[l];             \
+    }                                                                                   \
+    /* Add the partial sums `part` (tri x TILE) to the float64 Gram sums and clear them. */ \
+    static inline void flush##S(T *restrict part, double *restrict acc, Py_ssize_t tri) { \
+        for (Py_ssize_t p = 0; p < tri * ROBUST_TILE; p++) {                            \
+            acc[p] += (double)part[p];                                                  \
+            part[p] = 0;                                                                \
+        }                                                                               \
+    }                                                                                   \
+    ROBUST_CLONES static void median_gram##S(const ST *x, Py_ssize_t n, Py_ssize_t m,          \
+                                      const int32_t *pairs, Py_ssize_t npairs,          \
+                                      Py_ssize_t lower, Py_ssize_t upper, ST *median,   \
+                                      T *part, double *acc, double *gram) {             \
+        T xt[ROBUST_MAX][ROBUST_TILE], v[ROBUST_MAX][ROBUST_TILE];                      \
+        const Py_ssize_t tri = n * (n + 1) / 2;                                         \
+        memset(acc, 0, (size_t)tri * ROBUST_TILE * sizeof(double));                     \
+        memset(part, 0, (size_t)tri * ROBUST_TILE * sizeof(T));                         \
+        Py_ssize_t tiles = 0;                                                           \
+        for (Py_ssize_t j0 = 0; j0 < m; j0 += ROBUST_TILE) {                            \
+            const Py_ssize_t w = m - j0 < ROBUST_TILE ? m - j0 : ROBUST_TILE;           \
+            load_tile##S(x, n, m, j0, w, xt);                                           \
+            memcpy(v, xt, (size_t)n * sizeof(xt[0]));                                   \
+            sort_tile##S(v, pairs, npairs);                                             \
+            T med[ROBUST_TILE];                                                         \
+            for (Py_ssize_t l = 0; l < ROBUST_TILE; l++)                                \
+                med[l] = v[lower][l] + (v[upper][l] - v[lower][l]) * (T)0.5;            \
+            for (Py_ssize_t l = 0; l < w; l++) median[j0 + l] = med[l];                 \
+            for (Py_ssize_t i = 0; i < n; i++) /* the tile's x_i - median, in place */ \
+                for (Py_ssize_t l = 0; l < ROBUST_TILE; l++) xt[i][l] -= med[l];        \
+            T *a = part;                                                                \
+            for (Py_ssize_t i = 0; i < n; i++)                                          \
+                for (Py_ssize_t k = i; k < n; k++, a += ROBUST_TILE)                    \
+                    add_products##S(a, xt[i], xt[k]);                                   \
+            if (++tiles == ROBUST_FLUSH) {                                              \
+                flush##S(part, acc, tri);                                               \
+                tiles = 0;                                                              \
+            }                                                                           \
+        }                                                                               \
+        flush##S(part, acc, tri);                                                       \
+        const double *a = acc;                                                          \
+        for (Py_ssize_t i = 0; i < n; i++)                                              \
+            for (Py_ssize_t k = i; k < n; k++, a += ROBUST_TILE) {                      \
+                double s = 0.0;                                                         \
+                for (Py_ssize_t l = 0; l < ROBUST_TILE; l++) s += a[l];                 \
+                gram[i * n + k] = gram[k * n + i] = s;                                  \
+            }                                                                           \
+    }                                                                                   \
+    ROBUST_CLONES static void combine##S(const ST *x, Py_ssize_t n, Py_ssize_t m,              \
+                                  const ST *median, const double *coeffs, ST *out) {    \
+        T xt[ROBUST_MAX][ROBUST_TILE];                                                  \
+        double med[ROBUST_TILE], sum[ROBUST_TILE];                                      \
+        for (Py_ssize_t j0 = 0; j0 < m; j0 += ROBUST_TILE) {                            \
+            const Py_ssize_t w = m - j0 < ROBUST_TILE ? m - j0 : ROBUST_TILE;           \
+            load_tile##S(x, n, m, j0, w, xt);                                           \
+            for (Py_ssize_t l = 0; l < ROBUST_TILE; l++) {                              \
+                med[l] = l < w ? (double)median[j0 + l] : 0.0;                          \
+                sum[l] = 0.0;                                                           \
+            }                                                                           \
+            for (Py_ssize_t i = 0; i < n; i++) {                                        \
+                const double c = coeffs[i];                                             \
+                for (Py_ssize_t l = 0; l < ROBUST_TILE; l++)                            \
+                    sum[l] += c * ((double)xt[i][l] - med[l]);                          \
+            }                                                                           \
+            for (Py_ssize_t l = 0; l < w; l++) out[j0 + l] = (T)(med[l] + sum[l]);      \
+        }                                                                               \
+    }                                                                                   \
+    /* The trimmed mean of equal weights, as robust.py's: rows first..last-1 of the  \
+     * sorted tile summed in row order in the copies' dtype, then divided by their     \
+     * count (the same IEEE operations in the same order, so the same bits). */        \
+    ROBUST_CLONES static void trimmed##S(const ST *x, Py_ssize_t n, Py_ssize_t m,              \
+                                  const int32_t *pairs, Py_ssize_t npairs,              \
+                                  Py_ssize_t first, Py_ssize_t last, ST *out) {         \
+        T v[ROBUST_MAX][ROBUST_TILE], s[ROBUST_TILE];                                   \
+        const T count = (T)(last - first);                                              \
+        for (Py_ssize_t j0 = 0; j0 < m; j0 += ROBUST_TILE) {                            \
+            const Py_ssize_t w = m - j0 < ROBUST_TILE ? m - j0 : ROBUST_TILE;           \
+            load_tile##S(x, n, m, j0, w, v);                                            \
+            sort_tile##S(v, pairs, npairs);                                             \
+            for (Py_ssize_t l = 0; l < ROBUST_TILE; l++) s[l] = v[first][l];            \
+            for (Py_ssize_t r = first + 1; r < last; r++)                               \
+                for (Py_ssize_t l = 0; l < ROBUST_TILE; l++) s[l] += v[r][l];           \
+            for (Py_ssize_t l = 0; l < ROBUST_TILE; l++) s[l] = s[l] / count;           \
+            for (Py_ssize_t l = 0; l < w; l++) out[j0 + l] = s[l];                      \
+        }                                                                               \
+    }
+
+ROBUST_KERNELS(32, float, f32)
+ROBUST_KERNELS(64, double, f64)
+
+/* Checks shared by the robust kernels: `stack` holds n rows of m items of `itemsize`,
+ * the comparators index rows below n. Returns m, or -1 with an exception set. */
+static Py_ssize_t robust_shape(Py_ssize_t items, Py_ssize_t n, Buf *pairs, Py_ssize_t npairs2) {
+    if (n < 1 || n > ROBUST_MAX) {
+        PyErr_Format(PyExc_ValueError, "robust kernels take 1..%d rows, got %zd", ROBUST_MAX, n);
+        return -1;
+    }
+    if (items % n) {
+        PyErr_SetString(PyExc_ValueError, "stack: length is not a multiple of the rows");
+        return -1;
+    }
+    if (pairs) {
+        if (npairs2 % 2) {
+            PyErr_SetString(PyExc_ValueError, "pairs: need an even number of indices");
+            return -1;
+        }
+        const int32_t *p = pairs->view.buf;
+        for (Py_ssize_t i = 0; i < npairs2; i++)
+            if (p[i] < 0 || p[i] >= n) {
+                PyErr_SetString(PyExc_ValueError, "pairs: row index out of range");
+                return -1;
+            }
+    }
+    return items / n;
+}
+
+static PyObject *median_gram(PyObject *self, PyObject *args) {
+    PyObject *x_o, *pairs_o, *median_o, *gram_o;
+    Py_ssize_t n, lower, upper;
+    int itemsize;
+    if (!PyArg_ParseTuple(args, "OnOnniOO:median_gram", &x_o, &n, &pairs_o, &lower, &upper,
+                          &itemsize, &median_o, &gram_o))
+        return NULL;
+    if (itemsize != 4 && itemsize != 8) {
+        PyErr_SetString(PyExc_ValueError, "median_gram: itemsize must be 4 or 8");
+        return NULL;
+    }
+    Buf xb, pb, mb, gb;
+    xb.held = pb.held = mb.held = gb.held = 0;
+    PyObject *result = NULL;
+    double *acc = NULL;
+    void *part = NULL;
+    Py_ssize_t nx = get(x_o, &xb, 0, itemsize, 0, "stack");
+    if (nx < 0) goto done;
+    Py_ssize_t np2 = get(pairs_o, &pb, 0, 4, 0, "pairs");
+    if (np2 < 0) goto done;
+    Py_ssize_t nm = get(median_o, &mb, 1, itemsize, 0, "median");
+    if (nm < 0) goto done;
+    Py_ssize_t ng = get(gram_o, &gb, 1, 8, 0, "gram");
+    if (ng < 0) goto done;
+    Py_ssize_t m = robust_shape(nx, n, &pb, np2);
+    if (m < 0) goto done;
+    if (nm != m || ng != n * n || lower < 0 || upper < 0 || lower >= n || upper >= n) {
+        PyErr_SetString(PyExc_ValueError,
+                        "median_gram: need len(median) == m, len(gram) == n * n, rows < n");
+        goto done;
+    }
+    acc = PyMem_RawMalloc((size_t)(n * (n + 1) / 2) * ROBUST_TILE * sizeof(double));
+    part = PyMem_RawMalloc((size_t)(n * (n + 1) / 2) * ROBUST_TILE * (size_t)itemsize);
+    if (!acc || !part) { PyErr_NoMemory(); goto done; }
+    const int32_t *pp = pb.view.buf;
+    Py_BEGIN_ALLOW_THREADS
+    if (itemsize == 4)
+        median_gram32(xb.view.buf, n, m, pp, np2 / 2, lower, upper, mb.view.buf, part, acc,
+                      gb.view.buf);
+    else
+        median_gram64(xb.view.buf, n, m, pp, np2 / 2, lower, upper, mb.view.buf, part, acc,
+                      gb.view.buf);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyMem_RawFree(acc);
+    PyMem_RawFree(part);
+    release(&xb); release(&pb); release(&mb); release(&gb);
+    return result;
+}
+
+static PyObject *combine(PyObject *self, PyObject *args) {
+    PyObject *x_o, *median_o, *coeffs_o, *out_o;
+    Py_ssize_t n;
+    int itemsize;
+    if (!PyArg_ParseTuple(args, "OnOOiO:combine", &x_o, &n, &median_o, &coeffs_o, &itemsize,
+                          &out_o))
+        return NULL;
+    if (itemsize != 4 && itemsize != 8) {
+        PyErr_SetString(PyExc_ValueError, "combine: itemsize must be 4 or 8");
+        return NULL;
+    }
+    Buf xb, mb, cb, ob;
+    xb.held = mb.held = cb.held = ob.held = 0;
+    PyObject *result = NULL;
+    Py_ssize_t nx = get(x_o, &xb, 0, itemsize, 0, "stack");
+    if (nx < 0) goto done;
+    Py_ssize_t nm = get(median_o, &mb, 0, itemsize, 0, "median");
+    if (nm < 0) goto done;
+    Py_ssize_t nc = get(coeffs_o, &cb, 0, 8, 0, "coeffs");
+    if (nc < 0) goto done;
+    Py_ssize_t no = get(out_o, &ob, 1, itemsize, 0, "out");
+    if (no < 0) goto done;
+    Py_ssize_t m = robust_shape(nx, n, NULL, 0);
+    if (m < 0) goto done;
+    if (nm != m || no != m || nc != n) {
+        PyErr_SetString(PyExc_ValueError,
+                        "combine: need len(median) == len(out) == m, len(coeffs) == n");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    if (itemsize == 4)
+        combine32(xb.view.buf, n, m, mb.view.buf, cb.view.buf, ob.view.buf);
+    else
+        combine64(xb.view.buf, n, m, mb.view.buf, cb.view.buf, ob.view.buf);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release(&xb); release(&mb); release(&cb); release(&ob);
+    return result;
+}
+
+static PyObject *trimmed(PyObject *self, PyObject *args) {
+    PyObject *x_o, *pairs_o, *out_o;
+    Py_ssize_t n, first, last;
+    int itemsize;
+    if (!PyArg_ParseTuple(args, "OnOnniO:trimmed", &x_o, &n, &pairs_o, &first, &last,
+                          &itemsize, &out_o))
+        return NULL;
+    if (itemsize != 4 && itemsize != 8) {
+        PyErr_SetString(PyExc_ValueError, "trimmed: itemsize must be 4 or 8");
+        return NULL;
+    }
+    Buf xb, pb, ob;
+    xb.held = pb.held = ob.held = 0;
+    PyObject *result = NULL;
+    Py_ssize_t nx = get(x_o, &xb, 0, itemsize, 0, "stack");
+    if (nx < 0) goto done;
+    Py_ssize_t np2 = get(pairs_o, &pb, 0, 4, 0, "pairs");
+    if (np2 < 0) goto done;
+    Py_ssize_t no = get(out_o, &ob, 1, itemsize, 0, "out");
+    if (no < 0) goto done;
+    Py_ssize_t m = robust_shape(nx, n, &pb, np2);
+    if (m < 0) goto done;
+    if (no != m || first < 0 || last > n || first >= last) {
+        PyErr_SetString(PyExc_ValueError, "trimmed: need len(out) == m, 0 <= first < last <= n");
+        goto done;
+    }
+    const int32_t *pp = pb.view.buf;
+    Py_BEGIN_ALLOW_THREADS
+    if (itemsize == 4)
+        trimmed32(xb.view.buf, n, m, pp, np2 / 2, first, last, ob.view.buf);
+    else
+        trimmed64(xb.view.buf, n, m, pp, np2 / 2, first, last, ob.view.buf);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release(&xb); release(&pb); release(&ob);
+    return result;
+}
+
+/* The trimmed mean of unequal weights, as robust.py's _kept_by_rank and _weighted_average:
+ * each value's rank from the pairwise comparisons (ties ranked by row), then over the rows
+ * in order the kept values' plain sum, weighted sum and weight total in the copies' dtype,
+ * the same IEEE operations in the same order, so the same bits. */
+#define WEIGHTED_TRIMMED(S, T, ST)                                                      \
+    ROBUST_CLONES static void trimmed_weighted##S(const ST *x, Py_ssize_t n, Py_ssize_t m, \
+                                                  Py_ssize_t k, const ST *weights, ST *out) { \
+        T v[ROBUST_MAX][ROBUST_TILE];                                                   \
+        int32_t rank[ROBUST_MAX][ROBUST_TILE];                                          \
+        T weighted[ROBUST_TILE], total[ROBUST_TILE], plain[ROBUST_TILE];                \
+        const T count = (T)(n - 2 * k);                                                 \
+        for (Py_ssize_t j0 = 0; j0 < m; j0 += ROBUST_TILE) {                            \
+            const Py_ssize_t w = m - j0 < ROBUST_TILE ? m - j0 : ROBUST_TILE;           \
+            load_tile##S(x, n, m, j0, w, v);                                            \
+            memset(rank, 0, (size_t)n * sizeof(rank[0]));                               \
+            for (Py_ssize_t i = 0; i < n; i++)                                          \
+                for (Py_ssize_t j = i + 1; j < n; j++)                                  \
+                    for (Py_ssize_t l = 0; l < ROBUST_TILE; l++) {                      \
+                        const int32_t before = v[i][l] <= v[j][l];                      \
+                        rank[j][l] += before;                                           \
+                        rank[i][l] += 1 - before;                                       \
+                    }                                                                   \
+            for (Py_ssize_t l = 0; l < ROBUST_TILE; l++)                                \
+                weighted[l] = total[l] = plain[l] = 0;                                  \
+            for (Py_ssize_t i = 0; i < n; i++) {                                        \
+                const T weight = weights[i];                                            \
+                for (Py_ssize_t l = 0; l < ROBUST_TILE; l++) {                          \
+                    T indicator = (T)(rank[i][l] >= k && rank[i][l] < n - k);           \
+                    T product = v[i][l] * indicator;                                    \
+                    plain[l] += product;                                                \
+                    product *= weight;                                                  \
+                    weighted[l] += product;                                             \
+                    indicator *= weight;                                                \
+                    total[l] += indicator;                                              \
+                }                                                                       \
+            }                                                                           \
+            for (Py_ssize_t l = 0; l < w; l++)                                          \
+                out[j0 + l] = total[l] > 0 ? weighted[l] / total[l] : plain[l] / count; \
+        }                                                                               \
+    }
+
+WEIGHTED_TRIMMED(32, float, f32)
+WEIGHTED_TRIMMED(64, double, f64)
+
+static PyObject *trimmed_weighted(PyObject *self, PyObject *args) {
+    PyObject *x_o, *weights_o, *out_o;
+    Py_ssize_t n, k;
+    int itemsize;
+    if (!PyArg_ParseTuple(args, "OnnOiO:trimmed_weighted", &x_o, &n, &k, &weights_o, &itemsize,
+                          &out_o))
+        return NULL;
+    if (itemsize != 4 && itemsize != 8) {
+        PyErr_SetString(PyExc_ValueError, "trimmed_weighted: itemsize must be 4 or 8");
+        return NULL;
+    }
+    Buf xb, wb, ob;
+    xb.held = wb.held = ob.held = 0;
+    PyObject *result = NULL;
+    Py_ssize_t nx = get(x_o, &xb, 0, itemsize, 0, "stack");
+    if (nx < 0) goto done;
+    Py_ssize_t nw = get(weights_o, &wb, 0, itemsize, 0, "weights");
+    if (nw < 0) goto done;
+    Py_ssize_t no = get(out_o, &ob, 1, itemsize, 0, "out");
+    if (no < 0) goto done;
+    Py_ssize_t m = robust_shape(nx, n, NULL, 0);
+    if (m < 0) goto done;
+    if (no != m || nw != n || k < 0 || 2 * k >= n) {
+        PyErr_SetString(PyExc_ValueError,
+                        "trimmed_weighted: need len(out) == m, len(weights) == n, 0 <= 2k < n");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    if (itemsize == 4)
+        trimmed_weighted32(xb.view.buf, n, m, k, wb.view.buf, ob.view.buf);
+    else
+        trimmed_weighted64(xb.view.buf, n, m, k, wb.view.buf, ob.view.buf);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    release(&xb); release(&wb); release(&ob);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"all_finite", all_finite, METH_VARARGS,
      "all_finite(x, itemsize) -> bool: whether float32 (itemsize 4) or float64 (8) "
@@ -535,6 +933,20 @@ static PyMethodDef methods[] = {
     {"copy_finite", copy_finite, METH_VARARGS,
      "copy_finite(src, out, itemsize) -> bool: copy float32 (itemsize 4) or float64 (8) "
      "values bit for bit; False if src holds NaN/Inf."},
+    {"median_gram", median_gram, METH_VARARGS,
+     "median_gram(stack, n, pairs, lower, upper, itemsize, median, gram): per column of the "
+     "(n, m) stack, median = (row lower + row upper) / 2 after the comparators `pairs` "
+     "(int32 i, j); gram (n * n float64) = the Gram matrix of stack - median."},
+    {"combine", combine, METH_VARARGS,
+     "combine(stack, n, median, coeffs, itemsize, out): out = median + sum_i coeffs[i] * "
+     "(stack[i] - median), in float64, rounded once."},
+    {"trimmed", trimmed, METH_VARARGS,
+     "trimmed(stack, n, pairs, first, last, itemsize, out): per column, the mean of rows "
+     "first..last-1 after the comparators `pairs` (summed in row order, in the dtype)."},
+    {"trimmed_weighted", trimmed_weighted, METH_VARARGS,
+     "trimmed_weighted(stack, n, k, weights, itemsize, out): per column, the weights-weighted "
+     "mean of the values neither among the k smallest nor the k largest (ties by row); "
+     "their plain mean where their weights are all zero."},
     {"f32_to_f16", f32_to_f16, METH_VARARGS,
      "f32_to_f16(src, words, values) -> bool: float32 to binary16 words (nearest even, "
      "saturating at +/-65504) and/or their float32 values; False if src holds NaN/Inf."},

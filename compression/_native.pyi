@@ -24,3 +24,34 @@ def scaled16(
 ) -> None: ...
 def copy_finite(src: np.ndarray, out: np.ndarray, itemsize: int) -> bool: ...
 def all_finite(x: np.ndarray, itemsize: int) -> bool: ...
+
+def median_gram(
+    stack: np.ndarray,
+    n: int,
+    pairs: np.ndarray,
+    lower: int,
+    upper: int,
+    itemsize: int,
+    median: np.ndarray,
+    gram: np.ndarray,
+) -> None: ...
+def combine(
+    stack: np.ndarray,
+    n: int,
+    median: np.ndarray,
+    coeffs: np.ndarray,
+    itemsize: int,
+    out: np.ndarray,
+) -> None: ...
+def trimmed(
+    stack: np.ndarray,
+    n: int,
+    pairs: np.ndarray,
+    first: int,
+    last: int,
+    itemsize: int,
+    out: np.ndarray,
+) -> None: ...
+def trimmed_weighted(
+    stack: np.ndarray, n: int, k: int, weights: np.ndarray, itemsize: int, out: np.ndarray
+) -> None: ...

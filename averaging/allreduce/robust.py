@@ -1,4 +1,4 @@
-"""Robust combination of the senders' copies of one chunk (pure numpy, no I/O).
+"""Robust combination of the senders' copies of one chunk (numpy and compiled kernels, no I/O).
 
 The reducer of a part calls these once every sender's copy of a chunk arrived
 (:mod:`~swarmavg.averaging.allreduce.reducer`), with the copies stacked as the rows of
@@ -17,13 +17,30 @@ CenteredClip's cost after the median is one float32 BLAS product per block of co
 (:func:`_gram`). Per 1 MiB chunk that made CenteredClip 2x (4 copies) to 3x (8 copies)
 cheaper than sorting fully and forming the Gram matrix in float64 (``benchmarks/
 robust_kernels.py``; docs/benchmarks.md, "Security costs, session 7 (issues 16, 17)").
+
+Where the compiled kernels are built (:mod:`swarmavg.compression.native`), contiguous
+float32/float64 copies of at most :data:`_NETWORK_MAX` senders skip numpy's pass per
+operation: CenteredClip is one tiled pass for the median (the same comparators, the same
+bits) and the Gram matrix of ``x_i - median``, then one for the result
+(``compression/_native.c``, ``median_gram`` and ``combine``); the trimmed mean of equal
+weights is one pass with numpy's bits (``trimmed``), and so is the trimmed mean of unequal
+weights (``trimmed_weighted``: ranks by pairwise comparison, then the weighted sums). The
+numpy code below stays the reference (tests/averaging/test_robust_native.py) and the
+fallback: more senders, other layouts, builds without the kernels, and Gram matrices
+that overflow (float32 products beyond 3.4e38, which the numpy path rescales). Only the
+part's reducer combines and every member receives its encoded result, so members with and
+without the kernels still end bit-identical.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
+
+from swarmavg.compression.native import kernels as native
+from swarmavg.compression.native import takes
 
 __all__ = ["centered_clip", "selected_rows", "sorted_copies", "trimmed_mean", "weighted_median"]
 
@@ -179,6 +196,32 @@ def _effective(weights: np.ndarray) -> np.ndarray:
     return np.ones_like(w) if not np.any(w > 0) else w
 
 
+_COMPILED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_NO_PAIRS = np.empty(0, dtype=np.int32)
+
+
+@functools.cache
+def _pairs_array(n: int, rows: tuple[int, ...]) -> np.ndarray:
+    """:func:`_selection_pairs` as the compiled kernels take them: int32 ``i, j, ...``."""
+    flat = [index for i, j, _, _ in _selection_pairs(n, rows) for index in (i, j)]
+    return np.array(flat, dtype=np.int32)
+
+
+def _compiled(stack: np.ndarray, name: str) -> Callable[..., None] | None:
+    """The compiled kernel ``name`` when it applies to ``stack``: the kernels are in use
+    (``native``: tests switch them off), have it (an older build may not), and read
+    ``stack``'s buffer; at most :data:`_NETWORK_MAX` copies (above, numpy sorts)."""
+    if (
+        native is None
+        or stack.dtype not in _COMPILED_DTYPES
+        or not 1 <= stack.shape[0] <= _NETWORK_MAX
+        or not takes(stack)
+    ):
+        return None
+    kernel: Callable[..., None] | None = getattr(native, name, None)
+    return kernel
+
+
 def weighted_median(stack: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """Per column of ``stack`` (``(n, m)``), the weighted median of its ``n`` values.
 
@@ -232,17 +275,66 @@ def centered_clip(
     w = _effective(weights)
     total = w.sum()
     positive = w > 0
-    # The start only has to be robust, not weighted: the plain median is as robust (the
-    # weights are bounded by their median, issue 17) and the fixed point of the
-    # iteration, which carries the weights, does not depend on it; sorting without
-    # weights costs a third.
-    start = weighted_median(stack, np.ones_like(w))
-    diff = stack - start
-    with np.errstate(over="ignore", invalid="ignore"):
-        gram = _gram(diff)
-    if not np.isfinite(gram).all():  # copies near the dtype's range: work in units of the largest
-        unit = float(np.abs(diff).max())
-        gram = _gram(diff / diff.dtype.type(unit))
+    compiled = _compiled_start_and_gram(stack)
+    diff: np.ndarray | None = None
+    if compiled is not None:
+        start, gram = compiled
+    else:
+        # The start only has to be robust, not weighted: the plain median is as robust
+        # (the weights are bounded by their median, issue 17) and the fixed point of the
+        # iteration, which carries the weights, does not depend on it; sorting without
+        # weights costs a third.
+        start = weighted_median(stack, np.ones_like(w))
+        diff = stack - start
+        with np.errstate(over="ignore", invalid="ignore"):
+            gram = _gram(diff)
+        if not np.isfinite(gram).all():  # copies near the dtype's range: units of the largest
+            unit = float(np.abs(diff).max())
+            gram = _gram(diff / diff.dtype.type(unit))
+    a, clipped = _clip_coefficients(gram, w, total, positive, tau, iters)
+    if diff is None:
+        out = np.empty_like(start)
+        combine = _compiled(stack, "combine")
+        assert combine is not None  # the same build gave the start and the Gram matrix
+        combine(stack, stack.shape[0], start, a, stack.dtype.itemsize, out)
+        return out, clipped
+    out = start + np.einsum("i,ij->j", a.astype(stack.dtype), diff)
+    return out, clipped
+
+
+def _compiled_start_and_gram(stack: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """CenteredClip's start (the median) and the Gram matrix of ``stack - start`` in one
+    compiled pass, or ``None`` where the kernel does not apply or the Gram matrix is not
+    finite (differences from the median beyond about 1.8e19 in float32, 1.3e154 in
+    float64, whose products overflow: the numpy path rescales them).
+
+    The median has the bits of :func:`weighted_median` with equal weights (the same
+    comparators); the Gram matrix sums the products in partial sums of 16 per coordinate
+    in the copies' dtype, then in float64 (within 1e-6 of the exact one relative to its
+    entries' Cauchy-Schwarz bound, as tests/averaging/test_robust_native.py checks).
+    """
+    median_gram = _compiled(stack, "median_gram")
+    if median_gram is None or _compiled(stack, "combine") is None:
+        return None
+    n, m = stack.shape
+    rows = ((n - 1) // 2, n // 2)
+    start = np.empty(m, dtype=stack.dtype)
+    gram = np.empty((n, n), dtype=np.float64)
+    median_gram(stack, n, _pairs_array(n, rows), *rows, stack.dtype.itemsize, start, gram)
+    return (start, gram) if np.isfinite(gram).all() else None
+
+
+def _clip_coefficients(
+    gram: np.ndarray,
+    w: np.ndarray,
+    total: float,
+    positive: np.ndarray,
+    tau: float,
+    iters: int,
+) -> tuple[np.ndarray, int]:
+    """CenteredClip's iterations on the coefficients ``a`` of ``v = v_0 + sum_i a_i d_i``
+    given the Gram matrix of the ``d_i = x_i - v_0``: the final ``a`` and how many rows
+    the last iteration clipped (see :func:`centered_clip`)."""
     norms = np.diag(gram).copy()
     radius = tau * float(np.median(np.sqrt(np.maximum(norms[positive], 0.0))))
     a = np.zeros(len(w))
@@ -261,8 +353,7 @@ def centered_clip(
         c = w * scale / total
         a = a * (1.0 - c.sum()) + c  # u <- u + sum_i c_i (d_i - u)
         clipped = previous_clipped = clipped_now
-    out: np.ndarray = start + np.einsum("i,ij->j", a.astype(stack.dtype), diff)
-    return out, clipped
+    return a, clipped
 
 
 def trimmed_mean(stack: np.ndarray, weights: np.ndarray, trim_per_side: int) -> np.ndarray:
@@ -280,12 +371,24 @@ def trimmed_mean(stack: np.ndarray, weights: np.ndarray, trim_per_side: int) -> 
         raise ValueError(f"cannot trim {k} per side of {n} values")
     w = _effective(weights)
     dtype = stack.dtype.type
+    out: np.ndarray
     if _equal(w):
+        trimmed = _compiled(stack, "trimmed")
+        if trimmed is not None:  # the same comparators and sums: the same bits
+            out = np.empty(stack.shape[1], dtype=stack.dtype)
+            pairs = _pairs_array(n, tuple(range(k, n - k))) if k else _NO_PAIRS  # rows as given
+            trimmed(stack, n, pairs, k, n - k, stack.dtype.itemsize, out)
+            return out
         middle = selected_rows(stack, tuple(range(k, n - k))) if k else list(stack)
-        out: np.ndarray = middle[0].copy()
+        out = middle[0].copy()
         for row in middle[1:]:
             out += row
         out /= dtype(n - 2 * k)
+        return out
+    weighted = _compiled(stack, "trimmed_weighted")
+    if weighted is not None:  # the same ranks and sums: the same bits
+        out = np.empty(stack.shape[1], dtype=stack.dtype)
+        weighted(stack, n, k, w.astype(stack.dtype), stack.dtype.itemsize, out)
         return out
     kept = _kept_by_rank(stack, k) if k else np.ones(stack.shape, dtype=bool)
     return _weighted_average(stack, w.astype(stack.dtype), kept, n - 2 * k)

@@ -165,6 +165,7 @@ class ReducerRound:
         on_result: ResultCallback,
         fault_plan: FaultPlan | None = None,
         buffers: BufferPool | None = None,
+        combiner: ThreadPoolExecutor | None = None,
     ) -> None:
         self.group = group
         self.my_index = my_index
@@ -172,13 +173,16 @@ class ReducerRound:
         self.codec = codec
         self.config = config
         self.executor = executor
+        # a robust rule's combination of a chunk: the service's combiner, else the executor
+        self.combiner = combiner or executor
         self.deadline = deadline  # time.monotonic()
         self.on_result = on_result
         self.fault_plan = fault_plan
         self._buffers = buffers
         accumulator = None
-        if buffers is not None and not group.rule.robust:
-            accumulator = buffers.take(plan.part_size(my_index), dtype)
+        if buffers is not None:  # the mean's sums or a robust rule's copies
+            size = PartReducer.buffer_size(plan, my_index, len(set(group.senders)), group.rule)
+            accumulator = buffers.take(size, dtype)
         self.reducer = PartReducer(
             plan, my_index, dtype, group.senders, group.rule, config.weight_bound, accumulator
         )
@@ -238,7 +242,8 @@ class ReducerRound:
             stream.queue.put_nowait(abort)
         await self._tasks.close()
         # The mean's sums are touched only on the event loop, and release() refuses any
-        # later add(), so the next round may take this buffer now.
+        # later add() (and, for a robust rule's copies, any later combination, and keeps
+        # the buffer from the pool while one runs), so the next round may take it now.
         accumulator = self.reducer.release()
         if accumulator is not None and self._buffers is not None:
             self._buffers.give(accumulator)
@@ -413,7 +418,7 @@ class ReducerRound:
         try:
             if self.reducer.aggregation.robust:  # heavier than a division: off the loop
                 response, decoded, adjusted = await offload(
-                    self.executor, self._combine_and_encode, chunk, contributors
+                    self.combiner, self._combine_and_encode, chunk, contributors
                 )
             else:
                 values, adjusted = self.reducer.aggregate(chunk)

@@ -628,6 +628,7 @@ async def run_allreduce(
             ex.on_local_result,
             fault_plan,
             buffers=service.buffers,
+            combiner=service.combiner,
         )
         service.register(round_)
         round_.start()

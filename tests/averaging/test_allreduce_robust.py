@@ -8,15 +8,24 @@ result says which rule ran and how many inputs it adjusted.
 from __future__ import annotations
 
 import dataclasses
+import threading
+from typing import Any
 
 import numpy as np
 import pytest
 
 from swarmavg.averaging.aggregation import canonical_aggregation
+from swarmavg.averaging.allreduce import reducer
 from swarmavg.averaging.allreduce.partition import TensorLayout, flatten
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.dht import ChannelPool
-from tests.averaging.allreduce_peers import close_peers, make_group, run_group, start_peers
+from tests.averaging.allreduce_peers import (
+    FAST,
+    close_peers,
+    make_group,
+    run_group,
+    start_peers,
+)
 from tests.harness import GrpcServerPool
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("allreduce_transport")]
@@ -99,3 +108,45 @@ async def test_robust_rules_equal_the_mean_of_honest_identical_inputs(
             np.testing.assert_array_equal(result.tensors[0], value[0])
     finally:
         await close_peers(peers)
+
+
+@pytest.mark.parametrize("rule", ["centered-clip", "trimmed-mean"])
+async def test_combination_runs_off_the_event_loop_without_an_executor(
+    grpc_servers: GrpcServerPool,
+    channels: ChannelPool,
+    monkeypatch: pytest.MonkeyPatch,
+    rule: str,
+) -> None:
+    """executor_threads=0 (codec work on the loop, at most 2 cores): a robust rule's
+    combination still runs in the service's combiner thread, so the loop goes on moving
+    data meanwhile; the result is that of an executor."""
+    threads: set[str] = set()
+    for name in ("centered_clip", "trimmed_mean"):
+        combine = getattr(reducer, name)
+
+        def recording(*args: Any, _combine: Any = combine) -> Any:
+            threads.add(threading.current_thread().name)
+            return _combine(*args)
+
+        monkeypatch.setattr(reducer, name, recording)
+    inputs = _inputs(np.float32, 1e6)
+    outcomes = []
+    for executor_threads in (0, 2):
+        config = dataclasses.replace(FAST, executor_threads=executor_threads)
+        peers = await start_peers(grpc_servers, HONEST + 1, config)
+        try:
+            assert (peers[0].service.executor is None) == (executor_threads == 0)
+            group = dataclasses.replace(
+                make_group(peers, inputs[0]), aggregation=canonical_aggregation(rule)
+            )
+            results = await run_group(peers, group, inputs, [1.0] * (HONEST + 1), channels)
+            assert all(isinstance(r, AveragingResult) and not r.partial for r in results)
+            outcomes.append(results[0])
+        finally:
+            await close_peers(peers)
+        if executor_threads == 0:  # never the loop's thread (the test's own)
+            assert threads
+            assert all(t.startswith("swarmavg-combine") for t in threads), threads
+        threads.clear()
+    for a, b in zip(outcomes[0].tensors, outcomes[1].tensors, strict=True):  # type: ignore[union-attr]
+        assert a.tobytes() == b.tobytes()

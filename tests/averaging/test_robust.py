@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
 import numpy as np
 import pytest
 
 from swarmavg.averaging.aggregation import Aggregation, parse_aggregation
+from swarmavg.averaging.allreduce import reducer as reducer_module
 from swarmavg.averaging.allreduce.partition import PartPlan
 from swarmavg.averaging.allreduce.reducer import PartReducer, weighted_mean
 from swarmavg.averaging.allreduce.robust import (
@@ -284,6 +289,67 @@ def test_reducer_keeps_copies_not_views() -> None:
     buffer[:] = 7.0  # a reused receive buffer must not change what was taken
     reducer.add(1, 0, np.ones(4, np.float32))
     np.testing.assert_array_equal(reducer.result(0), np.ones(4, np.float32))
+
+
+@pytest.mark.parametrize("rule", ["centered-clip", "trimmed-mean"])
+def test_robust_copies_live_in_the_given_buffer_and_go_back(rule: str) -> None:
+    # a pooled buffer of n x the part holds the copies (no array per chunk, no page
+    # faults per round); release() hands it back; the results are a fresh buffer's
+    plan = PartPlan.build([10], 4)  # chunks of 4, 4, 2
+    aggregation = parse_aggregation(rule)
+    size = PartReducer.buffer_size(plan, 0, 4, aggregation)
+    assert size == 4 * 10
+    assert PartReducer.buffer_size(plan, 0, 4, parse_aggregation("mean")) == 10
+    rng = np.random.default_rng(5)
+    copies = rng.standard_normal((4, 10)).astype(np.float32)
+    outcomes = []
+    for buffer in (np.full(size, np.nan, np.float32), None):  # stale contents do not matter
+        reducer = PartReducer(plan, 0, np.dtype(np.float32), range(4), aggregation, 10.0, buffer)
+        for s in range(4):
+            reducer.set_weight(s, 1.0)
+        for chunk in (2, 0, 1):  # any order
+            start, end = plan.chunk_bounds(0, chunk)
+            for s in range(4):
+                reducer.add(s, chunk, copies[s, start:end].copy())
+        outcomes.append([reducer.aggregate(c) for c in range(3)])
+        released = reducer.release()
+        assert released is not None
+        if buffer is not None:
+            assert released is buffer
+    for (a, adjusted_a), (b, adjusted_b) in zip(*outcomes, strict=True):
+        np.testing.assert_array_equal(a, b)  # type: ignore[arg-type]
+        assert adjusted_a == adjusted_b
+
+
+def test_a_combination_in_flight_keeps_the_copies_from_the_next_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # release() during a combination in a worker: the buffer is not handed back (the next
+    # round would overwrite copies being read), and no combination starts after it
+    started, proceed = threading.Event(), threading.Event()
+
+    def slow_clip(*args: Any) -> tuple[np.ndarray, int]:
+        started.set()
+        assert proceed.wait(10)
+        return centered_clip(*args)
+
+    monkeypatch.setattr(reducer_module, "centered_clip", slow_clip)
+    plan = PartPlan.build([8], 4)
+    aggregation = parse_aggregation("centered-clip")
+    buffer = np.empty(PartReducer.buffer_size(plan, 0, 3, aggregation), np.float32)
+    reducer = PartReducer(plan, 0, np.dtype(np.float32), range(3), aggregation, 10.0, buffer)
+    for s in range(3):
+        reducer.set_weight(s, 1.0)
+        for chunk in range(2):
+            reducer.add(s, chunk, np.full(4, float(s), np.float32))
+    with ThreadPoolExecutor(1) as worker:
+        running = worker.submit(reducer.aggregate, 0)
+        assert started.wait(10)
+        assert reducer.release() is None  # busy: the buffer goes with the combination
+        assert reducer.aggregate(1) == (None, 0)  # released: nothing more is combined
+        proceed.set()
+        out, _ = running.result(timeout=10)
+    np.testing.assert_allclose(out, 1.0)  # type: ignore[arg-type]
 
 
 def test_default_rule_is_the_mean() -> None:
