@@ -23,6 +23,7 @@ from swarmavg.averaging.training.background import LatestWork  # noqa: E402
 from swarmavg.averaging.training.state import unpack_state  # noqa: E402
 from swarmavg.averaging.training.streaming import StreamingDiLoCo  # noqa: E402
 from swarmavg.peer.errors import NoGroupError  # noqa: E402
+from tests.training.helpers import linear_model, run_in_threads, train_until  # noqa: E402
 from tests.training.memswarm import MemoryClient, MemorySwarm  # noqa: E402
 
 WAIT = 10.0  # seconds an event may take before the test fails (never reached when it works)
@@ -225,3 +226,54 @@ def test_a_failed_publish_is_logged_and_the_next_one_replaces_it(
     opt.close()
     assert client.published == [2]
     assert opt.stats.states_published == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_member_off_repairs_from_the_holders_whose_states_are_published_behind_the_steps() -> (
+    None
+):
+    # The digest is taken on the sync's thread: it must still be of the state the round's
+    # members share (anchor, outer optimizer state, epoch), so a member whose anchor
+    # drifted is found, and repairs from the holders' background-published state.
+    swarm = MemorySwarm()
+    peers = []
+    for name in "abc":
+        model = linear_model()
+        opt = StreamingDiLoCo(
+            model.parameters(),
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            swarm.client(name),
+            "run",
+            local_steps=4,
+            fragments=2,
+            overlap_steps=1,
+            batch_size_per_step=4,
+            averaging_timeout=10.0,
+        )
+        peers.append((model, opt))
+
+    def train_all(epoch: int) -> None:
+        run_in_threads(
+            *(
+                lambda m=m, o=o, i=i: train_until(m, o, 100 * i, epoch)
+                for i, (m, o) in enumerate(peers)
+            )
+        )
+
+    train_all(1)
+    with torch.no_grad():
+        for a in peers[2][1].anchor:
+            a.add_(0.5)  # c's synchronised parameters drifted
+    train_all(3)
+    for _, o in peers:
+        o.close()  # lets the last publishes land
+    first = peers[0][1]
+    for _, o in peers:
+        assert o.epoch == first.epoch
+        for x, y in zip(first.anchor, o.anchor, strict=True):
+            assert torch.equal(x, y)
+        mine, theirs = o.outer_optimizer.state_dict(), first.outer_optimizer.state_dict()
+        for index, entry in theirs["state"].items():
+            assert torch.equal(entry["momentum_buffer"], mine["state"][index]["momentum_buffer"])
+    assert [o.stats.repairs for _, o in peers] == [0, 0, 1]
+    assert [o.stats.served for _, o in peers] == [1, 1, 0]
