@@ -35,6 +35,7 @@ import math
 import time
 import uuid
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeGuard
 
@@ -434,7 +435,7 @@ class ProgressTracker:
             self.client.dht.store(self.key, record.to_record(), ttl=self.ttl, subkey=self.subkey)
         )
 
-    def report_soon(self, *, latest: bool = False) -> None:
+    def report_soon(self, *, latest: bool = False) -> Future[Any] | None:
         """Store this process's record without waiting for the DHT's answer.
 
         For the reports between two synchronisations (DiLoCo's inner steps), which only a
@@ -450,11 +451,15 @@ class ProgressTracker:
         ``latest=True`` is for a record that must reach the DHT (a new epoch, the samples
         a round is weighed by): it is never skipped; it is stored right after the one in
         flight, and replaces a report still waiting to start.
+
+        Returns:
+            the store's future (its result is None when the store failed; cancelled when a
+            newer report replaced it), or None when the report was skipped.
         """
         if not latest and self._reporter.busy():
-            return
+            return None
         record = self.local.to_record()
-        self._reporter.submit(
+        return self._reporter.submit(
             self.client.dht.store, self.key, record, ttl=self.ttl, subkey=self.subkey
         )
 

@@ -412,6 +412,7 @@ class StreamingDiLoCo(DiLoCo):
         start = [self.params[i].detach().clone() for i in indices]
         anchor = [self.anchor[i] for i in indices]  # unchanged until this sync is applied
         samples = int(self.tracker.samples)
+        reported = self.tracker.report_soon(latest=True)  # the samples it is weighed by
         future = self._executor.submit(
             run_sync,
             self.tracker,
@@ -421,11 +422,11 @@ class StreamingDiLoCo(DiLoCo):
             digest=self._shared_digest,
             with_schedule=self._with_schedule,
             weight=float(samples),
+            reported=reported,
         )
         self._pending = PendingSync(epoch, fragment, start, future, samples)
         self.inner_steps = 0
         self.steps_this_round = self.local_steps
-        self.tracker.report_soon(latest=True)  # the samples this round is weighed by
 
     def _apply_pending(self) -> None:
         """Wait for the sync in flight (bounded by the round's deadline) and apply it."""

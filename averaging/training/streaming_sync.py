@@ -2,10 +2,11 @@
 
 When a sync starts, the training thread only takes a snapshot (the fragment's parameters)
 and hands :func:`run_sync` to the sync's thread; the inner steps go on at once. On that
-thread the sync reads the swarm's progress (is this member behind? how many members does
-the round wait for?), computes the fragment's pseudo-gradient from the snapshot and the
-digest of the shared state, and runs the round. ``overlap_steps`` inner steps later the
-training thread takes the :class:`SyncOutcome` and applies it (or catches up).
+thread the sync waits for its progress record to be stored, reads the swarm's progress
+(is this member behind? how many members does the round wait for?), computes the
+fragment's pseudo-gradient from the snapshot and the digest of the shared state, and runs
+the round. ``overlap_steps`` inner steps later the training thread takes the
+:class:`SyncOutcome` and applies it (or catches up).
 
 Why reading the live anchor and outer optimizer state on the sync's thread is safe: only
 applying a sync (or catching up, or a repair) changes them, and each of those happens on
@@ -15,11 +16,13 @@ of the epoch the sync belongs to, the one the round's members share and digest.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -88,6 +91,7 @@ def run_sync(
     digest: Callable[[], bytes],
     with_schedule: Callable[[list[np.ndarray]], list[np.ndarray]],
     weight: float,
+    reported: Future[Any] | None = None,
 ) -> SyncOutcome:
     """Sync ``epoch`` on the sync's thread (module docstring).
 
@@ -99,7 +103,14 @@ def run_sync(
         digest: computes the shared state's digest.
         with_schedule: adds what the round carries besides the pseudo-gradient.
         weight: this member's samples (the round's weight).
+        reported: the store of this member's record for this sync (waited for first).
     """
+    # The others count this member in their rounds from its record: it must be in the DHT
+    # before this round declares (as when the store blocked the step), or a member that
+    # reads right after would find it a sync behind and take itself for alone.
+    if reported is not None:
+        with contextlib.suppress(CancelledError, FutureTimeout):
+            reported.result(timeout=link.timeout)
     progress = tracker.refresh()
     if progress.epoch > epoch:
         return SyncOutcome(progress, True, [], b"", None, "", 0.0)
