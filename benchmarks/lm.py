@@ -458,13 +458,15 @@ def train_peer(job: Job) -> dict[str, Any]:
         inner_update = InnerUpdateTimer(inner)
         parts = {} if opt is None else time_parts(opt)
         in_step = 0.0  # seconds inside the wrapper's step(), its inner update included
+        added: list[float] = []  # each step's seconds beyond its inner update
         while (step := position()) < cfg.steps:
             for group in inner.param_groups:
                 group["lr"] = lr_at(step, cfg)
             lm_loss(model, windows.batch(cfg.batch)).backward()
-            entered = time.monotonic()
+            entered, updating = time.monotonic(), inner_update.seconds
             (inner if opt is None else opt).step()
             in_step += time.monotonic() - entered
+            added.append(time.monotonic() - entered - (inner_update.seconds - updating))
             (inner if opt is None else opt).zero_grad()
             local += 1
         train_seconds = time.monotonic() - started
@@ -501,6 +503,10 @@ def train_peer(job: Job) -> dict[str, Any]:
         "wrapper_seconds": 0.0 if opt is None else max(0.0, in_step - inner_update.seconds),
         "steps": local,
         "parts": {k: round(v, 3) for k, v in parts.items()},
+        # Spread over every step (contention) or in a few (the syncs)? The median step's
+        # added milliseconds, and the seconds added by the steps above 20 ms.
+        "added_ms_median": round(1000 * float(np.median(added)), 2) if added else 0.0,
+        "added_seconds_over_20ms": round(sum(a for a in added if a > 0.02), 3),
         **chosen,
     }
 
@@ -565,10 +571,20 @@ def run_jobs(method: str, cfg: Config, workers: list[Proc], controls: list[str])
         chosen["agreed_ratio"] = results[0]["agreed_ratio"]
         chosen["steps_after_last_sync"] = results[0]["steps_after_last_sync"]
     slowest = max(results, key=lambda r: r["train_seconds"])
+    # The trainer whose wrapper added the largest share (the one wall_vs_compute reports):
+    # often not the slowest one, but one that waits at its syncs for the slower ones.
+    waiter = max(results, key=lambda r: r["wrapper_seconds"] / max(r["train_seconds"], 1e-9))
     return {
         **chosen,
         "val_loss": round(float(np.mean([r["val_loss"] for r in results])), 4),
         "slowest_trainer_parts_seconds": slowest.get("parts", {}),
+        "slowest_trainer_added_ms_median": slowest.get("added_ms_median", 0.0),
+        "slowest_trainer_added_seconds_over_20ms": slowest.get("added_seconds_over_20ms", 0.0),
+        "waiting_trainer": {
+            k: waiter.get(k)
+            for k in ("parts", "added_ms_median", "added_seconds_over_20ms", "train_seconds")
+        }
+        | {"wrapper_seconds": round(waiter["wrapper_seconds"], 3)},
         "bytes_sent_per_peer": int(np.mean([r["bytes_sent"] for r in results])),
         "rounds_per_peer": float(np.mean([r["rounds"] for r in results])),
         "failed_rounds": sum(r["failed"] for r in results),

@@ -194,6 +194,14 @@ def summarise(figures: dict[str, Any], per_mode: dict[str, list[dict[str, Any]]]
             "wall_vs_compute": round(statistics.median(r["wall_vs_compute"] for r in runs), 3),
             "all_wall_vs_compute": [r["wall_vs_compute"] for r in runs],
             "parts_seconds": [r.get("slowest_trainer_parts_seconds", {}) for r in runs],
+            # The slowest trainer's added time per step: the median step's (ms), and the
+            # seconds of the steps that added more than 20 ms (syncs, waits).
+            "added_ms_median": [r.get("slowest_trainer_added_ms_median", 0.0) for r in runs],
+            "added_seconds_over_20ms": [
+                r.get("slowest_trainer_added_seconds_over_20ms", 0.0) for r in runs
+            ],
+            # The same for the trainer wall_vs_compute reports (the largest share added).
+            "waiting_trainer": [r.get("waiting_trainer", {}) for r in runs],
         }
         if mode == "compute-only":
             figures[mode] = entry  # each trainer trains alone: nothing to compare

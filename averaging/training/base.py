@@ -40,10 +40,11 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
+from swarmavg.averaging.training.background import LatestWork
 from swarmavg.averaging.training.consensus import Provenance, Role, Verdict, judge
 from swarmavg.averaging.training.local_group import LocalGroup, LocalGroupError, outcome_timeout
 from swarmavg.averaging.training.progress import GlobalProgress, ProgressTracker
-from swarmavg.averaging.training.state import TrainingState
+from swarmavg.averaging.training.state import TrainingState, pack_state
 from swarmavg.averaging.training.swarm import (
     RoundResultLike,
     RoundStats,
@@ -94,6 +95,10 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
     KIND: ClassVar[str]
     """Names the wrapper in its checkpoints and published states (a state of another kind
     is refused)."""
+    PUBLISH_IN_BACKGROUND: ClassVar[bool] = False
+    """Publish the state for late joiners from a snapshot on a thread of its own
+    (:class:`~swarmavg.averaging.training.background.LatestWork`) instead of waiting for
+    the daemon in ``step()``: for the wrappers whose steps must not wait on the network."""
 
     def __init__(
         self,
@@ -170,6 +175,8 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         self._provenance: Provenance | None = None
         """The round step that produced the current state (None: a local step, a restored
         checkpoint, ...); published with the state so that repairing members find it."""
+        self._publisher = LatestWork("state publish")
+        """``PUBLISH_IN_BACKGROUND``: the publishes in flight, newest last."""
 
     def _join_swarm(self, load_state_on_start: bool) -> None:
         """Catch up with a swarm past our epoch (if asked to), report, start the meter.
@@ -245,6 +252,8 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
             self._finish()
         finally:
             self._closed = True
+            # The last state published is the one a late joiner loads: let it land.
+            self._publisher.close(timeout=self.link.state_timeout)
         self._leave()
 
     def __enter__(self: _W) -> _W:
@@ -326,7 +335,18 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         state = self._training_state(epoch)
         if self._provenance is not None and self._provenance.epoch == epoch:
             state.extra["provenance"] = self._provenance.to_extra()
-        if self.link.publish(state) and serve:
+        metadata, arrays = pack_state(state)  # a snapshot: training goes on meanwhile
+        if self.PUBLISH_IN_BACKGROUND and not self._closed:
+            self._publisher.submit(self._publish, metadata, arrays, epoch, serve)
+        else:
+            self._publish(metadata, arrays, epoch, serve)
+
+    def _publish(
+        self, metadata: dict[str, Any], arrays: list[Any], epoch: int, serve: bool
+    ) -> None:
+        """Hand a packed state to the daemon (on the publisher's thread when in the
+        background; a newer publish drops this one if it has not started)."""
+        if self.link.publish_packed(metadata, arrays) and serve:
             self.stats.served += 1
             log.info("published the state of epoch %d for the members that repair", epoch)
 

@@ -35,10 +35,11 @@ import math
 import time
 import uuid
 from collections.abc import Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeGuard
 
+from swarmavg.averaging.training.background import LatestWork
 from swarmavg.averaging.training.metrics import Metrics, check_metrics, parse_metrics
 from swarmavg.averaging.training.no_shows import NoShows
 
@@ -54,6 +55,9 @@ MAX_SAMPLES_PER_SECOND = 1e12
 stop waiting for the epoch's last batches, ``CollaborativeOptimizer.max_wait``)."""
 MAX_EPOCH_LEAD = 8
 """Epochs a record may be ahead of the swarm's majority (:func:`within_epoch_lead`)."""
+SETTLE_TIMEOUT = 30.0
+"""Seconds :meth:`ProgressTracker.report` waits for the background stores in flight (each
+store also has the client's own call deadline)."""
 
 
 class DHTLike(Protocol):
@@ -370,8 +374,7 @@ class ProgressTracker:
         self.metrics: Metrics = ()
         self.last: GlobalProgress = aggregate((), target_batch_size)
         self._ignored = 0  # records ignored by the last refresh, to log changes only
-        self._reporter: ThreadPoolExecutor | None = None  # report_soon's thread, made on use
-        self._in_flight: Future[Any] | None = None
+        self._reporter = LatestWork("progress report")  # report_soon's thread, made on use
 
     def add_samples(self, n: int) -> None:
         """Count ``n`` samples processed towards the current epoch."""
@@ -425,16 +428,14 @@ class ProgressTracker:
         and the others' rounds would wait for it. The goodbye record replaces the last one
         (it expires later) and is ignored by :func:`aggregate`.
         """
-        self._settle()
-        if self._reporter is not None:
-            self._reporter.shutdown(wait=True)
-            self._reporter = None
+        self._reporter.close(timeout=SETTLE_TIMEOUT)
+        self._reporter = LatestWork("progress report")  # its thread is only made on use
         record = PeerProgress(self.peer_id, self.epoch, 0, 0.0, time.time(), left=True)
         return bool(
             self.client.dht.store(self.key, record.to_record(), ttl=self.ttl, subkey=self.subkey)
         )
 
-    def report_soon(self) -> None:
+    def report_soon(self, *, latest: bool = False) -> Future[Any] | None:
         """Store this process's record without waiting for the DHT's answer.
 
         For the reports between two synchronisations (DiLoCo's inner steps), which only a
@@ -446,27 +447,26 @@ class ProgressTracker:
         :meth:`report` and :meth:`leave` first wait for the one in flight, so the DHT never
         ends on an older record than the last one sent. A failed store is logged, not
         raised: the next report replaces it.
+
+        ``latest=True`` is for a record that must reach the DHT (a new epoch, the samples
+        a round is weighed by): it is never skipped; it is stored right after the one in
+        flight, and replaces a report still waiting to start.
+
+        Returns:
+            the store's future (its result is None when the store failed; cancelled when a
+            newer report replaced it), or None when the report was skipped.
         """
-        if self._in_flight is not None and not self._in_flight.done():
-            return
-        self._settle()
-        if self._reporter is None:
-            self._reporter = ThreadPoolExecutor(1, thread_name_prefix="swarmavg-progress")
+        if not latest and self._reporter.busy():
+            return None
         record = self.local.to_record()
-        self._in_flight = self._reporter.submit(
+        return self._reporter.submit(
             self.client.dht.store, self.key, record, ttl=self.ttl, subkey=self.subkey
         )
 
     def _settle(self) -> None:
-        """Wait for :meth:`report_soon`'s store in flight, if any (the client's own call
-        deadline bounds it), and log its failure."""
-        pending, self._in_flight = self._in_flight, None
-        if pending is None:
-            return
-        try:
-            pending.result()
-        except Exception as exc:  # a lost report is replaced by the next one
-            log.warning("a background progress report failed: %s", exc)
+        """Wait for :meth:`report_soon`'s stores in flight (failures are logged there)."""
+        if not self._reporter.settle(SETTLE_TIMEOUT):
+            log.warning("a background progress report still runs after %.0fs", SETTLE_TIMEOUT)
 
     def refresh(self) -> GlobalProgress:
         """Read every live record and return the swarm's progress (this process included).

@@ -31,14 +31,16 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
-
 from swarmavg.averaging.training.consensus import Provenance, Role, Verdict
-from swarmavg.averaging.training.diloco import DiLoCo, outer_step, pseudo_gradient
+from swarmavg.averaging.training.diloco import DiLoCo, pseudo_gradient
+from swarmavg.averaging.training.fragments import (
+    fragment_of_sync,
+    fragment_outer_step,
+    split_fragments,
+)
 from swarmavg.averaging.training.progress import GlobalProgress
 from swarmavg.averaging.training.schedule import (
     DEFAULT_BOUNDS,
@@ -48,101 +50,12 @@ from swarmavg.averaging.training.schedule import (
     streaming_schedule,
 )
 from swarmavg.averaging.training.state import TrainingState
-from swarmavg.averaging.training.swarm import RoundResultLike, SwarmClient, SwarmRoundWarning
+from swarmavg.averaging.training.streaming_sync import PendingSync, RankSync, run_sync
+from swarmavg.averaging.training.swarm import SwarmClient, SwarmRoundWarning
 from swarmavg.averaging.training.tensors import collect_params, copy_into, to_arrays
 
 if TYPE_CHECKING:
     import torch
-
-
-def fragment_of_sync(sync: int, fragments: int) -> int:
-    """The fragment that sync number ``sync`` covers.
-
-    Sync ``e`` starts after inner step ``(e + 1) * H / F``; fragment ``f`` must sync where
-    ``(t + f * H / F) % H == 0``, so the order runs F-1, F-2, ..., 0, then again.
-    """
-    return (fragments - 1 - sync) % fragments
-
-
-def split_fragments(sizes: Sequence[int], fragments: int) -> list[list[int]]:
-    """Split tensors (by their element counts, in order) into ``fragments`` contiguous,
-    non-empty groups of about equal size; returns each group's tensor indices.
-
-    Groups fill in order up to an equal share of the elements each (so consecutive
-    layers stay together, as in the paper).
-
-    Raises:
-        ValueError: fewer tensors than fragments, or ``fragments`` < 1.
-    """
-    if fragments < 1:
-        raise ValueError(f"fragments must be >= 1, got {fragments}")
-    if len(sizes) < fragments:
-        raise ValueError(f"{len(sizes)} parameter tensors cannot make {fragments} fragments")
-    share = sum(sizes) / fragments
-    groups: list[list[int]] = [[]]
-    filled = 0
-    for i, size in enumerate(sizes):
-        # Open the next group once this one holds its share, or when every tensor left
-        # is needed to give each remaining group one.
-        full = filled >= len(groups) * share or len(sizes) - i <= fragments - len(groups)
-        if groups[-1] and len(groups) < fragments and full:
-            groups.append([])
-        groups[-1].append(i)
-        filled += size
-    return groups
-
-
-def fragment_outer_step(
-    params: Sequence[torch.Tensor],
-    anchor: Sequence[torch.Tensor],
-    indices: Sequence[int],
-    delta: Sequence[Any],
-    outer_optimizer: torch.optim.Optimizer,
-) -> None:
-    """DiLoCo's outer step on the tensors ``indices`` only.
-
-    torch optimizers skip parameters whose ``.grad`` is None, so the other tensors'
-    gradients are set aside during the step (their momentum is not touched) and put back.
-    """
-    chosen = set(indices)
-    saved = {i: params[i].grad for i in range(len(params)) if i not in chosen}
-    for i in saved:
-        params[i].grad = None
-    try:
-        outer_step(
-            [params[i] for i in indices], [anchor[i] for i in indices], delta, outer_optimizer
-        )
-    finally:
-        for i, grad in saved.items():
-            params[i].grad = grad
-
-
-@dataclass
-class _RankSync:
-    """Hierarchical mode: a fragment sync as every rank of the machine tracks it (only the
-    leader runs its round; the others know when it lands from the shared step count)."""
-
-    fragment: int
-    start: list[torch.Tensor]
-    """The fragment's parameters when the sync started (the machine's mean: the same on
-    every rank)."""
-    waited: int = 0
-
-
-@dataclass
-class _PendingSync:
-    """A fragment sync whose round runs in the background."""
-
-    epoch: int
-    fragment: int
-    start: list[torch.Tensor]
-    """The fragment's parameters when the sync started."""
-    local: list[np.ndarray]
-    digest: bytes
-    future: Future[tuple[RoundResultLike | None, str, float]]
-    samples: int
-    """This member's samples counted when the sync started (its round's weight)."""
-    waited: int = 0
 
 
 class StreamingDiLoCo(DiLoCo):
@@ -187,6 +100,7 @@ class StreamingDiLoCo(DiLoCo):
     """
 
     KIND = "streaming-diloco"
+    PUBLISH_IN_BACKGROUND = True
 
     def __init__(
         self,
@@ -231,9 +145,9 @@ class StreamingDiLoCo(DiLoCo):
         self.cycle_steps = local_steps
         self.overlap_steps = overlap_steps
         self.fragments = split_fragments([p.numel() for p in tensors], fragments)
-        self._pending: _PendingSync | None = None
-        self._rank_sync: _RankSync | None = None
-        self._follower_sync: _RankSync | None = None
+        self._pending: PendingSync | None = None
+        self._rank_sync: RankSync | None = None
+        self._follower_sync: RankSync | None = None
         self._overlap: list[torch.Tensor] = []
         self._full_envelope = True
         """Hierarchical mode: the leader's next broadcast carries its whole state (the
@@ -336,6 +250,14 @@ class StreamingDiLoCo(DiLoCo):
             self._apply_pending()
         return super().state_dict()
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """As for DiLoCo; a sync in flight is waited for and dropped first (its thread reads
+        the anchor that the checkpoint replaces, and its epoch is not the checkpoint's)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.future.exception()  # its outcome is dropped with it, failed or not
+        super().load_state_dict(state)
+
     def _finish(self) -> None:
         try:
             if self.local_group is not None:
@@ -377,7 +299,7 @@ class StreamingDiLoCo(DiLoCo):
         self._rank_sync = None
         pending = self._pending
         if group.is_leader and pending is not None:
-            self._rank_sync = _RankSync(pending.fragment, pending.start)
+            self._rank_sync = RankSync(pending.fragment, pending.start)
         elif not group.is_leader and self._follower_sync is not None:
             self._rank_sync = self._follower_sync
         self._follower_sync = None
@@ -468,7 +390,7 @@ class StreamingDiLoCo(DiLoCo):
             fragment, start = sync
             indices = self.fragments[fragment]
             copy_into([self.params[i] for i in indices], start)
-            self._follower_sync = _RankSync(fragment, [t.clone() for t in start])
+            self._follower_sync = RankSync(fragment, [t.clone() for t in start])
         elif overlap_progress and self._rank_sync is not None:
             # a sync landed: the new anchor plus this rank's own progress of the overlap
             import torch
@@ -481,57 +403,30 @@ class StreamingDiLoCo(DiLoCo):
     # ------------------------------------------------------------------ one sync
 
     def _start_sync(self) -> None:
-        progress = self.tracker.refresh()
-        if progress.epoch > self.epoch:
-            self._catch_up(progress)
-            return
-        self.tracker.meter.pause()
+        """Snapshot the fragment due and hand its sync to the sync's thread
+        (:func:`~swarmavg.averaging.training.streaming_sync.run_sync`: the progress read,
+        the pseudo-gradient, the digest and the round all run there)."""
         epoch = self.epoch
         fragment = fragment_of_sync(epoch, len(self.fragments))
         indices = self.fragments[fragment]
-        current = [self.params[i] for i in indices]
-        local = to_arrays(pseudo_gradient([self.anchor[i] for i in indices], current))
-        digest = self._shared_digest()
+        start = [self.params[i].detach().clone() for i in indices]
+        anchor = [self.anchor[i] for i in indices]  # unchanged until this sync is applied
         samples = int(self.tracker.samples)
+        reported = self.tracker.report_soon(latest=True)  # the samples it is weighed by
         future = self._executor.submit(
-            self._round,
-            self._with_schedule(local),
-            f"diloco.{epoch}",
-            float(samples),
-            progress,
-            digest,
+            run_sync,
+            self.tracker,
+            self.link,
+            epoch,
+            local=lambda: to_arrays(pseudo_gradient(anchor, start)),
+            digest=self._shared_digest,
+            with_schedule=self._with_schedule,
+            weight=float(samples),
+            reported=reported,
         )
-        start = [p.detach().clone() for p in current]
-        self._pending = _PendingSync(epoch, fragment, start, local, digest, future, samples)
+        self._pending = PendingSync(epoch, fragment, start, future, samples)
         self.inner_steps = 0
         self.steps_this_round = self.local_steps
-        self.tracker.report()
-
-    def _round(
-        self,
-        arrays: list[np.ndarray],
-        key: str,
-        weight: float,
-        progress: GlobalProgress,
-        digest: bytes,
-    ) -> tuple[RoundResultLike | None, str, float]:
-        """The round, in the background thread (it only reads its arguments and the link);
-        returns the result, the error if it failed, and its seconds."""
-        if progress.num_peers <= 1:
-            return None, "", 0.0
-        failed = self.link.stats.failed
-        started = time.monotonic()
-        result = self.link.average(
-            arrays,
-            key=key,
-            weight=weight,
-            group_size=progress.num_peers,
-            warn=False,
-            state_digest=digest,
-            expected=progress.members(),
-        )
-        error = self.link.stats.last_error if self.link.stats.failed > failed else ""
-        return result, error, time.monotonic() - started
 
     def _apply_pending(self) -> None:
         """Wait for the sync in flight (bounded by the round's deadline) and apply it."""
@@ -539,12 +434,13 @@ class StreamingDiLoCo(DiLoCo):
         if pending is None:
             return
         self._pending = None
-        result, error, seconds = pending.future.result()
+        outcome = pending.future.result()
+        result, error, seconds = outcome.result, outcome.error, outcome.seconds
         epoch, key = pending.epoch, f"diloco.{pending.epoch}"
         indices = self.fragments[pending.fragment]
         done = int(self.tracker.samples) - pending.samples  # samples during the overlap
         verdict: Verdict | None = None
-        if result is None and error:
+        if outcome.behind or (result is None and error):
             after = self.tracker.refresh()
             if after.epoch > epoch:  # they stepped without us: take their state
                 self._catch_up(after)
@@ -560,7 +456,7 @@ class StreamingDiLoCo(DiLoCo):
             averaged, ratio = self._split_schedule(result.tensors)
             if not result.partial:  # a partial round's pair may be this member's own
                 self._plan(ratio)
-            verdict = self._judge(result, pending.digest, key)
+            verdict = self._judge(result, outcome.digest, key)
         if result is not None and verdict is not None and verdict.role is Role.REPAIR:
             state = self._repair(verdict, result, epoch + 1, key, self.params)
             if state is not None:
@@ -578,7 +474,7 @@ class StreamingDiLoCo(DiLoCo):
             self.params,
             self.anchor,
             indices,
-            pending.local if result is None else averaged,
+            outcome.local if result is None else averaged,
             self.outer_optimizer,
         )
         with torch.no_grad():
@@ -587,7 +483,7 @@ class StreamingDiLoCo(DiLoCo):
         if result is None:
             self._provenance = None
         else:
-            self._step_provenance(epoch + 1, verdict, pending.digest, str(result.group_id))
+            self._step_provenance(epoch + 1, verdict, outcome.digest, str(result.group_id))
         self._advance_sync(
             epoch + 1, done, serve=verdict is not None and verdict.role is Role.SERVE
         )
@@ -595,8 +491,8 @@ class StreamingDiLoCo(DiLoCo):
     def _advance_sync(self, epoch: int, samples: int, *, serve: bool) -> None:
         self.timer.reset_steps()
         self.tracker.set_epoch(epoch, samples)
-        self._maybe_publish(epoch, serve=serve)
-        self.tracker.report()
+        self._maybe_publish(epoch, serve=serve)  # in the background (PUBLISH_IN_BACKGROUND)
+        self.tracker.report_soon(latest=True)  # the new epoch
 
 
 __all__ = ["StreamingDiLoCo", "fragment_of_sync", "fragment_outer_step", "split_fragments"]

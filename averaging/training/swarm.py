@@ -332,7 +332,11 @@ class SwarmLink:
 
     def publish(self, state: TrainingState) -> bool:
         """Serve ``state`` to late joiners; False (with a log line) when the daemon refused."""
-        metadata, arrays = pack_state(state)
+        return self.publish_packed(*pack_state(state))
+
+    def publish_packed(self, metadata: dict[str, Any], arrays: list[np.ndarray]) -> bool:
+        """:meth:`publish` of a state :func:`~swarmavg.averaging.training.state.pack_state`
+        already flattened (a snapshot: the arrays are copies), from any thread."""
         try:
             self.client.publish_state(arrays, metadata)
         except _validation_errors():
