@@ -256,6 +256,9 @@ async def test_relay_under_a_bytes_flood_stays_within_its_rate(
     relayed = int(after["relayed_bytes"]) - int(before["relayed_bytes"])
     assert relayed >= state[0].nbytes  # the state did go through the relay
     # The bucket's bound (4 MiB burst + 2 MiB/s over the whole exchange); a slower machine
-    # only relays less, so this cannot fail for lack of speed.
+    # only relays less, so this cannot fail for lack of speed. `relayed_bytes` counts both
+    # directions, and the joiner's requests and HTTP/2 control frames are another source
+    # with a bucket of its own: a MiB covers them (CI once measured 24,006,524 bytes in
+    # 9.43 s, 36 KB over the bound without it), far below what an unlimited relay moves.
     mib = 1 << 20
-    assert relayed <= 4 * mib + 2 * mib * elapsed, (relayed, elapsed)
+    assert relayed <= 5 * mib + 2 * mib * elapsed, (relayed, elapsed)

@@ -80,10 +80,15 @@ def test_ctrl_c_in_the_script_is_one_graceful_shutdown(sock_dir: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
-    assert proc.stdout is not None
-    assert proc.stdout.readline().startswith("ready 127.0.0.1:")
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith("ready 127.0.0.1:")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:  # a script that missed its Ctrl+C must not outlive the test
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 0, err
     assert out.strip() == "interrupted"
     assert err.count("peer stopped") == 1
