@@ -60,7 +60,10 @@ def test_a_startup_error_is_raised_in_the_calling_thread(sock_dir: Path) -> None
 
 
 SCRIPT = """
-import sys, threading
+import signal, sys, threading
+# What Python installs itself when it starts with SIGINT at its default; a test run
+# started in the background of a shell inherits SIGINT ignored, and Python then leaves it so.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import swarmavg.peer
 swarmavg.peer.enable_logging()
 try:
