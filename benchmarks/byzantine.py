@@ -7,7 +7,8 @@ process. Trainer 3 multiplies its gradients by -10 before each step (``attacked`
 scenarios:
 
 * ``clean``: no attacker, ``aggregation="mean"``;
-* ``mean``, ``centered-clip``, ``trimmed-mean``: the attacker, and that aggregation.
+* ``mean``, ``centered-clip``, ``trimmed-mean``: the attacker, and that aggregation;
+* ``centered-clip-clip-only``: the attacker, centered-clip without rejection (``reject=0``).
 
 Every trainer applies the round's result, the attacker too, so all four end with the same
 parameters; the figure is each trainer's test accuracy (and its failed rounds). Prints one
@@ -41,6 +42,7 @@ SCENARIOS = {
     "clean": ("mean", False),
     "mean": ("mean", True),
     "centered-clip": ("centered-clip", True),
+    "centered-clip-clip-only": ("centered-clip:reject=0", True),
     "trimmed-mean": ("trimmed-mean", True),
 }
 

@@ -339,7 +339,7 @@ class PartReducer:
             weights = np.array([self._factors[s] for s in senders], dtype=np.float64)
             rule = self.aggregation
             if rule.kind == CENTERED_CLIP:  # every rule's result is a new array
-                return centered_clip(rows, weights, rule.tau, rule.iters)
+                return centered_clip(rows, weights, rule.tau, rule.iters, rule.reject)
             k = rule.trimmed_per_side(len(senders))
             return trimmed_mean(rows, weights, k), trimmed_values(len(senders), k, rows.shape[1])
         finally:

@@ -253,7 +253,7 @@ def weighted_median(stack: np.ndarray, weights: np.ndarray) -> np.ndarray:
 
 
 def centered_clip(
-    stack: np.ndarray, weights: np.ndarray, tau: float, iters: int
+    stack: np.ndarray, weights: np.ndarray, tau: float, iters: int, reject: float = 0.0
 ) -> tuple[np.ndarray, int]:
     """CenteredClip of the rows of ``stack`` (``(n, m)``) with weights ``weights``.
 
@@ -263,14 +263,17 @@ def centered_clip(
     algorithm "CenteredClip"; the radius is relative, see
     :mod:`swarmavg.averaging.aggregation`). At most ``iters`` iterations; it stops early
     when the estimate came from an iteration that clipped nothing and clips nothing
-    itself, since it is then the weighted mean and a fixed point.
+    itself, since it is then the weighted mean and a fixed point. With ``reject > 0``,
+    rows farther than ``reject * median_i ||x_i - v_0||`` from ``v_0`` first lose their
+    weight: they neither pull the estimate nor count in its denominator.
 
     Every iterate is ``v_0 + sum_i a_i (x_i - v_0)``, so the iterations run on the
     coefficients ``a`` and the Gram matrix of the ``x_i - v_0`` (float64): one pass over
     the copies for the Gram matrix and one for the result, whatever ``iters`` is.
 
     Returns:
-        The combined row (``stack``'s dtype) and how many rows the last iteration clipped.
+        The combined row (``stack``'s dtype) and how many rows were rejected or clipped by
+        the last iteration.
     """
     w = _effective(weights)
     total = w.sum()
@@ -291,7 +294,7 @@ def centered_clip(
         if not np.isfinite(gram).all():  # copies near the dtype's range: units of the largest
             unit = float(np.abs(diff).max())
             gram = _gram(diff / diff.dtype.type(unit))
-    a, clipped = _clip_coefficients(gram, w, total, positive, tau, iters)
+    a, clipped = _clip_coefficients(gram, w, total, positive, tau, iters, reject)
     if diff is None:
         out = np.empty_like(start)
         combine = _compiled(stack, "combine")
@@ -331,12 +334,24 @@ def _clip_coefficients(
     positive: np.ndarray,
     tau: float,
     iters: int,
+    reject: float,
 ) -> tuple[np.ndarray, int]:
     """CenteredClip's iterations on the coefficients ``a`` of ``v = v_0 + sum_i a_i d_i``
     given the Gram matrix of the ``d_i = x_i - v_0``: the final ``a`` and how many rows
-    the last iteration clipped (see :func:`centered_clip`)."""
+    were rejected or clipped by the last iteration (see :func:`centered_clip`)."""
     norms = np.diag(gram).copy()
-    radius = tau * float(np.median(np.sqrt(np.maximum(norms[positive], 0.0))))
+    spread = float(np.median(np.sqrt(np.maximum(norms[positive], 0.0))))
+    radius = tau * spread
+    rejected = 0
+    if reject > 0.0 and spread > 0.0:
+        # At most half the rows lie beyond the median distance (reject >= 1), so at least
+        # one positive weight stays; with a zero spread every row is clipped to v_0 anyway.
+        far = positive & (np.sqrt(np.maximum(norms, 0.0)) > reject * spread)
+        rejected = int(np.count_nonzero(far))
+        if rejected:
+            w = np.where(far, 0.0, w)
+            positive = positive & ~far
+            total = float(w.sum())
     a = np.zeros(len(w))
     clipped = 0
     previous_clipped = -1
@@ -353,7 +368,7 @@ def _clip_coefficients(
         c = w * scale / total
         a = a * (1.0 - c.sum()) + c  # u <- u + sum_i c_i (d_i - u)
         clipped = previous_clipped = clipped_now
-    return a, clipped
+    return a, rejected + clipped
 
 
 def trimmed_mean(stack: np.ndarray, weights: np.ndarray, trim_per_side: int) -> np.ndarray:

@@ -30,7 +30,7 @@ from swarmavg.proto import averaging_pb2
 from tests.averaging.averager_swarm import averager_swarm
 
 SCHEMA = b"s" * 32
-CLIP = "centered-clip:tau=1.0,iters=5"
+CLIP = "centered-clip:tau=1.0,iters=5,reject=3.0"
 
 
 def decl(start: float, pid: int, aggregation: str = "mean") -> Declaration:

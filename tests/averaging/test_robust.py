@@ -34,9 +34,11 @@ pytestmark = pytest.mark.timeout(30)
     ("spec", "name"),
     [
         ("mean", "mean"),
-        ("centered-clip", "centered-clip:tau=1.0,iters=5"),
-        ("centered-clip:iters=3,tau=1", "centered-clip:tau=1.0,iters=3"),
-        ("centered-clip:tau=0.5", "centered-clip:tau=0.5,iters=5"),
+        ("centered-clip", "centered-clip:tau=1.0,iters=5,reject=3.0"),
+        ("centered-clip:iters=3,tau=1", "centered-clip:tau=1.0,iters=3,reject=3.0"),
+        ("centered-clip:tau=0.5", "centered-clip:tau=0.5,iters=5,reject=3.0"),
+        ("centered-clip:reject=0", "centered-clip:tau=1.0,iters=5,reject=0.0"),
+        ("centered-clip:reject=1", "centered-clip:tau=1.0,iters=5,reject=1.0"),
         ("trimmed-mean", "trimmed-mean:trim=0.25"),
         ("trimmed-mean:trim=0.1", "trimmed-mean:trim=0.1"),
     ],
@@ -50,12 +52,15 @@ def test_names_are_canonical(spec: str, name: str) -> None:
 @pytest.mark.parametrize(
     ("spec", "match"),
     [
-        ("median", "known: mean, centered-clip \\(tau, iters\\), trimmed-mean \\(trim\\)"),
+        ("median", "known: mean, centered-clip \\(tau, iters, reject\\), trimmed-mean \\(trim\\)"),
         ("centered-clip:tau=0", "tau must be"),
         ("centered-clip:tau=inf", "tau must be"),
         ("centered-clip:iters=0", "iters must be"),
         ("centered-clip:iters=2.5", "iters must be an integer"),
-        ("centered-clip:trim=0.1", "takes tau, iters, not trim"),
+        ("centered-clip:trim=0.1", "takes tau, iters, reject, not trim"),
+        ("centered-clip:reject=0.5", "reject must be 0 \\(off\\) or"),
+        ("centered-clip:reject=-1", "reject must be"),
+        ("centered-clip:reject=inf", "reject must be"),
         ("trimmed-mean:trim=0.5", "trim must be in"),
         ("trimmed-mean:trim=-0.1", "trim must be in"),
         ("trimmed-mean:trim=abc", "not a number"),
@@ -166,10 +171,11 @@ def test_trimmed_mean_known_answers_and_weights() -> None:
         trimmed_mean(stack, np.ones(4), 2)
 
 
-def test_centered_clip_is_the_mean_without_outliers() -> None:
+@pytest.mark.parametrize("reject", [0.0, 3.0])
+def test_centered_clip_is_the_mean_without_outliers(reject: float) -> None:
     stack = _rng().standard_normal((6, 1000)).astype(np.float32)
     weights = np.array([1.0, 2.0, 1.0, 0.5, 1.0, 1.5])
-    out, clipped = centered_clip(stack, weights, tau=2.0, iters=5)
+    out, clipped = centered_clip(stack, weights, tau=2.0, iters=5, reject=reject)
     assert clipped == 0
     np.testing.assert_allclose(out, weighted_mean(list(stack), list(weights)), atol=1e-5)
 
@@ -192,6 +198,55 @@ def test_an_outlier_is_bounded(dtype: type) -> None:
         trimmed = trimmed_mean(stack, np.ones(4), 1)
         assert trimmed.dtype == dtype
         assert np.abs(trimmed - honest_mean).max() <= np.abs(honest - honest_mean).max()
+
+
+def _signal_and_attacker(dtype: type = np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """Three honest copies of a gradient (signal 0.5 plus unit noise) and one of -10 x it."""
+    honest = (0.5 + _rng().standard_normal((3, 4096))).astype(dtype)
+    return honest, np.full((1, 4096), -5.0, dtype=dtype)
+
+
+def test_a_far_copy_is_rejected_not_only_clipped() -> None:
+    honest, attacker = _signal_and_attacker()
+    stack = np.concatenate([honest, attacker])
+    honest_mean = honest.astype(np.float64).mean(axis=0)
+    plain, plain_adjusted = centered_clip(stack, np.ones(4), tau=1.0, iters=5, reject=0.0)
+    out, adjusted = centered_clip(stack, np.ones(4), tau=1.0, iters=5, reject=3.0)
+    assert plain_adjusted >= 1
+    assert adjusted >= 1  # the rejected copy counts as adjusted
+    plain_pull = np.linalg.norm(plain - honest_mean)
+    pull = np.linalg.norm(out - honest_mean)
+    # clipped, the attacker still pulls by about the radius over the 3 honest copies (a
+    # median distance, ~64 here); rejected, only the start (the median of 4) differs
+    assert plain_pull > 10.0
+    assert pull < plain_pull / 5
+    # the pull is a bias against the signal: the mean of the result keeps the signal
+    assert float(out.mean()) == pytest.approx(float(honest_mean.mean()), abs=0.05)
+    assert float(plain.mean()) < float(honest_mean.mean()) - 0.1
+
+
+def test_a_copy_inside_the_rejection_radius_is_clipped_as_before() -> None:
+    honest, _ = _signal_and_attacker()
+    # 2.5 median distances away: outside tau=1's radius, inside reject=3's
+    spread = float(np.median(np.linalg.norm(honest - np.median(honest, axis=0), axis=1)))
+    attacker = np.median(honest, axis=0, keepdims=True) + 2.0 * spread / np.sqrt(4096)
+    stack = np.concatenate([honest, attacker]).astype(np.float32)
+    out, adjusted = centered_clip(stack, np.ones(4), tau=1.0, iters=5, reject=3.0)
+    plain, plain_adjusted = centered_clip(stack, np.ones(4), tau=1.0, iters=5, reject=0.0)
+    np.testing.assert_array_equal(out, plain)
+    assert adjusted == plain_adjusted
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
+def test_rejection_never_drops_an_honest_majority(n: int) -> None:
+    # the farthest half may all be far: reject >= 1 keeps the rows within the median
+    rng = _rng()
+    stack = np.concatenate(
+        [rng.standard_normal(((n + 1) // 2, 256)), 1e6 + rng.standard_normal((n // 2, 256))]
+    ).astype(np.float32)
+    out, _ = centered_clip(stack, np.ones(n), tau=1.0, iters=5, reject=1.0)
+    assert np.isfinite(out).all()
+    assert np.linalg.norm(out) < 1e7  # a finite estimate, not the empty set's 0/0
 
 
 def test_centered_clip_respects_weights() -> None:
@@ -259,9 +314,10 @@ def test_reducer_waits_for_every_weight_and_bounds_a_huge_one(rule: str) -> None
     elif rule == "trimmed-mean":
         np.testing.assert_allclose(out, 1.5)  # the middle two of 0, 1, 2, 50
         assert adjusted == 2 * 4
-    else:  # radius: the median distance (2) from the median (1.5); 0 and 50 are clipped
+    else:  # the median distance from the median (1.5) is 2: 50 (97 away) is rejected,
+        # then 0 (3 away) is clipped to the radius 2
         assert adjusted == 2
-        assert np.abs(out - 1.0).max() < 3.0
+        assert np.abs(out - 1.0).max() < 1.0
 
 
 @pytest.mark.parametrize("rule", ["centered-clip", "trimmed-mean"])

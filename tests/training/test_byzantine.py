@@ -3,16 +3,13 @@
 Four trainers on scikit-learn's digits (the setup of ``benchmarks/training.py``: 64-32-10
 MLP, one shard each, global batch 128), each behind its own ``swarmavg peer`` process.
 One of them multiplies its gradients by -10 before each step. With ``aggregation="mean"``
-the swarm follows it uphill and accuracy collapses; with ``"centered-clip"`` the honest
-trainers end close to a run without the attacker: within ``CLIP_MARGIN`` points, not the 1
-point issue 17 asks for. A clipped attacker still pulls the estimate by about the clip
-radius over the number of honest members, and hides inside the honest gradients' noise
-where ten times the mean gradient is smaller than that noise; the same setup simulated
-without daemons gives 90.6 / 90.6 / 90.6 (three data orders) for centered-clip against
-92.8 for the clean run, and the trimmed mean 91.1-91.7 (docs/benchmarks.md, "Robust
-aggregation (issue 17)"). The training code and the
-full-size run, with the trimmed mean too, are ``benchmarks/byzantine.py``
-(docs/benchmarks.md).
+the swarm follows it uphill and accuracy collapses; with ``"centered-clip"`` (its default
+``reject=3``: copies beyond 3 median distances from the median get no weight) the honest
+trainers end within 1 point of a run without the attacker, as issue 17 asks. Clipping
+alone (``reject=0``) left them 3-4 points below: a clipped attacker still pulls the
+estimate by about the clip radius over the honest members at every step. The training
+code and the full-size run, with the trimmed mean too, are ``benchmarks/byzantine.py``
+(docs/benchmarks.md, "Byzantine training, session 10").
 """
 
 from __future__ import annotations
@@ -32,10 +29,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 RUN = "byzantine-test"
 STEPS = 45
 """Global steps (5 passes over the train set)."""
-CLIP_MARGIN = 8.0
+CLIP_MARGIN = 1.0
 """Points of test accuracy the attacked centered-clip run may lose against the clean run
-(measured 3.7-4.6 on the merged code under load: 4.0 failed about half the runs; the mean
-loses about 95, so the test still tells the two apart; see the module docstring)."""
+(issue 17's bound; measured 0.0 and 0.37 at 45 steps through daemons, 0.1-0.6 over three
+data orders in the simulation without daemons, docs/benchmarks.md)."""
 
 
 def start_daemons(pool: ProcessPool) -> list[SwarmavgProcess]:
