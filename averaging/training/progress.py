@@ -58,6 +58,16 @@ MAX_EPOCH_LEAD = 8
 SETTLE_TIMEOUT = 30.0
 """Seconds :meth:`ProgressTracker.report` waits for the background stores in flight (each
 store also has the client's own call deadline)."""
+SOON_INTERVAL = 0.5
+"""Least seconds between two of :meth:`ProgressTracker.report_soon`'s skippable reports.
+
+Each store is a call through the daemon, and its client-side work (the record, protobuf,
+gRPC) holds the GIL for a millisecond or two on the tracker's thread, which the training
+thread then waits for: at every inner step of a 50 ms step that was 2-3 ms, 5% of the
+step (``benchmarks/lm_testbed.py``, docs/benchmarks.md "Streaming DiLoCo's step on a
+quiet test bed"). What reads these reports (a late joiner's catch-up, the swarm's
+throughput) does not need them fresher than a second; the reports a round depends on
+(``latest=True``) are never skipped."""
 
 
 class DHTLike(Protocol):
@@ -334,6 +344,7 @@ class ProgressTracker:
             (:func:`within_epoch_lead`).
         no_shows: daemons that missed a round they were expected at; their records count
             again once they report anew (shared with the rounds' caller; see ``no_shows``).
+        soon_interval: least seconds between two skippable :meth:`report_soon` reports.
 
     Not thread-safe: one tracker per training process, used from one thread (the stores of
     :meth:`report_soon` run on the tracker's own thread, one at a time).
@@ -349,6 +360,7 @@ class ProgressTracker:
         peer_id: str | None = None,
         max_epoch_lead: int = MAX_EPOCH_LEAD,
         no_shows: NoShows | None = None,
+        soon_interval: float = SOON_INTERVAL,
     ) -> None:
         if target_batch_size <= 0:
             raise ValueError(f"target_batch_size must be positive, got {target_batch_size}")
@@ -356,6 +368,8 @@ class ProgressTracker:
             raise ValueError(f"ttl must be positive, got {ttl}")
         if not run_id:
             raise ValueError("run_id must not be empty")
+        if not soon_interval >= 0:
+            raise ValueError(f"soon_interval must not be negative, got {soon_interval}")
         self.client = client
         self.run_id = run_id
         self.target_batch_size = target_batch_size
@@ -375,6 +389,8 @@ class ProgressTracker:
         self.last: GlobalProgress = aggregate((), target_batch_size)
         self._ignored = 0  # records ignored by the last refresh, to log changes only
         self._reporter = LatestWork("progress report")  # report_soon's thread, made on use
+        self.soon_interval = soon_interval
+        self._last_soon = -math.inf  # monotonic time of report_soon's last store
 
     def add_samples(self, n: int) -> None:
         """Count ``n`` samples processed towards the current epoch."""
@@ -443,7 +459,8 @@ class ProgressTracker:
         through the daemon to the DHT's nearest peers, and waiting for it at every inner
         step would put the network back on the training path that DiLoCo takes it off. The
         record is taken now and stored on the tracker's own thread. A report made while the
-        previous one is still in flight is skipped (the next one carries newer figures), and
+        previous one is still in flight, or less than ``soon_interval`` seconds after the
+        previous one, is skipped (the next one carries newer figures), and
         :meth:`report` and :meth:`leave` first wait for the one in flight, so the DHT never
         ends on an older record than the last one sent. A failed store is logged, not
         raised: the next report replaces it.
@@ -456,8 +473,10 @@ class ProgressTracker:
             the store's future (its result is None when the store failed; cancelled when a
             newer report replaced it), or None when the report was skipped.
         """
-        if not latest and self._reporter.busy():
+        now = time.monotonic()
+        if not latest and (now - self._last_soon < self.soon_interval or self._reporter.busy()):
             return None
+        self._last_soon = now
         record = self.local.to_record()
         return self._reporter.submit(
             self.client.dht.store, self.key, record, ttl=self.ttl, subkey=self.subkey

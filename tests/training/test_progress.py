@@ -287,3 +287,33 @@ def test_a_failed_background_report_is_logged_not_raised(
     assert "background progress report failed" in caplog.text
     assert dht.stored == [(0, 0)]
     tracker.leave()
+
+
+@pytest.mark.timeout(30)
+def test_report_soon_skips_reports_within_its_interval_but_never_a_latest_one() -> None:
+    dht = GatedDHT()
+    dht.gate.set()
+    tracker = ProgressTracker(DictClient(dht, "aa"), "run", 64, soon_interval=3600.0)
+    tracker.add_samples(4)
+    first = tracker.report_soon()
+    assert first is not None
+    first.result(10)
+    tracker.add_samples(4)
+    assert tracker.report_soon() is None  # nothing in flight, but within the interval
+    tracker.set_epoch(1)
+    latest = tracker.report_soon(latest=True)  # a new epoch is never skipped
+    assert latest is not None
+    latest.result(10)
+    assert dht.stored == [(0, 4), (1, 0)]
+    tracker.leave()
+    # no interval: every report goes through once the previous one landed
+    every = ProgressTracker(DictClient(dht, "bb"), "run", 64, soon_interval=0.0)
+    for _ in range(3):
+        every.add_samples(1)
+        future = every.report_soon()
+        assert future is not None
+        future.result(10)
+    assert dht.stored[-3:] == [(0, 1), (0, 2), (0, 3)]
+    every.leave()
+    with pytest.raises(ValueError, match="soon_interval"):
+        ProgressTracker(DictClient(dht, "cc"), "run", 64, soon_interval=-1.0)
