@@ -100,7 +100,7 @@ class StreamingDiLoCo(DiLoCo):
     """
 
     KIND = "streaming-diloco"
-    PUBLISH_IN_BACKGROUND = True
+    SERVE_IN_BACKGROUND = True
 
     def __init__(
         self,

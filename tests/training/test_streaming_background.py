@@ -277,3 +277,90 @@ def test_a_member_off_repairs_from_the_holders_whose_states_are_published_behind
             assert torch.equal(entry["momentum_buffer"], mine["state"][index]["momentum_buffer"])
     assert [o.stats.repairs for _, o in peers] == [0, 0, 1]
     assert [o.stats.served for _, o in peers] == [1, 1, 0]
+
+
+# ------------------------------------------------------------------ the other wrappers
+
+
+def _collaborative(client: MemoryClient) -> tuple[torch.nn.Module, Any]:
+    """One member alone, one step per epoch (its rounds are local)."""
+    from swarmavg.averaging.optim import CollaborativeOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    opt = CollaborativeOptimizer(
+        model.parameters(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        client,
+        "run",
+        target_batch_size=1,
+        batch_size_per_step=1,
+        min_group_size=1,
+        max_wait=0.0,
+    )
+    return model, opt
+
+
+def _diloco(client: MemoryClient) -> tuple[torch.nn.Module, Any]:
+    """One member alone, an outer step every 2 inner steps."""
+    from swarmavg.averaging.optim import DiLoCo
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    opt = DiLoCo(
+        model.parameters(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        client,
+        "run",
+        local_steps=2,
+        min_group_size=1,
+    )
+    return model, opt
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("make", [_collaborative, _diloco], ids=["collaborative", "diloco"])
+def test_the_other_wrappers_publish_behind_their_steps_too(make: Any) -> None:
+    # A state handed to the daemon is a copy of all of it at every epoch by default: the
+    # steps go on while the daemon does not take it, and close() lands the newest.
+    client = _SlowClient(MemorySwarm(), "a")
+    model, opt = make(client)
+    client.publish_gate.clear()  # the daemon stops taking states
+    while opt.epoch < 1:
+        _step(model, opt)
+    assert client.publishing.wait(WAIT)  # epoch 1's publish hangs on its thread
+    while opt.epoch < 4:  # and the steps go on: 2 waits, 3 replaces it, 4 replaces 3
+        _step(model, opt)
+    assert client.published == []
+    assert opt._publisher.dropped == 2
+    client.publish_gate.set()
+    opt.close()
+    assert client.published == [1, 4]
+    assert opt.stats.states_published == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_publish_for_repairing_members_waits_for_the_ones_in_flight_and_lands() -> None:
+    # A publish that the repairing members of a round wait for must not be replaced by the
+    # next epoch's: outside Streaming DiLoCo it runs in the step, after the publishes in
+    # flight (so that none of their older states lands after it).
+    client = _SlowClient(MemorySwarm(), "a")
+    model, opt = _collaborative(client)
+    client.publish_gate.clear()
+    while opt.epoch < 1:
+        _step(model, opt)
+    assert client.publishing.wait(WAIT)  # epoch 1's scheduled publish hangs
+    done = threading.Event()
+
+    def serve() -> None:
+        opt._maybe_publish(opt.epoch, serve=True)
+        done.set()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert not done.wait(0.2)  # it waits for the publish in flight
+    client.publish_gate.set()
+    assert done.wait(WAIT)
+    assert client.published == [1, 1]  # in order; the serving one is not dropped
+    assert opt.stats.served == 1
+    opt.close()
