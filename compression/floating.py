@@ -32,7 +32,7 @@ from swarmavg.compression.base import (
     require_finite,
     restore,
 )
-from swarmavg.compression.dtypes import BFLOAT16, FLOATING
+from swarmavg.compression.dtypes import FLOATING, is_bfloat16
 from swarmavg.compression.errors import CodecError
 from swarmavg.compression.native import kernels as native
 from swarmavg.compression.native import takes
@@ -180,7 +180,7 @@ class BFloat16Codec(Codec):
         shape = tuple(np.shape(array))
         words = halfconv.float_to_bf16_words(flat)
         encoded = Encoded(Header(self.name, dtype, shape), _bytes_view(words))
-        if dtype == BFLOAT16:
+        if is_bfloat16(dtype):
             return encoded, flat.reshape(shape)  # the words are the input's own
         return encoded, halfconv.bf16_words_to_unchecked(words, dtype).reshape(shape)
 
