@@ -1,5 +1,6 @@
 """Real ``swarmavg peer`` daemons load ml_dtypes only for their first bfloat16 round: a
-plain start and float32 rounds never do, and a bfloat16 round then still averages."""
+plain start and float32 rounds never do, and a bfloat16 round then still averages. The
+status answer still carries the version, which the daemon now reads on first use."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import swarmavg.peer
 from swarmavg.peer import connect
 from tests.harness import ProcessPool, SwarmavgProcess
 
@@ -67,3 +69,5 @@ def test_daemons_import_ml_dtypes_at_their_first_bfloat16_round(
         assert out.dtype == np.dtype(ml_dtypes.bfloat16)
         assert out.astype(np.float32).tolist() == [2.0, 4.0, 6.0]
     assert all(maps_ml_dtypes(d) for d in daemons)
+    with connect(first.control) as client:  # the version, read on first use (peer/version.py)
+        assert client.status()["version"] == swarmavg.peer.__version__ != ""
