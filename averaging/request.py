@@ -173,7 +173,7 @@ def check_tensors(tensors: object) -> list[np.ndarray]:
         if np.dtype(array.dtype) not in SUPPORTED:
             raise InvalidTensorsError(
                 f"tensor {i} has unsupported dtype {array.dtype}; supported: "
-                f"{', '.join(sorted(d.name for d in SUPPORTED))}"
+                f"{', '.join(SUPPORTED.names)}"
             )
         view = array.view()
         view.flags.writeable = False

@@ -32,17 +32,15 @@ from swarmavg.compression.base import (
     require_finite,
     restore,
 )
-from swarmavg.compression.dtypes import BFLOAT16, FLOATING
+from swarmavg.compression.dtypes import FLOATING, is_bfloat16
 from swarmavg.compression.errors import CodecError
+from swarmavg.compression.native import copy_finite, takes
 from swarmavg.compression.native import kernels as native
-from swarmavg.compression.native import takes
 
 __all__ = ["BFloat16Codec", "Float16Codec", "NoneCodec", "ScaledFloat16Codec"]
 
 _F32_MAX = float(np.finfo(np.float32).max)
 _F32_TINY = np.float32(np.finfo(np.float32).tiny)
-_COPY_CHECKED = (np.dtype(np.float32), np.dtype(np.float64))
-"""The dtypes the compiled ``copy_finite`` copies and checks in one pass."""
 
 
 def _bytes_view(a: np.ndarray) -> memoryview:
@@ -86,9 +84,9 @@ class NoneCodec(Codec):
         check_payload_size(header, payload, header.size * header.dtype.itemsize)
         values = _frombuffer(payload, header.dtype)
         flat = out.reshape(-1)
-        copy = getattr(native, "copy_finite", None)  # absent from an older build
-        if copy is not None and header.dtype in _COPY_CHECKED and takes(values, flat):
-            if not copy(values, flat, header.dtype.itemsize):
+        finite = copy_finite(values, flat)
+        if finite is not None:
+            if not finite:
                 raise CodecError("decoded tensor contains NaN or Inf")
             return
         if header.dtype in FLOATING:
@@ -180,7 +178,7 @@ class BFloat16Codec(Codec):
         shape = tuple(np.shape(array))
         words = halfconv.float_to_bf16_words(flat)
         encoded = Encoded(Header(self.name, dtype, shape), _bytes_view(words))
-        if dtype == BFLOAT16:
+        if is_bfloat16(dtype):
             return encoded, flat.reshape(shape)  # the words are the input's own
         return encoded, halfconv.bf16_words_to_unchecked(words, dtype).reshape(shape)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from swarmavg.compression.dtypes import BFLOAT16
+from swarmavg.compression.dtypes import bfloat16, is_bfloat16
 from swarmavg.compression.errors import CodecError
 from swarmavg.compression.kernels import all_finite, slabs
 from swarmavg.compression.native import kernels as native
@@ -407,14 +407,14 @@ def float_to_bf16_words(flat: np.ndarray) -> np.ndarray:
     Raises:
         CodecError: the input contains NaN or Inf.
     """
-    if flat.dtype == BFLOAT16:
+    if is_bfloat16(flat.dtype):
         words = flat.view(np.uint16)
         if _has_special(words, _BF16_EXP):
             raise CodecError("input contains NaN or Inf")
         return words
     n = flat.size
     out = np.empty(n, np.uint16)
-    bf = out.view(BFLOAT16)
+    bf = out.view(bfloat16())
     for s in slabs(n, _BF16_SLAB):
         src = flat[s]
         with np.errstate(over="ignore", invalid="ignore"):
@@ -441,8 +441,8 @@ def bf16_words_to(words: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
 def bf16_words_to_unchecked(words: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
     """:func:`bf16_words_to` for words known to be finite (an encoder's own output):
     the same values, without the check for Inf/NaN words."""
-    if dtype == BFLOAT16:
-        return words.copy().view(BFLOAT16)
+    if is_bfloat16(dtype):
+        return words.copy().view(dtype)
     n = words.size
     if dtype == np.float32:
         out = np.empty(n, np.float32)

@@ -29,8 +29,6 @@ __all__ = [
 SLAB = 1 << 16
 """Elements per slab: 256 KiB of float32, comfortably inside a core's L2 cache."""
 
-_NATIVE_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-
 _SAMPLE_SIZE = 1 << 18
 """Elements sampled for statistics (quantiles, codebooks): enough for <1% error per bin."""
 
@@ -59,7 +57,7 @@ def all_finite(x: np.ndarray) -> bool:
     if x.size == 0:
         return True
     scan = getattr(native.kernels, "all_finite", None)  # absent from an older build
-    if scan is not None and x.dtype in _NATIVE_FLOATS and native.takes(x):
+    if scan is not None and x.dtype in native.FLOATS and native.takes(x):
         return bool(scan(x, x.dtype.itemsize))
     with np.errstate(over="ignore", invalid="ignore"):
         s = np.add.reduce(x, axis=None, dtype=np.float64 if x.dtype == np.float64 else np.float32)

@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
-__all__ = ["kernels", "takes"]
+__all__ = ["FLOATS", "copy_finite", "kernels", "takes"]
+
+FLOATS: tuple[np.dtype[Any], ...] = (np.dtype(np.float32), np.dtype(np.float64))
+"""The float dtypes the compiled finite scan and checked copy take (float16 and bfloat16
+take numpy's code)."""
 
 
 def _load() -> ModuleType | None:
@@ -43,3 +48,25 @@ def takes(*arrays: np.ndarray) -> bool:
         and (a.flags.aligned or bool(kernels.any_alignment))
         for a in arrays
     )
+
+
+def copy_finite(src: np.ndarray, dst: np.ndarray) -> bool | None:
+    """Copy ``src`` into ``dst`` and check it for NaN/Inf in one compiled pass, where the
+    kernel applies: both arrays of one shape and one dtype of :data:`FLOATS`, and
+    :func:`takes` them (memcpy's speed; a numpy copy and check read the data twice).
+
+    Returns:
+        Whether every value is finite (``dst`` holds the whole copy either way), or
+        ``None`` when the kernel does not apply: nothing was copied, and the caller
+        copies and checks with numpy.
+    """
+    copy = getattr(kernels, "copy_finite", None)  # absent from an older build
+    if (
+        copy is None
+        or src.dtype not in FLOATS
+        or dst.dtype != src.dtype
+        or src.shape != dst.shape
+        or not takes(src, dst)
+    ):
+        return None
+    return bool(copy(src.reshape(-1), dst.reshape(-1), src.dtype.itemsize))

@@ -8,18 +8,12 @@ Public API (docs/peer.md)::
     from swarmavg.peer import start_peer       # a daemon in a background thread (context manager)
 
 ``Peer`` is imported lazily: a training process that only uses the client never loads the
-daemon's DHT and averaging modules.
+daemon's DHT and averaging modules. ``__version__`` is read on first use (peer/version.py).
 """
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
-
-try:
-    __version__ = version("swarmavg")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0.0.0"
 
 from swarmavg.peer.calls import AverageResult
 from swarmavg.peer.client import AsyncClient, Client, connect, connect_async
@@ -40,8 +34,14 @@ if TYPE_CHECKING:
     from swarmavg.peer.background import BackgroundPeer, start_peer
     from swarmavg.peer.daemon import Peer
 
+    __version__: str
+
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # read on first use: see peer/version.py
+        from swarmavg.peer.version import installed_version
+
+        return installed_version()
     if name == "Peer":
         from swarmavg.peer.daemon import Peer
 

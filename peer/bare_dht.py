@@ -21,7 +21,6 @@ import grpc
 from swarmavg.dht import BootstrapError, ChannelPool, DHTNode, Identity
 from swarmavg.dht.ranges import split_host
 from swarmavg.dht.tasks import TaskSet, bounded_step
-from swarmavg.peer import __version__
 from swarmavg.peer.config import PeerConfig
 from swarmavg.peer.control_server import (
     ControlBindError,
@@ -44,6 +43,7 @@ from swarmavg.peer.nat.limits import MiB, RelayLimits
 from swarmavg.peer.netutil import announce_address
 from swarmavg.peer.run_gather import gather_view, read_value
 from swarmavg.peer.run_view import ThisPeer
+from swarmavg.peer.version import installed_version
 from swarmavg.proto import control_pb2
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ class BareDHT:
             dht_size_estimate=float(node.size_estimate()),
             stored_records=node.storage.num_records(),
             uptime=time.monotonic() - self._started_at,
-            version=__version__,
+            version=installed_version(),
             pid=os.getpid(),
         )
 

@@ -19,7 +19,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-from swarmavg.peer import __version__
 from swarmavg.peer.config import PeerConfig
 from swarmavg.peer.logs import setup_daemon_logging
 from swarmavg.peer.process import (
@@ -38,6 +37,27 @@ from swarmavg.peer.settings import (
     resolve_config,
     unknown_env,
 )
+from swarmavg.peer.version import installed_version
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: argparse's own action takes the version string when the parser is
+    built, which every start does; this one reads it only when asked (peer/version.py)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str) -> None:
+        super().__init__(
+            option_strings, dest=argparse.SUPPRESS, nargs=0, help="show the version and exit"
+        )
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        print(f"swarmavg {installed_version()}")
+        parser.exit()
 
 
 def _add_daemon_flags(parser: argparse.ArgumentParser, command: str) -> None:
@@ -59,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="swarmavg",
         description="Decentralized peer-to-peer tensor averaging for collaborative deep learning.",
     )
-    parser.add_argument("--version", action="version", version=f"swarmavg {__version__}")
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     peer = sub.add_parser(
         "peer",

@@ -48,7 +48,7 @@ from swarmavg.dht.ranges import split_host
 from swarmavg.dht.server_limits import ServerLimits
 from swarmavg.dht.tasks import TaskSet, bounded_step
 from swarmavg.dht.tls import PeerTLS, bind_port, new_server
-from swarmavg.peer import __version__, shm
+from swarmavg.peer import shm
 from swarmavg.peer.client import AsyncClient
 from swarmavg.peer.combiner import LocalCombiner
 from swarmavg.peer.config import PeerConfig
@@ -68,6 +68,7 @@ from swarmavg.peer.netutil import announce_address, explain_bind_failure
 from swarmavg.peer.run_gather import gather_view, read_value
 from swarmavg.peer.run_view import ThisPeer
 from swarmavg.peer.stats import PeerStats
+from swarmavg.peer.version import installed_version
 from swarmavg.proto import control_pb2
 
 log = logging.getLogger(__name__)
@@ -528,7 +529,7 @@ class Peer:
             bytes_received=s.bytes_received,
             failures=dict(s.failures),
             uptime=time.monotonic() - self._started_at,
-            version=__version__,
+            version=installed_version(),
             pid=os.getpid(),
         )
         self._fill_reachability(response)

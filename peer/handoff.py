@@ -24,7 +24,7 @@ from swarmavg.averaging.allreduce.buffers import BufferPool
 from swarmavg.averaging.errors import InvalidTensorsError
 from swarmavg.compression.dtypes import FLOATING
 from swarmavg.compression.kernels import all_finite
-from swarmavg.compression.native import kernels, takes
+from swarmavg.compression.native import copy_finite
 
 BLOCK_BYTES = 256 << 10
 """Bytes copied and then checked at a time: small enough to stay in the L2 cache, large
@@ -55,7 +55,7 @@ def copy_checked(
             then holds a partial copy.
     """
     for index, (src, dst) in enumerate(zip(sources, out, strict=True)):
-        finite = _copy_natively(src, dst)
+        finite = copy_finite(src, dst)
         if finite is not None:
             if not finite:
                 bad = int(src.size - np.count_nonzero(np.isfinite(src)))
@@ -70,26 +70,6 @@ def copy_checked(
             if check and not all_finite(block):
                 bad = int(src.size - np.count_nonzero(np.isfinite(src)))
                 raise InvalidTensorsError(f"tensor {index} holds {bad} NaN/Inf value(s)")
-
-
-def _copy_natively(src: np.ndarray, dst: np.ndarray) -> bool | None:
-    """Copy a float32 or float64 tensor and check it in one compiled pass, when the
-    kernels are built and both arrays are contiguous (memcpy's speed, where the numpy
-    blocks of :func:`copy_checked` read each block twice). Returns whether every value is
-    finite, or ``None`` when the kernel does not apply (nothing was copied)."""
-    copy_finite = getattr(kernels, "copy_finite", None)  # absent from an older build
-    if (
-        copy_finite is None
-        or src.dtype not in _NATIVE_DTYPES
-        or dst.dtype != src.dtype
-        or src.shape != dst.shape
-        or not takes(src, dst)
-    ):
-        return None
-    return bool(copy_finite(src.reshape(-1), dst.reshape(-1), src.dtype.itemsize))
-
-
-_NATIVE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 class InputCopy:

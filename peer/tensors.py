@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from swarmavg.compression.dtypes import BFLOAT16
+from swarmavg.compression.dtypes import bfloat16, is_bfloat16
 from swarmavg.peer.errors import ValidationError
 from swarmavg.peer.validation import (
     MAX_TOTAL_BYTES,
@@ -77,7 +77,7 @@ def _torch_to_numpy(tensor: Any, index: int) -> tuple[np.ndarray, Origin]:
         t = t.cpu()
     t = t.contiguous()
     if t.dtype == torch.bfloat16:
-        array = t.view(torch.int16).numpy().view(BFLOAT16)
+        array = t.view(torch.int16).numpy().view(bfloat16())
     elif t.dtype in (torch.float32, torch.float16, torch.float64):
         array = t.numpy()
     else:
@@ -97,7 +97,7 @@ def from_numpy(arrays: Sequence[np.ndarray], origins: Sequence[Origin]) -> list[
             continue
         import torch
 
-        if array.dtype == BFLOAT16:
+        if is_bfloat16(array.dtype):
             tensor = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
         else:
             tensor = torch.from_numpy(array)

@@ -24,7 +24,7 @@ MAX_NDIM = 32
 MAX_TOTAL_BYTES = 16 << 30
 """The daemon refuses to allocate more than this for one call."""
 
-SUPPORTED_DTYPES = tuple(sorted(d.name for d in FLOATING))
+SUPPORTED_DTYPES = FLOATING.names
 """What a training process may average: the floating wire dtypes. Integer tensors would be
 silently truncated by the mean, so they are rejected rather than guessed at."""
 
@@ -45,7 +45,7 @@ def dtype_from_proto(value: int, where: str) -> np.dtype[np.generic]:
         dtype = dtypes.dtype_from_proto(value)
     except CodecError:
         dtype = None
-    if dtype not in FLOATING:
+    if dtype is None or dtype not in FLOATING:
         raise ValidationError(f"{where}: unsupported dtype code {value}")
     return dtype
 

@@ -37,9 +37,7 @@ def reduction_dtype(dtypes: Sequence[np.dtype]) -> np.dtype:
     """The dtype in which tensors of ``dtypes`` are reduced: float64 or float32."""
     for dtype in dtypes:
         if np.dtype(dtype) not in SUPPORTED:
-            raise ValueError(
-                f"unsupported dtype {dtype}; supported: {sorted(d.name for d in SUPPORTED)}"
-            )
+            raise ValueError(f"unsupported dtype {dtype}; supported: {list(SUPPORTED.names)}")
     if any(np.dtype(d) in REDUCED_IN_FLOAT64 for d in dtypes):
         return np.dtype(np.float64)
     return np.dtype(np.float32)

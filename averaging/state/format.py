@@ -19,10 +19,10 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import ml_dtypes
 import msgpack
 import numpy as np
 
+from swarmavg.compression.dtypes import BFLOAT16_NAME, bfloat16
 from swarmavg.proto import averaging_pb2
 
 FORMAT_VERSION = 1
@@ -33,21 +33,27 @@ MAX_HEADER_BYTES = 16 << 20
 MAX_TENSORS = 100_000
 HASH_BYTES = 32
 
-SUPPORTED_DTYPES: dict[str, np.dtype[np.generic]] = {
-    name: np.dtype(t)
-    for name, t in [
-        ("float16", np.float16),
-        ("bfloat16", ml_dtypes.bfloat16),
-        ("float32", np.float32),
-        ("float64", np.float64),
-        ("int8", np.int8),
-        ("uint8", np.uint8),
-        ("int16", np.int16),
-        ("int32", np.int32),
-        ("int64", np.int64),
-        ("bool", np.bool_),
+_PLAIN_DTYPES: dict[str, np.dtype[np.generic]] = {
+    np.dtype(t).name: np.dtype(t)
+    for t in [
+        np.float16,
+        np.float32,
+        np.float64,
+        np.int8,
+        np.uint8,
+        np.int16,
+        np.int32,
+        np.int64,
+        np.bool_,
     ]
 }
+SUPPORTED_DTYPES: frozenset[str] = frozenset([*_PLAIN_DTYPES, BFLOAT16_NAME])
+"""The dtype names a state header may carry (numpy's names)."""
+
+
+def _dtype_named(name: str) -> np.dtype[np.generic]:
+    """The dtype of a supported name; bfloat16 imports ml_dtypes only when a state has it."""
+    return bfloat16() if name == BFLOAT16_NAME else _PLAIN_DTYPES[name]
 
 
 class StateFormatError(ValueError):
@@ -211,12 +217,13 @@ def unpack_state(
         if (
             not isinstance(spec, list)
             or len(spec) != 2
+            or not isinstance(spec[0], str)  # a list here would not even hash
             or spec[0] not in SUPPORTED_DTYPES
             or not isinstance(spec[1], list)
             or not all(isinstance(d, int) and d >= 0 for d in spec[1])
         ):
             raise StateFormatError(f"bad tensor spec {spec!r}")
-        dtype = SUPPORTED_DTYPES[spec[0]]
+        dtype = _dtype_named(spec[0])
         shape = tuple(spec[1])
         nbytes = math.prod(shape) * dtype.itemsize
         count = math.ceil(nbytes / manifest.chunk_size)

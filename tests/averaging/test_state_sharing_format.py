@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import ml_dtypes
+import msgpack
 import numpy as np
 import pytest
 
 from swarmavg.averaging.state.format import (
     Manifest,
     StateFormatError,
+    chunk_hash,
+    compute_root,
     pack_state,
     unpack_state,
 )
@@ -75,3 +78,13 @@ def test_missing_chunk_and_bad_header_rejected() -> None:
 def test_unsupported_dtype_rejected() -> None:
     with pytest.raises(ValueError, match="unsupported dtype"):
         pack_state([np.array(["a"])], b"", version=0.0)
+
+
+@pytest.mark.parametrize("name", [["float32"], {"a": 1}, "bfloat17", None])
+def test_a_header_naming_no_supported_dtype_is_a_format_error(name: object) -> None:
+    header = msgpack.packb({"v": 1, "metadata": b"", "tensors": [[name, [2]]]})
+    digest = chunk_hash(header)
+    root = compute_root(1024, 1, [digest], [len(header)])
+    manifest = Manifest(root, 0.0, 1024, 1, (digest,), (len(header),))
+    with pytest.raises(StateFormatError, match="bad tensor spec"):
+        unpack_state(manifest, {digest: header})

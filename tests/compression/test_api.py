@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 from swarmavg.compression import CodecError, CodecInfo, Role, decode_chunk, get_codec
-from swarmavg.compression.dtypes import dtype_from_proto, dtype_to_proto
+from swarmavg.compression.dtypes import (
+    FLOATING,
+    SUPPORTED,
+    dtype_from_proto,
+    dtype_to_proto,
+    is_bfloat16,
+    normalize_dtype,
+)
 from swarmavg.proto import tensor_pb2
 
 
@@ -49,3 +57,29 @@ def test_dtype_mapping_round_trips() -> None:
         dtype_to_proto(np.complex64)
     with pytest.raises(CodecError, match="unspecified"):
         dtype_from_proto(tensor_pb2.DTYPE_UNSPECIFIED)
+
+
+def test_dtype_sets_behave_as_sets_of_dtypes() -> None:
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    plain = {np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)}
+    assert set(FLOATING) == {*plain, bf16}
+    assert len(FLOATING) == 4
+    assert FLOATING.names == ("bfloat16", "float16", "float32", "float64")
+    assert bf16 in FLOATING
+    assert bf16 in SUPPORTED
+    assert np.dtype(np.int8) in SUPPORTED
+    assert np.dtype(np.int8) not in FLOATING
+    # as in a frozenset of dtypes: only dtypes match, in native byte order
+    for other in ("float32", np.float32, ml_dtypes.bfloat16, "bfloat16", None, np.dtype(">f4")):
+        assert other not in FLOATING
+    assert FLOATING - {bf16} == frozenset(plain)
+    assert is_bfloat16(bf16)
+    assert not is_bfloat16(np.dtype(np.float16))
+    assert not is_bfloat16(ml_dtypes.bfloat16)
+
+
+def test_bfloat16_can_be_named() -> None:
+    assert normalize_dtype("bfloat16") == np.dtype(ml_dtypes.bfloat16)
+    assert dtype_to_proto("bfloat16") == tensor_pb2.BFLOAT16
+    with pytest.raises(CodecError, match="not a dtype: 'bfloat15'"):
+        normalize_dtype("bfloat15")

@@ -339,3 +339,26 @@ def test_codec_none_refuses_to_decode_nan_or_inf_into_an_output_on_both_paths(ba
         codec.decode_payload_into(encoded.header, bytes(payload), out)
     with pytest.raises(CodecError, match="NaN or Inf"):
         _without_kernels(lambda: codec.decode_payload_into(encoded.header, bytes(payload), out))
+
+
+def test_the_checked_copy_applies_only_where_the_kernel_can_read_both_arrays() -> None:
+    from swarmavg.compression.native import copy_finite
+
+    x = np.arange(1000, dtype=np.float32)
+    out = np.zeros_like(x)
+    assert copy_finite(x, out) is True
+    assert_same_bits(out, x)
+    x[999] = np.inf
+    assert copy_finite(x, out) is False
+    assert out[999] == np.inf  # the whole copy, also when it reports a bad value
+    untouched = np.full(1000, 7, np.float32)
+    for src, dst in [
+        (x.astype(np.float16), untouched.astype(np.float16)),  # no kernel for float16
+        (np.arange(1000, dtype=np.int32), untouched.astype(np.int32)),
+        (x, untouched.astype(np.float64)),  # dtypes differ
+        (x.reshape(10, 100), untouched),  # shapes differ
+        (x[::2], untouched[:500]),  # strided
+        (x.astype(">f4"), untouched.astype(">f4")),  # not native
+    ]:
+        assert copy_finite(src, dst) is None
+        assert (dst == 7).all()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from swarmavg.averaging.errors import InvalidTensorsError
-from swarmavg.peer import handoff
+from swarmavg.compression import native
 from swarmavg.peer.handoff import copy_checked
 
 pytestmark = pytest.mark.timeout(60)
@@ -17,7 +17,7 @@ KERNELS = [
     pytest.param(
         True,
         id="compiled",
-        marks=pytest.mark.skipif(handoff.kernels is None, reason="compiled kernels not built"),
+        marks=pytest.mark.skipif(native.kernels is None, reason="compiled kernels not built"),
     ),
     pytest.param(False, id="numpy"),
 ]
@@ -26,7 +26,7 @@ KERNELS = [
 @pytest.fixture(params=KERNELS)
 def compiled(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     if not request.param:
-        monkeypatch.setattr(handoff, "kernels", None)
+        monkeypatch.setattr(native, "kernels", None)  # the checked copy and the scan
     return bool(request.param)
 
 
