@@ -95,19 +95,10 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
     KIND: ClassVar[str]
     """Names the wrapper in its checkpoints and published states (a state of another kind
     is refused)."""
-    PUBLISH_IN_BACKGROUND: ClassVar[bool] = True
+    PUBLISH_IN_BACKGROUND: ClassVar[bool] = False
     """Publish the state for late joiners from a snapshot on a thread of its own
     (:class:`~swarmavg.averaging.training.background.LatestWork`) instead of waiting for
-    the daemon in ``step()``: handing a state to the daemon copies all of it (the
-    parameters and the optimizer's state, every epoch by default), which a step should
-    not wait for."""
-    SERVE_IN_BACKGROUND: ClassVar[bool] = False
-    """Whether a publish that the repairing members of a round wait for also runs in the
-    background. A background publish still waiting to start is replaced by the next one,
-    so with global steps faster than a publish the state a repair asks for could never
-    land; off, such a publish runs in ``step()`` after the ones in flight. Streaming
-    DiLoCo's syncs are several inner steps apart, and it publishes those in the
-    background too (docs/training.md)."""
+    the daemon in ``step()``: for the wrappers whose steps must not wait on the network."""
 
     def __init__(
         self,
@@ -345,14 +336,10 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         if self._provenance is not None and self._provenance.epoch == epoch:
             state.extra["provenance"] = self._provenance.to_extra()
         metadata, arrays = pack_state(state)  # a snapshot: training goes on meanwhile
-        in_background = self.PUBLISH_IN_BACKGROUND and (self.SERVE_IN_BACKGROUND or not serve)
-        if in_background and not self._closed:
+        if self.PUBLISH_IN_BACKGROUND and not self._closed:
             self._publisher.submit(self._publish, metadata, arrays, epoch, serve)
-            return
-        # after the publishes in flight, so that none of their older states lands last
-        if not self._publisher.settle(self.link.state_timeout):
-            log.warning("state publishes still running after %.0fs", self.link.state_timeout)
-        self._publish(metadata, arrays, epoch, serve)
+        else:
+            self._publish(metadata, arrays, epoch, serve)
 
     def _publish(
         self, metadata: dict[str, Any], arrays: list[Any], epoch: int, serve: bool

@@ -100,7 +100,7 @@ class StreamingDiLoCo(DiLoCo):
     """
 
     KIND = "streaming-diloco"
-    SERVE_IN_BACKGROUND = True
+    PUBLISH_IN_BACKGROUND = True
 
     def __init__(
         self,
