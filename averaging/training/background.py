@@ -6,7 +6,8 @@ at each of them puts the network on the training step; running them unordered co
 an older state land after a newer one. :class:`LatestWork` runs such jobs on one thread of
 its own, in the order they were handed over, and when a job is handed over while an
 earlier one still waits to start, the earlier one is dropped: what it would have said is
-out of date. So at most one job runs and one waits, the last job handed over always runs,
+out of date, and its arguments are let go at once (a publish's are a copy of the whole
+state). So at most one job runs and one waits, the last job handed over always runs,
 and nothing older lands after it. A job that fails is logged (the next one replaces what
 it would have done); :meth:`LatestWork.close` waits for the work left within a deadline
 and drops what has not started by then.
@@ -44,6 +45,8 @@ class LatestWork:
         self._executor: ThreadPoolExecutor | None = None  # made on first use
         self._futures: list[Future[Any]] = []
         """The jobs handed over and not known to be done (the last one is the newest)."""
+        self._newest: list[Any] = []
+        """The newest job's ``[job, args, kwargs]``, emptied when it is dropped or starts."""
         self._closed = False
         self.submitted = 0
         self.dropped = 0
@@ -66,12 +69,27 @@ class LatestWork:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix=prefix)
             # One thread: every job before the newest has started (it cannot be
             # cancelled) or waits (it can); only the newest can be waiting.
-            if self._futures and self._futures[-1].cancel():
-                self.dropped += 1
-            future = self._executor.submit(self._run, job, args, kwargs)
+            self._drop_waiting()
+            held = [job, args, kwargs]
+            future = self._executor.submit(self._run_held, held)
+            self._newest = held
             self._futures = [f for f in self._futures if not f.done()] + [future]
             self.submitted += 1
             return future
+
+    def _drop_waiting(self) -> None:
+        """Cancel the newest job if it has not started (under the lock), and let go of
+        its arguments: the executor keeps a cancelled job in its queue until the running
+        one ends, and a publish's arguments are a copy of the whole state."""
+        if self._futures and self._futures[-1].cancel():
+            self.dropped += 1
+            self._newest.clear()
+
+    def _run_held(self, held: list[Any]) -> Any:
+        with self._lock:
+            job, args, kwargs = held
+            held.clear()  # from here the job's own frame holds what it needs
+        return self._run(job, args, kwargs)
 
     def _run(self, job: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
@@ -114,8 +132,7 @@ class LatestWork:
         finished = self.settle(timeout)
         with self._lock:
             executor, self._executor = self._executor, None
-            if self._futures and self._futures[-1].cancel():
-                self.dropped += 1
+            self._drop_waiting()
         if not finished:
             log.warning(
                 "a background %s did not finish within %.1fs of close(); left to its deadline",

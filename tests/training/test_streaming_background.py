@@ -9,8 +9,10 @@ test_modern_daemons.py.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,6 +60,38 @@ def test_a_newer_job_replaces_one_waiting_and_runs_after_the_one_running() -> No
     assert work.close(WAIT)
     with pytest.raises(RuntimeError, match="after close"):
         work.submit(job, "d")
+
+
+@pytest.mark.timeout(30)
+def test_a_dropped_job_lets_go_of_its_arguments_while_the_running_one_still_runs() -> None:
+    # A publish's arguments are a copy of the whole state: a job replaced while the one
+    # before it hangs must not keep its copy alive (the executor keeps a cancelled job in
+    # its queue until the running one ends).
+    work = LatestWork("test job")
+    gate, entered = threading.Event(), threading.Event()
+
+    class Snapshot:
+        pass
+
+    def job(snapshot: Snapshot | None) -> None:
+        if snapshot is None:
+            entered.set()
+            assert gate.wait(WAIT)
+
+    work.submit(job, None)
+    assert entered.wait(WAIT)
+    snapshots = [Snapshot() for _ in range(3)]
+    alive = [weakref.ref(s) for s in snapshots]
+    for snapshot in snapshots:
+        work.submit(job, snapshot)
+    del snapshot, snapshots
+    gc.collect()
+    assert [ref() is None for ref in alive] == [True, True, False]  # the newest still waits
+    assert work.dropped == 2
+    gate.set()
+    assert work.close(WAIT)
+    gc.collect()
+    assert alive[2]() is None  # and once it ran, nothing holds it either
 
 
 @pytest.mark.timeout(30)
