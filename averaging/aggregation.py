@@ -3,7 +3,7 @@
 A group agrees on one rule, as it agrees on a codec (docs/averaging.md, "Aggregation"):
 
 - ``mean`` (the default): ``sum w_i x_i / sum w_i``, accumulated as chunks arrive.
-- ``centered-clip[:tau=T,iters=K]``: CenteredClip (Karimireddy et al. 2021), applied per
+- ``centered-clip[:tau=T,iters=K,reject=R]``: CenteredClip (Karimireddy et al. 2021), applied per
   chunk as BTARD's ButterflyClip applies it per part (Gorbunov et al. 2022, "Secure
   distributed training at scale", section 3). ``tau`` is *relative*: the clip radius of a
   chunk is ``tau`` times the median distance of the senders' copies from their
@@ -56,7 +56,8 @@ clean run; rejecting beyond 3 (or 2, or 5) brings them within 0.6, where the thr
 trainers alone are 0.5 below; with no attacker it changes nothing measurable
 (docs/benchmarks.md, "Byzantine training, session 10"). Must be 0 (off) or at least 1: at
 most half the copies can be farther than the median distance, so an honest majority is
-never rejected."""
+never rejected by count (attackers placed at the median could still shrink the median
+distance and have some honest copies rejected, never all)."""
 DEFAULT_TRIM = 0.25
 """Trims one copy per side from 4 to 7 senders, two from 8: the smallest fraction that
 removes one attacker in a group of 4 (``floor(0.2 * 4)`` would trim nothing)."""
@@ -147,7 +148,8 @@ def parse_aggregation(spec: object) -> Aggregation:
             raise ValueError(f"aggregation parameter {key}={value!r} is not a number")
         if key == "iters" and not isinstance(value, int):
             raise ValueError(f"centered-clip iters must be an integer, got {value!r}")
-        values[key] = float(value) if key in ("tau", "reject", "trim") else value
+        # + 0.0: -0.0 is a valid 0 and must not spell another canonical name
+        values[key] = float(value) + 0.0 if key in ("tau", "reject", "trim") else value
     return Aggregation(kind=kind, **values)  # type: ignore[arg-type]
 
 

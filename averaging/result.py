@@ -48,7 +48,8 @@ class AveragingResult:
             every member checked against its own).
         num_adjusted: inputs the robust rule adjusted, summed over the parts whose result
             this member received (each part's reducer reports it): copies of a chunk
-            clipped (``centered-clip``) or values dropped (``trimmed-mean``); 0 for the mean.
+            rejected or clipped (``centered-clip``) or values dropped (``trimmed-mean``); 0
+            for the mean.
         weights_clipped: senders whose weight exceeded the bound (``weight_bound`` times
             the median), summed over the same parts: one oversized sender counts once
             per part.

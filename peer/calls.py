@@ -60,8 +60,8 @@ class AverageResult:
             (``average(..., state_digest=...)``), peer id hex -> bytes; members that
             attached none are absent. Every member of the group sees the same map.
         aggregation: the canonical aggregation rule the group ran
-            (``"centered-clip:tau=1.0,iters=5"``, ...).
-        num_adjusted: inputs that rule clipped (centered-clip: senders' copies of a
+            (``"centered-clip:tau=1.0,iters=5,reject=3.0"``, ...).
+        num_adjusted: inputs that rule rejected or clipped (centered-clip: senders' copies of a
             chunk) or trimmed (trimmed-mean: values), summed over the parts this member
             received; 0 for the mean.
         weights_clipped: senders' weights the reducers bounded to ``weight_bound``

@@ -304,7 +304,7 @@ class PartReducer:
 
     def aggregate(self, chunk: int) -> tuple[np.ndarray | None, int]:
         """The combined values of a final ``chunk`` (``None``: nobody delivered it) and how
-        many inputs the rule adjusted: copies clipped (centered-clip), values dropped
+        many inputs the rule adjusted: copies rejected or clipped (centered-clip), values dropped
         (trimmed-mean), 0 for the mean. The robust rules then let the copies go.
 
         Raises:

@@ -120,7 +120,8 @@ def encode_response(
     """The wire bytes of a ``ReduceResponse`` (one copy of the payload).
 
     ``encoded`` is ``None`` for a chunk that nobody delivered (``num_senders`` 0).
-    ``num_adjusted``: inputs of this chunk the robust aggregation clipped or trimmed;
+    ``num_adjusted``: inputs of this chunk the robust aggregation rejected, clipped or
+    trimmed;
     ``weights_clipped``: senders of the part whose weight the reducer bounded.
     """
     head = averaging_pb2.ReduceResponse(

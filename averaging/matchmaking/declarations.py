@@ -194,13 +194,20 @@ def decode_declaration(subkey: object, value: object) -> Declaration | None:
 
 
 def _aggregation_or_none(value: object) -> str | None:
-    """A peer's aggregation field, canonical; ``None`` when it names no rule."""
+    """A peer's aggregation field; ``None`` when it names no rule in canonical form.
+
+    Peers send the canonical spelling, with every parameter explicit. Another spelling is
+    not taken as the rule it would parse to: a name from another version lacks the
+    parameters this one added (``centered-clip`` without ``reject``), and filling in
+    today's defaults would put peers that mean different rules in one group.
+    """
     if not isinstance(value, str) or len(value) > MAX_AGGREGATION_CHARS:
         return None
     try:
-        return canonical_aggregation(value or MEAN)
+        rule = canonical_aggregation(value or MEAN)
     except ValueError:
         return None
+    return rule if rule == (value or MEAN) else None
 
 
 def requested_aggregation(request: averaging_pb2.JoinRequest) -> str:
@@ -211,7 +218,10 @@ def requested_aggregation(request: averaging_pb2.JoinRequest) -> str:
     """
     rule = _aggregation_or_none(request.aggregation)
     if rule is None:
-        raise ValueError(f"unknown aggregation {request.aggregation[:MAX_AGGREGATION_CHARS]!r}")
+        raise ValueError(
+            f"unknown aggregation {request.aggregation[:MAX_AGGREGATION_CHARS]!r} "
+            "(not a rule's canonical name: another version's peer?)"
+        )
     return rule
 
 

@@ -54,8 +54,11 @@ def test_declarations_carry_the_rule() -> None:
     assert decode_declaration(subkey, d.encode()) == d
     older = {k: v for k, v in decl(1.0, 1).encode().items() if k != "agg"}
     assert decode_declaration(subkey, older) == decl(1.0, 1)  # no field: the mean
-    assert decode_declaration(subkey, {**d.encode(), "agg": "centered-clip"}) == d  # canonical
-    for bad in ("median", 5, "x" * 100, "trimmed-mean:trim=0.9"):
+    # Peers send canonical names only; another spelling is not read as today's rule: an
+    # older version's "centered-clip:tau=1.0,iters=5" meant no rejection, and filling in
+    # reject=3 would group peers that mean different rules.
+    old_clip = "centered-clip:tau=1.0,iters=5"
+    for bad in ("median", 5, "x" * 100, "trimmed-mean:trim=0.9", "centered-clip", old_clip):
         assert decode_declaration(subkey, {**d.encode(), "agg": bad}) is None
 
 
@@ -73,9 +76,10 @@ def test_candidates_and_joins_need_the_same_rule() -> None:
         == averaging_pb2.JOIN_REJECT_AGGREGATION_MISMATCH
     )
     assert requested_aggregation(averaging_pb2.JoinRequest()) == "mean"
-    assert requested_aggregation(averaging_pb2.JoinRequest(aggregation="centered-clip")) == CLIP
-    with pytest.raises(ValueError, match="unknown aggregation"):
-        requested_aggregation(averaging_pb2.JoinRequest(aggregation="median"))
+    assert requested_aggregation(averaging_pb2.JoinRequest(aggregation=CLIP)) == CLIP
+    for bad in ("median", "centered-clip", "centered-clip:tau=1.0,iters=5"):
+        with pytest.raises(ValueError, match="unknown aggregation .*canonical name"):
+            requested_aggregation(averaging_pb2.JoinRequest(aggregation=bad))
 
 
 def declaration_of(member: Member, codec: str, aggregation: str) -> Declaration:

@@ -38,6 +38,8 @@ pytestmark = pytest.mark.timeout(30)
         ("centered-clip:iters=3,tau=1", "centered-clip:tau=1.0,iters=3,reject=3.0"),
         ("centered-clip:tau=0.5", "centered-clip:tau=0.5,iters=5,reject=3.0"),
         ("centered-clip:reject=0", "centered-clip:tau=1.0,iters=5,reject=0.0"),
+        ("centered-clip:reject=-0.0", "centered-clip:tau=1.0,iters=5,reject=0.0"),
+        ("trimmed-mean:trim=-0.0", "trimmed-mean:trim=0.0"),
         ("centered-clip:reject=1", "centered-clip:tau=1.0,iters=5,reject=1.0"),
         ("trimmed-mean", "trimmed-mean:trim=0.25"),
         ("trimmed-mean:trim=0.1", "trimmed-mean:trim=0.1"),
