@@ -10,9 +10,9 @@ CPU per message (headers, encoder and reducer calls, event-loop turns), which fa
 larger chunks. Hence the rule: a chunk carries :data:`CHUNK_SECONDS` of the slowest
 member's link, rounded down to a power of two and kept within
 [:data:`MIN_LINK_CHUNK_BYTES`, :data:`MAX_LINK_CHUNK_BYTES`]. The figures behind it are in
-docs/benchmarks-bandwidth.md (session 7, "Chunk sizes measured"): on loopback 256 KiB
-chunks cost the most CPU and time; the gain of small chunks on a 100 Mbit/s link is the
-argument above and still to be measured on a quiet test bed.
+docs/benchmarks-bandwidth.md (session 7, "Chunk sizes measured"; session 10): on loopback
+256 KiB chunks cost the most CPU and time, and on a quiet 100 Mbit/s test bed too, so the
+rule errs large: 100 ms of the link per chunk.
 
 Every member must cut the same chunks, so the rule reads only what the group description
 gives every member alike: the bandwidths the members advertised in matchmaking (measured
@@ -38,9 +38,14 @@ __all__ = [
     "link_chunk_bytes",
 ]
 
-CHUNK_SECONDS = 0.025
-"""Link time one chunk may take at the slowest member's advertised bandwidth: 256 KiB at
-10 MB/s (80-100 Mbit/s), the cap from about 84 MB/s up."""
+CHUNK_SECONDS = 0.1
+"""Link time one chunk may take at the slowest member's advertised bandwidth: 512 KiB at
+10 MB/s, 1 MiB at 11-20 MB/s (90-160 Mbit/s), the cap from about 21 MB/s up. Session 7's
+0.025 s (256 KiB at 100 Mbit/s) was an argument, not a measurement; measured on a quiet
+test bed (4 hosts at 100 Mbit/s, codec none, interleaved), 256 KiB chunks made 64 MB rounds
+8-12% slower than 1 MiB ones with either congestion control: the fill and drain they save
+(tenths of a second per round) costs less than the CPU of 4x the messages on a machine the
+daemons share (docs/benchmarks-bandwidth.md, session 10)."""
 
 MIN_LINK_CHUNK_BYTES = 256 * 1024
 """Floor, whatever a member claims: smaller chunks save at most a few tens of milliseconds

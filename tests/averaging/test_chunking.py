@@ -31,10 +31,11 @@ def members(*bandwidths: float) -> list[Member]:
 @pytest.mark.parametrize(
     ("bandwidths", "expected"),
     [
-        ((10.0, 10.0, 10.0, 10.0), 256 << 10),  # 100 Mbit/s: the floor
-        ((12.5, 11.0), 256 << 10),
-        ((25.0, 30.0), 512 << 10),
-        ((50.0, 400.0), 1 << 20),  # the slowest member decides
+        ((10.0, 10.0, 10.0, 10.0), 512 << 10),  # 80 Mbit/s
+        ((12.5, 11.0), 1 << 20),  # 100 Mbit/s
+        ((2.0, 30.0), 256 << 10),  # the slowest member decides: 16 Mbit/s, the floor
+        ((15.0, 400.0), 1 << 20),
+        ((25.0, 30.0), 2 << 20),
         ((150.0, 150.0), 2 << 20),  # loopback, LAN: the cap
         ((1e4, 1e4), 2 << 20),
         ((0.1, 1e4), 256 << 10),  # an under-claim cannot go below the floor
