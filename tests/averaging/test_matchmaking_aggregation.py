@@ -78,7 +78,7 @@ def test_candidates_and_joins_need_the_same_rule() -> None:
     assert requested_aggregation(averaging_pb2.JoinRequest()) == "mean"
     assert requested_aggregation(averaging_pb2.JoinRequest(aggregation=CLIP)) == CLIP
     for bad in ("median", "centered-clip", "centered-clip:tau=1.0,iters=5"):
-        with pytest.raises(ValueError, match="unknown aggregation .*canonical name"):
+        with pytest.raises(ValueError, match=r"unknown aggregation .*canonical name"):
             requested_aggregation(averaging_pb2.JoinRequest(aggregation=bad))
 
 
