@@ -118,6 +118,9 @@ def test_reported_metrics_travel_with_the_progress_record(make: Any) -> None:
     backward(model, batch(0))
     opt.report_metrics(loss=torch.tensor(0.5), accuracy=0.75)
     opt.step()
+    # DiLoCo's inner steps report in the background (ProgressTracker.report_soon): wait
+    # for that store to land before reading the DHT
+    assert opt.tracker._reporter.settle(10.0)
     records = [value for values in swarm.dht.values() for value, _ in values.values()]
     assert {"loss": 0.5, "accuracy": 0.75} in [r.get("metrics") for r in records]
     with pytest.raises(ValueError, match="'loss' must be a finite number"):
