@@ -48,10 +48,16 @@ SCENARIOS = {
 
 
 def train(
-    clients: list[Any], run_id: str, aggregation: str, attacked: bool, steps: int
+    clients: list[Any],
+    run_id: str,
+    aggregation: str,
+    attacked: bool,
+    steps: int,
+    digests: list[str] | None = None,
 ) -> list[tuple[float, int]]:
     """Train ``TRAINERS`` trainers to ``steps`` global steps, one thread each; return each
-    one's (test accuracy, failed rounds). Raises the first trainer's error."""
+    one's (test accuracy, failed rounds), and append each one's parameters' sha256 to
+    ``digests`` when given. Raises the first trainer's error."""
     import torch
 
     from swarmavg.averaging.optim import CollaborativeOptimizer
@@ -60,6 +66,7 @@ def train(
     xt, yt = torch.from_numpy(x_tr), torch.from_numpy(y_tr)
     shards = digits.shard_indices(len(x_tr), TRAINERS)
     results: list[tuple[float, int] | None] = [None] * TRAINERS
+    shas: list[str | None] = [None] * TRAINERS
     errors: list[BaseException] = []
 
     def trainer(i: int) -> None:
@@ -92,6 +99,7 @@ def train(
                     opt.step()
                     opt.zero_grad()
             results[i] = (digits.accuracy(model, x_te, y_te), int(opt.stats.failed))
+            shas[i] = digits.parameters_sha256(model)
         except BaseException as exc:  # re-raised in the calling thread
             errors.append(exc)
 
@@ -102,6 +110,8 @@ def train(
         t.join()
     if errors:
         raise errors[0]
+    if digests is not None:
+        digests.extend(sha for sha in shas if sha is not None)
     return [r for r in results if r is not None]
 
 
@@ -121,12 +131,17 @@ def main() -> int:
             for name in args.scenarios.split(","):
                 aggregation, attacked = SCENARIOS[name]
                 started = time.monotonic()
-                run = train(clients, f"byzantine-{name}", aggregation, attacked, args.steps)
+                digests: list[str] = []
+                run = train(
+                    clients, f"byzantine-{name}", aggregation, attacked, args.steps, digests
+                )
                 figures[name] = {
                     "aggregation": aggregation,
                     "attacked": attacked,
                     "accuracy_per_trainer": [round(a, 2) for a, _ in run],
                     "failed_rounds_per_trainer": [f for _, f in run],
+                    # every trainer applies each round's result: one model, or the run is off
+                    "parameters_identical": len(set(digests)) == 1 and len(digests) == TRAINERS,
                     "seconds": round(time.monotonic() - started, 1),
                 }
         finally:

@@ -340,13 +340,14 @@ def _clip_coefficients(
     given the Gram matrix of the ``d_i = x_i - v_0``: the final ``a`` and how many rows
     were rejected or clipped by the last iteration (see :func:`centered_clip`)."""
     norms = np.diag(gram).copy()
-    spread = float(np.median(np.sqrt(np.maximum(norms[positive], 0.0))))
+    from_start = np.sqrt(np.maximum(norms, 0.0))  # ||d_i||
+    spread = float(np.median(from_start[positive]))
     radius = tau * spread
     rejected = 0
     if reject > 0.0 and spread > 0.0:
         # At most half the rows lie beyond the median distance (reject >= 1), so at least
         # one positive weight stays; with a zero spread every row is clipped to v_0 anyway.
-        far = positive & (np.sqrt(np.maximum(norms, 0.0)) > reject * spread)
+        far = positive & (from_start > reject * spread)
         rejected = int(np.count_nonzero(far))
         if rejected:
             w = np.where(far, 0.0, w)

@@ -203,11 +203,12 @@ def _aggregation_or_none(value: object) -> str | None:
     """
     if not isinstance(value, str) or len(value) > MAX_AGGREGATION_CHARS:
         return None
+    spec = value or MEAN
     try:
-        rule = canonical_aggregation(value or MEAN)
+        rule = canonical_aggregation(spec)
     except ValueError:
         return None
-    return rule if rule == (value or MEAN) else None
+    return rule if rule == spec else None
 
 
 def requested_aggregation(request: averaging_pb2.JoinRequest) -> str:
