@@ -1,11 +1,13 @@
 """Private runs (issue 16): the round time with TLS on vs off, A/B in one run.
 
-Starts two swarms side by side on loopback, each of N real ``swarmavg peer`` daemons (CLI)
+Starts swarms side by side on loopback, each of N real ``swarmavg peer`` daemons (CLI)
 with one client process per daemon (benchmarks/rounds.py's ``Swarm`` and workers): "plain",
 a public run (insecure gRPC, plain TCP data plane), and "tls", a private run whose daemons
 were invited by a run authority made here (mutual TLS 1.3 on the gRPC port and the data
-plane). Round by round the two take turns (which goes first alternates), so the machine's
-drifting load weighs on both alike; the idle swarm only waits. Each figure is the median
+plane); ``--swarms`` adds "plain-grpc" and "tls-grpc", the same two with the data plane off
+(``--data-port -1``: Reduce streams over gRPC, TLS by grpcio's BoringSSL). Round by round
+the swarms take turns (the order reverses every round), so the machine's drifting load
+weighs on all alike; the idle swarms only wait. Each figure is the median
 over ``--rounds`` rounds after one untimed warm-up round each; results are checked against
 the exact mean (rounds.py's check). Besides the round time it reports the CPU seconds the N
 daemons spent per round (``/proc/PID/stat``, all threads), which is what TLS adds and which a
@@ -72,33 +74,47 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / ticks
 
 
+VARIANTS = {
+    # name: (private run?, extra `swarmavg peer` flags)
+    "plain": (False, []),
+    "tls": (True, []),
+    "plain-grpc": (False, ["--data-port", "-1"]),  # no data plane: Reduce over gRPC
+    "tls-grpc": (True, ["--data-port", "-1"]),  # the same through grpcio's TLS (BoringSSL)
+}
+
+
 def bench(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     elements = int(args.mb * 1e6) // 4
     run_id = f"tls-{os.getpid()}-{n}"
     credentials = invite_members(workdir / f"authority{n}", run_id, n)
-    swarms = {
-        "plain": rounds.Swarm(n, elements, workdir / f"plain{n}", args.daemon_log_level),
-    }
+    names = [v for v in args.swarms.split(",") if v]
+    if "plain" not in names or any(v not in VARIANTS for v in names):
+        raise SystemExit(f"--swarms: 'plain' and any of {sorted(VARIANTS)}")
+    swarms: dict[str, rounds.Swarm] = {}
     try:
-        swarms["tls"] = rounds.Swarm(
-            n,
-            elements,
-            workdir / f"tls{n}",
-            args.daemon_log_level,
-            daemon_flags=lambda i: credentials[i],
-            run_id=run_id,
-        )
+        for name in names:
+            private, extra = VARIANTS[name]
+            swarms[name] = rounds.Swarm(
+                n,
+                elements,
+                workdir / f"{name}{n}",
+                args.daemon_log_level,
+                daemon_flags=lambda i, p=private, e=extra: (credentials[i] if p else []) + e,
+                # private swarms share the invited run (their own bootstraps keep them apart)
+                run_id=run_id if private else f"{run_id}-{name}",
+            )
         measured: dict[str, list[dict[str, Any]]] = {name: [] for name in swarms}
         warmups: dict[str, dict[str, Any]] = {}
         for r in range(args.rounds + 1):  # round 0 warms up each swarm
-            for name in sorted(swarms, reverse=r % 2 == 1):
+            order = names if r % 2 == 0 else names[::-1]
+            for name in order:
                 pids = [d.proc.pid for d in swarms[name].daemons]
                 cpu_before = cpu_seconds(pids)
                 outcome = rounds.one_round(swarms[name], f"r{r}", args.codec, n, args.timeout)
                 outcome["daemon_cpu_s"] = cpu_seconds(pids) - cpu_before
                 rounds.log(
                     f"N={n} {name} round {r}: slowest {outcome['slowest']:.3f} s, "
-                    f"median {outcome['median']:.3f} s"
+                    f"median {outcome['median']:.3f} s, daemon CPU {outcome['daemon_cpu_s']:.2f} s"
                     + (f", errors {outcome['errors']}" if outcome["errors"] else "")
                 )
                 if r == 0:
@@ -112,25 +128,26 @@ def bench(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             cpu = [r["daemon_cpu_s"] for r in measured[name]]
             figures[name]["daemon_cpu_s"] = rounds._med(cpu)
             figures[name]["daemon_cpu_all"] = [round(c, 3) for c in cpu]
-        plain, tls = figures["plain"], figures["tls"]
-        per_round = [
-            t["slowest"] / p["slowest"]
-            for p, t in zip(measured["plain"], measured["tls"], strict=True)
-            if not p["errors"] and not t["errors"]
-        ]
-        return {
-            "peers": n,
-            "codec": args.codec,
-            **figures,
-            "ratios": {
-                "tls/plain (slowest)": rounds._ratio(tls["slowest_s"], plain["slowest_s"]),
-                "tls/plain (worker median)": rounds._ratio(tls["median_s"], plain["median_s"]),
-                "tls/plain per round, median": rounds._med(per_round),
-                "tls/plain daemon CPU": rounds._ratio(
-                    figures["tls"]["daemon_cpu_s"], figures["plain"]["daemon_cpu_s"]
-                ),
-            },
-        }
+        plain = figures["plain"]
+        ratios: dict[str, Any] = {}
+        for name in names[1:]:
+            other = figures[name]
+            per_round = [
+                t["slowest"] / p["slowest"]
+                for p, t in zip(measured["plain"], measured[name], strict=True)
+                if not p["errors"] and not t["errors"]
+            ]
+            ratios[f"{name}/plain (slowest)"] = rounds._ratio(
+                other["slowest_s"], plain["slowest_s"]
+            )
+            ratios[f"{name}/plain (worker median)"] = rounds._ratio(
+                other["median_s"], plain["median_s"]
+            )
+            ratios[f"{name}/plain per round, median"] = rounds._med(per_round)
+            ratios[f"{name}/plain daemon CPU"] = rounds._ratio(
+                other["daemon_cpu_s"], plain["daemon_cpu_s"]
+            )
+        return {"peers": n, "codec": args.codec, **figures, "ratios": ratios}
     finally:
         for swarm in swarms.values():
             swarm.close()
@@ -142,6 +159,12 @@ def main() -> int:
     parser.add_argument("--mb", type=float, default=64.0, help="MB (1e6 bytes) of float32")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per swarm")
     parser.add_argument("--codec", default="none")
+    parser.add_argument(
+        "--swarms",
+        default="plain,tls",
+        help=f"comma-separated, 'plain' first: any of {', '.join(VARIANTS)} "
+        "(-grpc: the daemons run with --data-port -1, so Reduce streams go over gRPC)",
+    )
     parser.add_argument("--timeout", type=float, default=rounds.CALL_TIMEOUT)
     parser.add_argument("--daemon-log-level", default="WARNING")
     parser.add_argument(

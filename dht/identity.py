@@ -15,6 +15,7 @@ cheap structural check) is the one check every service applies. See docs/securit
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from pathlib import Path
@@ -52,6 +53,14 @@ def peer_id_from_public_key(public_key: bytes) -> bytes:
     return hashlib.sha1(public_key).digest()
 
 
+@functools.lru_cache(maxsize=4096)
+def _public_key(public_key: bytes) -> Ed25519PublicKey:
+    """The parsed key (immutable, so shared): a swarm's few hundred senders sign every
+    message, and parsing the same 32 bytes again for each costs a few percent of a
+    verification. Raises ValueError for an invalid point (not cached)."""
+    return Ed25519PublicKey.from_public_bytes(public_key)
+
+
 def verify_signature(public_key: bytes, signature: bytes, payload: bytes) -> bool:
     """Return whether ``signature`` is ``public_key``'s Ed25519 signature of ``payload``.
 
@@ -60,7 +69,7 @@ def verify_signature(public_key: bytes, signature: bytes, payload: bytes) -> boo
     if len(public_key) != PUBLIC_KEY_BYTES or len(signature) != SIGNATURE_BYTES:
         return False
     try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, payload)
+        _public_key(public_key).verify(signature, payload)
     except (InvalidSignature, ValueError):
         return False
     return True

@@ -436,16 +436,16 @@ class DHTNode:
             self._last_issued = max(now, math.nextafter(self._last_issued, math.inf))
             record.issued = min(self._last_issued, record.expiration)
             record.public_key = self.identity.public_key
-            record.signature = self.identity.sign(
-                signing_payload(
-                    self.config.run_id,
-                    record.key,
-                    record.subkey,
-                    record.value,
-                    record.expiration,
-                    record.issued,
-                )
+            payload = signing_payload(
+                self.config.run_id,
+                record.key,
+                record.subkey,
+                record.value,
+                record.expiration,
+                record.issued,
             )
+            record.signature = self.identity.sign(payload)
+            self.protocol.signatures.remember_own(record.public_key, record.signature, payload)
         self.protocol.validate(record, now)
         return record
 

@@ -167,10 +167,20 @@ class SignatureCache:
         self.hits = 0
         self.misses = 0
 
-    def verify(self, public_key: bytes, signature: bytes, payload: bytes) -> bool:
+    @staticmethod
+    def _entry(public_key: bytes, signature: bytes, payload: bytes) -> bytes:
         digest = hashlib.blake2b(payload, digest_size=32, key=public_key)
         digest.update(signature)
-        entry = digest.digest()
+        return digest.digest()
+
+    def _add(self, entry: bytes) -> None:
+        if self.size > 0:
+            self._verified[entry] = None
+            while len(self._verified) > self.size:
+                self._verified.popitem(last=False)
+
+    def verify(self, public_key: bytes, signature: bytes, payload: bytes) -> bool:
+        entry = self._entry(public_key, signature, payload)
         if entry in self._verified:
             self._verified.move_to_end(entry)
             self.hits += 1
@@ -178,11 +188,18 @@ class SignatureCache:
         self.misses += 1
         if not verify_signature(public_key, signature, payload):
             return False
-        if self.size > 0:
-            self._verified[entry] = None
-            while len(self._verified) > self.size:
-                self._verified.popitem(last=False)
+        self._add(entry)
         return True
+
+    def remember_own(self, public_key: bytes, signature: bytes, payload: bytes) -> None:
+        """Enter a signature this process has just made with the key of ``public_key``.
+
+        A node validates every record it makes before storing it, and then reads the same
+        record back in answers (matchmaking reads its own declaration every round): without
+        this, each of those checks paid a full Ed25519 verification (profiled at 8 peers:
+        about a tenth of the daemon's signature work) for a signature it made itself.
+        """
+        self._add(self._entry(public_key, signature, payload))
 
 
 def key_class_of(key: bytes, key_classes: tuple[KeyClass, ...]) -> KeyClass | None:

@@ -97,6 +97,23 @@ async def test_an_owner_replaces_its_record_and_an_old_version_cannot_be_replaye
         assert found.value[subkey].expiration == soon
 
 
+async def test_an_owner_pays_no_verification_for_its_own_new_record() -> None:
+    """The record a node signs is entered in its signature cache as it is made: validating it
+    before the store, and reading it back from the swarm, cost the owner no Ed25519
+    verification (they did one per version before); the other nodes still verify it."""
+    async with swarm(3, run_id="test") as s:
+        owner, other = s.nodes[0], s.nodes[1]
+        key = "test.board"
+        subkey = owner_suffix(owner.peer_id)
+        before = owner.protocol.signatures.misses
+        assert await owner.store(key, {"epoch": 1}, time.time() + 600, subkey=subkey)
+        found = await owner.get(key, latest=True)
+        assert found is not None
+        assert found.value[subkey].value == {"epoch": 1}
+        assert owner.protocol.signatures.misses == before
+        assert other.protocol.signatures.misses > 0
+
+
 async def test_open_records_keep_the_later_expiration_rule() -> None:
     """Records that name no owner carry no issue time: the later expiration still wins."""
     async with swarm(2, run_id="test") as s:

@@ -59,6 +59,20 @@ def test_signature_cache_never_vouches_for_another_payload() -> None:
     assert cache.verify(identity.public_key, identity.sign(payload), payload)
 
 
+def test_a_signature_made_here_is_remembered_without_verifying_and_vouches_for_nothing_else() -> (
+    None
+):
+    identity = Identity.generate()
+    cache = SignatureCache(size=4)
+    signature = identity.sign(b"payload")
+    cache.remember_own(identity.public_key, signature, b"payload")
+    assert cache.verify(identity.public_key, signature, b"payload")
+    assert (cache.hits, cache.misses) == (1, 0)
+    assert not cache.verify(identity.public_key, signature, b"other payload")
+    assert not cache.verify(identity.public_key, bytes(64), b"payload")
+    assert SignatureCache(size=0).remember_own(identity.public_key, signature, b"x") is None
+
+
 def test_subkeys_per_source_and_per_range() -> None:
     storage = Storage(quotas=StorageQuotas(max_subkeys_per_source=3, per_range_factor=2))
     now = time.time()
