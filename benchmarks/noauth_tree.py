@@ -25,12 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 PATCHES = (
     (
         "        return False\n    try:\n"
-        "        _public_key(public_key).verify(signature, payload)",
+        "        _public_key(public_key).verify(payload, signature)",
         "        return False\n    return True  # A/B baseline: signatures' cryptography off\n"
-        "    try:\n        _public_key(public_key).verify(signature, payload)",
+        "    try:\n        _public_key(public_key).verify(payload, signature)",
     ),
     (
-        "        return self._private_key.sign(payload)",
+        "        return self._signing_key.sign(payload).signature",
         "        return bytes(SIGNATURE_BYTES)  # A/B baseline: signatures' cryptography off",
     ),
 )

@@ -48,6 +48,34 @@ def test_sign_verify() -> None:
     assert not verify_signature(b"\x00" * 5, sig, b"payload")
 
 
+def test_signatures_interoperate_with_openssls_ed25519(tmp_path: Path) -> None:
+    """Signing and checking moved from OpenSSL to libsodium: both are RFC 8032's deterministic
+    Ed25519, so a peer of either version verifies the other's messages and records."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    seed = bytes(range(32))
+    path = tmp_path / "id.key"
+    path.write_bytes(seed)
+    ours = Identity.load_or_create(path)
+    openssl = Ed25519PrivateKey.from_private_bytes(seed)
+    for payload in (b"", b"payload", bytes(range(256)) * 40):
+        assert ours.sign(payload) == openssl.sign(payload)
+        assert verify_signature(ours.public_key, openssl.sign(payload), payload)
+        openssl.public_key().verify(ours.sign(payload), payload)  # raises if invalid
+
+
+def test_malformed_keys_and_signatures_are_false_not_errors() -> None:
+    a = Identity.generate()
+    sig = a.sign(b"payload")
+    # The identity point as a key: (R = identity, S = 0) "signs" every message for it, and
+    # OpenSSL accepted that; libsodium refuses small-order keys.
+    identity_point = bytes([1]) + bytes(31)
+    assert not verify_signature(identity_point, identity_point + bytes(32), b"payload")
+    assert not verify_signature(bytes([0xFF]) * 32, sig, b"payload")  # not a point
+    assert not verify_signature(a.public_key, bytes([0xFF]) * 64, b"payload")  # S >= L
+    assert not verify_signature(a.public_key, sig + b"x", b"payload")
+
+
 def test_verify_header_accepts_and_rejects() -> None:
     ident = Identity.generate()
     header = ident.make_header("run", "127.0.0.1:1")
