@@ -34,16 +34,11 @@ def sock_dir() -> Iterator[Path]:
         yield Path(d)
 
 
-def revoke(organiser: Path, *args: str) -> tuple[int, str, str]:
+def revoke(organiser: Path, *args: str, run: str = "lab") -> tuple[int, str, str]:
+    """``swarmavg run revoke ARGS`` in the organiser's folder of run ``run``."""
+    authority, run_file = f"{run}.authority.pem", f"{run}.run.toml"
     done = swarmavg(
-        organiser,
-        "run",
-        "revoke",
-        *args,
-        "--authority",
-        "lab.authority.pem",
-        "--run-file",
-        "lab.run.toml",
+        organiser, "run", "revoke", *args, "--authority", authority, "--run-file", run_file
     )
     return done.returncode, done.stdout, done.stderr
 
@@ -91,17 +86,8 @@ def test_revoke_writes_extends_and_refuses_bad_input(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert "the authority key does not belong to run 'lab'" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
-    done = swarmavg(
-        other,
-        "run",
-        "revoke",
-        requests["p0"]["peer_id"],
-        "--authority",
-        "other.authority.pem",
-        "--run-file",
-        "other.run.toml",
-    )
-    assert done.returncode == 0, done.stderr
+    code, _, err = revoke(other, requests["p0"]["peer_id"], run="other")
+    assert code == 0, err
     code, _, err = revoke(
         organiser, requests["p0"]["peer_id"], "--out", str(other / "other.revoked")
     )
@@ -140,17 +126,8 @@ def test_a_daemon_with_the_list_keeps_the_revoked_peer_out(
     # A list of another run (its own authority, same run name) stops a daemon at start.
     other = tmp_path / "other"
     organise(other, "lab")
-    done = swarmavg(
-        other,
-        "run",
-        "revoke",
-        requests["p1"]["peer_id"],
-        "--authority",
-        "lab.authority.pem",
-        "--run-file",
-        "lab.run.toml",
-    )
-    assert done.returncode == 0, done.stderr
+    code, _, err = revoke(other, requests["p1"]["peer_id"])
+    assert code == 0, err
     with pytest.raises(RuntimeError) as foreign:
         start(
             swarmavg_processes,
