@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from swarmavg.dht.credentials import load_authority_key, read_run_file
+from swarmavg.dht.credentials import CredentialError, load_authority_key, read_run_file
 from swarmavg.dht.records import StoredRecord, owner_suffix, pack, pack_subkey, signing_payload
 from swarmavg.dht.revocation import (
     RevocationError,
@@ -130,7 +130,7 @@ def test_revoke_refuses_bad_input_with_one_line(authority: Authority, tmp_path: 
     with pytest.raises(RevocationError, match="is neither a peer id"):
         revoke(authority.authority_path, authority.run_path, ["3fa1"], out)
     foreign = Authority.create(tmp_path / "foreign", "other")
-    with pytest.raises(RevocationError, match="does not belong to run 'secret-run'"):
+    with pytest.raises(CredentialError, match="does not belong to run 'secret-run'"):
         revoke(foreign.authority_path, authority.run_path, [ALICE.hex()], out)
     # --out names a list of another run: never extended, never overwritten.
     revoke(foreign.authority_path, foreign.run_path, [ALICE.hex()], out)
