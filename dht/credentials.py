@@ -236,7 +236,12 @@ def init_run(
     return run
 
 
-def _load_authority_key(path: str | os.PathLike[str]) -> ec.EllipticCurvePrivateKey:
+def load_authority_key(path: str | os.PathLike[str]) -> ec.EllipticCurvePrivateKey:
+    """Load a run authority's private key (``swarmavg run init``).
+
+    Raises:
+        CredentialError: unreadable, or not a PEM EC key.
+    """
     data = _read(path, "authority key")
     try:
         key = serialization.load_pem_private_key(data, password=None)
@@ -244,6 +249,19 @@ def _load_authority_key(path: str | os.PathLike[str]) -> ec.EllipticCurvePrivate
         raise CredentialError(f"authority key {os.fspath(path)}: not a PEM key ({exc})") from None
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise CredentialError(f"authority key {os.fspath(path)}: not an EC key")
+    return key
+
+
+def check_authority_key(key: object, run: RunFile) -> ec.EllipticCurvePrivateKey:
+    """``key``, once it is known to be the private key of ``run``'s authority.
+
+    Raises:
+        CredentialError: another key (another run's authority, or not an authority at all).
+    """
+    if not isinstance(key, ec.EllipticCurvePrivateKey) or _spki(key.public_key()) != _spki(
+        run.authority.public_key()  # type: ignore[arg-type]
+    ):
+        raise CredentialError(f"the authority key does not belong to run {run.run_id!r}'s run file")
     return key
 
 
@@ -370,12 +388,10 @@ def issue_credential(
     """
     if days < 1:
         raise CredentialError("a credential must be valid for at least one day")
-    key = serialization.load_pem_private_key(authority_key_pem, password=None)
+    key = check_authority_key(
+        serialization.load_pem_private_key(authority_key_pem, password=None), run
+    )
     authority = run.authority
-    if not isinstance(key, ec.EllipticCurvePrivateKey) or _spki(key.public_key()) != _spki(
-        authority.public_key()  # type: ignore[arg-type]
-    ):
-        raise CredentialError(f"the authority key does not belong to run {run.run_id!r}'s run file")
     tls_key = serialization.load_der_public_key(request.tls_public_key)
     if not isinstance(tls_key, ec.EllipticCurvePublicKey):
         raise CredentialError("the join request's TLS key is not an EC key")
@@ -427,7 +443,7 @@ def invite(
         CredentialError: a bad file or request (the message says which).
     """
     run = read_run_file(run_path)
-    key = _load_authority_key(authority_path)
+    key = load_authority_key(authority_path)
     request = JoinRequest.decode(request_text)
     return request.peer_id, issue_credential(_pem_key(key), run, request, days)
 

@@ -155,6 +155,9 @@ class RoutingTable:
         self.buckets: list[KBucket] = [KBucket(0, MAX_ID, k, per_range, limit_local)]
         self._size = 0
         self.refused_by_range = 0  # contacts (or address changes) refused by the range limit
+        self.refused: frozenset[bytes] = frozenset()
+        """Peer ids never taken into the table (a private run's revoked peers, see
+        :meth:`refuse`); lookups skip them too (dht/traversal.py)."""
 
     def __len__(self) -> int:
         return self._size
@@ -193,7 +196,7 @@ class RoutingTable:
             cache and the bucket's least-recently seen contact is returned; the caller should
             ping it and call :meth:`remove` if the ping fails (paper 2.2).
         """
-        if contact.peer_id == self.own_id:
+        if contact.peer_id == self.own_id or contact.peer_id in self.refused:
             return None
         contact.last_seen = time.monotonic() if now is None else now
         while True:
@@ -237,6 +240,13 @@ class RoutingTable:
             else:
                 self.refused_by_range += 1
             return next(iter(bucket.contacts.values()))
+
+    def refuse(self, peer_ids: frozenset[bytes]) -> None:
+        """Drop ``peer_ids`` from the table and its replacement caches, and never take them in
+        again (replaces the previous set)."""
+        self.refused = peer_ids
+        for peer_id in peer_ids:
+            self.remove(peer_id)
 
     def remove(self, peer_id: bytes) -> bool:
         """Drop a contact that failed to answer; promote the newest replacement (paper 4.1).

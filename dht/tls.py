@@ -14,7 +14,9 @@ One :class:`PeerTLS` per daemon, built from its checked
 
 The handshake proves that a peer holds *a* credential of the run; :class:`PeerBindingInterceptor`
 (gRPC) and :func:`peer_id_of_der` (the data plane) then check that the request header names the
-peer id of *that* credential, so an invited peer cannot speak as another peer.
+peer id of *that* credential, so an invited peer cannot speak as another peer, and that the
+organiser has not revoked it (:class:`~swarmavg.dht.revocation.Revocations`, held by
+:class:`PeerTLS`: a set lookup on every call, so an open connection stops working too).
 
 Public runs use none of this: insecure ports and plain TCP, as before.
 """
@@ -39,21 +41,27 @@ from swarmavg.dht.credentials import (
     peer_id_of_certificate,
 )
 from swarmavg.dht.identity import PEER_ID_BYTES
+from swarmavg.dht.revocation import Revocations
 from swarmavg.dht.server_limits import ServerLimits, make_server
 from swarmavg.proto import common_pb2
 
 HANDSHAKE_TIMEOUT = 10.0
 """Seconds a data-plane server gives a client to finish its TLS handshake."""
+REVOKED_DETAILS = "credential revoked"
+"""The details of the ``PERMISSION_DENIED`` that a revoked peer gets, on every path."""
 _HEADER_FIELD = 1  # every peer-to-peer request carries its RequestHeader as field 1
 _MAX_SCANNED_FIELDS = 64
 
 
 class PeerTLS:
-    """The TLS setup of one peer of a private run (thread-safe, immutable after creation)."""
+    """The TLS setup of one peer of a private run (immutable after creation, but for the
+    revocation list it enforces, which only moves forward)."""
 
     def __init__(self, credentials: PeerCredentials) -> None:
         self.credentials = credentials
         self.peer_id = credentials.peer_id
+        self.revocations = Revocations(credentials.run_id, credentials.authority_pem)
+        """The peers this one refuses (dht/revocation.py); empty until a list is adopted."""
         self.server_context = self._context(server=True)
         self.client_context = self._context(server=False)
 
@@ -195,14 +203,19 @@ def header_peer_id(request: object) -> bytes | None:
 # ---- the gRPC server's check -------------------------------------------------------------
 
 
-async def _check_binding(request: object, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-    """Abort unless ``request``'s header names the peer id of the call's TLS credential."""
+async def _check_binding(
+    request: object, context: grpc.aio.ServicerContext[Any, Any], revoked: Revocations
+) -> None:
+    """Abort unless ``request``'s header names the peer id of the call's TLS credential and
+    that peer is not ``revoked``."""
     credential = peer_id_of_auth_context(context.auth_context())
     if credential is None:
         await context.abort(
             grpc.StatusCode.UNAUTHENTICATED, "no peer credential of this run on the connection"
         )
         raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+    if credential in revoked:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, REVOKED_DETAILS)
     claimed = header_peer_id(request)
     if claimed != credential:
         await context.abort(
@@ -212,18 +225,18 @@ async def _check_binding(request: object, context: grpc.aio.ServicerContext[Any,
 
 
 async def _checked_stream(
-    requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
+    requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any], revoked: Revocations
 ) -> AsyncIterator[Any]:
     """``requests``, after checking the first one (the one that carries the header)."""
     first = True
     async for request in requests:
         if first:
-            await _check_binding(request, context)
+            await _check_binding(request, context, revoked)
             first = False
         yield request
 
 
-def bind_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def bind_handler(handler: grpc.RpcMethodHandler, revoked: Revocations) -> grpc.RpcMethodHandler:
     """``handler`` with :func:`_check_binding` run on its (first) request."""
     kwargs = {
         "request_deserializer": handler.request_deserializer,
@@ -233,7 +246,7 @@ def bind_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         inner_uu = handler.unary_unary
 
         async def unary_unary(request: Any, context: Any) -> Any:
-            await _check_binding(request, context)
+            await _check_binding(request, context, revoked)
             return await inner_uu(request, context)
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, **kwargs)
@@ -242,14 +255,14 @@ def bind_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         if inspect.isasyncgenfunction(inner_us):
 
             async def unary_stream_gen(request: Any, context: Any) -> AsyncIterator[Any]:
-                await _check_binding(request, context)
+                await _check_binding(request, context, revoked)
                 async for response in inner_us(request, context):
                     yield response
 
             return grpc.unary_stream_rpc_method_handler(unary_stream_gen, **kwargs)
 
         async def unary_stream(request: Any, context: Any) -> Any:
-            await _check_binding(request, context)
+            await _check_binding(request, context, revoked)
             return await inner_us(request, context)
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, **kwargs)
@@ -257,27 +270,36 @@ def bind_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         inner_su = handler.stream_unary
 
         async def stream_unary(requests: Any, context: Any) -> Any:
-            return await inner_su(_checked_stream(requests, context), context)
+            return await inner_su(_checked_stream(requests, context, revoked), context)
 
         return grpc.stream_unary_rpc_method_handler(stream_unary, **kwargs)
     inner_ss = handler.stream_stream
     if inspect.isasyncgenfunction(inner_ss):
 
         async def stream_stream_gen(requests: Any, context: Any) -> AsyncIterator[Any]:
-            async for response in inner_ss(_checked_stream(requests, context), context):
+            async for response in inner_ss(_checked_stream(requests, context, revoked), context):
                 yield response
 
         return grpc.stream_stream_rpc_method_handler(stream_stream_gen, **kwargs)
 
     async def stream_stream(requests: Any, context: Any) -> Any:
-        return await inner_ss(_checked_stream(requests, context), context)
+        return await inner_ss(_checked_stream(requests, context, revoked), context)
 
     return grpc.stream_stream_rpc_method_handler(stream_stream, **kwargs)
 
 
 class PeerBindingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # no stubs
     """Server interceptor of a private run's public server: every request's header must name
-    the peer id of the TLS credential it arrived with (else ``PERMISSION_DENIED``)."""
+    the peer id of the TLS credential it arrived with, and that peer must not be revoked
+    (else ``PERMISSION_DENIED``).
+
+    Args:
+        revoked: the peers to refuse, read on every call (a list adopted later applies to
+            the next call, on connections already open too).
+    """
+
+    def __init__(self, revoked: Revocations) -> None:
+        self._revoked = revoked
 
     async def intercept_service(
         self,
@@ -287,13 +309,14 @@ class PeerBindingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc] 
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        return bind_handler(handler)
+        return bind_handler(handler, self._revoked)
 
 
 def new_server(limits: ServerLimits, tls: PeerTLS | None) -> grpc.aio.Server:
     """A grpc.aio public server with ``limits``; in a private run with
     :class:`PeerBindingInterceptor`. Create it inside the running loop, then :func:`bind_port`."""
-    return make_server(limits, [PeerBindingInterceptor()] if tls is not None else None)
+    interceptors = [PeerBindingInterceptor(tls.revocations)] if tls is not None else None
+    return make_server(limits, interceptors)
 
 
 def bind_port(server: grpc.aio.Server, listen: str, tls: PeerTLS | None) -> int:

@@ -208,7 +208,7 @@ class Traversal:
         order: list[tuple[int, bytes]] = []  # (distance, peer id), ascending
 
         def consider(contact: Contact, hop: int) -> None:
-            if contact.peer_id == own_id:
+            if contact.peer_id == own_id or contact.peer_id in routing.refused:
                 return
             cand = candidates.get(contact.peer_id)
             if cand is not None and cand.contact.address == contact.address:

@@ -33,6 +33,7 @@ from swarmavg.peer.daemon import (
     bootstrap_message,
     load_tls,
     node_dht_config,
+    revocation_keeper,
     start_public_server,
 )
 from swarmavg.peer.daemon_log import narrate
@@ -67,7 +68,7 @@ class BareDHT:
         self._metrics_address: str | None = None  # bound HOST:PORT (port 0 resolved)
 
         self._nat: NatAgent | None = None
-        self._tasks = TaskSet()  # the narrator (peers joining and leaving, summaries)
+        self._tasks = TaskSet()  # the narrator (peers joining and leaving, summaries), revocations
         self._started_at = time.monotonic()
         self._stopped = False
 
@@ -109,8 +110,9 @@ class BareDHT:
             raise StartupError(f"identity file {cfg.identity}: {exc}") from None
         tls = load_tls(cfg, self._identity)
         self._channels = ChannelPool(tls=tls)
-        self.node = DHTNode(node_dht_config(cfg), self._identity, self._channels)
+        self.node = DHTNode(node_dht_config(cfg, tls), self._identity, self._channels)
         node = self.node
+        keeper = revocation_keeper(cfg, tls, node)
         # A bootstrap node is what NATed peers ask first: it answers dial-backs and relays
         # (docs/peer.md, "Behind NAT"). It is taken as public: behind NAT it is of no use.
         nat = NatAgent(
@@ -142,6 +144,8 @@ class BareDHT:
             await self.node.start(self.address)
         except BootstrapError as exc:
             raise StartupError(bootstrap_message(exc, cfg.private)) from None
+        if keeper is not None:
+            self._tasks.spawn(keeper.run(), name="revocations")
         if self.control is not None:
             service = DHTControlService(self)  # type: ignore[arg-type]  # no averaging calls
             try:

@@ -218,6 +218,9 @@ class PeerConfig:
             (docs/private-runs.md). ``None``: a public run.
         credential: this peer's credential in the private run (``swarmavg run invite``),
             issued for ``identity``'s peer id.
+        revocations: a private run's revocation list (``swarmavg run revoke``): the peers it
+            names are refused on every path; the file is read again when it changes, and the
+            list spreads to every peer of the run through the DHT (docs/private-runs.md).
         metrics: ``HOST:PORT`` for the Prometheus endpoint; ``None``: no metrics server.
         log_level: Python logging level name.
         local_window: the longest a round waits for the other local training processes
@@ -243,6 +246,7 @@ class PeerConfig:
     identity: str | None = None
     run_file: str | None = None
     credential: str | None = None
+    revocations: str | None = None
     metrics: str | None = None
     log_level: str = "INFO"
     local_window: float = 0.5
@@ -281,6 +285,11 @@ class PeerConfig:
             raise ValueError(
                 "a private run needs identity (--identity FILE): the credential names the "
                 "peer id of one identity"
+            )
+        if self.revocations is not None and self.run_file is None:
+            raise ValueError(
+                "a revocation list (--revocations) belongs to a private run: give --run-file "
+                "and --credential too"
             )
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level {self.log_level!r}: one of {', '.join(LOG_LEVELS)}")

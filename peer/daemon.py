@@ -43,11 +43,13 @@ from swarmavg.dht import (
     DHTNode,
     Identity,
 )
-from swarmavg.dht.credentials import CredentialError, load_peer_credentials
+from swarmavg.dht.credentials import CredentialError, RunFile, load_peer_credentials
 from swarmavg.dht.ranges import split_host
+from swarmavg.dht.revocation import read_revocations
+from swarmavg.dht.revocation_keeper import RevocationKeeper
 from swarmavg.dht.server_limits import ServerLimits
 from swarmavg.dht.tasks import TaskSet, bounded_step
-from swarmavg.dht.tls import PeerTLS, bind_port, new_server
+from swarmavg.dht.tls import REVOKED_DETAILS, PeerTLS, bind_port, new_server
 from swarmavg.peer import shm
 from swarmavg.peer.client import AsyncClient
 from swarmavg.peer.combiner import LocalCombiner
@@ -80,12 +82,29 @@ class StartupError(RuntimeError):
     """The daemon cannot start; the message is one line meant for the user."""
 
 
-def node_dht_config(cfg: PeerConfig) -> DHTConfig:
+def node_dht_config(cfg: PeerConfig, tls: PeerTLS | None = None) -> DHTConfig:
     """The DHT config of a daemon or bare DHT node: ``cfg``'s DHT settings plus the run's
     protocol keys (averaging/protocol_keys.py), so that every node of the run refuses, and
     ignores in answers, any record there that is not an owner-signed entry of their schema.
+    In a private run (``tls``) also its revocation key, which takes only lists signed by the
+    run's authority (dht/revocation.py).
     """
-    return dataclasses.replace(cfg.dht_config(), key_classes=protocol_key_classes(cfg.run_id))
+    key_classes = protocol_key_classes(cfg.run_id)
+    if tls is not None:
+        key_classes = (tls.revocations.key_class(), *key_classes)
+    return dataclasses.replace(cfg.dht_config(), key_classes=key_classes)
+
+
+def revocation_keeper(
+    cfg: PeerConfig, tls: PeerTLS | None, node: DHTNode
+) -> RevocationKeeper | None:
+    """What keeps a private run's revocation list current on ``node`` (its file and the DHT;
+    None in a public run). Made before ``node`` joins, so that it never takes a revoked peer
+    into its routing table; the caller runs its ``run()`` in a task it owns once joined."""
+    if tls is None:
+        return None
+    run = RunFile(tls.credentials.run_id, tls.credentials.authority_pem)
+    return RevocationKeeper(node, tls.revocations, run, cfg.revocations)
 
 
 def bootstrap_message(exc: BootstrapError, private: bool = False) -> str:
@@ -103,7 +122,9 @@ def bootstrap_message(exc: BootstrapError, private: bool = False) -> str:
         f"could not join the swarm: no initial peer answered after {exc.attempts} "
         f"attempt(s) ({reasons}){hint}"
     )
-    if any("run id differs" in reason for reason in exc.failures.values()):
+    if any(REVOKED_DETAILS in reason for reason in exc.failures.values()):
+        message += "; the run's organiser has revoked this peer's credential"
+    elif any("run id differs" in reason for reason in exc.failures.values()):
         message += (
             "; every peer of a run must use the same --run-id (SWARMAVG_RUN_ID): ask the "
             "run's organiser for it"
@@ -114,11 +135,13 @@ def bootstrap_message(exc: BootstrapError, private: bool = False) -> str:
 
 
 def load_tls(cfg: PeerConfig, identity: Identity) -> PeerTLS | None:
-    """The peer's TLS setup in a private run (None in a public run).
+    """The peer's TLS setup in a private run (None in a public run), holding the revocation
+    list of ``cfg.revocations`` when given.
 
     Raises:
         StartupError: a credential that is missing, expired, of another run or of another
-            identity, or a run file of another run (one line saying which).
+            identity, a run file of another run, or a revocation list that is unreadable, of
+            another run or not signed by its authority (one line saying which).
     """
     if cfg.run_file is None or cfg.credential is None or cfg.identity is None:
         return None
@@ -134,7 +157,14 @@ def load_tls(cfg: PeerConfig, identity: Identity) -> PeerTLS | None:
         cfg.credential,
         f"{credentials.not_after:%Y-%m-%d %H:%M}",
     )
-    return PeerTLS(credentials)
+    tls = PeerTLS(credentials)
+    if cfg.revocations is not None:
+        run = RunFile(credentials.run_id, credentials.authority_pem)
+        try:
+            tls.revocations.adopt(read_revocations(cfg.revocations, run))
+        except CredentialError as exc:
+            raise StartupError(str(exc)) from None
+    return tls
 
 
 async def start_public_server(
@@ -186,9 +216,12 @@ class Peer:
         self._public_server: grpc.aio.Server | None = None
         self._control_server: ControlServer | None = None
         self._channels: ChannelPool | None = None
+        self._tls: PeerTLS | None = None
+        self.revocation_keeper: RevocationKeeper | None = None
+        """In a private run, what keeps its revocation list current (its file and the DHT)."""
         self.nat: NatAgent | None = None
         self._metrics: Any = None
-        self._tasks = TaskSet()  # shm sweeper, metrics sync
+        self._tasks = TaskSet()  # shm sweeper, metrics sync, revocation list
         self._started_at = 0.0
         self._stopped = False
 
@@ -241,7 +274,7 @@ class Peer:
             )
         except (OSError, ValueError) as exc:
             raise StartupError(f"identity file {cfg.identity}: {exc}") from None
-        tls = load_tls(cfg, self.identity)
+        tls = self._tls = load_tls(cfg, self.identity)
         self._channels = ChannelPool(tls=tls)
         self._build_members(cfg)
         if not cfg.client_mode:
@@ -253,6 +286,8 @@ class Peer:
         except BootstrapError as exc:
             raise StartupError(bootstrap_message(exc, cfg.private)) from None
         self._report_unreachable(cfg.join)
+        if self.revocation_keeper is not None:
+            self._tasks.spawn(self.revocation_keeper.run(), name="revocations")
         try:
             await self.averager.start()
         except DataPlaneBindError as exc:
@@ -280,7 +315,8 @@ class Peer:
         """The DHT node and the averager for ``cfg`` (not started)."""
         assert self.identity is not None  # set in _start
         assert self._channels is not None
-        self.dht = DHTNode(node_dht_config(cfg), self.identity, self._channels)
+        self.dht = DHTNode(node_dht_config(cfg, self._tls), self.identity, self._channels)
+        self.revocation_keeper = revocation_keeper(cfg, self._tls, self.dht)
         self._averager_config = cfg.averager_config()
         self.averager = Averager(
             self.dht, self._averager_config, self._channels, observer=self._on_matchmaking

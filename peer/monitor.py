@@ -26,7 +26,13 @@ from typing import Any
 from swarmavg.dht import BootstrapError, ChannelPool, DHTNode, Identity
 from swarmavg.dht.tasks import TaskSet, bounded_step
 from swarmavg.peer.config import DHTSettings, PeerConfig, parse_host_port
-from swarmavg.peer.daemon import StartupError, bootstrap_message, load_tls, node_dht_config
+from swarmavg.peer.daemon import (
+    StartupError,
+    bootstrap_message,
+    load_tls,
+    node_dht_config,
+    revocation_keeper,
+)
 from swarmavg.peer.monitor_http import DashboardServer
 from swarmavg.peer.monitor_page import render_page
 from swarmavg.peer.monitor_series import DEFAULT_HISTORY, History, Sample, sample_from_view
@@ -66,6 +72,8 @@ class MonitorSettings:
             (both, with ``identity``, or neither; docs/private-runs.md): the monitor then
             dials the run's peers over mutual TLS, presenting its credential, as any
             client-mode peer of the run does.
+        revocations: the private run's revocation list (``swarmavg run revoke``), as for a
+            peer: the monitor refuses the peers it names and passes it on.
 
     Raises:
         ValueError: a setting out of range or an address that is not ``HOST:PORT`` (the
@@ -87,6 +95,7 @@ class MonitorSettings:
     identity: str | None = None
     run_file: str | None = None
     credential: str | None = None
+    revocations: str | None = None
     peer_config: PeerConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -109,6 +118,7 @@ class MonitorSettings:
             identity=self.identity,
             run_file=self.run_file,
             credential=self.credential,
+            revocations=self.revocations,
             dht=DHTSettings(bootstrap_timeout=self.bootstrap_timeout),
         )
         if not config.join:
@@ -131,7 +141,7 @@ class Monitor:
         self._identity = Identity.generate()
         self._channels: ChannelPool | None = None
         self._sinks: list[Sink] = []
-        self._tasks = TaskSet()  # the poll loop
+        self._tasks = TaskSet()  # the poll loop, the revocation list
         self._last_logged: tuple[float, float] | None = None
         self._stopped = False
 
@@ -192,12 +202,16 @@ class Monitor:
                 raise StartupError(f"identity file {cfg.identity}: {exc}") from None
         # A private run's peers refuse any handshake without a credential of the run: the
         # monitor presents its own on every channel it opens (it serves nothing).
-        self._channels = ChannelPool(tls=load_tls(cfg, self._identity))
-        self.node = DHTNode(node_dht_config(cfg), self._identity, self._channels)
+        tls = load_tls(cfg, self._identity)
+        self._channels = ChannelPool(tls=tls)
+        self.node = DHTNode(node_dht_config(cfg, tls), self._identity, self._channels)
+        keeper = revocation_keeper(cfg, tls, self.node)
         try:
             await self.node.start(None)
         except BootstrapError as exc:
             raise StartupError(bootstrap_message(exc, cfg.private)) from None
+        if keeper is not None:
+            self._tasks.spawn(keeper.run(), name="revocations")
         self._tasks.spawn(self._poll_forever(), name="monitor-poll")
 
     async def poll_once(self) -> Sample:

@@ -102,6 +102,12 @@ def add_monitor_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "(default: $SWARMAVG_CREDENTIAL)",
     )
     private.add_argument(
+        "--revocations",
+        metavar="FILE",
+        help="the run's revocation list (swarmavg run revoke): refuse the peers it names "
+        "(default: $SWARMAVG_REVOCATIONS)",
+    )
+    private.add_argument(
         "--identity",
         metavar="FILE",
         help="the Ed25519 identity the credential was issued for (swarmavg run whoami); "
@@ -119,6 +125,7 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     run_file = args.run_file or os.environ.get("SWARMAVG_RUN_FILE") or None
     credential = args.credential or os.environ.get("SWARMAVG_CREDENTIAL") or None
     identity = args.identity or os.environ.get("SWARMAVG_IDENTITY") or None
+    revocations = args.revocations or os.environ.get("SWARMAVG_REVOCATIONS") or None
     try:
         run_id = args.run_id or os.environ.get("SWARMAVG_RUN_ID") or run_file_run(run_file)
     except ValueError as exc:
@@ -143,6 +150,7 @@ def cmd_monitor(args: argparse.Namespace) -> int:
             identity=identity,
             run_file=run_file,
             credential=credential,
+            revocations=revocations,
         )
     except ValueError as exc:
         report_error("monitor", str(exc))

@@ -7,6 +7,8 @@
   line, no secret), creating its identity and TLS key when missing.
 - ``swarmavg run invite REQUEST --authority KEY --run-file RUN``: the organiser issues the
   peer's credential for that request.
+- ``swarmavg run revoke PEER ... --authority KEY --run-file RUN``: the organiser writes (or
+  extends) the run's signed revocation list, which any peer then passes on to the others.
 
 The crypto is :mod:`swarmavg.dht.credentials`; this module only parses and prints.
 """
@@ -31,6 +33,7 @@ from swarmavg.dht.credentials import (
     tls_key_path,
 )
 from swarmavg.dht.identity import Identity
+from swarmavg.dht.revocation import default_revocations_path, revoke
 
 EXIT_ERROR = 1
 
@@ -39,7 +42,7 @@ def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     """Add ``run`` and its subcommands to the top-level subparsers."""
     run = sub.add_parser(
         "run",
-        help="private runs: create a run authority, print a join request, invite a peer",
+        help="private runs: create a run authority, print a join request, invite or revoke a peer",
         description="Private runs admit only invited peers and encrypt all traffic "
         "(docs/private-runs.md).",
     )
@@ -87,6 +90,26 @@ def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     inv.add_argument(
         "--out", metavar="FILE", help="where to write the credential (default PEERID.cred.pem)"
     )
+    rev = steps.add_parser(
+        "revoke",
+        help="shut peers out of the run: write or extend its signed revocation list",
+        description="Sign a revocation list naming these peers (and those of the existing "
+        "list, with its number + 1). Give the file to any peer of the run (swarmavg peer "
+        "--revocations FILE): it refuses them and passes the list on to the others.",
+    )
+    rev.add_argument(
+        "peers",
+        nargs="+",
+        metavar="PEER",
+        help="a peer id (hex, as `swarmavg run invite` printed it) or the peer's credential file",
+    )
+    rev.add_argument("--authority", required=True, metavar="FILE", help="the authority's key")
+    rev.add_argument("--run-file", required=True, metavar="FILE", help="the run file")
+    rev.add_argument(
+        "--out",
+        metavar="FILE",
+        help="the revocation list to write or extend (default: beside the run file, NAME.revoked)",
+    )
 
 
 def _error(message: str) -> int:
@@ -112,6 +135,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             return _init(args)
         if args.run_command == "whoami":
             return _whoami(args)
+        if args.run_command == "revoke":
+            return _revoke(args)
         return _invite(args)
     except CredentialError as exc:
         return _error(str(exc))
@@ -162,4 +187,15 @@ def _invite(args: argparse.Namespace) -> int:
     with os.fdopen(fd, "wb") as fh:
         fh.write(credential)
     print(f"invited peer {peer_id.hex()}: credential {out}; send it to that peer")
+    return 0
+
+
+def _revoke(args: argparse.Namespace) -> int:
+    out = Path(args.out) if args.out else default_revocations_path(args.run_file)
+    revocations = revoke(args.authority, args.run_file, args.peers, out)
+    print(
+        f"revocation list #{revocations.number} of run {revocations.run_id!r}: "
+        f"{len(revocations.peer_ids)} peer(s) revoked, written to {out}; give it to any peer "
+        f"of the run (swarmavg peer --revocations {out})"
+    )
     return 0

@@ -29,6 +29,7 @@ EXAMPLES: dict[str, Any] = {
     "congestion_control": "cubic",
     "run_file": "/etc/swarmavg/my-run.run",
     "credential": "/var/lib/swarmavg/identity.key.cred",
+    "revocations": "/var/lib/swarmavg/my-run.revoked",
 }
 """Values shown for settings whose default is "unset" (None) or empty."""
 

@@ -147,6 +147,14 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "peer",
+        "revocations",
+        "a private run's revocation list (swarmavg run revoke): refuse the peers it names, "
+        "re-read when the file changes, and pass it on to the run's peers",
+        "FILE",
+        BOTH,
+    ),
+    Setting(
+        "peer",
         "control",
         "local control endpoint: a unix socket path or 127.0.0.1:PORT (peer default "
         "$XDG_RUNTIME_DIR/swarmavg/<run-id>.sock or ~/.swarmavg/<run-id>.sock; a dht node "

@@ -47,7 +47,7 @@ import contextlib
 import logging
 import struct
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Container, Sequence
 from typing import Any, NoReturn, Protocol, cast
 
 import grpc
@@ -62,7 +62,13 @@ from swarmavg.averaging.allreduce.congestion import (
 from swarmavg.averaging.allreduce.round import ReduceContext
 from swarmavg.averaging.allreduce.wire import Request, deserialize_reply, deserialize_request
 from swarmavg.dht.tasks import TaskSet
-from swarmavg.dht.tls import HANDSHAKE_TIMEOUT, SERVER_HOSTNAME, PeerTLS, peer_id_of_der
+from swarmavg.dht.tls import (
+    HANDSHAKE_TIMEOUT,
+    REVOKED_DETAILS,
+    SERVER_HOSTNAME,
+    PeerTLS,
+    peer_id_of_der,
+)
 
 log = logging.getLogger(__name__)
 
@@ -621,15 +627,24 @@ class _ServerStream:
     """The context and request iterator of one inbound stream (as gRPC gives a handler)."""
 
     def __init__(
-        self, protocol: _FrameProtocol, write_timeout: float, *, expect_peer: bytes | None = None
+        self,
+        protocol: _FrameProtocol,
+        write_timeout: float,
+        *,
+        expect_peer: bytes | None = None,
+        revoked: Container[bytes] = (),
     ) -> None:
         """Args:
         expect_peer: on a TLS connection, the peer id its credential names: the stream's
             first message must name it too.
+        revoked: peer ids the run's organiser revoked: their streams are refused at the
+            first message (read per stream, so a list adopted later applies to the next
+            stream of a connection already open).
         """
         self._protocol = protocol
         self._write_timeout = write_timeout
         self._expect_peer = expect_peer
+        self._revoked = revoked
         self.client_closed = False
         self.status_sent = False
 
@@ -644,6 +659,8 @@ class _ServerStream:
                 raise _ProtocolError(f"unexpected frame kind {kind} in a stream")
             request = deserialize_request(body)  # type: ignore[arg-type]  # scans any buffer
             if first and self._expect_peer is not None:
+                if self._expect_peer in self._revoked:
+                    await self.abort(grpc.StatusCode.PERMISSION_DENIED, REVOKED_DETAILS)
                 claimed = request.header.peer_id if request.header is not None else b""
                 if claimed != self._expect_peer:
                     await self.abort(
@@ -790,8 +807,10 @@ class DataPlaneServer:
     async def _serve_stream(self, protocol: _FrameProtocol) -> bool:
         """Run one stream; return whether the connection may carry another."""
         config = self._service.config
-        expect = protocol.peer_id if self._tls is not None else None
-        stream = _ServerStream(protocol, config.write_timeout, expect_peer=expect)
+        tls = self._tls
+        expect = protocol.peer_id if tls is not None else None
+        revoked = tls.revocations if tls is not None else ()
+        stream = _ServerStream(protocol, config.write_timeout, expect_peer=expect, revoked=revoked)
         try:
             await self._service.rpc_reduce(stream.requests(), stream)
         except _StreamAborted:

@@ -47,6 +47,7 @@ SAMPLES: dict[str, str] = {
     "identity": '"/tmp/id.key"',
     "run_file": '"/tmp/r.run.toml"',
     "credential": '"/tmp/id.cred.pem"',
+    "revocations": '"/tmp/r.revoked"',
     "metrics": '"127.0.0.1:7"',
     "summary_interval": "30.0",
     "log_level": '"WARNING"',
