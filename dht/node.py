@@ -610,11 +610,18 @@ class DHTNode:
         quorum = self.config.k if latest else self.config.get_quorum
         lookups = await traverse(self.protocol, kids, want_values=True, quorum=quorum)
         now = time.time()
+        refused = self.routing.refused
         out: list[ValueWithExpiration[Any] | None] = []
         for kid in kids:
             lookup = lookups[kid]
             merged = Storage(self.config.limits.max_subkeys_per_key)
             for record in (*self.storage.get(kid, now), *lookup.records):
+                # A revoked peer's records (declarations, state adverts, progress) stored
+                # before the revocation, or cached by honest nodes, must not make this peer
+                # dial it as a leader or a donor: its answers would come back, our tensors
+                # would go out.
+                if refused and record_owner(record, self.config.limits) in refused:
+                    continue
                 merged.put(record, now, key_id_=kid)
             records = merged.get(kid, now)
             if lookup.records:

@@ -25,6 +25,7 @@ from swarmavg.dht.revocation import (
     revoke,
 )
 from swarmavg.dht.validation import DHTLimits, ValidationError, validate_record
+from tests.dht.swarm import swarm
 from tests.private_runs import Authority
 
 pytestmark = pytest.mark.timeout(30)
@@ -177,3 +178,23 @@ def test_the_dht_key_takes_only_lists_signed_by_the_authority(
     ):
         with pytest.raises(ValidationError, match="revocation lists"):
             check(refused)
+
+
+async def test_a_node_reads_no_record_of_a_refused_peer() -> None:
+    """Records a revoked peer stored before its revocation (its matchmaking declaration, its
+    state advert) stay on their holders until they expire; a node that refuses the peer
+    must not see them, or it would dial the peer as a leader or a donor."""
+    async with swarm(3, run_id="test") as s:
+        revoked, reader, other = s.nodes
+        key = "test.board"
+        for node in (revoked, other):
+            subkey = owner_suffix(node.peer_id)
+            assert await node.store(key, {"here": True}, time.time() + 600, subkey=subkey)
+        seen = await reader.get(key, latest=True)
+        assert seen is not None
+        assert len(seen.value) == 2
+        reader.routing.refuse(frozenset({revoked.peer_id}))
+        seen = await reader.get(key, latest=True)
+        assert seen is not None
+        assert list(seen.value) == [owner_suffix(other.peer_id)]
+        assert len((await other.get(key, latest=True)).value) == 2  # other nodes still see it
