@@ -158,6 +158,8 @@ class RevocationKeeper:
                 await self._store_copy()
         except (TimeoutError, grpc.aio.AioRpcError, OSError) as exc:
             log.info("revocation list sync through the DHT failed: %r", exc)
+        except Exception:  # anything else is a bug, but must not end the keeper's task
+            log.warning("revocation list sync through the DHT failed", exc_info=True)
 
     def _adopt_newest(self, record: Any) -> None:
         entries = record.value if record is not None and isinstance(record.value, dict) else {}
