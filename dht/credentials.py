@@ -118,12 +118,13 @@ class RunFile:
         return (
             "# swarmavg run file: give it to every peer of the run; it holds no secret.\n"
             f'format = "{RUN_FILE_FORMAT}"\n'
-            f"run_id = {_toml_string(self.run_id)}\n"
+            f"run_id = {toml_string(self.run_id)}\n"
             f'authority = """\n{self.authority_pem.decode().strip()}\n"""\n'
         )
 
 
-def _toml_string(text: str) -> str:
+def toml_string(text: str) -> str:
+    """``text`` as a TOML basic string (the run files and revocation lists we write)."""
     escaped = text.replace("\\", "\\\\").replace('"', '\\"')
     return f'"{escaped}"'
 

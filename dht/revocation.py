@@ -54,6 +54,7 @@ from swarmavg.dht.credentials import (
     load_authority_key,
     peer_id_of_certificate,
     read_run_file,
+    toml_string,
 )
 from swarmavg.dht.identity import PEER_ID_BYTES
 from swarmavg.dht.records import Subkey
@@ -199,7 +200,7 @@ class RevocationList:
             f"# swarmavg revocation list of run {self.run_id!r} (swarmavg run revoke): give it\n"
             "# to any peer of the run (swarmavg peer --revocations FILE); it holds no secret.\n"
             f'format = "{REVOCATION_FORMAT}"\n'
-            f"run_id = {_toml_string(self.run_id)}\n"
+            f"run_id = {toml_string(self.run_id)}\n"
             f"number = {self.number}\n"
             f"issued = {self.issued}  # {when:%Y-%m-%d %H:%M:%S} UTC\n"
             f"revoked = [\n{revoked}]\n"
@@ -234,11 +235,6 @@ class RevocationList:
             return cls.from_value([*fields, peer_ids, raw_signature])
         except RevocationError as exc:
             raise RevocationError(f"{where}: {exc}") from None
-
-
-def _toml_string(text: str) -> str:
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{escaped}"'
 
 
 _HEX_ID = re.compile(f"[0-9a-fA-F]{{{2 * PEER_ID_BYTES}}}")
