@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import hashlib
 import os
 import re
 import sys
@@ -72,6 +73,7 @@ MAX_REVOKED = 2048
 under the DHT's 64 KiB value cap (dht/validation.py, ``DHTLimits.max_value_bytes``)."""
 _MAX_SIGNATURE = 80  # a DER ECDSA P-256 signature has 70-72 bytes
 _MAX_FILE_BYTES = 256 * 1024
+_VERIFIED_LISTS = 16  # lists remembered as verified (a run has a handful in flight at most)
 REVOCATION_KEY_MAX_TTL = 3600.0
 """Seconds a copy of the list may claim to live in the DHT; holders refresh theirs."""
 
@@ -357,6 +359,10 @@ class Revocations:
         self.current: RevocationList | None = None
         self.revoked: frozenset[bytes] = frozenset()
         self._listeners: list[Callable[[RevocationList], None]] = []
+        # Every holder stores its own copy of the same list under the run's key, so a read
+        # returns one copy per holder: remember the lists that verified (by their signed
+        # bytes), and each one costs one ECDSA verification, not one per copy.
+        self._verified: dict[bytes, None] = {}
 
     def __contains__(self, peer_id: object) -> bool:
         return peer_id in self.revoked
@@ -369,7 +375,13 @@ class Revocations:
     def verify(self, revocations: RevocationList) -> None:
         """Raise :class:`RevocationError` unless ``revocations`` is this run's, signed by its
         authority."""
+        seen = hashlib.sha256(revocations.signing_payload() + revocations.signature).digest()
+        if seen in self._verified:
+            return
         revocations.verify(self._authority, self.run_id)
+        self._verified[seen] = None
+        while len(self._verified) > _VERIFIED_LISTS:
+            del self._verified[next(iter(self._verified))]
 
     def adopt(self, revocations: RevocationList) -> bool:
         """Hold ``revocations`` if it verifies and is newer than the held list.

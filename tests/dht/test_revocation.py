@@ -111,6 +111,31 @@ def test_a_peer_adopts_only_a_higher_number(authority: Authority) -> None:
     assert adopted == [2, 3]
 
 
+def test_copies_of_one_list_cost_one_verification_and_a_forged_copy_still_fails(
+    authority: Authority, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every holder stores its own copy of the list, so a read returns many copies of it."""
+    revocations = holder(authority)
+    calls: list[int] = []
+    real = RevocationList.verify
+
+    def counted(self: RevocationList, *args: object) -> None:
+        calls.append(self.number)
+        real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(RevocationList, "verify", counted)
+    good = signed(authority, 4, ALICE)
+    for _ in range(5):
+        revocations.verify(RevocationList.from_value(good.to_value()))
+    assert calls == [4]
+    forged = RevocationList(RUN, 4, good.issued, good.peer_ids, b"y" * 70)
+    with pytest.raises(RevocationError):
+        revocations.verify(forged)
+    with pytest.raises(RevocationError):
+        revocations.verify(forged)  # a failure is never remembered
+    assert calls == [4, 4, 4]
+
+
 def test_revoke_writes_then_extends_the_list(authority: Authority) -> None:
     member = authority.invite("mallory")
     out = default_revocations_path(authority.run_path)
