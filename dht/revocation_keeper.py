@@ -11,8 +11,9 @@ run must learn it. A :class:`RevocationKeeper` does two things, each in a task i
   that does not verify is reported and ignored: the peer keeps the list it holds.
 - **The DHT**: at start and every :attr:`RevocationKeeper.dht_interval` seconds (30: every peer
   learns a new list within about a minute), it reads :func:`revocation_key` and adopts the
-  newest list there that verifies; and while it holds a list it keeps a copy there under its
-  own owner subkey, refreshed well before it expires. Storing nodes and readers accept under
+  newest list there that verifies; and while fewer than :attr:`RevocationKeeper.copies`
+  other holders keep a copy of the list it holds, it keeps one there too, under its own owner
+  subkey, refreshed well before it expires. Storing nodes and readers accept under
   that key only lists signed by the run's authority (``Revocations.key_class``, registered
   by the daemon), and each copy is owner-signed by its holder, so nobody can wipe or replace
   another peer's copy; readers take the highest number, so an older list stored there changes
@@ -69,6 +70,11 @@ class RevocationKeeper:
     """The longest one read or store of the key may take."""
     ttl = 600.0
     """Seconds a stored copy lives; refreshed every ``ttl / 3``."""
+    copies = 8
+    """A peer adds its copy only while fewer holders than this keep one of the newest list:
+    each read of the key returns every copy, so one per peer of a large run would grow the
+    answer with the run (and a long list past the DHT's caps). Holders keep refreshing
+    theirs; when they leave, their copies expire and the next readers add their own."""
 
     def __init__(
         self, node: DHTNode, revocations: Revocations, run: RunFile, path: str | None = None
@@ -79,6 +85,7 @@ class RevocationKeeper:
         self.path = path
         self._stamp: _FileStamp | None = self._file_stamp()
         self._stored: tuple[int, float] = (0, 0.0)  # (number, when) of our copy in the DHT
+        self._copies_seen = 0  # other holders' copies of the held list at the last read
         self._wake = asyncio.Event()
         node.routing.refuse(revocations.revoked)
         revocations.on_change(self._adopted)
@@ -163,20 +170,25 @@ class RevocationKeeper:
 
     def _adopt_newest(self, record: Any) -> None:
         entries = record.value if record is not None and isinstance(record.value, dict) else {}
-        lists = []
-        for entry in entries.values():
+        mine = owner_suffix(self.node.identity.peer_id)
+        lists: list[tuple[RevocationList, bool]] = []
+        for subkey, entry in entries.items():
             try:
-                lists.append(RevocationList.from_value(entry.value))
+                lists.append((RevocationList.from_value(entry.value), subkey == mine))
             except RevocationError:
                 continue  # the key class refuses these; a node of another version may not
-        for found in sorted(lists, key=lambda found: -found.number):
+        for found, _ in sorted(lists, key=lambda item: -item[0].number):
             if found.number <= self.revocations.number:
-                return
+                break
             try:
                 self.revocations.adopt(found)
-                return
+                break
             except RevocationError as exc:
                 log.warning("a revocation list in the DHT does not verify (%s); ignored", exc)
+        held = self.revocations.current
+        self._copies_seen = sum(
+            1 for found, ours in lists if not ours and held is not None and found == held
+        )
 
     async def _store_copy(self) -> None:
         current = self.revocations.current
@@ -186,6 +198,8 @@ class RevocationKeeper:
         now = time.time()
         if number == current.number and now - when < self.ttl / 3:
             return
+        if number != current.number and self._copies_seen >= self.copies:
+            return  # enough holders keep this list; ours would only grow every read
         stored = await self.node.store(
             revocation_key(self.run_file.run_id),
             current.to_value(),

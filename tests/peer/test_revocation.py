@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from swarmavg.dht import ChannelPool, DHTConfig, DHTNode
-from swarmavg.dht.credentials import load_authority_key
+from swarmavg.dht.credentials import load_authority_key, read_run_file
 from swarmavg.dht.ids import key_id
 from swarmavg.dht.records import owner_suffix, pack_subkey
 from swarmavg.dht.revocation import RevocationList, Revocations, revocation_key, revoke
@@ -32,6 +32,7 @@ from swarmavg.peer import Peer, PeerConfig
 from swarmavg.peer.config import DHTSettings
 from swarmavg.peer.daemon import StartupError
 from swarmavg.proto import dht_pb2
+from tests.dht.swarm import swarm
 from tests.peer.test_private_run import (
     REFUSED,
     pool,
@@ -257,3 +258,26 @@ def test_settings_of_a_revocation_list(authority: Authority, tmp_path: Path) -> 
     )
     with pytest.raises(ValueError, match="belongs to a private run"):
         resolve_config({"revocations": "/x.revoked"}, {})
+
+
+async def test_only_a_few_holders_keep_a_copy_of_the_list_in_the_dht(
+    authority: Authority,
+) -> None:
+    """Every read of the run's key returns every copy: a peer adds its own only while fewer
+    than ``RevocationKeeper.copies`` holders keep one, so the key does not grow with the run."""
+    run = read_run_file(authority.run_path)
+    key = load_authority_key(authority.authority_path)
+    listed = RevocationList.sign(key, RUN, 1, [NOBODY])
+    async with swarm(7, run_id=RUN) as s:
+        keepers = []
+        for node in s.nodes:
+            revocations = Revocations(RUN, run.authority_pem)
+            keepers.append(RevocationKeeper(node, revocations, run))
+            keepers[-1].copies = 3
+        keepers[0].revocations.adopt(listed)
+        for keeper_ in keepers:
+            await keeper_.sync_dht()
+        assert all(k.revocations.number == 1 for k in keepers)  # every peer learned it
+        found = await s.nodes[-1].get(revocation_key(RUN), latest=True)
+        assert found is not None
+        assert len(found.value) == 3
