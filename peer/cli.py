@@ -155,6 +155,9 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         logging.getLogger("swarmavg.peer.cli").warning("%s", warning)
     if args.command == "peer":
         from swarmavg.peer.daemon import Peer
+        from swarmavg.peer.heap import keep_freed_memory
+
+        keep_freed_memory()  # rounds reuse the memory they free instead of faulting it in
 
         daemon: Daemon = Peer(config)
     else:
