@@ -7,12 +7,11 @@ all-reduce itself, with the real functions of both versions where they still exi
 - ``client``: before, the NaN/Inf check (``validate_arrays``) then the copy into an already
   mapped segment; after, the copy with the check on each block as it lands
   (``ClientSegment.fill``).
-- ``daemon``: before, the NaN/Inf check of the segment (``check_finite``), a fresh result
-  vector written by the round (its page faults: the round's writes are modelled by one
-  ``copyto``), the copy of the result back into the segment (``write_results``) and the
-  vector's release; after, the checked copy out of the segment into a reused buffer
-  (``InputCopy`` + ``copy_checked``), the round writing into the segment itself (one
-  ``copyto`` as well) and no copy back.
+- ``daemon``: before (sessions 8-11), the checked copy out of the segment into a reused
+  buffer (``copy_checked``), the round writing its averages into the segment (modelled by
+  one ``copyto``); after (session 12), the round in place: the NaN/Inf check of the
+  segment (``check_finite``), read-only, and the same writes. (Session 7's path, a fresh
+  result vector and a copy back, is gone; its figures are in docs/benchmarks-allreduce.md.)
 - ``accumulator``: a reducer's weighted sums for its part (1/N of the vector): before,
   ``np.zeros`` per round; after, a pooled buffer (``BufferPool``); each then takes one
   ``np.multiply(..., out=)`` as the first copy of every chunk does.
@@ -38,7 +37,7 @@ import numpy as np
 from swarmavg.averaging.allreduce.buffers import BufferPool
 from swarmavg.averaging.request import check_finite
 from swarmavg.peer import shm
-from swarmavg.peer.handoff import InputCopy, copy_checked
+from swarmavg.peer.handoff import copy_checked
 from swarmavg.peer.validation import validate_arrays
 
 
@@ -65,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     accumulators = BufferPool()
     part = elements // args.peers
     chunk = np.ones(part, np.float32)
+    averages = tensors[0].copy()  # what the round writes (the inputs' own values)
 
     def client_before() -> None:
         validate_arrays(tensors)
@@ -76,18 +76,16 @@ def main(argv: list[str] | None = None) -> int:
         segment.fill(tensors)
 
     def daemon_before() -> None:
-        check_finite(inputs)
-        result = np.empty(elements, np.float32)  # the round's fresh result vector
-        np.copyto(result, inputs[0])  # the round's writes of the averages
-        daemon_side.write_results([result])
-        del result
+        copy = pool.take(elements, np.float32)
+        copy_checked(inputs, [copy])
+        np.copyto(inputs[0], copy)  # the round writes into the segment
+        daemon_side.write_results(inputs)  # a no-op: the result is already there
+        pool.give(copy)
 
     def daemon_after() -> None:
-        copy = InputCopy(inputs, pool)
-        copy_checked(inputs, copy.arrays)
-        np.copyto(inputs[0], copy.arrays[0])  # the round writes into the segment
+        check_finite(inputs)
+        np.copyto(inputs[0], averages)  # the round writes over the inputs
         daemon_side.write_results(inputs)  # a no-op: the result is already there
-        copy.release()
 
     def accumulator_before() -> None:
         acc = np.zeros(part, np.float32)

@@ -33,7 +33,6 @@ from swarmavg.peer.errors import (
     SwarmError,
     ValidationError,
 )
-from swarmavg.peer.handoff import InputCopy, copy_checked
 from swarmavg.peer.tensors import TensorAssembler, iter_bytes, layout_from_specs, specs_of
 from swarmavg.peer.validation import validate_finite, validate_key
 from swarmavg.proto import control_pb2, control_pb2_grpc
@@ -89,13 +88,13 @@ def classify(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, "internal"
 
 
-def _start_checked_copy(sources: list[np.ndarray], out: list[np.ndarray]) -> asyncio.Future[float]:
-    """Copy and check ``sources`` into ``out`` in a worker thread; the future gives the
+def _start_check(arrays: list[np.ndarray]) -> asyncio.Future[float]:
+    """Check ``arrays`` for NaN/Inf in a worker thread; the future gives the
     ``time.monotonic()`` at which it finished (or the check's error). Its exception is
     marked retrieved, so a call that failed for another reason first logs no warning."""
 
     def run() -> float:
-        copy_checked(sources, out)
+        check_finite(arrays)
         return time.monotonic()
 
     future = asyncio.ensure_future(asyncio.to_thread(run))
@@ -213,7 +212,6 @@ class ControlService(control_pb2_grpc.ControlServicer):
         cache drops the segments of exited client processes.
         """
         segment: shm.DaemonSegment | None = None
-        copy: InputCopy | None = None
         checking: asyncio.Future[float] | None = None
         shm_name = ""
         in_round = False  # failures of the round itself are counted by the daemon's backend
@@ -245,11 +243,10 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 segment = self._backend.segments.open(
                     start.shm_name, start.shm_size, start.shm_reuse
                 )
-                # The result goes straight into the segment; the round reads a checked
-                # copy of the inputs (peer/handoff.py).
+                # The round averages in the segment itself (peer/handoff.py): the inputs
+                # are read where the client wrote them, the result written over them.
                 out = segment.inputs(dtypes, shapes)
-                copy = InputCopy(out, self._backend.segments.input_buffers)
-                arrays = copy.arrays
+                arrays = out
             else:
                 assembler = TensorAssembler(dtypes, shapes)
                 while not assembler.complete:
@@ -262,9 +259,9 @@ class ControlService(control_pb2_grpc.ControlServicer):
             accepted_at = time.monotonic()
             checked_at = accepted_at
             if out is not None:
-                # The checked copy runs in a thread while matchmaking declares this peer;
-                # the round waits for it before it joins a group (Matchmaker.find_group).
-                checking = _start_checked_copy(out, arrays)
+                # The check runs in a thread while matchmaking declares this peer; the
+                # round waits for it before it joins a group (Matchmaker.find_group).
+                checking = _start_check(arrays)
             else:
                 await asyncio.to_thread(check_finite, arrays)
                 checked_at = time.monotonic()
@@ -281,8 +278,6 @@ class ControlService(control_pb2_grpc.ControlServicer):
             returned_at = time.monotonic()
             if segment is not None:
                 await asyncio.to_thread(segment.write_results, outcome.tensors)
-                if copy is not None:
-                    copy.release()  # the round is over: nothing reads the copy any more
             written_at = time.monotonic()
             outcome = dataclasses.replace(
                 outcome,

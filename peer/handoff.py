@@ -1,17 +1,25 @@
-"""The daemon's side of a shared-memory call: the inputs copied out, the result written in.
+"""The shared-memory handoff of a call: the client's checked copy in, the result in place.
 
-A client's segment is mapped in both processes, so the daemon can write the round's
-result straight into it (the client reads it from its own mapping, no copy back). But
-the round still reads its inputs after the first averages came back (a reducer may
-answer a chunk before this member sent it, and partial rounds restore local values), so
-the inputs must not live where the result is written. The daemon therefore copies them
-once, out of the segment into a reused flat buffer, and checks them for NaN/Inf in the
-same pass while each block is still in cache: one pass over the inputs (the copy) instead
-of a separate check, a fresh result buffer (page faults), and a copy of the result back
-into the segment.
+The client copies its tensors into a segment mapped in both processes and checks them for
+NaN/Inf in the same pass (:func:`copy_checked`, each block while it is still in cache).
+The daemon then averages in the segment itself: the round reads each chunk of the inputs
+where the client wrote them and writes the averages over them (``run_allreduce`` with
+``out`` being the inputs), so the client reads its result from its own mapping. The
+daemon trusts no caller, so it checks the segment once more, read-only, in a thread while
+matchmaking declares this peer; it no longer copies the inputs out (issue 21: one pass
+over S less, and S less memory per call).
 
-The copy is laid out back to back, so that tensors of the reduction dtype form one span
-that the all-reduce uses without flattening (averaging/allreduce/partition.py).
+In place is safe because the round never needs a chunk's local values after that chunk's
+average arrived: a reducer averages a chunk only once this member's copy of it arrived, or
+after dropping this member (whose later chunks it then refuses); a reply is checked whole
+before it is written; a chunk no reducer returned was never written over. What changes is
+a reducer distrusted mid-part: the chunks it returned before keep their averages
+(``run_allreduce``). A client that writes its segment while its own call runs only
+corrupts what its daemon sends, as any peer could: every member checks what it receives.
+
+Segments are laid out back to back (:func:`packed_layout`), so that tensors of the
+reduction dtype form one span that the all-reduce uses without flattening
+(averaging/allreduce/partition.py).
 """
 
 from __future__ import annotations
@@ -20,7 +28,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from swarmavg.averaging.allreduce.buffers import BufferPool
 from swarmavg.averaging.errors import InvalidTensorsError
 from swarmavg.compression.dtypes import FLOATING
 from swarmavg.compression.kernels import all_finite
@@ -72,30 +79,4 @@ def copy_checked(
                 raise InvalidTensorsError(f"tensor {index} holds {bad} NaN/Inf value(s)")
 
 
-class InputCopy:
-    """The daemon's checked copy of one call's inputs, in a buffer of ``pool``.
-
-    :meth:`release` gives the buffer back once the round that read it is over; a call
-    that ends otherwise (failed, cancelled while its round may still run) simply drops
-    it, so no later call can overwrite inputs a round is still sending.
-    """
-
-    def __init__(self, sources: Sequence[np.ndarray], pool: BufferPool) -> None:
-        """Take a buffer and lay views of ``sources``' shapes and dtypes out in it."""
-        offsets, total = packed_layout(sources)
-        self._pool = pool
-        self._buffer: np.ndarray | None = pool.take(total, np.uint8)
-        self.arrays = [
-            self._buffer[offset : offset + src.nbytes].view(src.dtype).reshape(src.shape)
-            for src, offset in zip(sources, offsets, strict=True)
-        ]
-
-    def release(self) -> None:
-        """Give the buffer back for reuse (idempotent); the arrays must be unused now."""
-        buffer, self._buffer = self._buffer, None
-        self.arrays = []
-        if buffer is not None:
-            self._pool.give(buffer)
-
-
-__all__ = ["BLOCK_BYTES", "InputCopy", "copy_checked", "packed_layout"]
+__all__ = ["BLOCK_BYTES", "copy_checked", "packed_layout"]

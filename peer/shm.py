@@ -34,7 +34,6 @@ from pathlib import Path
 
 import numpy as np
 
-from swarmavg.averaging.allreduce.buffers import BufferPool
 from swarmavg.peer.errors import ValidationError
 from swarmavg.peer.handoff import copy_checked
 
@@ -285,8 +284,6 @@ class DaemonSegmentCache:
         self.max_bytes = max_bytes
         self.per_client = per_client
         self._segments: dict[str, DaemonSegment] = {}  # insertion order = age
-        self.input_buffers = BufferPool()
-        """The daemon's checked copies of calls' inputs (peer/handoff.py), reused."""
 
     def open(self, name: str, size: int, reuse: bool) -> DaemonSegment:
         """The mapping of segment ``name``: the cached one when ``reuse``, else freshly
@@ -330,7 +327,6 @@ class DaemonSegmentCache:
     def close(self) -> None:
         for name in list(self._segments):
             self.drop(name)
-        self.input_buffers.clear()
 
     def __len__(self) -> int:
         return len(self._segments)

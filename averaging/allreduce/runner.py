@@ -17,7 +17,8 @@ round's deadline and the observed progress. A stalled or broken sender is droppe
 the reducer, whose part then averages the others; a reducer that dies or stalls leaves
 the chunks it did not return with this member's local values and ``partial=True``. The
 runner returns by ``deadline`` (plus the time to cancel its streams) and never mutates
-the caller's tensors.
+the caller's tensors, unless the caller asks for the result in place (``out`` is
+``tensors``: the daemon does, for a client's shared memory).
 
 Honest reporting (issue 17): what a member reports comes from what it observed itself,
 not from the reducers' word. A reducer that answers inconsistently (more senders than the
@@ -176,6 +177,9 @@ class _Exchange:
         self.crashed = asyncio.Event()
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.in_place = False
+        """``result`` is ``vector``'s memory: a chunk's local values are gone once its
+        average is written, so a reply is checked whole before it is written."""
         # Replies decode straight into `result` in executor threads, which outlive the
         # round's cancelled tasks: the lock lets fill_missing() wait for a decode in
         # flight, and `_sealed` keeps any later one from writing over the final result.
@@ -238,9 +242,21 @@ class _Exchange:
                 f"expected {self.layout.dtype}[{end - start}]"
             )
         base = self.plan.bounds[part][0]
+        values = self.result[base + start : base + end]
+        if self.in_place:
+            # The local values live where the average goes: decode and check the whole
+            # chunk first (codec none: a checked view of the payload, no copy), so that
+            # a bad reply leaves them as they were; then one copy that cannot fail.
+            decoded = self.codec.decode_payload(header, reply.payload).reshape(-1)
+            if not self.codec.decodes_finite and not all_finite(decoded):
+                raise ValueError("reply holds NaN or Inf")
+            with self._result_lock:
+                if self._sealed:
+                    raise ValueError("the round is over")
+                np.copyto(values, decoded)
+            return
         # Straight into the result: if this raises, the chunk stays unreceived and
         # fill_missing() puts the local values back over whatever was written.
-        values = self.result[base + start : base + end]
         with self._result_lock:
             if self._sealed:
                 raise ValueError("the round is over")
@@ -253,6 +269,8 @@ class _Exchange:
         being decoded any more and none will be."""
         with self._result_lock:
             self._sealed = True
+        if self.in_place:
+            return  # nothing overwrote the chunks no reducer returned: they are local
         for part, received in self.received.items():
             base = self.plan.bounds[part][0]
             for chunk in np.flatnonzero(~received):
@@ -423,7 +441,12 @@ class _Exchange:
 
     def _distrust(self, part: int, reason: str) -> bool:
         """Refuse everything the reducer of ``part`` returned: the whole part keeps local
-        values (``fill_missing``) and counts as not averaged. Returns ``False``."""
+        values (``fill_missing``) and counts as not averaged. Returns ``False``.
+
+        In place (:attr:`in_place`) the chunks it returned before are already written
+        over their local values, which are gone: they keep the averages, each of which
+        passed every check on its own, and only the rest of the part stays local. The
+        part still counts as distrusted and not averaged, the result as partial."""
         log.warning(
             "part %d: reducer %s answered inconsistently (%s); keeping local values",
             part,
@@ -431,7 +454,8 @@ class _Exchange:
             reason,
         )
         self.distrusted.setdefault(part, reason)
-        self.received[part][:] = False
+        if not self.in_place:
+            self.received[part][:] = False
         self.full_chunks[part] = 0
         return False
 
@@ -477,8 +501,9 @@ def _result_target(
     one span of the reduction dtype (then the result is copied into it at the end).
 
     Raises:
-        ValueError: ``out`` has another layout, is read-only or overlaps ``tensors``
-            (the round still reads the inputs after the first replies came back).
+        ValueError: ``out`` has another layout, is read-only, or overlaps ``tensors``
+            without being exactly them (the round still reads the inputs after the first
+            replies came back; in place, it reads each chunk only before its average).
     """
     if out is None:
         return None
@@ -486,9 +511,25 @@ def _result_target(
         raise ValueError("out does not have the tensors' shapes and dtypes")
     if not all(o.flags.writeable for o in out):
         raise ValueError("out is read-only")
-    if _extents_overlap(out, tensors):
+    if not _same_memory(out, tensors) and _extents_overlap(out, tensors):
         raise ValueError("out overlaps the input tensors")
     return contiguous_span(out, layout)
+
+
+def _same_memory(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> bool:
+    """Whether ``a`` and ``b`` are the same arrays of memory, pairwise (in place)."""
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype
+        and x.shape == y.shape
+        and x.strides == y.strides
+        and byte_bounds(x) == byte_bounds(y)
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def _shares_start(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two flat vectors are the same memory (the result is the inputs)."""
+    return a.size == b.size and a.size > 0 and byte_bounds(a) == byte_bounds(b)
 
 
 def _extents_overlap(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> bool:
@@ -544,7 +585,10 @@ async def run_allreduce(
             receive the result; the result's ``tensors`` are then these arrays. When they
             lie back to back in the reduction dtype (one float32 tensor, say) the replies
             are decoded straight into them: no fresh result buffer, no copy afterwards.
-            ``None``: the result goes into new arrays.
+            ``out`` may also be ``tensors`` themselves (the same memory): the round then
+            averages in place, and a chunk no reducer returned keeps its values. (A
+            reducer distrusted mid-part leaves the chunks it returned before averaged,
+            see ``_Exchange._distrust``.) ``None``: the result goes into new arrays.
 
     Returns:
         The outcome; ``partial`` when a member failed mid-round.
@@ -609,6 +653,7 @@ async def run_allreduce(
         if me.mode.sends and not checked and not all_finite(ex.vector):
             raise ValueError("tensors hold NaN or Inf")
         ex.result = target if target is not None else np.empty_like(ex.vector)
+        ex.in_place = _shares_start(ex.result, ex.vector)
 
     await offload(executor, prepare)
     t_prepared = time.monotonic()
@@ -680,7 +725,9 @@ async def run_allreduce(
         raise InjectedCrash(f"member {my_index} crashed as its fault plan says")
 
     failed = tuple(
-        j for j in range(group.size) if plan.part_size(j) > 0 and not ex.received[j].all()
+        j
+        for j in range(group.size)
+        if plan.part_size(j) > 0 and (not ex.received[j].all() or j in ex.distrusted)
     )
     if not me.mode.sends:  # AUX: only our own part is ours to report
         failed = tuple(j for j in failed if j == my_index)

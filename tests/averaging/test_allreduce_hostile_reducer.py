@@ -78,10 +78,14 @@ def _hostile_reducer(forge: Callable[[Request, int], list[bytes]]) -> Any:
     return reduce
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["out-of-place", "in-place"])
 @pytest.mark.parametrize("forgery", list(FORGERIES))
 async def test_hostile_reducer_leaves_its_part_local(
-    grpc_servers: GrpcServerPool, channels: ChannelPool, forgery: str
+    grpc_servers: GrpcServerPool, channels: ChannelPool, forgery: str, in_place: bool
 ) -> None:
+    """In place (the daemon's shared memory), a forged reply must not clobber the local
+    values it would have replaced: they are checked whole before anything is written."""
+
     def register(server: grpc.aio.Server, _: int) -> None:
         handlers = {"Reduce": reduce_method_handler(_hostile_reducer(FORGERIES[forgery]))}
         server.add_generic_rpc_handlers(
@@ -93,6 +97,8 @@ async def test_hostile_reducer_leaves_its_part_local(
     try:
         rng = np.random.default_rng(11)
         inputs = [[rng.standard_normal(9000).astype(np.float32)] for _ in range(HONEST + 1)]
+        originals = [[t.copy() for t in ts] for ts in inputs]
+        outs = [inputs[i] if in_place else None for i in range(HONEST + 1)]
         weights = [1.0, 2.0, 0.5, 1.0]
         honest_group = make_group(peers, inputs[0])
         hostile = Member(Identity.generate().peer_id, hostile_address, Mode.NODE, 1.0)
@@ -104,17 +110,26 @@ async def test_hostile_reducer_leaves_its_part_local(
         )
         started = time.monotonic()
         results = await run_group(
-            [*peers, peers[0]], group, inputs, weights, channels, timeout=20, skip=[HONEST]
+            [*peers, peers[0]],
+            group,
+            inputs,
+            weights,
+            channels,
+            timeout=20,
+            skip=[HONEST],
+            outs=outs,
         )
         assert time.monotonic() - started < 20 + 2
-        mean = weighted_mean([x[0] for x in inputs[:HONEST]], weights[:HONEST])
+        mean = weighted_mean([x[0] for x in originals[:HONEST]], weights[:HONEST])
         honest = [r for r in results if r is not None]
         assert len(honest) == HONEST
         for i, r in enumerate(honest):
             assert isinstance(r, AveragingResult), r
             assert r.partial
             assert r.failed_parts == (HONEST,)
-            out, own = r.tensors[0], inputs[i][0]
+            out, own = r.tensors[0], originals[i][0]
+            if in_place:
+                assert np.shares_memory(out, inputs[i][0])  # averaged where the inputs were
             kept = out == own  # the hostile part: this member's own values
             assert kept.sum() >= 9000 // (HONEST + 1) - 1
             np.testing.assert_allclose(out[~kept], mean[~kept], rtol=1e-5, atol=1e-6)

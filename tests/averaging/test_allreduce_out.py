@@ -126,13 +126,80 @@ async def test_out_that_overlaps_the_inputs_or_is_read_only_is_refused(
     try:
         inputs = _inputs(2, [100], seed=1)
         group = make_group(peers, inputs[0])
+        shared = np.zeros(101, np.float32)
+        inputs[0] = [shared[:100]]  # overlapping the inputs without being them
         read_only = np.zeros(100, np.float32)
         read_only.flags.writeable = False
-        for bad in ([inputs[0][0]], [read_only], [np.zeros(99, np.float32)]):
+        for bad in ([shared[1:]], [read_only], [np.zeros(99, np.float32)]):
             results = await run_group(
                 peers, group, inputs, [1.0, 1.0], channels, timeout=5.0, outs=[bad, None]
             )
             assert isinstance(results[0], ValueError), results[0]
+    finally:
+        await close_peers(peers)
+
+
+@pytest.mark.parametrize("codec", ["none", "float16", "uint8-blockwise"])
+@pytest.mark.parametrize("shape", ["single", "span", "gapped"])
+async def test_in_place_rounds_match_fresh_results(
+    grpc_servers: GrpcServerPool, channels: ChannelPool, codec: str, shape: str
+) -> None:
+    """``out`` is the inputs themselves (the daemon's shared memory): the average lands
+    where the inputs were, the same as a round into fresh arrays, bit-identical on every
+    member."""
+    n = 3
+    sizes = [7000] if shape == "single" else [3000, 1, 2500]
+    peers = await start_peers(grpc_servers, n)
+    try:
+        originals = _inputs(n, sizes, seed=6)
+        weights = [1.0, 2.0, 0.5]
+        group = make_group(peers, originals[0], codec=codec)
+        fresh = await run_group(peers, group, originals, weights, channels)
+        make = _gapped if shape == "gapped" else _one_span
+        inputs = [make(sizes) for _ in range(n)]
+        for ts, source in zip(inputs, originals, strict=True):
+            for t, s in zip(ts, source, strict=True):
+                t[...] = s
+        group = make_group(peers, originals[0], codec=codec)
+        placed = await run_group(peers, group, inputs, weights, channels, outs=inputs)
+        for i, (a, b) in enumerate(zip(fresh, placed, strict=True)):
+            assert isinstance(a, AveragingResult), a
+            assert isinstance(b, AveragingResult), b
+            assert not b.partial
+            assert [_address(t) for t in b.tensors] == [_address(t) for t in inputs[i]]
+            for x, y in zip(a.tensors, b.tensors, strict=True):
+                np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+        for other in placed[1:]:
+            assert isinstance(other, AveragingResult)
+            assert isinstance(placed[0], AveragingResult)
+            for x, y in zip(placed[0].tensors, other.tensors, strict=True):
+                assert x.tobytes() == y.tobytes()
+    finally:
+        await close_peers(peers)
+
+
+async def test_an_in_place_partial_round_keeps_local_values(
+    grpc_servers: GrpcServerPool, channels: ChannelPool
+) -> None:
+    n = 3
+    peers = await start_peers(grpc_servers, n)
+    try:
+        originals = _inputs(n, [6000], seed=10)
+        inputs = [[t.copy() for t in ts] for ts in originals]
+        group = make_group(peers, inputs[0])
+        faults = {2: FaultPlan(Fault.STOP_REDUCING, 0)}  # member 2 never reduces its part
+        results = await run_group(
+            peers, group, inputs, [1.0] * n, channels, timeout=10.0, faults=faults, outs=inputs
+        )
+        first = results[0]
+        assert isinstance(first, AveragingResult)
+        assert first.partial
+        assert 2 in first.failed_parts
+        sizes = part_sizes(group.members, 6000)
+        lo, hi = sum(sizes[:2]), sum(sizes[:3])
+        assert hi > lo
+        np.testing.assert_array_equal(inputs[0][0][lo:hi], originals[0][0][lo:hi])
+        assert not np.array_equal(inputs[0][0][:lo], originals[0][0][:lo])  # averaged
     finally:
         await close_peers(peers)
 
