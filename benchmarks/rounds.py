@@ -13,7 +13,9 @@ median of its workers (``median``); each figure is the median over ``--rounds`` 
 after one untimed warm-up round per (mode, codec). The two modes take turns round by
 round, so the machine's drifting load weighs on both alike. Then the same worker
 processes run torch gloo's ``all_reduce`` of a tensor of the same size (the reference,
-as in benchmarks/allreduce.py). Prints ONE JSON line on stdout; progress on stderr.
+as in benchmarks/allreduce.py). Each record also says what one daemon spent per round of
+its codec (``daemon_cpu_per_round``: user and system CPU, minor page faults, from
+``/proc``, warm-up rounds included). Prints ONE JSON line on stdout; progress on stderr.
 
     python benchmarks/rounds.py --peers 2,4,8 --codecs none,float16,uint8-blockwise
     python benchmarks/rounds.py --peers 4,8 --codecs none --modes given \
@@ -587,6 +589,41 @@ def gloo(swarm: Swarm, rounds: int) -> dict[str, float]:
     }
 
 
+def daemon_counters(swarm: Swarm) -> tuple[float, float, int] | None:
+    """User seconds, system seconds and minor page faults of the swarm's daemons, summed
+    (``/proc/PID/stat``); ``None`` where there is no ``/proc``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    user = system = 0.0
+    faults = 0
+    try:
+        for daemon in swarm.daemons:
+            stat = Path(f"/proc/{daemon.proc.pid}/stat").read_text()
+            fields = stat.rsplit(")", 1)[1].split()  # from field 3 (state) on
+            faults += int(fields[7])  # minflt
+            user += int(fields[11]) / tick
+            system += int(fields[12]) / tick
+    except (OSError, ValueError, IndexError):
+        return None
+    return user, system, faults
+
+
+def per_round(
+    before: tuple[float, float, int] | None,
+    after: tuple[float, float, int] | None,
+    rounds: int,
+    daemons: int,
+) -> dict[str, float] | None:
+    """What one daemon spent per round on average, between two ``daemon_counters``."""
+    if before is None or after is None or rounds <= 0:
+        return None
+    scale = rounds * daemons
+    return {
+        "user_ms": round(1e3 * (after[0] - before[0]) / scale, 1),
+        "system_ms": round(1e3 * (after[1] - before[1]) / scale, 1),
+        "minor_faults": round((after[2] - before[2]) / scale),
+    }
+
+
 def bench_peers(
     n: int, args: argparse.Namespace, workdir: Path, results: list[dict[str, Any]]
 ) -> None:
@@ -606,6 +643,7 @@ def bench_peers(
             families = [(a, m) for a in aggregations for m in modes]
             measured: dict[tuple[str, str], list[dict[str, Any]]] = {f: [] for f in families}
             warmups: dict[tuple[str, str], dict[str, Any]] = {}
+            counters = daemon_counters(swarm)
             for r in range(args.rounds + 1):  # round 0 warms up each (rule, mode) family
                 # The families take turns going first, so none always runs right after
                 # another's checks.
@@ -625,6 +663,10 @@ def bench_peers(
                         warmups[(aggregation, mode)] = outcome
                     else:
                         measured[(aggregation, mode)].append(outcome)
+            # Every round of this codec, warm-ups included; the daemons are idle between them.
+            spent = per_round(
+                counters, daemon_counters(swarm), (args.rounds + 1) * len(families), n
+            )
             for aggregation in aggregations:
                 figures = {
                     m: summarize(
@@ -633,6 +675,7 @@ def bench_peers(
                     for m in modes
                 }
                 record = {"peers": n, "codec": codec, "aggregation": aggregation, **figures}
+                record["daemon_cpu_per_round"] = spent
                 if aggregation != aggregations[0]:
                     first = measured[(aggregations[0], next(iter(modes)))]
                     this = measured[(aggregation, next(iter(modes)))]
