@@ -383,6 +383,10 @@ class SwarmLink:
         previous state still advertised: every download that names another provenance,
         finds nothing, or fails is retried after a capped, jittered pause until the
         deadline. Content addressing makes a retry of an unchanged state cost no chunks.
+        A state of a later epoch ends the repair at once: a download returns the freshest
+        state, so the one of ``expected.epoch`` will not be served again (the holders
+        stepped on without this member); waiting out ``state_timeout`` would only stall
+        the training loop before the next round, which repairs or catches up anyway.
         """
         deadline = time.monotonic() + self.state_timeout
         pause = REPAIR_RETRY_FIRST
@@ -405,6 +409,8 @@ class SwarmLink:
                     self.stats.states_loaded += 1
                     return state, ""
                 why = f"the freshest state is of epoch {state.epoch}, provenance {found}"
+                if state.epoch > expected.epoch:
+                    return None, f"{why}: the holders moved on"
             log.debug("repair download: %s; retrying", why)
             time.sleep(min(pause * random.uniform(0.5, 1.0), max(0.0, deadline - time.monotonic())))
             pause = min(pause * 2, REPAIR_RETRY_MAX)

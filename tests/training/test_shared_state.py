@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from swarmavg.averaging.optim import CollaborativeOptimizer, DiLoCo, SwarmRoundWarning  # noqa: E402
+from swarmavg.averaging.training.consensus import Provenance  # noqa: E402
 from swarmavg.peer.errors import NoGroupError  # noqa: E402
 from tests.training.helpers import (  # noqa: E402
     linear_model,
@@ -75,10 +76,41 @@ def test_one_member_off_repairs_from_the_holders(delay_updates: bool) -> None:
     for a, b in zip(momentum(peers[0][1]), momentum(peers[2][1]), strict=True):
         assert torch.equal(a, b)
     c = peers[2][1].stats
+    assert c.diverged >= 1
+    assert all(o.stats.diverged == 0 for _, o in peers[:2])
+    if c.repair_failures:
+        # a and b stepped on without c before its download came (they may group without
+        # it); the repair ended at once instead of waiting out state_timeout, and a later
+        # round (repair or catch-up) made c one with them again
+        assert "moved on" in c.last_repair_error
+        return
     assert (c.diverged, c.repairs, c.repair_failures) == (1, 1, 0)
     assert c.repair_seconds > 0
     assert [o.stats.served for _, o in peers] == [1, 1, 0]
-    assert all(o.stats.diverged == 0 for _, o in peers[:2])
+
+
+def test_a_repair_ends_at_once_when_the_holders_moved_on() -> None:
+    """The download gives the freshest state: once it is of a later epoch than the one
+    repaired to, that state will not be served again, and the repair stops trying."""
+    swarm = MemorySwarm()
+    peers = [make_peer(swarm, n, state_timeout=30.0) for n in "ab"]
+    for _, o in peers:
+        o.tracker.target_batch_size = 8
+    train_all(peers, 2)  # type: ignore[arg-type]
+    opt = peers[1][1]
+    calls: list[float] = []
+    load = opt.link.client.load_state
+
+    def counted(timeout: float = 60.0) -> object:
+        calls.append(timeout)
+        return load(timeout)
+
+    opt.link.client.load_state = counted  # type: ignore[method-assign]
+    state, why = opt.link.load_round_state(opt.KIND, opt.params, Provenance(1, b"\0" * 32, "g"))
+    assert state is None
+    assert "epoch 2" in why
+    assert "moved on" in why
+    assert len(calls) == 1  # no retry
 
 
 def test_two_off_of_five_repair_and_a_tie_is_broken_the_same_everywhere() -> None:
