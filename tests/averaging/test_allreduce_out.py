@@ -129,6 +129,26 @@ async def test_a_partial_round_keeps_local_values_in_out(
         await close_peers(peers)
 
 
+async def test_out_that_overlaps_the_inputs_or_is_read_only_is_refused(
+    grpc_servers: GrpcServerPool, channels: ChannelPool
+) -> None:
+    peers = await start_peers(grpc_servers, 2)
+    try:
+        inputs = _inputs(2, [100], seed=1)
+        group = make_group(peers, inputs[0])
+        shared = np.zeros(101, np.float32)
+        inputs[0] = [shared[:100]]  # overlapping the inputs without being them
+        read_only = np.zeros(100, np.float32)
+        read_only.flags.writeable = False
+        for bad in ([shared[1:]], [read_only], [np.zeros(99, np.float32)]):
+            results = await run_group(
+                peers, group, inputs, [1.0, 1.0], channels, timeout=5.0, outs=[bad, None]
+            )
+            assert isinstance(results[0], ValueError), results[0]
+    finally:
+        await close_peers(peers)
+
+
 @pytest.mark.parametrize("codec", ["none", "float16", "uint8-blockwise"])
 @pytest.mark.parametrize("shape", ["single", "span", "gapped"])
 async def test_in_place_rounds_match_fresh_results(
