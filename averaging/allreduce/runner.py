@@ -527,8 +527,8 @@ def _same_memory(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> bool:
     )
 
 
-def _shares_start(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether two flat vectors are the same memory (the result is the inputs)."""
+def _same_vector(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two flat vectors span the same memory (the result is the inputs)."""
     return a.size == b.size and a.size > 0 and byte_bounds(a) == byte_bounds(b)
 
 
@@ -653,7 +653,7 @@ async def run_allreduce(
         if me.mode.sends and not checked and not all_finite(ex.vector):
             raise ValueError("tensors hold NaN or Inf")
         ex.result = target if target is not None else np.empty_like(ex.vector)
-        ex.in_place = _shares_start(ex.result, ex.vector)
+        ex.in_place = _same_vector(ex.result, ex.vector)
 
     await offload(executor, prepare)
     t_prepared = time.monotonic()
