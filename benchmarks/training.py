@@ -125,13 +125,20 @@ def total_steps(n_train: int, data_epochs: int) -> int:
     return data_epochs * (n_train // GLOBAL_BATCH)
 
 
+_MODEL_INIT = threading.Lock()
+"""Held while a model is seeded and built: torch's default generator is one per process,
+so trainers in threads (tests, benchmarks/byzantine.py) that seed and build at once would
+draw each other's numbers and start from different parameters."""
+
+
 def make_model(seed: int = 0) -> Any:
     import torch
 
-    torch.manual_seed(seed)  # every peer of a run starts from the same parameters
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, 10)
-    )
+    with _MODEL_INIT:
+        torch.manual_seed(seed)  # every peer of a run starts from the same parameters
+        return torch.nn.Sequential(
+            torch.nn.Linear(64, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, 10)
+        )
 
 
 def cosine_lr(step: int, total: int, base: float = LR) -> float:

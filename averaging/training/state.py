@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 FORMAT = "swarmavg.training-state.v1"
 MAX_METADATA_BYTES = 16 << 20
+RUN_EXTRA = "run"
+"""The key of ``TrainingState.extra`` that names the training run which published it."""
 
 
 class StateFormatError(ValueError):
@@ -48,6 +50,11 @@ class TrainingState:
     params: list[torch.Tensor]
     optimizers: dict[str, dict[str, Any]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def training_run(self) -> str | None:
+        """The training run that published this state; None when it does not say."""
+        run = self.extra.get(RUN_EXTRA)
+        return run if isinstance(run, str) else None
 
 
 def pack_state(state: TrainingState) -> tuple[dict[str, Any], list[np.ndarray]]:
@@ -207,4 +214,4 @@ def _hashable(key: Any) -> Any:
     raise StateFormatError(f"state metadata has an unusable map key of type {type(key).__name__}")
 
 
-__all__ = ["FORMAT", "StateFormatError", "TrainingState", "pack_state", "unpack_state"]
+__all__ = ["FORMAT", "RUN_EXTRA", "StateFormatError", "TrainingState", "pack_state", "unpack_state"]

@@ -370,6 +370,9 @@ class SwarmLink:
         except StateFormatError as exc:
             log.warning("ignoring the swarm's state: %s", exc)
             return None
+        if (run := state.training_run()) not in (None, self.run_id):
+            log.warning("ignoring the swarm's state: it is training run %r's", run)
+            return None
         self.stats.states_loaded += 1
         return state
 
@@ -383,10 +386,11 @@ class SwarmLink:
         previous state still advertised: every download that names another provenance,
         finds nothing, or fails is retried after a capped, jittered pause until the
         deadline. Content addressing makes a retry of an unchanged state cost no chunks.
-        A state of a later epoch ends the repair at once: a download returns the freshest
-        state, so the one of ``expected.epoch`` will not be served again (the holders
-        stepped on without this member); waiting out ``state_timeout`` would only stall
-        the training loop before the next round, which repairs or catches up anyway.
+        A state of this training run and a later epoch ends the repair at once: a download
+        returns the freshest state, so the one of ``expected.epoch`` will not be served
+        again (the holders stepped on without this member); waiting out ``state_timeout``
+        would only stall the training loop before the next round, which repairs or catches
+        up anyway. Another run's state on the same daemons is only not yet replaced.
         """
         deadline = time.monotonic() + self.state_timeout
         pause = REPAIR_RETRY_FIRST
@@ -408,8 +412,11 @@ class SwarmLink:
                 if found == expected and state.epoch == expected.epoch:
                     self.stats.states_loaded += 1
                     return state, ""
+                run = state.training_run()
                 why = f"the freshest state is of epoch {state.epoch}, provenance {found}"
-                if state.epoch > expected.epoch:
+                if run != self.run_id:
+                    why = f"the freshest state is training run {run!r}'s"
+                elif state.epoch > expected.epoch:
                     return None, f"{why}: the holders moved on"
             log.debug("repair download: %s; retrying", why)
             time.sleep(min(pause * random.uniform(0.5, 1.0), max(0.0, deadline - time.monotonic())))

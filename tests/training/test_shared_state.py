@@ -28,12 +28,12 @@ LR = 0.1
 
 
 def make_peer(
-    swarm: MemorySwarm, name: str, **kwargs: object
+    swarm: MemorySwarm, name: str, run_id: str = "run", **kwargs: object
 ) -> tuple[torch.nn.Module, CollaborativeOptimizer]:
     model = linear_model()
     options: dict[str, object] = {"averaging_timeout": 10.0, **kwargs}
     opt = sgd_collaborative(
-        model, swarm.client(name), run_id="run", target_batch_size=4 * 3, lr=LR, **options
+        model, swarm.client(name), run_id=run_id, target_batch_size=4 * 3, lr=LR, **options
     )
     return model, opt
 
@@ -111,6 +111,32 @@ def test_a_repair_ends_at_once_when_the_holders_moved_on() -> None:
     assert "epoch 2" in why
     assert "moved on" in why
     assert len(calls) == 1  # no retry
+
+
+def test_another_runs_state_on_the_same_daemons_is_neither_repair_nor_catch_up() -> None:
+    """Daemons serve one state each, whichever training run published it last. A later
+    epoch of another run must not end a repair as "the holders moved on" (the holders of
+    this run have only not published yet), nor be loaded to catch up."""
+    swarm = MemorySwarm()
+    earlier = [make_peer(swarm, n, run_id="earlier") for n in "xy"]
+    for _, o in earlier:
+        o.tracker.target_batch_size = 8
+    train_all(earlier, 3)
+    _, opt = make_peer(swarm, "a", state_timeout=0.5)
+    calls: list[float] = []
+    load = opt.link.client.load_state
+
+    def counted(timeout: float = 60.0) -> object:
+        calls.append(timeout)
+        return load(timeout)
+
+    opt.link.client.load_state = counted  # type: ignore[method-assign]
+    state, why = opt.link.load_round_state(opt.KIND, opt.params, Provenance(1, b"\0" * 32, "g"))
+    assert state is None
+    assert "training run 'earlier'" in why
+    assert len(calls) > 1  # retried until state_timeout
+    assert opt.link.load(opt.KIND, opt.params) is None
+    assert opt.link.stats.states_loaded == 0
 
 
 def test_two_off_of_five_repair_and_a_tie_is_broken_the_same_everywhere() -> None:

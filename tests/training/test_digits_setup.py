@@ -1,0 +1,35 @@
+"""The digits benchmark's setup, which the Byzantine test trains with from threads."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from benchmarks.training import make_model  # noqa: E402
+
+
+@pytest.mark.timeout(60)
+def test_models_built_in_threads_at_once_start_from_the_same_parameters() -> None:
+    """torch's default generator is shared by a process's threads: trainers that seed and
+    build at the same moment must still get the seed's parameters (the swarm would
+    otherwise repair three of four members at the first round)."""
+    reference = [p.detach().clone() for p in make_model(0).parameters()]
+    start = threading.Barrier(8)
+    built: list[list[torch.Tensor]] = []
+
+    def build() -> None:
+        start.wait(timeout=30)
+        for _ in range(20):
+            built.append([p.detach().clone() for p in make_model(0).parameters()])
+
+    threads = [threading.Thread(target=build) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(built) == 160
+    for params in built:
+        assert all(torch.equal(p, q) for p, q in zip(params, reference, strict=True))
