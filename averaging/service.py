@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from swarmavg.averaging.allreduce.service import AllReduceService
-from swarmavg.averaging.allreduce.wire import Request, deserialize_request, pass_bytes
+from swarmavg.averaging.allreduce.wire import Request, deserialize_request, serialize_pieces
 from swarmavg.averaging.matchmaking.matchmaker import Matchmaker
 from swarmavg.averaging.state.sharer import StateSharer
 from swarmavg.dht.ranges import grpc_peer_host, limited_range
@@ -87,9 +87,10 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
 def reduce_method_handler(
     behavior: Callable[[AsyncIterator[Request], grpc.aio.ServicerContext[Any, Any]], Any],
 ) -> grpc.RpcMethodHandler:
-    """The ``Reduce`` handler: requests scanned in place, replies sent as prebuilt bytes."""
+    """The ``Reduce`` handler: requests scanned in place, replies joined from their
+    prebuilt wire pieces."""
     return grpc.stream_stream_rpc_method_handler(
-        behavior, request_deserializer=deserialize_request, response_serializer=pass_bytes
+        behavior, request_deserializer=deserialize_request, response_serializer=serialize_pieces
     )
 
 

@@ -60,7 +60,12 @@ from swarmavg.averaging.allreduce.congestion import (
     set_congestion_control,
 )
 from swarmavg.averaging.allreduce.round import ReduceContext
-from swarmavg.averaging.allreduce.wire import Request, deserialize_reply, deserialize_request
+from swarmavg.averaging.allreduce.wire import (
+    OutgoingChunk,
+    Request,
+    deserialize_reply,
+    deserialize_request,
+)
 from swarmavg.dht.tasks import TaskSet
 from swarmavg.dht.tls import (
     HANDSHAKE_TIMEOUT,
@@ -671,8 +676,8 @@ class _ServerStream:
             first = False
             yield request
 
-    async def write(self, message: bytes) -> None:
-        self._protocol.send(MSG, (message,))
+    async def write(self, message: OutgoingChunk) -> None:
+        self._protocol.send(MSG, message.pieces)  # no join: the socket takes pieces
         async with asyncio.timeout(self._write_timeout):  # a sender that stops reading
             await self._protocol.drain()
 

@@ -27,7 +27,7 @@ from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.allreduce.faults import FaultPlan, InjectedFault
 from swarmavg.averaging.allreduce.partition import PartPlan
 from swarmavg.averaging.allreduce.reducer import ContributionError, PartReducer
-from swarmavg.averaging.allreduce.wire import Request, encode_response
+from swarmavg.averaging.allreduce.wire import OutgoingChunk, Request, encode_response
 from swarmavg.averaging.group import GroupInfo
 from swarmavg.averaging.stalled import abort_stalled
 from swarmavg.compression import Codec, CodecInfo
@@ -50,10 +50,11 @@ class Abort:
 
 @dataclass
 class _Stream:
-    """One attached sender's outbound queue (reply wire bytes, then ``None`` or an abort)."""
+    """One attached sender's outbound queue (replies as wire pieces, then ``None`` or an
+    abort)."""
 
     sender: int
-    queue: asyncio.Queue[bytes | Abort | None] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[OutgoingChunk | Abort | None] = field(default_factory=asyncio.Queue)
     done: bool = False
     backlog: int = 0
     """Bytes of replies queued and not yet taken by the transport."""
@@ -61,12 +62,12 @@ class _Stream:
     """The sender fell :attr:`AllReduceConfig.max_reply_backlog` behind: nothing more is
     queued for it."""
 
-    def put_reply(self, reply: bytes, limit: int) -> bool:
+    def put_reply(self, reply: OutgoingChunk, limit: int) -> bool:
         """Queue ``reply``, or cut the stream when that would exceed ``limit`` bytes
         (freeing what was queued); return whether it was queued."""
         if self.cut:
             return False
-        if self.backlog + len(reply) > limit:
+        if self.backlog + reply.nbytes > limit:
             self.cut = True
             while not self.queue.empty():
                 self.queue.get_nowait()
@@ -75,7 +76,7 @@ class _Stream:
                 Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "sender does not read its replies")
             )
             return False
-        self.backlog += len(reply)
+        self.backlog += reply.nbytes
         self.queue.put_nowait(reply)
         return True
 
@@ -84,7 +85,7 @@ class ReduceContext(Protocol):
     """What a ``Reduce`` handler needs of its stream: gRPC's servicer context, or the
     data plane's stream (:mod:`~swarmavg.averaging.allreduce.data_plane`)."""
 
-    async def write(self, message: bytes) -> None: ...
+    async def write(self, message: OutgoingChunk) -> None: ...
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn: ...
 
@@ -126,8 +127,8 @@ def encode_result(
     contributors: int,
     adjusted: int = 0,
     weights_clipped: int = 0,
-) -> tuple[bytes, np.ndarray]:
-    """Encode an averaged chunk once; return the reply's wire bytes and its decoded values.
+) -> tuple[OutgoingChunk, np.ndarray]:
+    """Encode an averaged chunk once; return the reply's wire pieces and its decoded values.
 
     The reducer keeps the values decoded from the very payload the senders receive, so
     every member ends bit-identical (decoding is deterministic).
@@ -311,7 +312,7 @@ class ReducerRound:
                     if stream.cut:
                         self.drop(sender, item.details)
                     await abort_stream(context, item.code, item.details)
-                stream.backlog -= len(item)
+                stream.backlog -= item.nbytes
                 try:
                     # Neither gRPC's context.write nor a socket has a deadline of its own:
                     # a sender that stops reading would hold this stream, and the round's
@@ -378,7 +379,7 @@ class ReducerRound:
 
     def _encode_result(
         self, chunk: int, values: np.ndarray, contributors: int, adjusted: int
-    ) -> tuple[bytes, np.ndarray]:
+    ) -> tuple[OutgoingChunk, np.ndarray]:
         start, end = self.plan.bounds[self.my_index]
         chunk_start, chunk_end = self.plan.chunk_bounds(self.my_index, chunk)
         # One stable key per chunk of the tensors' flat layout: a stateful codec adds each
@@ -403,7 +404,7 @@ class ReducerRound:
 
     def _combine_and_encode(
         self, chunk: int, contributors: int
-    ) -> tuple[bytes, np.ndarray | None, int]:
+    ) -> tuple[OutgoingChunk, np.ndarray | None, int]:
         """A robust rule's combination of a final chunk, then its encoding (one worker)."""
         values, adjusted = self.reducer.aggregate(chunk)
         if values is None:
@@ -411,8 +412,8 @@ class ReducerRound:
         response, decoded = self._encode_result(chunk, values, contributors, adjusted)
         return response, decoded, adjusted
 
-    async def _reply_for(self, chunk: int) -> bytes:
-        """The reply bytes of a final chunk; hands its decoded values to ``on_result``."""
+    async def _reply_for(self, chunk: int) -> OutgoingChunk:
+        """The reply to a final chunk; hands its decoded values to ``on_result``."""
         contributors = self.reducer.contributors(chunk)
         decoded: np.ndarray | None
         try:
@@ -456,7 +457,7 @@ class ReducerRound:
             limit = self.config.max_reply_backlog
             for stream in self.streams.values():
                 if stream.put_reply(response, limit):
-                    self.bytes_sent += len(response)
+                    self.bytes_sent += response.nbytes
             self.returned += 1
         self._all_returned.set()
         for stream in self.streams.values():

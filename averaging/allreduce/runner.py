@@ -72,7 +72,7 @@ from swarmavg.averaging.allreduce.wire import (
     Reply,
     encode_request,
     reduce_digest,
-    serialize_request,
+    serialize_pieces,
 )
 from swarmavg.averaging.group import GroupInfo, schema_hash
 from swarmavg.averaging.result import AveragingResult
@@ -313,7 +313,7 @@ class _Exchange:
             if isinstance(call, DataCall):
                 await call.write_pieces(request.pieces)  # no join: the socket takes pieces
             else:
-                await call.write(serialize_request(request))
+                await call.write(serialize_pieces(request))
             self.bytes_sent += request.nbytes
         await call.done_writing()
 

@@ -5,8 +5,9 @@ times (into bytes, into the chunk, into the request) before gRPC serialises it a
 time; parsing one copies it twice more. Both ends of the stream therefore write the same
 protobuf wire bytes directly (the small fields are serialised by protobuf, the payload
 is appended once) and scan inbound messages in place: the payload reaches the codec as a
-``memoryview`` of the received bytes. The reducer encodes each averaged chunk into reply
-bytes once and writes the same bytes to every sender.
+``memoryview`` of the received bytes. Outbound messages stay wire pieces (the small head,
+the payload) that the data plane hands the socket as they are and gRPC joins: the reducer
+encodes each averaged chunk once and writes the same pieces to every sender.
 
 The bytes on the wire are ordinary ``ReduceRequest``/``ReduceResponse`` messages
 (fields may appear in any order in protobuf), so any protobuf implementation talks to
@@ -63,7 +64,8 @@ def _tag(field: int, wire_type: int) -> bytes:
 
 @dataclass(frozen=True)
 class OutgoingChunk:
-    """One ``ReduceRequest`` as wire pieces; :func:`serialize_request` joins them."""
+    """One ``ReduceRequest`` or ``ReduceResponse`` as wire pieces (the payload is not
+    copied); :func:`serialize_pieces` joins them, for gRPC."""
 
     pieces: tuple[bytes | memoryview, ...]
     nbytes: int
@@ -116,8 +118,8 @@ def encode_response(
     num_senders: int,
     num_adjusted: int = 0,
     weights_clipped: int = 0,
-) -> bytes:
-    """The wire bytes of a ``ReduceResponse`` (one copy of the payload).
+) -> OutgoingChunk:
+    """A ``ReduceResponse`` as wire pieces (no copy of the payload).
 
     ``encoded`` is ``None`` for a chunk that nobody delivered (``num_senders`` 0).
     ``num_adjusted``: inputs of this chunk the robust aggregation rejected, clipped or
@@ -131,21 +133,19 @@ def encode_response(
         weights_clipped=weights_clipped,
     ).SerializeToString()
     if encoded is None:
-        return head
+        return OutgoingChunk((head,), len(head))
     chunk_head, payload = _chunk_head(encoded)
-    return b"".join(
-        (
-            head,
-            _tag(_RESPONSE_CHUNK_FIELD, _LEN),
-            _varint(len(chunk_head) + len(payload)),
-            chunk_head,
-            payload,
-        )
+    head = (
+        head
+        + _tag(_RESPONSE_CHUNK_FIELD, _LEN)
+        + _varint(len(chunk_head) + len(payload))
+        + chunk_head
     )
+    return OutgoingChunk((head, payload), len(head) + len(payload))
 
 
-def serialize_request(message: OutgoingChunk) -> bytes:
-    """gRPC request serializer for :class:`OutgoingChunk` (one copy of the payload)."""
+def serialize_pieces(message: OutgoingChunk) -> bytes:
+    """gRPC serializer for :class:`OutgoingChunk` (one copy of the payload)."""
     return b"".join(message.pieces)
 
 

@@ -16,7 +16,12 @@ import numpy as np
 import pytest
 
 from swarmavg.averaging.allreduce.reducer import weighted_mean
-from swarmavg.averaging.allreduce.wire import Request, encode_response
+from swarmavg.averaging.allreduce.wire import (
+    OutgoingChunk,
+    Request,
+    encode_response,
+    serialize_pieces,
+)
 from swarmavg.averaging.group import GroupInfo, Member, Mode
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.averaging.service import reduce_method_handler
@@ -33,7 +38,9 @@ CODEC = get_codec("none")
 
 
 def _encoded(values: np.ndarray, index: int, senders: int = HONEST) -> bytes:
-    return encode_response(CODEC.encode_payload(values, CodecInfo()), index, senders)
+    return serialize_pieces(
+        encode_response(CODEC.encode_payload(values, CodecInfo()), index, senders)
+    )
 
 
 def _nan(request: Request, size: int) -> list[bytes]:
@@ -73,7 +80,7 @@ def _hostile_reducer(forge: Callable[[Request, int], list[bytes]]) -> Any:
             if request.chunk is None:
                 continue
             for reply in forge(request, request.chunk.size):
-                await context.write(reply)
+                await context.write(OutgoingChunk((reply,), len(reply)))
 
     return reduce
 

@@ -12,7 +12,7 @@ from swarmavg.averaging.allreduce.wire import (
     deserialize_request,
     encode_request,
     encode_response,
-    serialize_request,
+    serialize_pieces,
 )
 from swarmavg.compression import CodecInfo, get_codec
 from swarmavg.dht import Identity
@@ -33,7 +33,7 @@ def test_request_bytes_parse_as_reduce_request(codec_name: str, first: bool) -> 
             part_index=3,
             weight=2.5,
         )
-    wire = serialize_request(encode_request(encoded, 7, naming))
+    wire = serialize_pieces(encode_request(encoded, 7, naming))
     parsed = averaging_pb2.ReduceRequest.FromString(wire)
     assert parsed.chunk_index == 7
     assert parsed.chunk == codec.encode(values, CodecInfo())
@@ -142,11 +142,14 @@ def test_request_without_chunk_and_lying_requests() -> None:
 def test_response_bytes_parse_as_reduce_response(codec_name: str) -> None:
     codec = get_codec(codec_name)
     values = np.random.default_rng(3).standard_normal(3000).astype(np.float32)
-    wire = encode_response(codec.encode_payload(values, CodecInfo()), 11, 4)
+    reply = encode_response(codec.encode_payload(values, CodecInfo()), 11, 4)
+    assert isinstance(reply.pieces[-1], memoryview)  # the payload, not a copy of it
+    wire = serialize_pieces(reply)
+    assert len(wire) == reply.nbytes
     parsed = averaging_pb2.ReduceResponse.FromString(wire)
     assert (parsed.chunk_index, parsed.num_senders) == (11, 4)
     assert parsed.chunk == codec.encode(values, CodecInfo())
-    empty = averaging_pb2.ReduceResponse.FromString(encode_response(None, 2, 0))
+    empty = averaging_pb2.ReduceResponse.FromString(serialize_pieces(encode_response(None, 2, 0)))
     assert (empty.chunk_index, empty.num_senders, empty.HasField("chunk")) == (2, 0, False)
 
 
