@@ -89,6 +89,22 @@ def test_one_member_off_repairs_from_the_holders(delay_updates: bool) -> None:
     assert [o.stats.served for _, o in peers] == [1, 1, 0]
 
 
+def repair_to_epoch_1(opt: CollaborativeOptimizer) -> tuple[object, str, int]:
+    """``opt``'s repair to a state of epoch 1 (a provenance nobody published): the state,
+    why it failed, and how many downloads it made."""
+    downloads = 0
+    load = opt.link.client.load_state
+
+    def counted(timeout: float = 60.0) -> object:
+        nonlocal downloads
+        downloads += 1
+        return load(timeout)
+
+    opt.link.client.load_state = counted  # type: ignore[method-assign]
+    state, why = opt.link.load_round_state(opt.KIND, opt.params, Provenance(1, b"\0" * 32, "g"))
+    return state, why, downloads
+
+
 def test_a_repair_ends_at_once_when_the_holders_moved_on() -> None:
     """The download gives the freshest state: once it is of a later epoch than the one
     repaired to, that state will not be served again, and the repair stops trying."""
@@ -97,20 +113,11 @@ def test_a_repair_ends_at_once_when_the_holders_moved_on() -> None:
     for _, o in peers:
         o.tracker.target_batch_size = 8
     train_all(peers, 2)  # type: ignore[arg-type]
-    opt = peers[1][1]
-    calls: list[float] = []
-    load = opt.link.client.load_state
-
-    def counted(timeout: float = 60.0) -> object:
-        calls.append(timeout)
-        return load(timeout)
-
-    opt.link.client.load_state = counted  # type: ignore[method-assign]
-    state, why = opt.link.load_round_state(opt.KIND, opt.params, Provenance(1, b"\0" * 32, "g"))
+    state, why, downloads = repair_to_epoch_1(peers[1][1])
     assert state is None
     assert "epoch 2" in why
     assert "moved on" in why
-    assert len(calls) == 1  # no retry
+    assert downloads == 1  # no retry
 
 
 def test_another_runs_state_on_the_same_daemons_is_neither_repair_nor_catch_up() -> None:
@@ -123,18 +130,10 @@ def test_another_runs_state_on_the_same_daemons_is_neither_repair_nor_catch_up()
         o.tracker.target_batch_size = 8
     train_all(earlier, 3)
     _, opt = make_peer(swarm, "a", state_timeout=0.5)
-    calls: list[float] = []
-    load = opt.link.client.load_state
-
-    def counted(timeout: float = 60.0) -> object:
-        calls.append(timeout)
-        return load(timeout)
-
-    opt.link.client.load_state = counted  # type: ignore[method-assign]
-    state, why = opt.link.load_round_state(opt.KIND, opt.params, Provenance(1, b"\0" * 32, "g"))
+    state, why, downloads = repair_to_epoch_1(opt)
     assert state is None
     assert "training run 'earlier'" in why
-    assert len(calls) > 1  # retried until state_timeout
+    assert downloads > 1  # retried until state_timeout
     assert opt.link.load(opt.KIND, opt.params) is None
     assert opt.link.stats.states_loaded == 0
 
