@@ -44,7 +44,7 @@ from swarmavg.averaging.training.background import LatestWork
 from swarmavg.averaging.training.consensus import Provenance, Role, Verdict, judge
 from swarmavg.averaging.training.local_group import LocalGroup, LocalGroupError, outcome_timeout
 from swarmavg.averaging.training.progress import GlobalProgress, ProgressTracker
-from swarmavg.averaging.training.state import RUN_EXTRA, TrainingState, pack_state
+from swarmavg.averaging.training.state import TrainingState, pack_state
 from swarmavg.averaging.training.swarm import (
     RoundResultLike,
     RoundStats,
@@ -333,9 +333,6 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         if not (scheduled or serve):
             return
         state = self._training_state(epoch)
-        # Daemons serve one state each, whatever training run published it: the run's
-        # name lets a member tell this run's state from another's on the same daemons.
-        state.extra[RUN_EXTRA] = self.link.run_id
         if self._provenance is not None and self._provenance.epoch == epoch:
             state.extra["provenance"] = self._provenance.to_extra()
         metadata, arrays = pack_state(state)  # a snapshot: training goes on meanwhile

@@ -31,6 +31,7 @@ from swarmavg.averaging.training.consensus import Provenance
 from swarmavg.averaging.training.no_shows import NoShows
 from swarmavg.averaging.training.progress import DHTLike
 from swarmavg.averaging.training.state import (
+    RUN_EXTRA,
     StateFormatError,
     TrainingState,
     pack_state,
@@ -336,7 +337,14 @@ class SwarmLink:
 
     def publish_packed(self, metadata: dict[str, Any], arrays: list[np.ndarray]) -> bool:
         """:meth:`publish` of a state :func:`~swarmavg.averaging.training.state.pack_state`
-        already flattened (a snapshot: the arrays are copies), from any thread."""
+        already flattened (a snapshot: the arrays are copies), from any thread.
+
+        The state is stamped with this link's training run: a daemon serves one state,
+        whichever run published it, and :meth:`load` and :meth:`load_round_state` tell
+        this run's from another's by it.
+        """
+        extra = metadata.get("extra")
+        metadata = {**metadata, "extra": {**(extra or {}), RUN_EXTRA: self.run_id}}
         try:
             self.client.publish_state(arrays, metadata)
         except _validation_errors():
@@ -413,11 +421,12 @@ class SwarmLink:
                     self.stats.states_loaded += 1
                     return state, ""
                 run = state.training_run()
-                why = f"the freshest state is of epoch {state.epoch}, provenance {found}"
                 if run != self.run_id:
                     why = f"the freshest state is training run {run!r}'s"
-                elif state.epoch > expected.epoch:
-                    return None, f"{why}: the holders moved on"
+                else:
+                    why = f"the freshest state is of epoch {state.epoch}, provenance {found}"
+                    if state.epoch > expected.epoch:
+                        return None, f"{why}: the holders moved on"
             log.debug("repair download: %s; retrying", why)
             time.sleep(min(pause * random.uniform(0.5, 1.0), max(0.0, deadline - time.monotonic())))
             pause = min(pause * 2, REPAIR_RETRY_MAX)
