@@ -31,7 +31,7 @@ import numpy as np
 from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.allreduce.data_plane import DataConnector, split_host
 from swarmavg.averaging.allreduce.faults import FaultPlan
-from swarmavg.averaging.allreduce.runner import run_allreduce
+from swarmavg.averaging.allreduce.runner import FiniteCheck, run_allreduce
 from swarmavg.averaging.allreduce.service import AllReduceService
 from swarmavg.averaging.allreduce.throughput import ThroughputEstimator
 from swarmavg.averaging.errors import AveragingError, InvalidRequestError, NoGroupError
@@ -310,18 +310,24 @@ class Averager:
         *,
         out: Sequence[np.ndarray] | None = None,
         inputs_ready: Awaitable[object] | None = None,
+        checked_by_client: bool = False,
     ) -> AveragingResult:
         """Run one round for a checked request: matchmaking, then the all-reduce.
 
         Args:
             arrays: tensors that passed :func:`~swarmavg.averaging.request.check_tensors`
-                and :func:`~swarmavg.averaging.request.check_finite` (not checked again).
+                and :func:`~swarmavg.averaging.request.check_finite` (not checked again),
+                unless ``checked_by_client``.
             request: the round's parameters; its ``deadline`` bounds the whole call.
             out: arrays of ``arrays``' layout, not overlapping them, that receive the
                 result (``run_allreduce``'s ``out``); ``None``: new arrays.
             inputs_ready: when given, ``arrays`` are still being filled and checked (the
                 daemon's copy of a client's tensors); matchmaking declares meanwhile and
                 waits for it before joining a group, and its exception ends the call.
+            checked_by_client: ``arrays`` were checked for NaN/Inf by the process that
+                wrote them, which says so (a client's shared memory), not here: the round
+                checks each chunk as its codec encodes it (``FiniteCheck.AS_ENCODED``), and
+                a NaN/Inf raises ``InvalidTensorsError`` after the group formed.
 
         Raises:
             InvalidRequestError: ``min_group_size`` exceeds the default group size.
@@ -385,7 +391,9 @@ class Averager:
                     channels=self._channels_or_fail(),
                     signer=self.dht.signer,
                     fault_plan=self._fault_plan,
-                    checked=True,
+                    finite_check=(
+                        FiniteCheck.AS_ENCODED if checked_by_client else FiniteCheck.DONE
+                    ),
                     out=out,
                 )
         except TimeoutError:

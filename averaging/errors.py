@@ -22,7 +22,9 @@ class InvalidRequestError(AveragingError, ValueError):
 class InvalidTensorsError(InvalidRequestError):
     """The caller's tensors cannot be averaged: empty list, unsupported dtype, NaN/Inf, ...
 
-    Raised before anything is sent; the daemon keeps serving.
+    Raised before anything is sent; the daemon keeps serving. (One exception: a raw
+    control call that says its client checked its shared-memory inputs when it did not
+    finds out mid-round, and its group goes on without it.)
     """
 
 

@@ -157,6 +157,8 @@ class PreparedAverage:
             shm_reuse=self.segment is not None and self.segment.daemon_mapped,
             state_digest=request.state_digest,
             aggregation=request.aggregation,
+            # acquire() checked the tensors as it copied them in (copy_checked)
+            inputs_checked=self.segment is not None,
         )
         self._assembler: TensorAssembler | None = None
         self._done: control_pb2.AverageDone | None = None

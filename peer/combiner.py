@@ -28,7 +28,7 @@ from typing import Protocol
 
 import numpy as np
 
-from swarmavg.averaging.request import RoundRequest
+from swarmavg.averaging.request import RoundRequest, check_finite
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.dht.tasks import TaskSet
 from swarmavg.peer.errors import DaemonUnavailableError, ValidationError
@@ -45,6 +45,7 @@ class AverageFn(Protocol):
         *,
         out: list[np.ndarray] | None = None,
         inputs_ready: Awaitable[object] | None = None,
+        checked_by_client: bool = False,
     ) -> Awaitable[AveragingResult]: ...
 
 
@@ -55,6 +56,7 @@ class _Member:
     future: asyncio.Future[AveragingResult]
     out: list[np.ndarray] | None = None
     ready: Awaitable[object] | None = None
+    checked_by_client: bool = False  # its client checked it, not this daemon (yet)
 
 
 @dataclass
@@ -110,6 +112,7 @@ class LocalCombiner:
         client_id: str = "",
         out: list[np.ndarray] | None = None,
         inputs_ready: Awaitable[object] | None = None,
+        checked_by_client: bool = False,
     ) -> AveragingResult:
         """Join (or open) the batch for ``request.key`` and wait for the round's outcome.
 
@@ -123,6 +126,10 @@ class LocalCombiner:
             inputs_ready: the copy and check of ``arrays`` still running: a batch of
                 one hands it to the round (matchmaking overlaps it), a larger batch
                 waits for it before combining and leaves out a caller whose check failed.
+            checked_by_client: ``arrays`` were checked by the caller's client, which
+                says so, and not here: a batch of one hands that on to the round (which
+                checks each chunk as it encodes it), a larger batch checks them before
+                combining and leaves the caller out if they hold NaN/Inf.
 
         Raises:
             ValidationError: the tensors differ in layout from the batch's other callers.
@@ -154,7 +161,9 @@ class LocalCombiner:
                     f"tensors for key {request.key!r} differ from those another local "
                     f"process is averaging: {difference}"
                 )
-        member = _Member(arrays, request, loop.create_future(), out, inputs_ready)
+        member = _Member(
+            arrays, request, loop.create_future(), out, inputs_ready, checked_by_client
+        )
         batch.members.append(member)
         batch.has_newcomer |= newcomer
         if not batch.has_newcomer and len(batch.members) >= self.expected_callers():
@@ -196,8 +205,10 @@ class LocalCombiner:
         request = members[0].request
         out = None
         ready = None
+        by_client = False
         if len(members) == 1:
             arrays, out, ready = members[0].arrays, members[0].out, members[0].ready
+            by_client = members[0].checked_by_client
         else:
             weights = [m.request.weight for m in members]
             arrays = await asyncio.to_thread(combine, [m.arrays for m in members], weights)
@@ -206,10 +217,12 @@ class LocalCombiner:
                 weight=float(sum(weights)),
                 deadline=min(m.request.deadline for m in members),
             )
-        if out is None and ready is None:
+        if out is None and ready is None and not by_client:
             result = await self._average(arrays, request)
         else:
-            result = await self._average(arrays, request, out=out, inputs_ready=ready)
+            result = await self._average(
+                arrays, request, out=out, inputs_ready=ready, checked_by_client=by_client
+            )
         return dataclasses.replace(result, local_callers=len(members))
 
     async def close(self) -> None:
@@ -222,17 +235,23 @@ class LocalCombiner:
 
 
 async def _checked(members: list[_Member]) -> list[_Member]:
-    """The members whose inputs passed their check; the others get its exception."""
+    """The members whose inputs passed their check; the others get its exception.
+
+    Inputs that only their client checked are checked here: a NaN in one caller's tensors
+    would otherwise reach the others' results through the combined contribution."""
     kept = []
     for m in members:
-        if m.ready is not None:
-            try:
+        try:
+            if m.ready is not None:
                 await m.ready
-            except Exception as exc:
-                if not m.future.done():
-                    m.future.set_exception(exc)
-                continue
-            m.ready = None  # checked: nothing left to wait for
+            elif m.checked_by_client:
+                await asyncio.to_thread(check_finite, m.arrays)
+        except Exception as exc:
+            if not m.future.done():
+                m.future.set_exception(exc)
+            continue
+        m.ready = None  # checked: nothing left to wait for
+        m.checked_by_client = False
         kept.append(m)
     return kept
 

@@ -213,6 +213,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
         """
         segment: shm.DaemonSegment | None = None
         checking: asyncio.Future[float] | None = None
+        by_client = False  # only the client checked the inputs (it says so)
         shm_name = ""
         in_round = False  # failures of the round itself are counted by the daemon's backend
         self.active_calls += 1
@@ -258,17 +259,26 @@ class ControlService(control_pb2_grpc.ControlServicer):
             yield control_pb2.AverageResponse(accepted=control_pb2.AverageAccepted())
             accepted_at = time.monotonic()
             checked_at = accepted_at
-            if out is not None:
+            # The client library checks what it copies into shared memory and says so;
+            # the round then checks each chunk as its codec encodes it (one pass, in
+            # cache, off matchmaking's path) instead of the whole segment before joining.
+            by_client = out is not None and start.inputs_checked
+            if out is not None and not by_client:
                 # The check runs in a thread while matchmaking declares this peer; the
                 # round waits for it before it joins a group (Matchmaker.find_group).
                 checking = _start_check(arrays)
-            else:
+            elif out is None:
                 await asyncio.to_thread(check_finite, arrays)
                 checked_at = time.monotonic()
             in_round = True
             try:
                 outcome = await self._backend.combiner.submit(
-                    arrays, request, start.client_id[:64], out=out, inputs_ready=checking
+                    arrays,
+                    request,
+                    start.client_id[:64],
+                    out=out,
+                    inputs_ready=checking,
+                    checked_by_client=by_client,
                 )
                 if checking is not None:
                     checked_at = await checking
@@ -304,13 +314,14 @@ class ControlService(control_pb2_grpc.ControlServicer):
             # Rejected before it reached the round (bad input here, or a layout the local
             # batch refuses): count it once here. The round's own failures (a schema
             # mismatch with other peers, ...) were counted where the round ran.
-            # the caller's tensors failed the check that ran alongside matchmaking
+            # the caller's tensors failed the check that ran alongside matchmaking, or
+            # (checked only by its client) the batch's check or the round's codec
             refused = (
                 checking is not None
                 and checking.done()
                 and not checking.cancelled()
                 and checking.exception() is exc
-            )
+            ) or (by_client and isinstance(exc, averaging_errors.InvalidTensorsError))
             if reason == "invalid_input" and (
                 not in_round or refused or isinstance(exc, ValidationError)
             ):

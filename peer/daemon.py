@@ -30,7 +30,7 @@ from swarmavg.averaging.allreduce.congestion import (
     check_congestion_control,
 )
 from swarmavg.averaging.averager import Averager
-from swarmavg.averaging.errors import DataPlaneBindError
+from swarmavg.averaging.errors import DataPlaneBindError, InvalidTensorsError
 from swarmavg.averaging.matchmaking.matchmaker import MatchmakingEvent
 from swarmavg.averaging.protocol_keys import protocol_key_classes
 from swarmavg.averaging.request import RoundRequest
@@ -467,21 +467,30 @@ class Peer:
         *,
         out: list[np.ndarray] | None = None,
         inputs_ready: Awaitable[object] | None = None,
+        checked_by_client: bool = False,
     ) -> AveragingResult:
         """One swarm round for a local batch; counts it in the stats under the codec the
         group used (its leader's choice). ``out``: where the result goes (a client's shared
-        memory), else new arrays. ``inputs_ready``: the check of ``arrays`` still running
-        (:meth:`Averager.run`)."""
+        memory), else new arrays. ``inputs_ready``: the check of ``arrays`` still running;
+        ``checked_by_client``: only the client checked them (:meth:`Averager.run`)."""
         if self.averager is None:
             raise RuntimeError("the peer is not started")
         started = time.monotonic()
         try:
-            result = await self.averager.run(arrays, request, out=out, inputs_ready=inputs_ready)
+            result = await self.averager.run(
+                arrays,
+                request,
+                out=out,
+                inputs_ready=inputs_ready,
+                checked_by_client=checked_by_client,
+            )
         except asyncio.CancelledError:
             self.stats.record_failure("cancelled")
             raise
         except Exception as exc:
-            if _is_outcome_of(inputs_ready, exc):
+            if _is_outcome_of(inputs_ready, exc) or (
+                checked_by_client and isinstance(exc, InvalidTensorsError)
+            ):
                 raise  # the caller's own tensors, refused: the control service counts it
             reason = classify(exc)[1]
             self.stats.record_failure(reason)

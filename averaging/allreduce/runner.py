@@ -45,8 +45,8 @@ import math
 import random
 import threading
 import time
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
 
 import grpc
 import numpy as np
@@ -74,6 +74,7 @@ from swarmavg.averaging.allreduce.wire import (
     reduce_digest,
     serialize_pieces,
 )
+from swarmavg.averaging.errors import InvalidTensorsError
 from swarmavg.averaging.group import GroupInfo, schema_hash
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.averaging.stubs import REDUCE, reduce_method
@@ -89,10 +90,12 @@ __all__ = [
     "AllReduceError",
     "AllReduceService",
     "ChannelSource",
+    "FiniteCheck",
     "run_allreduce",
 ]
 
 _PROBE_ELEMENTS = 65536
+_T = TypeVar("_T")
 
 
 class ChannelSource(Protocol):
@@ -103,6 +106,27 @@ class ChannelSource(Protocol):
 
 class AllReduceError(RuntimeError):
     """The round could not run at all (e.g. its deadline had already passed)."""
+
+
+class FiniteCheck(enum.Enum):
+    """Where a member's tensors are checked for NaN/Inf, which would poison the group."""
+
+    UPFRONT = "upfront"
+    """:func:`run_allreduce` scans them whole before it sends anything."""
+    DONE = "done"
+    """The caller scanned them already (the ``Averager`` does, before matchmaking)."""
+    AS_ENCODED = "as-encoded"
+    """For inputs whose writer checked them and says so (a client's shared memory): no scan
+    here. Each chunk is checked by the codec as it encodes it (fused into its pass for the
+    lossy codecs; a pass over a chunk in cache for ``none``), except chunks that ``none``
+    sends to another reducer, whose decoder refuses NaN/Inf anyway. A bad chunk fails the
+    call with :class:`InvalidTensorsError`: at once when the codec finds it, at the end of
+    the round when a reducer refused it and it kept our values. Only a caller that lied
+    gets that error, after its group formed, and the group then sees a member leave."""
+
+
+class _NonFiniteInput(ValueError):
+    """A chunk of this member's own tensors held NaN/Inf (:attr:`FiniteCheck.AS_ENCODED`)."""
 
 
 def _bytes_per_element(codec: Codec, dtype: np.dtype) -> float:
@@ -175,6 +199,9 @@ class _Exchange:
         self.handed = dict.fromkeys(range(group.size), 0)  # chunks of part j given to its stream
         self.distrusted: dict[int, str] = {}  # part -> why its reducer's word is refused
         self.crashed = asyncio.Event()
+        self.check_as_encoded = False  # FiniteCheck.AS_ENCODED (set by run_allreduce)
+        self.refused = asyncio.Event()  # a chunk of our own tensors held NaN/Inf
+        self.refusal = ""
         self.bytes_sent = 0
         self.bytes_received = 0
         self.in_place = False
@@ -198,12 +225,56 @@ class _Exchange:
             key=f"{self.group.schema_hash.hex()[:16]}/flat[{base + start}:{base + end}]",
             part_index=part,
             part_size=self.plan.part_size(part),
-            finite=True,  # run_allreduce checked the whole vector once
+            finite=not self._check_now(part),
         )
         return self.vector[base + start : base + end], info
 
+    def _check_now(self, part: int) -> bool:
+        """Whether the codec must check our chunks of ``part`` as it encodes them.
+
+        Only with :attr:`FiniteCheck.AS_ENCODED` (else the whole vector was checked once).
+        Even then, not the chunks sent to another reducer through a codec that sends the
+        values themselves and refuses NaN/Inf when it decodes them (``none``): that
+        reducer's check is the check, and skipping ours saves (N-1)/N of a pass over the
+        tensors. A chunk it refuses stays local, and :meth:`refuse_local_non_finite`
+        finds it at the end of the round."""
+        if not self.check_as_encoded:
+            return False
+        receiver_checks = self.codec.exact and self.codec.decodes_finite
+        return part == self.my_index or not receiver_checks
+
+    def refuse_local_non_finite(self) -> None:
+        """With :attr:`FiniteCheck.AS_ENCODED`, after :meth:`fill_missing`: raise
+        :class:`_NonFiniteInput` when a chunk that kept our own values holds NaN/Inf
+        (a reducer refused it, or never got it). A pass over the failed chunks only."""
+        if not self.check_as_encoded:
+            return
+        for part, received in self.received.items():
+            base = self.plan.bounds[part][0]
+            for chunk in np.flatnonzero(~received):
+                start, end = self.plan.chunk_bounds(part, int(chunk))
+                if not all_finite(self.result[base + start : base + end]):
+                    raise _NonFiniteInput(
+                        f"the tensors hold NaN or Inf (in elements "
+                        f"flat[{base + start}:{base + end}], which part {part}'s reducer "
+                        "did not average)"
+                    )
+
+    @staticmethod
+    def _coded(
+        code: Callable[[np.ndarray, CodecInfo], _T], values: np.ndarray, info: CodecInfo
+    ) -> _T:
+        """``code(values, info)``, where a refusal caused by NaN/Inf in our own unchecked
+        values becomes :class:`_NonFiniteInput` (the round ends) rather than a failed part."""
+        try:
+            return code(values, info)
+        except ValueError as e:  # CodecError included
+            if info.finite or all_finite(values):
+                raise
+            raise _NonFiniteInput(f"the tensors hold NaN or Inf (in elements {info.key})") from e
+
     def _encode(self, part: int, chunk: int) -> Encoded:
-        return self.codec.encode_payload(*self._chunk(part, chunk))
+        return self._coded(self.codec.encode_payload, *self._chunk(part, chunk))
 
     def _encode_request(self, part: int, chunk: int) -> OutgoingChunk:
         """One chunk of ``part`` as the wire pieces of its ``ReduceRequest``."""
@@ -223,7 +294,7 @@ class _Exchange:
     def _round_trip_local(self, chunk: int) -> np.ndarray:
         """This member's own copy of one chunk of its part, through the codec and back."""
         start, end = self.plan.chunk_bounds(self.my_index, chunk)
-        values = self.codec.round_trip(*self._chunk(self.my_index, chunk))
+        values = self._coded(self.codec.round_trip, *self._chunk(self.my_index, chunk))
         if values.shape != (end - start,) or values.dtype != self.layout.dtype:
             raise ValueError(f"codec {self.codec.name} changed the shape or dtype of a chunk")
         return values
@@ -288,9 +359,19 @@ class _Exchange:
         if contributors == len(self.group.senders):
             self.full_chunks[self.my_index] += 1
 
+    def _refuse_own_tensors(self, error: _NonFiniteInput) -> None:
+        """End the round: our own tensors hold NaN/Inf (found as a chunk was encoded)."""
+        if not self.refused.is_set():
+            self.refusal = str(error)
+            self.refused.set()
+
     async def contribute_local(self, round_: ReducerRound) -> None:
         for chunk in range(self.plan.num_chunks(self.my_index)):
-            values = await offload(self.service.executor, self._round_trip_local, chunk)
+            try:
+                values = await offload(self.service.executor, self._round_trip_local, chunk)
+            except _NonFiniteInput as e:
+                self._refuse_own_tensors(e)
+                return
             round_.add_local(chunk, values)
             if self.service.executor is None:
                 # Inline codec work never suspends: yield, so that the sends to the other
@@ -307,7 +388,11 @@ class _Exchange:
                     await asyncio.Event().wait()
                 if self.fault_plan.stops_sending(chunk):
                     await asyncio.Event().wait()  # a stalled sender: the stream stays open
-            request = await offload(self.service.executor, self._encode_request, part, chunk)
+            try:
+                request = await offload(self.service.executor, self._encode_request, part, chunk)
+            except _NonFiniteInput as e:
+                self._refuse_own_tensors(e)
+                return  # the round ends now: run_allreduce cancels this stream
             # Counted before the write: a reply may come back before the write returns.
             self.handed[part] = chunk + 1
             if isinstance(call, DataCall):
@@ -432,7 +517,9 @@ class _Exchange:
             sender.cancel()
             try:
                 await sender
-            except (asyncio.CancelledError, grpc.RpcError):
+            # InvalidStateError: grpc.aio's answer to a write cancelled after the reducer
+            # had already ended the call (the round is over for this stream either way).
+            except (asyncio.CancelledError, asyncio.InvalidStateError, grpc.RpcError):
                 pass
             except Exception:  # the stream is gone either way; keep the round alive
                 log.exception("part %d: sending to %s failed", part, address)
@@ -563,7 +650,7 @@ async def run_allreduce(
     channels: ChannelSource,
     signer: RequestSigner,
     fault_plan: FaultPlan | None = None,
-    checked: bool = False,
+    finite_check: FiniteCheck = FiniteCheck.UPFRONT,
     out: Sequence[np.ndarray] | None = None,
 ) -> AveragingResult:
     """Run this member's side of one butterfly all-reduce round.
@@ -579,8 +666,9 @@ async def run_allreduce(
         channels: a channel pool (``swarmavg.dht.ChannelPool``).
         signer: signs this peer's stream openings (``DHTNode.signer``).
         fault_plan: test seam; ``None`` in production.
-        checked: the caller already verified that the tensors hold no NaN/Inf (the
-            ``Averager`` does, before matchmaking), which saves one pass over them.
+        finite_check: where the tensors are checked for NaN/Inf (:class:`FiniteCheck`):
+            here before anything is sent (the default), already by the caller, or chunk
+            by chunk as the codec encodes them.
         out: arrays of the tensors' layout (writable, not overlapping ``tensors``) that
             receive the result; the result's ``tensors`` are then these arrays. When they
             lie back to back in the reduction dtype (one float32 tensor, say) the replies
@@ -597,6 +685,9 @@ async def run_allreduce(
         ValueError: the tensors do not match ``group.schema_hash``, hold NaN/Inf, the
             weight is invalid, ``my_index``/``signer`` do not name a member, or ``out``
             has another layout, is read-only or overlaps ``tensors``.
+        InvalidTensorsError: (a ``ValueError``) with ``FiniteCheck.AS_ENCODED``, a chunk
+            of the tensors held NaN/Inf; the round stopped when it was found, and the
+            group goes on without this member.
         AllReduceError: the deadline has already passed.
         InjectedCrash: only when ``fault_plan`` says so.
     """
@@ -645,12 +736,14 @@ async def run_allreduce(
         signer,
         fault_plan,
     )
+    ex.check_as_encoded = finite_check is FiniteCheck.AS_ENCODED
 
     def prepare() -> None:
         view = flat_view(tensors, layout)
         ex.vector = view if view is not None else flatten(tensors, layout)
         # Flattening only widens (partition.reduction_dtype), so checked inputs stay finite.
-        if me.mode.sends and not checked and not all_finite(ex.vector):
+        upfront = finite_check is FiniteCheck.UPFRONT
+        if me.mode.sends and upfront and not all_finite(ex.vector):
             raise ValueError("tensors hold NaN or Inf")
         ex.result = target if target is not None else np.empty_like(ex.vector)
         ex.in_place = _same_vector(ex.result, ex.vector)
@@ -692,20 +785,24 @@ async def run_allreduce(
 
     main = loop.create_task(everything())
     crash = loop.create_task(ex.crashed.wait())
+    refused = loop.create_task(ex.refused.wait())
     errors: list[str] = []
     try:
-        # Every exchange and our reducer, or a crash, or the deadline: whichever is first.
+        # Every exchange and our reducer, a crash, our own tensors refused, or the
+        # deadline: whichever is first.
         done, _ = await asyncio.wait(
-            {main, crash}, timeout=deadline - time.monotonic(), return_when=asyncio.FIRST_COMPLETED
+            {main, crash, refused},
+            timeout=deadline - time.monotonic(),
+            return_when=asyncio.FIRST_COMPLETED,
         )
         if main in done:
             main.result()  # re-raise a programming error; exchanges themselves never raise
     finally:
         t_exchanged = time.monotonic()
-        for task in (*tasks, main, crash):
+        for task in (*tasks, main, crash, refused):
             task.cancel()
-        outcomes = await asyncio.gather(*tasks, main, crash, return_exceptions=True)
-        for outcome in outcomes[: len(tasks)]:  # main re-raised above; crash never fails
+        outcomes = await asyncio.gather(*tasks, main, crash, refused, return_exceptions=True)
+        for outcome in outcomes[: len(tasks)]:  # main re-raised above; the events never fail
             if isinstance(outcome, Exception):
                 # A task of the round died: say why, and count it in the result, rather
                 # than let the gather swallow it (issue 17).
@@ -716,6 +813,10 @@ async def run_allreduce(
             abort = None
             if ex.crashed.is_set():
                 abort = Abort(grpc.StatusCode.UNAVAILABLE, "peer crashed (injected)")
+            elif ex.refused.is_set():
+                abort = Abort(
+                    grpc.StatusCode.UNAVAILABLE, "the member's own tensors held NaN or Inf"
+                )
             elif not round_.finished.is_set():
                 abort = Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "round deadline passed")
             await round_.close(abort)
@@ -723,6 +824,8 @@ async def run_allreduce(
             errors.extend(round_.errors)
     if ex.crashed.is_set():
         raise InjectedCrash(f"member {my_index} crashed as its fault plan says")
+    if ex.refused.is_set():
+        raise InvalidTensorsError(ex.refusal)
 
     failed = tuple(
         j
@@ -746,6 +849,7 @@ async def run_allreduce(
 
     def finish() -> list[np.ndarray]:
         ex.fill_missing()
+        ex.refuse_local_non_finite()
         if out is None:
             return unflatten(ex.result, layout, copy=False)  # result is ours to hand over
         if target is None:  # `out` is not one span: one copy into the caller's arrays
@@ -753,7 +857,10 @@ async def run_allreduce(
                 np.copyto(dst, src)
         return list(out)
 
-    out = await offload(executor, finish)
+    try:
+        out = await offload(executor, finish)
+    except _NonFiniteInput as e:
+        raise InvalidTensorsError(str(e)) from None
     t_done = time.monotonic()
     if round_ is not None:
         ex.adjusted[my_index] = round_.adjusted

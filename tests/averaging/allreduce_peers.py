@@ -13,7 +13,7 @@ import numpy as np
 
 from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.allreduce.faults import FaultPlan
-from swarmavg.averaging.allreduce.runner import run_allreduce
+from swarmavg.averaging.allreduce.runner import FiniteCheck, run_allreduce
 from swarmavg.averaging.allreduce.service import AllReduceService
 from swarmavg.averaging.group import GroupInfo, Member, Mode, schema_hash
 from swarmavg.averaging.result import AveragingResult
@@ -98,9 +98,11 @@ async def run_group(
     faults: dict[int, FaultPlan] | None = None,
     skip: Sequence[int] = (),
     outs: Sequence[Sequence[np.ndarray] | None] | None = None,
+    finite_checks: dict[int, FiniteCheck] | None = None,
 ) -> list[AveragingResult | BaseException | None]:
     """Run every member's side at once; ``skip`` members never start (None in results);
-    ``outs[i]`` is member i's ``out`` (where its result goes)."""
+    ``outs[i]`` is member i's ``out`` (where its result goes); ``finite_checks[i]``
+    where member i's tensors are checked (default: up front)."""
     deadline = time.monotonic() + timeout
     faults = faults or {}
 
@@ -118,6 +120,7 @@ async def run_group(
             signer=peers[i].signer,
             fault_plan=faults.get(i),
             out=None if outs is None else outs[i],
+            finite_check=(finite_checks or {}).get(i, FiniteCheck.UPFRONT),
         )
 
     return list(await asyncio.gather(*(one(i) for i in range(len(peers))), return_exceptions=True))

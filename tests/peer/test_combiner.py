@@ -192,3 +192,49 @@ async def test_a_caller_whose_inputs_fail_their_check_is_left_out_of_the_batch()
     np.testing.assert_array_equal(arrays[0], [1.0, 1.0, 1.0])  # b's zeros are not in it
     assert p.weight == 1.0
     await combiner.close()
+
+
+async def test_inputs_only_their_client_checked_are_checked_before_a_batch_combines_them() -> None:
+    """A shared-memory caller's client checked its tensors (AverageStart.inputs_checked):
+    alone, the round checks them chunk by chunk; in a batch they are checked before they
+    are combined, and a caller whose client lied is left out alone."""
+    from swarmavg.averaging.errors import InvalidTensorsError
+
+    rec = Recorder()
+    combiner = LocalCombiner(rec, window=0.2)
+    nan = np.array([0.0, np.nan, 0.0], np.float32)
+    ok, refused = await asyncio.gather(
+        combiner.submit([np.ones(3, np.float32)], params(weight=1.0), "a", checked_by_client=True),
+        combiner.submit([nan], params(weight=1.0), "b", checked_by_client=True),
+        return_exceptions=True,
+    )
+    assert isinstance(refused, InvalidTensorsError), refused
+    assert "tensor 0 holds 1 NaN/Inf" in str(refused)
+    assert isinstance(ok, AveragingResult), ok
+    assert ok.local_callers == 1
+    [(arrays, p)] = rec.calls
+    np.testing.assert_array_equal(arrays[0], [1.0, 1.0, 1.0])
+    assert p.weight == 1.0
+    await combiner.close()
+
+
+async def test_a_lone_caller_hands_its_clients_check_on_to_the_round() -> None:
+    seen: list[bool] = []
+
+    async def average(
+        arrays: list[np.ndarray],
+        p: RoundRequest,
+        *,
+        out: list[np.ndarray] | None = None,
+        inputs_ready: object = None,
+        checked_by_client: bool = False,
+    ) -> AveragingResult:
+        seen.append(checked_by_client)
+        return AveragingResult(arrays, 1, ["me"], "g", "none", False)
+
+    combiner = LocalCombiner(average, window=0.0)
+    x = [np.array([np.nan], np.float32)]  # not checked here: the round checks it
+    await combiner.submit(x, params(), "a", checked_by_client=True)
+    await combiner.submit([np.ones(1, np.float32)], params(), "a")
+    assert seen == [True, False]
+    await combiner.close()

@@ -44,6 +44,7 @@ class SoloBackend:
         self.rounds: list[RoundRequest] = []
         self.outs: list[list[np.ndarray] | None] = []  # where each round was told to write
         self.in_place: list[bool] = []  # whether it read its inputs where it writes
+        self.checked_by_client: list[bool] = []  # whether only the client checked them
         self.store: dict[str, Any] = {}
         self.state: tuple[bytes, list[np.ndarray]] | None = None
         self.failures: list[str] = []
@@ -55,10 +56,12 @@ class SoloBackend:
         *,
         out: list[np.ndarray] | None = None,
         inputs_ready: Awaitable[object] | None = None,
+        checked_by_client: bool = False,
     ) -> AveragingResult:
         if inputs_ready is not None:  # as the averager does before it joins a group
             await inputs_ready
         self.rounds.append(params)
+        self.checked_by_client.append(checked_by_client)
         self.outs.append(out)
         self.in_place.append(
             out is not None and all(a is o for a, o in zip(arrays, out, strict=True))
@@ -352,7 +355,8 @@ async def test_shm_segments_are_reused_across_calls(daemon: Daemon) -> None:
 
 async def test_a_shm_call_hands_the_round_its_segment_as_the_result(daemon: Daemon) -> None:
     """Issue 21: the round averages in the client's segment (no copy of the inputs, no
-    result copied back); the daemon only checks the inputs there."""
+    result copied back), and does not scan it first: the client checked it as it wrote it
+    and says so, so the round checks each chunk as it encodes it."""
     rng = np.random.default_rng(4)
     tensors = [rng.standard_normal(s).astype(np.float32) for s in [(300_000,), (7,), (2, 3)]]
     async with connect_async(daemon.endpoint) as client:
@@ -369,11 +373,25 @@ async def test_a_shm_call_hands_the_round_its_segment_as_the_result(daemon: Daem
         out is not None and [o.shape for o in out] == [(300_000,), (7,), (2, 3)] for out in outs
     )
     assert daemon.backend.in_place == [True, True]
+    assert daemon.backend.checked_by_client == [True, True]
+
+
+async def test_inline_calls_and_calls_that_do_not_vouch_are_checked_by_the_daemon(
+    daemon: Daemon,
+) -> None:
+    """Small tensors travel inline and are checked before the round, whatever the start
+    says; so is a segment whose start does not say its client checked it."""
+    async with connect_async(daemon.endpoint) as client:
+        await client.average([np.ones(10, np.float32)], key="small", min_group_size=1)
+    async with connect_async(daemon.endpoint, use_shm=False) as client:
+        await client.average([np.ones(300_000, np.float32)], key="inline", min_group_size=1)
+    assert daemon.backend.checked_by_client == [False, False]
 
 
 async def test_nan_in_shared_memory_is_refused_by_the_daemon(daemon: Daemon) -> None:
-    """A caller that skips the client's check: the daemon's check finds the NaN, names
-    the tensor, and the round never starts."""
+    """A caller that skips the client's check and does not claim it checked
+    (``inputs_checked`` unset): the daemon's check finds the NaN, names the tensor, and
+    the round never starts."""
     from swarmavg.peer import shm
     from swarmavg.proto import control_pb2_grpc, tensor_pb2
 

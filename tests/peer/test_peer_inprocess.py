@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
@@ -53,46 +54,53 @@ async def test_two_in_process_peers_average(sock_dir: Path) -> None:
     assert not (sock_dir / "a.sock").exists()
 
 
+async def _joined(
+    stack: contextlib.AsyncExitStack, sock_dir: Path, first: Peer, names: str, run_id: str
+) -> list[Peer]:
+    """``first`` and one more peer per letter of ``names``, each joined through it."""
+    assert first.address is not None
+    peers = [first]
+    for name in names:
+        config = PeerConfig(
+            listen="127.0.0.1:0",
+            control=str(sock_dir / f"{name}.sock"),
+            run_id=run_id,
+            join=[first.address],
+        )
+        peers.append(await stack.enter_async_context(Peer(config)))
+    return peers
+
+
 async def test_state_digests_reach_every_member_and_schema_mismatch_is_told_apart(
     sock_dir: Path,
 ) -> None:
     first = PeerConfig(listen="127.0.0.1:0", control=str(sock_dir / "a.sock"), run_id="sd")
-    async with Peer(first) as a:
-        assert a.address is not None
-        peers = [a]
-        async with contextlib.AsyncExitStack() as stack:
-            for name in "bc":
-                config = PeerConfig(
-                    listen="127.0.0.1:0",
-                    control=str(sock_dir / f"{name}.sock"),
-                    run_id="sd",
-                    join=[a.address],
-                )
-                peers.append(await stack.enter_async_context(Peer(config)))
-            clients = [await stack.enter_async_context(p.client()) for p in peers]
-            x = np.ones(10, dtype=np.float32)
-            results = await asyncio.gather(
-                clients[0].average([x], key="k", group_size=3, timeout=20, state_digest=b"A"),
-                clients[1].average([x], key="k", group_size=3, timeout=20, state_digest=b"B" * 64),
-                clients[2].average([x], key="k", group_size=3, timeout=20),
-            )
-            expected = {peers[0].peer_id: b"A", peers[1].peer_id: b"B" * 64}
-            assert [r.state_digests for r in results] == [expected] * 3
-            with pytest.raises(ValidationError, match="state_digest"):
-                await clients[0].average([x], key="k2", state_digest=b"x" * 65)
-            # another layout under the same key: a SchemaMismatchError (still a
-            # ValidationError), which names other peers rather than the caller's input
-            outcomes = await asyncio.gather(
-                clients[0].average([x], key="s", group_size=2, min_group_size=2, timeout=4),
-                clients[1].average([x[:5]], key="s", group_size=2, min_group_size=2, timeout=4),
-                return_exceptions=True,
-            )
-            assert all(isinstance(o, SchemaMismatchError) for o in outcomes), outcomes
-            assert all(isinstance(o, ValidationError) for o in outcomes)
-            status = await clients[0].status()
-            assert status["failures"] == {"schema_mismatch": 1}
-            assert status["rounds_done"] == 1
-            assert status["rounds_partial"] == 0
+    async with Peer(first) as a, contextlib.AsyncExitStack() as stack:
+        peers = await _joined(stack, sock_dir, a, "bc", "sd")
+        clients = [await stack.enter_async_context(p.client()) for p in peers]
+        x = np.ones(10, dtype=np.float32)
+        results = await asyncio.gather(
+            clients[0].average([x], key="k", group_size=3, timeout=20, state_digest=b"A"),
+            clients[1].average([x], key="k", group_size=3, timeout=20, state_digest=b"B" * 64),
+            clients[2].average([x], key="k", group_size=3, timeout=20),
+        )
+        expected = {peers[0].peer_id: b"A", peers[1].peer_id: b"B" * 64}
+        assert [r.state_digests for r in results] == [expected] * 3
+        with pytest.raises(ValidationError, match="state_digest"):
+            await clients[0].average([x], key="k2", state_digest=b"x" * 65)
+        # another layout under the same key: a SchemaMismatchError (still a
+        # ValidationError), which names other peers rather than the caller's input
+        outcomes = await asyncio.gather(
+            clients[0].average([x], key="s", group_size=2, min_group_size=2, timeout=4),
+            clients[1].average([x[:5]], key="s", group_size=2, min_group_size=2, timeout=4),
+            return_exceptions=True,
+        )
+        assert all(isinstance(o, SchemaMismatchError) for o in outcomes), outcomes
+        assert all(isinstance(o, ValidationError) for o in outcomes)
+        status = await clients[0].status()
+        assert status["failures"] == {"schema_mismatch": 1}
+        assert status["rounds_done"] == 1
+        assert status["rounds_partial"] == 0
 
 
 def peer_config(*argv: str) -> PeerConfig:
@@ -251,3 +259,77 @@ def test_rounds_are_counted_by_outcome_in_status_and_metrics() -> None:
     text = format_status(status)
     assert "2 (1 complete, 1 partial)" in text
     assert "no_group" in text
+
+
+async def _lying_shm_call(endpoint: str, values: np.ndarray, key: str) -> grpc.aio.AioRpcError:
+    """An ``Average`` call whose start says its client checked the shared-memory inputs
+    (``inputs_checked``) when they hold NaN: what a client that skips the library's check
+    could send. Returns the error the daemon answered with."""
+    from swarmavg.peer import shm
+    from swarmavg.proto import control_pb2, control_pb2_grpc, tensor_pb2
+
+    segment = shm.ClientSegment(shm.segment_layout([values.dtype], [values.shape])[1])
+    try:
+        [view] = segment.results([values.dtype], [values.shape])
+        view[...] = values  # bypasses the client's checked copy
+        start = control_pb2.AverageStart(
+            key=key,
+            weight=1,
+            group_size=3,
+            min_group_size=3,
+            timeout=20,
+            shm_name=segment.name,
+            shm_size=segment.size,
+            tensors=[control_pb2.TensorSpec(dtype=tensor_pb2.FLOAT32, shape=values.shape)],
+            inputs_checked=True,
+        )
+        async with grpc.aio.insecure_channel(f"unix:{endpoint}") as channel:
+            stub = control_pb2_grpc.ControlStub(channel)
+            try:
+                async for _ in stub.Average(
+                    iter([control_pb2.AverageRequest(start=start)]), timeout=30
+                ):
+                    pass
+            except grpc.aio.AioRpcError as error:
+                return error
+        raise AssertionError("the daemon averaged tensors that hold NaN")
+    finally:
+        segment.unlink()
+
+
+async def test_a_caller_that_claims_a_check_it_did_not_make_fails_alone(sock_dir: Path) -> None:
+    """Issue 21: a shared-memory call whose client says it checked its tensors is not
+    scanned before matchmaking. A caller that lied (NaN in its segment) joins the group,
+    is refused when its codec meets the bad chunk, and gets INVALID_ARGUMENT; the other
+    members finish with finite, partial results, and its daemon keeps serving."""
+    first = PeerConfig(listen="127.0.0.1:0", control=str(sock_dir / "a.sock"), run_id="lie")
+    async with Peer(first) as a, contextlib.AsyncExitStack() as stack:
+        peers = await _joined(stack, sock_dir, a, "bc", "lie")
+        ca, cb, cc = [await stack.enter_async_context(p.client()) for p in peers]
+        size = 1 << 20  # 4 MB: several chunks per part
+        bad = np.ones(size, np.float32)
+        bad[size - 10] = np.nan  # in the last part, whoever reduces it
+        x = np.full(size, 2.0, np.float32)
+        error, ra, rc = await asyncio.gather(
+            _lying_shm_call(str(sock_dir / "b.sock"), bad, "k"),
+            ca.average([x], key="k", group_size=3, min_group_size=3, timeout=20),
+            cc.average([x], key="k", group_size=3, min_group_size=3, timeout=20),
+        )
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+        assert "NaN or Inf" in (error.details() or "")
+        for result in (ra, rc):
+            assert result.group_size == 3
+            assert result.partial
+            assert np.isfinite(result.tensors[0]).all()
+        status = await cb.status()
+        assert status["failures"] == {"invalid_input": 1}
+        y = np.full(size, 5.0, np.float32)
+        results = await asyncio.gather(
+            *(
+                c.average([v], key="k2", group_size=3, timeout=20)
+                for c, v in ((ca, x), (cb, y), (cc, x))
+            )
+        )
+        for result in results:
+            assert not result.partial
+            np.testing.assert_allclose(result.tensors[0], 3.0)
