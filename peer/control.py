@@ -260,8 +260,9 @@ class ControlService(control_pb2_grpc.ControlServicer):
             accepted_at = time.monotonic()
             checked_at = accepted_at
             # The client library checks what it copies into shared memory and says so;
-            # the round then checks each chunk as its codec encodes it (one pass, in
-            # cache, off matchmaking's path) instead of the whole segment before joining.
+            # the round then checks each chunk as its codec encodes it (or, for `none`
+            # sent to another reducer, as that reducer decodes it) instead of scanning the
+            # whole segment before it joins a group (FiniteCheck.AS_ENCODED).
             by_client = out is not None and start.inputs_checked
             if out is not None and not by_client:
                 # The check runs in a thread while matchmaking declares this peer; the

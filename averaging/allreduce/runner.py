@@ -271,7 +271,8 @@ class _Exchange:
         except ValueError as e:  # CodecError included
             if info.finite or all_finite(values):
                 raise
-            raise _NonFiniteInput(f"the tensors hold NaN or Inf (in elements {info.key})") from e
+            where = info.key.rpartition("/")[2]  # the chunk's place in the flattened tensors
+            raise _NonFiniteInput(f"the tensors hold NaN or Inf (in elements {where})") from e
 
     def _encode(self, part: int, chunk: int) -> Encoded:
         return self._coded(self.codec.encode_payload, *self._chunk(part, chunk))
