@@ -33,6 +33,7 @@ from swarmavg.peer.control import ControlService
 from swarmavg.peer.errors import NoGroupError
 from swarmavg.peer.shm import NAME_RE, SHM_DIR, DaemonSegmentCache
 from swarmavg.proto import control_pb2
+from tests.peer.raw_calls import unchecked_shm_call
 
 
 class SoloBackend:
@@ -392,44 +393,38 @@ async def test_nan_in_shared_memory_is_refused_by_the_daemon(daemon: Daemon) -> 
     """A caller that skips the client's check and does not claim it checked
     (``inputs_checked`` unset): the daemon's check finds the NaN, names the tensor, and
     the round never starts."""
-    from swarmavg.peer import shm
-    from swarmavg.proto import control_pb2_grpc, tensor_pb2
-
     values = [np.ones(300_000, np.float32), np.ones(5, np.float32)]
     values[1][3] = np.inf
-    segment = shm.ClientSegment(
-        shm.segment_layout([v.dtype for v in values], [v.shape for v in values])[1]
-    )
-    try:
-        for view, v in zip(
-            segment.results([v.dtype for v in values], [v.shape for v in values]),
-            values,
-            strict=True,
-        ):
-            view[...] = v  # bypasses the client's checked copy
-        start = control_pb2.AverageStart(
-            key="k",
-            weight=1,
-            min_group_size=1,
-            timeout=5,
-            shm_name=segment.name,
-            shm_size=segment.size,
-            tensors=[
-                control_pb2.TensorSpec(dtype=tensor_pb2.FLOAT32, shape=v.shape) for v in values
-            ],
+    error = await unchecked_shm_call(daemon.endpoint, values, key="k")
+    assert error is not None
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tensor 1 holds 1 NaN/Inf" in (error.details() or "")
+    assert daemon.backend.rounds == []
+    assert daemon.backend.failures == ["invalid_input"]
+
+
+async def test_a_caller_in_a_batch_whose_client_lied_about_its_check_is_left_out(
+    daemon: Daemon,
+) -> None:
+    """A batch of two local callers, one of which claims a check it did not make: the
+    batch checks claimed inputs before combining them, refuses that caller alone (counted
+    once), and averages the other's tensors."""
+    daemon.backend.combiner = LocalCombiner(daemon.backend._average, window=0.5)
+    x = np.arange(300_000, dtype=np.float32)
+    bad = np.ones(300_000, np.float32)
+    bad[-1] = np.nan
+    async with connect_async(daemon.endpoint) as client:
+        error, result = await asyncio.gather(
+            unchecked_shm_call(daemon.endpoint, [bad], key="b", inputs_checked=True),
+            client.average([x], key="b", min_group_size=1),
         )
-        async with grpc.aio.insecure_channel(f"unix:{daemon.endpoint}") as channel:
-            stub = control_pb2_grpc.ControlStub(channel)
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                async for _ in stub.Average(
-                    iter([control_pb2.AverageRequest(start=start)]), timeout=5
-                ):
-                    pass
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "tensor 1 holds 1 NaN/Inf" in (info.value.details() or "")
-        assert daemon.backend.rounds == []
-    finally:
-        segment.unlink()
+        assert error is not None
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "tensor 0 holds 1 NaN/Inf" in (error.details() or "")
+        assert result.local_callers == 1
+        np.testing.assert_array_equal(result.tensors[0], x)
+    assert len(daemon.backend.rounds) == 1
+    assert daemon.backend.failures == ["invalid_input"]
 
 
 def test_the_client_checks_while_it_copies_into_shared_memory() -> None:

@@ -18,6 +18,7 @@ from swarmavg.peer import NoGroupError, Peer, PeerConfig, SchemaMismatchError, V
 from swarmavg.peer.cli import build_parser
 from swarmavg.peer.settings import flags_from_args, resolve_config
 from swarmavg.peer.status import format_status
+from tests.peer.raw_calls import unchecked_shm_call
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -261,42 +262,6 @@ def test_rounds_are_counted_by_outcome_in_status_and_metrics() -> None:
     assert "no_group" in text
 
 
-async def _lying_shm_call(endpoint: str, values: np.ndarray, key: str) -> grpc.aio.AioRpcError:
-    """An ``Average`` call whose start says its client checked the shared-memory inputs
-    (``inputs_checked``) when they hold NaN: what a client that skips the library's check
-    could send. Returns the error the daemon answered with."""
-    from swarmavg.peer import shm
-    from swarmavg.proto import control_pb2, control_pb2_grpc, tensor_pb2
-
-    segment = shm.ClientSegment(shm.segment_layout([values.dtype], [values.shape])[1])
-    try:
-        [view] = segment.results([values.dtype], [values.shape])
-        view[...] = values  # bypasses the client's checked copy
-        start = control_pb2.AverageStart(
-            key=key,
-            weight=1,
-            group_size=3,
-            min_group_size=3,
-            timeout=20,
-            shm_name=segment.name,
-            shm_size=segment.size,
-            tensors=[control_pb2.TensorSpec(dtype=tensor_pb2.FLOAT32, shape=values.shape)],
-            inputs_checked=True,
-        )
-        async with grpc.aio.insecure_channel(f"unix:{endpoint}") as channel:
-            stub = control_pb2_grpc.ControlStub(channel)
-            try:
-                async for _ in stub.Average(
-                    iter([control_pb2.AverageRequest(start=start)]), timeout=30
-                ):
-                    pass
-            except grpc.aio.AioRpcError as error:
-                return error
-        raise AssertionError("the daemon averaged tensors that hold NaN")
-    finally:
-        segment.unlink()
-
-
 async def test_a_caller_that_claims_a_check_it_did_not_make_fails_alone(sock_dir: Path) -> None:
     """Issue 21: a shared-memory call whose client says it checked its tensors is not
     scanned before matchmaking. A caller that lied (NaN in its segment) joins the group,
@@ -311,10 +276,19 @@ async def test_a_caller_that_claims_a_check_it_did_not_make_fails_alone(sock_dir
         bad[size - 10] = np.nan  # in the last part, whoever reduces it
         x = np.full(size, 2.0, np.float32)
         error, ra, rc = await asyncio.gather(
-            _lying_shm_call(str(sock_dir / "b.sock"), bad, "k"),
+            unchecked_shm_call(
+                str(sock_dir / "b.sock"),
+                [bad],
+                key="k",
+                timeout=20,
+                group_size=3,
+                min_group_size=3,
+                inputs_checked=True,
+            ),
             ca.average([x], key="k", group_size=3, min_group_size=3, timeout=20),
             cc.average([x], key="k", group_size=3, min_group_size=3, timeout=20),
         )
+        assert error is not None
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
         assert "NaN or Inf" in (error.details() or "")
         for result in (ra, rc):
