@@ -6,11 +6,11 @@ The daemon then averages in the segment itself: the round reads each chunk of th
 where the client wrote them and writes the averages over them (``run_allreduce`` with
 ``out`` being the inputs), so the client reads its result from its own mapping. The
 client says that it checked (``AverageStart.inputs_checked``), so the daemon does not scan
-the segment again: the round's codec checks each chunk as it encodes it, and a caller that
-lied fails mid-round while its group goes on without it (``FiniteCheck.AS_ENCODED``). A
-call that does not say so is scanned, read-only, in a thread while matchmaking declares
-this peer. The daemon never copies the inputs out (issue 21: passes over S saved, and S
-less memory per call).
+the segment again: the round's codec checks each chunk as it encodes it (with ``none``, the
+reducer that averages it does), and a caller that lied fails mid-round while its group
+goes on without it (``FiniteCheck.AS_ENCODED``). A call that does not say so is scanned,
+read-only, in a thread while matchmaking declares this peer. The daemon never copies the
+inputs out (issue 21: passes over S saved, and S less memory per call).
 
 In place is safe because the round never needs a chunk's local values after that chunk's
 average arrived: a reducer averages a chunk only once this member's copy of it arrived, or

@@ -118,11 +118,12 @@ class FiniteCheck(enum.Enum):
     AS_ENCODED = "as-encoded"
     """For inputs whose writer checked them and says so (a client's shared memory): no scan
     here. Each chunk is checked by the codec as it encodes it (fused into its pass for the
-    lossy codecs; a pass over a chunk in cache for ``none``), except chunks that ``none``
-    sends to another reducer, whose decoder refuses NaN/Inf anyway. A bad chunk fails the
-    call with :class:`InvalidTensorsError`: at once when the codec finds it, at the end of
-    the round when a reducer refused it and it kept our values. Only a caller that lied
-    gets that error, after its group formed, and the group then sees a member leave."""
+    lossy codecs), and with ``none`` under the mean where the values are checked anyway:
+    by the reducer that decodes a chunk, or, for our own part, by our reducer as it
+    encodes each average. A bad chunk fails the call with :class:`InvalidTensorsError`:
+    at once when the codec finds it, at the end of the round when a reducer refused it
+    and it kept our values. Only a caller that lied gets that error, after its group
+    formed, and the group then goes on without it (or without the chunks it spoiled)."""
 
 
 class _NonFiniteInput(ValueError):
@@ -233,20 +234,24 @@ class _Exchange:
         """Whether the codec must check our chunks of ``part`` as it encodes them.
 
         Only with :attr:`FiniteCheck.AS_ENCODED` (else the whole vector was checked once).
-        Even then, not the chunks sent to another reducer through a codec that sends the
-        values themselves and refuses NaN/Inf when it decodes them (``none``): that
-        reducer's check is the check, and skipping ours saves (N-1)/N of a pass over the
-        tensors. A chunk it refuses stays local, and :meth:`refuse_local_non_finite`
-        finds it at the end of the round."""
+        Even then, not through a codec that passes the values themselves and refuses
+        NaN/Inf when it decodes or encodes them (``none``), under the mean: a chunk sent to
+        another reducer is checked as that reducer decodes it, and a chunk of our own part
+        as our reducer encodes the chunk's average (a NaN/Inf makes the average
+        non-finite, and the chunk is returned empty). Either way the chunk keeps our
+        values, and :meth:`refuse_local_non_finite` finds it at the end of the round; the
+        round skips a whole pass over the tensors. The robust rules get checked copies:
+        their kernels sort and compare the values."""
         if not self.check_as_encoded:
             return False
-        receiver_checks = self.codec.exact and self.codec.decodes_finite
-        return part == self.my_index or not receiver_checks
+        checked_anyway = self.codec.exact and self.codec.decodes_finite
+        return not checked_anyway or self.group.rule.robust
 
     def refuse_local_non_finite(self) -> None:
         """With :attr:`FiniteCheck.AS_ENCODED`, after :meth:`fill_missing`: raise
         :class:`_NonFiniteInput` when a chunk that kept our own values holds NaN/Inf
-        (a reducer refused it, or never got it). A pass over the failed chunks only."""
+        (a reducer refused it, returned it empty, or never got it). A pass over the
+        unaveraged chunks only."""
         if not self.check_as_encoded:
             return
         for part, received in self.received.items():

@@ -5,9 +5,12 @@ a caller that lied fails alone, mid-round, and the rest of its group finishes.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
+from swarmavg.averaging.aggregation import parse_aggregation
 from swarmavg.averaging.allreduce.load_balancing import part_sizes
 from swarmavg.averaging.allreduce.runner import FiniteCheck
 from swarmavg.averaging.errors import InvalidTensorsError
@@ -21,6 +24,10 @@ pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("allreduce_transp
 N = 3
 SIZE = 30_000  # parts of 10,000 elements, about 10 chunks each at the tests' 4 KiB chunks
 AS_ENCODED = dict.fromkeys(range(N), FiniteCheck.AS_ENCODED)
+
+
+def group_rule_name(spec: str) -> str:
+    return parse_aggregation(spec).name
 
 
 def _inputs(seed: int) -> list[list[np.ndarray]]:
@@ -85,9 +92,10 @@ async def test_a_nan_found_as_it_is_encoded_fails_its_owner_alone(
         )
         assert isinstance(results[1], InvalidTensorsError), results[1]
         assert "NaN or Inf" in str(results[1])
-        if codec == "none" and where == "another part":
-            # sent unchecked: part 2's reducer refused it, and member 1 found it among
-            # the chunks that kept its own values
+        if codec == "none":
+            # not checked as encoded: part 2's reducer refused the chunk, or member 1's
+            # own reducer could not encode its non-finite average; member 1 found it
+            # among the chunks that kept its own values
             assert "did not average" in str(results[1])
         for i in (0, 2):
             result = results[i]
@@ -126,5 +134,31 @@ async def test_the_scan_up_front_refuses_before_anything_is_sent(
         assert isinstance(results[1], ValueError), results[1]
         assert not isinstance(results[1], InvalidTensorsError)  # the scan's plain error
         assert "NaN or Inf" in str(results[1])
+    finally:
+        await close_peers(peers)
+
+
+@pytest.mark.parametrize("aggregation", ["trimmed-mean", "centered-clip"])
+async def test_robust_rules_get_checked_copies_even_with_codec_none(
+    grpc_servers: GrpcServerPool, channels: ChannelPool, aggregation: str
+) -> None:
+    """Under a robust rule the reducer sorts and compares the copies, so ``none`` checks
+    a member's own part as it encodes it: the NaN is found there, not in the average."""
+    peers = await start_peers(grpc_servers, N)
+    try:
+        inputs = _inputs(seed=7)
+        group = make_group(peers, inputs[0])
+        group = dataclasses.replace(group, aggregation=group_rule_name(aggregation))
+        bounds = np.cumsum([0, *part_sizes(group.members, SIZE)])
+        inputs[1][0][(bounds[1] + bounds[2]) // 2] = np.nan
+        results = await run_group(
+            peers, group, inputs, [1.0] * N, channels, outs=inputs, finite_checks=AS_ENCODED
+        )
+        assert isinstance(results[1], InvalidTensorsError), results[1]
+        assert "did not average" not in str(results[1])  # found as it was encoded
+        for i in (0, 2):
+            result = results[i]
+            assert isinstance(result, AveragingResult), result
+            assert np.isfinite(result.tensors[0]).all()
     finally:
         await close_peers(peers)
