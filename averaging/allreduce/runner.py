@@ -126,10 +126,6 @@ class FiniteCheck(enum.Enum):
     formed, and the group then goes on without it (or without the chunks it spoiled)."""
 
 
-class _NonFiniteInput(ValueError):
-    """A chunk of this member's own tensors held NaN/Inf (:attr:`FiniteCheck.AS_ENCODED`)."""
-
-
 def _bytes_per_element(codec: Codec, dtype: np.dtype) -> float:
     """Encoded bytes per element of ``codec`` on a fixed pseudo-random probe.
 
@@ -200,9 +196,11 @@ class _Exchange:
         self.handed = dict.fromkeys(range(group.size), 0)  # chunks of part j given to its stream
         self.distrusted: dict[int, str] = {}  # part -> why its reducer's word is refused
         self.crashed = asyncio.Event()
-        self.check_as_encoded = False  # FiniteCheck.AS_ENCODED (set by run_allreduce)
+        # FiniteCheck.AS_ENCODED, and whether the codec checks our chunks (run_allreduce)
+        self.check_as_encoded = False
+        self.codec_checks = False
         self.refused = asyncio.Event()  # a chunk of our own tensors held NaN/Inf
-        self.refusal = ""
+        self.refusal: InvalidTensorsError | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
         self.in_place = False
@@ -226,30 +224,13 @@ class _Exchange:
             key=f"{self.group.schema_hash.hex()[:16]}/flat[{base + start}:{base + end}]",
             part_index=part,
             part_size=self.plan.part_size(part),
-            finite=not self._check_now(part),
+            finite=not self.codec_checks,
         )
         return self.vector[base + start : base + end], info
 
-    def _check_now(self, part: int) -> bool:
-        """Whether the codec must check our chunks of ``part`` as it encodes them.
-
-        Only with :attr:`FiniteCheck.AS_ENCODED` (else the whole vector was checked once).
-        Even then, not through a codec that passes the values themselves and refuses
-        NaN/Inf when it decodes or encodes them (``none``), under the mean: a chunk sent to
-        another reducer is checked as that reducer decodes it, and a chunk of our own part
-        as our reducer encodes the chunk's average (a NaN/Inf makes the average
-        non-finite, and the chunk is returned empty). Either way the chunk keeps our
-        values, and :meth:`refuse_local_non_finite` finds it at the end of the round; the
-        round skips a whole pass over the tensors. The robust rules get checked copies:
-        their kernels sort and compare the values."""
-        if not self.check_as_encoded:
-            return False
-        checked_anyway = self.codec.exact and self.codec.decodes_finite
-        return not checked_anyway or self.group.rule.robust
-
     def refuse_local_non_finite(self) -> None:
         """With :attr:`FiniteCheck.AS_ENCODED`, after :meth:`fill_missing`: raise
-        :class:`_NonFiniteInput` when a chunk that kept our own values holds NaN/Inf
+        :class:`InvalidTensorsError` when a chunk that kept our own values holds NaN/Inf
         (a reducer refused it, returned it empty, or never got it). A pass over the
         unaveraged chunks only."""
         if not self.check_as_encoded:
@@ -259,7 +240,7 @@ class _Exchange:
             for chunk in np.flatnonzero(~received):
                 start, end = self.plan.chunk_bounds(part, int(chunk))
                 if not all_finite(self.result[base + start : base + end]):
-                    raise _NonFiniteInput(
+                    raise InvalidTensorsError(
                         f"the tensors hold NaN or Inf (in elements "
                         f"flat[{base + start}:{base + end}], which part {part}'s reducer "
                         "did not average)"
@@ -270,14 +251,15 @@ class _Exchange:
         code: Callable[[np.ndarray, CodecInfo], _T], values: np.ndarray, info: CodecInfo
     ) -> _T:
         """``code(values, info)``, where a refusal caused by NaN/Inf in our own unchecked
-        values becomes :class:`_NonFiniteInput` (the round ends) rather than a failed part."""
+        values becomes :class:`InvalidTensorsError` (the round ends) rather than a failed
+        part."""
         try:
             return code(values, info)
         except ValueError as e:  # CodecError included
             if info.finite or all_finite(values):
                 raise
             where = info.key.rpartition("/")[2]  # the chunk's place in the flattened tensors
-            raise _NonFiniteInput(f"the tensors hold NaN or Inf (in elements {where})") from e
+            raise InvalidTensorsError(f"the tensors hold NaN or Inf (in elements {where})") from e
 
     def _encode(self, part: int, chunk: int) -> Encoded:
         return self._coded(self.codec.encode_payload, *self._chunk(part, chunk))
@@ -365,17 +347,17 @@ class _Exchange:
         if contributors == len(self.group.senders):
             self.full_chunks[self.my_index] += 1
 
-    def _refuse_own_tensors(self, error: _NonFiniteInput) -> None:
+    def _refuse_own_tensors(self, error: InvalidTensorsError) -> None:
         """End the round: our own tensors hold NaN/Inf (found as a chunk was encoded)."""
-        if not self.refused.is_set():
-            self.refusal = str(error)
+        if self.refusal is None:
+            self.refusal = error
             self.refused.set()
 
     async def contribute_local(self, round_: ReducerRound) -> None:
         for chunk in range(self.plan.num_chunks(self.my_index)):
             try:
                 values = await offload(self.service.executor, self._round_trip_local, chunk)
-            except _NonFiniteInput as e:
+            except InvalidTensorsError as e:
                 self._refuse_own_tensors(e)
                 return
             round_.add_local(chunk, values)
@@ -396,7 +378,7 @@ class _Exchange:
                     await asyncio.Event().wait()  # a stalled sender: the stream stays open
             try:
                 request = await offload(self.service.executor, self._encode_request, part, chunk)
-            except _NonFiniteInput as e:
+            except InvalidTensorsError as e:
                 self._refuse_own_tensors(e)
                 return  # the round ends now: run_allreduce cancels this stream
             # Counted before the write: a reply may come back before the write returns.
@@ -743,6 +725,15 @@ async def run_allreduce(
         fault_plan,
     )
     ex.check_as_encoded = finite_check is FiniteCheck.AS_ENCODED
+    # Even then the codec need not check our chunks when it passes the values themselves
+    # and refuses NaN/Inf as it decodes or encodes them (`none`), under the mean: a chunk
+    # sent to another reducer is checked as that reducer decodes it, a chunk of our own
+    # part as our reducer encodes its average (a NaN/Inf spoils the average, and the chunk
+    # comes back empty). Either way the chunk keeps our values, where
+    # refuse_local_non_finite() finds it. The robust rules get checked copies: their
+    # kernels sort and compare the values.
+    checked_anyway = codec.exact and codec.decodes_finite and not group.rule.robust
+    ex.codec_checks = ex.check_as_encoded and not checked_anyway
 
     def prepare() -> None:
         view = flat_view(tensors, layout)
@@ -819,7 +810,7 @@ async def run_allreduce(
             abort = None
             if ex.crashed.is_set():
                 abort = Abort(grpc.StatusCode.UNAVAILABLE, "peer crashed (injected)")
-            elif ex.refused.is_set():
+            elif ex.refusal is not None:
                 abort = Abort(
                     grpc.StatusCode.UNAVAILABLE, "the member's own tensors held NaN or Inf"
                 )
@@ -830,8 +821,8 @@ async def run_allreduce(
             errors.extend(round_.errors)
     if ex.crashed.is_set():
         raise InjectedCrash(f"member {my_index} crashed as its fault plan says")
-    if ex.refused.is_set():
-        raise InvalidTensorsError(ex.refusal)
+    if ex.refusal is not None:
+        raise ex.refusal
 
     failed = tuple(
         j
@@ -863,10 +854,7 @@ async def run_allreduce(
                 np.copyto(dst, src)
         return list(out)
 
-    try:
-        out = await offload(executor, finish)
-    except _NonFiniteInput as e:
-        raise InvalidTensorsError(str(e)) from None
+    out = await offload(executor, finish)
     t_done = time.monotonic()
     if round_ is not None:
         ex.adjusted[my_index] = round_.adjusted

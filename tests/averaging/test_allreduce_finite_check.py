@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from swarmavg.averaging.aggregation import parse_aggregation
+from swarmavg.averaging.aggregation import canonical_aggregation
 from swarmavg.averaging.allreduce.load_balancing import part_sizes
 from swarmavg.averaging.allreduce.runner import FiniteCheck
 from swarmavg.averaging.errors import InvalidTensorsError
@@ -24,10 +24,6 @@ pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("allreduce_transp
 N = 3
 SIZE = 30_000  # parts of 10,000 elements, about 10 chunks each at the tests' 4 KiB chunks
 AS_ENCODED = dict.fromkeys(range(N), FiniteCheck.AS_ENCODED)
-
-
-def group_rule_name(spec: str) -> str:
-    return parse_aggregation(spec).name
 
 
 def _inputs(seed: int) -> list[list[np.ndarray]]:
@@ -148,7 +144,7 @@ async def test_robust_rules_get_checked_copies_even_with_codec_none(
     try:
         inputs = _inputs(seed=7)
         group = make_group(peers, inputs[0])
-        group = dataclasses.replace(group, aggregation=group_rule_name(aggregation))
+        group = dataclasses.replace(group, aggregation=canonical_aggregation(aggregation))
         bounds = np.cumsum([0, *part_sizes(group.members, SIZE)])
         inputs[1][0][(bounds[1] + bounds[2]) // 2] = np.nan
         results = await run_group(
