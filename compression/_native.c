@@ -926,6 +926,88 @@ done:
     return result;
 }
 
+/* ---------------------------------------------------------------------------------
+ * The mean's accumulation (averaging/allreduce/reducer.py): out = (a*wa + b*wb) / d, in
+ * one pass where numpy makes one per operation (a first copy scaled into the
+ * accumulator, each later one added, the division into a fresh array, then the check of
+ * that average before it is encoded). Each product, the sum and the quotient are
+ * rounded on their own in the values' dtype, in that order, as numpy's
+ * `acc = a * wa; acc += b * wb; acc / d` rounds them, so the bits are the same. Returns
+ * whether every output is finite (the check of the average, fused). b may be absent
+ * (out = a*wa / d) and d may be absent (no division); out may be a. */
+
+#define WSUM_LOOP(NAME, P, T, U, INF)                                                      \
+    CLONES static U NAME(const P *a, T wa, const P *b, T wb, T d, int has_b, int has_d,   \
+                         P *o, Py_ssize_t n) {                                             \
+        U special = 0;                                                                     \
+        if (has_b && has_d) {                                                              \
+            for (Py_ssize_t i = 0; i < n; i++) {                                           \
+                T r = (a[i] * wa + b[i] * wb) / d; U u; memcpy(&u, &r, sizeof u);          \
+                o[i] = r; special |= (U)((u & INF) == INF);                                \
+            }                                                                              \
+        } else if (has_b) {                                                                \
+            for (Py_ssize_t i = 0; i < n; i++) {                                           \
+                T r = a[i] * wa + b[i] * wb; U u; memcpy(&u, &r, sizeof u);                \
+                o[i] = r; special |= (U)((u & INF) == INF);                                \
+            }                                                                              \
+        } else if (has_d) {                                                                \
+            for (Py_ssize_t i = 0; i < n; i++) {                                           \
+                T r = (a[i] * wa) / d; U u; memcpy(&u, &r, sizeof u);                      \
+                o[i] = r; special |= (U)((u & INF) == INF);                                \
+            }                                                                              \
+        } else {                                                                           \
+            for (Py_ssize_t i = 0; i < n; i++) {                                           \
+                T r = a[i] * wa; U u; memcpy(&u, &r, sizeof u);                            \
+                o[i] = r; special |= (U)((u & INF) == INF);                                \
+            }                                                                              \
+        }                                                                                  \
+        return special;                                                                    \
+    }
+
+/* P: the element type at any address (f32/f64 above); T: the value type. */
+WSUM_LOOP(wsum32_loop, f32, float, uint32_t, F32_INF)
+WSUM_LOOP(wsum64_loop, f64, double, uint64_t, F64_INF)
+
+static PyObject *weighted_sum(PyObject *self, PyObject *args) {
+    PyObject *a_o, *b_o, *out_o;
+    double wa, wb, d;
+    int itemsize;
+    if (!PyArg_ParseTuple(args, "OdOddiO:weighted_sum", &a_o, &wa, &b_o, &wb, &d, &itemsize,
+                          &out_o))
+        return NULL;
+    if (itemsize != 4 && itemsize != 8) {
+        PyErr_SetString(PyExc_ValueError, "weighted_sum: itemsize must be 4 or 8");
+        return NULL;
+    }
+    Buf ab, bb, ob;
+    ab.held = bb.held = ob.held = 0;
+    PyObject *result = NULL;
+    Py_ssize_t na = get(a_o, &ab, 0, itemsize, 0, "a");
+    if (na < 0) goto done;
+    Py_ssize_t nb = get(b_o, &bb, 0, itemsize, 1, "b");
+    if (nb < 0) goto done;
+    Py_ssize_t no = get(out_o, &ob, 1, itemsize, 0, "out");
+    if (no < 0) goto done;
+    int has_b = b_o != Py_None, has_d = d != 0.0;
+    if (no != na || (has_b && nb != na)) {
+        PyErr_SetString(PyExc_ValueError, "weighted_sum: a, b and out need one length");
+        goto done;
+    }
+    int special;
+    Py_BEGIN_ALLOW_THREADS
+    if (itemsize == 4)
+        special = wsum32_loop(ab.view.buf, (float)wa, bb.held ? bb.view.buf : NULL, (float)wb,
+                              (float)d, has_b, has_d, ob.view.buf, na) != 0;
+    else
+        special = wsum64_loop(ab.view.buf, wa, bb.held ? bb.view.buf : NULL, wb, d, has_b,
+                              has_d, ob.view.buf, na) != 0;
+    Py_END_ALLOW_THREADS
+    result = PyBool_FromLong(!special);
+done:
+    release(&ab); release(&bb); release(&ob);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"all_finite", all_finite, METH_VARARGS,
      "all_finite(x, itemsize) -> bool: whether float32 (itemsize 4) or float64 (8) "
@@ -933,6 +1015,10 @@ static PyMethodDef methods[] = {
     {"copy_finite", copy_finite, METH_VARARGS,
      "copy_finite(src, out, itemsize) -> bool: copy float32 (itemsize 4) or float64 (8) "
      "values bit for bit; False if src holds NaN/Inf."},
+    {"weighted_sum", weighted_sum, METH_VARARGS,
+     "weighted_sum(a, wa, b, wb, d, itemsize, out) -> bool: out = (a*wa + b*wb) / d in "
+     "float32 (itemsize 4) or float64 (8), each operation rounded as numpy does; b None: no "
+     "second term; d 0: no division. False if out holds NaN/Inf."},
     {"median_gram", median_gram, METH_VARARGS,
      "median_gram(stack, n, pairs, lower, upper, itemsize, median, gram): per column of the "
      "(n, m) stack, median = (row lower + row upper) / 2 after the comparators `pairs` "

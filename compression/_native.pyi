@@ -24,6 +24,15 @@ def scaled16(
 ) -> None: ...
 def copy_finite(src: np.ndarray, out: np.ndarray, itemsize: int) -> bool: ...
 def all_finite(x: np.ndarray, itemsize: int) -> bool: ...
+def weighted_sum(
+    a: np.ndarray,
+    wa: float,
+    b: np.ndarray | None,
+    wb: float,
+    d: float,
+    itemsize: int,
+    out: np.ndarray,
+) -> bool: ...
 def median_gram(
     stack: np.ndarray,
     n: int,

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FLOATS", "copy_finite", "kernels", "takes"]
+__all__ = ["FLOATS", "copy_finite", "kernels", "takes", "weighted_sum"]
 
 FLOATS: tuple[np.dtype[Any], ...] = (np.dtype(np.float32), np.dtype(np.float64))
 """The float dtypes the compiled finite scan and checked copy take (float16 and bfloat16
@@ -70,3 +70,28 @@ def copy_finite(src: np.ndarray, dst: np.ndarray) -> bool | None:
     ):
         return None
     return bool(copy(src.reshape(-1), dst.reshape(-1), src.dtype.itemsize))
+
+
+def weighted_sum(
+    a: np.ndarray, wa: float, b: np.ndarray | None, wb: float, d: float, out: np.ndarray
+) -> bool | None:
+    """``out = (a * wa + b * wb) / d`` in one compiled pass (``b`` ``None``: no second
+    term; ``d`` 0: no division; ``out`` may be ``a``), each operation rounded in the arrays'
+    dtype as numpy rounds ``a * wa``, ``+= b * wb`` and ``/ d``: the same bits. The
+    weights are taken as that dtype's values (the caller rounds them to it).
+
+    Returns:
+        Whether every value of ``out`` is finite, or ``None`` when the kernel does not
+        apply (arrays of one dtype of :data:`FLOATS`, one length, and :func:`takes` them):
+        nothing was written, and the caller computes with numpy.
+    """
+    kernel = getattr(kernels, "weighted_sum", None)  # absent from an older build
+    arrays = (a, out) if b is None else (a, b, out)
+    if (
+        kernel is None
+        or out.dtype not in FLOATS
+        or any(x.dtype != out.dtype or x.shape != out.shape or x.ndim != 1 for x in arrays)
+        or not takes(*arrays)
+    ):
+        return None
+    return bool(kernel(a, wa, b, wb, d, out.dtype.itemsize, out))

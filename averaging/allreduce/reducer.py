@@ -10,6 +10,13 @@ How copies combine is the group's aggregation rule (:mod:`swarmavg.averaging.agg
 - ``mean`` keeps ``sum_i w_i x_i`` in a preallocated accumulator (float32, or float64 for
   float64 layouts) as chunks arrive, and the result is ``sum w_i x_i / sum w_i``. When
   every delivering sender has weight 0, the chunk is the plain mean of their copies.
+  The arithmetic is deferred by one copy (issue 21, "accumulation fused"): a chunk's first
+  two copies are only held, the third sums the first two into the accumulator and is held
+  in their place, and so on; the result then adds the held copy and divides in the same
+  pass, checking it for NaN/Inf as it is written (``weighted_sum``,
+  :mod:`~swarmavg.compression.native`). Per chunk that is one pass over memory per copy
+  after the second, where adding each copy and then dividing and checking the sum took
+  one per copy plus three, with the same roundings in the same order, hence the same bits.
 - the robust rules (``centered-clip``, ``trimmed-mean``) keep each sender's copy of a chunk
   until the chunk is final, then combine them (:mod:`~swarmavg.averaging.allreduce.robust`).
   The copies live in one buffer of ``n`` times the part (chunk ``c``'s ``(n, size)`` rows
@@ -48,6 +55,7 @@ from swarmavg.averaging.allreduce.robust import (
     trimmed_values,
 )
 from swarmavg.compression.kernels import all_finite
+from swarmavg.compression.native import weighted_sum
 
 DEFAULT_WEIGHT_BOUND = 10.0
 """A sender's weight counts as at most this many times the median weight of its part."""
@@ -110,6 +118,10 @@ class PartReducer:
         self._acc = accumulator if accumulator is not None else np.empty(size, dtype=self.dtype)
         self._released = False
         self._zero_acc: np.ndarray | None = None  # plain sums from weight-0 senders
+        # mean: per chunk, the copies (values, factor) not yet in the accumulator, in
+        # arrival order: up to two before the chunk's first sum, then one
+        self._held: dict[int, list[tuple[np.ndarray, float]]] = {}
+        self._summed = np.zeros(self.num_chunks, dtype=bool)  # the accumulator holds a sum
         self._weight_sum = np.zeros(self.num_chunks, dtype=np.float64)
         self._zero_count = np.zeros(self.num_chunks, dtype=np.int64)
         self._delivered = np.zeros(self.num_chunks, dtype=np.int64)  # copies per chunk
@@ -200,9 +212,12 @@ class PartReducer:
         """Take ``sender``'s copy of ``chunk``; return chunks that became final.
 
         ``finite=True`` skips the NaN/Inf check when the caller already made it (the
-        codec's decoder, for codecs that check their output). ``values`` is read now or,
-        before every weight is known, kept until then: the caller must not reuse its
-        buffer for other data (decoded chunks are fresh arrays or views of one message).
+        codec's decoder, for codecs that check their output). ``values`` may be kept
+        until the chunk's result is computed (the mean defers its arithmetic by one
+        copy; every rule keeps copies that arrive before the last weight is known): the
+        caller must not reuse its buffer for other data before then (decoded chunks are
+        fresh arrays or views of one message; this member's own copy is its tensors, whose
+        chunk is written only with that result).
 
         Raises:
             ContributionError: see :meth:`check`; nothing is accumulated then.
@@ -229,13 +244,19 @@ class PartReducer:
             rows[self._row[sender]] = values
             return
         if weight > 0.0:
-            target = self._acc[start:end]
-            if self._weight_sum[chunk] == 0.0:
-                np.multiply(values, self.dtype.type(weight), out=target)
-            elif weight == 1.0:
-                target += values
-            else:  # never scale `values` in place: it may be a view of the caller's data
-                target += values * self.dtype.type(weight)
+            # Never written to: `values` may be a view of the caller's data or of a message.
+            held = self._held.setdefault(chunk, [])
+            if len(held) == 2 or (held and self._summed[chunk]):
+                target = self._acc[start:end]
+                if self._summed[chunk]:  # the sum so far plus the held copy
+                    ((copy, factor),) = held
+                    self._combine(target, 1.0, copy, factor, 0.0, target)
+                else:  # the first two copies
+                    (first, first_factor), (copy, factor) = held
+                    self._combine(first, first_factor, copy, factor, 0.0, target)
+                self._summed[chunk] = True
+                held.clear()
+            held.append((values, weight))
             self._weight_sum[chunk] += weight
         else:
             if self._zero_acc is None:
@@ -286,6 +307,7 @@ class PartReducer:
             self._released = True
             busy = self._combining > 0
         acc, self._acc = self._acc, np.empty(0, dtype=self.dtype)
+        self._held.clear()  # views of messages and of the caller's data: let them go
         # A combination still reading the copies in a worker: let the buffer go with it
         # rather than hand it to the next round.
         return acc if acc.size and not busy else None
@@ -314,15 +336,65 @@ class PartReducer:
             raise ValueError(f"chunk {chunk} is not final")
         if self._robust:
             return self._aggregate_robust(chunk)
+        return self.mean(chunk)[0], 0
+
+    def mean(self, chunk: int) -> tuple[np.ndarray | None, bool]:
+        """The mean rule's result for a final ``chunk`` (``None``: nobody delivered it), a
+        new array, and whether it was checked finite as it was written (``False``: not
+        checked, or it holds NaN/Inf: the caller's codec checks it). Pure: calling it
+        again gives the same result.
+
+        Raises:
+            ValueError: the chunk is not final yet, or the rule is robust.
+        """
+        if not self._final[chunk]:
+            raise ValueError(f"chunk {chunk} is not final")
+        if self._robust:
+            raise ValueError("mean() of a robust rule")
         start, end = self.plan.chunk_bounds(self.part, chunk)
-        out: np.ndarray
-        if self._weight_sum[chunk] > 0.0:
-            out = self._acc[start:end] / self.dtype.type(self._weight_sum[chunk])
-        elif self._zero_count[chunk] > 0 and self._zero_acc is not None:
-            out = self._zero_acc[start:end] / self.dtype.type(self._zero_count[chunk])
-        else:
-            return None, 0
-        return out, 0
+        weight_sum = self._weight_sum[chunk]
+        if weight_sum > 0.0:
+            out = np.empty(end - start, dtype=self.dtype)
+            held = self._held[chunk]
+            if self._summed[chunk]:
+                ((copy, factor),) = held
+                finite = self._combine(self._acc[start:end], 1.0, copy, factor, weight_sum, out)
+            elif len(held) == 2:
+                (first, first_factor), (copy, factor) = held
+                finite = self._combine(first, first_factor, copy, factor, weight_sum, out)
+            else:
+                ((copy, factor),) = held
+                finite = self._combine(copy, factor, None, 0.0, weight_sum, out)
+            return out, finite
+        if self._zero_count[chunk] > 0 and self._zero_acc is not None:
+            return self._zero_acc[start:end] / self.dtype.type(self._zero_count[chunk]), False
+        return None, False
+
+    def _combine(
+        self,
+        a: np.ndarray,
+        a_factor: float,
+        b: np.ndarray | None,
+        b_factor: float,
+        divisor: float,
+        out: np.ndarray,
+    ) -> bool:
+        """``out = (a * a_factor + b * b_factor) / divisor`` (no ``b``: ``a * a_factor /
+        divisor``; ``divisor`` 0: no division), every operation rounded in the reduction
+        dtype as numpy rounds it; ``out`` may be ``a``. Returns whether ``out`` was
+        checked and is finite (only the compiled kernel checks, in the same pass)."""
+        t = self.dtype.type
+        wa, wb, d = float(t(a_factor)), float(t(b_factor)), float(t(divisor))
+        finite = weighted_sum(a, wa, b, wb, d, out)
+        if finite is not None:
+            return finite
+        if a_factor != 1.0 or out is not a:
+            np.multiply(a, t(wa), out=out)
+        if b is not None:
+            out += b if b_factor == 1.0 else b * t(wb)
+        if divisor:
+            np.divide(out, t(d), out=out)
+        return False
 
     def _aggregate_robust(self, chunk: int) -> tuple[np.ndarray | None, int]:
         with self._combining_lock:

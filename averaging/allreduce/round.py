@@ -378,8 +378,9 @@ class ReducerRound:
     # ---- output ----
 
     def _encode_result(
-        self, chunk: int, values: np.ndarray, contributors: int, adjusted: int
+        self, chunk: int, values: np.ndarray, contributors: int, adjusted: int, finite: bool
     ) -> tuple[OutgoingChunk, np.ndarray]:
+        """Encode a combined chunk; ``finite``: the reducer checked it as it was written."""
         start, end = self.plan.bounds[self.my_index]
         chunk_start, chunk_end = self.plan.chunk_bounds(self.my_index, chunk)
         # One stable key per chunk of the tensors' flat layout: a stateful codec adds each
@@ -391,6 +392,7 @@ class ReducerRound:
             part_index=self.my_index,
             part_size=end - start,
             reduced=True,
+            finite=finite,
         )
         return encode_result(
             self.codec,
@@ -409,7 +411,7 @@ class ReducerRound:
         values, adjusted = self.reducer.aggregate(chunk)
         if values is None:
             return encode_response(None, chunk, 0), None, 0
-        response, decoded = self._encode_result(chunk, values, contributors, adjusted)
+        response, decoded = self._encode_result(chunk, values, contributors, adjusted, False)
         return response, decoded, adjusted
 
     async def _reply_for(self, chunk: int) -> OutgoingChunk:
@@ -422,11 +424,14 @@ class ReducerRound:
                     self.combiner, self._combine_and_encode, chunk, contributors
                 )
             else:
-                values, adjusted = self.reducer.aggregate(chunk)
+                # the mean: a division (fused with the last copy's addition and the check
+                # of the average, where the kernels are built) on the loop
+                values, finite = self.reducer.mean(chunk)
+                adjusted = 0
                 if values is None:
                     return encode_response(None, chunk, 0)
                 response, decoded = await offload(
-                    self.executor, self._encode_result, chunk, values, contributors, adjusted
+                    self.executor, self._encode_result, chunk, values, contributors, 0, finite
                 )
         except ValueError as e:
             # Only copies at the edge of the dtype's range can overflow the combination

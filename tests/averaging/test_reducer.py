@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from swarmavg.averaging.aggregation import parse_aggregation
 from swarmavg.averaging.allreduce.partition import PartPlan
 from swarmavg.averaging.allreduce.reducer import ContributionError, PartReducer, weighted_mean
 
@@ -136,3 +137,94 @@ def test_float64_accumulation() -> None:
     assert out[0] == 1e300
     assert out[1] == 2.0
     assert out[2] == 1 + 2**-51
+
+
+def _eager_mean(copies: list[tuple[np.ndarray, float]], weight_sum: float) -> np.ndarray:
+    """The mean as the reducer computed it before its arithmetic was deferred: the first
+    copy scaled into the accumulator, each later one added in arrival order, then the
+    division. The deferred and fused path must give these bits."""
+    t = copies[0][0].dtype.type
+    acc = copies[0][0] * t(copies[0][1])
+    for values, factor in copies[1:]:
+        acc += values if factor == 1.0 else values * t(factor)
+    return acc / t(weight_sum)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("senders", [1, 2, 3, 4, 6])
+def test_deferred_mean_has_the_bits_of_the_eager_sum(
+    compiled: bool, dtype: type, senders: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not compiled:  # the numpy fallback, used where the kernels are not built
+        monkeypatch.setattr("swarmavg.averaging.allreduce.reducer.weighted_sum", _no_kernel)
+    rng = np.random.default_rng(senders)
+    weights = [1.0, 0.3, 1.0, 2.5, 0.7, 1.0][:senders]
+    plan = PartPlan.build([1031], 300)  # ragged last chunk
+    reducer = PartReducer(plan, 0, np.dtype(dtype), range(senders))
+    data = [(rng.standard_normal(1031) * 10 ** rng.uniform(-3, 3)).astype(dtype) for _ in weights]
+    for array in data:
+        array.flags.writeable = False  # the reducer must never write a copy it holds
+    for s, w in enumerate(weights):
+        reducer.set_weight(s, w)
+    arrivals: dict[int, list[int]] = {c: [] for c in range(reducer.num_chunks)}
+    order = [(s, c) for c in range(reducer.num_chunks) for s in range(senders)]
+    rng.shuffle(order)
+    for s, c in order:
+        lo, hi = plan.chunk_bounds(0, c)
+        reducer.add(s, c, data[s][lo:hi])
+        arrivals[c].append(s)
+    factors = {s: reducer.factor(s) for s in range(senders)}
+    for c, senders_in_order in arrivals.items():
+        lo, hi = plan.chunk_bounds(0, c)
+        copies = [(data[s][lo:hi], factors[s]) for s in senders_in_order]
+        expected = _eager_mean(copies, sum(f for _, f in copies))  # type: ignore[misc]
+        got, finite = reducer.mean(c)
+        assert got is not None
+        assert got.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
+        assert finite == compiled  # only the kernel checks as it writes
+        again, _ = reducer.mean(c)  # pure: the held copies and the sum are unchanged
+        np.testing.assert_array_equal(again, got)
+
+
+def _no_kernel(*args: object) -> None:
+    return None
+
+
+@pytest.mark.parametrize("senders", [2, 3])
+def test_an_overflowing_mean_is_not_vouched_finite(senders: int) -> None:
+    plan = PartPlan.build([4], 4)
+    reducer = PartReducer(plan, 0, np.dtype(np.float32), range(senders))
+    for s in range(senders):
+        reducer.set_weight(s, 1.0)
+        reducer.add(s, 0, np.full(4, 3e38, np.float32))  # finite copies, infinite sum
+    values, finite = reducer.mean(0)
+    assert values is not None
+    assert not finite  # the codec then refuses the chunk
+    assert np.isinf(values).all()
+
+
+def test_mean_of_a_chunk_after_its_sender_dropped_uses_what_arrived() -> None:
+    plan = PartPlan.build([8], 4)
+    reducer = PartReducer(plan, 0, np.dtype(np.float32), [0, 1, 2])
+    for s in range(3):
+        reducer.set_weight(s, 1.0)
+    for s, value in ((0, 1.0), (1, 2.0), (2, 6.0)):
+        reducer.add(s, 0, np.full(4, value, np.float32))
+    reducer.add(0, 1, np.full(4, 1.0, np.float32))
+    reducer.add(2, 1, np.full(4, 5.0, np.float32))  # two copies held, none summed yet
+    assert reducer.drop(1) == [1]
+    np.testing.assert_array_equal(reducer.mean(0)[0], np.full(4, 3.0, np.float32))
+    np.testing.assert_array_equal(reducer.mean(1)[0], np.full(4, 3.0, np.float32))
+
+
+def test_mean_is_the_mean_rule_only() -> None:
+    plan = PartPlan.build([4], 4)
+    rule = parse_aggregation("trimmed-mean")
+    reducer = PartReducer(plan, 0, np.dtype(np.float32), [0, 1], rule)
+    for s in (0, 1):
+        reducer.set_weight(s, 1.0)
+        reducer.add(s, 0, np.full(4, float(s), np.float32))
+    with pytest.raises(ValueError, match="robust"):
+        reducer.mean(0)

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from swarmavg.compression import Codec, CodecInfo, blockwise, floating, get_codec, halfconv
+from swarmavg.compression import Codec, CodecInfo, blockwise, floating, get_codec, halfconv, native
 from swarmavg.compression.errors import CodecError
 from swarmavg.compression.native import kernels
 
@@ -273,8 +273,6 @@ def test_scaled_float16_same_bits_any_input(x: np.ndarray) -> None:
 
 
 def _without_kernels(fn: Callable[[], T]) -> T:
-    from swarmavg.compression import native
-
     with pytest.MonkeyPatch.context() as m:
         m.setattr(native, "kernels", None)
         m.setattr(floating, "native", None)
@@ -362,3 +360,37 @@ def test_the_checked_copy_applies_only_where_the_kernel_can_read_both_arrays() -
     ]:
         assert copy_finite(src, dst) is None
         assert (dst == 7).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_weighted_sum_matches_numpy_at_any_offset(dtype: type, offset: int) -> None:
+    """The mean's fused pass (averaging/allreduce/reducer.py) rounds each product, the
+    sum and the quotient as numpy does, at any address, and reports NaN/Inf in what it wrote."""
+    rng = np.random.default_rng(offset)
+    n = 4099
+    t = np.dtype(dtype).type
+    item = np.dtype(dtype).itemsize
+    raw = np.zeros(n * item + offset, np.uint8)
+    b = raw[offset:].view(dtype)  # a payload at an odd offset of its message
+    b[:] = rng.standard_normal(n) * 1e3
+    a = rng.standard_normal(n).astype(dtype)
+    out = np.empty(n, dtype)
+    for wa, wb, d in ((1.0, 1.0, 2.0), (0.37, 0.91, 1.28), (1.0, 0.3, 0.0)):
+        expected = a * t(wa)
+        expected += b * t(wb)
+        if d:
+            expected = expected / t(d)
+        assert native.weighted_sum(a, float(t(wa)), b, float(t(wb)), float(t(d)), out) is True
+        assert_same_bits(out, expected)
+    assert native.weighted_sum(a, 0.5, None, 0.0, 3.0, out) is True
+    assert_same_bits(out, (a * t(0.5)) / t(3.0))
+    acc = a.copy()  # in place, as the reducer sums into its accumulator
+    assert native.weighted_sum(acc, 1.0, b, 0.25, 0.0, acc) is True
+    assert_same_bits(acc, a + b * t(0.25))
+    for bad in (np.nan, np.inf):
+        b[n // 2] = bad
+        assert native.weighted_sum(a, 1.0, b, 1.0, 2.0, out) is False
+    with pytest.raises(ValueError, match="one length"):
+        native.kernels.weighted_sum(a, 1.0, b[:-1], 1.0, 0.0, item, out)  # type: ignore[union-attr]
+    assert native.weighted_sum(a.astype(np.float16), 1.0, None, 0.0, 0.0, out) is None
