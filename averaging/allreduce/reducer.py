@@ -339,10 +339,10 @@ class PartReducer:
         return self.mean(chunk)[0], 0
 
     def mean(self, chunk: int) -> tuple[np.ndarray | None, bool]:
-        """The mean rule's result for a final ``chunk`` (``None``: nobody delivered it), a
-        new array, and whether it was checked finite as it was written (``False``: not
-        checked, or it holds NaN/Inf: the caller's codec checks it). Pure: calling it
-        again gives the same result.
+        """The mean rule's result for a final ``chunk`` (``None``: nobody delivered it, or
+        the reducer was released), a new array, and whether it was checked finite as it
+        was written (``False``: not checked, or it holds NaN/Inf: the caller's codec
+        checks it). Pure: calling it again gives the same result.
 
         Raises:
             ValueError: the chunk is not final yet, or the rule is robust.
@@ -351,6 +351,8 @@ class PartReducer:
             raise ValueError(f"chunk {chunk} is not final")
         if self._robust:
             raise ValueError("mean() of a robust rule")
+        if self._released:  # the accumulator and the held copies are gone
+            return None, False
         start, end = self.plan.chunk_bounds(self.part, chunk)
         weight_sum = self._weight_sum[chunk]
         if weight_sum > 0.0:

@@ -228,3 +228,11 @@ def test_mean_is_the_mean_rule_only() -> None:
         reducer.add(s, 0, np.full(4, float(s), np.float32))
     with pytest.raises(ValueError, match="robust"):
         reducer.mean(0)
+
+
+def test_a_released_reducer_gives_no_mean() -> None:
+    _plan, reducer = _setup([0, 1], [1.0, 1.0])
+    reducer.add(0, 0, np.ones(4, np.float32))
+    reducer.add(1, 0, np.ones(4, np.float32))
+    assert reducer.release() is not None
+    assert reducer.mean(0) == (None, False)
