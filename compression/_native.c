@@ -460,6 +460,92 @@ CLONES static uint64_t copy_bits64_loop(const u64 *x, u64 *o, Py_ssize_t n) {
     return special;
 }
 
+/* Large copies stream their stores past the caches (x86-64's non-temporal stores). The
+ * destination of a large checked copy is a shared-memory segment that the daemon reads
+ * next, from memory, in another process: a cached store would first read each destination
+ * line into this core's cache (read for ownership), half again the memory traffic of the
+ * copy, for lines nobody reads from there. 64 MB of float32 into a segment: 4.9-5.1 ms
+ * instead of 7.4-10.5 with cached stores on the development machine (the bits are moved
+ * unchanged either way). Below STREAM_MIN_BYTES the destination may still be read from
+ * the cache, and the plain loop is used. */
+#define STREAM_MIN_BYTES ((Py_ssize_t)256 << 10)
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define STREAMING 1
+
+/* `nbytes` (a multiple of 32) from x to o (32-byte aligned), streamed; whether a 32-bit
+ * lane matched: lane & mask == want, with (mask, want) per even and odd lane (a float32's
+ * exponent bits in every lane; a float64's in its high, odd lane, the even lane's want
+ * unreachable). */
+__attribute__((target("avx2"))) static int stream_avx2(const char *x, char *o, Py_ssize_t nbytes,
+                                                        uint32_t mask_even, uint32_t mask_odd,
+                                                        uint32_t want_even, uint32_t want_odd) {
+    const __m256i mask = _mm256_set_epi32((int)mask_odd, (int)mask_even, (int)mask_odd,
+                                          (int)mask_even, (int)mask_odd, (int)mask_even,
+                                          (int)mask_odd, (int)mask_even);
+    const __m256i want = _mm256_set_epi32((int)want_odd, (int)want_even, (int)want_odd,
+                                          (int)want_even, (int)want_odd, (int)want_even,
+                                          (int)want_odd, (int)want_even);
+    __m256i hit = _mm256_setzero_si256();
+    for (Py_ssize_t i = 0; i < nbytes; i += 32) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(x + i));
+        hit = _mm256_or_si256(hit, _mm256_cmpeq_epi32(_mm256_and_si256(v, mask), want));
+        _mm256_stream_si256((__m256i *)(o + i), v);
+    }
+    _mm_sfence(); /* the streamed lines are visible before whatever this thread does next */
+    return !_mm256_testz_si256(hit, hit);
+}
+
+/* The same with SSE2 (every x86-64 CPU), 16 bytes at a time; o 32-byte aligned. */
+static int stream_sse2(const char *x, char *o, Py_ssize_t nbytes, uint32_t mask_even,
+                       uint32_t mask_odd, uint32_t want_even, uint32_t want_odd) {
+    const __m128i mask = _mm_set_epi32((int)mask_odd, (int)mask_even, (int)mask_odd,
+                                       (int)mask_even);
+    const __m128i want = _mm_set_epi32((int)want_odd, (int)want_even, (int)want_odd,
+                                       (int)want_even);
+    __m128i hit = _mm_setzero_si128();
+    for (Py_ssize_t i = 0; i < nbytes; i += 16) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(x + i));
+        hit = _mm_or_si128(hit, _mm_cmpeq_epi32(_mm_and_si128(v, mask), want));
+        _mm_stream_si128((__m128i *)(o + i), v);
+    }
+    _mm_sfence();
+    return _mm_movemask_epi8(hit) != 0;
+}
+
+/* copy_finite's loop for large copies: the elements up to o's first 32-byte boundary and
+ * after its last one through the plain loops, the rest streamed. Returns -1 (nothing
+ * copied) when o is not aligned to its items, so that no boundary falls on whole items. */
+static int copy_streamed(const char *x, char *o, Py_ssize_t n, int itemsize) {
+    if ((uintptr_t)o % (uintptr_t)itemsize) return -1;
+    Py_ssize_t head = (Py_ssize_t)((32 - (uintptr_t)o % 32) % 32) / itemsize;
+    if (head > n) head = n;
+    Py_ssize_t body = (n - head) * itemsize / 32 * 32;
+    Py_ssize_t tail_at = head + body / itemsize;
+    int special;
+    if (itemsize == 4) {
+        special = copy_bits32_loop((const u32 *)x, (u32 *)o, head) != 0;
+        special |= copy_bits32_loop((const u32 *)(x + tail_at * 4), (u32 *)(o + tail_at * 4),
+                                    n - tail_at) != 0;
+    } else {
+        special = copy_bits64_loop((const u64 *)x, (u64 *)o, head) != 0;
+        special |= copy_bits64_loop((const u64 *)(x + tail_at * 8), (u64 *)(o + tail_at * 8),
+                                    n - tail_at) != 0;
+    }
+    uint32_t mask_even = itemsize == 4 ? F32_INF : 0;
+    uint32_t mask_odd = itemsize == 4 ? F32_INF : (uint32_t)(F64_INF >> 32);
+    uint32_t want_even = itemsize == 4 ? F32_INF : 1; /* (lane & 0) is never 1 */
+    const char *bx = x + head * itemsize;
+    char *bo = o + head * itemsize;
+    if (__builtin_cpu_supports("avx2"))
+        special |= stream_avx2(bx, bo, body, mask_even, mask_odd, want_even, mask_odd);
+    else
+        special |= stream_sse2(bx, bo, body, mask_even, mask_odd, want_even, mask_odd);
+    return special;
+}
+#endif
+
 static PyObject *copy_finite(PyObject *self, PyObject *args) {
     PyObject *src_o, *out_o;
     int itemsize;
@@ -478,12 +564,18 @@ static PyObject *copy_finite(PyObject *self, PyObject *args) {
         release(&src); release(&out);
         return NULL;
     }
-    int special;
+    int special = -1;
     Py_BEGIN_ALLOW_THREADS
-    if (itemsize == 4)
-        special = copy_bits32_loop(src.view.buf, out.view.buf, n) != 0;
-    else
-        special = copy_bits64_loop(src.view.buf, out.view.buf, n) != 0;
+#ifdef STREAMING
+    if (n * itemsize >= STREAM_MIN_BYTES)
+        special = copy_streamed(src.view.buf, out.view.buf, n, itemsize);
+#endif
+    if (special < 0) {
+        if (itemsize == 4)
+            special = copy_bits32_loop(src.view.buf, out.view.buf, n) != 0;
+        else
+            special = copy_bits64_loop(src.view.buf, out.view.buf, n) != 0;
+    }
     Py_END_ALLOW_THREADS
     release(&src); release(&out);
     return PyBool_FromLong(!special);

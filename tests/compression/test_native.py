@@ -394,3 +394,34 @@ def test_weighted_sum_matches_numpy_at_any_offset(dtype: type, offset: int) -> N
     with pytest.raises(ValueError, match="one length"):
         native.kernels.weighted_sum(a, 1.0, b[:-1], 1.0, 0.0, item, out)  # type: ignore[union-attr]
     assert native.weighted_sum(a.astype(np.float16), 1.0, None, 0.0, 0.0, out) is None
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("items_off", [0, 1, 3, 5])
+@pytest.mark.parametrize("extra", [0, 1, 7])
+def test_a_large_checked_copy_streams_the_same_bits_and_finds_every_bad_value(
+    dtype: type, items_off: int, extra: int
+) -> None:
+    """Copies of 256 KiB and more stream their stores (_native.c, copy_streamed): the
+    items before the destination's first 32-byte boundary and after its last go through
+    the plain loop, the rest 32 bytes at a time. Every part of such a copy must move the
+    bits unchanged and report NaN/Inf wherever it sits; the extreme finite values are not
+    special. ``items_off`` shifts the destination off the boundary, ``extra`` gives a tail."""
+    item = np.dtype(dtype).itemsize
+    n = (256 << 10) // item + 40 + extra
+    rng = np.random.default_rng(items_off * 10 + extra)
+    src = rng.standard_normal(n).astype(dtype)
+    info = np.finfo(dtype)
+    src[:4] = [info.max, -info.max, info.tiny / 4, -0.0]
+    raw = np.zeros(n * item + 64 + items_off * item, np.uint8)
+    start = (-raw.ctypes.data) % 32 + items_off * item
+    dst = raw[start : start + n * item].view(dtype)
+    assert native.copy_finite(src, dst) is True
+    assert_same_bits(dst, src)
+    for where in (0, 1, 9, n // 2, n - 2, n - 1):  # the head, the streamed body, the tail
+        for bad in (np.nan, np.inf, -np.inf):
+            spoiled = src.copy()
+            spoiled[where] = bad
+            dst[...] = 0
+            assert native.copy_finite(spoiled, dst) is False, (where, bad)
+            assert_same_bits(dst, spoiled)
