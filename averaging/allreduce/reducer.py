@@ -122,6 +122,7 @@ class PartReducer:
         # arrival order: up to two before the chunk's first sum, then one
         self._held: dict[int, list[tuple[np.ndarray, float]]] = {}
         self._summed = np.zeros(self.num_chunks, dtype=bool)  # the accumulator holds a sum
+        self._taken = np.zeros(self.num_chunks, dtype=bool)  # mean() returned the result
         self._weight_sum = np.zeros(self.num_chunks, dtype=np.float64)
         self._zero_count = np.zeros(self.num_chunks, dtype=np.int64)
         self._delivered = np.zeros(self.num_chunks, dtype=np.int64)  # copies per chunk
@@ -317,20 +318,22 @@ class PartReducer:
         return int(self._delivered[chunk])
 
     def result(self, chunk: int) -> np.ndarray | None:
-        """The combined values of a final ``chunk``, or ``None`` when nobody delivered it.
+        """The combined values of a final ``chunk``, or ``None`` when nobody delivered it
+        (taken once, as :meth:`aggregate`).
 
         Raises:
-            ValueError: the chunk is not final yet.
+            ValueError: the chunk is not final yet, or (the mean) was taken already.
         """
         return self.aggregate(chunk)[0]
 
     def aggregate(self, chunk: int) -> tuple[np.ndarray | None, int]:
         """The combined values of a final ``chunk`` (``None``: nobody delivered it) and how
         many inputs the rule adjusted: copies rejected or clipped (centered-clip), values dropped
-        (trimmed-mean), 0 for the mean. The robust rules then let the copies go.
+        (trimmed-mean), 0 for the mean. Every rule then lets the chunk's copies go, so a
+        chunk's result is taken once.
 
         Raises:
-            ValueError: the chunk is not final yet.
+            ValueError: the chunk is not final yet, or (the mean) was taken already.
         """
         if not self._final[chunk]:
             raise ValueError(f"chunk {chunk} is not final")
@@ -342,10 +345,12 @@ class PartReducer:
         """The mean rule's result for a final ``chunk`` (``None``: nobody delivered it, or
         the reducer was released), a new array, and whether it was checked finite as it
         was written (``False``: not checked, or it holds NaN/Inf: the caller's codec
-        checks it). Pure: calling it again gives the same result.
+        checks it). Taken once: the copies held for the chunk are let go (received ones
+        would otherwise stay until the round ends, a part's worth of memory, or two).
 
         Raises:
-            ValueError: the chunk is not final yet, or the rule is robust.
+            ValueError: the chunk is not final yet, was taken already, or the rule is
+                robust.
         """
         if not self._final[chunk]:
             raise ValueError(f"chunk {chunk} is not final")
@@ -353,11 +358,14 @@ class PartReducer:
             raise ValueError("mean() of a robust rule")
         if self._released:  # the accumulator and the held copies are gone
             return None, False
+        if self._taken[chunk]:
+            raise ValueError(f"chunk {chunk} was taken already")
+        self._taken[chunk] = True
         start, end = self.plan.chunk_bounds(self.part, chunk)
         weight_sum = self._weight_sum[chunk]
         if weight_sum > 0.0:
             out = np.empty(end - start, dtype=self.dtype)
-            held = self._held[chunk]
+            held = self._held.pop(chunk)
             if self._summed[chunk]:
                 ((copy, factor),) = held
                 finite = self._combine(self._acc[start:end], 1.0, copy, factor, weight_sum, out)
