@@ -248,13 +248,7 @@ class PartReducer:
             # Never written to: `values` may be a view of the caller's data or of a message.
             held = self._held.setdefault(chunk, [])
             if len(held) == 2 or (held and self._summed[chunk]):
-                target = self._acc[start:end]
-                if self._summed[chunk]:  # the sum so far plus the held copy
-                    ((copy, factor),) = held
-                    self._combine(target, 1.0, copy, factor, 0.0, target)
-                else:  # the first two copies
-                    (first, first_factor), (copy, factor) = held
-                    self._combine(first, first_factor, copy, factor, 0.0, target)
+                self._fold(chunk, 0.0, None)
                 self._summed[chunk] = True
                 held.clear()
             held.append((values, weight))
@@ -365,20 +359,29 @@ class PartReducer:
         weight_sum = self._weight_sum[chunk]
         if weight_sum > 0.0:
             out = np.empty(end - start, dtype=self.dtype)
-            held = self._held.pop(chunk)
-            if self._summed[chunk]:
-                ((copy, factor),) = held
-                finite = self._combine(self._acc[start:end], 1.0, copy, factor, weight_sum, out)
-            elif len(held) == 2:
-                (first, first_factor), (copy, factor) = held
-                finite = self._combine(first, first_factor, copy, factor, weight_sum, out)
-            else:
-                ((copy, factor),) = held
-                finite = self._combine(copy, factor, None, 0.0, weight_sum, out)
+            finite = self._fold(chunk, weight_sum, out)
+            del self._held[chunk]
             return out, finite
         if self._zero_count[chunk] > 0 and self._zero_acc is not None:
             return self._zero_acc[start:end] / self.dtype.type(self._zero_count[chunk]), False
         return None, False
+
+    def _fold(self, chunk: int, divisor: float, out: np.ndarray | None) -> bool:
+        """Write the weighted sum of ``chunk`` so far (the accumulator's, if it holds one,
+        and the held copies), divided by ``divisor`` (0: not divided), into ``out``
+        (``None``: into the accumulator); whether it was checked finite as written."""
+        start, end = self.plan.chunk_bounds(self.part, chunk)
+        acc = self._acc[start:end]
+        target = acc if out is None else out
+        held = self._held[chunk]
+        if self._summed[chunk]:  # the sum so far plus the held copy
+            ((copy, factor),) = held
+            return self._combine(acc, 1.0, copy, factor, divisor, target)
+        if len(held) == 2:
+            (first, first_factor), (copy, factor) = held
+            return self._combine(first, first_factor, copy, factor, divisor, target)
+        ((copy, factor),) = held
+        return self._combine(copy, factor, None, 0.0, divisor, target)
 
     def _combine(
         self,

@@ -431,7 +431,13 @@ class ReducerRound:
                 if values is None:
                     return encode_response(None, chunk, 0)
                 response, decoded = await offload(
-                    self.executor, self._encode_result, chunk, values, contributors, 0, finite
+                    self.executor,
+                    self._encode_result,
+                    chunk,
+                    values,
+                    contributors,
+                    adjusted,
+                    finite,
                 )
         except ValueError as e:
             # Only copies at the edge of the dtype's range can overflow the combination
