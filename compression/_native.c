@@ -1019,38 +1019,47 @@ done:
 }
 
 /* ---------------------------------------------------------------------------------
- * The mean's accumulation (averaging/allreduce/reducer.py): out = (a*wa + b*wb) / d, in
- * one pass where numpy makes one per operation (a first copy scaled into the
- * accumulator, each later one added, the division into a fresh array, then the check of
- * that average before it is encoded). Each product, the sum and the quotient are
- * rounded on their own in the values' dtype, in that order, as numpy's
- * `acc = a * wa; acc += b * wb; acc / d` rounds them, so the bits are the same. Returns
- * whether every output is finite (the check of the average, fused). b may be absent
- * (out = a*wa / d) and d may be absent (no division); out may be a. */
+ * The mean of a chunk (averaging/allreduce/reducer.py): out = (x0*w0 + x1*w1 + ...) / d
+ * in one pass over the copies, where numpy makes one pass per operation (a first copy
+ * scaled into an accumulator, each later one added, the division into a fresh array,
+ * then the check of that average before it is encoded). Each product, each sum and the
+ * quotient are rounded on their own in the values' dtype, in that order, as numpy's
+ * `acc = x0 * w0; acc += x1 * w1; ...; acc / d` rounds them, so the bits are the same.
+ * The partial sums of a block of WSUM_BLOCK elements stay in the L1 cache while every
+ * copy is added to them, so each copy is read once and the result written once.
+ * Returns nonzero if an output is NaN/Inf: with weights > 0 (products of a NaN or an Inf
+ * stay NaN/Inf whatever the weight, and sums and quotients keep them), that is an input
+ * holding one or an overflow, so a finite output also vouches for every input. d may be
+ * absent (no division). */
+
+#define WSUM_BLOCK 1024
 
 #define WSUM_LOOP(NAME, P, T, U, INF)                                                      \
-    CLONES static U NAME(const P *a, T wa, const P *b, T wb, T d, int has_b, int has_d,   \
+    CLONES static U NAME(const P *const *x, const T *w, Py_ssize_t k, T d, int has_d,      \
                          P *o, Py_ssize_t n) {                                             \
         U special = 0;                                                                     \
-        if (has_b && has_d) {                                                              \
-            for (Py_ssize_t i = 0; i < n; i++) {                                           \
-                T r = (a[i] * wa + b[i] * wb) / d; U u; memcpy(&u, &r, sizeof u);          \
-                o[i] = r; special |= (U)((u & INF) == INF);                                \
+        T acc[WSUM_BLOCK];                                                                 \
+        for (Py_ssize_t s = 0; s < n; s += WSUM_BLOCK) {                                   \
+            Py_ssize_t m = n - s < WSUM_BLOCK ? n - s : WSUM_BLOCK;                        \
+            const P *x0 = x[0] + s;                                                        \
+            T w0 = w[0];                                                                   \
+            for (Py_ssize_t i = 0; i < m; i++) acc[i] = x0[i] * w0;                        \
+            for (Py_ssize_t j = 1; j < k; j++) {                                           \
+                const P *xj = x[j] + s;                                                    \
+                T wj = w[j];                                                               \
+                for (Py_ssize_t i = 0; i < m; i++) acc[i] = acc[i] + xj[i] * wj;           \
             }                                                                              \
-        } else if (has_b) {                                                                \
-            for (Py_ssize_t i = 0; i < n; i++) {                                           \
-                T r = a[i] * wa + b[i] * wb; U u; memcpy(&u, &r, sizeof u);                \
-                o[i] = r; special |= (U)((u & INF) == INF);                                \
-            }                                                                              \
-        } else if (has_d) {                                                                \
-            for (Py_ssize_t i = 0; i < n; i++) {                                           \
-                T r = (a[i] * wa) / d; U u; memcpy(&u, &r, sizeof u);                      \
-                o[i] = r; special |= (U)((u & INF) == INF);                                \
-            }                                                                              \
-        } else {                                                                           \
-            for (Py_ssize_t i = 0; i < n; i++) {                                           \
-                T r = a[i] * wa; U u; memcpy(&u, &r, sizeof u);                            \
-                o[i] = r; special |= (U)((u & INF) == INF);                                \
+            P *os = o + s;                                                                 \
+            if (has_d) {                                                                   \
+                for (Py_ssize_t i = 0; i < m; i++) {                                       \
+                    T r = acc[i] / d; U u; memcpy(&u, &r, sizeof u);                       \
+                    os[i] = r; special |= (U)((u & INF) == INF);                           \
+                }                                                                          \
+            } else {                                                                       \
+                for (Py_ssize_t i = 0; i < m; i++) {                                       \
+                    T r = acc[i]; U u; memcpy(&u, &r, sizeof u);                           \
+                    os[i] = r; special |= (U)((u & INF) == INF);                           \
+                }                                                                          \
             }                                                                              \
         }                                                                                  \
         return special;                                                                    \
@@ -1060,43 +1069,81 @@ done:
 WSUM_LOOP(wsum32_loop, f32, float, uint32_t, F32_INF)
 WSUM_LOOP(wsum64_loop, f64, double, uint64_t, F64_INF)
 
+#define WSUM_MAX_COPIES 4096
+
 static PyObject *weighted_sum(PyObject *self, PyObject *args) {
-    PyObject *a_o, *b_o, *out_o;
-    double wa, wb, d;
+    PyObject *copies_o, *weights_o, *out_o;
+    double d;
     int itemsize;
-    if (!PyArg_ParseTuple(args, "OdOddiO:weighted_sum", &a_o, &wa, &b_o, &wb, &d, &itemsize,
+    if (!PyArg_ParseTuple(args, "OOdiO:weighted_sum", &copies_o, &weights_o, &d, &itemsize,
                           &out_o))
         return NULL;
     if (itemsize != 4 && itemsize != 8) {
         PyErr_SetString(PyExc_ValueError, "weighted_sum: itemsize must be 4 or 8");
         return NULL;
     }
-    Buf ab, bb, ob;
-    ab.held = bb.held = ob.held = 0;
+    PyObject *copies = PySequence_Fast(copies_o, "weighted_sum: copies must be a sequence");
+    if (!copies) return NULL;
+    PyObject *weights = PySequence_Fast(weights_o, "weighted_sum: weights must be a sequence");
+    if (!weights) {
+        Py_DECREF(copies);
+        return NULL;
+    }
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(copies);
     PyObject *result = NULL;
-    Py_ssize_t na = get(a_o, &ab, 0, itemsize, 0, "a");
-    if (na < 0) goto done;
-    Py_ssize_t nb = get(b_o, &bb, 0, itemsize, 1, "b");
-    if (nb < 0) goto done;
+    Buf ob;
+    ob.held = 0;
+    Buf *bufs = NULL;
+    const void **ptrs = NULL;
+    double *w = NULL;
+    float *w32 = NULL;
+    if (k < 1 || k > WSUM_MAX_COPIES || PySequence_Fast_GET_SIZE(weights) != k) {
+        PyErr_SetString(PyExc_ValueError,
+                        "weighted_sum: need 1 to 4096 copies and one weight per copy");
+        goto done;
+    }
+    bufs = PyMem_Calloc((size_t)k, sizeof *bufs);
+    ptrs = PyMem_Calloc((size_t)k, sizeof *ptrs);
+    w = PyMem_Calloc((size_t)k, sizeof *w);
+    w32 = PyMem_Calloc((size_t)k, sizeof *w32);
+    if (!bufs || !ptrs || !w || !w32) {
+        PyErr_NoMemory();
+        goto done;
+    }
     Py_ssize_t no = get(out_o, &ob, 1, itemsize, 0, "out");
     if (no < 0) goto done;
-    int has_b = b_o != Py_None, has_d = d != 0.0;
-    if (no != na || (has_b && nb != na)) {
-        PyErr_SetString(PyExc_ValueError, "weighted_sum: a, b and out need one length");
-        goto done;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        w[j] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(weights, j));
+        if (w[j] == -1.0 && PyErr_Occurred()) goto done;
+        w32[j] = (float)w[j];
+        Py_ssize_t nj = get(PySequence_Fast_GET_ITEM(copies, j), &bufs[j], 0, itemsize, 0,
+                            "copy");
+        if (nj < 0) goto done;
+        if (nj != no) {
+            PyErr_SetString(PyExc_ValueError, "weighted_sum: every copy and out need one length");
+            goto done;
+        }
+        ptrs[j] = bufs[j].view.buf;
     }
     int special;
     Py_BEGIN_ALLOW_THREADS
     if (itemsize == 4)
-        special = wsum32_loop(ab.view.buf, (float)wa, bb.held ? bb.view.buf : NULL, (float)wb,
-                              (float)d, has_b, has_d, ob.view.buf, na) != 0;
+        special = wsum32_loop((const f32 *const *)ptrs, w32, k, (float)d, d != 0.0, ob.view.buf,
+                              no) != 0;
     else
-        special = wsum64_loop(ab.view.buf, wa, bb.held ? bb.view.buf : NULL, wb, d, has_b,
-                              has_d, ob.view.buf, na) != 0;
+        special = wsum64_loop((const f64 *const *)ptrs, w, k, d, d != 0.0, ob.view.buf, no) != 0;
     Py_END_ALLOW_THREADS
     result = PyBool_FromLong(!special);
 done:
-    release(&ab); release(&bb); release(&ob);
+    if (bufs)
+        for (Py_ssize_t j = 0; j < k; j++) release(&bufs[j]);
+    release(&ob);
+    PyMem_Free(bufs);
+    PyMem_Free(ptrs);
+    PyMem_Free(w);
+    PyMem_Free(w32);
+    Py_DECREF(copies);
+    Py_DECREF(weights);
     return result;
 }
 
@@ -1108,9 +1155,9 @@ static PyMethodDef methods[] = {
      "copy_finite(src, out, itemsize) -> bool: copy float32 (itemsize 4) or float64 (8) "
      "values bit for bit; False if src holds NaN/Inf."},
     {"weighted_sum", weighted_sum, METH_VARARGS,
-     "weighted_sum(a, wa, b, wb, d, itemsize, out) -> bool: out = (a*wa + b*wb) / d in "
-     "float32 (itemsize 4) or float64 (8), each operation rounded as numpy does; b None: no "
-     "second term; d 0: no division. False if out holds NaN/Inf."},
+     "weighted_sum(copies, weights, d, itemsize, out) -> bool: out = (copies[0]*weights[0] + "
+     "copies[1]*weights[1] + ...) / d in float32 (itemsize 4) or float64 (8), each operation "
+     "rounded as numpy does, in that order; d 0: no division. False if out holds NaN/Inf."},
     {"median_gram", median_gram, METH_VARARGS,
      "median_gram(stack, n, pairs, lower, upper, itemsize, median, gram): per column of the "
      "(n, m) stack, median = (row lower + row upper) / 2 after the comparators `pairs` "

@@ -291,6 +291,16 @@ class Codec(ABC):
         way); :func:`writable` gives an array the caller owns.
         """
 
+    def decode_payload_unchecked(self, header: Header, payload: Buffer) -> tuple[np.ndarray, bool]:
+        """Decode as :meth:`decode_payload` does, but leave the NaN/Inf check to a caller
+        that reads every value anyway (the all-reduce's mean checks in the pass that
+        combines the copies); return the values and whether they were checked.
+
+        Codecs whose decoding checks for free (see :attr:`decodes_finite`) check; ``none``
+        returns the payload's bytes as they came.
+        """
+        return self.decode_payload(header, payload), self.decodes_finite
+
     def decode_payload_into(self, header: Header, payload: Buffer, out: np.ndarray) -> None:
         """Decode a payload (header validated as for :meth:`decode_payload`) into ``out``.
 

@@ -12,6 +12,7 @@ them out when debugging).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -73,25 +74,29 @@ def copy_finite(src: np.ndarray, dst: np.ndarray) -> bool | None:
 
 
 def weighted_sum(
-    a: np.ndarray, wa: float, b: np.ndarray | None, wb: float, d: float, out: np.ndarray
+    copies: Sequence[np.ndarray], weights: Sequence[float], d: float, out: np.ndarray
 ) -> bool | None:
-    """``out = (a * wa + b * wb) / d`` in one compiled pass (``b`` ``None``: no second
-    term; ``d`` 0: no division; ``out`` may be ``a``), each operation rounded in the arrays'
-    dtype as numpy rounds ``a * wa``, ``+= b * wb`` and ``/ d``: the same bits. The
-    weights are taken as that dtype's values (the caller rounds them to it).
+    """``out = (copies[0] * weights[0] + copies[1] * weights[1] + ...) / d`` in one
+    compiled pass (``d`` 0: no division; ``out`` may be one of the copies), each operation
+    rounded in the arrays' dtype, in that order, as numpy rounds ``acc = x0 * w0``,
+    ``acc += x1 * w1``, ... and ``acc / d``: the same bits. The weights are taken as that
+    dtype's values (the caller rounds them to it).
 
     Returns:
         Whether every value of ``out`` is finite, or ``None`` when the kernel does not
-        apply (arrays of one dtype of :data:`FLOATS`, one length, and :func:`takes` them):
-        nothing was written, and the caller computes with numpy.
+        apply (at least one copy, arrays of one dtype of :data:`FLOATS`, one length, one
+        dimension, and :func:`takes` them): nothing was written, and the caller computes
+        with numpy.
     """
     kernel = getattr(kernels, "weighted_sum", None)  # absent from an older build
-    arrays = (a, out) if b is None else (a, b, out)
+    arrays = (*copies, out)
     if (
         kernel is None
+        or not copies
+        or len(weights) != len(copies)
         or out.dtype not in FLOATS
         or any(x.dtype != out.dtype or x.shape != out.shape or x.ndim != 1 for x in arrays)
         or not takes(*arrays)
     ):
         return None
-    return bool(kernel(a, wa, b, wb, d, out.dtype.itemsize, out))
+    return bool(kernel(copies, weights, d, out.dtype.itemsize, out))

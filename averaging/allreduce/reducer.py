@@ -7,42 +7,48 @@ renormalised away only for the chunks it did not deliver (docs/averaging.md, "Fa
 
 How copies combine is the group's aggregation rule (:mod:`swarmavg.averaging.aggregation`):
 
-- ``mean`` keeps ``sum_i w_i x_i`` in a preallocated accumulator (float32, or float64 for
-  float64 layouts) as chunks arrive, and the result is ``sum w_i x_i / sum w_i``. When
-  every delivering sender has weight 0, the chunk is the plain mean of their copies.
-  The arithmetic is deferred by one copy (issue 21, "accumulation fused"): a chunk's first
-  two copies are only held, the third sums the first two into the accumulator and is held
-  in their place, and so on; the result then adds the held copy and divides in the same
-  pass, checking it for NaN/Inf as it is written (``weighted_sum``,
-  :mod:`~swarmavg.compression.native`). Per chunk that is one pass over memory per copy
-  after the second, where adding each copy and then dividing and checking the sum took
-  one per copy plus three, with the same roundings in the same order, hence the same bits.
+- ``mean`` holds each sender's copy of a chunk (a view of the caller's tensors or of a
+  received message, or a decoded array) until the chunk is final, then writes
+  ``sum w_i x_i / sum w_i`` in one pass over the copies that also checks the result for
+  NaN/Inf (``weighted_sum``, :mod:`~swarmavg.compression.native`; issue 21,
+  "accumulation fused"): each copy is read once and the result written once, where
+  adding each copy into an accumulator as it arrived read and wrote the accumulator once
+  per copy, and dividing and checking it took two more passes. The operations and their
+  order are those of the accumulation (arrival order, each rounded in the reduction
+  dtype), so the bits are the same. When every delivering sender has weight 0, the chunk
+  is the plain mean of their copies.
+  A received copy may come unchecked (``add(..., defer_check=True)``: ``none`` hands the
+  message's bytes as they came): a finite result vouches for every copy (a NaN or an Inf
+  times a weight stays one, and sums keep it), and only a non-finite result has its
+  unchecked copies checked one by one; a copy holding NaN/Inf is then left out of the
+  chunk's mean and its sender named in :attr:`PartReducer.rejected`, for the caller to
+  drop, as a chunk that fails on arrival drops its sender.
 - the robust rules (``centered-clip``, ``trimmed-mean``) keep each sender's copy of a chunk
   until the chunk is final, then combine them (:mod:`~swarmavg.averaging.allreduce.robust`).
   The copies live in one buffer of ``n`` times the part (chunk ``c``'s ``(n, size)`` rows
-  at ``n * start(c)``, contiguous), where the mean holds one part: copies arrive for many
-  chunks before the first is final, and fresh arrays per chunk cost a page fault per
-  4 KiB on first touch, round after round (7x the mean's faults per 64 MB round at 4
-  peers); one buffer can come from the service's pool like the mean's accumulator.
+  at ``n * start(c)``, contiguous): a robust rule writes each copy there, and fresh
+  arrays per chunk would cost a page fault per 4 KiB on first touch, round after round
+  (7x the mean's faults per 64 MB round at 4 peers); one buffer can come from the
+  service's pool. The mean writes nothing but its results and needs no buffer.
 
 Weights are bounded relative to the group (issue 17, "bounded member powers"): once every
 sender's weight is known (each sender's first message carries it, before its first
 chunk), a weight above ``weight_bound`` times the median of the senders' positive weights
 is clipped to that bound (the robust rules bound every weight by the median itself, so
 that a minority of members never holds most of the weight), and every weight is rescaled
-to at most 1, so the accumulator adds copies times factors in [0, 1] and no finite weight
-can overflow it. Chunks that
-arrive before the last weight is known wait (the weights' median is not known yet); none
-of them could be final before anyway.
+to at most 1, so the mean sums copies times factors in [0, 1] and no finite weight can
+overflow it. Chunks that arrive before the last weight is known wait (the weights'
+median is not known yet); none of them could be final before anyway.
 
 Errors in a contribution raise :class:`ContributionError` before anything is
-accumulated; the caller then drops that sender.
+accumulated (a deferred check aside, see above); the caller then drops that sender.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -63,6 +69,17 @@ DEFAULT_WEIGHT_BOUND = 10.0
 
 class ContributionError(ValueError):
     """A sender's chunk is invalid (wrong index, size, dtype, a duplicate, NaN/Inf)."""
+
+
+class HeldCopy(NamedTuple):
+    """A sender's copy of a chunk, held by the mean until the chunk is final."""
+
+    sender: int
+    values: np.ndarray
+    factor: float
+    """The sender's bounded weight (> 0)."""
+    checked: bool
+    """Whether the values were checked for NaN/Inf (else the mean's pass checks them)."""
 
 
 class PartReducer:
@@ -94,10 +111,9 @@ class PartReducer:
             weight_bound: for the mean, weights above this many times the median
                 positive weight of the part's senders are clipped to it (>= 1); the
                 robust rules clip at the median.
-            accumulator: memory for the weighted sums (the part's size in ``dtype``,
-                any contents: each chunk's first copy overwrites it), or for a robust
-                rule the copies (:meth:`buffer_size` elements), e.g. a reused buffer;
-                ``None``: a new one. :meth:`release` hands it back.
+            accumulator: for a robust rule, memory for the copies (:meth:`buffer_size`
+                elements, any contents), e.g. a reused buffer; ``None``: a new one.
+                :meth:`release` hands it back. The mean needs none.
         """
         self.plan = plan
         self.part = part
@@ -114,16 +130,13 @@ class PartReducer:
         size = self.buffer_size(plan, part, len(set(senders)), self.aggregation)
         if accumulator is not None and (accumulator.shape != (size,) or accumulator.dtype != dtype):
             accumulator = None  # not this part's shape: a new one
-        # No zero-fill: a chunk's first copy (weight > 0) is written, not added.
+        # No zero-fill: a robust rule writes every copy it reads.
         self._acc = accumulator if accumulator is not None else np.empty(size, dtype=self.dtype)
         self._released = False
         self._zero_acc: np.ndarray | None = None  # plain sums from weight-0 senders
-        # mean: per chunk, the copies (values, factor) not yet in the accumulator, in
-        # arrival order: up to two before the chunk's first sum, then one
-        self._held: dict[int, list[tuple[np.ndarray, float]]] = {}
-        self._summed = np.zeros(self.num_chunks, dtype=bool)  # the accumulator holds a sum
+        # mean: per chunk, the copies of weight > 0 in arrival order, until mean()
+        self._held: dict[int, list[HeldCopy]] = {}
         self._taken = np.zeros(self.num_chunks, dtype=bool)  # mean() returned the result
-        self._weight_sum = np.zeros(self.num_chunks, dtype=np.float64)
         self._zero_count = np.zeros(self.num_chunks, dtype=np.int64)
         self._delivered = np.zeros(self.num_chunks, dtype=np.int64)  # copies per chunk
         self._have: dict[int, np.ndarray] = {s: np.zeros(self.num_chunks, bool) for s in senders}
@@ -142,12 +155,15 @@ class PartReducer:
         self._final = np.zeros(self.num_chunks, dtype=bool)
         self.weights_clipped = 0
         """How many senders' weights exceeded the bound (known once weights resolved)."""
+        self.rejected: dict[int, str] = {}
+        """Senders whose copy of a chunk failed the check deferred into the mean (the copy
+        was left out), with the reason: the caller drops them."""
 
     @staticmethod
     def buffer_size(plan: PartPlan, part: int, senders: int, aggregation: Aggregation) -> int:
-        """Elements of the reducer's buffer: the part (the mean's sums), or ``senders``
-        times the part (a robust rule's copies)."""
-        return plan.part_size(part) * (senders if aggregation.robust else 1)
+        """Elements of the reducer's buffer: ``senders`` times the part (a robust rule's
+        copies), or 0 (the mean holds the copies themselves)."""
+        return plan.part_size(part) * senders if aggregation.robust else 0
 
     @property
     def live_senders(self) -> frozenset[int]:
@@ -208,34 +224,52 @@ class PartReducer:
             raise ContributionError(f"chunk {chunk} holds NaN or Inf")
 
     def add(
-        self, sender: int, chunk: int, values: np.ndarray, *, finite: bool = False
+        self,
+        sender: int,
+        chunk: int,
+        values: np.ndarray,
+        *,
+        finite: bool = False,
+        defer_check: bool = False,
     ) -> list[int]:
         """Take ``sender``'s copy of ``chunk``; return chunks that became final.
 
         ``finite=True`` skips the NaN/Inf check when the caller already made it (the
-        codec's decoder, for codecs that check their output). ``values`` may be kept
-        until the chunk's result is computed (the mean defers its arithmetic by one
-        copy; every rule keeps copies that arrive before the last weight is known): the
-        caller must not reuse its buffer for other data before then (decoded chunks are
-        fresh arrays or views of one message; this member's own copy is its tensors, whose
-        chunk is written only with that result).
+        codec's decoder, for codecs that check their output). ``defer_check=True`` lets
+        the mean make it in the pass that reads the copy for the chunk's result (where
+        the rule is the mean, and ``sender``'s weight is known and positive; otherwise
+        at once): a copy found holding NaN/Inf is then left out of that result and its
+        sender named in :attr:`rejected`. ``values`` is kept until the chunk's result is
+        computed: the caller must not reuse its buffer for other data before then
+        (decoded chunks are fresh arrays or views of one message; this member's own copy
+        is its tensors, whose chunk is written only with that result).
 
         Raises:
             ContributionError: see :meth:`check`; nothing is accumulated then.
         """
         if self._released:
             raise ContributionError("the round is over")
-        self.check(sender, chunk, values, finite=finite)
+        factors = self._factors
+        deferred = (
+            defer_check
+            and not finite
+            and not self._robust
+            and factors is not None
+            and factors.get(sender, 0.0) > 0.0
+        )
+        self.check(sender, chunk, values, finite=finite or deferred)
         self._have[sender][chunk] = True
         self._delivered[chunk] += 1
-        if self._factors is None:
+        if factors is None:
             self._pending.append((sender, chunk, values))
             return []
-        self._take(self._factors[sender], sender, chunk, values)
+        self._take(factors[sender], sender, chunk, values, checked=not deferred)
         return self._finalise([chunk])
 
-    def _take(self, weight: float, sender: int, chunk: int, values: np.ndarray) -> None:
-        """Accumulate (mean) or keep (robust) one checked copy with its bounded weight."""
+    def _take(
+        self, weight: float, sender: int, chunk: int, values: np.ndarray, checked: bool = True
+    ) -> None:
+        """Hold (mean) or keep (robust) one copy with its bounded weight."""
         start, end = self.plan.chunk_bounds(self.part, chunk)
         if self._robust:
             rows = self._copies.get(chunk)
@@ -246,16 +280,10 @@ class PartReducer:
             return
         if weight > 0.0:
             # Never written to: `values` may be a view of the caller's data or of a message.
-            held = self._held.setdefault(chunk, [])
-            if len(held) == 2 or (held and self._summed[chunk]):
-                self._fold(chunk, 0.0, None)
-                self._summed[chunk] = True
-                held.clear()
-            held.append((values, weight))
-            self._weight_sum[chunk] += weight
+            self._held.setdefault(chunk, []).append(HeldCopy(sender, values, weight, checked))
         else:
             if self._zero_acc is None:
-                self._zero_acc = np.zeros_like(self._acc)
+                self._zero_acc = np.zeros(self.plan.part_size(self.part), dtype=self.dtype)
             self._zero_acc[start:end] += values
             self._zero_count[chunk] += 1
 
@@ -339,8 +367,9 @@ class PartReducer:
         """The mean rule's result for a final ``chunk`` (``None``: nobody delivered it, or
         the reducer was released), a new array, and whether it was checked finite as it
         was written (``False``: not checked, or it holds NaN/Inf: the caller's codec
-        checks it). Taken once: the copies held for the chunk are let go (received ones
-        would otherwise stay until the round ends, a part's worth of memory, or two).
+        checks it). A copy whose check was deferred and fails is left out (its sender
+        named in :attr:`rejected`; :meth:`contributors` no longer counts it). Taken once:
+        the copies held for the chunk are let go.
 
         Raises:
             ValueError: the chunk is not final yet, was taken already, or the rule is
@@ -350,64 +379,59 @@ class PartReducer:
             raise ValueError(f"chunk {chunk} is not final")
         if self._robust:
             raise ValueError("mean() of a robust rule")
-        if self._released:  # the accumulator and the held copies are gone
+        if self._released:  # the held copies are gone
             return None, False
         if self._taken[chunk]:
             raise ValueError(f"chunk {chunk} was taken already")
         self._taken[chunk] = True
         start, end = self.plan.chunk_bounds(self.part, chunk)
-        weight_sum = self._weight_sum[chunk]
-        if weight_sum > 0.0:
+        copies = self._held.pop(chunk, [])
+        if copies:
             out = np.empty(end - start, dtype=self.dtype)
-            finite = self._fold(chunk, weight_sum, out)
-            del self._held[chunk]
-            return out, finite
+            finite = self._weighted_mean(copies, out)
+            if not finite and not all(c.checked for c in copies):
+                kept = self._reject_non_finite(chunk, copies)
+                if len(kept) < len(copies):
+                    copies = kept
+                    if copies:  # checked now: finite, or what is left overflowed
+                        finite = self._weighted_mean(copies, out)
+            if copies:
+                return out, finite
         if self._zero_count[chunk] > 0 and self._zero_acc is not None:
             return self._zero_acc[start:end] / self.dtype.type(self._zero_count[chunk]), False
         return None, False
 
-    def _fold(self, chunk: int, divisor: float, out: np.ndarray | None) -> bool:
-        """Write the weighted sum of ``chunk`` so far (the accumulator's, if it holds one,
-        and the held copies), divided by ``divisor`` (0: not divided), into ``out``
-        (``None``: into the accumulator); whether it was checked finite as written."""
-        start, end = self.plan.chunk_bounds(self.part, chunk)
-        acc = self._acc[start:end]
-        target = acc if out is None else out
-        held = self._held[chunk]
-        if self._summed[chunk]:  # the sum so far plus the held copy
-            ((copy, factor),) = held
-            return self._combine(acc, 1.0, copy, factor, divisor, target)
-        if len(held) == 2:
-            (first, first_factor), (copy, factor) = held
-            return self._combine(first, first_factor, copy, factor, divisor, target)
-        ((copy, factor),) = held
-        return self._combine(copy, factor, None, 0.0, divisor, target)
+    def _reject_non_finite(self, chunk: int, copies: list[HeldCopy]) -> list[HeldCopy]:
+        """The copies of ``chunk`` without the unchecked ones that hold NaN/Inf, whose
+        senders go to :attr:`rejected` (the slow path: only a non-finite mean takes it)."""
+        kept = []
+        for copy in copies:
+            if copy.checked or all_finite(copy.values):
+                kept.append(copy._replace(checked=True))
+                continue
+            self.rejected.setdefault(copy.sender, f"chunk {chunk} holds NaN or Inf")
+            self._delivered[chunk] -= 1
+        return kept
 
-    def _combine(
-        self,
-        a: np.ndarray,
-        a_factor: float,
-        b: np.ndarray | None,
-        b_factor: float,
-        divisor: float,
-        out: np.ndarray,
-    ) -> bool:
-        """``out = (a * a_factor + b * b_factor) / divisor`` (no ``b``: ``a * a_factor /
-        divisor``; ``divisor`` 0: no division), every operation rounded in the reduction
-        dtype as numpy rounds it; ``out`` may be ``a``. Returns whether ``out`` was
-        checked and is finite (only the compiled kernel checks, in the same pass)."""
+    def _weighted_mean(self, copies: list[HeldCopy], out: np.ndarray) -> bool:
+        """``out = sum f_i x_i / sum f_i`` over ``copies`` in arrival order, every
+        operation rounded in the reduction dtype as numpy rounds it. Returns whether
+        ``out`` was checked and is finite (the compiled kernel checks in the same pass;
+        numpy's path checks only when a copy is unchecked)."""
         t = self.dtype.type
-        wa, wb, d = float(t(a_factor)), float(t(b_factor)), float(t(divisor))
-        finite = weighted_sum(a, wa, b, wb, d, out)
+        divisor = 0.0
+        for copy in copies:  # in order, as the accumulation added them (not math.fsum)
+            divisor += copy.factor
+        weights = [float(t(copy.factor)) for copy in copies]
+        d = float(t(divisor))
+        finite = weighted_sum([copy.values for copy in copies], weights, d, out)
         if finite is not None:
             return finite
-        if a_factor != 1.0 or out is not a:
-            np.multiply(a, t(wa), out=out)
-        if b is not None:
-            out += b if b_factor == 1.0 else b * t(wb)
-        if divisor:
-            np.divide(out, t(d), out=out)
-        return False
+        np.multiply(copies[0].values, t(weights[0]), out=out)
+        for copy, weight in zip(copies[1:], weights[1:], strict=True):
+            out += copy.values * t(weight)
+        np.divide(out, t(d), out=out)
+        return not all(copy.checked for copy in copies) and all_finite(out)
 
     def _aggregate_robust(self, chunk: int) -> tuple[np.ndarray | None, int]:
         with self._combining_lock:

@@ -96,8 +96,10 @@ async def abort_stream(context: ReduceContext, code: grpc.StatusCode, details: s
     raise RuntimeError("context.abort returned")
 
 
-def decode_checked(codec: Codec, request: Request, size: int) -> tuple[np.ndarray, int]:
-    """Decode one inbound chunk that must hold ``size`` elements; return it and its bytes.
+def decode_checked(codec: Codec, request: Request, size: int) -> tuple[np.ndarray, int, bool]:
+    """Decode one inbound chunk that must hold ``size`` elements; return it, its bytes,
+    and whether its values were checked for NaN/Inf (``none`` leaves that to the
+    reducer's mean, which reads them anyway: ``PartReducer.add(defer_check=True)``).
 
     The declared codec and shape are checked before decoding, so a lying header costs
     nothing. The values may be a read-only view of the received bytes. Raises
@@ -111,12 +113,12 @@ def decode_checked(codec: Codec, request: Request, size: int) -> tuple[np.ndarra
     if header.shape != (size,):
         raise ContributionError(f"chunk declares shape {list(header.shape)}, expected [{size}]")
     try:
-        values = codec.decode_payload(header, payload)
+        values, checked = codec.decode_payload_unchecked(header, payload)
     except ValueError as e:  # CodecError derives from ValueError
         raise ContributionError(f"chunk does not decode: {e}") from e
     if values.shape != (size,):
         raise ContributionError(f"chunk decodes to shape {values.shape}, expected ({size},)")
-    return values, request.nbytes
+    return values, request.nbytes, checked
 
 
 def encode_result(
@@ -181,8 +183,8 @@ class ReducerRound:
         self.fault_plan = fault_plan
         self._buffers = buffers
         accumulator = None
-        if buffers is not None:  # the mean's sums or a robust rule's copies
-            size = PartReducer.buffer_size(plan, my_index, len(set(group.senders)), group.rule)
+        size = PartReducer.buffer_size(plan, my_index, len(set(group.senders)), group.rule)
+        if buffers is not None and size:  # a robust rule's copies
             accumulator = buffers.take(size, dtype)
         self.reducer = PartReducer(
             plan, my_index, dtype, group.senders, group.rule, config.weight_bound, accumulator
@@ -242,9 +244,9 @@ class ReducerRound:
         for stream in self.streams.values():
             stream.queue.put_nowait(abort)
         await self._tasks.close()
-        # The mean's sums are touched only on the event loop, and release() refuses any
-        # later add() (and, for a robust rule's copies, any later combination, and keeps
-        # the buffer from the pool while one runs), so the next round may take it now.
+        # release() refuses any later add() and any later combination of a robust rule's
+        # copies (and keeps the buffer from the pool while one runs), so the next round
+        # may take it now.
         accumulator = self.reducer.release()
         if accumulator is not None and self._buffers is not None:
             self._buffers.give(accumulator)
@@ -266,6 +268,17 @@ class ReducerRound:
             log.info("round %s: dropping member %d: %s", self.group.group_id.hex(), sender, reason)
             self.dropped.setdefault(sender, reason)
             self._queue_final(self.reducer.drop(sender))
+
+    def _drop_rejected(self) -> None:
+        """Drop the senders whose copies failed the check the mean made as it read them,
+        as a chunk that fails on arrival drops its sender."""
+        for sender, reason in self.reducer.rejected.items():
+            if sender in self.dropped or self.closed:
+                continue
+            self.drop(sender, reason)
+            stream = self.streams.get(sender)
+            if stream is not None:
+                stream.queue.put_nowait(Abort(grpc.StatusCode.INVALID_ARGUMENT, reason))
 
     def _queue_final(self, chunks: list[int]) -> None:
         for chunk in chunks:
@@ -363,16 +376,16 @@ class ReducerRound:
         if chunk >= self.reducer.num_chunks:
             raise ContributionError(f"chunk index {chunk} out of range")
         start, end = self.plan.chunk_bounds(self.my_index, chunk)
-        values, nbytes = await offload(
+        values, nbytes, checked = await offload(
             self.executor, decode_checked, self.codec, request, end - start
         )
         self.bytes_received += nbytes
         if sender not in self.reducer.live_senders or self.closed:
             # Dropped while decoding (too slow), or the round closed and handed its
-            # accumulator on: late chunks are ignored.
+            # buffer on: late chunks are ignored.
             return
-        finite = self.codec.decodes_finite  # decode_checked's decoder checked already
-        self._queue_final(self.reducer.add(sender, chunk, values, finite=finite))
+        added = self.reducer.add(sender, chunk, values, finite=checked, defer_check=True)
+        self._queue_final(added)
         self._progress[sender] = time.monotonic()
 
     # ---- output ----
@@ -416,17 +429,19 @@ class ReducerRound:
 
     async def _reply_for(self, chunk: int) -> OutgoingChunk:
         """The reply to a final chunk; hands its decoded values to ``on_result``."""
-        contributors = self.reducer.contributors(chunk)
         decoded: np.ndarray | None
         try:
             if self.reducer.aggregation.robust:  # heavier than a division: off the loop
+                contributors = self.reducer.contributors(chunk)
                 response, decoded, adjusted = await offload(
                     self.combiner, self._combine_and_encode, chunk, contributors
                 )
             else:
-                # the mean: a division (fused with the last copy's addition and the check
-                # of the average, where the kernels are built) on the loop
+                # the mean: one pass over the chunk's copies that also checks them (where
+                # the kernels are built), on the loop
                 values, finite = self.reducer.mean(chunk)
+                self._drop_rejected()
+                contributors = self.reducer.contributors(chunk)
                 adjusted = 0
                 if values is None:
                     return encode_response(None, chunk, 0)

@@ -123,6 +123,19 @@ def _nan(h: Hostile, part: int) -> list[averaging_pb2.ReduceRequest]:
     return [h.first(part, None), request]
 
 
+def _nan_last(h: Hostile, part: int) -> list[averaging_pb2.ReduceRequest]:
+    # Every chunk sent, the last with a NaN, after valid ones. Whether the reducer checks
+    # it on arrival (while a weight is unknown) or in the mean's pass over the copies
+    # (the check deferred; tests/averaging/test_allreduce_finite_check.py gets there),
+    # the sender is cut off and its copy left out.
+    messages = h.valid(part)
+    last = messages[-1]
+    bad = np.frombuffer(last.chunk.buffer, np.float32).copy()
+    bad[0] = np.nan
+    last.chunk.buffer = bad.tobytes()
+    return messages
+
+
 def _forever(h: Hostile, part: int) -> list[averaging_pb2.ReduceRequest]:
     return [*h.valid(part), *(h.chunk(part, 0) for _ in range(50))]
 
@@ -150,6 +163,7 @@ SCENARIOS: dict[str, tuple[Scenario, set[grpc.StatusCode] | None, str | None]] =
     "wrong-size": (_wrong_size, {INVALID}, "shape"),
     "wrong-dtype": (_wrong_dtype, {INVALID}, "float32"),
     "nan": (_nan, {INVALID}, "NaN"),
+    "nan-in-last-chunk": (_nan_last, {INVALID}, "NaN"),
     "duplicate-chunk": (lambda h, p: [h.first(p), h.chunk(p, 0)], {INVALID}, "duplicate"),
     # Every valid chunk first, then junk without end. The reducer either cuts it off
     # (INVALID_ARGUMENT; or INTERNAL when the hostile's own write loses the race with that

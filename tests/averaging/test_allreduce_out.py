@@ -3,11 +3,13 @@ caller's ``out``, inputs read from one span, reducers' accumulators reused acros
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
 import pytest
 
+from swarmavg.averaging.aggregation import canonical_aggregation
 from swarmavg.averaging.allreduce.buffers import BufferPool
 from swarmavg.averaging.allreduce.faults import Fault, FaultPlan
 from swarmavg.averaging.allreduce.load_balancing import part_sizes
@@ -177,19 +179,24 @@ async def test_in_place_rounds_match_fresh_results(
         await close_peers(peers)
 
 
-async def test_reducers_reuse_their_accumulators_across_rounds(
-    grpc_servers: GrpcServerPool, channels: ChannelPool
+@pytest.mark.parametrize("rule", ["mean", "trimmed-mean"])
+async def test_reducers_reuse_their_buffers_across_rounds(
+    grpc_servers: GrpcServerPool, channels: ChannelPool, rule: str
 ) -> None:
     n = 3
     peers = await start_peers(grpc_servers, n)
     try:
         for seed in range(3):
             inputs = _inputs(n, [9000], seed=seed)
-            group = make_group(peers, inputs[0])
+            group = dataclasses.replace(
+                make_group(peers, inputs[0]), aggregation=canonical_aggregation(rule)
+            )
             results = await run_group(peers, group, inputs, [1.0] * n, channels)
             assert all(isinstance(r, AveragingResult) and not r.partial for r in results)
-        # Round 1 allocated each member's accumulator; rounds 2 and 3 took it back.
-        assert [p.service.buffers.reused for p in peers] == [2, 2, 2]
+        # A robust rule's copies: round 1 allocated each member's buffer, rounds 2 and 3
+        # took it back. The mean holds the copies themselves and takes no buffer.
+        expected = 0 if rule == "mean" else 2
+        assert [p.service.buffers.reused for p in peers] == [expected] * n
     finally:
         await close_peers(peers)
 
@@ -248,13 +255,11 @@ def test_buffer_pool_serves_sizes_that_drift_a_little() -> None:
 
 def test_a_released_reducer_takes_no_more_contributions() -> None:
     plan = PartPlan.build([10], 4)
-    acc = np.full(10, np.nan, np.float32)
-    reducer = PartReducer(plan, 0, np.dtype(np.float32), [0], accumulator=acc)
+    reducer = PartReducer(plan, 0, np.dtype(np.float32), [0])
     reducer.set_weight(0, 1.0)
     finals = reducer.add(0, 0, np.ones(4, np.float32))
     assert finals == [0]
-    np.testing.assert_array_equal(reducer.result(0), np.ones(4, np.float32))  # no zero-fill
-    assert reducer.release() is acc
-    assert reducer.release() is None
+    np.testing.assert_array_equal(reducer.result(0), np.ones(4, np.float32))
+    assert reducer.release() is None  # the mean holds no buffer: nothing to hand back
     with pytest.raises(ContributionError):
         reducer.add(0, 1, np.ones(4, np.float32))

@@ -234,5 +234,102 @@ def test_a_released_reducer_gives_no_mean() -> None:
     _plan, reducer = _setup([0, 1], [1.0, 1.0])
     reducer.add(0, 0, np.ones(4, np.float32))
     reducer.add(1, 0, np.ones(4, np.float32))
-    assert reducer.release() is not None
+    assert reducer.release() is None  # the mean holds the copies, no buffer of its own
     assert reducer.mean(0) == (None, False)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_deferred_check_leaves_a_bad_copy_out_and_names_its_sender(
+    compiled: bool, bad: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``add(defer_check=True)``: the mean checks the copies in the pass that reads them;
+    a copy holding NaN/Inf is left out of its chunk (the result is the others' mean, bit
+    for bit) and its sender named in ``rejected``, for the round to drop."""
+    if not compiled:
+        monkeypatch.setattr("swarmavg.averaging.allreduce.reducer.weighted_sum", _no_kernel)
+    rng = np.random.default_rng(7)
+    plan = PartPlan.build([12], 4)
+    weights = [1.0, 2.0, 1.0, 0.5]
+    data = [rng.standard_normal(12).astype(np.float32) for _ in weights]
+    spoiled = data[2].copy()
+    spoiled[5] = bad  # chunk 1
+    reducer = PartReducer(plan, 0, np.dtype(np.float32), range(4))
+    for s, w in enumerate(weights):
+        reducer.set_weight(s, w)
+    for c in range(3):
+        lo, hi = plan.chunk_bounds(0, c)
+        for s in range(4):
+            values = (spoiled if s == 2 else data[s])[lo:hi]
+            reducer.add(s, c, values, finite=s == 0, defer_check=s != 0)
+    factors = {s: reducer.factor(s) for s in range(4)}
+    for c in range(3):
+        lo, hi = plan.chunk_bounds(0, c)
+        kept = [s for s in range(4) if c != 1 or s != 2]
+        copies = [(data[s][lo:hi], factors[s]) for s in kept]
+        expected = _eager_mean(copies, sum(f for _, f in copies))  # type: ignore[misc]
+        got, finite = reducer.mean(c)
+        assert got is not None
+        np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
+        # checked: by the kernel, or by numpy's path while a copy is unchecked (after a
+        # rejection the copies left are checked, and numpy's path does not vouch)
+        assert finite == (compiled or c != 1)
+        assert reducer.contributors(c) == len(kept)
+    assert reducer.rejected == {2: "chunk 1 holds NaN or Inf"}
+
+
+def test_a_deferred_check_never_rejects_a_checked_copy() -> None:
+    """A NaN in a copy the caller vouched for (this member's own, with ``none``) spoils
+    the mean, which is then not vouched finite: the codec refuses it, nobody is named."""
+    plan = PartPlan.build([4], 4)
+    reducer = PartReducer(plan, 0, np.dtype(np.float32), [0, 1])
+    for s in (0, 1):
+        reducer.set_weight(s, 1.0)
+    reducer.add(0, 0, np.full(4, np.nan, np.float32), finite=True)
+    reducer.add(1, 0, np.ones(4, np.float32), defer_check=True)
+    values, finite = reducer.mean(0)
+    assert values is not None
+    assert not finite
+    assert reducer.rejected == {}
+    assert reducer.contributors(0) == 2
+
+
+def test_a_deferred_check_of_every_copy_failing_gives_no_mean() -> None:
+    plan = PartPlan.build([4], 4)
+    reducer = PartReducer(plan, 0, np.dtype(np.float32), [0, 1])
+    for s in (0, 1):
+        reducer.set_weight(s, 1.0)
+    for s in (0, 1):
+        reducer.add(s, 0, np.full(4, np.inf, np.float32), defer_check=True)
+    assert reducer.mean(0) == (None, False)
+    assert sorted(reducer.rejected) == [0, 1]
+    assert reducer.contributors(0) == 0
+
+
+def test_an_overflow_of_unchecked_finite_copies_names_nobody() -> None:
+    plan = PartPlan.build([4], 4)
+    reducer = PartReducer(plan, 0, np.dtype(np.float32), [0, 1])
+    for s in (0, 1):
+        reducer.set_weight(s, 1.0)
+    for s in (0, 1):
+        reducer.add(s, 0, np.full(4, 3e38, np.float32), defer_check=True)
+    values, finite = reducer.mean(0)
+    assert values is not None
+    assert np.isinf(values).all()
+    assert not finite
+    assert reducer.rejected == {}
+
+
+@pytest.mark.parametrize("case", ["robust", "weights unknown", "weight zero"])
+def test_a_check_that_cannot_be_deferred_is_made_at_once(case: str) -> None:
+    """Robust rules compare copies, a copy that waits for the weights is taken later, and a
+    weight-0 copy is summed apart: each is checked as it arrives, deferral or not."""
+    plan = PartPlan.build([4], 4)
+    rule = parse_aggregation("trimmed-mean" if case == "robust" else "mean")
+    reducer = PartReducer(plan, 0, np.dtype(np.float32), [0, 1], rule)
+    reducer.set_weight(0, 0.0 if case == "weight zero" else 1.0)
+    if case != "weights unknown":
+        reducer.set_weight(1, 1.0)
+    with pytest.raises(ContributionError, match="NaN or Inf"):
+        reducer.add(0, 0, np.full(4, np.nan, np.float32), defer_check=True)
+    assert reducer.delivered(0) == 0

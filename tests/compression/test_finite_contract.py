@@ -86,3 +86,35 @@ def test_exact_codecs_round_trip_bit_for_bit() -> None:
         a = x.astype(dtype) if dtype != np.int64 else np.arange(1000, dtype=dtype)
         out = get_codec("none").decode(get_codec("none").encode(a))
         assert out.tobytes() == a.tobytes()
+
+
+def test_an_unchecked_decode_says_whether_it_checked() -> None:
+    """``decode_payload_unchecked``: the values ``decode_payload`` gives, and whether they
+    were checked. Codecs whose decoding checks for free check (a forged NaN is refused as
+    before); ``none`` hands the payload over unchecked (the all-reduce's mean checks it in
+    the pass that combines the copies), integer payloads need no check."""
+    names = [n for n in known_codecs() if "<" not in n]
+    x = np.random.default_rng(3).standard_normal(300).astype(np.float32)
+    for name in names:
+        codec = get_codec(name)
+        encoded = codec.encode_payload(x, CodecInfo())
+        values, checked = codec.decode_payload_unchecked(encoded.header, encoded.payload)
+        expected = codec.decode_payload(encoded.header, encoded.payload)
+        assert values.tobytes() == expected.tobytes()
+        assert checked == (codec.decodes_finite and name != "none")
+        if checked:
+            with pytest.raises(CodecError):
+                codec.decode_payload_unchecked(
+                    encoded.header, _forge_nan(name, bytes(encoded.payload))
+                )
+    none = get_codec("none")
+    forged = _forge_nan("none", b"")
+    header = Header("none", np.dtype(np.float32), (300,))
+    values, checked = none.decode_payload_unchecked(header, forged)
+    assert not checked
+    assert values.tobytes() == forged  # as it came, a view of the payload
+    with pytest.raises(CodecError, match="needs 1200"):
+        none.decode_payload_unchecked(header, forged[:-4])
+    integers = np.arange(10, dtype=np.int64)
+    encoded = none.encode_payload(integers, CodecInfo())
+    assert none.decode_payload_unchecked(encoded.header, encoded.payload)[1]

@@ -365,35 +365,45 @@ def test_the_checked_copy_applies_only_where_the_kernel_can_read_both_arrays() -
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("offset", [0, 1, 3])
 def test_weighted_sum_matches_numpy_at_any_offset(dtype: type, offset: int) -> None:
-    """The mean's fused pass (averaging/allreduce/reducer.py) rounds each product, the
-    sum and the quotient as numpy does, at any address, and reports NaN/Inf in what it wrote."""
+    """The mean's pass over a chunk's copies (averaging/allreduce/reducer.py) rounds each
+    product, each sum and the quotient as numpy does, in order, at any address, and
+    reports NaN/Inf in what it wrote (a NaN or an Inf in any copy, an overflow)."""
     rng = np.random.default_rng(offset)
-    n = 4099
+    n = 4099  # four blocks of the kernel and a tail
     t = np.dtype(dtype).type
     item = np.dtype(dtype).itemsize
     raw = np.zeros(n * item + offset, np.uint8)
-    b = raw[offset:].view(dtype)  # a payload at an odd offset of its message
-    b[:] = rng.standard_normal(n) * 1e3
-    a = rng.standard_normal(n).astype(dtype)
+    odd = raw[offset:].view(dtype)  # a payload at an odd offset of its message
+    odd[:] = rng.standard_normal(n) * 1e3
+    copies = [odd] + [rng.standard_normal(n).astype(dtype) * 10.0**i for i in range(5)]
     out = np.empty(n, dtype)
-    for wa, wb, d in ((1.0, 1.0, 2.0), (0.37, 0.91, 1.28), (1.0, 0.3, 0.0)):
-        expected = a * t(wa)
-        expected += b * t(wb)
-        if d:
-            expected = expected / t(d)
-        assert native.weighted_sum(a, float(t(wa)), b, float(t(wb)), float(t(d)), out) is True
-        assert_same_bits(out, expected)
-    assert native.weighted_sum(a, 0.5, None, 0.0, 3.0, out) is True
-    assert_same_bits(out, (a * t(0.5)) / t(3.0))
-    acc = a.copy()  # in place, as the reducer sums into its accumulator
-    assert native.weighted_sum(acc, 1.0, b, 0.25, 0.0, acc) is True
-    assert_same_bits(acc, a + b * t(0.25))
-    for bad in (np.nan, np.inf):
-        b[n // 2] = bad
-        assert native.weighted_sum(a, 1.0, b, 1.0, 2.0, out) is False
+    for k in range(1, len(copies) + 1):
+        for d in (0.0, 1.28, float(k)):
+            weights = [float(t(w)) for w in rng.uniform(0.01, 1.0, k)]
+            expected = copies[0] * t(weights[0])
+            for x, w in zip(copies[1:k], weights[1:], strict=True):
+                expected += x * t(w)
+            if d:
+                expected = expected / t(d)
+            assert native.weighted_sum(copies[:k], weights, float(t(d)), out) is True
+            assert_same_bits(out, expected)
+    first = copies[1].copy()  # out may be one of the copies
+    assert native.weighted_sum([first, copies[2]], [1.0, 0.25], 0.0, first) is True
+    assert_same_bits(first, copies[1] + copies[2] * t(0.25))
+    for bad in (np.nan, np.inf, -np.inf):
+        for j in (0, 3):
+            spoiled = [x.copy() for x in copies]
+            spoiled[j][n // 2] = bad
+            assert native.weighted_sum(spoiled, [1e-30] * len(spoiled), 1.0, out) is False
+    huge = np.full(n, np.finfo(dtype).max, dtype)
+    assert native.weighted_sum([huge, huge], [1.0, 1.0], 2.0, out) is False  # overflow
     with pytest.raises(ValueError, match="one length"):
-        native.kernels.weighted_sum(a, 1.0, b[:-1], 1.0, 0.0, item, out)  # type: ignore[union-attr]
-    assert native.weighted_sum(a.astype(np.float16), 1.0, None, 0.0, 0.0, out) is None
+        native.kernels.weighted_sum([odd, odd[:-1]], [1.0, 1.0], 0.0, item, out)  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="one weight per copy"):
+        native.kernels.weighted_sum([odd], [1.0, 1.0], 0.0, item, out)  # type: ignore[union-attr]
+    assert native.weighted_sum([odd.astype(np.float16)], [1.0], 0.0, out) is None
+    assert native.weighted_sum([], [], 0.0, out) is None
+    assert native.weighted_sum([odd, copies[1]], [1.0], 0.0, out) is None
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
