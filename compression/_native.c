@@ -226,29 +226,6 @@ CLONES static uint32_t scales_loop(const u32 *x, Py_ssize_t n, Py_ssize_t block,
     return special;
 }
 
-static PyObject *block_scales(PyObject *self, PyObject *args) {
-    PyObject *x_o, *out_o;
-    Py_ssize_t block;
-    if (!PyArg_ParseTuple(args, "OnO:block_scales", &x_o, &block, &out_o)) return NULL;
-    if (block < 1) { PyErr_SetString(PyExc_ValueError, "block must be >= 1"); return NULL; }
-    Buf xb, ob;
-    Py_ssize_t n = get(x_o, &xb, 0, 4, 0, "x");
-    if (n < 0) return NULL;
-    Py_ssize_t nb = get(out_o, &ob, 1, 4, 0, "out");
-    if (nb < 0) { release(&xb); return NULL; }
-    if (nb != (n + block - 1) / block) {
-        PyErr_SetString(PyExc_ValueError, "block_scales: out needs one item per block");
-        release(&xb); release(&ob);
-        return NULL;
-    }
-    uint32_t special;
-    Py_BEGIN_ALLOW_THREADS
-    special = scales_loop(xb.view.buf, n, block, ob.view.buf);
-    Py_END_ALLOW_THREADS
-    release(&xb); release(&ob);
-    return PyBool_FromLong(!special);
-}
-
 /* The 256 levels of a block times its scale: the float32 products every decoder makes,
  * made once per block so that the per-element work is a lookup. */
 static inline void scaled_levels(const f32 *table, float s, float *scaled) {
@@ -274,26 +251,48 @@ CLONES static void quantize_block(const f32 *x, float k, float s, const uint8_t 
     }
 }
 
+/* Blockwise quantisation in one pass over x: per block, its scale (scales_loop), then
+ * its codes and/or values while the block is still in the L1 cache. Computing every
+ * scale first read x from memory twice (a 2 MiB chunk of codes is 8 MiB of float32,
+ * more than the L2 cache). The inverse is numpy's float32 `1 / s` where |s| is at least
+ * float32's smallest normal, else 0 (blocks of zeros, or too tiny to invert). Returns
+ * nonzero if x holds NaN/Inf, at the first block that does (the outputs are then
+ * incomplete and the caller raises). */
+static uint32_t quantize_blocks(const f32 *x, Py_ssize_t n, Py_ssize_t block,
+                                const uint8_t *lut, const f32 *table, uint8_t *codes,
+                                f32 *values, f32 *scales) {
+    Py_ssize_t nblocks = (n + block - 1) / block;
+    for (Py_ssize_t b = 0; b < nblocks; b++) {
+        Py_ssize_t start = b * block, len = start + block < n ? block : n - start;
+        float s;
+        if (scales_loop((const u32 *)(x + start), len, len, &s)) return 1;
+        float k = (f2u(s) & 0x7FFFFFFFu) >= 0x00800000u ? 1.0f / s : 0.0f;
+        scales[b] = s;
+        quantize_block(x + start, k, s, lut, table, codes ? codes + start : NULL,
+                       values ? values + start : NULL, len);
+    }
+    return 0;
+}
+
 static PyObject *quantize8(PyObject *self, PyObject *args) {
-    PyObject *x_o, *inv_o, *scales_o, *lut_o, *table_o, *codes_o, *values_o;
+    PyObject *x_o, *lut_o, *table_o, *codes_o, *values_o, *scales_o;
     Py_ssize_t block;
-    if (!PyArg_ParseTuple(args, "OOOnOOOO:quantize8", &x_o, &inv_o, &scales_o, &block, &lut_o,
-                          &table_o, &codes_o, &values_o))
+    if (!PyArg_ParseTuple(args, "OnOOOOO:quantize8", &x_o, &block, &lut_o, &table_o, &codes_o,
+                          &values_o, &scales_o))
         return NULL;
     if (block < 1) { PyErr_SetString(PyExc_ValueError, "block must be >= 1"); return NULL; }
-    Buf xb = {0}, ib = {0}, sb = {0}, lb = {0}, tb = {0}, cb = {0}, vb = {0};
+    Buf xb = {0}, sb = {0}, lb = {0}, tb = {0}, cb = {0}, vb = {0};
     PyObject *result = NULL;
     Py_ssize_t n = get(x_o, &xb, 0, 4, 0, "x");
     if (n < 0) goto done;
     Py_ssize_t nblocks = (n + block - 1) / block;
-    if (get(inv_o, &ib, 0, 4, 0, "inverse") != nblocks ||
-        get(scales_o, &sb, 0, 4, 0, "scales") != nblocks ||
+    if (get(scales_o, &sb, 1, 4, 0, "scales") != nblocks ||
         get(lut_o, &lb, 0, 1, 0, "lut") != (Py_ssize_t)LUT_SIZE ||
         get(table_o, &tb, 0, 4, 0, "table") != 256) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_ValueError,
-                            "quantize8: inverse and scales need one item per block, "
-                            "lut 2**19 bytes and table 256 float32");
+                            "quantize8: scales need one item per block, lut 2**19 bytes and "
+                            "table 256 float32");
         goto done;
     }
     Py_ssize_t nc = get(codes_o, &cb, 1, 1, 1, "codes");
@@ -303,23 +302,15 @@ static PyObject *quantize8(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "quantize8: codes and values need x's length");
         goto done;
     }
-    const f32 *x = xb.view.buf, *inv = ib.view.buf, *scales = sb.view.buf;
-    const f32 *table = tb.view.buf;
-    const uint8_t *lut = lb.view.buf;
-    uint8_t *codes = cb.held ? cb.view.buf : NULL;
-    f32 *values = vb.held ? vb.view.buf : NULL;
+    uint32_t special;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t b = 0; b < nblocks; b++) {
-        Py_ssize_t start = b * block, len = start + block < n ? block : n - start;
-        quantize_block(x + start, inv[b], scales[b], lut, table, codes ? codes + start : NULL,
-                       values ? values + start : NULL, len);
-    }
+    special = quantize_blocks(xb.view.buf, n, block, lb.view.buf, tb.view.buf,
+                              cb.held ? cb.view.buf : NULL, vb.held ? vb.view.buf : NULL,
+                              sb.view.buf);
     Py_END_ALLOW_THREADS
-    result = Py_None;
-    Py_INCREF(result);
+    result = PyBool_FromLong(!special);
 done:
-    release(&xb); release(&ib); release(&sb); release(&lb); release(&tb);
-    release(&cb); release(&vb);
+    release(&xb); release(&sb); release(&lb); release(&tb); release(&cb); release(&vb);
     return result;
 }
 
@@ -1178,12 +1169,12 @@ static PyMethodDef methods[] = {
     {"f16_to_f32", f16_to_f32, METH_VARARGS,
      "f16_to_f32(words, out) -> bool: binary16 words to float32; False if a word is "
      "Inf/NaN."},
-    {"block_scales", block_scales, METH_VARARGS,
-     "block_scales(x, block, out) -> bool: per block, the signed element of largest "
-     "magnitude (positive on a tie, +0.0 for zeros); False if x holds NaN/Inf."},
     {"quantize8", quantize8, METH_VARARGS,
-     "quantize8(x, inverse, scales, block, lut, table, codes, values): codes[i] = "
-     "lut[bits(x[i] * inverse[b]) >> 13] and/or values[i] = table[code] * scales[b]."},
+     "quantize8(x, block, lut, table, codes, values, scales) -> bool: per block of x, "
+     "scales[b] = its signed element of largest magnitude (positive on a tie, +0.0 for "
+     "zeros), then codes[i] = lut[bits(x[i] * inverse) >> 13] and/or values[i] = "
+     "table[code] * scales[b] (inverse = 1/scales[b], 0 below float32's smallest normal); "
+     "False if x holds NaN/Inf."},
     {"dequantize8", dequantize8, METH_VARARGS,
      "dequantize8(codes, table, scales, block, out): out[i] = table[codes[i]] * scales[b]."},
     {"scaled16", scaled16, METH_VARARGS,

@@ -85,6 +85,7 @@ _NF4_PAIRS = np.stack([np.repeat(_NF4_TABLE, 16), np.tile(_NF4_TABLE, 16)], axis
 )
 
 _F32_TINY = float(np.finfo(np.float32).tiny)
+_NOT_FINITE = "input contains NaN or Inf (or values beyond float32 range)"
 
 SLAB = 1 << 17
 """Elements per slab: whole blocks, scaled and looked up while in cache. Twice the
@@ -187,23 +188,20 @@ def _quantize(
     Raises:
         CodecError: ``x`` holds NaN or Inf (or values beyond float32 range).
     """
-    compiled = native if code is _DYNAMIC8 and takes(x) else None
-    if compiled is not None:
+    if code is _DYNAMIC8 and native is not None and takes(x):
+        # Each block's scale, then its codes, in one pass (the same operations as below)
         scales = np.empty(-(-x.size // block), np.float32)
-        finite = compiled.block_scales(x, block, scales)
-    else:
-        with np.errstate(invalid="ignore"):
-            scales = _block_scales(x, block)
-        finite = bool(np.isfinite(scales).all())
-    if not finite:
-        raise CodecError("input contains NaN or Inf (or values beyond float32 range)")
+        if not native.quantize8(x, block, code.lut, _DYNAMIC8_TABLE, codes, values, scales):
+            raise CodecError(_NOT_FINITE)
+        return scales.astype("<f4")
+    with np.errstate(invalid="ignore"):
+        scales = _block_scales(x, block)
+    if not np.isfinite(scales).all():
+        raise CodecError(_NOT_FINITE)
     # Blocks of zeros, or so tiny that 1/scale overflows, encode as zeros.
     with np.errstate(divide="ignore", over="ignore"):
         inverse = np.where(np.abs(scales) >= _F32_TINY, np.float32(1) / scales, np.float32(0))
     inverse = inverse.astype(np.float32)
-    if compiled is not None:
-        compiled.quantize8(x, inverse, scales, block, code.lut, _DYNAMIC8_TABLE, codes, values)
-        return scales.astype("<f4")
     n = x.size
     rows = max(1, SLAB // block)
     step = rows * block

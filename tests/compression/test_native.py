@@ -225,13 +225,15 @@ def test_kernels_reject_unfit_buffers() -> None:
     lut, table = blockwise._DYNAMIC8.lut, blockwise._DYNAMIC8_TABLE
     one = np.ones(1, np.float32)
     with pytest.raises(ValueError, match="one item per block"):
-        kernels.quantize8(x, np.ones(2, np.float32), one, 10, lut, table, None, None)
-    with pytest.raises(ValueError, match="lut"):
-        kernels.quantize8(x, one, one, 10, lut[:-1], table, None, None)
-    with pytest.raises(ValueError, match="block"):
-        kernels.quantize8(x, one, one, 0, lut, table, None, None)
+        kernels.quantize8(x, 10, lut, table, None, None, np.ones(2, np.float32))
     with pytest.raises(ValueError, match="one item per block"):
-        kernels.block_scales(x, 3, np.empty(3, np.float32))
+        kernels.quantize8(x, 3, lut, table, None, None, np.empty(3, np.float32))
+    with pytest.raises(ValueError, match="lut"):
+        kernels.quantize8(x, 10, lut[:-1], table, None, None, one)
+    with pytest.raises(ValueError, match="block"):
+        kernels.quantize8(x, 0, lut, table, None, None, one)
+    with pytest.raises(ValueError, match="length"):
+        kernels.quantize8(x, 10, lut, table, np.empty(9, np.uint8), None, one)
     with pytest.raises(ValueError, match="out"):
         kernels.dequantize8(np.zeros(10, np.uint8), table, one, 10, np.empty(5, np.float32))
     with pytest.raises(ValueError, match="contiguous"):
