@@ -245,6 +245,12 @@ class Codec(ABC):
     """Whether ``decode_payload`` itself refuses payloads that decode to NaN/Inf, so that
     callers checking hostile input need not check its output again."""
 
+    decodes_into_cleanly: bool = False
+    """Whether ``decode_payload_into`` checks the whole payload, its values' finiteness
+    included, before it writes anything: when it raises, ``out`` is as it was. A caller
+    that decodes over values it must keep if the payload is bad (the all-reduce's result
+    in place of the caller's tensors) may then decode straight into them."""
+
     exact: bool = False
     """Whether decoding an encoding gives back the input bit for bit (and encoding has no
     state), so a caller that needs "what the others will decode" of its own array may use

@@ -292,6 +292,7 @@ class Blockwise8BitCodec(Codec):
 
     name = "uint8-blockwise"
     decodes_finite = True  # levels in [-1, 1] times finite scales; restore() checks 16-bit
+    decodes_into_cleanly = True  # _parse checks the size and the scales first
 
     def __init__(self, block: int = 4096) -> None:
         if not 1 <= block <= 1 << 24:

@@ -302,7 +302,7 @@ class _Exchange:
             )
         base = self.plan.bounds[part][0]
         values = self.result[base + start : base + end]
-        if self.in_place:
+        if self.in_place and not self.codec.decodes_into_cleanly:
             # The local values live where the average goes: decode and check the whole
             # chunk first (codec none: a checked view of the payload, no copy), so that
             # a bad reply leaves them as they were; then one copy that cannot fail.
@@ -315,7 +315,8 @@ class _Exchange:
                 np.copyto(values, decoded)
             return
         # Straight into the result: if this raises, the chunk stays unreceived and
-        # fill_missing() puts the local values back over whatever was written.
+        # fill_missing() puts the local values back over whatever was written (in place,
+        # the codec wrote nothing: it checks the whole payload first).
         with self._result_lock:
             if self._sealed:
                 raise ValueError("the round is over")

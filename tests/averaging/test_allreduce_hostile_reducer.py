@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 import pytest
 
+from swarmavg.averaging.allreduce.load_balancing import part_sizes
 from swarmavg.averaging.allreduce.reducer import weighted_mean
 from swarmavg.averaging.allreduce.wire import (
     OutgoingChunk,
@@ -141,5 +142,71 @@ async def test_hostile_reducer_leaves_its_part_local(
             assert kept.sum() >= 9000 // (HONEST + 1) - 1
             np.testing.assert_allclose(out[~kept], mean[~kept], rtol=1e-5, atol=1e-6)
             assert np.isfinite(out).all()
+    finally:
+        await close_peers(peers)
+
+
+def _blockwise_reply(request: Request, size: int, damage: str) -> list[bytes]:
+    """An uint8-blockwise reply of zeros, damaged after encoding (a NaN block scale: the
+    payload's last float32; or cut short)."""
+    encoded = get_codec("uint8-blockwise").encode_payload(np.ones(size, np.float32), CodecInfo())
+    wire = bytearray(serialize_pieces(encode_response(encoded, request.chunk_index, HONEST)))
+    if damage == "nan-scale":
+        wire[-4:] = np.array([np.nan], np.float32).tobytes()
+    else:  # "short": the payload loses its last scale (the header still declares it)
+        del wire[-4:]
+    return [bytes(wire)]
+
+
+@pytest.mark.parametrize("damage", ["nan-scale", "short"])
+async def test_a_codec_that_decodes_cleanly_into_the_result_keeps_local_values(
+    grpc_servers: GrpcServerPool, channels: ChannelPool, damage: str
+) -> None:
+    """uint8-blockwise decodes replies straight into the result in place (it checks the
+    whole payload before writing): a damaged reply leaves this member's values as they
+    were, bit for bit."""
+
+    def register(server: grpc.aio.Server, _: int) -> None:
+        forge = lambda r, n: _blockwise_reply(r, n, damage)  # noqa: E731
+        handlers = {"Reduce": reduce_method_handler(_hostile_reducer(forge))}
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("swarmavg.v1.Averaging", handlers),)
+        )
+
+    assert get_codec("uint8-blockwise").decodes_into_cleanly
+    peers = await start_peers(grpc_servers, HONEST)
+    [hostile_address] = await grpc_servers.start(1, register)
+    try:
+        rng = np.random.default_rng(12)
+        inputs = [[rng.standard_normal(9000).astype(np.float32)] for _ in range(HONEST + 1)]
+        originals = [[t.copy() for t in ts] for ts in inputs]
+        honest_group = make_group(peers, inputs[0], codec="uint8-blockwise")
+        hostile = Member(Identity.generate().peer_id, hostile_address, Mode.NODE, 1.0)
+        group = GroupInfo(
+            honest_group.group_id,
+            (*honest_group.members, hostile),
+            honest_group.schema_hash,
+            honest_group.codec,
+        )
+        results = await run_group(
+            [*peers, peers[0]],
+            group,
+            inputs,
+            [1.0] * (HONEST + 1),
+            channels,
+            timeout=20,
+            skip=[HONEST],
+            outs=list(inputs),
+        )
+        honest = [r for r in results if r is not None]
+        assert len(honest) == HONEST
+        sizes = part_sizes(group.members, 9000)
+        part = slice(sum(sizes[:HONEST]), sum(sizes[: HONEST + 1]))  # the hostile's
+        for i, r in enumerate(honest):
+            assert isinstance(r, AveragingResult), r
+            assert r.failed_parts == (HONEST,)
+            assert np.shares_memory(r.tensors[0], inputs[i][0])
+            assert r.tensors[0][part].tobytes() == originals[i][0][part].tobytes()
+            assert np.isfinite(r.tensors[0]).all()
     finally:
         await close_peers(peers)

@@ -118,3 +118,22 @@ def test_an_unchecked_decode_says_whether_it_checked() -> None:
     integers = np.arange(10, dtype=np.int64)
     encoded = none.encode_payload(integers, CodecInfo())
     assert none.decode_payload_unchecked(encoded.header, encoded.payload)[1]
+
+
+def test_codecs_that_decode_cleanly_leave_out_untouched_on_a_bad_payload() -> None:
+    """``decodes_into_cleanly``: a NaN-carrying or short payload raises before anything is
+    written into ``out`` (the all-reduce decodes replies over the caller's values)."""
+    names = [n for n in known_codecs() if "<" not in n]
+    clean = [n for n in names if get_codec(n).decodes_into_cleanly]
+    assert "uint8-blockwise" in clean
+    x = np.random.default_rng(4).standard_normal(300).astype(np.float32)
+    for name in clean:
+        codec = get_codec(name)
+        assert codec.decodes_finite  # what it writes is finite too
+        encoded = codec.encode_payload(x, CodecInfo())
+        payload = bytes(encoded.payload)
+        for bad in (_forge_nan(name, payload), payload[:-1]):
+            out = np.full(300, 7.0, np.float32)
+            with pytest.raises(CodecError):
+                codec.decode_payload_into(encoded.header, bad, out)
+            assert (out == 7.0).all()
