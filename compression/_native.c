@@ -175,9 +175,17 @@ CLONES static uint16_t half_values_loop(const u16 *h, f32 *o, Py_ssize_t n) {
     return special;
 }
 
+/* Nonzero if a binary16 word is Inf/NaN. */
+CLONES static uint16_t half_special_loop(const u16 *h, Py_ssize_t n) {
+    uint16_t special = 0;
+    for (Py_ssize_t i = 0; i < n; i++) special |= (uint16_t)((h[i] & 0x7C00u) == 0x7C00u);
+    return special;
+}
+
 static PyObject *f16_to_f32(PyObject *self, PyObject *args) {
     PyObject *words_o, *out_o;
-    if (!PyArg_ParseTuple(args, "OO:f16_to_f32", &words_o, &out_o)) return NULL;
+    int check_first = 0;
+    if (!PyArg_ParseTuple(args, "OO|p:f16_to_f32", &words_o, &out_o, &check_first)) return NULL;
     Buf words, out;
     Py_ssize_t n = get(words_o, &words, 0, 2, 0, "words");
     if (n < 0) return NULL;
@@ -192,7 +200,12 @@ static PyObject *f16_to_f32(PyObject *self, PyObject *args) {
     f32 *o = out.view.buf;
     uint16_t special;
     Py_BEGIN_ALLOW_THREADS
-    special = half_values_loop(h, o, n);
+    if (check_first) { /* out untouched unless every word is finite (a second, cached read) */
+        special = half_special_loop(h, n);
+        if (!special) half_values_loop(h, o, n);
+    } else {
+        special = half_values_loop(h, o, n);
+    }
     Py_END_ALLOW_THREADS
     release(&words); release(&out);
     return PyBool_FromLong(!special);
@@ -1167,8 +1180,8 @@ static PyMethodDef methods[] = {
      "f32_to_f16(src, words, values) -> bool: float32 to binary16 words (nearest even, "
      "saturating at +/-65504) and/or their float32 values; False if src holds NaN/Inf."},
     {"f16_to_f32", f16_to_f32, METH_VARARGS,
-     "f16_to_f32(words, out) -> bool: binary16 words to float32; False if a word is "
-     "Inf/NaN."},
+     "f16_to_f32(words, out, check_first=False) -> bool: binary16 words to float32; False "
+     "if a word is Inf/NaN (check_first: then out is untouched)."},
     {"quantize8", quantize8, METH_VARARGS,
      "quantize8(x, block, lut, table, codes, values, scales) -> bool: per block of x, "
      "scales[b] = its signed element of largest magnitude (positive on a tie, +0.0 for "

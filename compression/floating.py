@@ -105,6 +105,7 @@ class Float16Codec(Codec):
 
     name = "float16"
     decodes_finite = True  # Inf/NaN words are refused
+    decodes_into_cleanly = True  # decode_payload_into checks every word before it writes
 
     def encode_payload(self, array: np.ndarray, info: CodecInfo) -> Encoded:
         flat, dtype = as_input(array, floating_only=True)
@@ -122,7 +123,8 @@ class Float16Codec(Codec):
             return
         check_output(header, out)
         check_payload_size(header, payload, header.size * 2)
-        halfconv.half_words_into(_frombuffer(payload, np.dtype(np.uint16)), out.reshape(-1))
+        words = _frombuffer(payload, np.dtype(np.uint16))
+        halfconv.half_words_into(words, out.reshape(-1), check_first=True)
 
     def encode_payload_and_values(
         self, array: np.ndarray, info: CodecInfo

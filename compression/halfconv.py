@@ -379,16 +379,22 @@ def half_words_to(words: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
     return out
 
 
-def half_words_into(words: np.ndarray, out: np.ndarray) -> None:
+def half_words_into(words: np.ndarray, out: np.ndarray, *, check_first: bool = False) -> None:
     """Decode binary16 words into the contiguous float32 array ``out`` of their length.
 
+    ``check_first``: check every word before writing anything (a second read of the
+    words, from the cache), so that ``out`` is untouched when this raises.
+
     Raises:
-        CodecError: a word encodes Inf or NaN (``out`` then holds garbage).
+        CodecError: a word encodes Inf or NaN (``out`` then holds garbage, unless
+            ``check_first``).
     """
     if native is not None and _native_ok(words, out):
-        if not native.f16_to_f32(words, out):
+        if not native.f16_to_f32(words, out, check_first):
             raise CodecError("float16 payload contains Inf or NaN")
         return
+    if check_first and _has_special(words, _F16_EXP):
+        raise CodecError("float16 payload contains Inf or NaN")
     b = _thread_scratch().t
     for s in slabs(words.size, HALF_SLAB):
         _half_to_f32(words[s], out[s], b[: s.stop - s.start])

@@ -437,3 +437,29 @@ def test_a_large_checked_copy_streams_the_same_bits_and_finds_every_bad_value(
             dst[...] = 0
             assert native.copy_finite(spoiled, dst) is False, (where, bad)
             assert_same_bits(dst, spoiled)
+
+
+@pytest.mark.parametrize("special", [0x7C00, 0xFC00, 0x7E00])  # +Inf, -Inf, NaN
+def test_half_words_checked_first_leave_out_untouched(special: int) -> None:
+    """``check_first``: float16 replies are decoded over the caller's values in place, so a
+    bad word must be found before anything is written (kernel and numpy path alike)."""
+    words = halfconv.float_to_half_words(np.linspace(-3, 3, 70_000, dtype=np.float32)).copy()
+    words[69_000] = special  # past the first slab (HALF_SLAB) of the numpy path
+
+    def attempt() -> np.ndarray:
+        out = np.full(words.size, 7.0, np.float32)
+        with pytest.raises(CodecError, match="Inf or NaN"):
+            halfconv.half_words_into(words, out, check_first=True)
+        return out
+
+    for out in both(attempt):
+        assert (out == 7.0).all()
+    words[69_000] = 0
+    decoded = both(lambda: _decoded_into(words))
+    assert_same_bits(*decoded)
+
+
+def _decoded_into(words: np.ndarray) -> np.ndarray:
+    out = np.empty(words.size, np.float32)
+    halfconv.half_words_into(words, out, check_first=True)
+    return out
