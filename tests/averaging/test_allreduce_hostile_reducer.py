@@ -86,6 +86,29 @@ def _hostile_reducer(forge: Callable[[Request, int], list[bytes]]) -> Any:
     return reduce
 
 
+def _registering(forge: Callable[[Request, int], list[bytes]]) -> Any:
+    """A server registration whose ``Reduce`` answers every chunk with ``forge``'s replies."""
+
+    def register(server: grpc.aio.Server, _: int) -> None:
+        handlers = {"Reduce": reduce_method_handler(_hostile_reducer(forge))}
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("swarmavg.v1.Averaging", handlers),)
+        )
+
+    return register
+
+
+def _with_hostile(honest_group: GroupInfo, hostile_address: str) -> GroupInfo:
+    """``honest_group`` with a last member, the hostile reducer at ``hostile_address``."""
+    hostile = Member(Identity.generate().peer_id, hostile_address, Mode.NODE, 1.0)
+    return GroupInfo(
+        honest_group.group_id,
+        (*honest_group.members, hostile),
+        honest_group.schema_hash,
+        honest_group.codec,
+    )
+
+
 @pytest.mark.parametrize("in_place", [False, True], ids=["out-of-place", "in-place"])
 @pytest.mark.parametrize("forgery", list(FORGERIES))
 async def test_hostile_reducer_leaves_its_part_local(
@@ -93,29 +116,15 @@ async def test_hostile_reducer_leaves_its_part_local(
 ) -> None:
     """In place (the daemon's shared memory), a forged reply must not clobber the local
     values it would have replaced: they are checked whole before anything is written."""
-
-    def register(server: grpc.aio.Server, _: int) -> None:
-        handlers = {"Reduce": reduce_method_handler(_hostile_reducer(FORGERIES[forgery]))}
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler("swarmavg.v1.Averaging", handlers),)
-        )
-
     peers = await start_peers(grpc_servers, HONEST)
-    [hostile_address] = await grpc_servers.start(1, register)
+    [hostile_address] = await grpc_servers.start(1, _registering(FORGERIES[forgery]))
     try:
         rng = np.random.default_rng(11)
         inputs = [[rng.standard_normal(9000).astype(np.float32)] for _ in range(HONEST + 1)]
         originals = [[t.copy() for t in ts] for ts in inputs]
         outs = [inputs[i] if in_place else None for i in range(HONEST + 1)]
         weights = [1.0, 2.0, 0.5, 1.0]
-        honest_group = make_group(peers, inputs[0])
-        hostile = Member(Identity.generate().peer_id, hostile_address, Mode.NODE, 1.0)
-        group = GroupInfo(
-            honest_group.group_id,
-            (*honest_group.members, hostile),
-            honest_group.schema_hash,
-            honest_group.codec,
-        )
+        group = _with_hostile(make_group(peers, inputs[0]), hostile_address)
         started = time.monotonic()
         results = await run_group(
             [*peers, peers[0]],
@@ -165,29 +174,16 @@ async def test_a_codec_that_decodes_cleanly_into_the_result_keeps_local_values(
     """uint8-blockwise decodes replies straight into the result in place (it checks the
     whole payload before writing): a damaged reply leaves this member's values as they
     were, bit for bit."""
-
-    def register(server: grpc.aio.Server, _: int) -> None:
-        forge = lambda r, n: _blockwise_reply(r, n, damage)  # noqa: E731
-        handlers = {"Reduce": reduce_method_handler(_hostile_reducer(forge))}
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler("swarmavg.v1.Averaging", handlers),)
-        )
-
     assert get_codec("uint8-blockwise").decodes_into_cleanly
     peers = await start_peers(grpc_servers, HONEST)
-    [hostile_address] = await grpc_servers.start(1, register)
+    forge = _registering(lambda r, n: _blockwise_reply(r, n, damage))
+    [hostile_address] = await grpc_servers.start(1, forge)
     try:
         rng = np.random.default_rng(12)
         inputs = [[rng.standard_normal(9000).astype(np.float32)] for _ in range(HONEST + 1)]
         originals = [[t.copy() for t in ts] for ts in inputs]
-        honest_group = make_group(peers, inputs[0], codec="uint8-blockwise")
-        hostile = Member(Identity.generate().peer_id, hostile_address, Mode.NODE, 1.0)
-        group = GroupInfo(
-            honest_group.group_id,
-            (*honest_group.members, hostile),
-            honest_group.schema_hash,
-            honest_group.codec,
-        )
+        blockwise = make_group(peers, inputs[0], codec="uint8-blockwise")
+        group = _with_hostile(blockwise, hostile_address)
         results = await run_group(
             [*peers, peers[0]],
             group,
