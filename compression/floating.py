@@ -70,14 +70,14 @@ class NoneCodec(Codec):
         return Encoded(header, _bytes_view(flat))
 
     def decode_payload(self, header: Header, payload: Buffer) -> np.ndarray:
-        check_payload_size(header, payload, header.size * header.dtype.itemsize)
-        out = _frombuffer(payload, header.dtype)  # a view: decode() copies if it must
-        if header.dtype in FLOATING:
-            require_finite(out, "decoded tensor")
-        return out.reshape(header.shape)  # type: ignore[no-any-return]
+        values, checked = self.decode_payload_unchecked(header, payload)
+        if not checked:
+            require_finite(values, "decoded tensor")
+        return values
 
     def decode_payload_unchecked(self, header: Header, payload: Buffer) -> tuple[np.ndarray, bool]:
-        """A view of the payload, unchecked (a scan here would be a pass of its own)."""
+        """A view of the payload (``decode()`` copies if it must), unchecked: a scan here
+        would be a pass of its own."""
         check_payload_size(header, payload, header.size * header.dtype.itemsize)
         out = _frombuffer(payload, header.dtype)
         return out.reshape(header.shape), header.dtype not in FLOATING

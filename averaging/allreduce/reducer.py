@@ -391,10 +391,9 @@ class PartReducer:
             finite = self._weighted_mean(copies, out)
             if not finite and not all(c.checked for c in copies):
                 kept = self._reject_non_finite(chunk, copies)
-                if len(kept) < len(copies):
+                if len(kept) < len(copies):  # checked now: finite, or what is left overflowed
                     copies = kept
-                    if copies:  # checked now: finite, or what is left overflowed
-                        finite = self._weighted_mean(copies, out)
+                    finite = bool(copies) and self._weighted_mean(copies, out)
             if copies:
                 return out, finite
         if self._zero_count[chunk] > 0 and self._zero_acc is not None:
