@@ -1073,24 +1073,79 @@ done:
 WSUM_LOOP(wsum32_loop, f32, float, uint32_t, F32_INF)
 WSUM_LOOP(wsum64_loop, f64, double, uint64_t, F64_INF)
 
+/* The float32 mean where some copies are binary16 words (codec float16's payloads, as
+ * received): each word is widened exactly (half_value) where it is added, so the words
+ * are read once, at half the bytes, and no decoded array is written and read back; the
+ * bits are those of decoding first. An Inf/NaN word counts as a non-finite output (as its
+ * decoded value would have made one: the caller then checks the copies one by one). */
+CLONES static uint32_t wsum32h_loop(const void *const *x, const unsigned char *half,
+                                    const float *w, Py_ssize_t k, float d, int has_d, f32 *o,
+                                    Py_ssize_t n) {
+    uint32_t special = 0;
+    uint16_t bad = 0;
+    float acc[WSUM_BLOCK];
+    for (Py_ssize_t s = 0; s < n; s += WSUM_BLOCK) {
+        Py_ssize_t m = n - s < WSUM_BLOCK ? n - s : WSUM_BLOCK;
+        for (Py_ssize_t j = 0; j < k; j++) {
+            float wj = w[j];
+            if (half[j]) {
+                const u16 *hj = (const u16 *)x[j] + s;
+                if (j == 0) {
+                    for (Py_ssize_t i = 0; i < m; i++) {
+                        bad |= (uint16_t)((hj[i] & 0x7C00u) == 0x7C00u);
+                        acc[i] = half_value(hj[i]) * wj;
+                    }
+                } else {
+                    for (Py_ssize_t i = 0; i < m; i++) {
+                        bad |= (uint16_t)((hj[i] & 0x7C00u) == 0x7C00u);
+                        acc[i] = acc[i] + half_value(hj[i]) * wj;
+                    }
+                }
+            } else {
+                const f32 *xj = (const f32 *)x[j] + s;
+                if (j == 0) {
+                    for (Py_ssize_t i = 0; i < m; i++) acc[i] = xj[i] * wj;
+                } else {
+                    for (Py_ssize_t i = 0; i < m; i++) acc[i] = acc[i] + xj[i] * wj;
+                }
+            }
+        }
+        f32 *os = o + s;
+        if (has_d)
+            for (Py_ssize_t i = 0; i < m; i++) acc[i] = acc[i] / d;
+        for (Py_ssize_t i = 0; i < m; i++) {
+            os[i] = acc[i];
+            special |= (uint32_t)((f2u(acc[i]) & F32_INF) == F32_INF);
+        }
+    }
+    return special | bad;
+}
+
 #define WSUM_MAX_COPIES 4096
 
 static PyObject *weighted_sum(PyObject *self, PyObject *args) {
     PyObject *copies_o, *weights_o, *out_o;
     double d;
     int itemsize;
-    if (!PyArg_ParseTuple(args, "OOdiO:weighted_sum", &copies_o, &weights_o, &d, &itemsize,
-                          &out_o))
+    Py_buffer halves = {0};
+    if (!PyArg_ParseTuple(args, "OOdiO|y*:weighted_sum", &copies_o, &weights_o, &d, &itemsize,
+                          &out_o, &halves))
         return NULL;
+    const unsigned char *half = halves.buf != NULL && halves.len > 0 ? halves.buf : NULL;
     if (itemsize != 4 && itemsize != 8) {
         PyErr_SetString(PyExc_ValueError, "weighted_sum: itemsize must be 4 or 8");
+        PyBuffer_Release(&halves);
         return NULL;
     }
     PyObject *copies = PySequence_Fast(copies_o, "weighted_sum: copies must be a sequence");
-    if (!copies) return NULL;
+    if (!copies) {
+        PyBuffer_Release(&halves);
+        return NULL;
+    }
     PyObject *weights = PySequence_Fast(weights_o, "weighted_sum: weights must be a sequence");
     if (!weights) {
         Py_DECREF(copies);
+        PyBuffer_Release(&halves);
         return NULL;
     }
     Py_ssize_t k = PySequence_Fast_GET_SIZE(copies);
@@ -1104,6 +1159,11 @@ static PyObject *weighted_sum(PyObject *self, PyObject *args) {
     if (k < 1 || k > WSUM_MAX_COPIES || PySequence_Fast_GET_SIZE(weights) != k) {
         PyErr_SetString(PyExc_ValueError,
                         "weighted_sum: need 1 to 4096 copies and one weight per copy");
+        goto done;
+    }
+    if (half != NULL && (halves.len != k || itemsize != 4)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "weighted_sum: halves needs one byte per copy, and float32 (itemsize 4)");
         goto done;
     }
     bufs = PyMem_Calloc((size_t)k, sizeof *bufs);
@@ -1120,7 +1180,8 @@ static PyObject *weighted_sum(PyObject *self, PyObject *args) {
         w[j] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(weights, j));
         if (w[j] == -1.0 && PyErr_Occurred()) goto done;
         w32[j] = (float)w[j];
-        Py_ssize_t nj = get(PySequence_Fast_GET_ITEM(copies, j), &bufs[j], 0, itemsize, 0,
+        Py_ssize_t copy_itemsize = half != NULL && half[j] ? 2 : itemsize;
+        Py_ssize_t nj = get(PySequence_Fast_GET_ITEM(copies, j), &bufs[j], 0, copy_itemsize, 0,
                             "copy");
         if (nj < 0) goto done;
         if (nj != no) {
@@ -1131,7 +1192,12 @@ static PyObject *weighted_sum(PyObject *self, PyObject *args) {
     }
     int special;
     Py_BEGIN_ALLOW_THREADS
-    if (itemsize == 4)
+    int any_half = 0;
+    for (Py_ssize_t j = 0; half != NULL && j < k; j++) any_half |= half[j] != 0;
+    if (any_half)
+        special = wsum32h_loop((const void *const *)ptrs, half, w32, k, (float)d, d != 0.0,
+                               ob.view.buf, no) != 0;
+    else if (itemsize == 4)
         special = wsum32_loop((const f32 *const *)ptrs, w32, k, (float)d, d != 0.0, ob.view.buf,
                               no) != 0;
     else
@@ -1148,6 +1214,7 @@ done:
     PyMem_Free(w32);
     Py_DECREF(copies);
     Py_DECREF(weights);
+    PyBuffer_Release(&halves);
     return result;
 }
 
@@ -1159,9 +1226,11 @@ static PyMethodDef methods[] = {
      "copy_finite(src, out, itemsize) -> bool: copy float32 (itemsize 4) or float64 (8) "
      "values bit for bit; False if src holds NaN/Inf."},
     {"weighted_sum", weighted_sum, METH_VARARGS,
-     "weighted_sum(copies, weights, d, itemsize, out) -> bool: out = (copies[0]*weights[0] + "
-     "copies[1]*weights[1] + ...) / d in float32 (itemsize 4) or float64 (8), each operation "
-     "rounded as numpy does, in that order; d 0: no division. False if out holds NaN/Inf."},
+     "weighted_sum(copies, weights, d, itemsize, out, halves=b'') -> bool: out = "
+     "(copies[0]*weights[0] + copies[1]*weights[1] + ...) / d in float32 (itemsize 4) or "
+     "float64 (8), each operation rounded as numpy does, in that order; d 0: no division. "
+     "halves (float32 only): one byte per copy, nonzero where the copy is binary16 words. "
+     "False if out holds NaN/Inf or a word is Inf/NaN."},
     {"median_gram", median_gram, METH_VARARGS,
      "median_gram(stack, n, pairs, lower, upper, itemsize, median, gram): per column of the "
      "(n, m) stack, median = (row lower + row upper) / 2 after the comparators `pairs` "
@@ -1205,6 +1274,11 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
     /* Whether the kernels take buffers at any address (see u16/u32/f32 above). */
     if (m && PyModule_AddIntConstant(m, "any_alignment", ANY_ALIGNMENT) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    /* weighted_sum takes binary16 copies (its `halves` argument). */
+    if (m && PyModule_AddIntConstant(m, "weighted_sum_halves", 1) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,37 +1,37 @@
 # Signatures of the optional compiled kernels in _native.c (see native.py).
+from collections.abc import Sequence
+
 import numpy as np
 
 any_alignment: int  # 1: buffers may sit at any address; 0: aligned to their items
+weighted_sum_halves: int  # 1: weighted_sum takes binary16 copies (halves)
 
 def f32_to_f16(src: np.ndarray, words: np.ndarray | None, values: np.ndarray | None) -> bool: ...
-def f16_to_f32(words: np.ndarray, out: np.ndarray) -> bool: ...
+def f16_to_f32(words: np.ndarray, out: np.ndarray, check_first: bool = False) -> bool: ...
 def quantize8(
     x: np.ndarray,
-    inverse: np.ndarray,
-    scales: np.ndarray,
     block: int,
     lut: np.ndarray,
     table: np.ndarray,
     codes: np.ndarray | None,
     values: np.ndarray | None,
-) -> None: ...
+    scales: np.ndarray,
+) -> bool: ...
 def dequantize8(
     codes: np.ndarray, table: np.ndarray, scales: np.ndarray, block: int, out: np.ndarray
 ) -> None: ...
-def block_scales(x: np.ndarray, block: int, out: np.ndarray) -> bool: ...
 def scaled16(
     x: np.ndarray, means: np.ndarray, k: np.ndarray, row: int, words: np.ndarray
 ) -> None: ...
 def copy_finite(src: np.ndarray, out: np.ndarray, itemsize: int) -> bool: ...
 def all_finite(x: np.ndarray, itemsize: int) -> bool: ...
 def weighted_sum(
-    a: np.ndarray,
-    wa: float,
-    b: np.ndarray | None,
-    wb: float,
+    copies: Sequence[np.ndarray],
+    weights: Sequence[float],
     d: float,
     itemsize: int,
     out: np.ndarray,
+    halves: bytes = ...,
 ) -> bool: ...
 def median_gram(
     stack: np.ndarray,

@@ -303,7 +303,9 @@ class Codec(ABC):
         combines the copies); return the values and whether they were checked.
 
         Codecs whose decoding checks for free (see :attr:`decodes_finite`) check; ``none``
-        returns the payload's bytes as they came.
+        returns the payload's bytes as they came, and ``float16`` its words as float16
+        values for a float32 header (a narrower dtype that widens exactly: the mean's
+        kernel widens them as it adds them, :func:`~swarmavg.compression.native.weighted_sum`).
         """
         return self.decode_payload(header, payload), self.decodes_finite
 

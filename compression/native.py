@@ -23,6 +23,7 @@ __all__ = ["FLOATS", "copy_finite", "kernels", "takes", "weighted_sum"]
 FLOATS: tuple[np.dtype[Any], ...] = (np.dtype(np.float32), np.dtype(np.float64))
 """The float dtypes the compiled finite scan and checked copy take (float16 and bfloat16
 take numpy's code)."""
+_HALF = np.dtype(np.float16)
 
 
 def _load() -> ModuleType | None:
@@ -82,11 +83,16 @@ def weighted_sum(
     ``acc += x1 * w1``, ... and ``acc / d``: the same bits. The weights are taken as that
     dtype's values (the caller rounds them to it).
 
+    With a float32 ``out``, a copy may be float16 (codec ``float16``'s words as received):
+    its values are widened exactly where they are added, as decoding them first would
+    give, without a decoded array. An Inf/NaN among them makes the result count as not
+    finite, as its decoded value would have.
+
     Returns:
         Whether every value of ``out`` is finite, or ``None`` when the kernel does not
-        apply (at least one copy, arrays of one dtype of :data:`FLOATS`, one length, one
-        dimension, and :func:`takes` them): nothing was written, and the caller computes
-        with numpy.
+        apply (at least one copy, arrays of one dtype of :data:`FLOATS` (or float16 into
+        float32), one length, one dimension, and :func:`takes` them): nothing was
+        written, and the caller computes with numpy.
     """
     kernel = getattr(kernels, "weighted_sum", None)  # absent from an older build
     arrays = (*copies, out)
@@ -95,8 +101,15 @@ def weighted_sum(
         or not copies
         or len(weights) != len(copies)
         or out.dtype not in FLOATS
-        or any(x.dtype != out.dtype or x.shape != out.shape or x.ndim != 1 for x in arrays)
+        or any(x.shape != out.shape or x.ndim != 1 for x in arrays)
         or not takes(*arrays)
     ):
         return None
+    halves = bytes(x.dtype == _HALF for x in copies)
+    if any(x.dtype != out.dtype for x, half in zip(copies, halves, strict=True) if not half):
+        return None
+    if any(halves):
+        if out.dtype != np.float32 or not getattr(kernels, "weighted_sum_halves", False):
+            return None
+        return bool(kernel(copies, weights, d, out.dtype.itemsize, out, halves))
     return bool(kernel(copies, weights, d, out.dtype.itemsize, out))

@@ -18,7 +18,8 @@ How copies combine is the group's aggregation rule (:mod:`swarmavg.averaging.agg
   dtype), so the bits are the same. When every delivering sender has weight 0, the chunk
   is the plain mean of their copies.
   A received copy may come unchecked (``add(..., defer_check=True)``: ``none`` hands the
-  message's bytes as they came): a finite result vouches for every copy (a NaN or an Inf
+  message's bytes as they came, ``float16`` its words, as float16 values the kernel widens
+  exactly where it adds them): a finite result vouches for every copy (a NaN or an Inf
   times a weight stays one, and sums keep it), and only a non-finite result has its
   unchecked copies checked one by one; a copy holding NaN/Inf is then left out of the
   chunk's mean and its sender named in :attr:`PartReducer.rejected`, for the caller to
@@ -62,6 +63,8 @@ from swarmavg.averaging.allreduce.robust import (
 )
 from swarmavg.compression.kernels import all_finite
 from swarmavg.compression.native import weighted_sum
+
+_HALF = np.dtype(np.float16)
 
 DEFAULT_WEIGHT_BOUND = 10.0
 """A sender's weight counts as at most this many times the median weight of its part."""
@@ -126,6 +129,9 @@ class PartReducer:
         self.weight_bound = float(weight_bound)
         self.num_chunks = plan.num_chunks(part)
         self._robust = self.aggregation.robust
+        # float16 copies (codec float16's words as received) widen exactly to float32:
+        # every rule takes them as they are (numpy and the mean's kernel widen them).
+        self._value_dtypes = (self.dtype, _HALF) if self.dtype == np.float32 else (self.dtype,)
         senders = list(senders)
         size = self.buffer_size(plan, part, len(set(senders)), self.aggregation)
         if accumulator is not None and (accumulator.shape != (size,) or accumulator.dtype != dtype):
@@ -215,7 +221,7 @@ class PartReducer:
         if self._have[sender][chunk]:
             raise ContributionError(f"duplicate chunk {chunk} from member {sender}")
         start, end = self.plan.chunk_bounds(self.part, chunk)
-        if values.dtype != self.dtype or values.shape != (end - start,):
+        if values.dtype not in self._value_dtypes or values.shape != (end - start,):
             raise ContributionError(
                 f"chunk {chunk} must be {self.dtype}[{end - start}], "
                 f"got {values.dtype}{list(values.shape)}"

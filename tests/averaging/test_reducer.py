@@ -278,6 +278,75 @@ def test_a_deferred_check_leaves_a_bad_copy_out_and_names_its_sender(
     assert reducer.rejected == {2: "chunk 1 holds NaN or Inf"}
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
+@pytest.mark.parametrize("word", [0x7C00, 0x7E00], ids=["inf", "nan"])
+def test_float16_copies_are_averaged_as_their_decoded_values(
+    compiled: bool, word: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Codec float16's words reach the float32 reducer as float16 values, unchecked: the
+    mean has the bits of averaging the decoded copies, a copy with an Inf/NaN word is left
+    out and its sender named (the check deferred into the mean, as for codec none), and a
+    robust rule and a weight-0 sender take them as decoded values too."""
+    if not compiled:
+        monkeypatch.setattr("swarmavg.averaging.allreduce.reducer.weighted_sum", _no_kernel)
+    rng = np.random.default_rng(11)
+    plan = PartPlan.build([12], 4)
+    weights = [1.0, 2.0, 0.5, 1.5]
+    words = [rng.standard_normal(12).astype(np.float16) for _ in weights]
+    spoiled = words[3].copy()
+    spoiled.view(np.uint16)[9] = word  # chunk 2
+    own = rng.standard_normal(12).astype(np.float32)
+    reducer = PartReducer(plan, 0, np.dtype(np.float32), range(5))
+    for s, w in enumerate([1.0, *weights]):
+        reducer.set_weight(s, w)
+    for c in range(3):
+        lo, hi = plan.chunk_bounds(0, c)
+        reducer.add(0, c, own[lo:hi], finite=True)
+        for s in range(1, 5):
+            values = (spoiled if s == 4 else words[s - 1])[lo:hi]
+            reducer.add(s, c, values, defer_check=True)
+    factors = {s: reducer.factor(s) for s in range(5)}
+    for c in range(3):
+        lo, hi = plan.chunk_bounds(0, c)
+        kept = [s for s in range(5) if c != 2 or s != 4]
+        decoded = [own[lo:hi]] + [w[lo:hi].astype(np.float32) for w in words]
+        copies = [(decoded[s], factors[s]) for s in kept]
+        expected = _eager_mean(copies, sum(f for _, f in copies))  # type: ignore[misc]
+        got, _ = reducer.mean(c)
+        assert got is not None
+        np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
+    assert reducer.rejected == {4: "chunk 2 holds NaN or Inf"}
+
+    trimmed = parse_aggregation("trimmed-mean")
+    robust = PartReducer(plan, 0, np.dtype(np.float32), range(3), trimmed)
+    reference = PartReducer(plan, 0, np.dtype(np.float32), range(3), trimmed)
+    for r in (robust, reference):
+        for s in range(3):
+            r.set_weight(s, 1.0)
+    for s in range(3):
+        lo, hi = plan.chunk_bounds(0, 0)
+        robust.add(s, 0, words[s][lo:hi], defer_check=True)
+        reference.add(s, 0, words[s][lo:hi].astype(np.float32))
+    assert_bits = np.testing.assert_array_equal
+    assert_bits(robust.result(0), reference.result(0))  # type: ignore[arg-type]
+    with pytest.raises(ContributionError, match="NaN or Inf"):  # robust: checked at once
+        robust.add(0, 1, spoiled[8:12].copy(), defer_check=True)
+
+    zero = PartReducer(plan, 0, np.dtype(np.float32), [0, 1])
+    zero.set_weight(0, 0.0)
+    zero.set_weight(1, 0.0)
+    zero.add(0, 0, words[0][:4], defer_check=True)
+    zero.add(1, 0, words[1][:4], defer_check=True)
+    got, _ = zero.mean(0)
+    expected = (words[0][:4].astype(np.float32) + words[1][:4]) / np.float32(2)
+    assert got is not None
+    assert_bits(got.view(np.uint8), expected.view(np.uint8))
+    wide = PartReducer(plan, 0, np.dtype(np.float64), [0])
+    wide.set_weight(0, 1.0)
+    with pytest.raises(ContributionError, match="must be float64"):  # float16 widens to f32 only
+        wide.check(0, 0, words[0][:4])
+
+
 def test_a_deferred_check_never_rejects_a_checked_copy() -> None:
     """A NaN in a copy the caller vouched for (this member's own, with ``none``) spoils
     the mean, which is then not vouched finite: the codec refuses it, nobody is named."""

@@ -92,16 +92,19 @@ def test_an_unchecked_decode_says_whether_it_checked() -> None:
     """``decode_payload_unchecked``: the values ``decode_payload`` gives, and whether they
     were checked. Codecs whose decoding checks for free check (a forged NaN is refused as
     before); ``none`` hands the payload over unchecked (the all-reduce's mean checks it in
-    the pass that combines the copies), integer payloads need no check."""
+    the pass that combines the copies), and so does ``float16`` for float32, as its words
+    (float16 values, which widen exactly); integer payloads need no check."""
     names = [n for n in known_codecs() if "<" not in n]
     x = np.random.default_rng(3).standard_normal(300).astype(np.float32)
+    unchecked = {"none", "float16"}
     for name in names:
         codec = get_codec(name)
         encoded = codec.encode_payload(x, CodecInfo())
         values, checked = codec.decode_payload_unchecked(encoded.header, encoded.payload)
         expected = codec.decode_payload(encoded.header, encoded.payload)
-        assert values.tobytes() == expected.tobytes()
-        assert checked == (codec.decodes_finite and name != "none")
+        assert values.dtype == (np.float16 if name == "float16" else np.float32)
+        assert values.astype(np.float32).tobytes() == expected.tobytes()
+        assert checked == (codec.decodes_finite and name not in unchecked)
         if checked:
             with pytest.raises(CodecError):
                 codec.decode_payload_unchecked(
@@ -113,6 +116,19 @@ def test_an_unchecked_decode_says_whether_it_checked() -> None:
     values, checked = none.decode_payload_unchecked(header, forged)
     assert not checked
     assert values.tobytes() == forged  # as it came, a view of the payload
+    half = get_codec("float16")
+    encoded = half.encode_payload(x, CodecInfo())
+    forged = _forge_nan("float16", bytes(encoded.payload))
+    values, checked = half.decode_payload_unchecked(encoded.header, forged)
+    assert not checked
+    assert values.tobytes() == forged  # the words as they came
+    # float64 is decoded (and checked) as before: the words widen to float32 only
+    wide = half.encode_payload(x.astype(np.float64), CodecInfo())
+    values, checked = half.decode_payload_unchecked(wide.header, wide.payload)
+    assert checked
+    assert values.dtype == np.float64
+    with pytest.raises(CodecError):
+        half.decode_payload_unchecked(wide.header, _forge_nan("float16", bytes(wide.payload)))
     with pytest.raises(CodecError, match="needs 1200"):
         none.decode_payload_unchecked(header, forged[:-4])
     integers = np.arange(10, dtype=np.int64)

@@ -403,9 +403,50 @@ def test_weighted_sum_matches_numpy_at_any_offset(dtype: type, offset: int) -> N
         native.kernels.weighted_sum([odd, odd[:-1]], [1.0, 1.0], 0.0, item, out)  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="one weight per copy"):
         native.kernels.weighted_sum([odd], [1.0, 1.0], 0.0, item, out)  # type: ignore[union-attr]
-    assert native.weighted_sum([odd.astype(np.float16)], [1.0], 0.0, out) is None
+    if dtype == np.float64:  # float16 copies widen into float32 only
+        assert native.weighted_sum([odd.astype(np.float16)], [1.0], 0.0, out) is None
+    assert native.weighted_sum([odd.astype(np.int32)], [1.0], 0.0, out) is None
     assert native.weighted_sum([], [], 0.0, out) is None
     assert native.weighted_sum([odd, copies[1]], [1.0], 0.0, out) is None
+
+
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_weighted_sum_widens_float16_copies_as_decoding_them_first_would(offset: int) -> None:
+    """float16 copies (codec float16's words as received) in the float32 mean: each word
+    widened where it is added gives the bits of decoding every copy first, in any mix with
+    float32 copies, at any address; an Inf/NaN word makes the result count as not finite
+    (the kernel's exact widening is for finite words: it makes such a word a large finite
+    value, so the word itself must be flagged)."""
+    rng = np.random.default_rng(10 + offset)
+    n = 4099
+    raw = np.zeros(n * 2 + offset, np.uint8)
+    odd = raw[offset:].view(np.float16)  # words at an odd offset of their message
+    odd[:] = rng.standard_normal(n) * 100
+    halves = [odd] + [(rng.standard_normal(n) * 10.0**i).astype(np.float16) for i in range(4)]
+    floats = [rng.standard_normal(n).astype(np.float32) for _ in range(3)]
+    out = np.empty(n, np.float32)
+    mixes = [halves[:1], halves, [floats[0], *halves[1:3]], [halves[0], floats[1], halves[2]]]
+    mixes.append([floats[0], halves[1], floats[1], halves[3], floats[2]])
+    for copies in mixes:
+        weights = [float(np.float32(w)) for w in rng.uniform(0.01, 1.0, len(copies))]
+        for d in (0.0, 1.28):
+            decoded = [x.astype(np.float32) for x in copies]
+            expected = decoded[0] * np.float32(weights[0])
+            for x, w in zip(decoded[1:], weights[1:], strict=True):
+                expected += x * np.float32(w)
+            if d:
+                expected = expected / np.float32(d)
+            assert native.weighted_sum(copies, weights, d, out) is True
+            assert_same_bits(out, expected)
+    for word in (0x7C00, 0xFC00, 0x7E00, 0x7C01):  # +Inf, -Inf, NaNs
+        for j in (0, 2):
+            spoiled = [x.copy() for x in halves]
+            spoiled[j].view(np.uint16)[n - 1] = word  # in the tail after the last block
+            assert native.weighted_sum(spoiled, [1.0] * len(spoiled), 5.0, out) is False
+    with pytest.raises(ValueError, match="halves"):
+        native.kernels.weighted_sum([odd], [1.0], 0.0, 4, out, b"\x01\x01")  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="halves"):
+        native.kernels.weighted_sum([odd], [1.0], 0.0, 8, out, b"\x01")  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
