@@ -587,27 +587,34 @@ class DHTNode:
 
     # ---- get ----
 
-    async def get(self, key: str | bytes, latest: bool = False) -> ValueWithExpiration[Any] | None:
+    async def get(
+        self, key: str | bytes, latest: bool = False, quorum: int | None = None
+    ) -> ValueWithExpiration[Any] | None:
         """Find the value under ``key``.
 
         Args:
             latest: ask all of the k nearest nodes and merge, instead of stopping at the first
                 ``get_quorum`` holders.
+            quorum: stop once this many nodes returned the key instead (``latest`` aside:
+                what they hold is merged all the same); the nearest are asked first.
 
         Returns:
             None when nothing unexpired is found. For a plain key, its value and expiration;
             for a dictionary key, ``value`` is ``dict[subkey, ValueWithExpiration]`` merged
             over every holder that answered, and ``expiration`` the latest subkey expiration.
         """
-        return (await self.get_many([key], latest))[0]
+        return (await self.get_many([key], latest, quorum))[0]
 
     async def get_many(
-        self, keys: Sequence[str | bytes], latest: bool = False
+        self, keys: Sequence[str | bytes], latest: bool = False, quorum: int | None = None
     ) -> list[ValueWithExpiration[Any] | None]:
         """:meth:`get` for many keys in one traversal."""
         raw_keys = [key_to_bytes(k) for k in keys]
         kids = [key_id(k) for k in raw_keys]
-        quorum = self.config.k if latest else self.config.get_quorum
+        if quorum is None:
+            quorum = self.config.k if latest else self.config.get_quorum
+        elif quorum < 1:
+            raise ValueError(f"quorum must be >= 1, got {quorum}")
         lookups = await traverse(self.protocol, kids, want_values=True, quorum=quorum)
         now = time.time()
         refused = self.routing.refused

@@ -45,6 +45,11 @@ class MatchmakerConfig:
             measured its own (the settle time derives from them, see ``closing``).
         start_window: ``(before, after)``: seconds before and after now within which a
             declared start must lie for the declaration to count (issue 17).
+        read_quorum: a read of the declarations merges what this many of the key's nodes
+            hold (the nearest answer first), besides this peer's own copy, where it asked
+            all k nearest before. Every declarer's store reaches the key's nearest nodes in
+            its first wave of requests, so they hold what the farther ones do; each node
+            less asked is one RPC less per peer and read.
     """
 
     poll_interval: float = 0.5
@@ -54,10 +59,13 @@ class MatchmakerConfig:
     max_redirects: int = 4
     initial_latency: float = 0.02
     start_window: tuple[float, float] = DEFAULT_START_WINDOW
+    read_quorum: int = 3
 
     def __post_init__(self) -> None:
         if not all(math.isfinite(w) and w > 0 for w in self.start_window):
             raise ValueError("start_window must be two positive, finite numbers of seconds")
+        if self.read_quorum < 1:
+            raise ValueError("read_quorum must be >= 1")
         for name in (
             "poll_interval",
             "join_timeout",

@@ -405,7 +405,7 @@ class Matchmaker:
         try:
             started = time.monotonic()
             async with asyncio.timeout(budget):
-                record = await self.dht.get(key, latest=True)
+                record = await self.dht.get(key, latest=True, quorum=self.config.read_quorum)
             self.dht_latency.observe(time.monotonic() - started)
         except (TimeoutError, grpc.aio.AioRpcError) as error:
             log.debug("reading declarations under %s failed: %r", key, error)

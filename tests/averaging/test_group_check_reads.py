@@ -45,7 +45,7 @@ class LeaderHiddenThenSlow:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._node, name)
 
-    async def get(self, key: str, latest: bool = False) -> Any:
+    async def get(self, key: str, latest: bool = False, quorum: int | None = None) -> Any:
         if self._following():
             if self.stalled < STALLED_READS:
                 self.stalled += 1
