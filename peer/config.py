@@ -401,6 +401,7 @@ INTERNAL: Mapping[type, tuple[str, ...]] = MappingProxyType(
             "max_redirects",
             "initial_latency",
             "start_window",  # a protocol bound on declared starts (issue 17)
+            "read_quorum",  # the key's nearest holders hold every declaration (issue 21)
         ),
         # Sizes and patience measured in docs/benchmarks-allreduce.md; min_stall is the one
         # a slow link needs, and it is in [allreduce].

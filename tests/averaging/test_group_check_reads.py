@@ -50,8 +50,8 @@ class LeaderHiddenThenSlow:
             if self.stalled < STALLED_READS:
                 self.stalled += 1
                 await asyncio.Event().wait()  # cancelled by the caller's deadline
-            return await self._node.get(key, latest=latest)
-        record = await self._node.get(key, latest=latest)
+            return await self._node.get(key, latest=latest, quorum=quorum)
+        record = await self._node.get(key, latest=latest, quorum=quorum)
         if record is None or not isinstance(record.value, dict):
             return record
         kept = {}

@@ -8,6 +8,7 @@ leader's close reason (``deadline``) rather than in a clock reading.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -141,3 +142,26 @@ async def test_moshpit_groups_expect_only_the_previous_members_that_share_their_
             assert len(results) == 6
             assert frozenset().union(*groups_of(results)) == {p.peer_id.hex() for p in swarm.peers}
         assert "deadline" not in close_reasons(swarm), close_reasons(swarm)
+
+
+async def _rpcs_per_round(read_quorum: int, n: int, rounds: int) -> float:
+    matchmaker = dataclasses.replace(SLOW_WINDOW.matchmaker, read_quorum=read_quorum)
+    config = dataclasses.replace(SLOW_WINDOW, matchmaker=matchmaker)
+    async with averager_swarm(n, config) as swarm:
+        await round_of(swarm, "warm-0", timeout=60.0)
+        before = sum(p.node.protocol.rpcs_sent for p in swarm.peers)
+        for step in range(rounds):
+            results = await round_of(swarm, f"step-{step}", timeout=60.0)
+            assert [len(g) for g in groups_of(results)] == [n]
+        return (sum(p.node.protocol.rpcs_sent for p in swarm.peers) - before) / rounds
+
+
+@pytest.mark.timeout(120)
+async def test_reading_the_nearest_holders_forms_the_same_group_with_fewer_requests() -> None:
+    """``MatchmakerConfig.read_quorum``: a read of the declarations stops at the key's
+    nearest holders, which every declarer's store reaches first. Eight peers still form
+    one group of 8 every round, and send fewer DHT requests than when every read asks
+    all k nearest (k = 20 > 8: every node), as matchmaking did before."""
+    nearest = await _rpcs_per_round(3, 8, 3)
+    everyone = await _rpcs_per_round(20, 8, 3)
+    assert nearest < 0.9 * everyone, (nearest, everyone)

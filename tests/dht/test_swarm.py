@@ -67,6 +67,34 @@ async def test_dictionary_values_merge_subkeys_from_many_writers() -> None:
         assert found.expiration == pytest.approx(now + 90)
 
 
+async def test_a_read_with_a_quorum_stops_at_the_nearest_holders() -> None:
+    """``get(key, latest=True, quorum=q)``: a dictionary every writer stored on the k
+    nearest nodes, read back whole from the first q holders (the nearest are asked
+    first), with fewer requests than asking all k nearest."""
+    async with swarm(N, k=K) as s:
+        now = time.time()
+        writers = s.rng.sample(s.nodes, 10)
+        for i, writer in enumerate(writers):
+            assert await writer.store(
+                "group", {"rank": i}, now + 60, subkey=writer.identity.peer_id_hex
+            )
+        expected = {w.identity.peer_id_hex for w in writers}
+        for reader in s.rng.sample([n for n in s.nodes if n not in writers], 5):
+            before = reader.protocol.rpcs_sent
+            everything = await reader.get("group", latest=True)
+            asked_all = reader.protocol.rpcs_sent - before
+            before = reader.protocol.rpcs_sent
+            nearest = await reader.get("group", latest=True, quorum=3)
+            asked_few = reader.protocol.rpcs_sent - before
+            assert everything is not None
+            assert nearest is not None
+            assert set(everything.value) == expected
+            assert set(nearest.value) == expected
+            assert asked_few < asked_all
+        with pytest.raises(ValueError, match="quorum"):
+            await reader.get("group", quorum=0)
+
+
 async def test_find_nearest_matches_brute_force() -> None:
     async with swarm(N, k=K) as s:
         ids = [n.peer_id for n in s.nodes]
