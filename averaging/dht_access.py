@@ -18,7 +18,14 @@ class DHTAccess(Protocol):
     @property
     def peer_id(self) -> bytes: ...
 
-    async def store(self, key: str, value: Any, expiration: float, subkey: Any = None) -> bool: ...
+    async def store(
+        self,
+        key: str,
+        value: Any,
+        expiration: float,
+        subkey: Any = None,
+        replicas: int | None = None,
+    ) -> bool: ...
 
     async def get(self, key: str, latest: bool = False, quorum: int | None = None) -> Any: ...
 

@@ -450,7 +450,12 @@ class DHTNode:
         return record
 
     async def store(
-        self, key: str | bytes, value: Any, expiration: float, subkey: Subkey | None = None
+        self,
+        key: str | bytes,
+        value: Any,
+        expiration: float,
+        subkey: Subkey | None = None,
+        replicas: int | None = None,
     ) -> bool:
         """Store ``value`` under ``key`` (or under ``subkey`` of dictionary ``key``).
 
@@ -461,6 +466,9 @@ class DHTNode:
             value: any msgpack-serialisable object.
             expiration: absolute ``time.time()`` after which the value disappears.
             subkey: ``str``, ``bytes`` or ``int``; makes ``key`` a dictionary.
+            replicas: how many of the nearest nodes store it (default: the configured
+                ``replication``); fewer for short-lived records read from the nearest few
+                (matchmaking's declarations), one request less per node left out.
 
         Returns:
             True when at least one of the nearest nodes (or this one) now holds the record;
@@ -470,13 +478,17 @@ class DHTNode:
             ValueError: the key, subkey or value breaks a size cap or names another owner.
             TypeError: the value is not msgpack-serialisable.
         """
-        return (await self.store_many([(key, value, expiration, subkey)]))[0]
+        return (await self.store_many([(key, value, expiration, subkey)], replicas))[0]
 
-    async def store_many(self, items: Sequence[StoreItem]) -> list[bool]:
+    async def store_many(
+        self, items: Sequence[StoreItem], replicas: int | None = None
+    ) -> list[bool]:
         """:meth:`store` for many records in one traversal; one bool per item."""
+        if replicas is not None and replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
         now = time.time()
         records = [self._make_record(item, now) for item in items]
-        return await self._store_records(records)
+        return (await self._store_traversal(records, replicas=replicas))[0]
 
     async def store_and_get(
         self, key: str | bytes, value: Any, expiration: float, subkey: Subkey | None = None
@@ -520,7 +532,7 @@ class DHTNode:
         return (await self._store_traversal(records))[0]
 
     async def _store_traversal(
-        self, records: Sequence[StoredRecord], read_back: bool = False
+        self, records: Sequence[StoredRecord], read_back: bool = False, replicas: int | None = None
     ) -> tuple[list[bool], dict[bytes, LookupResult]]:
         """Store ``records`` on the nodes nearest to their keys; with ``read_back``, the
         Find requests also ask for the keys' values and visit the nearest nodes as a
@@ -531,7 +543,7 @@ class DHTNode:
         by_key: dict[bytes, list[int]] = {}
         for i in live:
             by_key.setdefault(key_id(records[i].key), []).append(i)
-        replicas = self.config.num_replicas
+        replicas = replicas or self.config.num_replicas
         # The lookup need only converge on the `replicas` nearest nodes, not on k of them, and
         # the records ride along with its Find requests: the nodes that know they are among
         # the nearest store them at once, so only the rest need a separate Store.

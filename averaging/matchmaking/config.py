@@ -50,6 +50,11 @@ class MatchmakerConfig:
             all k nearest before. Every declarer's store reaches the key's nearest nodes in
             its first wave of requests, so they hold what the farther ones do; each node
             less asked is one RPC less per peer and read.
+        declaration_replicas: how many of the key's nearest nodes store a declaration
+            (the DHT's default is k = 20): the reads ask the nearest ``read_quorum``, and
+            the spares cover a node that fails or a reader whose view of the nearest
+            differs. A declaration lives one round; each node left out is one RPC less
+            per peer and round.
     """
 
     poll_interval: float = 0.5
@@ -60,12 +65,13 @@ class MatchmakerConfig:
     initial_latency: float = 0.02
     start_window: tuple[float, float] = DEFAULT_START_WINDOW
     read_quorum: int = 3
+    declaration_replicas: int = 5
 
     def __post_init__(self) -> None:
         if not all(math.isfinite(w) and w > 0 for w in self.start_window):
             raise ValueError("start_window must be two positive, finite numbers of seconds")
-        if self.read_quorum < 1:
-            raise ValueError("read_quorum must be >= 1")
+        if not 1 <= self.read_quorum <= self.declaration_replicas:
+            raise ValueError("need 1 <= read_quorum <= declaration_replicas")
         for name in (
             "poll_interval",
             "join_timeout",

@@ -354,7 +354,11 @@ class Matchmaker:
             started = time.monotonic()
             async with asyncio.timeout(budget):
                 ok = await self.dht.store(
-                    rnd.request.key, rnd.me.encode(), rnd.me.give_up, subkey=subkey
+                    rnd.request.key,
+                    rnd.me.encode(),
+                    rnd.me.give_up,
+                    subkey=subkey,
+                    replicas=self.config.declaration_replicas,
                 )
             self.dht_latency.observe(time.monotonic() - started)
         except (TimeoutError, grpc.aio.AioRpcError) as error:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from swarmavg.averaging.errors import NoGroupError
+from swarmavg.averaging.matchmaking.config import MatchmakerConfig
 from swarmavg.averaging.result import AveragingResult
 from tests.averaging.averager_swarm import AveragerSwarm, averager_swarm, fast_config
 
@@ -144,8 +145,10 @@ async def test_moshpit_groups_expect_only_the_previous_members_that_share_their_
         assert "deadline" not in close_reasons(swarm), close_reasons(swarm)
 
 
-async def _rpcs_per_round(read_quorum: int, n: int, rounds: int) -> float:
-    matchmaker = dataclasses.replace(SLOW_WINDOW.matchmaker, read_quorum=read_quorum)
+async def _rpcs_per_round(read_quorum: int, replicas: int, n: int, rounds: int) -> float:
+    matchmaker = dataclasses.replace(
+        SLOW_WINDOW.matchmaker, read_quorum=read_quorum, declaration_replicas=replicas
+    )
     config = dataclasses.replace(SLOW_WINDOW, matchmaker=matchmaker)
     async with averager_swarm(n, config) as swarm:
         await round_of(swarm, "warm-0", timeout=60.0)
@@ -157,11 +160,19 @@ async def _rpcs_per_round(read_quorum: int, n: int, rounds: int) -> float:
 
 
 @pytest.mark.timeout(120)
-async def test_reading_the_nearest_holders_forms_the_same_group_with_fewer_requests() -> None:
-    """``MatchmakerConfig.read_quorum``: a read of the declarations stops at the key's
-    nearest holders, which every declarer's store reaches first. Eight peers still form
-    one group of 8 every round, and send fewer DHT requests than when every read asks
-    all k nearest (k = 20 > 8: every node), as matchmaking did before."""
-    nearest = await _rpcs_per_round(3, 8, 3)
-    everyone = await _rpcs_per_round(20, 8, 3)
-    assert nearest < 0.9 * everyone, (nearest, everyone)
+async def test_declarations_on_the_nearest_few_form_the_same_group_with_fewer_requests() -> None:
+    """``MatchmakerConfig.declaration_replicas`` and ``read_quorum``: declarations are
+    stored on the key's 5 nearest nodes and read from its 3 nearest holders. Eight peers
+    still form one group of 8 every round, and send fewer DHT requests than when every
+    declaration goes to all k nearest (k = 20 > 8: every node) and every read asks them
+    all, as matchmaking did before."""
+    nearest = await _rpcs_per_round(3, 5, 8, 3)
+    everyone = await _rpcs_per_round(20, 20, 8, 3)
+    assert nearest < 0.8 * everyone, (nearest, everyone)
+
+
+def test_a_read_quorum_above_the_replicas_is_refused() -> None:
+    with pytest.raises(ValueError, match="read_quorum"):
+        MatchmakerConfig(read_quorum=6, declaration_replicas=5)
+    with pytest.raises(ValueError, match="read_quorum"):
+        MatchmakerConfig(read_quorum=0)

@@ -34,11 +34,18 @@ class FirstStoreStalls:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._node, name)
 
-    async def store(self, key: str, value: Any, expiration: float, subkey: Any = None) -> bool:
+    async def store(
+        self,
+        key: str,
+        value: Any,
+        expiration: float,
+        subkey: Any = None,
+        replicas: int | None = None,
+    ) -> bool:
         if self.stalled == 0:
             self.stalled += 1
             await asyncio.Event().wait()  # cancelled by the caller's deadline
-        return await self._node.store(key, value, expiration, subkey=subkey)
+        return await self._node.store(key, value, expiration, subkey=subkey, replicas=replicas)
 
 
 @pytest.mark.timeout(60)

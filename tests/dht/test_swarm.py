@@ -7,7 +7,7 @@ import time
 import pytest
 
 from swarmavg.dht import DHTNode, Identity
-from swarmavg.dht.ids import id_to_int
+from swarmavg.dht.ids import id_to_int, key_id
 from tests.dht.swarm import swarm
 
 pytestmark = pytest.mark.timeout(90)
@@ -93,6 +93,31 @@ async def test_a_read_with_a_quorum_stops_at_the_nearest_holders() -> None:
             assert asked_few < asked_all
         with pytest.raises(ValueError, match="quorum"):
             await reader.get("group", quorum=0)
+
+
+async def test_a_store_on_fewer_replicas_reaches_the_nearest_with_fewer_requests() -> None:
+    """``store(..., replicas=r)``: the record lands on the r nodes nearest to the key (a
+    read of the nearest holders finds it) with fewer requests than the k replicas."""
+    async with swarm(N, k=K) as s:
+        now = time.time()
+        writer, reader = s.rng.sample(s.nodes, 2)
+        before = writer.protocol.rpcs_sent
+        assert await writer.store("wide", 1, now + 60)
+        to_all = writer.protocol.rpcs_sent - before
+        before = writer.protocol.rpcs_sent
+        assert await writer.store("narrow", 2, now + 60, replicas=3)
+        to_few = writer.protocol.rpcs_sent - before
+        assert to_few < to_all
+        target = id_to_int(key_id(b"narrow"))
+        by_distance = sorted(s.nodes, key=lambda n: id_to_int(n.peer_id) ^ target)
+        nearest = {n.peer_id for n in by_distance[:3]}
+        holders = {n.peer_id for n in s.nodes if n.storage.get(key_id(b"narrow"), time.time())}
+        assert holders == nearest
+        found = await reader.get("narrow", latest=True, quorum=2)
+        assert found is not None
+        assert found.value == 2
+        with pytest.raises(ValueError, match="replicas"):
+            await writer.store("none", 3, now + 60, replicas=0)
 
 
 async def test_find_nearest_matches_brute_force() -> None:
