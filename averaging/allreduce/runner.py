@@ -81,6 +81,7 @@ from swarmavg.averaging.stubs import REDUCE, reduce_method
 from swarmavg.compression import Codec, CodecInfo
 from swarmavg.compression.base import Encoded
 from swarmavg.compression.kernels import all_finite
+from swarmavg.compression.native import copy_finite
 from swarmavg.dht.auth import RequestSigner
 from swarmavg.proto import averaging_pb2
 
@@ -312,7 +313,7 @@ class _Exchange:
             with self._result_lock:
                 if self._sealed:
                     raise ValueError("the round is over")
-                np.copyto(values, decoded)
+                _copy_into(values, decoded)
             return
         # Straight into the result: if this raises, the chunk stays unreceived and
         # fill_missing() puts the local values back over whatever was written (in place,
@@ -343,7 +344,7 @@ class _Exchange:
         """Called by the local ReducerRound with the decoded average of one chunk."""
         base = self.plan.bounds[self.my_index][0]
         start, end = self.plan.chunk_bounds(self.my_index, chunk)
-        self.result[base + start : base + end] = values
+        _copy_into(self.result[base + start : base + end], values)
         self.received[self.my_index][chunk] = True
         if contributors == len(self.group.senders):
             self.full_chunks[self.my_index] += 1
@@ -568,6 +569,16 @@ class _Exchange:
         self.adjusted[part] += reply.num_adjusted
         self.weights_clipped[part] = max(self.weights_clipped[part], reply.weights_clipped)
         return True
+
+
+def _copy_into(out: np.ndarray, values: np.ndarray) -> None:
+    """``out[...] = values`` through the compiled checked copy where it applies: its
+    stores bypass the caches for copies of 256 KiB and more (a reply's chunk), so the
+    destination is not read first as memmove's stores read it (session 17: the replies'
+    copies into the caller's memory were 6.5% of a daemon's CPU at 8 peers). What it
+    says of finiteness is not needed here: the values were checked already."""
+    if copy_finite(values, out) is None:
+        np.copyto(out, values)
 
 
 def _result_target(
