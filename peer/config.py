@@ -401,7 +401,9 @@ INTERNAL: Mapping[type, tuple[str, ...]] = MappingProxyType(
             "max_redirects",
             "initial_latency",
             "start_window",  # a protocol bound on declared starts (issue 17)
-            "read_quorum",  # the key's nearest holders hold every declaration (issue 21)
+            # How many of a key's nearest nodes store and serve declarations (issue 21).
+            "read_quorum",
+            "declaration_replicas",
         ),
         # Sizes and patience measured in docs/benchmarks-allreduce.md; min_stall is the one
         # a slow link needs, and it is in [allreduce].
