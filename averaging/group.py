@@ -66,9 +66,6 @@ class Member:
         data_port: TCP port of its data plane on the host of ``address``
             (:mod:`~swarmavg.averaging.allreduce.data_plane`); 0 when it serves ``Reduce``
             over gRPC only.
-        chunk_cap: the largest chunk (bytes) its rounds cut; every member takes the
-            smallest cap of the group (:mod:`~swarmavg.averaging.allreduce.chunking`). 0: a
-            peer of an older version, whose rounds cut at most 2 MiB.
     """
 
     peer_id: bytes
@@ -77,7 +74,6 @@ class Member:
     bandwidth: float = 1.0
     user_data: bytes = b""
     data_port: int = 0
-    chunk_cap: int = 0
 
     def __post_init__(self) -> None:
         if len(self.peer_id) != PEER_ID_BYTES:
@@ -86,8 +82,6 @@ class Member:
             raise ValueError(f"bandwidth must be finite and >= 0, got {self.bandwidth}")
         if not 0 <= self.data_port <= 65535:
             raise ValueError(f"data_port must be a TCP port or 0, got {self.data_port}")
-        if not 0 <= self.chunk_cap < 1 << 32:
-            raise ValueError(f"chunk_cap must be a uint32, got {self.chunk_cap}")
         if self.mode.reduces and self.bandwidth > 0 and not self.address:
             raise ValueError("a member that reduces a part needs an address")
 

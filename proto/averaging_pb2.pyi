@@ -48,7 +48,7 @@ STATE_BAD_REQUEST: StateCode
 STATE_BUSY: StateCode
 
 class JoinRequest(_message.Message):
-    __slots__ = ("header", "key", "schema_hash", "mode", "bandwidth", "user_data", "declared_start", "data_port", "aggregation", "chunk_cap")
+    __slots__ = ("header", "key", "schema_hash", "mode", "bandwidth", "user_data", "declared_start", "data_port", "aggregation")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -58,7 +58,6 @@ class JoinRequest(_message.Message):
     DECLARED_START_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_CAP_FIELD_NUMBER: _ClassVar[int]
     header: _common_pb2.RequestHeader
     key: str
     schema_hash: bytes
@@ -68,26 +67,23 @@ class JoinRequest(_message.Message):
     declared_start: float
     data_port: int
     aggregation: str
-    chunk_cap: int
-    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., key: _Optional[str] = ..., schema_hash: _Optional[bytes] = ..., mode: _Optional[int] = ..., bandwidth: _Optional[float] = ..., user_data: _Optional[bytes] = ..., declared_start: _Optional[float] = ..., data_port: _Optional[int] = ..., aggregation: _Optional[str] = ..., chunk_cap: _Optional[int] = ...) -> None: ...
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., key: _Optional[str] = ..., schema_hash: _Optional[bytes] = ..., mode: _Optional[int] = ..., bandwidth: _Optional[float] = ..., user_data: _Optional[bytes] = ..., declared_start: _Optional[float] = ..., data_port: _Optional[int] = ..., aggregation: _Optional[str] = ...) -> None: ...
 
 class GroupMember(_message.Message):
-    __slots__ = ("peer_id", "address", "mode", "bandwidth", "user_data", "data_port", "chunk_cap")
+    __slots__ = ("peer_id", "address", "mode", "bandwidth", "user_data", "data_port")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     USER_DATA_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_CAP_FIELD_NUMBER: _ClassVar[int]
     peer_id: bytes
     address: str
     mode: int
     bandwidth: float
     user_data: bytes
     data_port: int
-    chunk_cap: int
-    def __init__(self, peer_id: _Optional[bytes] = ..., address: _Optional[str] = ..., mode: _Optional[int] = ..., bandwidth: _Optional[float] = ..., user_data: _Optional[bytes] = ..., data_port: _Optional[int] = ..., chunk_cap: _Optional[int] = ...) -> None: ...
+    def __init__(self, peer_id: _Optional[bytes] = ..., address: _Optional[str] = ..., mode: _Optional[int] = ..., bandwidth: _Optional[float] = ..., user_data: _Optional[bytes] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class GroupDescription(_message.Message):
     __slots__ = ("group_id", "members", "schema_hash", "codec", "aggregation")

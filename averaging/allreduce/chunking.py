@@ -9,8 +9,7 @@ on loopback the same chunk passes in a millisecond, and the cost that matters th
 CPU per message (headers, encoder and reducer calls, event-loop turns), which falls with
 larger chunks. Hence the rule: a chunk carries :data:`CHUNK_SECONDS` of the slowest
 member's link, rounded down to a power of two and kept within
-[:data:`MIN_LINK_CHUNK_BYTES`, :data:`MAX_LINK_CHUNK_BYTES`] (the cap, 3 MiB, is the one
-size that is not a power of two). The figures behind it are in
+[:data:`MIN_LINK_CHUNK_BYTES`, :data:`MAX_LINK_CHUNK_BYTES`]. The figures behind it are in
 docs/benchmarks-bandwidth.md (session 7, "Chunk sizes measured"; session 10): on loopback
 256 KiB chunks cost the most CPU and time, and on a quiet 100 Mbit/s test bed too, so the
 rule errs large: 100 ms of the link per chunk.
@@ -18,11 +17,8 @@ rule errs large: 100 ms of the link per chunk.
 Every member must cut the same chunks, so the rule reads only what the group description
 gives every member alike: the bandwidths the members advertised in matchmaking (measured
 by each peer from its rounds, :mod:`~swarmavg.averaging.allreduce.throughput`, or set by
-its user), and the largest chunk each member cuts (``Member.chunk_cap``: this version says
-:data:`MAX_LINK_CHUNK_BYTES`; a peer of an older version says nothing, and its rule stops
-at :data:`LEGACY_CHUNK_CAP`, so a group with one such member cuts at most that, as that
-member does). A member that under-claims makes chunks smaller (down to the floor: more CPU
-per byte, nothing worse); over-claims cannot make them larger than the slowest honest claim.
+its user). A member that under-claims makes chunks smaller (down to the floor: more CPU per
+byte, nothing worse); over-claims cannot make them larger than the slowest honest claim.
 
 Pure: no clock, no I/O.
 """
@@ -37,61 +33,43 @@ from swarmavg.averaging.group import Member
 
 __all__ = [
     "CHUNK_SECONDS",
-    "LEGACY_CHUNK_CAP",
     "MAX_LINK_CHUNK_BYTES",
     "MIN_LINK_CHUNK_BYTES",
     "link_chunk_bytes",
-    "member_chunk_cap",
 ]
 
 CHUNK_SECONDS = 0.1
 """Link time one chunk may take at the slowest member's advertised bandwidth: 512 KiB at
-10 MB/s, 1 MiB at 11-20 MB/s (90-160 Mbit/s), 2 MiB at 21-41 MB/s, the cap from 42 MB/s
-up. Session 7's 0.025 s (256 KiB at 100 Mbit/s) was an argument, not a measurement;
-measured on a quiet test bed (4 hosts at 100 Mbit/s, codec none, interleaved), 256 KiB
-chunks made 64 MB rounds 8-12% slower than 1 MiB ones with either congestion control: the
-fill and drain they save (tenths of a second per round) costs less than the CPU of 4x the
-messages on a machine the daemons share (docs/benchmarks-bandwidth.md, session 10)."""
+10 MB/s, 1 MiB at 11-20 MB/s (90-160 Mbit/s), the cap from about 21 MB/s up. Session 7's
+0.025 s (256 KiB at 100 Mbit/s) was an argument, not a measurement; measured on a quiet
+test bed (4 hosts at 100 Mbit/s, codec none, interleaved), 256 KiB chunks made 64 MB rounds
+8-12% slower than 1 MiB ones with either congestion control: the fill and drain they save
+(tenths of a second per round) costs less than the CPU of 4x the messages on a machine the
+daemons share (docs/benchmarks-bandwidth.md, session 10)."""
 
 MIN_LINK_CHUNK_BYTES = 256 * 1024
 """Floor, whatever a member claims: smaller chunks save at most a few tens of milliseconds
 of fill and drain per round on any link, while the CPU per message keeps growing (a 4 MiB
 part is already 16 messages)."""
 
-MAX_LINK_CHUNK_BYTES = 3 * 1024 * 1024
-"""Cap: the largest chunk a message carries (:data:`~swarmavg.averaging.allreduce.partition.
-MAX_CHUNK_BYTES`, under gRPC's 4 MiB message limit with room for the headers). Of the sizes
-measured on loopback, the largest always cost the least CPU: 2 MiB beat 256 KiB and 1 MiB
-(session 7), and 3 MiB beat 2 MiB at 8 peers with codec none (session 18: a quarter fewer
-messages, 4% less daemon CPU, rounds 5% shorter by the median of 8 interleaved pairs)."""
-
-LEGACY_CHUNK_CAP = 2 * 1024 * 1024
-"""The cap of versions before session 18, which advertise no ``chunk_cap`` (0)."""
-
-
-def member_chunk_cap(member: Member) -> int:
-    """The largest chunk ``member`` cuts: :data:`MAX_LINK_CHUNK_BYTES` when it says so (or
-    more), else :data:`LEGACY_CHUNK_CAP`, the older versions' cap, which they apply
-    whatever the others say. Only those two values: a member that names any other cap
-    (0 included) gets the one every older member computes too, so no claim can make the
-    members of a group cut different chunks."""
-    return MAX_LINK_CHUNK_BYTES if member.chunk_cap >= MAX_LINK_CHUNK_BYTES else LEGACY_CHUNK_CAP
+MAX_LINK_CHUNK_BYTES = 2 * 1024 * 1024
+"""Cap: of the sizes measured on loopback (256 KiB, 1 MiB, 2 MiB), 2 MiB cost the least CPU
+with codec none and about as much as 1 MiB with uint8-blockwise; 3 MiB, the message limit,
+is not a power of two."""
 
 
 def link_chunk_bytes(members: Sequence[Member]) -> int:
     """The chunk target for a group of ``members``: :data:`CHUNK_SECONDS` of the slowest
-    positive advertised bandwidth (MB/s), a power of two within the bounds above, and no
-    more than any member's cap (:func:`member_chunk_cap`).
+    positive advertised bandwidth (MB/s), a power of two within the bounds above.
 
-    Bandwidths of 0 (clients that reduce nothing) are left out, their caps are not (they
-    cut chunks too); with no positive claim at all, the smallest cap.
+    Members advertising 0 (clients that reduce nothing) are left out; with no positive
+    claim at all, the cap.
     """
-    cap = min((member_chunk_cap(m) for m in members), default=MAX_LINK_CHUNK_BYTES)
     claims = [m.bandwidth for m in members if m.bandwidth > 0 and math.isfinite(m.bandwidth)]
     if not claims:
-        return cap
+        return MAX_LINK_CHUNK_BYTES
     target = min(claims) * MB * CHUNK_SECONDS
     if target <= MIN_LINK_CHUNK_BYTES:
         return MIN_LINK_CHUNK_BYTES
     power = 1 << int(math.log2(target))  # round down: a slow link's chunk errs small
-    return min(max(power, MIN_LINK_CHUNK_BYTES), cap)
+    return min(max(power, MIN_LINK_CHUNK_BYTES), MAX_LINK_CHUNK_BYTES)

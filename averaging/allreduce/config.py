@@ -23,7 +23,7 @@ class AllReduceConfig:
         chunk_bytes: target size of one encoded chunk on the wire (gRPC's 4 MiB message
             cap stays). ``None`` (the default): chosen per round from the group's
             advertised bandwidths (:func:`~swarmavg.averaging.allreduce.chunking.link_chunk_bytes`:
-            512 KiB-1 MiB on 100 Mbit/s links, 3 MiB on loopback and fast LANs). A fixed value
+            512 KiB-1 MiB on 100 Mbit/s links, 2 MiB on loopback and fast LANs). A fixed value
             must be the same on every member of a group (members cut the same chunks).
         min_stall: a sender that delivers nothing new for this long (and for
             ``stall_factor`` times its own mean interval between chunks; twice this long

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from swarmavg.averaging.aggregation import MAX_AGGREGATION_CHARS, MEAN, canonical_aggregation
@@ -313,7 +313,6 @@ def group_to_proto(group: GroupInfo) -> averaging_pb2.GroupDescription:
                 bandwidth=m.bandwidth,
                 user_data=m.user_data,
                 data_port=m.data_port,
-                chunk_cap=m.chunk_cap,
             )
             for m in group.members
         ],
@@ -350,7 +349,6 @@ def group_from_proto(message: averaging_pb2.GroupDescription) -> GroupInfo:
                 bandwidth=float(m.bandwidth),
                 user_data=bytes(m.user_data),
                 data_port=m.data_port,  # Member checks the range
-                chunk_cap=m.chunk_cap,  # any uint32: only agreement matters (chunking.py)
             )
         )
     return GroupInfo(
@@ -389,7 +387,6 @@ def member_from_join_request(peer_id: bytes, request: averaging_pb2.JoinRequest)
         bandwidth=float(request.bandwidth),
         user_data=bytes(request.user_data),
         data_port=request.data_port if mode is not Mode.CLIENT else 0,
-        chunk_cap=request.chunk_cap,
     )
 
 
@@ -434,7 +431,6 @@ class FollowerAsk:
     min_group_size: int
     group_size: int
     aggregation: str = MEAN
-    chunk_cap: int = 0
 
 
 def check_formed_group(
@@ -479,12 +475,7 @@ def check_formed_group(
         bandwidth=ask.bandwidth,
         user_data=ask.user_data,
         data_port=ask.data_port if ask.mode is not Mode.CLIENT else 0,
-        chunk_cap=ask.chunk_cap,
     )
-    # A leader of an older version does not know the chunk cap and sends 0 for everyone:
-    # the group then cuts the older versions' chunks, as that leader does.
-    if mine.chunk_cap == 0:
-        wanted = replace(wanted, chunk_cap=0)
     if mine != wanted:
         raise ValueError("the leader altered this peer's member entry")
     for member in group.members:

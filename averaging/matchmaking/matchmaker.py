@@ -41,7 +41,6 @@ from typing import Any
 
 import grpc
 
-from swarmavg.averaging.allreduce.chunking import MAX_LINK_CHUNK_BYTES
 from swarmavg.averaging.dht_access import DHTAccess, dictionary_entries
 from swarmavg.averaging.errors import MatchmakingError, NoGroupError, SchemaMismatchError
 from swarmavg.averaging.group import MAX_GROUP_SIZE, GroupInfo, Member, Mode
@@ -677,7 +676,6 @@ class Matchmaker:
             declared_start=me.start,
             data_port=req.data_port,
             aggregation=req.aggregation,
-            chunk_cap=MAX_LINK_CHUNK_BYTES,
         )
         # Signed for the leader we dial (its id is in its declaration): nobody else can
         # replay this request, and nobody can send one in our name.
@@ -831,7 +829,6 @@ class Matchmaker:
             min_group_size=req.min_group_size,
             group_size=req.group_size,
             aggregation=req.aggregation,
-            chunk_cap=MAX_LINK_CHUNK_BYTES,
         )
         members = [bytes(m.peer_id) for m in message.members[:MAX_GROUP_SIZE]]
         # A member declared after our last read, or our read missed its deadline while the
@@ -933,7 +930,6 @@ class Matchmaker:
             bandwidth=req.bandwidth,
             user_data=req.user_data,
             data_port=req.data_port if rnd.me.address else 0,
-            chunk_cap=MAX_LINK_CHUNK_BYTES,
         )
         members = sorted([me, *(f.member for f in rnd.followers.values())], key=lambda m: m.peer_id)
         try:

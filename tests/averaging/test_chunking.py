@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 
 from swarmavg.averaging.allreduce.chunking import (
     CHUNK_SECONDS,
-    LEGACY_CHUNK_CAP,
     MAX_LINK_CHUNK_BYTES,
     MIN_LINK_CHUNK_BYTES,
     link_chunk_bytes,
 )
 from swarmavg.averaging.allreduce.config import AllReduceConfig
-from swarmavg.averaging.allreduce.partition import MAX_CHUNK_BYTES
 from swarmavg.averaging.group import Member, Mode
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.dht import ChannelPool
@@ -25,10 +21,9 @@ from tests.harness import GrpcServerPool
 pytestmark = pytest.mark.timeout(60)
 
 
-def members(*bandwidths: float, cap: int = MAX_LINK_CHUNK_BYTES) -> list[Member]:
-    """Members of this version (``cap=0``: of a version before the chunk cap)."""
+def members(*bandwidths: float) -> list[Member]:
     return [
-        Member(bytes([i]) * 20, f"127.0.0.1:{1000 + i}", Mode.NODE, bandwidth, chunk_cap=cap)
+        Member(bytes([i]) * 20, f"127.0.0.1:{1000 + i}", Mode.NODE, bandwidth)
         for i, bandwidth in enumerate(bandwidths)
     ]
 
@@ -41,10 +36,8 @@ def members(*bandwidths: float, cap: int = MAX_LINK_CHUNK_BYTES) -> list[Member]
         ((2.0, 30.0), 256 << 10),  # the slowest member decides: 16 Mbit/s, the floor
         ((15.0, 400.0), 1 << 20),
         ((25.0, 30.0), 2 << 20),
-        ((41.0, 50.0), 2 << 20),  # 4.1 MB: rounds down to 2 MiB
-        ((42.0, 50.0), 3 << 20),  # 4.2 MB: 4 MiB, over the cap
-        ((150.0, 150.0), 3 << 20),  # loopback, LAN: the cap
-        ((1e4, 1e4), 3 << 20),
+        ((150.0, 150.0), 2 << 20),  # loopback, LAN: the cap
+        ((1e4, 1e4), 2 << 20),
         ((0.1, 1e4), 256 << 10),  # an under-claim cannot go below the floor
     ],
 )
@@ -52,40 +45,19 @@ def test_chunk_follows_the_slowest_link(bandwidths: tuple[float, ...], expected:
     assert link_chunk_bytes(members(*bandwidths)) == expected
 
 
-def test_chunk_is_a_power_of_two_or_the_cap_and_never_grows_as_links_slow() -> None:
-    assert MAX_LINK_CHUNK_BYTES <= MAX_CHUNK_BYTES  # what one message may carry
+def test_chunk_is_a_power_of_two_within_bounds_and_never_grows_as_links_slow() -> None:
     previous = 0
     for mb_s in np.geomspace(0.1, 1e4, 200):
         chunk = link_chunk_bytes(members(float(mb_s)))
         assert MIN_LINK_CHUNK_BYTES <= chunk <= MAX_LINK_CHUNK_BYTES
-        assert chunk & (chunk - 1) == 0 or chunk == MAX_LINK_CHUNK_BYTES
+        assert chunk & (chunk - 1) == 0
         assert chunk <= max(MIN_LINK_CHUNK_BYTES, mb_s * 1e6 * CHUNK_SECONDS)
         assert chunk >= previous
         previous = chunk
 
 
-def test_a_member_of_an_older_version_keeps_the_group_at_its_cap() -> None:
-    """Members that do not say they cut 3 MiB chunks (0: a version before the cap; any
-    other value) hold the group to the 2 MiB every older member computes, whatever the
-    links; a client's cap counts too (it cuts chunks as well)."""
-    new = members(200.0, 200.0, 200.0)
-    assert link_chunk_bytes(new) == MAX_LINK_CHUNK_BYTES
-    assert link_chunk_bytes(members(200.0, 200.0, 200.0, cap=0)) == LEGACY_CHUNK_CAP
-    for cap in (0, 1, 1 << 20, MAX_LINK_CHUNK_BYTES - 1):
-        mixed = [*new[:2], replace(new[2], chunk_cap=cap)]
-        assert link_chunk_bytes(mixed) == LEGACY_CHUNK_CAP
-    assert link_chunk_bytes([*new[:2], replace(new[2], chunk_cap=(1 << 32) - 1)]) == (
-        MAX_LINK_CHUNK_BYTES
-    )
-    old_client = Member(b"\x09" * 20, None, Mode.CLIENT, 0.0)
-    assert link_chunk_bytes([*new, old_client]) == LEGACY_CHUNK_CAP
-    # Slow links decide below either cap, alike for old and new members.
-    assert link_chunk_bytes(members(12.5, 11.0, cap=0)) == 1 << 20
-    assert link_chunk_bytes(members(12.5, 11.0)) == 1 << 20
-
-
 def test_members_that_reduce_nothing_do_not_count() -> None:
-    client = Member(b"\x09" * 20, None, Mode.CLIENT, 0.0, chunk_cap=MAX_LINK_CHUNK_BYTES)
+    client = Member(b"\x09" * 20, None, Mode.CLIENT, 0.0)
     assert link_chunk_bytes([*members(200.0), client]) == MAX_LINK_CHUNK_BYTES
     assert link_chunk_bytes([client]) == MAX_LINK_CHUNK_BYTES
 

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
 
 import grpc
 import numpy as np
 import pytest
 
-from swarmavg.averaging.allreduce import runner
-from swarmavg.averaging.allreduce.chunking import MAX_LINK_CHUNK_BYTES, link_chunk_bytes
 from swarmavg.averaging.errors import NoGroupError, SchemaMismatchError
-from swarmavg.averaging.group import Member, Mode
+from swarmavg.averaging.group import Mode
 from swarmavg.averaging.matchmaking.declarations import (
     Declaration,
     declaration_subkey,
@@ -58,26 +55,6 @@ async def test_peers_form_one_group(n: int) -> None:
             assert r.group_size == n
             assert not r.partial
             np.testing.assert_array_equal(r.tensors[0], expected)
-
-
-@pytest.mark.timeout(60)
-async def test_formed_groups_carry_every_members_chunk_cap(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Matchmaking passes each member's chunk cap from its join request (followers) or
-    its own entry (the leader) into the group every member runs, so a group of this
-    version may cut the larger chunks (averaging/allreduce/chunking.py)."""
-    seen: list[tuple[int, ...]] = []
-
-    def recording(members: Sequence[Member]) -> int:
-        seen.append(tuple(m.chunk_cap for m in members))
-        return link_chunk_bytes(members)
-
-    monkeypatch.setattr(runner, "link_chunk_bytes", recording)
-    async with averager_swarm(4) as swarm:
-        results = await average_all(swarm, group_size=4, min_group_size=4, timeout=20.0)
-        assert all(isinstance(r, AveragingResult) and not r.partial for r in results), results
-    assert seen == [(MAX_LINK_CHUNK_BYTES,) * 4] * 4
 
 
 @pytest.mark.timeout(60)

@@ -19,7 +19,6 @@ from swarmavg.averaging.matchmaking.declarations import (
     group_from_proto,
     group_to_proto,
     leader_candidates,
-    member_from_join_request,
     mismatched_schemas,
     user_data_digest,
 )
@@ -155,14 +154,13 @@ def test_group_wire_round_trip_and_validation() -> None:
         members=(
             Member(bytes([1]) * 20, "127.0.0.1:5", Mode.NODE, 2.5, b"hi"),
             Member(bytes([2]) * 20, None, Mode.CLIENT, 1.0),
-            Member(bytes([3]) * 20, "127.0.0.1:6", Mode.AUX, 1.0, chunk_cap=3 << 20),
+            Member(bytes([3]) * 20, "127.0.0.1:6", Mode.AUX, 1.0),
         ),
         schema_hash=SCHEMA,
         codec="float16",
     )
     message = averaging_pb2.GroupDescription.FromString(group_to_proto(group).SerializeToString())
     assert group_from_proto(message) == group
-    assert [m.chunk_cap for m in message.members] == [0, 0, 3 << 20]
     broken = averaging_pb2.GroupDescription()
     broken.CopyFrom(message)
     broken.members[0].mode = 7
@@ -269,32 +267,3 @@ def test_declarations_sign_codec_data_port_and_user_data() -> None:
         {**good, "ud": b"short"},
     ):
         assert decode_declaration(declaration_subkey(d.peer_id), bad) is None
-
-
-def test_follower_takes_an_older_leaders_group_without_chunk_caps() -> None:
-    """A leader of a version before the chunk cap sends 0 for every member's cap: the
-    follower takes the group (whose members then all cut the older, smaller chunks); a
-    leader that names another cap than ours altered our entry."""
-    me, leader = bytes([1]) * 20, bytes([2]) * 20
-    ours = 3 << 20
-    asked = _ask(me, chunk_cap=ours)
-    theirs = Member(leader, "127.0.0.1:6", Mode.NODE, 1.0, b"", data_port=8)
-    signed = {leader: _signed(theirs)}
-    for cap, accepted in ((ours, True), (0, True), (1 << 20, False), (ours + 1, False)):
-        mine = Member(me, "127.0.0.1:5", Mode.NODE, 1.0, b"mine", data_port=7, chunk_cap=cap)
-        group = GroupInfo(group_id=b"g", members=(mine, theirs), schema_hash=SCHEMA)
-        if accepted:
-            assert check_formed_group(group_to_proto(group), asked, leader, signed) == group
-        else:
-            with pytest.raises(ValueError, match="altered"):
-                check_formed_group(group_to_proto(group), asked, leader, signed)
-
-
-def test_join_request_carries_the_chunk_cap_into_the_member() -> None:
-    request = averaging_pb2.JoinRequest(
-        key="k", schema_hash=SCHEMA, mode=int(Mode.NODE), bandwidth=1.0, chunk_cap=3 << 20
-    )
-    request.header.address = "127.0.0.1:5"
-    assert member_from_join_request(bytes([4]) * 20, request).chunk_cap == 3 << 20
-    request.ClearField("chunk_cap")  # an older peer's request
-    assert member_from_join_request(bytes([4]) * 20, request).chunk_cap == 0
