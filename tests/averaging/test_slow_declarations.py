@@ -34,18 +34,13 @@ class FirstStoreStalls:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._node, name)
 
-    async def store(
-        self,
-        key: str,
-        value: Any,
-        expiration: float,
-        subkey: Any = None,
-        replicas: int | None = None,
-    ) -> bool:
+    async def store(self, *args: Any, **kwargs: Any) -> bool:
+        """The node's store, whatever its arguments, except that the first one stalls."""
         if self.stalled == 0:
             self.stalled += 1
             await asyncio.Event().wait()  # cancelled by the caller's deadline
-        return await self._node.store(key, value, expiration, subkey=subkey, replicas=replicas)
+        result: bool = await self._node.store(*args, **kwargs)
+        return result
 
 
 @pytest.mark.timeout(60)
