@@ -555,6 +555,7 @@ class DHTNode:
             k=replicas,
             store={kid: [records[i] for i in idx] for kid, idx in by_key.items()},
             replication=replicas,
+            counts_self=not self.config.client_mode,
         )
         own_int = self.routing.own_int
         stored = [False] * len(records)

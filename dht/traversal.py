@@ -170,6 +170,7 @@ class Traversal:
         store: Mapping[bytes, Sequence[StoredRecord]] | None = None,
         replication: int = 0,
         converge: int | None = None,
+        counts_self: bool = False,
     ) -> None:
         config = protocol.config
         self.protocol = protocol
@@ -178,6 +179,7 @@ class Traversal:
         self.quorum = quorum
         self.k = k or config.k
         self.converge = min(converge or self.k, self.k)
+        self.counts_self = counts_self
         self.alpha = config.alpha
         self.seeds = list(seeds)
         self.batcher = FindBatcher(
@@ -245,10 +247,18 @@ class Traversal:
         for contact in self.seeds:
             consider(contact, 1)
 
+        own_distance = routing.own_int ^ target
+
         def next_candidate() -> _Candidate | None:
             # paper 2.3: query the nearest not-yet-asked among the k nearest live candidates
             seen = 0
-            for _, peer_id in order:
+            own_ahead = self.counts_self  # this node is one of the nearest it converges on
+            for distance, peer_id in order:
+                if own_ahead and own_distance < distance:
+                    own_ahead = False
+                    seen += 1
+                    if seen >= self.converge:
+                        return None
                 cand = candidates[peer_id]
                 if cand.state == _NEW and (peer_id, cand.contact.address) in self.batcher.failed:
                     cand.state = _FAILED
@@ -266,7 +276,13 @@ class Traversal:
         value_hop = 0
         try:
             while True:
-                while len(in_flight) < self.alpha:
+                # Once holders answer, the lookup is among the key's nodes: ask only as many
+                # more as the quorum still needs (refilling to alpha there sent up to two
+                # Find requests per read whose answers were never used).
+                limit = self.alpha
+                if self.want_values and result.holders:
+                    limit = min(limit, self.quorum - len(result.holders))
+                while len(in_flight) < limit:
                     cand = next_candidate()
                     if cand is None:
                         break
@@ -314,6 +330,7 @@ async def traverse(
     store: Mapping[bytes, Sequence[StoredRecord]] | None = None,
     replication: int = 0,
     converge: int | None = None,
+    counts_self: bool = False,
 ) -> dict[bytes, LookupResult]:
     """Look up every id in ``targets`` in one traversal; see :class:`Traversal`.
 
@@ -322,7 +339,9 @@ async def traverse(
     (see ``DHTProtocol._store_on_find``), and ``LookupResult.store_statuses`` says which did.
 
     ``converge`` (default k) is how many of the nearest candidates must answer before a
-    lookup ends; every answer still names up to k peers.
+    lookup ends; every answer still names up to k peers. With ``counts_self``, this node
+    is one of them where its own id lies among them (a store's lookup: it keeps a replica
+    itself, so asking one more node would only be told ``NOT_NEAREST``).
     """
     return await Traversal(
         protocol,
@@ -334,4 +353,5 @@ async def traverse(
         store=store,
         replication=replication,
         converge=converge,
+        counts_self=counts_self,
     ).run()
