@@ -29,6 +29,15 @@ class DHTAccess(Protocol):
 
     async def get(self, key: str, latest: bool = False, quorum: int | None = None) -> Any: ...
 
+    async def store_and_get(
+        self,
+        key: str,
+        value: Any,
+        expiration: float,
+        subkey: Any = None,
+        replicas: int | None = None,
+    ) -> tuple[bool, Any]: ...
+
     @property
     def signer(self) -> RequestSigner: ...
 

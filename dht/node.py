@@ -491,7 +491,12 @@ class DHTNode:
         return (await self._store_traversal(records, replicas=replicas))[0]
 
     async def store_and_get(
-        self, key: str | bytes, value: Any, expiration: float, subkey: Subkey | None = None
+        self,
+        key: str | bytes,
+        value: Any,
+        expiration: float,
+        subkey: Subkey | None = None,
+        replicas: int | None = None,
     ) -> tuple[bool, ValueWithExpiration[Any] | None]:
         """:meth:`store`, then what the nearest nodes hold under ``key`` (our record
         included), in one traversal: the Find requests that carry the record also ask for
@@ -503,20 +508,22 @@ class DHTNode:
         request reached it: an entry stored at the same moment elsewhere may be missing,
         exactly as from a separate read made a little later.
 
+        Args:
+            replicas: as :meth:`store`; the read then covers those nodes.
+
         Returns:
             ``(stored, value)``: ``stored`` as :meth:`store` returns it; ``value`` as
             :meth:`get` with ``latest=True`` returns it.
         """
+        if replicas is not None and replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
         record = self._make_record((key, value, expiration, subkey), time.time())
-        stored, lookups = await self._store_traversal([record], read_back=True)
+        stored, lookups = await self._store_traversal([record], read_back=True, replicas=replicas)
         kid = key_id(record.key)
         if kid not in lookups:  # expired already: nothing to carry, a plain read
             return False, await self.get(key, latest=True)
-        now = time.time()
-        merged = Storage(self.config.limits.max_subkeys_per_key)
-        for held in (*self.storage.get(kid, now), *lookups[kid].records):
-            merged.put(held, now, key_id_=kid)
-        return stored[0], self._decode(merged.get(kid, now))
+        records = self._merge(kid, lookups[kid].records, time.time())
+        return stored[0], self._decode(records)
 
     async def _store_records(
         self, records: Sequence[StoredRecord], cache_on: Contact | None = None
@@ -630,26 +637,31 @@ class DHTNode:
             raise ValueError(f"quorum must be >= 1, got {quorum}")
         lookups = await traverse(self.protocol, kids, want_values=True, quorum=quorum)
         now = time.time()
-        refused = self.routing.refused
         out: list[ValueWithExpiration[Any] | None] = []
         for kid in kids:
             lookup = lookups[kid]
-            merged = Storage(self.config.limits.max_subkeys_per_key)
-            for record in (*self.storage.get(kid, now), *lookup.records):
-                # A revoked peer's records (declarations, state adverts, progress) stored
-                # before the revocation, or cached by honest nodes, must not make this peer
-                # dial it as a leader or a donor: its answers would come back, our tensors
-                # would go out.
-                if refused and record_owner(record, self.config.limits) in refused:
-                    continue
-                merged.put(record, now, key_id_=kid)
-            records = merged.get(kid, now)
+            records = self._merge(kid, lookup.records, now)
             if lookup.records:
                 self.lookup_hops.append(lookup.hops)
             out.append(self._decode(records))
             if records and lookup.holders and self.config.cache_on_lookup:
                 self._cache_along_path(lookup, records)
         return out
+
+    def _merge(self, kid: bytes, found: list[StoredRecord], now: float) -> list[StoredRecord]:
+        """What this node holds under ``kid`` merged with what a lookup ``found``, as one
+        storage would keep it (the newest entry of each subkey wins)."""
+        refused = self.routing.refused
+        merged = Storage(self.config.limits.max_subkeys_per_key)
+        for record in (*self.storage.get(kid, now), *found):
+            # A revoked peer's records (declarations, state adverts, progress) stored
+            # before the revocation, or cached by honest nodes, must not make this peer
+            # dial it as a leader or a donor: its answers would come back, our tensors
+            # would go out.
+            if refused and record_owner(record, self.config.limits) in refused:
+                continue
+            merged.put(record, now, key_id_=kid)
+        return merged.get(kid, now)
 
     def _decode(self, records: list[StoredRecord]) -> ValueWithExpiration[Any] | None:
         if not records:

@@ -143,6 +143,8 @@ class _Round:
     previous: frozenset[bytes] = frozenset()
     previous_addresses: Mapping[bytes, str] = field(default_factory=dict)
     """Where the previous round's members listened (client-mode ones are absent)."""
+    previous_seen: int = 0
+    """Declarations of our schema and codec the previous round saw in the end (0: none)."""
     gone: set[bytes] = field(default_factory=set)
     """Previous members whose address refused a connection: dead, not merely late."""
     probing: asyncio.Task[None] | None = None
@@ -245,6 +247,9 @@ class Matchmaker:
         # family -> the other members of our last group in it and their addresses (the
         # fast quorum; "" for a client-mode member).
         self._previous: collections.OrderedDict[str, dict[bytes, str]] = collections.OrderedDict()
+        # family -> how many declarations of our schema and codec our last round there saw
+        # in the end (see ``_declare``: when a round may trust its store's read).
+        self._seen: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     def carry_previous(self, family: str, next_family: str, companions: Collection[bytes]) -> None:
         """After a round under ``family``: of its other members, only ``companions`` meet
@@ -254,6 +259,9 @@ class Matchmaker:
         waits for a live previous member until ``matchmaking_time``."""
         others = self._previous.pop(family, {})
         _remember(self._previous, next_family, {p: a for p, a in others.items() if p in companions})
+        seen = self._seen.pop(family, None)
+        if seen is not None and next_family == family:
+            _remember(self._seen, family, seen)
 
     def settle_time(self) -> float:
         """How long a new leader waits before its first close (from measured latency)."""
@@ -311,6 +319,7 @@ class Matchmaker:
             started=time.monotonic(),
             previous=frozenset(self._previous.get(family, {})),
             previous_addresses={p: a for p, a in self._previous.get(family, {}).items() if a},
+            previous_seen=self._seen.get(family, 0),
         )
         self._rounds[request.key] = rnd
         try:
@@ -321,6 +330,7 @@ class Matchmaker:
             members = frozenset(m.peer_id for m in group.members)
             others = {m.peer_id: m.address for m in group.members if m.peer_id != self.peer_id}
             _remember(self._previous, family, others)
+            _remember(self._seen, family, len(rnd.declarations))
             led = _led_group(rnd)
             expiry = rnd.started + _give_up_seconds(me)
             _remember(self._closed, request.key, (expiry, members, led))
@@ -348,29 +358,63 @@ class Matchmaker:
         budget = self.config.dht_timeout * 2.0 ** min(failures, 3)
         return min(budget, max(0.05, give_up - time.time()))
 
-    async def _store_declaration(self, rnd: _Round, budget: float) -> bool:
+    async def _store_declaration(self, rnd: _Round, budget: float, read_back: bool = False) -> bool:
+        """Store our declaration; with ``read_back``, the same lookup reads the key too,
+        and the read stands for the round's first read when it passes ``_complete``."""
         subkey = declaration_subkey(self.peer_id)
+        args = (rnd.request.key, rnd.me.encode(), rnd.me.give_up)
+        replicas = self.config.declaration_replicas
         try:
             started = time.monotonic()
             async with asyncio.timeout(budget):
-                ok = await self.dht.store(
-                    rnd.request.key,
-                    rnd.me.encode(),
-                    rnd.me.give_up,
-                    subkey=subkey,
-                    replicas=self.config.declaration_replicas,
-                )
+                if read_back:
+                    ok, record = await self.dht.store_and_get(
+                        *args, subkey=subkey, replicas=replicas
+                    )
+                else:
+                    ok = await self.dht.store(*args, subkey=subkey, replicas=replicas)
             self.dht_latency.observe(time.monotonic() - started)
         except (TimeoutError, grpc.aio.AioRpcError) as error:
             log.debug("declaring under %s failed: %r", rnd.request.key, error)
             return False
+        if read_back:
+            found = _decode_declarations(record)
+            if self._complete(rnd, found):
+                self._apply_declarations(rnd, found, started)
         return ok
+
+    def _complete(self, rnd: _Round, found: list[Declaration]) -> bool:
+        """Whether a read made with our store shows as much as the previous round saw.
+
+        Such a read can miss a store made at the same moment elsewhere; taken as the round's
+        view on its own, it once split 5 peers of a group size of 4 into 4 + 1 (a peer that
+        saw 4 counted one group). It stands only when it holds every member of our previous
+        round in this family, at least as many declarations of our schema and codec as that
+        round saw in the end, and fewer than the group size (so one peer it missed cannot
+        turn one group into a split): a steady swarm's last declarers see everyone and join
+        one DHT read sooner; anyone else, and every first round, reads as before.
+        """
+        if not rnd.previous or rnd.previous_seen < 1:
+            return False
+        now = time.time()
+        ours = {
+            d.peer_id
+            for d in found
+            if d.schema_hash == rnd.me.schema_hash
+            and d.codec == rnd.me.codec
+            and d.give_up > now
+            and d.within_window(now, self.config.start_window)
+        } | {self.peer_id}
+        return (
+            rnd.previous <= ours and rnd.previous_seen <= len(ours) < rnd.request.group_size
+        )
 
     async def _declare(self, rnd: _Round) -> None:
         """Store our declaration; when the store misses its deadline, keep retrying it in
         the background (``rnd.declaring``) while we look for a leader: a peer nobody can
         see can never lead, and when every peer's first store failed, nobody would."""
-        if not await self._store_declaration(rnd, self._dht_budget(0, rnd.me.give_up)):
+        budget = self._dht_budget(0, rnd.me.give_up)
+        if not await self._store_declaration(rnd, budget, read_back=bool(rnd.previous_seen)):
             log.info(
                 "declaration of %s under %s not stored yet; retrying while joining others",
                 self.peer_id.hex()[:12],
@@ -421,7 +465,11 @@ class Matchmaker:
         banned: dict[bytes, float] = {}  # peer id -> unix time until which we skip it
         redirect: _Redirect | None = None
         redirects = 0
-        next_read = 0.0  # time.monotonic() of the next read of the declarations
+        # time.monotonic() of the next read of the declarations: at once, unless the read
+        # made with our store stood for it (``_complete``) and names a leader to join.
+        next_read = 0.0
+        if rnd.last_read > -math.inf and self._pick_leader(rnd, banned) is not None:
+            next_read = rnd.last_read + self._read_interval(rnd)
         while True:
             if rnd.result.done():
                 return rnd.result.result()
