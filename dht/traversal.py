@@ -181,6 +181,7 @@ class Traversal:
         self.converge = min(converge or self.k, self.k)
         self.counts_self = counts_self
         self.alpha = config.alpha
+        self.k_table = config.k
         self.seeds = list(seeds)
         self.batcher = FindBatcher(
             protocol, self.k, want_values, config.limits.max_keys_per_request, store, replication
@@ -272,6 +273,12 @@ class Traversal:
                     return None
             return None
 
+        # A store's lookup in a swarm smaller than a bucket (the table then knows every
+        # node it has heard of) asks the nodes that will hold the record all at once: one
+        # round trip instead of two, and a closer node an answer names is still asked.
+        width = self.alpha
+        if self.batcher.store and len(routing) < self.k_table:
+            width = max(width, self.converge)
         in_flight: dict[asyncio.Future[FindAnswer | None], _Candidate] = {}
         value_hop = 0
         try:
@@ -279,7 +286,7 @@ class Traversal:
                 # Once holders answer, the lookup is among the key's nodes: ask only as many
                 # more as the quorum still needs (refilling to alpha there sent up to two
                 # Find requests per read whose answers were never used).
-                limit = self.alpha
+                limit = width
                 if self.want_values and result.holders:
                     limit = min(limit, self.quorum - len(result.holders))
                 while len(in_flight) < limit:
