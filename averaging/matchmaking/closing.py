@@ -219,6 +219,33 @@ def close_reason(
     return None
 
 
+def read_back_suffices(
+    seen: Collection[bytes], previous: Collection[bytes], previous_seen: int, group_size: int
+) -> bool:
+    """Whether the read a peer made with the store of its declaration may stand for the
+    round's first read of the declarations (``DHTNode.store_and_get``).
+
+    That read can miss a store made at the same moment elsewhere; taken as the round's
+    view on its own, it once split 5 peers of a group size of 4 into 4 + 1 (a peer that saw
+    4 counted one group). It stands only when it holds every member of the peer's previous
+    round in the family, at least as many declarations as that round saw in the end
+    (``previous_seen``), and fewer than the group size, so that one peer it missed cannot
+    turn one group into a split: the last declarers of a steady swarm see everyone and
+    join a DHT read sooner; anyone else, and every first round, reads as before.
+
+    Args:
+        seen: peer ids of the live declarations of the peer's schema and codec in the read,
+            its own included.
+        previous: the other members of its previous round in the family (empty: none).
+        previous_seen: how many such declarations that round saw in the end (0: none).
+        group_size: the most members of a group this round.
+    """
+    if not previous or previous_seen < 1:
+        return False
+    members = set(seen)
+    return set(previous) <= members and previous_seen <= len(members) < group_size
+
+
 def short_ids(peer_ids: Collection[bytes]) -> str:
     """Peer ids for a log line or an error message: sorted, 12 hex digits each."""
     return ", ".join(sorted(p.hex()[:12] for p in peer_ids)) or "none"

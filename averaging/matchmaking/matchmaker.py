@@ -50,6 +50,7 @@ from swarmavg.averaging.matchmaking.closing import (
     assign_leaders,
     close_reason,
     expected_members,
+    read_back_suffices,
     settle_time,
     short_ids,
 )
@@ -384,20 +385,10 @@ class Matchmaker:
         return ok
 
     def _complete(self, rnd: _Round, found: list[Declaration]) -> bool:
-        """Whether a read made with our store shows as much as the previous round saw.
-
-        Such a read can miss a store made at the same moment elsewhere; taken as the round's
-        view on its own, it once split 5 peers of a group size of 4 into 4 + 1 (a peer that
-        saw 4 counted one group). It stands only when it holds every member of our previous
-        round in this family, at least as many declarations of our schema and codec as that
-        round saw in the end, and fewer than the group size (so one peer it missed cannot
-        turn one group into a split): a steady swarm's last declarers see everyone and join
-        one DHT read sooner; anyone else, and every first round, reads as before.
-        """
-        if not rnd.previous or rnd.previous_seen < 1:
-            return False
+        """Whether a read made with our store stands for the round's first read (the rule
+        is :func:`~swarmavg.averaging.matchmaking.closing.read_back_suffices`)."""
         now = time.time()
-        ours = {
+        seen = {
             d.peer_id
             for d in found
             if d.schema_hash == rnd.me.schema_hash
@@ -405,9 +396,7 @@ class Matchmaker:
             and d.give_up > now
             and d.within_window(now, self.config.start_window)
         } | {self.peer_id}
-        return (
-            rnd.previous <= ours and rnd.previous_seen <= len(ours) < rnd.request.group_size
-        )
+        return read_back_suffices(seen, rnd.previous, rnd.previous_seen, rnd.request.group_size)
 
     async def _declare(self, rnd: _Round) -> None:
         """Store our declaration; when the store misses its deadline, keep retrying it in

@@ -16,6 +16,7 @@ from swarmavg.averaging.matchmaking.closing import (
     close_reason,
     expected_members,
     key_family,
+    read_back_suffices,
     settle_time,
 )
 from swarmavg.averaging.matchmaking.declarations import Declaration
@@ -208,3 +209,30 @@ def test_a_caller_count_larger_than_the_split_gives_waits_for_the_share_only() -
     # While the swarm fits in one group, the caller's whole count is waited for.
     v = view({2}, [1, 2], wanted=4, group_size=4)
     assert close_reason(v, now=5.0, started=0.0, settle=0.1, patience=1.0, fresh=True) is None
+
+
+def test_a_read_back_stands_when_it_holds_the_last_round_and_room_for_one_more() -> None:
+    seen = {pid(i) for i in range(4)}
+    previous = {pid(i) for i in range(1, 4)}
+    assert read_back_suffices(seen, previous, previous_seen=4, group_size=16)
+    # more than the last round saw: a newcomer declared in time
+    assert read_back_suffices(seen | {pid(9)}, previous, previous_seen=4, group_size=16)
+
+
+@pytest.mark.parametrize(
+    ("seen", "previous", "previous_seen", "group_size", "why"),
+    [
+        ({1, 2, 3}, set(), 0, 16, "a first round"),
+        ({1, 2, 3}, {2, 3}, 0, 16, "no count of the last round"),
+        ({1, 2}, {2, 3}, 3, 16, "a member of the last round missing"),
+        ({1, 2, 3}, {2, 3}, 4, 16, "fewer than the last round saw"),
+        ({1, 2, 3, 4}, {2, 3, 4}, 4, 4, "the group size binds: one missed peer splits"),
+        ({1, 2, 3, 4, 5}, {2, 3, 4}, 4, 4, "more than one group"),
+    ],
+)
+def test_a_read_back_does_not_stand(
+    seen: set[int], previous: set[int], previous_seen: int, group_size: int, why: str
+) -> None:
+    assert not read_back_suffices(
+        {pid(i) for i in seen}, {pid(i) for i in previous}, previous_seen, group_size
+    ), why
