@@ -361,7 +361,7 @@ class Matchmaker:
 
     async def _store_declaration(self, rnd: _Round, budget: float, read_back: bool = False) -> bool:
         """Store our declaration; with ``read_back``, the same lookup reads the key too,
-        and the read stands for the round's first read when it passes ``_complete``."""
+        and the read stands for the round's first read when it passes ``_read_back_stands``."""
         subkey = declaration_subkey(self.peer_id)
         args = (rnd.request.key, rnd.me.encode(), rnd.me.give_up)
         replicas = self.config.declaration_replicas
@@ -380,11 +380,11 @@ class Matchmaker:
             return False
         if read_back:
             found = _decode_declarations(record)
-            if self._complete(rnd, found):
+            if self._read_back_stands(rnd, found):
                 self._apply_declarations(rnd, found, started)
         return ok
 
-    def _complete(self, rnd: _Round, found: list[Declaration]) -> bool:
+    def _read_back_stands(self, rnd: _Round, found: list[Declaration]) -> bool:
         """Whether a read made with our store stands for the round's first read (the rule
         is :func:`~swarmavg.averaging.matchmaking.closing.read_back_suffices`)."""
         now = time.time()
@@ -455,7 +455,7 @@ class Matchmaker:
         redirect: _Redirect | None = None
         redirects = 0
         # time.monotonic() of the next read of the declarations: at once, unless the read
-        # made with our store stood for it (``_complete``) and names a leader to join.
+        # made with our store stood for it (``_read_back_stands``) and names a leader to join.
         next_read = 0.0
         if rnd.last_read > -math.inf and self._pick_leader(rnd, banned) is not None:
             next_read = rnd.last_read + self._read_interval(rnd)
