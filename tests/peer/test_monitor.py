@@ -12,6 +12,7 @@ import math
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -213,12 +214,17 @@ def test_wandb_logs_the_samples_in_offline_mode(
     sink.write(Sample(2.0, {"peers": 3.0, "metric/loss": 0.25}), 1)
     sink.close()
     (log,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
-    # the run's records (wandb's own binary log): the series' names and values are in it
+    # the run's records (wandb's own binary log): the series' names and values are in it.
+    # wandb's service process writes them behind finish(): under CI's load the file once
+    # held only its 7-byte header when finish() returned, so wait for them, bounded.
+    expected = (b"metric/loss", b"peers", b"0.25", b"my-run")
+    deadline = time.monotonic() + 60.0
     data = log.read_bytes()
-    assert b"metric/loss" in data
-    assert b"peers" in data
-    assert b"0.25" in data
-    assert b"my-run" in data
+    while not all(e in data for e in expected) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        data = log.read_bytes()
+    for e in expected:
+        assert e in data, e
 
 
 @pytest.mark.parametrize(
