@@ -63,6 +63,9 @@ DEFAULT_TRIM = 0.25
 removes one attacker in a group of 4 (``floor(0.2 * 4)`` would trim nothing)."""
 
 _PARAMETERS = {MEAN: (), CENTERED_CLIP: ("tau", "iters", "reject"), TRIMMED_MEAN: ("trim",)}
+_KNOWN_RULES = ", ".join(  # for error messages
+    kind + (f" ({', '.join(params)})" if params else "") for kind, params in _PARAMETERS.items()
+)
 
 
 @dataclass(frozen=True)
@@ -129,15 +132,13 @@ def parse_aggregation(spec: object) -> Aggregation:
         ValueError: not a string, unknown name, unknown or bad parameters; the message
             lists the known names and the parameters the rule takes.
     """
-    known = ", ".join(
-        f"{kind}" + (f" ({', '.join(params)})" if params else "")
-        for kind, params in _PARAMETERS.items()
-    )
     if not isinstance(spec, str) or not spec or len(spec) > MAX_AGGREGATION_CHARS:
-        raise ValueError(f"aggregation must be a name such as 'mean'; known: {known}; got {spec!r}")
+        raise ValueError(
+            f"aggregation must be a name such as 'mean'; known: {_KNOWN_RULES}; got {spec!r}"
+        )
     kind, params = parse_spec(spec, what="aggregation")
     if kind not in _PARAMETERS:
-        raise ValueError(f"unknown aggregation {kind!r}; known: {known}")
+        raise ValueError(f"unknown aggregation {kind!r}; known: {_KNOWN_RULES}")
     unknown = sorted(set(params) - set(_PARAMETERS[kind]))
     if unknown:
         takes = ", ".join(_PARAMETERS[kind]) or "no parameters"

@@ -16,7 +16,9 @@
 * Signature checks are the expensive part (Ed25519, about 50-100 us each, up to 256 records
   per request); a :class:`SignatureCache` remembers the signatures that verified, so a record
   seen again (republished, cached along a lookup path, answered by several replicas) costs a
-  hash instead.
+  hash instead. It also remembers which of those records then passed their key class's
+  value check, so the same signed bytes are not decoded and checked again (a matchmaking
+  read gets each declaration from 3 replicas, every round).
 
 The same checks run on records a peer sends us in Store and on records returned by Find, so a
 malicious peer can neither plant nor serve a forged record, and readers never merge a record
@@ -114,7 +116,8 @@ class KeyClass:
         name: what the keys are, for error messages ("matchmaking declarations").
         pattern: a key belongs to the class when the pattern matches the whole raw key.
         check_value: ``(decoded subkey, owner id, decoded value) -> bool``; ``False`` or an
-            exception refuses the record. ``None`` accepts any value.
+            exception refuses the record. ``None`` accepts any value. It must be a pure
+            function of its arguments: its verdict on a signed record is remembered.
         max_ttl: a record expiring more than this many seconds after it arrives is refused
             (None: only ``DHTLimits.max_ttl`` applies).
     """
@@ -158,29 +161,39 @@ class SignatureCache:
 
     Keyed by a digest of all three, so a cached signature never vouches for another payload
     or key. Only successes are remembered: a forged signature costs its sender a
-    verification every time, and cannot evict anything but the oldest entries.
+    verification every time, and cannot evict anything but the oldest entries. An entry also
+    says whether its record passed the value checks that follow the signature's (see
+    :func:`validate_record`): those depend only on the signed bytes.
     """
 
     def __init__(self, size: int = 65536) -> None:
         self.size = size
-        self._verified: OrderedDict[bytes, None] = OrderedDict()
+        self._verified: OrderedDict[bytes, bool] = OrderedDict()  # entry -> value checked
         self.hits = 0
         self.misses = 0
 
     @staticmethod
-    def _entry(public_key: bytes, signature: bytes, payload: bytes) -> bytes:
+    def entry(public_key: bytes, signature: bytes, payload: bytes) -> bytes:
+        """The key under which a signature of ``payload`` by ``public_key`` is remembered."""
         digest = hashlib.blake2b(payload, digest_size=32, key=public_key)
         digest.update(signature)
         return digest.digest()
 
     def _add(self, entry: bytes) -> None:
-        if self.size > 0:
-            self._verified[entry] = None
+        if self.size > 0 and entry not in self._verified:
+            self._verified[entry] = False
             while len(self._verified) > self.size:
                 self._verified.popitem(last=False)
 
     def verify(self, public_key: bytes, signature: bytes, payload: bytes) -> bool:
-        entry = self._entry(public_key, signature, payload)
+        return self.verify_entry(
+            self.entry(public_key, signature, payload), public_key, signature, payload
+        )
+
+    def verify_entry(
+        self, entry: bytes, public_key: bytes, signature: bytes, payload: bytes
+    ) -> bool:
+        """:meth:`verify` with ``entry``, the caller's :meth:`entry` of the same three."""
         if entry in self._verified:
             self._verified.move_to_end(entry)
             self.hits += 1
@@ -191,15 +204,25 @@ class SignatureCache:
         self._add(entry)
         return True
 
+    def value_checked(self, entry: bytes) -> bool:
+        """Whether the record of a verified ``entry`` has passed its value checks before."""
+        return self._verified.get(entry, False)
+
+    def mark_value_checked(self, entry: bytes) -> None:
+        """Remember that the record of verified ``entry`` passed its value checks."""
+        if entry in self._verified:
+            self._verified[entry] = True
+
     def remember_own(self, public_key: bytes, signature: bytes, payload: bytes) -> None:
         """Enter a signature this process has just made with the key of ``public_key``.
 
         A node validates every record it makes before storing it, and then reads the same
         record back in answers (matchmaking reads its own declaration every round): without
         this, each of those checks paid a full Ed25519 verification (profiled at 8 peers:
-        about a tenth of the daemon's signature work) for a signature it made itself.
+        about a tenth of the daemon's signature work) for a signature it made itself. Its
+        value is not taken as checked: the validation that follows checks it.
         """
-        self._add(self._entry(public_key, signature, payload))
+        self._add(self.entry(public_key, signature, payload))
 
 
 def key_class_of(key: bytes, key_classes: tuple[KeyClass, ...]) -> KeyClass | None:
@@ -276,6 +299,7 @@ def validate_record(
     if not math.isfinite(record.issued):
         raise ValidationError("issue time must be finite")
     owner = record_owner(record, limits)
+    entry: bytes | None = None  # the signature's entry in ``signatures``, once verified
     if owner is not None:
         if not record.public_key:
             raise ValidationError(f"record of owner {owner.hex()} is not signed")
@@ -290,12 +314,20 @@ def validate_record(
         payload = signing_payload(
             run_id, record.key, record.subkey, record.value, record.expiration, record.issued
         )
-        verify = signatures.verify if signatures is not None else verify_signature
-        if not verify(record.public_key, record.signature, payload):
+        checked_before = False
+        if signatures is None:
+            verified = verify_signature(record.public_key, record.signature, payload)
+        else:
+            entry = signatures.entry(record.public_key, record.signature, payload)
+            verified = signatures.verify_entry(entry, record.public_key, record.signature, payload)
+            checked_before = verified and signatures.value_checked(entry)
+        if not verified:
             raise ValidationError(
                 f"bad signature on record of owner {owner.hex()} (forged, altered or "
                 "signed for another run)"
             )
+        if checked_before and not validators:
+            return  # these signed bytes passed the value checks below before
     elif record.public_key or record.signature or record.issued:
         raise ValidationError("signature or issue time on a record that names no owner")
     try:  # malformed msgpack is rejected here, not discovered by a reader later
@@ -306,3 +338,5 @@ def validate_record(
         key_class.check(record, value, limits)
     for validator in validators:
         validator.validate(record, value)
+    if entry is not None and signatures is not None:
+        signatures.mark_value_checked(entry)

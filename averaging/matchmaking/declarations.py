@@ -33,6 +33,7 @@ MAX_USER_DATA_BYTES = 64 * 1024
 MAX_CODEC_CHARS = 64
 MAX_KEY_CHARS = 512
 USER_DATA_DIGEST_BYTES = 16
+_MODE_VALUES = frozenset(int(m) for m in Mode)  # the modes a peer may send
 DEFAULT_START_WINDOW = (600.0, 30.0)
 """How far a declared ``start`` may lie before and after now (seconds) for the declaration
 to count (issue 17): the earliest start leads, so a declaration with ``start=-1e300`` would
@@ -159,7 +160,7 @@ def decode_declaration(subkey: object, value: object) -> Declaration | None:
         or isinstance(group_size, bool)
         or group_size < 1
         or not isinstance(mode, int)
-        or mode not in {int(m) for m in Mode}
+        or mode not in _MODE_VALUES
         or start is None
         or deadline is None
         or give_up is None
@@ -204,6 +205,8 @@ def _aggregation_or_none(value: object) -> str | None:
     if not isinstance(value, str) or len(value) > MAX_AGGREGATION_CHARS:
         return None
     spec = value or MEAN
+    if spec == MEAN:  # nearly every peer's: no parse
+        return MEAN
     try:
         rule = canonical_aggregation(spec)
     except ValueError:
@@ -337,7 +340,7 @@ def group_from_proto(message: averaging_pb2.GroupDescription) -> GroupInfo:
         raise ValueError("aggregation name too long")
     members = []
     for m in message.members:
-        if m.mode not in {int(x) for x in Mode}:
+        if m.mode not in _MODE_VALUES:
             raise ValueError(f"unknown mode {m.mode}")
         if len(m.address) > MAX_ADDRESS_CHARS or len(m.user_data) > MAX_USER_DATA_BYTES:
             raise ValueError("member address or user data too long")
@@ -372,7 +375,7 @@ def member_from_join_request(peer_id: bytes, request: averaging_pb2.JoinRequest)
         raise ValueError("schema hash must be 32 bytes")
     if len(request.user_data) > MAX_USER_DATA_BYTES:
         raise ValueError("user data too long")
-    if request.mode not in {int(m) for m in Mode}:
+    if request.mode not in _MODE_VALUES:
         raise ValueError(f"unknown mode {request.mode}")
     if not math.isfinite(request.declared_start):
         raise ValueError("declared start must be finite")
