@@ -181,7 +181,6 @@ class Traversal:
         self.converge = min(converge or self.k, self.k)
         self.counts_self = counts_self
         self.alpha = config.alpha
-        self.k_table = config.k
         self.seeds = list(seeds)
         self.batcher = FindBatcher(
             protocol, self.k, want_values, config.limits.max_keys_per_request, store, replication
@@ -277,7 +276,7 @@ class Traversal:
         # node it has heard of) asks the nodes that will hold the record all at once: one
         # round trip instead of two, and a closer node an answer names is still asked.
         width = self.alpha
-        if self.batcher.store and len(routing) < self.k_table:
+        if self.batcher.store and len(routing) < self.protocol.config.k:
             width = max(width, self.converge)
         in_flight: dict[asyncio.Future[FindAnswer | None], _Candidate] = {}
         value_hop = 0

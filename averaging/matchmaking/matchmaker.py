@@ -190,6 +190,18 @@ class _Round:
 
 
 @dataclass(frozen=True)
+class _LastGroup:
+    """What a peer keeps of its last group in a family of keys."""
+
+    others: dict[bytes, str | None]
+    """The group's other members and their addresses (None for a client-mode member): the
+    next round's fast quorum."""
+    seen: int
+    """How many declarations of our schema and codec the round saw in the end (see
+    ``Matchmaker._declare``: when a round may trust its store's read)."""
+
+
+@dataclass(frozen=True)
 class _LedGroup:
     """A group this peer led and closed, and the declared start of each member in it."""
 
@@ -245,12 +257,8 @@ class Matchmaker:
         self._closed: collections.OrderedDict[
             str, tuple[float, frozenset[bytes], _LedGroup | None]
         ] = collections.OrderedDict()
-        # family -> the other members of our last group in it and their addresses (the
-        # fast quorum; "" for a client-mode member).
-        self._previous: collections.OrderedDict[str, dict[bytes, str]] = collections.OrderedDict()
-        # family -> how many declarations of our schema and codec our last round there saw
-        # in the end (see ``_declare``: when a round may trust its store's read).
-        self._seen: collections.OrderedDict[str, int] = collections.OrderedDict()
+        # family -> what this peer keeps of its last group there
+        self._last: collections.OrderedDict[str, _LastGroup] = collections.OrderedDict()
 
     def carry_previous(self, family: str, next_family: str, companions: Collection[bytes]) -> None:
         """After a round under ``family``: of its other members, only ``companions`` meet
@@ -258,11 +266,11 @@ class Matchmaker:
         other keys), so only they are expected there as the fast quorum. Nothing stays
         expected under ``family``: members that moved on never declare there, and a leader
         waits for a live previous member until ``matchmaking_time``."""
-        others = self._previous.pop(family, {})
-        _remember(self._previous, next_family, {p: a for p, a in others.items() if p in companions})
-        seen = self._seen.pop(family, None)
-        if seen is not None and next_family == family:
-            _remember(self._seen, family, seen)
+        last = self._last.pop(family, _LastGroup({}, 0))
+        others = {p: a for p, a in last.others.items() if p in companions}
+        # What the round saw says nothing of another family's declarations.
+        seen = last.seen if next_family == family else 0
+        _remember(self._last, next_family, _LastGroup(others, seen))
 
     def settle_time(self) -> float:
         """How long a new leader waits before its first close (from measured latency)."""
@@ -313,14 +321,15 @@ class Matchmaker:
             user_data_digest=user_data_digest(request.user_data),
         )
         family = request.family or request.key
+        last = self._last.get(family, _LastGroup({}, 0))
         rnd = _Round(
             request,
             me,
             asyncio.get_running_loop().create_future(),
             started=time.monotonic(),
-            previous=frozenset(self._previous.get(family, {})),
-            previous_addresses={p: a for p, a in self._previous.get(family, {}).items() if a},
-            previous_seen=self._seen.get(family, 0),
+            previous=frozenset(last.others),
+            previous_addresses={p: a for p, a in last.others.items() if a},
+            previous_seen=last.seen,
         )
         self._rounds[request.key] = rnd
         try:
@@ -330,8 +339,7 @@ class Matchmaker:
             group = await self._search(rnd)
             members = frozenset(m.peer_id for m in group.members)
             others = {m.peer_id: m.address for m in group.members if m.peer_id != self.peer_id}
-            _remember(self._previous, family, others)
-            _remember(self._seen, family, len(rnd.declarations))
+            _remember(self._last, family, _LastGroup(others, len(rnd.declarations)))
             led = _led_group(rnd)
             expiry = rnd.started + _give_up_seconds(me)
             _remember(self._closed, request.key, (expiry, members, led))
@@ -387,16 +395,27 @@ class Matchmaker:
     def _read_back_stands(self, rnd: _Round, found: list[Declaration]) -> bool:
         """Whether a read made with our store stands for the round's first read (the rule
         is :func:`~swarmavg.averaging.matchmaking.closing.read_back_suffices`)."""
-        now = time.time()
         seen = {
-            d.peer_id
-            for d in found
-            if d.schema_hash == rnd.me.schema_hash
-            and d.codec == rnd.me.codec
-            and d.give_up > now
-            and d.within_window(now, self.config.start_window)
-        } | {self.peer_id}
+            p
+            for p, d in self._current(rnd, found, time.time()).items()
+            if d.schema_hash == rnd.me.schema_hash and d.codec == rnd.me.codec
+        }
         return read_back_suffices(seen, rnd.previous, rnd.previous_seen, rnd.request.group_size)
+
+    def _current(
+        self, rnd: _Round, found: list[Declaration], now: float
+    ) -> dict[bytes, Declaration]:
+        """The declarations of ``found`` that are live at wall time ``now``, ours included.
+
+        A start outside the window is ignored (issue 17): the earliest start leads, so a
+        declaration with start=-1e300 would otherwise lead every round."""
+        current = {
+            d.peer_id: d
+            for d in found
+            if d.give_up > now and d.within_window(now, self.config.start_window)
+        }
+        current[self.peer_id] = rnd.me
+        return current
 
     async def _declare(self, rnd: _Round) -> None:
         """Store our declaration; when the store misses its deadline, keep retrying it in
@@ -517,14 +536,7 @@ class Matchmaker:
         # Remembered across reads: a later read may fail or miss them.
         for other in mismatched_schemas(found, rnd.me):
             rnd.mismatched[other.peer_id] = other.schema_hash
-        # A start outside the window is ignored (issue 17): the earliest start leads, so a
-        # declaration with start=-1e300 would otherwise lead every round.
-        signed = {
-            d.peer_id: d
-            for d in found
-            if d.give_up > now_wall and d.within_window(now_wall, self.config.start_window)
-        }
-        signed[self.peer_id] = rnd.me
+        signed = self._current(rnd, found, now_wall)
         rnd.signed = signed
         for other in signed.values():
             if other.schema_hash == rnd.me.schema_hash and other.codec != rnd.me.codec:
