@@ -112,10 +112,11 @@ async def test_a_partial_round_keeps_local_values_in_out(
         inputs = [[t.copy() for t in ts] for ts in originals]
         outs = inputs if in_place else [_one_span([6000]) for _ in range(n)]
         group = make_group(peers, inputs[0])
-        # Member 2 never reduces its part: the others keep their own values there.
+        # Member 2 never reduces its part: the others keep their own values there (and wait
+        # the round's timeout out for it).
         faults = {2: FaultPlan(Fault.STOP_REDUCING, 0)}
         results = await run_group(
-            peers, group, inputs, [1.0] * n, channels, timeout=10.0, faults=faults, outs=outs
+            peers, group, inputs, [1.0] * n, channels, timeout=4.0, faults=faults, outs=outs
         )
         first = results[0]
         assert isinstance(first, AveragingResult)
