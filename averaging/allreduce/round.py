@@ -141,9 +141,22 @@ def encode_result(
     return response, decoded
 
 
-async def offload(executor: ThreadPoolExecutor | None, fn: Callable[..., _T], *args: Any) -> _T:
-    """Run CPU work (codecs, reduction) in ``executor``, or inline when it is ``None``."""
-    if executor is None:
+INLINE_ELEMENTS = 16384
+"""Work on fewer elements than this (64 KiB of float32) runs on the loop even when there
+is an executor: handing it to a thread costs more than the work (a futex wake, two context
+switches and a wakeup of the loop, each way; a tiny round's daemon made ~200 futex calls
+and ~270 context switches per round), and its kernels are over in microseconds."""
+
+
+async def offload(
+    executor: ThreadPoolExecutor | None,
+    fn: Callable[..., _T],
+    *args: Any,
+    elements: int | None = None,
+) -> _T:
+    """Run CPU work (codecs, reduction) in ``executor``, or inline when it is ``None`` or
+    the work covers fewer than :data:`INLINE_ELEMENTS` ``elements`` (None: unknown size)."""
+    if executor is None or (elements is not None and elements < INLINE_ELEMENTS):
         return fn(*args)
     return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
 
@@ -377,7 +390,7 @@ class ReducerRound:
             raise ContributionError(f"chunk index {chunk} out of range")
         start, end = self.plan.chunk_bounds(self.my_index, chunk)
         values, nbytes, checked = await offload(
-            self.executor, decode_checked, self.codec, request, end - start
+            self.executor, decode_checked, self.codec, request, end - start, elements=end - start
         )
         self.bytes_received += nbytes
         if sender not in self.reducer.live_senders or self.closed:
@@ -453,6 +466,7 @@ class ReducerRound:
                     contributors,
                     adjusted,
                     finite,
+                    elements=values.size,
                 )
         except ValueError as e:
             # Only copies at the edge of the dtype's range can overflow the combination

@@ -229,6 +229,11 @@ class _Exchange:
         )
         return self.vector[base + start : base + end], info
 
+    def _chunk_size(self, part: int, chunk: int) -> int:
+        """Elements of ``chunk`` of ``part`` (how much work its coding is)."""
+        start, end = self.plan.chunk_bounds(part, chunk)
+        return end - start
+
     def refuse_local_non_finite(self) -> None:
         """With :attr:`FiniteCheck.AS_ENCODED`, after :meth:`fill_missing`: raise
         :class:`InvalidTensorsError` when a chunk that kept our own values holds NaN/Inf
@@ -358,7 +363,12 @@ class _Exchange:
     async def contribute_local(self, round_: ReducerRound) -> None:
         for chunk in range(self.plan.num_chunks(self.my_index)):
             try:
-                values = await offload(self.service.executor, self._round_trip_local, chunk)
+                values = await offload(
+                    self.service.executor,
+                    self._round_trip_local,
+                    chunk,
+                    elements=self._chunk_size(self.my_index, chunk),
+                )
             except InvalidTensorsError as e:
                 self._refuse_own_tensors(e)
                 return
@@ -379,7 +389,13 @@ class _Exchange:
                 if self.fault_plan.stops_sending(chunk):
                     await asyncio.Event().wait()  # a stalled sender: the stream stays open
             try:
-                request = await offload(self.service.executor, self._encode_request, part, chunk)
+                request = await offload(
+                    self.service.executor,
+                    self._encode_request,
+                    part,
+                    chunk,
+                    elements=self._chunk_size(part, chunk),
+                )
             except InvalidTensorsError as e:
                 self._refuse_own_tensors(e)
                 return  # the round ends now: run_allreduce cancels this stream
@@ -560,7 +576,13 @@ class _Exchange:
         if reply.num_senders == 0:
             return True  # nobody delivered this chunk in time: it stays local
         try:
-            await offload(self.service.executor, self._decode_reply, part, reply)
+            await offload(
+                self.service.executor,
+                self._decode_reply,
+                part,
+                reply,
+                elements=self._chunk_size(part, chunk),
+            )
         except ValueError as e:  # CodecError included
             return self._distrust(part, f"invalid chunk {chunk}: {e}")
         self.received[part][chunk] = True
@@ -757,7 +779,7 @@ async def run_allreduce(
         ex.result = target if target is not None else np.empty_like(ex.vector)
         ex.in_place = _same_vector(ex.result, ex.vector)
 
-    await offload(executor, prepare)
+    await offload(executor, prepare, elements=layout.total)
     t_prepared = time.monotonic()
 
     round_: ReducerRound | None = None
@@ -866,7 +888,7 @@ async def run_allreduce(
                 np.copyto(dst, src)
         return list(out)
 
-    out = await offload(executor, finish)
+    out = await offload(executor, finish, elements=layout.total)
     t_done = time.monotonic()
     if round_ is not None:
         ex.adjusted[my_index] = round_.adjusted

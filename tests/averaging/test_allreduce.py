@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+from swarmavg.averaging.allreduce import round as round_module
 from swarmavg.averaging.allreduce.partition import TensorLayout, flatten
 from swarmavg.averaging.allreduce.reducer import weighted_mean
+from swarmavg.averaging.allreduce.round import offload
 from swarmavg.averaging.allreduce.runner import AllReduceError, run_allreduce
 from swarmavg.averaging.group import Mode
 from swarmavg.averaging.result import AveragingResult
@@ -267,13 +271,15 @@ async def test_input_validation(grpc_servers: GrpcServerPool, channels: ChannelP
 
 
 async def test_inline_codec_work_gives_the_same_bits(
-    grpc_servers: GrpcServerPool, channels: ChannelPool
+    grpc_servers: GrpcServerPool, channels: ChannelPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """executor_threads=0 (codecs on the loop) changes where work runs, not the result."""
+    """executor_threads=0 (codecs on the loop), or small chunks coded on the loop beside an
+    executor, change where work runs, not the result."""
     inputs = _inputs(3, SHAPES_MIXED, seed=9)
     weights = [1.0, 0.5, 2.0]
     outcomes = []
-    for threads in (2, 0):
+    for threads, inline_elements in ((2, 0), (2, round_module.INLINE_ELEMENTS), (0, 0)):
+        monkeypatch.setattr(round_module, "INLINE_ELEMENTS", inline_elements)
         config = dataclasses.replace(FAST, executor_threads=threads)
         peers = await start_peers(grpc_servers, 3, config)
         try:
@@ -284,6 +290,21 @@ async def test_inline_codec_work_gives_the_same_bits(
         finally:
             await close_peers(peers)
     _assert_bit_identical(outcomes)  # type: ignore[arg-type]
+
+
+async def test_small_work_runs_on_the_loop_and_large_work_in_the_executor() -> None:
+    loop_thread = threading.current_thread().name
+    with ThreadPoolExecutor(1, thread_name_prefix="worker") as executor:
+
+        async def where(elements: int | None) -> str:
+            return await offload(
+                executor, lambda: threading.current_thread().name, elements=elements
+            )
+
+        assert await where(round_module.INLINE_ELEMENTS - 1) == loop_thread
+        assert (await where(round_module.INLINE_ELEMENTS)).startswith("worker")
+        assert (await where(None)).startswith("worker")  # unknown size: the executor
+    assert await offload(None, lambda: threading.current_thread().name) == loop_thread
 
 
 async def test_topk_error_feedback_carries_across_rounds(
