@@ -89,10 +89,9 @@ def main() -> None:
     seen_cache = SignatureCache()
     check_all(seen_cache)
     seen = min(timeit.repeat(lambda: check_all(seen_cache), number=1, repeat=args.repeat))
-    pairs = [(record.subkey, record.value) for record in records]
     decoded = [
-        (unpack_subkey(s, limits.max_subkey_bytes), unpack(v, limits.max_value_bytes))
-        for s, v in pairs
+        (unpack_subkey(r.subkey, limits.max_subkey_bytes), unpack(r.value, limits.max_value_bytes))
+        for r in records
     ]
     decode = min(
         timeit.repeat(

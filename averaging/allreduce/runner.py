@@ -373,10 +373,10 @@ class _Exchange:
                 self._refuse_own_tensors(e)
                 return
             round_.add_local(chunk, values)
-            if self.service.executor is None:
-                # Inline codec work never suspends: yield, so that the sends to the other
-                # reducers start now instead of after our whole part was encoded.
-                await asyncio.sleep(0)
+            # Work run inline (no executor, or a small chunk: ``offload``) never suspends:
+            # yield, so that the sends to the other reducers start now instead of after our
+            # whole part was encoded.
+            await asyncio.sleep(0)
 
     # ---- one remote part ----
 
