@@ -94,7 +94,8 @@ async def worker_main(control: str, seed: int, elements: int) -> int:
                     codec=request["codec"],
                 )
             except Exception as exc:  # reported to the benchmark, which reports it
-                print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+                failure = {"error": f"{type(exc).__name__}: {exc}", "started_at": started}
+                print(json.dumps(failure), flush=True)
                 continue
             ended = time.monotonic()
             out = np.ascontiguousarray(result.tensors[0])
@@ -167,6 +168,9 @@ class Round:
     rel_rms_error: float  # vs the exact mean, on every 997th element
     timings: dict[str, float]  # one member's phase timings as its daemon measured them
     cpu_seconds: float = 0.0  # CPU time of one daemon during the round (mean over hosts)
+    start_spread: float = 0.0  # seconds between the first and the last worker's call
+    group_sizes: tuple[int, ...] = ()  # each worker's group (a split shows as 2, 2, 2, 2)
+    slowest_prepare: float = 0.0  # the longest ``client.prepare`` among the workers
 
 
 def cpu_seconds(daemon: SwarmavgProcess) -> float:
@@ -222,7 +226,9 @@ def one_round(
     after = [host.link_bytes()[0] for host in hosts]
     errors = [r["error"] for r in records if "error" in r]
     if errors:
-        raise RuntimeError("; ".join(errors))
+        first = min(r["started_at"] for r in records)
+        starts = ", ".join(f"+{r['started_at'] - first:.3f}" for r in records)
+        raise RuntimeError("; ".join(errors) + f" (the workers called at {starts} s)")
     error = 0.0
     if expected_sample is not None:
         scale = float(np.sqrt(np.mean(expected_sample**2)))
@@ -240,6 +246,9 @@ def one_round(
         cpu_seconds=statistics.mean(
             cpu_seconds(d) - c for d, c in zip(daemons, cpu_before, strict=True)
         ),
+        group_sizes=tuple(int(r["group_size"]) for r in records),
+        start_spread=max(r["started_at"] for r in records) - min(r["started_at"] for r in records),
+        slowest_prepare=max(float(r["timings"].get("client.prepare", 0.0)) for r in records),
     )
 
 
@@ -263,11 +272,13 @@ def summarize(done: list[Round], failed: list[str]) -> dict[str, Any]:
     if not done:
         return {"error": "; ".join(failed)}
     chronological = [round(r.seconds, 3) for r in done]
+    group_sizes = [list(r.group_sizes) for r in done]
     done = sorted(done, key=lambda r: r.seconds)
     tx = statistics.median(statistics.mean(r.tx_bytes) for r in done)
     return {
         "seconds": round(statistics.median(r.seconds for r in done), 3),
         "rounds_seconds": chronological,
+        "group_sizes": group_sizes,  # per round, each member's group size
         "wire_mb_per_host": round(tx / 1e6, 2),
         "daemon_cpu_seconds": round(statistics.median(r.cpu_seconds for r in done), 2),
         "rel_rms_error": float(f"{max(r.rel_rms_error for r in done):.3g}"),
@@ -343,6 +354,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "each pair in its own network namespace",
         "hosts": n,
         "rate_mbit": rate,
+        "mtu": args.mtu or 1500,
         "tensor_mb": args.mb,
         "rounds": args.rounds,
         "group_size": args.group_size,
@@ -352,7 +364,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     with (
         tempfile.TemporaryDirectory(prefix="swarmavg-bw-") as tmp,
-        TestBed([HostSpec(f"h{i}", rate_mbit=rate) for i in range(n)]) as bed,
+        TestBed([HostSpec(f"h{i}", rate_mbit=rate, mtu=args.mtu) for i in range(n)]) as bed,
     ):
         workdir = Path(tmp)
         log(f"test bed {bed.prefix}: {n} hosts at {rate} Mbit/s")
@@ -461,6 +473,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--rate-mbit", type=float, default=100.0)
+    parser.add_argument(
+        "--mtu",
+        type=int,
+        default=None,
+        help="every link's MTU (default: the kernel's 1500, as on the internet; 9000 shows "
+        "what jumbo frames would carry, docs/benchmarks-bandwidth.md)",
+    )
     parser.add_argument("--mb", type=float, default=64.0, help="tensor size per host, MB")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--codecs", default=DEFAULT_CODECS)

@@ -40,6 +40,10 @@ from deploy.testbed._system import TestBedError
 
 _HOST_NAME = re.compile(r"^[a-z][a-z0-9]{0,11}$")
 _MAX_HOSTS = 80
+MIN_MTU = 576
+"""The smallest MTU a host may ask for: every IPv4 host must accept datagrams this large."""
+MAX_MTU = 9000
+"""The largest: the common jumbo frame (a veth takes more, real switches seldom do)."""
 _live_beds: set[TestBed] = set()
 
 
@@ -56,12 +60,17 @@ class HostSpec:
             (MASQUERADE ``--random-fully``, a "symmetric" NAT): the port a peer learns for a
             connection says nothing about the next one, so hole punching cannot work.
             Otherwise it keeps the host's port where it can, like most home routers.
+        mtu: the MTU of every link of the host (its own and, behind NAT, its router's
+            LAN), both ends; None keeps the kernel's 1500. Hosts that exchange traffic
+            should share one: the switch forwards no frame larger than the port it leaves
+            by, and sends no ICMP about it, as a real switch does not.
     """
 
     name: str
     rate_mbit: float | None = None
     nat: bool = False
     nat_random_ports: bool = False
+    mtu: int | None = None
 
 
 @dataclass(frozen=True)
@@ -178,6 +187,8 @@ class TestBed:
         for spec in hosts:
             if spec.rate_mbit is not None and not spec.rate_mbit > 0:
                 raise ValueError(f"host {spec.name}: rate_mbit must be positive")
+            if spec.mtu is not None and not MIN_MTU <= spec.mtu <= MAX_MTU:
+                raise ValueError(f"host {spec.name}: mtu must be in [{MIN_MTU}, {MAX_MTU}]")
         self.specs = tuple(hosts)
         self.prefix = _system.new_prefix()
         self.subnet = f"10.77.{secrets.randbelow(256)}"
@@ -306,7 +317,7 @@ class TestBed:
         _system.run(["ip", "-n", name, "link", "set", "lo", "up"])
         return name
 
-    def _add_veth(self, a: tuple[str, str], b: tuple[str, str]) -> None:
+    def _add_veth(self, a: tuple[str, str], b: tuple[str, str], mtu: int | None = None) -> None:
         # Both ends are created directly inside their namespaces: no name ever appears in the
         # root namespace, so parallel test beds can reuse eth0, lan0, ... freely.
         _system.run(
@@ -326,18 +337,21 @@ class TestBed:
                 b[0],
             ]
         )
+        if mtu is not None:
+            for namespace, device in (a, b):
+                _system.run(["ip", "-n", namespace, "link", "set", device, "mtu", str(mtu)])
 
     def _add_host(self, index: int, spec: HostSpec, switch: str) -> Host:
         port = (switch, f"p-{spec.name}")
         if spec.nat:
             router = self._add_namespace(f"{spec.name}-gw")
             wan_address = f"{self.subnet}.{100 + index}"
-            self._add_veth((router, "wan0"), port)
+            self._add_veth((router, "wan0"), port, spec.mtu)
             self._plug_into_bridge(port)
             self._configure_address(router, "wan0", f"{wan_address}/24")
             namespace = self._add_namespace(spec.name)
             lan = f"10.78.{index}"
-            self._add_veth((namespace, "eth0"), (router, "lan0"))
+            self._add_veth((namespace, "eth0"), (router, "lan0"), spec.mtu)
             self._configure_address(router, "lan0", f"{lan}.1/24")
             self._configure_address(namespace, "eth0", f"{lan}.2/24")
             _system.run(["ip", "-n", namespace, "route", "add", "default", "via", f"{lan}.1"])
@@ -354,7 +368,7 @@ class TestBed:
         else:
             namespace = self._add_namespace(spec.name)
             address = f"{self.subnet}.{10 + index}"
-            self._add_veth((namespace, "eth0"), port)
+            self._add_veth((namespace, "eth0"), port, spec.mtu)
             self._plug_into_bridge(port)
             self._configure_address(namespace, "eth0", f"{address}/24")
             # Like a real machine, a public host has a default route, so software that finds

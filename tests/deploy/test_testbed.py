@@ -203,3 +203,69 @@ def test_two_test_beds_with_the_same_host_names_coexist(make_testbed: MakeTestBe
     second.close()  # closing one leaves the other intact
     assert _leftovers(second.prefix) == []
     assert transfer(first["b"], first["a"], 100_000).nbytes == 100_000
+
+
+_UDP_PROBE = textwrap.dedent(
+    """
+    import socket, sys
+    mode, address, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    if mode == "recv":
+        sock.bind((address, 0))
+        sock.settimeout(20)
+        print(sock.getsockname()[1], flush=True)
+        print(len(sock.recv(65536)), flush=True)
+    else:  # send one datagram that may not be fragmented (DF set)
+        # Linux's IP_MTU_DISCOVER = 10, IP_PMTUDISC_DO = 2 (named in socket from 3.12 on)
+        sock.setsockopt(socket.IPPROTO_IP, 10, 2)
+        host, port = address.rsplit(":", 1)
+        try:
+            sock.sendto(b"x" * size, (host, int(port)))
+            print("sent", flush=True)
+        except OSError as exc:
+            print(exc.strerror, flush=True)
+    """
+)
+
+
+def _mtu(namespace: str, device: str) -> int:
+    done = _system.run(["ip", "-n", namespace, "-j", "link", "show", "dev", device])
+    return int(json.loads(done.stdout)[0]["mtu"])
+
+
+def test_mtu_sets_both_ends_and_carries_jumbo_frames_unfragmented(
+    make_testbed: MakeTestBed,
+) -> None:
+    bed = make_testbed(
+        [HostSpec("j1", mtu=9000), HostSpec("j2", mtu=9000, nat=True), HostSpec("plain")]
+    )
+    for name in ("j1", "j2"):
+        assert all(_mtu(ns, dev) == 9000 for ns, dev in bed[name].link_ends)
+    assert all(_mtu(ns, dev) == 1500 for ns, dev in bed["plain"].link_ends)
+    size = 8972  # 9000 - 20 (IPv4) - 8 (UDP)
+    receiver = bed["j1"].popen(
+        [sys.executable, "-c", _UDP_PROBE, "recv", bed["j1"].address, "0"], stdout=subprocess.PIPE
+    )
+    try:
+        assert receiver.stdout is not None
+        port = int(receiver.stdout.readline())
+        target = f"{bed['j1'].address}:{port}"
+        # From a host of the same MTU (through its NAT router's jumbo LAN): one whole frame.
+        sent = bed["j2"].run([sys.executable, "-c", _UDP_PROBE, "send", target, str(size)])
+        assert sent.stdout.strip() == "sent"
+        assert int(receiver.stdout.readline()) == size
+    finally:
+        receiver.kill()
+        receiver.wait(10)
+        if receiver.stdout is not None:
+            receiver.stdout.close()
+    # A host left at 1500 cannot even send it unfragmented.
+    refused = bed["plain"].run([sys.executable, "-c", _UDP_PROBE, "send", target, str(size)])
+    assert refused.stdout.strip() == "Message too long"
+    assert transfer(bed["j2"], bed["j1"], 4_000_000).nbytes == 4_000_000
+
+
+@pytest.mark.parametrize("mtu", [575, 9001, 0])
+def test_an_mtu_out_of_range_is_refused_before_anything_is_built(mtu: int) -> None:
+    with pytest.raises(ValueError, match="mtu must be in"):
+        TestBed([HostSpec("a", mtu=mtu)])
