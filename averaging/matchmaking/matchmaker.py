@@ -174,6 +174,9 @@ class _Round:
     """``time.monotonic()`` when a follower last joined or left."""
     taken: set[bytes] = field(default_factory=set)
     """Peers that closed leaders told us are in their (already formed) group."""
+    not_looking: set[bytes] = field(default_factory=set)
+    """Declarers that answered they no longer look under our key (they averaged or gave
+    up; their declaration outlives them until it expires)."""
     lonely_reads: int = 0
     """Reads of the declarations in a row while alone (see ``_read_interval``)."""
     declaring: asyncio.Task[None] | None = None
@@ -604,7 +607,8 @@ class Matchmaker:
         other candidate; ``None`` when we lead (or nobody can)."""
         me = rnd.me
         now_wall = time.time()
-        pool = [d for d in rnd.declarations if d.peer_id not in rnd.taken] or [me]
+        out = rnd.taken | rnd.not_looking
+        pool = [d for d in rnd.declarations if d.peer_id not in out] or [me]
         assignment = assign_leaders(pool, rnd.request.group_size)
         mine = assignment.get(self.peer_id)
         if mine == self.peer_id:
@@ -618,11 +622,25 @@ class Matchmaker:
 
     def _round_is_gone(self, rnd: _Round) -> NoGroupError | None:
         """Fail at once when the group we belonged to closed without us and nobody is left
-        to average with (a late peer must not sit out its whole timeout alone)."""
+        to average with (a late peer must not sit out its whole timeout alone).
+
+        Left to average with: a declarer that is neither in the closed group nor known to
+        have stopped looking, and that was first seen less than the patience ago. After
+        that a declarer that has not joined us, nor taken us, is not coming (the closing
+        rule's own test): most often a peer as late as we are that already failed this
+        way, whose declaration lives on until it expires.
+        """
         if not rnd.taken or rnd.followers or rnd.leader is not None:
             return None
+        now = time.monotonic()
+        patience = self._patience()
+        out = rnd.taken | rnd.not_looking
         others = [
-            d for d in rnd.declarations if d.peer_id != self.peer_id and d.peer_id not in rnd.taken
+            d
+            for d in rnd.declarations
+            if d.peer_id != self.peer_id
+            and d.peer_id not in out
+            and now - rnd.first_seen.get(d.peer_id, now) <= patience
         ]
         if 1 + len(others) >= rnd.request.min_group_size:
             return None
@@ -766,6 +784,8 @@ class Matchmaker:
                 log.debug("%s refused our request: %s", target.peer_id.hex()[:8], first.detail)
                 banned[target.peer_id] = time.time() + self._backoff(rnd, target.peer_id)
                 return None
+            if code == averaging_pb2.JOIN_REJECT_NOT_LOOKING:
+                rnd.not_looking.add(target.peer_id)
             if code != averaging_pb2.JOIN_ACCEPTED:
                 log.debug(
                     "%s rejected us: %s %s",

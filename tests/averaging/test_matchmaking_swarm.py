@@ -110,6 +110,34 @@ async def test_a_late_peer_learns_at_once_that_the_round_is_gone() -> None:
             await late.averager.average(inputs(2), "gone", group_size=2, timeout=60.0)
 
 
+@pytest.mark.parametrize("third_stops", [False, True])
+@pytest.mark.timeout(90)
+async def test_the_last_of_two_late_peers_also_learns_that_the_round_is_gone(
+    third_stops: bool,
+) -> None:
+    # Seen on the test bed: two peers late for the same round. The first learns that the
+    # round closed without it and fails at once; its declaration lives on. The second
+    # used to take that declaration for company: it asked the first to lead (refused: not
+    # looking, or no answer once its daemon stopped) and then waited as a leader nobody
+    # joins until its timeout ("only 1 peer(s) gathered"), 90 s on the test bed.
+    async with averager_swarm(4, SLOW_WINDOW) as swarm:
+        early, third, last = swarm.peers[:2], swarm.peers[2], swarm.peers[3]
+        results = await asyncio.gather(
+            *(
+                p.averager.average(inputs(i), "gone", group_size=2, timeout=60.0)
+                for i, p in enumerate(early)
+            )
+        )
+        assert [len(g) for g in groups_of(list(results))] == [2]
+        with pytest.raises(NoGroupError, match="closed before this peer joined"):
+            await third.averager.average(inputs(2), "gone", timeout=60.0)
+        if third_stops:
+            await third.stop()  # its port refuses from now on: no answer at all
+        # A timeout the old code waited out in full, with another message.
+        with pytest.raises(NoGroupError, match="closed before this peer joined"):
+            await last.averager.average(inputs(3), "gone", timeout=30.0)
+
+
 @pytest.mark.parametrize("given", [False, True])
 @pytest.mark.timeout(90)
 async def test_a_dead_previous_member_is_not_waited_for(given: bool) -> None:
