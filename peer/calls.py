@@ -232,9 +232,17 @@ class PreparedAverage:
         """The call asked the daemon to reuse its mapping of an earlier call's segment."""
         return self.start.shm_reuse
 
+    def found_no_group(self) -> None:
+        """The daemon answered that no group formed: its round never wrote into the
+        segment and it keeps its mapping (peer/control.py), so the pool may keep the
+        segment as after a success. A fresh segment costs its page faults in the next
+        call's copy (0.07-0.4 s for 64 MB), enough to make this peer late for that round
+        too (docs/benchmarks-bandwidth.md, "Session 21")."""
+        self._ok = True
+
     def cleanup(self) -> None:
         """Remove the segment file if the daemon did not, and give the segment back to the
-        pool for reuse when the call succeeded (idempotent)."""
+        pool for reuse when the call succeeded or found no group (idempotent)."""
         segment, self.segment = self.segment, None
         if segment is not None and self._pool is not None:
             self._pool.release(segment, self._ok)

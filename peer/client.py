@@ -36,6 +36,7 @@ from swarmavg.peer.endpoint import (
 )
 from swarmavg.peer.errors import (
     DaemonUnavailableError,
+    NoGroupError,
     SwarmError,
     ValidationError,
     error_from_rpc,
@@ -113,6 +114,8 @@ def _average_failure(
     daemon no longer maps the reused segment (it restarted or evicted it), every idle
     segment is forgotten and the retry hands over a fresh one."""
     error = error_from_rpc(exc, str(endpoint))
+    if isinstance(error, NoGroupError):
+        call.found_no_group()
     lost = call.reused_segment and isinstance(error, ValidationError) and "not mapped" in str(error)
     if attempt == 0 and lost:
         segments.clear()

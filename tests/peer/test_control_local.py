@@ -30,7 +30,7 @@ from swarmavg.peer import (
 )
 from swarmavg.peer.combiner import LocalCombiner
 from swarmavg.peer.control import ControlService
-from swarmavg.peer.errors import NoGroupError
+from swarmavg.peer.errors import NoGroupError, SwarmError
 from swarmavg.peer.shm import NAME_RE, SHM_DIR, DaemonSegmentCache
 from swarmavg.proto import control_pb2
 from tests.peer.raw_calls import unchecked_shm_call
@@ -67,6 +67,10 @@ class SoloBackend:
         self.in_place.append(
             out is not None and all(a is o for a, o in zip(arrays, out, strict=True))
         )
+        if params.key == "fails-mid-round":
+            from swarmavg.averaging.errors import AveragingError
+
+            raise AveragingError("a member failed mid-round")
         if params.min_group_size > 1:
             from swarmavg.averaging.errors import NoGroupError as AveragingNoGroup
 
@@ -351,6 +355,29 @@ async def test_shm_segments_are_reused_across_calls(daemon: Daemon) -> None:
         daemon.backend.segments.close()  # as if the daemon restarted or evicted them
         fourth = await client.average(y, key="d", min_group_size=1)  # retried transparently
         np.testing.assert_array_equal(fourth.tensors[0], y[0])
+    assert my_segments() == []
+
+
+async def test_a_call_that_found_no_group_keeps_its_segment_for_the_next(daemon: Daemon) -> None:
+    """Seen on the test bed (session 21): a call that found no group used to drop its
+    segment on both sides, so the peer's next call faulted in a fresh one, reached its
+    daemon late again and missed that round too."""
+    x = [np.random.default_rng(4).standard_normal(400_000).astype(np.float32)]
+    async with connect_async(daemon.endpoint) as client:
+        with pytest.raises(NoGroupError, match="no peers"):
+            await client.average(x, key="lonely", min_group_size=2)
+        assert len(client._segments) == 1, "kept: the round never wrote into it"
+        assert len(daemon.backend.segments) == 1, "and the daemon kept its mapping"
+        result = await client.average(x, key="next", min_group_size=1)
+        assert daemon.backend.outs[-1] is not None
+        assert len(daemon.backend.segments) == 1, "the next call reused it"
+        np.testing.assert_array_equal(result.tensors[0], x[0])
+        del result
+        # Any other failure still drops the segment on both sides.
+        with pytest.raises(SwarmError, match="mid-round"):
+            await client.average(x, key="fails-mid-round", min_group_size=1)
+        assert len(client._segments) == 0
+        assert len(daemon.backend.segments) == 0
     assert my_segments() == []
 
 
