@@ -9,6 +9,7 @@ than the shared-memory segment.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -108,8 +109,13 @@ class PreparedAverage:
         aggregation: str | None = None,
         client_id: str = "",
         shm_threshold: int = SHM_THRESHOLD,
+        write_during_declaration: bool = True,
     ) -> None:
-        """Validate everything before anything is sent.
+        """Validate everything before anything is sent, except, with
+        ``write_during_declaration``, the values of tensors that go through shared memory:
+        those are copied in and checked while the daemon declares this peer
+        (``start_before_inputs``); a NaN/Inf found then fails the call with
+        :attr:`write_error`.
 
         Raises:
             ValidationError: bad key, parameters, tensor types, dtypes or values.
@@ -135,10 +141,20 @@ class PreparedAverage:
         self._pool = segments
         self.segment: shm.ClientSegment | None = None
         self._ok = False
+        self.early = False
+        """The segment is written after the start is sent (``start_before_inputs``)."""
+        self.write_error: ValidationError | None = None
+        """Why the inputs could not be written during the declaration (NaN/Inf)."""
+        self._write_s: float | None = None
+        # The sync client's transport runs requests() in its own thread: cleanup() must
+        # neither hand the segment back while the copy runs, nor let it start afterwards.
+        self._write_lock = threading.Lock()
+        self._cleaned_up = False
         if segments is not None and self.total_bytes >= shm_threshold:
             # The NaN/Inf check runs on each block as it is copied in: one pass, not two.
+            self.early = write_during_declaration
             try:
-                self.segment = segments.acquire(arrays)
+                self.segment = segments.acquire(arrays, fill=not self.early)
             except InvalidTensorsError as exc:
                 raise ValidationError(str(exc)) from None
         else:
@@ -171,9 +187,26 @@ class PreparedAverage:
         return self.timeout + CALL_MARGIN
 
     def requests(self) -> Iterator[control_pb2.AverageRequest]:
-        """The request stream: the start message, then inline bytes (if not in shm)."""
-        yield control_pb2.AverageRequest(start=self.start)
+        """The request stream: the start message, then inline bytes (if not in shm); or,
+        when writing during the declaration, the early start, the copy into the segment
+        (checked as it goes) and ``inputs_written``. A NaN/Inf ends the stream there: the
+        daemon fails the call and :attr:`write_error` says why."""
         arrays, self._arrays = self._arrays, None  # sent once; let the copies go
+        if self.early:
+            yield control_pb2.AverageRequest(start_before_inputs=self.start)
+            with self._write_lock:
+                if self._cleaned_up or self.segment is None or arrays is None:
+                    return
+                began = time.monotonic()
+                try:
+                    self.segment.fill(arrays)
+                except InvalidTensorsError as exc:
+                    self.write_error = ValidationError(str(exc))
+                    return
+                self._write_s = time.monotonic() - began
+            yield control_pb2.AverageRequest(inputs_written=control_pb2.InputsWritten())
+            return
+        yield control_pb2.AverageRequest(start=self.start)
         if self.segment is None and arrays is not None:
             for piece in iter_bytes(arrays):
                 yield control_pb2.AverageRequest(data=piece)
@@ -211,6 +244,8 @@ class PreparedAverage:
         timings = dict(done.timings)
         timings["client.prepare"] = self._prepare_s
         timings["client.call"] = time.monotonic() - self._prepared_at
+        if self._write_s is not None:  # within client.call, while the daemon declared
+            timings["client.write"] = self._write_s
         return AverageResult(
             tensors=from_numpy(arrays, self.origins),
             group_size=done.group_size,
@@ -243,6 +278,8 @@ class PreparedAverage:
     def cleanup(self) -> None:
         """Remove the segment file if the daemon did not, and give the segment back to the
         pool for reuse when the call succeeded or found no group (idempotent)."""
+        with self._write_lock:  # waits for a copy under way in the transport's thread
+            self._cleaned_up = True
         segment, self.segment = self.segment, None
         if segment is not None and self._pool is not None:
             self._pool.release(segment, self._ok)

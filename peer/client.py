@@ -103,17 +103,33 @@ def _unavailable(endpoint: ControlEndpoint, reason: object) -> DaemonUnavailable
     )
 
 
+class EarlyWrites:
+    """Whether this client's daemon takes ``start_before_inputs`` (control.proto): assumed
+    until a daemon older than it refuses the message, then never tried again."""
+
+    def __init__(self) -> None:
+        self.supported = True
+
+
 def _average_failure(
     call: PreparedAverage,
     exc: grpc.RpcError,
     endpoint: ControlEndpoint,
     segments: SegmentPool,
+    early_writes: EarlyWrites,
     attempt: int,
 ) -> SwarmError | None:
     """The error a failed ``average`` call raises, or ``None`` to retry it once: when the
     daemon no longer maps the reused segment (it restarted or evicted it), every idle
-    segment is forgotten and the retry hands over a fresh one."""
+    segment is forgotten and the retry hands over a fresh one; when the daemon is older
+    than ``start_before_inputs``, the retry writes the inputs before the start."""
+    if call.write_error is not None:  # NaN/Inf while writing: the daemon saw the stream end
+        return call.write_error
     error = error_from_rpc(exc, str(endpoint))
+    refused = isinstance(error, ValidationError) and "must be its start" in str(error)
+    if attempt == 0 and call.early and refused:  # a daemon older than start_before_inputs
+        early_writes.supported = False
+        return None
     if isinstance(error, NoGroupError):
         call.found_no_group()
     lost = call.reused_segment and isinstance(error, ValidationError) and "not mapped" in str(error)
@@ -186,6 +202,7 @@ class Client:
         self.dht = _SyncDHT(self)
         self._client_id = secrets.token_hex(8)
         self._segments = SegmentPool()
+        self._early_writes = EarlyWrites()
         try:
             status = self._stub.Status(
                 control_pb2.StatusRequest(),
@@ -250,6 +267,7 @@ class Client:
                 state_digest=state_digest,
                 aggregation=aggregation,
                 client_id=self._client_id,
+                write_during_declaration=self._early_writes.supported,
             )
             try:
                 responses = self._stub.Average(
@@ -259,7 +277,9 @@ class Client:
                     call.feed(response)
                 return call.result()
             except grpc.RpcError as exc:
-                error = _average_failure(call, exc, self.endpoint, self._segments, attempt)
+                error = _average_failure(
+                    call, exc, self.endpoint, self._segments, self._early_writes, attempt
+                )
                 if error is None:
                     continue
                 raise error from None
@@ -384,6 +404,7 @@ class AsyncClient:
         self._metadata: tuple[tuple[str, str], ...] = ()
         self._client_id = secrets.token_hex(8)
         self._segments = SegmentPool()
+        self._early_writes = EarlyWrites()
         self.dht = _AsyncDHT(self)
 
     @property
@@ -449,6 +470,7 @@ class AsyncClient:
                 state_digest=state_digest,
                 aggregation=aggregation,
                 client_id=self._client_id,
+                write_during_declaration=self._early_writes.supported,
             )
             try:
                 stream = self._stub.Average(
@@ -458,7 +480,9 @@ class AsyncClient:
                     call.feed(response)
                 return call.result()
             except grpc.RpcError as exc:
-                error = _average_failure(call, exc, self.endpoint, self._segments, attempt)
+                error = _average_failure(
+                    call, exc, self.endpoint, self._segments, self._early_writes, attempt
+                )
                 if error is None:
                     continue
                 raise error from None

@@ -102,6 +102,39 @@ def _start_check(arrays: list[np.ndarray]) -> asyncio.Future[float]:
     return future
 
 
+START_KINDS = ("start", "start_before_inputs")
+"""The first messages of an ``Average`` call this daemon takes (control.proto)."""
+
+
+def _await_inputs(
+    requests: AsyncIterator[control_pb2.AverageRequest],
+    arrays: list[np.ndarray],
+    deadline: float,
+    scan: bool,
+) -> asyncio.Future[float]:
+    """After ``start_before_inputs``: wait (until the call's ``deadline``, monotonic) for
+    the client's ``inputs_written``, then scan the inputs unless the client checked them.
+    The future gives the ``time.monotonic()`` at which they were ready (or the error);
+    its exception is marked retrieved, as :func:`_start_check`'s."""
+
+    async def run() -> float:
+        try:
+            message = await asyncio.wait_for(anext(requests), deadline - time.monotonic())
+        except StopAsyncIteration:
+            raise ValidationError("the request stream ended before inputs_written") from None
+        except TimeoutError:
+            raise ValidationError("no inputs_written before the call's deadline") from None
+        if message.WhichOneof("kind") != "inputs_written":
+            raise ValidationError("after start_before_inputs, expected inputs_written")
+        if scan:
+            await asyncio.to_thread(check_finite, arrays)
+        return time.monotonic()
+
+    future = asyncio.ensure_future(run())
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
+
+
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> None:
     code, reason = classify(exc)
     if code is grpc.StatusCode.INTERNAL:
@@ -208,8 +241,11 @@ class ControlService(control_pb2_grpc.ControlServicer):
         """One averaging call: inputs in (inline or shared memory), results out.
 
         A new shared-memory segment is mapped and unlinked before anything else happens
-        and kept for the client's next call; it is dropped when the call fails, and the
-        cache drops the segments of exited client processes.
+        and kept for the client's next call; it is dropped when the call fails (except
+        when no group formed: the round never wrote into it), and the cache drops the
+        segments of exited client processes. After ``start_before_inputs`` the client is
+        still writing the segment: matchmaking declares this peer meanwhile and waits for
+        ``inputs_written`` before it joins a group.
         """
         segment: shm.DaemonSegment | None = None
         checking: asyncio.Future[float] | None = None
@@ -221,9 +257,14 @@ class ControlService(control_pb2_grpc.ControlServicer):
         try:
             self._check_accepting()
             first = await _next(requests, "the AverageStart message")
-            if first.WhichOneof("kind") != "start":
+            kind = first.WhichOneof("kind")
+            if kind not in START_KINDS:
                 raise ValidationError("the first message of an Average call must be its start")
-            start = first.start
+            # start_before_inputs: the client writes the segment while this peer declares.
+            early = kind == "start_before_inputs"
+            start = first.start_before_inputs if early else first.start
+            if early and not start.shm_name:
+                raise ValidationError("start_before_inputs needs a shared-memory segment")
             shm_name = start.shm_name
             # The one place a call's parameters are checked and its timeout becomes a
             # deadline; the combiner, matchmaking and the all-reduce take them as they are.
@@ -264,7 +305,10 @@ class ControlService(control_pb2_grpc.ControlServicer):
             # sent to another reducer, as that reducer decodes it) instead of scanning the
             # whole segment before it joins a group (FiniteCheck.AS_ENCODED).
             by_client = out is not None and start.inputs_checked
-            if out is not None and not by_client:
+            if early:
+                # Matchmaking declares meanwhile and joins no group before this is done.
+                checking = _await_inputs(requests, arrays, request.deadline, not by_client)
+            elif out is not None and not by_client:
                 # The check runs in a thread while matchmaking declares this peer; the
                 # round waits for it before it joins a group (Matchmaker.find_group).
                 checking = _start_check(arrays)

@@ -171,8 +171,10 @@ class SegmentPool:
         self._lock = threading.Lock()
         self._idle: list[ClientSegment] = []  # oldest first
 
-    def acquire(self, arrays: Sequence[np.ndarray]) -> ClientSegment:
+    def acquire(self, arrays: Sequence[np.ndarray], fill: bool = True) -> ClientSegment:
         """A segment holding copies of ``arrays``: an idle one when it fits, else a fresh one.
+        With ``fill=False``, a segment of their layout's size left for the caller to
+        :meth:`~ClientSegment.fill`.
 
         Raises:
             InvalidTensorsError: a tensor holds NaN or Inf (checked while copying).
@@ -184,10 +186,13 @@ class SegmentPool:
                 if idle.size == size and not idle.in_use():
                     segment = self._idle.pop(index)
                     break
-        if segment is not None:
+        if segment is None:
+            if fill:
+                return ClientSegment.holding(arrays, self._directory)
+            segment = ClientSegment(size, self._directory)
+        if fill:
             segment.fill(arrays)
-            return segment
-        return ClientSegment.holding(arrays, self._directory)
+        return segment
 
     def release(self, segment: ClientSegment, ok: bool) -> None:
         """Return ``segment`` after a call; a failed call's segment is dropped.

@@ -58,12 +58,20 @@ class AverageStart(_message.Message):
     def __init__(self, key: _Optional[str] = ..., weight: _Optional[float] = ..., group_size: _Optional[int] = ..., min_group_size: _Optional[int] = ..., timeout: _Optional[float] = ..., codec: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., client_id: _Optional[str] = ..., shm_reuse: _Optional[bool] = ..., state_digest: _Optional[bytes] = ..., aggregation: _Optional[str] = ..., inputs_checked: _Optional[bool] = ...) -> None: ...
 
 class AverageRequest(_message.Message):
-    __slots__ = ("start", "data")
+    __slots__ = ("start", "data", "start_before_inputs", "inputs_written")
     START_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    START_BEFORE_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     start: AverageStart
     data: TensorBytes
-    def __init__(self, start: _Optional[_Union[AverageStart, _Mapping]] = ..., data: _Optional[_Union[TensorBytes, _Mapping]] = ...) -> None: ...
+    start_before_inputs: AverageStart
+    inputs_written: InputsWritten
+    def __init__(self, start: _Optional[_Union[AverageStart, _Mapping]] = ..., data: _Optional[_Union[TensorBytes, _Mapping]] = ..., start_before_inputs: _Optional[_Union[AverageStart, _Mapping]] = ..., inputs_written: _Optional[_Union[InputsWritten, _Mapping]] = ...) -> None: ...
+
+class InputsWritten(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class AverageAccepted(_message.Message):
     __slots__ = ()

@@ -43,6 +43,8 @@ class SoloBackend:
         self.combiner = LocalCombiner(self._average, window)
         self.segments = DaemonSegmentCache()
         self.rounds: list[RoundRequest] = []
+        self.started: list[str] = []  # keys of rounds begun, before their inputs were ready
+        self.round_began = asyncio.Event()
         self.outs: list[list[np.ndarray] | None] = []  # where each round was told to write
         self.in_place: list[bool] = []  # whether it read its inputs where it writes
         self.checked_by_client: list[bool] = []  # whether only the client checked them
@@ -59,7 +61,9 @@ class SoloBackend:
         inputs_ready: Awaitable[object] | None = None,
         checked_by_client: bool = False,
     ) -> AveragingResult:
-        if inputs_ready is not None:  # as the averager does before it joins a group
+        self.started.append(params.key)  # as the averager declares before the inputs
+        self.round_began.set()
+        if inputs_ready is not None:  # are ready, and waits for them before it joins a group
             await inputs_ready
         self.rounds.append(params)
         self.checked_by_client.append(checked_by_client)
@@ -454,7 +458,8 @@ async def test_a_caller_in_a_batch_whose_client_lied_about_its_check_is_left_out
     assert daemon.backend.failures == ["invalid_input"]
 
 
-def test_the_client_checks_while_it_copies_into_shared_memory() -> None:
+@pytest.mark.parametrize("during_declaration", [False, True])
+def test_the_client_checks_while_it_copies_into_shared_memory(during_declaration: bool) -> None:
     from swarmavg.peer.calls import PreparedAverage
     from swarmavg.peer.errors import ValidationError
     from swarmavg.peer.shm import SegmentPool
@@ -462,8 +467,9 @@ def test_the_client_checks_while_it_copies_into_shared_memory() -> None:
     x = np.ones(1 << 20, np.float32)
     x[-1] = np.nan  # in the last block
     pool = SegmentPool()
-    with pytest.raises(ValidationError, match="tensor 0 holds 1 NaN/Inf"):
-        PreparedAverage(
+
+    def prepare() -> PreparedAverage:
+        return PreparedAverage(
             [x],
             key="k",
             weight=1.0,
@@ -472,6 +478,104 @@ def test_the_client_checks_while_it_copies_into_shared_memory() -> None:
             timeout=5.0,
             codec=None,
             segments=pool,
+            write_during_declaration=during_declaration,
         )
+
+    if not during_declaration:
+        with pytest.raises(ValidationError, match="tensor 0 holds 1 NaN/Inf"):
+            prepare()
+    else:
+        # The start goes out first; the copy finds the NaN and ends the stream there.
+        call = prepare()
+        kinds = [m.WhichOneof("kind") for m in call.requests()]
+        assert kinds == ["start_before_inputs"]
+        assert call.write_error is not None
+        assert "tensor 0 holds 1 NaN/Inf" in str(call.write_error)
+        call.cleanup()
     assert len(pool) == 0
+    assert my_segments() == []
+
+
+async def test_a_nan_found_while_the_daemon_declares_fails_the_call_with_the_clients_error(
+    daemon: Daemon,
+) -> None:
+    x = np.ones(1 << 20, np.float32)
+    x[12345] = np.inf
+    async with connect_async(daemon.endpoint) as client:
+        with pytest.raises(ValidationError, match="tensor 0 holds 1 NaN/Inf"):
+            await client.average([x], key="nan", min_group_size=1, timeout=5)
+        result = await client.average([np.ones_like(x)], key="after", min_group_size=1)
+        np.testing.assert_array_equal(result.tensors[0], np.ones_like(x))
+        del result
+    assert daemon.backend.failures == ["invalid_input"]
+    assert my_segments() == []
+
+
+async def test_the_daemon_declares_before_the_client_has_written_its_inputs(
+    daemon: Daemon,
+) -> None:
+    """Issue 21: the client's copy into shared memory overlaps the declaration. A raw
+    client sends ``start_before_inputs`` and holds ``inputs_written`` back: the round
+    (here the backend's ``average``) starts at once and waits for the inputs."""
+    import grpc
+
+    from swarmavg.peer.shm import ClientSegment, segment_layout
+    from swarmavg.proto import control_pb2_grpc, tensor_pb2
+
+    x = np.arange(300_000, dtype=np.float32)
+    segment = ClientSegment(segment_layout([x.dtype], [x.shape])[1])
+    written = asyncio.Event()
+
+    async def requests() -> Any:
+        yield control_pb2.AverageRequest(
+            start_before_inputs=control_pb2.AverageStart(
+                key="early",
+                weight=1,
+                min_group_size=1,
+                timeout=5,
+                shm_name=segment.name,
+                shm_size=segment.size,
+                tensors=[control_pb2.TensorSpec(dtype=tensor_pb2.FLOAT32, shape=x.shape)],
+                inputs_checked=True,
+            )
+        )
+        await written.wait()
+        yield control_pb2.AverageRequest(inputs_written=control_pb2.InputsWritten())
+
+    try:
+        async with grpc.aio.insecure_channel(f"unix:{daemon.endpoint}") as channel:
+            call = control_pb2_grpc.ControlStub(channel).Average(requests(), timeout=15)
+            first = await call.read()
+            assert first.WhichOneof("kind") == "accepted"
+            await daemon.backend.round_began.wait()  # the round began without the inputs
+            assert daemon.backend.started == ["early"]
+            assert not daemon.backend.rounds  # and waits for them
+            segment.results([x.dtype], [x.shape])[0][...] = x
+            written.set()
+            done = await call.read()
+            assert done.WhichOneof("kind") == "done"
+            assert done.done.group_size == 1
+    finally:
+        segment.unlink()
+    np.testing.assert_array_equal(daemon.backend.outs[-1][0], x)
+
+
+async def test_a_daemon_older_than_early_writes_gets_the_inputs_before_the_start(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon that predates ``start_before_inputs`` refuses it as a first message; the
+    client retries with the inputs written first, and sends only that from then on."""
+    from swarmavg.peer import control
+
+    monkeypatch.setattr(control, "START_KINDS", ("start",))
+    x = [np.random.default_rng(5).standard_normal(400_000).astype(np.float32)]
+    async with connect_async(daemon.endpoint) as client:
+        for key in ("old-1", "old-2"):
+            result = await client.average(x, key=key, min_group_size=1)
+            np.testing.assert_array_equal(result.tensors[0], x[0])
+            assert "client.write" not in result.timings
+            del result
+        assert client._early_writes.supported is False
+    assert [r.key for r in daemon.backend.rounds] == ["old-1", "old-2"]
+    assert daemon.backend.failures == ["invalid_input"]  # the one refused start
     assert my_segments() == []
