@@ -349,11 +349,12 @@ class ControlService(control_pb2_grpc.ControlServicer):
                     yield control_pb2.AverageResponse(data=piece)
             yield control_pb2.AverageResponse(done=_done_message(outcome))
         except BaseException as exc:
-            if segment is not None and not isinstance(exc, averaging_errors.NoGroupError):
+            if segment is not None:
                 # The client drops its side too; don't keep ours. No group formed: the
                 # round never wrote into the segment, and both sides keep it for the next
                 # call (a fresh one's page faults would make this peer late again).
-                self._backend.segments.drop(segment.name)
+                if not isinstance(exc, averaging_errors.NoGroupError):
+                    self._backend.segments.drop(segment.name)
             elif shm_name:  # never mapped: remove the file now if its client is gone
                 shm.unlink_if_orphaned(shm_name)
             if not isinstance(exc, Exception):
