@@ -35,6 +35,11 @@ class DHTConfig:
             unless someone else stored them to us in the meantime (paper 2.5).
         maintenance_interval: how often the background task wakes up to sweep expired
             records, refresh, republish and re-ping the initial peers.
+        rejoins_per_round: how many nodes of the whole swarm, on average, rejoin through
+            each initial peer per maintenance round: a node does so with probability
+            ``rejoins_per_round / size_estimate`` (always in a swarm that small). Bounds an
+            initial peer's maintenance load whatever the swarm's size, while a restarted
+            bootstrap node still hears from that many nodes each round (dht/node.py).
         cache_on_lookup: after a successful get, cache the record on the nearest queried node
             that lacked it (paper 2.3).
         get_quorum: a non-``latest`` get stops once this many nodes returned the key.
@@ -81,6 +86,7 @@ class DHTConfig:
     refresh_interval: float = 600.0
     republish_interval: float = 600.0
     maintenance_interval: float = 30.0
+    rejoins_per_round: int = 32
     cache_on_lookup: bool = True
     get_quorum: int = 1
     stale_after: int = 3
@@ -106,7 +112,15 @@ class DHTConfig:
                 raise ValueError(f"initial peer {address!r} is not HOST:PORT")
         if not self.run_id:
             raise ValueError("run_id must not be empty")
-        for name in ("k", "alpha", "b", "get_quorum", "stale_after", "auth_max_nonces"):
+        for name in (
+            "k",
+            "alpha",
+            "b",
+            "get_quorum",
+            "stale_after",
+            "auth_max_nonces",
+            "rejoins_per_round",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.contacts_per_range < 0 or self.signature_cache < 0:

@@ -77,6 +77,21 @@ class BootstrapError(ConnectionError):
         )
 
 
+def rejoin_probability(size_estimate: int, rejoins_per_round: int) -> float:
+    """The chance that a node rejoins through an initial peer in one maintenance round.
+
+    Every node of a public run lists the same few initial peers. Rejoining every round made
+    each of them serve 2 requests per node per round (a ping and a Find): 667 per second
+    for 10,000 nodes at 30 s. With this chance the swarm as a whole sends about
+    ``rejoins_per_round`` rejoins to each initial peer per round, whatever its size; a
+    bootstrap node that restarted empty (hivemind issue 624) still hears from that many
+    nodes of the old swarm each round, and one is enough to start the merge. A node that
+    sees a swarm no larger than that (a small run, the new half of a split, a node that
+    lost its contacts: its estimate is its table's size) rejoins every round, as before.
+    """
+    return min(1.0, rejoins_per_round / max(size_estimate, 1))
+
+
 class DHTNode:
     """One Kademlia node.
 
@@ -313,7 +328,9 @@ class DHTNode:
 
         Drops expired records; rejoins through the initial peers (see :meth:`_rejoin_via`), so
         that a swarm whose bootstrap node restarted empty merges with it again instead of
-        splitting in two (hivemind issue 624); refreshes stale buckets and our own
+        splitting in two (hivemind issue 624), each with :func:`rejoin_probability`, so
+        that an initial peer serves about ``rejoins_per_round`` rejoins per round however
+        large the swarm; refreshes stale buckets and our own
         neighbourhood (paper 2.3); republishes records nobody stored to us during the last
         republish interval (paper 2.5).
 
@@ -323,7 +340,8 @@ class DHTNode:
         """
         self.storage.sweep()
         own = self.protocol.address
-        initial = [a for a in self.config.initial_peers if a != own]
+        chance = rejoin_probability(self.size_estimate(), self.config.rejoins_per_round)
+        initial = [a for a in self.config.initial_peers if a != own and random.random() < chance]
         answers = await asyncio.gather(*(self._rejoin_via(a) for a in initial))
         seeds = [contact for answer in answers for contact in answer]
         await self.refresh(all_buckets=refresh_all, seeds=seeds)

@@ -371,6 +371,7 @@ INTERNAL: Mapping[type, tuple[str, ...]] = MappingProxyType(
             "refresh_interval",
             "republish_interval",
             "maintenance_interval",
+            "rejoins_per_round",
             "cache_on_lookup",
             "get_quorum",
             "stale_after",

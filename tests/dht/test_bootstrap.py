@@ -97,20 +97,29 @@ async def test_own_address_as_only_initial_peer_is_a_new_dht() -> None:
         await server.stop(None)
 
 
-async def test_swarm_split_by_a_restarted_bootstrap_node_merges_again() -> None:
+@pytest.mark.parametrize(
+    ("old_group", "rejoins_per_round"),
+    [(8, 32), (24, 2)],
+    ids=["everyone-rejoins", "a-few-rejoin-per-round"],
+)
+async def test_swarm_split_by_a_restarted_bootstrap_node_merges_again(
+    old_group: int, rejoins_per_round: int
+) -> None:
     """hivemind issue 624: everyone joins through one bootstrap node; it restarts empty and
     newcomers join it. Without care that makes two DHTs. Here the first group re-pings its
-    initial peer in maintenance, the groups learn of each other and records flow both ways."""
+    initial peer in maintenance, the groups learn of each other and records flow both ways.
+    In a swarm larger than ``rejoins_per_round`` only about that many of its nodes rejoin
+    per round (issue 21): the merge still happens."""
     k = 4
     identity = Identity.generate()
-    async with swarm(0, k=k, refresh_interval=3600.0) as s:
+    async with swarm(0, k=k, refresh_interval=3600.0, rejoins_per_round=rejoins_per_round) as s:
         (seed,) = await s.add(1, identity=identity, initial_peers=[])
         assert seed.address is not None
         seed_address = seed.address
-        group_a = await s.add(8, initial_peers=[seed_address])
+        group_a = await s.add(old_group, initial_peers=[seed_address])
         now = time.time()
         for i in range(10):
-            assert await group_a[i % 8].store(f"a-{i}", i, now + 120)
+            assert await group_a[i % old_group].store(f"a-{i}", i, now + 120)
         await s.stop(seed)
         for node in group_a:  # while it is down, group A notices: failed pings drop it
             for _ in range(node.config.stale_after):
@@ -130,7 +139,7 @@ async def test_swarm_split_by_a_restarted_bootstrap_node_merges_again() -> None:
         # over a few rounds; without the re-ping it never would (the groups know nothing of
         # each other)
         rounds, merged = 0, False
-        while not merged and rounds < 6:
+        while not merged and rounds < 10:
             rounds += 1
             for node in s.nodes:
                 await node.maintain_once(refresh_all=True, republish_all=True)
