@@ -88,18 +88,23 @@ def classify(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, "internal"
 
 
+def _quiet_future(work: Awaitable[float]) -> asyncio.Future[float]:
+    """``work`` as a future whose exception is marked retrieved, so that a call that failed
+    for another reason first logs no "exception was never retrieved" warning."""
+    future = asyncio.ensure_future(work)
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
+
+
 def _start_check(arrays: list[np.ndarray]) -> asyncio.Future[float]:
     """Check ``arrays`` for NaN/Inf in a worker thread; the future gives the
-    ``time.monotonic()`` at which it finished (or the check's error). Its exception is
-    marked retrieved, so a call that failed for another reason first logs no warning."""
+    ``time.monotonic()`` at which it finished (or the check's error)."""
 
     def run() -> float:
         check_finite(arrays)
         return time.monotonic()
 
-    future = asyncio.ensure_future(asyncio.to_thread(run))
-    future.add_done_callback(lambda f: f.cancelled() or f.exception())
-    return future
+    return _quiet_future(asyncio.to_thread(run))
 
 
 START_KINDS = ("start", "start_before_inputs")
@@ -114,8 +119,7 @@ def _await_inputs(
 ) -> asyncio.Future[float]:
     """After ``start_before_inputs``: wait (until the call's ``deadline``, monotonic) for
     the client's ``inputs_written``, then scan the inputs unless the client checked them.
-    The future gives the ``time.monotonic()`` at which they were ready (or the error);
-    its exception is marked retrieved, as :func:`_start_check`'s."""
+    The future gives the ``time.monotonic()`` at which they were ready (or the error)."""
 
     async def run() -> float:
         try:
@@ -130,9 +134,7 @@ def _await_inputs(
             await asyncio.to_thread(check_finite, arrays)
         return time.monotonic()
 
-    future = asyncio.ensure_future(run())
-    future.add_done_callback(lambda f: f.cancelled() or f.exception())
-    return future
+    return _quiet_future(run())
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> None:

@@ -191,6 +191,10 @@ class _Round:
     def member_ids(self) -> frozenset[bytes]:
         return frozenset((self.me.peer_id, *self.followers))
 
+    def elsewhere(self) -> set[bytes]:
+        """Declarers that will not join us: in a group that closed, or no longer looking."""
+        return self.taken | self.not_looking
+
 
 @dataclass(frozen=True)
 class _LastGroup:
@@ -607,8 +611,8 @@ class Matchmaker:
         other candidate; ``None`` when we lead (or nobody can)."""
         me = rnd.me
         now_wall = time.time()
-        out = rnd.taken | rnd.not_looking
-        pool = [d for d in rnd.declarations if d.peer_id not in out] or [me]
+        elsewhere = rnd.elsewhere()
+        pool = [d for d in rnd.declarations if d.peer_id not in elsewhere] or [me]
         assignment = assign_leaders(pool, rnd.request.group_size)
         mine = assignment.get(self.peer_id)
         if mine == self.peer_id:
@@ -634,12 +638,12 @@ class Matchmaker:
             return None
         now = time.monotonic()
         patience = self._patience()
-        out = rnd.taken | rnd.not_looking
+        elsewhere = rnd.elsewhere()
         others = [
             d
             for d in rnd.declarations
             if d.peer_id != self.peer_id
-            and d.peer_id not in out
+            and d.peer_id not in elsewhere
             and now - rnd.first_seen.get(d.peer_id, now) <= patience
         ]
         if 1 + len(others) >= rnd.request.min_group_size:
