@@ -242,6 +242,7 @@ class Averager:
             self.dht, self.run_id, address, self._channels, self.config.state, self._donor_faults
         )
         self._components = (matchmaker, allreduce, sharer)
+        matchmaker.announce(self.config.mode)
 
     def _require(self) -> Components:
         if self._components is None:

@@ -15,6 +15,7 @@ key                              written by                                  val
 ===============================  ==========================================  ===============
 ``{run}.{key}.0b{bits}``         matchmaking (matchmaking/keys.py)            a declaration
 ``{run}.state``                  state sharing (state/sharer.py)              an advert
+``{run}.averagers``              matchmaking (matchmaking/roster.py)          a presence
 ``<anything>.progress``          progress tracking (training/progress.py)     a progress
 ===============================  ==========================================  ===============
 
@@ -35,6 +36,7 @@ from typing import Any
 
 from swarmavg.averaging.matchmaking.declarations import decode_declaration
 from swarmavg.averaging.matchmaking.keys import MAX_GROUP_BITS
+from swarmavg.averaging.matchmaking.roster import PRESENCE_SUFFIX, decode_presence
 from swarmavg.averaging.state.adverts import parse_advertisement
 from swarmavg.averaging.training.progress import PeerProgress
 from swarmavg.dht.records import Subkey
@@ -49,6 +51,10 @@ their round gives up, adverts and progress records are refreshed every ttl/3).""
 
 def _is_declaration(subkey: Subkey, owner: bytes, value: Any) -> bool:
     return decode_declaration(subkey, value) is not None
+
+
+def _is_presence(subkey: Subkey, owner: bytes, value: Any) -> bool:
+    return decode_presence(subkey, value) is not None
 
 
 def _is_advertisement(subkey: Subkey, owner: bytes, value: Any) -> bool:
@@ -82,6 +88,12 @@ def protocol_key_classes(run_id: str) -> tuple[KeyClass, ...]:
             "state adverts",
             re.compile(rb"%s\.state" % run),
             _is_advertisement,
+            PROTOCOL_KEY_MAX_TTL,
+        ),
+        KeyClass(
+            "averager presence",
+            re.compile(run + re.escape(PRESENCE_SUFFIX.encode())),
+            _is_presence,
             PROTOCOL_KEY_MAX_TTL,
         ),
         KeyClass(

@@ -405,6 +405,9 @@ INTERNAL: Mapping[type, tuple[str, ...]] = MappingProxyType(
             # How many of a key's nearest nodes store and serve declarations (issue 21).
             "read_quorum",
             "declaration_replicas",
+            # Whom a family's first round expects: a rule every peer of a run shares
+            # (docs/averaging.md, "When a group closes"); the Python API turns it off.
+            "expect_run_members",
         ),
         # Sizes and patience measured in docs/benchmarks-allreduce.md; min_stall is the one
         # a slow link needs, and it is in [allreduce].

@@ -5,9 +5,14 @@ out a fixed window (docs/averaging.md, "When a group closes"). It expects:
 
 - the peers declared under the key that the balanced assignment (:func:`assign_leaders`)
   gives to it, once it has seen their declarations;
-- the members of its previous round under the same key family (``step-41`` and
-  ``step-42`` are one family) that have not declared yet: the fast quorum, so that a
-  peer whose declaration is still on its way is not left out;
+- the family's roster (``previous``): every peer seen under the same key family
+  (``step-41`` and ``step-42`` are one family) in this peer's last round there, not only
+  the members of its last group, so that a round that split is one group again in the
+  next round; in the first round of a family, the run's averaging daemons
+  (:mod:`~swarmavg.averaging.matchmaking.roster`). A roster peer stays expected until it
+  has declared (then the assignment decides) and, once it declared and the assignment
+  gives it to this leader, until it joins: a roster peer is known to call, so a slow join
+  on a loaded machine is waited for, up to the upper bound;
 - whatever the caller expects: a ``group_size`` given with the call is a number of peers
   the caller knows of (the training wrappers count them in the progress records), so
   the leader waits for that many (up to the upper bound) and a full group closes at once,
@@ -17,9 +22,9 @@ out a fixed window (docs/averaging.md, "When a group closes"). It expects:
 Two guards keep a fast close from splitting a swarm. A leader never closes earlier than
 one *settle time* after it started looking, so peers that called at about the same time
 have declared; the settle time is derived from the DHT and RPC latencies this peer
-measured (:class:`Latency`), not a constant. And a declared peer that does not join within
-its *patience* (it went to another leader, or died) stops being expected, so one lost
-peer cannot hold a group until the upper bound, ``matchmaking_time``.
+measured (:class:`Latency`), not a constant. And a declared peer outside the roster that
+does not join within its *patience* (it went to another leader, or died) stops being
+expected, so one lost peer cannot hold a group until the upper bound, ``matchmaking_time``.
 """
 
 from __future__ import annotations
@@ -113,7 +118,9 @@ class LeaderView:
         members: peer ids in its group so far, itself included.
         declarations: the live same-schema declarations it read last (its own included).
         first_seen: when (``time.monotonic()``) it first saw each declaration.
-        previous: members of its previous round under the same key family.
+        previous: the family's roster: peers seen in this peer's previous round under
+            the same key family (or, in a family's first round, the run's averaging
+            daemons).
         taken: peers known to be in a group that already closed elsewhere.
         group_size: the most members it takes.
         min_group_size: the fewest members it may close with.
@@ -121,6 +128,12 @@ class LeaderView:
         gone: previous members found dead (their address refused a connection): neither
             expected, nor counted in ``wanted``, which the caller most likely counted them
             in (from the records they left behind).
+        away: roster peers that will not come to this round although alive: they
+            declared under the key with another schema or codec, or answered that they
+            no longer look under it.
+        proven_roster: ``previous`` comes from a round of the family (its peers averaged
+            under it), not from the run's presence entries (peers that may average under
+            other keys): only such a roster closes a group at once (``"quorum"``).
     """
 
     me: Declaration
@@ -133,11 +146,13 @@ class LeaderView:
     min_group_size: int
     wanted: int = 0
     gone: frozenset[bytes] = frozenset()
+    away: frozenset[bytes] = frozenset()
+    proven_roster: bool = True
 
     @property
     def awaited_previous(self) -> frozenset[bytes]:
-        """Members of the previous round that are neither elsewhere nor dead."""
-        return self.previous - self.taken - self.gone
+        """Roster peers that are neither elsewhere, nor dead, nor away."""
+        return self.previous - self.taken - self.gone - self.away
 
 
 def wanted_here(view: LeaderView) -> int:
@@ -166,20 +181,21 @@ def expected_members(view: LeaderView, now: float, patience: float) -> frozenset
     """The peers the leader still waits for (members already in included).
 
     A declarer counts while the assignment gives it to this leader and it was seen less
-    than ``patience`` seconds ago (or has joined); a previous member counts until it has
-    declared, after which the declarer rule decides.
+    than ``patience`` seconds ago (or has joined), or, for a roster peer, as long as the
+    assignment gives it to this leader; a roster peer that has not declared counts too.
     """
     # Peers known to be in a closed group are out of the split: they are not coming.
     pool = [d for d in view.declarations if d.peer_id not in view.taken]
     assignment = assign_leaders(pool, view.group_size)
     declared = {d.peer_id for d in view.declarations}
     expected = set(view.members)
+    awaited = view.awaited_previous
     for d in pool:
         if assignment.get(d.peer_id) != view.me.peer_id:
             continue
-        if now - view.first_seen.get(d.peer_id, now) <= patience:
+        if d.peer_id in awaited or now - view.first_seen.get(d.peer_id, now) <= patience:
             expected.add(d.peer_id)
-    expected |= {p for p in view.awaited_previous if p not in declared}
+    expected |= {p for p in awaited if p not in declared}
     return frozenset(expected)
 
 
@@ -195,9 +211,14 @@ def close_reason(
     """Why the leader should close now, or ``None``.
 
     - ``"full"``: ``group_size`` members.
-    - ``"quorum"``: every expected peer is in, and they include every member of the
-      previous round of the family that is not known to be elsewhere: the steady state of
-      a training loop closes the moment its last member joins.
+    - ``"quorum"``: every expected peer is in, and the family's roster (from a round of
+      the family, not the run's presence entries) is not empty: every roster peer has
+      declared (so the split is computed on everyone) and those the split gives to this
+      leader are in. The steady state of a training loop closes the moment its last
+      member joins. A first round waits for the run's averagers the same way but closes
+      as ``"complete"``: one of them may lead a group of the split that will not take
+      its share (a hostile or failing leader), and the settle time and a fresh read give
+      the refused peers time to come.
     - ``"complete"``: every expected peer is in, the settle time since ``started`` has
       passed, and the last read of the declarations is ``fresh`` (it began after the last
       join and after the settle time), so a peer that declared meanwhile would be seen.
@@ -211,8 +232,7 @@ def close_reason(
         return None
     if not expected_members(view, now, patience) <= view.members:
         return None
-    previous = view.awaited_previous - {view.me.peer_id}
-    if previous and previous <= view.members:
+    if view.proven_roster and view.awaited_previous - {view.me.peer_id}:
         return "quorum"
     if now >= started + settle and fresh:
         return "complete"

@@ -55,6 +55,10 @@ class MatchmakerConfig:
             the spares cover a node that fails or a reader whose view of the nearest
             differs. A declaration lives one round; each node left out is one RPC less
             per peer and round.
+        expect_run_members: in the first round of a key family (no roster yet), expect
+            the run's other averaging daemons (their presence entries) up to
+            ``matchmaking_time``, so that trainers started seconds apart form one group
+            (``roster``). Off: such a round expects only the peers it has seen declare.
     """
 
     poll_interval: float = 0.5
@@ -66,6 +70,7 @@ class MatchmakerConfig:
     start_window: tuple[float, float] = DEFAULT_START_WINDOW
     read_quorum: int = 3
     declaration_replicas: int = 5
+    expect_run_members: bool = True
 
     def __post_init__(self) -> None:
         if not all(math.isfinite(w) and w > 0 for w in self.start_window):

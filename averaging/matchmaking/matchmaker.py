@@ -77,6 +77,12 @@ from swarmavg.averaging.matchmaking.declarations import (
     requested_aggregation,
     user_data_digest,
 )
+from swarmavg.averaging.matchmaking.roster import (
+    FamilyRoster,
+    Presence,
+    RunPresence,
+    roster_addresses,
+)
 from swarmavg.averaging.stubs import JOIN_GROUP, join_group_method
 from swarmavg.dht.auth import AuthenticationError, message_digest
 from swarmavg.dht.channels import ChannelPool
@@ -142,8 +148,12 @@ class _Round:
     started: float
     """``time.monotonic()`` when this peer started looking."""
     previous: frozenset[bytes] = frozenset()
+    """The family's roster: whom this round expects besides the declarers it reads
+    (see ``roster``)."""
     previous_addresses: Mapping[bytes, str] = field(default_factory=dict)
-    """Where the previous round's members listened (client-mode ones are absent)."""
+    """Where the roster's peers listen (client-mode ones are absent)."""
+    proven_roster: bool = True
+    """``previous`` comes from a round of the family, not from presence entries."""
     previous_seen: int = 0
     """Declarations of our schema and codec the previous round saw in the end (0: none)."""
     gone: set[bytes] = field(default_factory=set)
@@ -195,17 +205,42 @@ class _Round:
         """Declarers that will not join us: in a group that closed, or no longer looking."""
         return self.taken | self.not_looking
 
+    def away(self) -> frozenset[bytes]:
+        """Peers that will not come although alive: they declared under our key with
+        another schema or codec, or answered that they no longer look under it."""
+        ours = {d.peer_id for d in self.declarations}
+        foreign = {p for p in self.signed if p not in ours}
+        return frozenset(foreign | self.not_looking | set(self.mismatched) | set(self.other_codecs))
+
+    def roster(self) -> FamilyRoster:
+        """Every peer this round saw under its family (the next round's expectation):
+        declarers of our schema and codec, our group, groups that closed elsewhere."""
+        peers: dict[bytes, str | None] = {d.peer_id: d.address or None for d in self.declarations}
+        for peer_id in (*self.followers, *self.taken, *self.previous):
+            if peer_id in self.away() or peer_id in self.gone:
+                continue
+            declared = self.signed.get(peer_id)
+            peers.setdefault(
+                peer_id, declared.address if declared else self.previous_addresses.get(peer_id)
+            )
+        if self.result.done() and not self.result.cancelled():
+            for member in self.result.result().members:
+                peers.setdefault(member.peer_id, member.address)
+        peers.pop(self.me.peer_id, None)
+        return FamilyRoster(peers, len(self.declarations))
+
 
 @dataclass(frozen=True)
-class _LastGroup:
-    """What a peer keeps of its last group in a family of keys."""
+class _ClosedRound:
+    """A round of ours under a key that formed its group: late askers learn of it."""
 
-    others: dict[bytes, str | None]
-    """The group's other members and their addresses (None for a client-mode member): the
-    next round's fast quorum."""
-    seen: int
-    """How many declarations of our schema and codec the round saw in the end (see
-    ``Matchmaker._declare``: when a round may trust its store's read)."""
+    expiry: float
+    """``time.monotonic()`` after which it is forgotten (its members gave up by then)."""
+    members: frozenset[bytes]
+    led: _LedGroup | None
+    """The group, if we led it."""
+    family: str
+    schema_hash: bytes
 
 
 @dataclass(frozen=True)
@@ -259,25 +294,36 @@ class Matchmaker:
         """Seconds a leader takes to answer ``JoinGroup`` (measured)."""
         self.closes: collections.Counter[str] = collections.Counter()
         """Groups this peer closed as leader, by reason (full, quorum, complete, deadline)."""
-        # key -> (monotonic expiry, members, the group if we led it): answers late
-        # joiners of a closed group.
-        self._closed: collections.OrderedDict[
-            str, tuple[float, frozenset[bytes], _LedGroup | None]
-        ] = collections.OrderedDict()
-        # family -> what this peer keeps of its last group there
-        self._last: collections.OrderedDict[str, _LastGroup] = collections.OrderedDict()
+        # key -> our round there that formed a group: answers late joiners.
+        self._closed: collections.OrderedDict[str, _ClosedRound] = collections.OrderedDict()
+        # family -> every peer this peer saw in its last round there (``roster``)
+        self._last: collections.OrderedDict[str, FamilyRoster] = collections.OrderedDict()
+        self.presence: RunPresence | None = None
+        """This averager's entry among the run's averagers (see :meth:`announce`)."""
+
+    def announce(self, mode: Mode) -> None:
+        """Start announcing this averager under ``{run}.averagers`` (idempotent): rounds of
+        the run's other peers expect it in a family's first round (``roster``)."""
+        if self.presence is None:
+            address = "" if mode is Mode.CLIENT else self.address
+            me = Presence(self.peer_id, address, mode)
+            self.presence = RunPresence(self.dht, self.run_id, me, timeout=self.config.dht_timeout)
+            self.presence.start()
 
     def carry_previous(self, family: str, next_family: str, companions: Collection[bytes]) -> None:
-        """After a round under ``family``: of its other members, only ``companions`` meet
-        this peer again, under ``next_family`` (Moshpit's group bits send the others to
-        other keys), so only they are expected there as the fast quorum. Nothing stays
-        expected under ``family``: members that moved on never declare there, and a leader
-        waits for a live previous member until ``matchmaking_time``."""
-        last = self._last.pop(family, _LastGroup({}, 0))
-        others = {p: a for p, a in last.others.items() if p in companions}
-        # What the round saw says nothing of another family's declarations.
-        seen = last.seen if next_family == family else 0
-        _remember(self._last, next_family, _LastGroup(others, seen))
+        """After a round under ``family``: when the next round is under the same family,
+        it expects everyone this one saw (its roster). Under another family (Moshpit's
+        group bits moved us), only ``companions``, the members that move to the same bits,
+        meet us there; nothing stays expected under ``family``."""
+        roster = self._last.pop(family, FamilyRoster())
+        if _has_group_bits(family):
+            # Only companions declare under our next key, even when our bits came out
+            # unchanged: the others moved to other bits, and waiting for them (alive, so no
+            # probe drops them) would hold the group until matchmaking_time. What the round
+            # saw says nothing of another family's declarations.
+            peers = {p: a for p, a in roster.peers.items() if p in companions}
+            roster = FamilyRoster(peers, roster.seen if next_family == family else 0)
+        _remember(self._last, next_family, roster)
 
     def settle_time(self) -> float:
         """How long a new leader waits before its first close (from measured latency)."""
@@ -328,15 +374,17 @@ class Matchmaker:
             user_data_digest=user_data_digest(request.user_data),
         )
         family = request.family or request.key
-        last = self._last.get(family, _LastGroup({}, 0))
+        started = time.monotonic()
+        roster = await self._roster_for(family, request.give_up_by)
         rnd = _Round(
             request,
             me,
             asyncio.get_running_loop().create_future(),
-            started=time.monotonic(),
-            previous=frozenset(last.others),
-            previous_addresses={p: a for p, a in last.others.items() if a},
-            previous_seen=last.seen,
+            started=started,
+            previous=frozenset(roster.peers),
+            previous_addresses=roster_addresses(roster.peers),
+            previous_seen=roster.seen,
+            proven_roster=roster.proven,
         )
         self._rounds[request.key] = rnd
         try:
@@ -345,13 +393,16 @@ class Matchmaker:
                 await inputs_ready
             group = await self._search(rnd)
             members = frozenset(m.peer_id for m in group.members)
-            others = {m.peer_id: m.address for m in group.members if m.peer_id != self.peer_id}
-            _remember(self._last, family, _LastGroup(others, len(rnd.declarations)))
-            led = _led_group(rnd)
             expiry = rnd.started + _give_up_seconds(me)
-            _remember(self._closed, request.key, (expiry, members, led))
+            closed = _ClosedRound(expiry, members, _led_group(rnd), family, request.schema_hash)
+            _remember(self._closed, request.key, closed)
             return group
         finally:
+            # Also after a failure: a peer stranded in this round expects, in its next
+            # one, every peer it saw here (its next round heals the split).
+            seen = rnd.roster()
+            if seen.peers:
+                _remember(self._last, family, seen)
             if self._rounds.get(request.key) is rnd:
                 del self._rounds[request.key]
             self._disband(rnd, "the leader stopped matchmaking")
@@ -361,6 +412,24 @@ class Matchmaker:
                 await _cancel_and_wait(rnd.probing)
             if rnd.declaring is not None:
                 await _cancel_and_wait(rnd.declaring)
+
+    async def _roster_for(self, family: str, give_up_by: float) -> FamilyRoster:
+        """Whom a round under ``family`` expects besides its declarers: everyone seen in
+        this peer's last round of the family, or, in the family's first round, the run's
+        other averaging daemons (their presence entries). With Moshpit group bits a
+        first round expects nobody: only the peers of the same bits meet, and a presence
+        entry does not say which bits a peer holds."""
+        roster = self._last.get(family)
+        if roster is not None and roster.peers:
+            return roster
+        if self.presence is None or not self.config.expect_run_members or _has_group_bits(family):
+            return roster or FamilyRoster()
+        try:
+            async with asyncio.timeout(max(0.05, give_up_by - time.monotonic())):
+                others = await self.presence.others()
+        except TimeoutError:
+            return FamilyRoster()
+        return FamilyRoster(dict(others), 0, proven=False)
 
     def _dht_budget(self, failures: int, give_up: float) -> float:
         """Deadline of one DHT store or read after ``failures`` that missed theirs in a row.
@@ -586,6 +655,8 @@ class Matchmaker:
             min_group_size=rnd.request.min_group_size,
             wanted=rnd.request.wanted,
             gone=frozenset(rnd.gone),
+            away=rnd.away(),
+            proven_roster=rnd.proven_roster,
         )
 
     def _close_reason(self, rnd: _Round, now: float) -> str | None:
@@ -665,7 +736,10 @@ class Matchmaker:
         missing = {
             peer_id: address
             for peer_id, address in rnd.previous_addresses.items()
-            if peer_id not in declared and peer_id not in rnd.taken and peer_id not in rnd.followers
+            if peer_id not in declared
+            and peer_id not in rnd.taken
+            and peer_id not in rnd.followers
+            and peer_id not in rnd.signed
         }
         if missing:
             rnd.probing = asyncio.ensure_future(self._probe(rnd, missing))
@@ -1067,6 +1141,7 @@ class Matchmaker:
             return
         rnd = self._rounds.get(request.key)
         if rnd is None or rnd.result.done():
+            self._note_late_asker(request.key, peer_id, member, bytes(request.schema_hash))
             taken = self._closed_members(request.key)
             if rnd is not None and rnd.result.done() and not rnd.result.cancelled():
                 taken = frozenset(m.peer_id for m in rnd.result.result().members)
@@ -1212,23 +1287,37 @@ class Matchmaker:
     def _closed_members(self, key: str) -> frozenset[bytes] | None:
         """Members of our group that formed under ``key``, while late joiners may ask."""
         entry = self._closed.get(key)
-        if entry is None or entry[0] < time.monotonic():
+        if entry is None or entry.expiry < time.monotonic():
             return None
-        return entry[1]
+        return entry.members
+
+    def _note_late_asker(self, key: str, peer_id: bytes, member: Member, schema: bytes) -> None:
+        """A peer of our schema asked to join after our group under ``key`` formed: the
+        next round of the family expects it (a late peer is waited for next time)."""
+        entry = self._closed.get(key)
+        if entry is None or entry.expiry < time.monotonic() or entry.schema_hash != schema:
+            return
+        if peer_id in entry.members or peer_id == self.peer_id:
+            return
+        roster = self._last.get(entry.family)
+        if roster is not None:
+            roster.add(peer_id, member.address)
 
     def _led_group(self, key: str, rnd: _Round | None) -> _LedGroup | None:
         """The group we led and closed under ``key``, while late joiners may ask."""
         if rnd is not None:
             return _led_group(rnd)
         entry = self._closed.get(key)
-        if entry is None or entry[0] < time.monotonic():
+        if entry is None or entry.expiry < time.monotonic():
             return None
-        return entry[2]
+        return entry.led
 
     async def shutdown(self) -> None:
-        """Disband every pending group here (followers are told at once)."""
+        """Disband every pending group here (followers are told at once); stop announcing."""
         for rnd in list(self._rounds.values()):
             self._disband(rnd, "the leader is shutting down")
+        if self.presence is not None:
+            await self.presence.stop()
 
     def _disband(self, rnd: _Round, detail: str) -> None:
         """Tell the followers of a group that never closed that it is off; end the round."""
@@ -1264,6 +1353,11 @@ def _led_group(rnd: _Round) -> _LedGroup | None:
         return None
     starts = {p: f.declared_start for p, f in rnd.followers.items()}
     return _LedGroup(rnd.result.result(), starts)
+
+
+def _has_group_bits(family: str) -> bool:
+    """Whether a family's key carries Moshpit group bits (``...0b01``, not ``...0b``)."""
+    return bool(family.rpartition(".0b")[2])
 
 
 def _give_up_seconds(me: Declaration) -> float:

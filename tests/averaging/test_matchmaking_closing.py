@@ -53,6 +53,8 @@ def view(
     seen_at: float = 0.0,
     group_size: int = 16,
     min_group_size: int = 2,
+    away: set[int] = frozenset(),  # type: ignore[assignment]
+    proven_roster: bool = True,
 ) -> LeaderView:
     return LeaderView(
         me=decl(0),
@@ -65,6 +67,8 @@ def view(
         min_group_size=min_group_size,
         wanted=wanted,
         gone=frozenset(pid(i) for i in gone),
+        away=frozenset(pid(i) for i in away),
+        proven_roster=proven_roster,
     )
 
 
@@ -236,3 +240,53 @@ def test_a_read_back_does_not_stand(
     assert not read_back_suffices(
         {pid(i) for i in seen}, {pid(i) for i in previous}, previous_seen, group_size
     ), why
+
+
+def test_a_split_heals_the_roster_of_every_peer_seen_is_waited_for() -> None:
+    # Last round split into {0, 1} and {2, 3}; peer 0 saw all four. Its next round waits
+    # for 2 and 3 as well, not only for its last group's member 1.
+    v = view({1}, [1], previous={1, 2, 3})
+    assert {pid(2), pid(3)} <= expected_members(v, now=0.5, patience=1.0)
+    assert close_reason(v, now=0.5, started=0.0, settle=0.1, patience=1.0, fresh=True) is None
+    v = view({1, 2, 3}, [1, 2, 3], previous={1, 2, 3})
+    assert close_reason(v, now=0.0, started=0.0, settle=0.1, patience=1.0, fresh=False) == (
+        "quorum"
+    )
+
+
+def test_a_declared_roster_peer_is_waited_for_past_the_patience() -> None:
+    # A roster peer is known to call: its slow join on a loaded machine is waited for (up
+    # to the caller's upper bound); a newcomer's patience runs out.
+    v = view({1}, [1, 2, 3], previous={1, 2}, seen_at=0.0)
+    expected = expected_members(v, now=10.0, patience=1.0)
+    assert pid(2) in expected
+    assert pid(3) not in expected
+
+
+def test_roster_peers_that_will_not_come_are_not_waited_for() -> None:
+    v = view({1}, [1], previous={1, 2, 3}, away={2}, gone={3})
+    assert expected_members(v, now=0.5, patience=1.0) == {pid(0), pid(1)}
+    assert close_reason(v, now=0.0, started=0.0, settle=0.1, patience=1.0, fresh=False) == (
+        "quorum"
+    )
+
+
+def test_roster_peers_the_split_gives_to_another_leader_do_not_hold_this_one() -> None:
+    # 6 peers seen, group size 4: 0 leads {0, 2, 4}, 1 leads {1, 3, 5}.
+    v = view({2, 4}, [1, 2, 3, 4, 5], previous={1, 2, 3, 4, 5}, group_size=4)
+    assert close_reason(v, now=0.0, started=0.0, settle=0.1, patience=1.0, fresh=False) == (
+        "quorum"
+    )
+
+
+def test_a_first_rounds_presence_roster_waits_but_closes_only_as_complete() -> None:
+    # The run's averagers (presence entries) are waited for until they declare ...
+    v = view({1}, [1], previous={1, 2}, proven_roster=False)
+    assert pid(2) in expected_members(v, now=0.5, patience=1.0)
+    assert close_reason(v, now=0.5, started=0.0, settle=0.1, patience=1.0, fresh=True) is None
+    # ... but close after the settle time on a fresh read, never at once.
+    v = view({1, 2}, [1, 2], previous={1, 2}, proven_roster=False)
+    assert close_reason(v, now=0.0, started=0.0, settle=0.1, patience=1.0, fresh=False) is None
+    assert close_reason(v, now=0.5, started=0.0, settle=0.1, patience=1.0, fresh=True) == (
+        "complete"
+    )

@@ -52,6 +52,10 @@ def advert(peer_id: bytes) -> Any:
     return {"root": b"r" * HASH_BYTES, "version": 1.0, "size": 10, "addr": "127.0.0.1:1"}
 
 
+def presence(peer_id: bytes) -> Any:
+    return {"addr": "127.0.0.1:1", "mode": int(Mode.NODE)}
+
+
 def progress(peer_id: bytes) -> Any:
     return PeerProgress(peer_id.hex(), 3, 10, 1.0, time.time()).to_record()
 
@@ -67,6 +71,7 @@ PROTOCOL_KEYS = {
     "matchmaking": ProtocolKey(f"{RUN}.k.0b", owner_suffix, declaration),
     "matchmaking-bits": ProtocolKey(f"{RUN}.run.grads.0b0110", owner_suffix, declaration),
     "state": ProtocolKey(f"{RUN}.state", owner_suffix, advert),
+    "presence": ProtocolKey(f"{RUN}.averagers", owner_suffix, presence),
     "progress": ProtocolKey(f"{RUN}.progress", lambda p: "a1b2" + owner_suffix(p), progress),
     "diloco-progress": ProtocolKey(
         "run.diloco.progress", lambda p: "a1b2" + owner_suffix(p), progress
@@ -212,7 +217,7 @@ async def test_plain_value_at_a_protocol_key_is_refused_by_the_storing_node(
     assert set(found.value) == {spec.subkey(me.peer_id), spec.subkey(victim)}
 
 
-@pytest.mark.parametrize("name", ["matchmaking", "state", "progress"])
+@pytest.mark.parametrize("name", ["matchmaking", "state", "presence", "progress"])
 async def test_readers_ignore_a_plain_value_served_by_a_node_that_kept_it(name: str) -> None:
     """A holder without the key classes (an old or hostile node) keeps and serves the plain
     value; readers drop it instead of letting it win the merge over the honest entries."""
