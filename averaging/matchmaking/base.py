@@ -1,0 +1,77 @@
+"""What every part of a matchmaker shares: its identity, settings, measured latencies,
+the rounds in flight and what it keeps of past ones (see ``matchmaker.py``)."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+
+from swarmavg.averaging.dht_access import DHTAccess
+from swarmavg.averaging.matchmaking.closing import Latency, settle_time
+from swarmavg.averaging.matchmaking.config import MatchmakerConfig, MatchmakingEvent, Observer
+from swarmavg.averaging.matchmaking.roster import FamilyRoster, RunPresence
+from swarmavg.averaging.matchmaking.round import ClosedRound, Round
+from swarmavg.dht.channels import ChannelPool
+
+log = logging.getLogger(__name__)
+
+
+class MatchmakerBase:
+    """The state the declaring, following and leading parts of a
+    :class:`~swarmavg.averaging.matchmaking.matchmaker.Matchmaker` share."""
+
+    def __init__(
+        self,
+        dht: DHTAccess,
+        run_id: str,
+        address: str | None,
+        channels: ChannelPool,
+        config: MatchmakerConfig | None = None,
+        observer: Observer | None = None,
+    ) -> None:
+        self.dht = dht
+        self.run_id = run_id
+        self.peer_id = dht.peer_id
+        self.address = address or ""
+        self.channels = channels
+        self.config = config or MatchmakerConfig()
+        self.observer = observer
+        self._rounds: dict[str, Round] = {}
+        self.dht_latency = Latency(initial=self.config.initial_latency)
+        """Seconds one DHT read or write of a declaration takes here (measured)."""
+        self.rpc_latency = Latency(initial=self.config.initial_latency)
+        """Seconds a leader takes to answer ``JoinGroup`` (measured)."""
+        self.closes: collections.Counter[str] = collections.Counter()
+        """Groups this peer closed as leader, by reason (full, quorum, complete, deadline)."""
+        # key -> our round there that formed a group: answers late joiners.
+        self._closed: collections.OrderedDict[str, ClosedRound] = collections.OrderedDict()
+        # family -> every peer this peer saw in its last round there (``roster``)
+        self._last: collections.OrderedDict[str, FamilyRoster] = collections.OrderedDict()
+        self.presence: RunPresence | None = None
+        """This averager's entry among the run's averagers (see :meth:`announce`)."""
+
+    def settle_time(self) -> float:
+        """How long a new leader waits before its first close (from measured latency)."""
+        return settle_time(self.dht_latency.value, self.rpc_latency.value)
+
+    def _patience(self) -> float:
+        """How long a declared peer stays expected before it joins (see ``closing``)."""
+        return 2 * self.config.poll_interval + self.settle_time()
+
+    def _dht_budget(self, failures: int, give_up: float) -> float:
+        """Deadline of one DHT store or read after ``failures`` that missed theirs in a row.
+
+        It doubles with each miss (up to 8x ``dht_timeout``), within the give-up time: when
+        a whole swarm starts a round at once, the burst of stores and reads can keep the
+        DHT nodes busy for longer than ``dht_timeout``; a fixed deadline then cancels every
+        operation before it completes, each retry adds to the same burst, and no peer ever
+        sees another (issue 21, 256 peers). A growing one lets the burst drain.
+        """
+        budget = self.config.dht_timeout * 2.0 ** min(failures, 3)
+        return min(budget, max(0.05, give_up - time.time()))
+
+    def _notify(self, event: MatchmakingEvent, key: str, peer_id: bytes) -> None:
+        log.debug("%s %s %s", key, event.value, peer_id.hex()[:8])
+        if self.observer is not None:
+            self.observer(event, key, peer_id)

@@ -1,0 +1,313 @@
+"""Following: asking the leader the declarations name to take us, and checking the group
+it forms before taking part.
+
+A follower asks the leader the balanced split gives it (else the best other candidate),
+follows redirects, keeps the stream open once accepted, and takes the formed group only
+when it matches its own request and what every member signed. A leader that fails or
+refuses is skipped for a while (growing pauses) or for the round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from typing import Any
+
+import grpc
+
+from swarmavg.averaging.errors import NoGroupError
+from swarmavg.averaging.group import MAX_GROUP_SIZE, GroupInfo
+from swarmavg.averaging.matchmaking.closing import assign_leaders, short_ids
+from swarmavg.averaging.matchmaking.config import MatchmakingEvent
+from swarmavg.averaging.matchmaking.declarations import (
+    MAX_ADDRESS_CHARS,
+    FollowerAsk,
+    check_formed_group,
+    leader_candidates,
+)
+from swarmavg.averaging.matchmaking.declaring import Declaring
+from swarmavg.averaging.matchmaking.round import (
+    FINAL_CODES_TEXT,
+    MEMBER_READS,
+    Redirect,
+    Round,
+    cancel_and_wait,
+    peer_ids,
+)
+from swarmavg.averaging.stubs import JOIN_GROUP, join_group_method
+from swarmavg.dht.auth import message_digest
+from swarmavg.proto import averaging_pb2
+
+log = logging.getLogger(__name__)
+
+MAX_BACKOFF = 2.0
+"""Longest pause before asking again a leader whose call failed (seconds)."""
+
+
+class Following(Declaring):
+    """The follower side of a matchmaker."""
+
+    def _pick_leader(self, rnd: Round, banned: dict[bytes, float]) -> Redirect | None:
+        """The leader to ask next: the one the balanced assignment gives us, else the best
+        other candidate; ``None`` when we lead (or nobody can)."""
+        me = rnd.me
+        now_wall = time.time()
+        elsewhere = rnd.elsewhere()
+        pool = [d for d in rnd.declarations if d.peer_id not in elsewhere] or [me]
+        assignment = assign_leaders(pool, rnd.request.group_size)
+        mine = assignment.get(self.peer_id)
+        if mine == self.peer_id:
+            return None  # we lead a group of the split; our followers come to us
+        excluded = {p for p, until in banned.items() if until > now_wall} | rnd.taken
+        candidates = leader_candidates(rnd.declarations, me, now_wall, excluded)
+        candidates.sort(key=lambda d: d.peer_id != mine)  # stable: our assigned leader first
+        if not candidates:
+            return None
+        return Redirect(candidates[0].peer_id, candidates[0].address)
+
+    def _round_is_gone(self, rnd: Round) -> NoGroupError | None:
+        """Fail at once when the group we belonged to closed without us and nobody is left
+        to average with (a late peer must not sit out its whole timeout alone).
+
+        Left to average with: a declarer that is neither in the closed group nor known to
+        have stopped looking, and that was first seen less than the patience ago. After
+        that a declarer that has not joined us, nor taken us, is not coming (the closing
+        rule's own test): most often a peer as late as we are that already failed this
+        way, whose declaration lives on until it expires.
+        """
+        if not rnd.taken or rnd.followers or rnd.leader is not None:
+            return None
+        now = time.monotonic()
+        patience = self._patience()
+        elsewhere = rnd.elsewhere()
+        others = [
+            d
+            for d in rnd.declarations
+            if d.peer_id != self.peer_id
+            and d.peer_id not in elsewhere
+            and now - rnd.first_seen.get(d.peer_id, now) <= patience
+        ]
+        if 1 + len(others) >= rnd.request.min_group_size:
+            return None
+        return NoGroupError(
+            f"the round under {rnd.request.key!r} closed before this peer joined: "
+            f"{len(rnd.taken)} peer(s) ({short_ids(rnd.taken)}) averaged without it and no "
+            f"other peer is looking; min_group_size is {rnd.request.min_group_size}"
+        )
+
+    async def _race_with_result(self, rnd: Round, attempt: Any) -> GroupInfo | Redirect | None:
+        """Run one join attempt; stop it when our own group forms meanwhile."""
+        task: asyncio.Task[GroupInfo | Redirect | None] = asyncio.ensure_future(attempt)
+        waits: set[asyncio.Future[Any]] = {task, rnd.result}
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await cancel_and_wait(task)
+        if task.done() and not task.cancelled() and task.result() is not None:
+            return task.result()
+        if rnd.result.done():
+            return rnd.result.result()
+        return None
+
+    async def _try_leader(
+        self, rnd: Round, target: Redirect, banned: dict[bytes, float]
+    ) -> GroupInfo | Redirect | None:
+        """Ask ``target`` to lead us; follow it when accepted until the group forms.
+
+        Returns the formed group, a redirect, or ``None`` (try someone else); updates
+        ``banned`` with how long to skip ``target``.
+        """
+        req, me = rnd.request, rnd.me
+        forever = math.inf
+        request = averaging_pb2.JoinRequest(
+            key=req.key,
+            schema_hash=req.schema_hash,
+            mode=int(req.mode),
+            bandwidth=req.bandwidth,
+            user_data=req.user_data,
+            declared_start=me.start,
+            data_port=req.data_port,
+            aggregation=req.aggregation,
+        )
+        # Signed for the leader we dial (its id is in its declaration): nobody else can
+        # replay this request, and nobody can send one in our name.
+        request.header.CopyFrom(
+            self.dht.signer.sign(target.peer_id, JOIN_GROUP, message_digest(request))
+        )
+        call = join_group_method(self.channels.channel(target.address))(
+            request, timeout=max(0.1, me.give_up - time.time() + 1.0)
+        )
+        following = False
+        try:
+            asked = time.monotonic()
+            async with asyncio.timeout(self.config.join_timeout):
+                first = await call.read()
+            self.rpc_latency.observe(time.monotonic() - asked)
+            if first is grpc.aio.EOF:
+                banned[target.peer_id] = time.time() + self.config.retry_after
+                return None
+            code = first.code
+            if code == averaging_pb2.JOIN_REDIRECT:
+                banned[target.peer_id] = time.time() + self.config.retry_after
+                if (
+                    len(first.leader_id) == 20
+                    and 0 < len(first.leader_address) <= MAX_ADDRESS_CHARS
+                ):
+                    return Redirect(bytes(first.leader_id), first.leader_address)
+                return None
+            if code == averaging_pb2.JOIN_GROUP_FORMED:
+                # We hold a seat in the group it closed (we had left its stream): take it.
+                return await self._take_formed_group(rnd, first.group, target, banned)
+            if code == averaging_pb2.JOIN_REJECT_SCHEMA_MISMATCH:
+                rnd.mismatched[target.peer_id] = b""
+                banned[target.peer_id] = forever
+                return None
+            if code == averaging_pb2.JOIN_REJECT_FULL and first.taken:
+                rnd.taken |= peer_ids(first.taken)
+            if code == averaging_pb2.JOIN_REJECT_BAD_REQUEST:
+                # Most often: the leader has not read our declaration yet. Ask again soon.
+                log.debug("%s refused our request: %s", target.peer_id.hex()[:8], first.detail)
+                banned[target.peer_id] = time.time() + self._backoff(rnd, target.peer_id)
+                return None
+            if code == averaging_pb2.JOIN_REJECT_NOT_LOOKING:
+                rnd.not_looking.add(target.peer_id)
+            if code != averaging_pb2.JOIN_ACCEPTED:
+                log.debug(
+                    "%s rejected us: %s %s",
+                    target.peer_id.hex()[:8],
+                    FINAL_CODES_TEXT.get(code, code),
+                    first.detail,
+                )
+                banned[target.peer_id] = forever
+                return None
+            if rnd.closed or rnd.result.done():
+                return None  # our own group formed meanwhile; the cancel below leaves
+            following = True
+            rnd.leader = (target.peer_id, target.address)
+            rnd.release_followers(
+                averaging_pb2.JoinResponse(
+                    code=averaging_pb2.JOIN_REDIRECT,
+                    leader_id=target.peer_id,
+                    leader_address=target.address,
+                ),
+            )
+            self._notify(MatchmakingEvent.JOINED_LEADER, req.key, target.peer_id)
+            async with asyncio.timeout(max(0.0, me.give_up - time.time())):
+                final = await call.read()
+            if final is grpc.aio.EOF:
+                banned[target.peer_id] = time.time() + self._backoff(rnd, target.peer_id)
+                return None
+            if final.code == averaging_pb2.JOIN_GROUP_FORMED:
+                return await self._take_formed_group(rnd, final.group, target, banned)
+            if final.code == averaging_pb2.JOIN_REDIRECT:
+                banned[target.peer_id] = time.time() + self.config.retry_after
+                if (
+                    len(final.leader_id) == 20
+                    and 0 < len(final.leader_address) <= MAX_ADDRESS_CHARS
+                ):
+                    return Redirect(bytes(final.leader_id), final.leader_address)
+                return None
+            banned[target.peer_id] = time.time() + self.config.retry_after
+            return None
+        except (grpc.aio.AioRpcError, TimeoutError) as error:
+            # Dead, or only slow (a loaded machine): retry later with a growing pause
+            # rather than writing it off; a dead peer fails fast, a slow one may answer.
+            if (
+                isinstance(error, grpc.aio.AioRpcError)
+                and error.code() == grpc.StatusCode.UNAUTHENTICATED
+            ):
+                # Our own signed request refused: most likely our clock is off by more than
+                # the peers' auth_window (docs/security.md); say so where a user looks.
+                log.warning(
+                    "leader %s refused our join: %s", target.peer_id.hex()[:8], error.details()
+                )
+            else:
+                log.debug("leader %s failed: %r", target.peer_id.hex()[:8], error)
+            banned[target.peer_id] = time.time() + self._backoff(rnd, target.peer_id)
+            return None
+        finally:
+            if following and not rnd.closed:
+                rnd.leader = None
+                self._notify(MatchmakingEvent.LEFT_LEADER, req.key, target.peer_id)
+            call.cancel()
+
+    async def _take_formed_group(
+        self,
+        rnd: Round,
+        message: averaging_pb2.GroupDescription,
+        leader: Redirect,
+        banned: dict[bytes, float],
+    ) -> GroupInfo | None:
+        """Join the group a leader formed with us, once it passed our checks."""
+        group = await self._check_group(rnd, message, leader.peer_id)
+        if group is None or rnd.result.done():
+            banned[leader.peer_id] = math.inf
+            return None
+        # Followers we took meanwhile (we may have left that leader's stream first) are
+        # told at once; those of a normal join were redirected when it accepted us.
+        rnd.release_followers(
+            averaging_pb2.JoinResponse(
+                code=averaging_pb2.JOIN_DISBANDED,
+                leader_id=self.peer_id,
+                detail="this peer is in a group that formed elsewhere",
+            ),
+        )
+        rnd.leader = (leader.peer_id, leader.address)
+        rnd.closed = True
+        rnd.result.set_result(group)
+        self._notify(MatchmakingEvent.GROUP_FORMED, rnd.request.key, self.peer_id)
+        return group
+
+    def _backoff(self, rnd: Round, peer_id: bytes) -> float:
+        """Seconds to skip a peer after its n-th transport failure: doubling, capped."""
+        rnd.failures[peer_id] = failures = rnd.failures.get(peer_id, 0) + 1
+        return float(min(self.config.retry_after * 2 ** (failures - 1), MAX_BACKOFF))
+
+    async def _check_group(
+        self, rnd: Round, message: averaging_pb2.GroupDescription, leader_id: bytes
+    ) -> GroupInfo | None:
+        """The group a leader formed, if it is what we asked for and what its members
+        signed; ``None`` (logged, remembered for the NoGroupError) when we refuse it."""
+        req = rnd.request
+        ask = FollowerAsk(
+            peer_id=self.peer_id,
+            address=rnd.me.address or None,
+            mode=req.mode,
+            bandwidth=req.bandwidth,
+            user_data=req.user_data,
+            data_port=rnd.me.data_port,
+            schema_hash=req.schema_hash,
+            codec=req.codec,
+            min_group_size=req.min_group_size,
+            group_size=req.group_size,
+            aggregation=req.aggregation,
+        )
+        members = [bytes(m.peer_id) for m in message.members[:MAX_GROUP_SIZE]]
+        # A member declared after our last read, or our read missed its deadline while the
+        # DHT was busy (a swarm that starts a round at once, issue 21): read again, a few
+        # times at most, each under a longer deadline after a miss. Refusing a group only
+        # because our view lags costs every member a partial round.
+        # Only a read that completed counts: a read that missed its deadline saw nothing,
+        # and at 256 peers 3 such reads in a row made a whole group's followers refuse it
+        # for its leader's declaration, stored 40 s before (docs/benchmarks.md, "Scale,
+        # session 8"). Failed reads go on, each under a longer deadline, until give-up.
+        completed = 0
+        while completed < MEMBER_READS:
+            if all(p in rnd.signed for p in members) or time.time() >= rnd.me.give_up:
+                break
+            last_read = rnd.last_read
+            await self._refresh_once(rnd)
+            if rnd.last_read != last_read:
+                completed += 1
+            else:  # failed (a failure can be quick): pause, as a store retry does
+                await asyncio.sleep(self.config.retry_after * random.uniform(0.5, 1.5))
+        try:
+            return check_formed_group(message, ask, leader_id, rnd.signed)
+        except ValueError as error:
+            reason = f"leader {leader_id.hex()[:12]} formed a group this peer refused: {error}"
+            log.warning("%s: %s", req.key, reason)
+            rnd.refusals.append(reason)
+            return None

@@ -1,0 +1,240 @@
+"""The record of one matchmaking round, and what a matchmaker keeps of closed ones.
+
+A :class:`Round` is the state of one peer's search under one key: its declaration, what it
+read of the others', its followers while it leads, its leader while it follows. The
+matchmaker's parts (declaring, following, leading) read and change it; nothing here does
+I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from swarmavg.averaging.dht_access import dictionary_entries
+from swarmavg.averaging.group import MAX_GROUP_SIZE, GroupInfo, Member
+from swarmavg.averaging.matchmaking.config import MatchRequest
+from swarmavg.averaging.matchmaking.declarations import Declaration, decode_declaration
+from swarmavg.averaging.matchmaking.roster import FamilyRoster
+from swarmavg.proto import averaging_pb2
+
+REMEMBERED_KEYS = 256
+"""Closed rounds and family rosters kept per matchmaker (one entry per key or family)."""
+MEMBER_READS = 3
+"""Reads of the declarations a follower makes at most to see every member of its group."""
+FINAL_CODES_TEXT = {
+    averaging_pb2.JOIN_REJECT_NOT_LOOKING: "not matchmaking under that key",
+    averaging_pb2.JOIN_REJECT_NOT_LEADER: "you lead, not I",
+    averaging_pb2.JOIN_REJECT_FULL: "group full or closed",
+    averaging_pb2.JOIN_REJECT_SCHEMA_MISMATCH: "different tensor schema",
+    averaging_pb2.JOIN_REJECT_BAD_REQUEST: "bad request",
+    averaging_pb2.JOIN_REJECT_AGGREGATION_MISMATCH: "different aggregation rule",
+}
+
+
+async def cancel_and_wait(task: asyncio.Future[Any]) -> None:
+    """Cancel a helper task and wait for it, without swallowing our own cancellation."""
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+    except Exception:  # its outcome is read (or dropped) by the caller
+        pass
+
+
+@dataclass
+class Follower:
+    member: Member
+    outcome: asyncio.Future[averaging_pb2.JoinResponse]
+    declared_start: float
+    """The start it signed, which its request repeated (checked before it was accepted)."""
+
+
+@dataclass
+class Round:
+    request: MatchRequest
+    me: Declaration
+    result: asyncio.Future[GroupInfo]
+    started: float
+    """``time.monotonic()`` when this peer started looking."""
+    previous: frozenset[bytes] = frozenset()
+    """The family's roster: whom this round expects besides the declarers it reads
+    (see ``roster``)."""
+    previous_addresses: Mapping[bytes, str] = field(default_factory=dict)
+    """Where the roster's peers listen (client-mode ones are absent)."""
+    proven_roster: bool = True
+    """``previous`` comes from a round of the family, not from presence entries."""
+    previous_seen: int = 0
+    """Declarations of our schema and codec the previous round saw in the end (0: none)."""
+    gone: set[bytes] = field(default_factory=set)
+    """Previous members whose address refused a connection: dead, not merely late."""
+    probing: asyncio.Task[None] | None = None
+    """The one probe of the previous members that have not declared (see ``_probe``)."""
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    followers: dict[bytes, Follower] = field(default_factory=dict)
+    leader: tuple[bytes, str] | None = None
+    closed: bool = False
+    mismatched: dict[bytes, bytes] = field(default_factory=dict)
+    failures: dict[bytes, int] = field(default_factory=dict)
+    declarations: tuple[Declaration, ...] = ()
+    """The live declarations of our schema and codec at the last read, our own included."""
+    signed: dict[bytes, Declaration] = field(default_factory=dict)
+    """Every live declaration read under our key whose start lies in the window, by peer id:
+    what members signed, against which a group's entries are checked (issue 17)."""
+    other_codecs: dict[bytes, str] = field(default_factory=dict)
+    """Peers of our schema seen averaging with another codec (they never group with us)."""
+    refusals: list[str] = field(default_factory=list)
+    """Why this peer refused groups that leaders formed (for the NoGroupError)."""
+    reading: asyncio.Task[None] | None = None
+    """A read of the declarations in flight that join requests wait for (one at a time)."""
+    first_seen: dict[bytes, float] = field(default_factory=dict)
+    last_read: float = -math.inf
+    """``time.monotonic()`` when the last successful read of the declarations started."""
+    last_change: float = -math.inf
+    """``time.monotonic()`` when a follower last joined or left."""
+    taken: set[bytes] = field(default_factory=set)
+    """Peers that closed leaders told us are in their (already formed) group."""
+    not_looking: set[bytes] = field(default_factory=set)
+    """Declarers that answered they no longer look under our key (they averaged or gave
+    up; their declaration outlives them until it expires)."""
+    lonely_reads: int = 0
+    """Reads of the declarations in a row while alone (see ``_read_interval``)."""
+    declaring: asyncio.Task[None] | None = None
+    """Retries of a declaration whose first store did not finish in time (see ``_declare``)."""
+    read_failures: int = 0
+    """Reads of the declarations in a row that missed their deadline (see ``_dht_budget``)."""
+
+    @property
+    def num_members(self) -> int:
+        return 1 + len(self.followers)
+
+    def member_ids(self) -> frozenset[bytes]:
+        return frozenset((self.me.peer_id, *self.followers))
+
+    def elsewhere(self) -> set[bytes]:
+        """Declarers that will not join us: in a group that closed, or no longer looking."""
+        return self.taken | self.not_looking
+
+    def away(self) -> frozenset[bytes]:
+        """Peers that will not come although alive: they declared under our key with
+        another schema or codec, or answered that they no longer look under it."""
+        ours = {d.peer_id for d in self.declarations}
+        foreign = {p for p in self.signed if p not in ours}
+        return frozenset(foreign | self.not_looking | set(self.mismatched) | set(self.other_codecs))
+
+    def roster(self) -> FamilyRoster:
+        """Every peer this round saw under its family (the next round's expectation):
+        declarers of our schema and codec, our group, groups that closed elsewhere."""
+        peers: dict[bytes, str | None] = {d.peer_id: d.address or None for d in self.declarations}
+        for peer_id in (*self.followers, *self.taken, *self.previous):
+            if peer_id in self.away() or peer_id in self.gone:
+                continue
+            declared = self.signed.get(peer_id)
+            peers.setdefault(
+                peer_id, declared.address if declared else self.previous_addresses.get(peer_id)
+            )
+        if self.result.done() and not self.result.cancelled():
+            for member in self.result.result().members:
+                peers.setdefault(member.peer_id, member.address)
+        peers.pop(self.me.peer_id, None)
+        return FamilyRoster(peers, len(self.declarations))
+
+    def release_followers(self, final: averaging_pb2.JoinResponse) -> None:
+        """Answer every follower waiting on this round with ``final``; unless the group
+        formed, forget them (their streams end with that answer)."""
+        for follower in self.followers.values():
+            if not follower.outcome.done():
+                follower.outcome.set_result(final)
+        if final.code != averaging_pb2.JOIN_GROUP_FORMED:
+            self.followers.clear()
+
+    def disband(self, detail: str) -> None:
+        """Tell the followers of a group that never closed that it is off; end the round."""
+        if not self.closed:
+            self.release_followers(
+                averaging_pb2.JoinResponse(
+                    code=averaging_pb2.JOIN_DISBANDED, leader_id=self.me.peer_id, detail=detail
+                )
+            )
+        if not self.result.done():
+            self.result.cancel()
+
+
+@dataclass(frozen=True)
+class LedGroup:
+    """A group this peer led and closed, and the declared start of each member in it."""
+
+    group: GroupInfo
+    starts: Mapping[bytes, float]
+
+    def seat_of(self, peer_id: bytes, declared_start: float) -> bool:
+        """Whether this request comes from a member of the group, for that same round
+        (a later round of the member under a reused key declares a later start)."""
+        return self.group.index_of(peer_id) is not None and self.starts.get(peer_id) == (
+            declared_start
+        )
+
+
+@dataclass(frozen=True)
+class ClosedRound:
+    """A round of ours under a key that formed its group: late askers learn of it."""
+
+    expiry: float
+    """``time.monotonic()`` after which it is forgotten (its members gave up by then)."""
+    members: frozenset[bytes]
+    led: LedGroup | None
+    """The group, if we led it."""
+    family: str
+    schema_hash: bytes
+
+
+@dataclass(frozen=True)
+class Redirect:
+    peer_id: bytes
+    address: str
+
+
+def decode_declarations(record: Any) -> list[Declaration]:
+    """The well-formed declarations in a DHT read of a key (``None``: none)."""
+    found = []
+    for subkey, value in dictionary_entries(record).items():
+        declaration = decode_declaration(subkey, value)
+        if declaration is not None:
+            found.append(declaration)
+    return found
+
+
+def led_group_of(rnd: Round) -> LedGroup | None:
+    """The group ``rnd`` closed with this peer as its leader, if it did."""
+    if rnd.leader is not None or not rnd.result.done() or rnd.result.cancelled():
+        return None
+    starts = {p: f.declared_start for p, f in rnd.followers.items()}
+    return LedGroup(rnd.result.result(), starts)
+
+
+def has_group_bits(family: str) -> bool:
+    """Whether a family's key carries Moshpit group bits (``...0b01``, not ``...0b``)."""
+    return bool(family.rpartition(".0b")[2])
+
+
+def give_up_seconds(me: Declaration) -> float:
+    return me.give_up - me.start
+
+
+def peer_ids(raw: Any) -> set[bytes]:
+    """Peer ids from a peer's message: 20 bytes each, at most a group's worth."""
+    return {bytes(p) for p in list(raw)[:MAX_GROUP_SIZE] if len(p) == 20}
+
+
+def remember(table: collections.OrderedDict[str, Any], key: str, value: Any) -> None:
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > REMEMBERED_KEYS:
+        table.popitem(last=False)
