@@ -34,10 +34,10 @@ from swarmavg.averaging.matchmaking.round import (
     MEMBER_READS,
     Redirect,
     Round,
-    cancel_and_wait,
     peer_ids,
 )
 from swarmavg.averaging.stubs import JOIN_GROUP, join_group_method
+from swarmavg.averaging.tasks import cancel_and_wait
 from swarmavg.dht.auth import message_digest
 from swarmavg.proto import averaging_pb2
 

@@ -43,10 +43,10 @@ from swarmavg.averaging.matchmaking.round import (
     Follower,
     LedGroup,
     Round,
-    cancel_and_wait,
     led_group_of,
 )
 from swarmavg.averaging.stubs import JOIN_GROUP
+from swarmavg.averaging.tasks import cancel_and_wait
 from swarmavg.dht.auth import AuthenticationError, message_digest
 from swarmavg.dht.identity import HeaderError
 from swarmavg.proto import averaging_pb2

@@ -56,12 +56,12 @@ from swarmavg.averaging.matchmaking.round import (
     ClosedRound,
     Redirect,
     Round,
-    cancel_and_wait,
     give_up_seconds,
     has_group_bits,
     led_group_of,
     remember,
 )
+from swarmavg.averaging.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 

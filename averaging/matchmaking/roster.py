@@ -38,6 +38,7 @@ import grpc
 from swarmavg.averaging.dht_access import DHTAccess, dictionary_entries
 from swarmavg.averaging.group import Mode
 from swarmavg.averaging.matchmaking.declarations import MAX_ADDRESS_CHARS
+from swarmavg.averaging.tasks import cancel_and_wait
 from swarmavg.dht.records import owner_suffix, subkey_owner
 
 log = logging.getLogger(__name__)
@@ -152,16 +153,8 @@ class RunPresence:
     async def stop(self) -> None:
         """Stop announcing; the entry expires within ``ttl``. Idempotent."""
         for task in (self._task, self._reading):
-            if task is not None and not task.done():
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    current = asyncio.current_task()
-                    if current is not None and current.cancelling():
-                        raise
-                except Exception:  # a failed read or store has nothing to tell now
-                    pass
+            if task is not None:
+                await cancel_and_wait(task)
         self._task = None
         self._reading = None
 
