@@ -22,6 +22,22 @@ cubic --bandwidth 45"`` (a fixed bandwidth of 45 MB/s makes 1 MiB chunks,
 averaging/allreduce/chunking.py). ``--group-size default`` lets the daemons form the
 group themselves (``average(group_size=None)``) instead of naming 4.
 
+``--unsync`` (one swarm under real timing): the mode above drives every host's
+client round by round from here, so every host calls at one shared instant. With
+``--unsync`` each host's client runs its own loop instead, the way training processes do:
+host i starts a seeded random offset within ``--start-spread`` seconds (default 2, inside
+the daemons' 5 s matchmaking window), then for each codec and round sleeps a seeded random
+``[0, --compute]`` seconds (default 0) and calls ``average(..., key=f"{codec}-{r}")`` in the
+default configuration (no group size). The benchmark only collects each call's record
+(group size, group id, partial, error, duration, the result's check) and summarises per
+codec as benchmarks/unsync_rounds.py does (one_group_rounds, round_shapes, group_sizes,
+no_group_errors, partial, median_s, p90_s, ...), with the link-bound time of the bytes each
+host's link carried per round. ``--daemon-log-level DEBUG`` adds the daemons' group closes
+by reason and size; ``--log-dir`` keeps the daemons' logs.
+
+    sudo .venv/bin/python benchmarks/bandwidth.py --unsync --hosts 4 --mb 64 \
+        --codecs none,float16,uint8-blockwise --rounds 10 --compute 2
+
 Needs root, iproute2 and iptables (like the test bed).
 """
 
@@ -32,11 +48,14 @@ import asyncio
 import hashlib
 import json
 import os
+import queue
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,6 +102,9 @@ async def worker_main(control: str, seed: int, elements: int) -> int:
         print(json.dumps({"event": "ready"}), flush=True)
         while line := await loop.run_in_executor(None, sys.stdin.readline):
             request = json.loads(line)
+            if request.get("op") == "unsync":
+                await unsync_loop(client, tensor, request)
+                continue
             started = time.monotonic()
             try:
                 result = await client.average(
@@ -112,10 +134,67 @@ async def worker_main(control: str, seed: int, elements: int) -> int:
     return 0
 
 
+def _emit(record: dict[str, Any]) -> None:
+    print(json.dumps(record), flush=True)
+
+
+async def unsync_loop(client: Any, tensor: np.ndarray, spec: dict[str, Any]) -> None:
+    """``--unsync``: this host's training loop on its own clock, one record per call.
+
+    Sleeps its start offset, then for each codec and round a seeded random compute pause
+    and one ``average`` in the default configuration (no group size); ends with ``done``.
+    """
+    from swarmavg.peer import NoGroupError
+
+    rng = np.random.default_rng([spec["seed"], spec["rank"]])
+    await asyncio.sleep(spec["offset"])
+    for codec in spec["codecs"]:
+        for r in range(spec["rounds"]):
+            compute = float(rng.uniform(0.0, spec["compute"])) if spec["compute"] > 0 else 0.0
+            await asyncio.sleep(compute)
+            record: dict[str, Any] = {
+                "rank": spec["rank"],
+                "codec": codec,
+                "round": r,
+                "compute_s": compute,
+                "wall_start": time.time(),
+            }
+            started = time.perf_counter()
+            try:
+                result = await client.average(
+                    [tensor], key=f"{codec}-{r}", timeout=spec["timeout"], codec=codec
+                )
+            except Exception as exc:  # every failure is a figure, reported to the benchmark
+                kind = "NoGroupError" if isinstance(exc, NoGroupError) else type(exc).__name__
+                record.update(
+                    seconds=time.perf_counter() - started, error=kind, message=str(exc)[:500]
+                )
+                _emit(record)
+                continue
+            record["seconds"] = time.perf_counter() - started
+            record["wall_end"] = time.time()
+            out = np.ascontiguousarray(result.tensors[0])
+            record.update(
+                group_size=result.group_size,
+                group_id=result.group_id,
+                peers=list(result.peers),
+                partial=result.partial,
+                codec_used=result.codec,
+                matchmaking_s=result.timings.get("matchmaking"),
+                timings=result.timings,
+                sha256=hashlib.sha256(out.tobytes()).hexdigest(),
+                sample=out[::SAMPLE_STRIDE].astype(np.float64).tolist(),
+            )
+            del result, out  # free it before the next round allocates one
+            _emit(record)
+    _emit({"done": True})
+
+
 class Worker:
     """A training process in one host, driven line by line."""
 
     def __init__(self, host: Host, control: str, seed: int, elements: int) -> None:
+        self._reader: threading.Thread | None = None
         args = [sys.executable, __file__, "worker", "--control", control]
         args += ["--seed", str(seed), "--elements", str(elements)]
         self.proc = subprocess.Popen(
@@ -145,7 +224,32 @@ class Worker:
         record: dict[str, Any] = json.loads(self._readline())
         return record
 
+    def start_reader(self, lines: queue.Queue[tuple[int, str | None]], index: int) -> None:
+        """From now on a thread puts ``(index, line)`` for each stdout line on ``lines``,
+        then ``(index, None)`` at EOF (``--unsync``: the worker writes on its own clock)."""
+        stdout = self.proc.stdout
+        if stdout is None:
+            raise RuntimeError("worker stdout is not a pipe")
+
+        def read() -> None:
+            for line in stdout:
+                lines.put((index, line))
+            lines.put((index, None))
+
+        self._reader = threading.Thread(target=read, daemon=True)
+        self._reader.start()
+
     def close(self) -> None:
+        reader = self._reader
+        if reader is not None:  # EOF on stdin ends the worker, then its reader
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+            reader.join(10)
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
                 pipe.close()
@@ -188,13 +292,14 @@ def start_daemons(
     *,
     port: int = PORT,
     extra: Sequence[str] = (),
+    log_level: str | None = None,
 ) -> list[SwarmavgProcess]:
     """One daemon per host on ``HOST_ADDRESS:port``; all join the first."""
     daemons: list[SwarmavgProcess] = []
     for name, host in bed.hosts.items():
         args = ["peer", "--listen", f"{host.address}:{port}", "--run-id", run_id]
         args += ["--control", str(workdir / f"{name}-{run_id}.sock")]
-        args += ["--log-level", os.environ.get("BW_LOG_LEVEL", "WARNING")]
+        args += ["--log-level", log_level or os.environ.get("BW_LOG_LEVEL", "WARNING")]
         args += extra
         if daemons:
             args += ["--join", daemons[0].address]
@@ -462,6 +567,270 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return figures
 
 
+# -- --unsync: every host's training process on its own clock ----------------------------
+
+
+def _unsync_rounds() -> Any:
+    """benchmarks/unsync_rounds.py, the loopback sibling: its per-codec summary (the
+    fields its issue-39 figures use) and its daemon log patterns."""
+    folder = str(Path(__file__).resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    import unsync_rounds
+
+    return unsync_rounds
+
+
+def check_sample(sample: np.ndarray, members: list[np.ndarray]) -> dict[str, float]:
+    """A result's every-997th elements against the exact mean of its members' inputs:
+    max |error| and |mean error| (the bias) relative to max |mean| (rounds.py's measures,
+    so its tolerances apply), and the RMS error relative to the mean's RMS (this
+    benchmark's own ``rel_rms_error``)."""
+    expected = np.mean(members, axis=0)
+    diff = sample - expected
+    scale = max(float(np.abs(expected).max()), 1e-30)
+    return {
+        "rel_error": float(np.abs(diff).max()) / scale,
+        "rel_bias": abs(float(diff.mean())) / scale,
+        "rel_rms_error": float(np.sqrt(np.mean(diff**2)) / np.sqrt(np.mean(expected**2))),
+    }
+
+
+def daemon_logs(daemons: Sequence[SwarmavgProcess]) -> tuple[list[Any], Any, int]:
+    """The daemons' DEBUG ``closing`` lines, the reasons leaders gave for refusing a
+    follower, and their WARNING/ERROR line count (unsync_rounds.py's patterns)."""
+    from collections import Counter
+
+    unsync_rounds = _unsync_rounds()
+    closes = []
+    rejections: Counter[str] = Counter()
+    warnings = 0
+    for daemon in daemons:
+        text = daemon.stderr_path.read_text(errors="replace")
+        for m in unsync_rounds.CLOSE_LINE.finditer(text):
+            closes.append((m[1], int(m[2]), m[3], float(m[4])))
+        rejections.update(m[1].strip() for m in unsync_rounds.REJECT_LINE.finditer(text))
+        warnings += sum(" WARNING " in line or " ERROR " in line for line in text.splitlines())
+    return closes, rejections, warnings
+
+
+def unsync_swarm(
+    bed: TestBed,
+    daemons: list[SwarmavgProcess],
+    workers: list[Worker],
+    samples: list[np.ndarray],
+    offsets: list[float],
+    codecs: list[str],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """Start every worker's own loop, collect its records; per codec, the summary."""
+    unsync_rounds = _unsync_rounds()
+    n, rounds_n = len(workers), args.rounds
+    seed_of = {d.peer_id: i for i, d in enumerate(daemons)}
+    hosts = list(bed.hosts.values())
+    lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
+    for i, worker in enumerate(workers):
+        worker.start_reader(lines, i)
+    # Link counters when every worker has finished a codec's rounds: each codec's bytes.
+    marks = [(time.monotonic(), [h.link_bytes()[0] for h in hosts])]
+    for i, worker in enumerate(workers):
+        worker.request(
+            op="unsync", rank=i, seed=args.seed, offset=offsets[i], compute=args.compute,
+            codecs=codecs, rounds=rounds_n, timeout=args.timeout,
+        )  # fmt: skip
+    records: list[list[dict[str, Any]]] = [[] for _ in workers]
+    done: set[int] = set()
+    silent_limit = args.start_spread + args.compute + args.timeout + 60.0
+    heard = [time.monotonic()] * n
+    last_log = time.monotonic()
+    while len(done) < n:
+        try:
+            i, line = lines.get(timeout=1.0)
+        except queue.Empty:
+            i, line = -1, ""
+        now = time.monotonic()
+        if line is None:
+            if i not in done:
+                raise RuntimeError(f"worker {i} exited with {workers[i].proc.wait(10)}")
+            continue
+        if line:
+            heard[i] = now
+            record = json.loads(line)
+            if record.get("done"):
+                done.add(i)
+            elif "round" in record:
+                sample = record.pop("sample", None)
+                ranks = [seed_of.get(p, -1) for p in record.pop("peers", [])]
+                if sample is not None:
+                    record["ranks"] = ranks
+                    if -1 not in ranks:
+                        record.update(check_sample(np.asarray(sample), [samples[r] for r in ranks]))
+                if "error" in record:
+                    log(
+                        f"host {i} {record['codec']} round {record['round']}: "
+                        f"{record['error']}: {record['message'][:300]}"
+                    )
+                records[i].append(record)
+                finished = min(len(r) for r in records)
+                if finished % rounds_n == 0 and finished // rounds_n == len(marks):
+                    marks.append((now, [h.link_bytes()[0] for h in hosts]))
+        for k in range(n):
+            if k not in done and now - heard[k] > silent_limit:
+                raise RuntimeError(f"worker {k}: silent for {silent_limit:.0f} s")
+        if now - last_log > 15:
+            last_log = now
+            log(f"calls done per host {[len(r) for r in records]} of {rounds_n * len(codecs)}")
+    closes, rejections, warnings = daemon_logs(daemons)
+    per_codec: dict[str, Any] = {}
+    for k, codec in enumerate(codecs):
+        entry = unsync_rounds.summarize(n, codec, rounds_n, records)
+        entry.pop("peers", None)
+        mine = [r for recs in records for r in recs if r["codec"] == codec]
+        rms = [r["rel_rms_error"] for r in mine if "rel_rms_error" in r and not r["partial"]]
+        entry["max_rel_rms_error"] = float(f"{max(rms):.3g}") if rms else None
+        if k + 1 < len(marks):  # bytes each host's link carried out, per round
+            (t0, before), (t1, after) = marks[k], marks[k + 1]
+            tx = statistics.mean(a - b for a, b in zip(after, before, strict=True)) / rounds_n
+            entry["wire_mb_per_host"] = round(tx / 1e6, 2)
+            entry["link_bound_s"] = round(tx * 8 / (args.rate_mbit * 1e6), 3)
+            entry["median_over_link_bound"] = unsync_rounds.rounds._ratio(
+                entry["median_s"], entry["link_bound_s"]
+            )
+            entry["codec_wall_s"] = round(t1 - t0, 1)
+        shas = [r for r in mine if "sha256" in r]
+        entry["timings"] = (  # the daemon's phases in the median call (one member's view)
+            {
+                name: round(float(v), 3)
+                for name, v in sorted(
+                    sorted(shas, key=lambda r: r["seconds"])[len(shas) // 2]["timings"].items()
+                )
+            }
+            if shas
+            else None
+        )
+        entry["daemon_closes"] = unsync_rounds.close_summary(closes, codec)
+        log(
+            f"{codec}: one group of {n} in {entry['one_group_rounds']} of {rounds_n} rounds, "
+            f"shapes {entry['round_shapes']}, NoGroupError {entry['no_group_errors']}, "
+            f"other {entry['other_errors']}, partial {entry['partial']}, median "
+            f"{entry['median_s']} s, link bound {entry.get('link_bound_s')} s"
+        )
+        per_codec[codec] = entry
+    return {
+        "codecs": per_codec,
+        "daemon_rejections": dict(rejections.most_common()) or None,
+        "daemon_warning_lines": warnings,
+    }
+
+
+def run_unsync(args: argparse.Namespace) -> dict[str, Any]:
+    """``--unsync``: one swarm per variant (one after the other), every host on its own."""
+    n, rate, nbytes = args.hosts, args.rate_mbit, int(args.mb * 1e6)
+    codecs = [c for c in args.codecs.split(",") if c]
+    variants = parse_variants(args)
+    rng = np.random.default_rng(args.seed)
+    offsets = [round(float(x), 3) for x in rng.uniform(0.0, args.start_spread, n)]
+    payload = 2 * (n - 1) * nbytes / n  # bytes each host must send in a butterfly
+    figures: dict[str, Any] = {
+        "benchmark": "bandwidth",
+        "mode": "unsync",
+        "argv": sys.argv[1:],
+        "path": "swarmavg peer daemons (CLI) + one client process per host, "
+        "each pair in its own network namespace; each client runs its own loop "
+        "(start offset, compute pauses), default configuration (no group size)",
+        "hosts": n,
+        "rate_mbit": rate,
+        "mtu": args.mtu or 1500,
+        "tensor_mb": args.mb,
+        "rounds": args.rounds,
+        "group_size": "default",
+        "start_spread": args.start_spread,
+        "start_offsets_s": offsets,
+        "compute": args.compute,
+        "seed": args.seed,
+        "timeout": args.timeout,
+        "daemon_log_level": args.daemon_log_level,
+        "variant_flags": {name: shlex.join(flags) for name, flags in variants.items()},
+        # The none codec's butterfly payload at the link's rate: the existing mode's bound.
+        "payload_link_bound_s": round(payload * 8 / (rate * 1e6), 3),
+        "load_average_at_start": round(os.getloadavg()[0], 1),
+        "cpu_cores": os.cpu_count(),
+    }
+    results: dict[str, dict[str, Any]] = {}
+    raws: dict[str, dict[str, float]] = {}
+    # Unix socket paths are capped at 107 bytes: keep the folder short.
+    tmp = tempfile.mkdtemp(prefix="bw-unsync-", dir="/tmp")
+    try:
+        with TestBed([HostSpec(f"h{i}", rate_mbit=rate, mtu=args.mtu) for i in range(n)]) as bed:
+            workdir = Path(tmp)
+            log(f"test bed {bed.prefix}: {n} hosts at {rate} Mbit/s, offsets {offsets} s")
+            first = next(iter(bed.hosts.values()))
+            figures["tcp_congestion_control"] = first.run(
+                ["sysctl", "-n", "net.ipv4.tcp_congestion_control"], check=False
+            ).stdout.strip()
+            by_algorithm: dict[str | None, dict[str, float]] = {}
+            for variant, flags in variants.items():
+                cc = flag_value(flags, "--congestion-control")
+                if args.raw_repeats > 0 and cc not in by_algorithm:
+                    by_algorithm[cc] = raw_tcp(bed, nbytes, args.raw_repeats, cc)
+                if cc in by_algorithm:
+                    raws[variant] = by_algorithm[cc]
+                    log(f"raw TCP, butterfly pattern, {variant}: {raws[variant]}")
+            elements = nbytes // 4
+            samples = [make_input(seed, elements)[::SAMPLE_STRIDE] for seed in range(n)]
+            for k, (variant, flags) in enumerate(variants.items()):
+                pool = ProcessPool(workdir)
+                workers: list[Worker] = []
+                try:
+                    daemons = start_daemons(
+                        bed, pool, workdir, f"bandwidth{k}", port=PORT + 10 * k,
+                        extra=flags, log_level=args.daemon_log_level,
+                    )  # fmt: skip
+                    for seed, (host, daemon) in enumerate(
+                        zip(bed.hosts.values(), daemons, strict=True)
+                    ):
+                        workers.append(Worker(host, daemon.control, seed, elements))
+                    results[variant] = unsync_swarm(
+                        bed, daemons, workers, samples, offsets, codecs, args
+                    )
+                except Exception as exc:  # the line still comes out, with what was measured
+                    results[variant] = {"error": f"{type(exc).__name__}: {exc}"}
+                    log(f"{variant} failed: {exc!r}")
+                finally:
+                    for worker in workers:
+                        worker.close()
+                    handles = list(pool.processes)
+                    pool.close()
+                    for handle in handles:  # tests/harness.py leaves the stdout pipes open
+                        if handle.proc.stdout is not None:
+                            handle.proc.stdout.close()
+                    if args.log_dir:
+                        folder = Path(args.log_dir) / variant
+                        folder.mkdir(parents=True, exist_ok=True)
+                        for i, handle in enumerate(handles):
+                            shutil.copy(handle.stderr_path, folder / f"daemon{i}.log")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    figures["load_average_at_end"] = round(os.getloadavg()[0], 1)
+    for variant, entry in results.items():
+        none = entry.get("codecs", {}).get("none", {})
+        if none.get("median_s"):
+            entry["goodput_none_fraction"] = round(
+                figures["payload_link_bound_s"] / none["median_s"], 3
+            )
+            if variant in raws:
+                entry["goodput_none_vs_raw_tcp"] = round(
+                    raws[variant]["seconds"] / none["median_s"], 3
+                )
+        if variant in raws:
+            entry["raw_tcp"] = raws[variant]
+    if list(variants) == ["default"]:  # the single-variant layout
+        figures.update(results["default"])
+        return figures
+    figures["variants"] = results
+    return figures
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
         worker = argparse.ArgumentParser(prog="bandwidth.py worker")
@@ -500,15 +869,46 @@ def main() -> int:
     parser.add_argument(
         "--group-size",
         choices=("given", "default"),
-        default="given",
-        help="name the group size in average() (given) or let the daemons form it (default)",
+        default=None,
+        help="name the group size in average() (given) or let the daemons form it (default); "
+        "default: given, and --unsync always lets the daemons form it",
+    )
+    parser.add_argument(
+        "--unsync",
+        action="store_true",
+        help="each host's client runs its own loop: start offset, compute pauses, no group size",
+    )
+    parser.add_argument(
+        "--start-spread",
+        type=float,
+        default=2.0,
+        help="--unsync: each host starts a seeded random offset within this many seconds",
+    )
+    parser.add_argument(
+        "--compute",
+        type=float,
+        default=0.0,
+        help="--unsync: most seconds of seeded random compute before each call",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="--unsync: offsets and pauses")
+    parser.add_argument(
+        "--daemon-log-level",
+        default=None,
+        help="the daemons' --log-level (default: $BW_LOG_LEVEL or WARNING); --unsync with "
+        "DEBUG also counts their group closes by reason and size",
+    )
+    parser.add_argument(
+        "--log-dir", default=None, help="--unsync: keep the daemons' logs here (per variant)"
     )
     args = parser.parse_args()
+    if args.unsync and args.group_size == "given":
+        parser.error("--unsync runs the default configuration: no --group-size given")
+    args.group_size = args.group_size or ("default" if args.unsync else "given")
     reason = missing_requirements()
     if reason is not None:
         print(json.dumps({"benchmark": "bandwidth", "skipped": reason}))
         return 1
-    print(json.dumps(run(args)), flush=True)
+    print(json.dumps(run_unsync(args) if args.unsync else run(args)), flush=True)
     return 0
 
 
