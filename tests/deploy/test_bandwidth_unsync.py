@@ -1,5 +1,5 @@
 """``benchmarks/bandwidth.py --unsync`` on the multi-host test bed (one swarm under real
-under real timing"): every host's training process runs its own loop, starting a seeded
+timing): every host's training process runs its own loop, starting a seeded
 random offset apart, in the default configuration (no group size), over rate-limited links.
 Every round must still be one group of all hosts, with no error.
 """
