@@ -91,7 +91,14 @@ class Matchmaker(Following, Leading):
         if self.presence is None:
             address = "" if mode is Mode.CLIENT else self.address
             me = Presence(self.peer_id, address, mode)
-            self.presence = RunPresence(self.dht, self.run_id, me, timeout=self.config.dht_timeout)
+            self.presence = RunPresence(
+                self.dht,
+                self.run_id,
+                me,
+                timeout=self.config.dht_timeout,
+                replicas=self.config.declaration_replicas,
+                read_quorum=self.config.read_quorum,
+            )
             self.presence.start()
 
     def carry_previous(self, family: str, next_family: str, companions: Collection[bytes]) -> None:

@@ -133,6 +133,8 @@ class RunPresence:
         *,
         ttl: float = PRESENCE_TTL,
         timeout: float = 3.0,
+        replicas: int | None = None,
+        read_quorum: int | None = None,
     ) -> None:
         if not (ttl > 0 and math.isfinite(ttl)) or not timeout > 0:
             raise ValueError("need a positive, finite ttl and a positive timeout")
@@ -141,6 +143,10 @@ class RunPresence:
         self.me = me
         self.ttl = ttl
         self.timeout = timeout
+        # Like a declaration: stored on the key's few nearest nodes, read from fewer, so
+        # that every averager's refresh costs the run a few RPCs, not k.
+        self.replicas = replicas
+        self.read_quorum = read_quorum
         self._task: asyncio.Task[None] | None = None
         self._read: tuple[float, dict[bytes, str | None]] | None = None
         self._reading: asyncio.Task[dict[bytes, str | None] | None] | None = None
@@ -174,6 +180,7 @@ class RunPresence:
                     self.me.encode(),
                     time.time() + self.ttl,
                     subkey=owner_suffix(self.me.peer_id),
+                    replicas=self.replicas,
                 )
         except (TimeoutError, grpc.aio.AioRpcError) as error:
             log.debug("storing presence under %s failed: %r", self.key, error)
@@ -200,7 +207,7 @@ class RunPresence:
     async def _fetch(self) -> dict[bytes, str | None] | None:
         try:
             async with asyncio.timeout(self.timeout):
-                record = await self.dht.get(self.key, latest=True)
+                record = await self.dht.get(self.key, latest=True, quorum=self.read_quorum)
         except (TimeoutError, grpc.aio.AioRpcError) as error:
             log.debug("reading presence under %s failed: %r", self.key, error)
             return None
