@@ -358,6 +358,7 @@ class Averager:
             bandwidth=self.bandwidth.value,
             user_data=request.user_data(self.config.user_data),
             close_by=min(started + self.config.matchmaking_time, give_up_by - margin),
+            latest_close_by=max(started, give_up_by - margin),
             give_up_by=give_up_by,
             data_port=self.announced_data_port or allreduce.data_port,
             wanted=request.group_size or 0,

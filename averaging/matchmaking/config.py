@@ -105,6 +105,9 @@ class MatchRequest:
             group that is not full.
         give_up_by: ``time.monotonic()`` instant at which it stops looking and raises.
         data_port: this peer's data-plane port, advertised to the group (0: none).
+        latest_close_by: ``time.monotonic()`` instant until which a leader whose round is
+            the first of its family waits for the run's averagers it expects (processes
+            start seconds apart); 0: ``close_by``. Within ``[close_by, give_up_by]``.
         wanted: members the caller expects (a ``group_size`` it gave; 0: none): the
             leader waits for them until ``close_by``, not only for the declared peers.
         aggregation: canonical aggregation rule; only peers of the same rule group.
@@ -125,6 +128,7 @@ class MatchRequest:
     data_port: int = 0
     wanted: int = 0
     family: str = ""
+    latest_close_by: float = 0.0
     aggregation: str = MEAN
 
     def __post_init__(self) -> None:
@@ -141,3 +145,5 @@ class MatchRequest:
             raise ValueError(f"aggregation {self.aggregation!r} is not in canonical form")
         if not (self.close_by <= self.give_up_by and math.isfinite(self.give_up_by)):
             raise ValueError("need close_by <= give_up_by, both finite")
+        if self.latest_close_by and not (self.close_by <= self.latest_close_by <= self.give_up_by):
+            raise ValueError("need close_by <= latest_close_by <= give_up_by")

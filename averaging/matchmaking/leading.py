@@ -140,8 +140,8 @@ class Leading(Declaring):
         """Sleep until a follower arrives or leaves, the group forms, or the next check."""
         now = time.monotonic()
         wake = min(next_read, rnd.request.give_up_by)
-        if rnd.request.close_by > now:
-            wake = min(wake, rnd.request.close_by)
+        if rnd.close_by > now:
+            wake = min(wake, rnd.close_by)
         rnd.changed.clear()
         changed: asyncio.Future[Any] = asyncio.ensure_future(rnd.changed.wait())
         waits: set[asyncio.Future[Any]] = {changed, rnd.result}

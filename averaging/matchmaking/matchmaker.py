@@ -135,6 +135,15 @@ class Matchmaker(Following, Leading):
         """
         if request.key in self._rounds:
             raise ValueError(f"already matchmaking under {request.key!r}")
+        family = request.family or request.key
+        started = time.monotonic()
+        roster = await self._roster_for(family, request.give_up_by)
+        close_by = request.close_by
+        if roster.peers and not roster.proven and request.latest_close_by:
+            # A family's first round: the run's averagers it expects are processes that
+            # start seconds apart (a trainer imports torch, loads its data): they are
+            # waited for as long as the call allows, not only for matchmaking_time.
+            close_by = max(close_by, request.latest_close_by)
         # Declarations are read by other peers, so they carry wall-clock times: the one
         # place where the round's monotonic instants move onto the DHT's clock.
         now = time.time()
@@ -143,7 +152,7 @@ class Matchmaker(Following, Leading):
             peer_id=self.peer_id,
             address="" if request.mode is Mode.CLIENT else self.address,
             start=now,
-            deadline=max(now, request.close_by + to_wall),
+            deadline=max(now, close_by + to_wall),
             give_up=max(now, request.give_up_by + to_wall),
             mode=request.mode,
             bandwidth=request.bandwidth,
@@ -154,14 +163,12 @@ class Matchmaker(Following, Leading):
             data_port=request.data_port if request.mode is not Mode.CLIENT and self.address else 0,
             user_data_digest=user_data_digest(request.user_data),
         )
-        family = request.family or request.key
-        started = time.monotonic()
-        roster = await self._roster_for(family, request.give_up_by)
         rnd = Round(
             request,
             me,
             asyncio.get_running_loop().create_future(),
             started=started,
+            close_by=close_by,
             previous=frozenset(roster.peers),
             previous_addresses=roster_addresses(roster.peers),
             previous_seen=roster.seen,
@@ -231,7 +238,7 @@ class Matchmaker(Following, Leading):
                 reason = self._close_reason(rnd, now)
                 if (
                     reason is None
-                    and now >= rnd.request.close_by
+                    and now >= rnd.close_by
                     and rnd.num_members >= rnd.request.min_group_size
                 ):
                     reason = "deadline"

@@ -51,6 +51,9 @@ class Round:
     result: asyncio.Future[GroupInfo]
     started: float
     """``time.monotonic()`` when this peer started looking."""
+    close_by: float
+    """``time.monotonic()`` at which, as a leader, it closes a group that is not full
+    (the request's ``close_by``, later in a family's first round: ``latest_close_by``)."""
     previous: frozenset[bytes] = frozenset()
     """The family's roster: whom this round expects besides the declarers it reads
     (see ``roster``)."""

@@ -108,3 +108,27 @@ async def test_a_late_peer_is_expected_in_the_next_round_and_the_swarm_is_one_ag
 
 async def _average(peer: Peer, key: str, tensors: list[np.ndarray]) -> AveragingResult:
     return await peer.averager.average(tensors, key, timeout=20.0)
+
+
+@pytest.mark.timeout(120)
+async def test_a_familys_first_round_waits_past_matchmaking_time_for_the_runs_averagers() -> None:
+    # Processes start seconds apart: the first round of a family waits for a daemon of the
+    # run whose trainer calls 2 s after the others, longer than matchmaking_time (0.5 s),
+    # within the call's own budget. The next round of the family waits no longer than
+    # matchmaking_time for a member that does not come.
+    config = fast_config(matchmaking_time=0.5)
+    async with averager_swarm(3, config) as swarm:
+        tensors = [np.ones(8, dtype=np.float32)]
+        first, second, late = swarm.peers
+        calls = [asyncio.ensure_future(_average(p, "first-0", tensors)) for p in (first, second)]
+        await asyncio.sleep(2.0)  # the third trainer is still importing torch
+        calls.append(asyncio.ensure_future(_average(late, "first-0", tensors)))
+        results = await asyncio.gather(*calls)
+        assert [r.group_size for r in results] == [3, 3, 3]
+        # Now a roster: the third stays away from the next round; the others close on the
+        # window, not on the call's budget.
+        results = await asyncio.gather(*(_average(p, "first-1", tensors) for p in (first, second)))
+        assert [r.group_size for r in results] == [2, 2]
+        assert "deadline" in {
+            reason for p in (first, second) for reason in p.averager.matchmaker.closes
+        }
