@@ -21,7 +21,7 @@ import numpy as np
 from swarmavg.averaging.errors import InvalidRequestError, InvalidTensorsError
 from swarmavg.averaging.request import RoundRequest
 from swarmavg.peer import shm
-from swarmavg.peer.errors import SwarmError, ValidationError
+from swarmavg.peer.errors import MalformedStateError, SwarmError, ValidationError
 from swarmavg.peer.tensors import (
     Origin,
     TensorAssembler,
@@ -300,8 +300,31 @@ def state_messages(tensors: Sequence[Any], metadata: Any) -> Iterator[control_pb
         yield control_pb2.StateMessage(data=piece)
 
 
+def unpack_state_metadata(data: bytes) -> Any:
+    """Decode a loaded state's metadata: msgpack bytes that come, unchanged, from the donor
+    that published the state, so from any peer of the run (a donor's undecodable
+    metadata made ``load_state`` raise msgpack's own exception, which no caller catches).
+
+    Raises:
+        MalformedStateError: not exactly one msgpack object.
+    """
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types (FormatError,
+        # ExtraData, StackError, UnicodeDecodeError, TypeError for an unhashable map key...)
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        raise MalformedStateError(
+            f"the loaded state's metadata ({len(data)} bytes from its donor) is not valid "
+            f"msgpack: {why}"
+        ) from None
+
+
 class StateReceiver:
-    """Rebuilds ``(metadata, tensors)`` from a LoadState stream (numpy arrays)."""
+    """Rebuilds ``(metadata, tensors)`` from a LoadState stream (numpy arrays).
+
+    The metadata and the tensor layout are the donor's (the daemon passes them on), so
+    what cannot be decoded raises :class:`MalformedStateError`.
+    """
 
     def __init__(
         self, on_progress: Callable[[control_pb2.StateProgress], None] | None = None
@@ -316,7 +339,10 @@ class StateReceiver:
             if self._on_progress is not None:
                 self._on_progress(message.progress)
         elif kind == "header":
-            dtypes, shapes, _ = layout_from_specs(message.header.tensors)
+            try:
+                dtypes, shapes, _ = layout_from_specs(message.header.tensors)
+            except ValidationError as exc:
+                raise MalformedStateError(f"the loaded state's tensor layout: {exc}") from None
             self._metadata = message.header.metadata
             self._assembler = TensorAssembler(dtypes, shapes)
         elif kind == "data":
@@ -327,7 +353,7 @@ class StateReceiver:
     def result(self) -> tuple[Any, list[np.ndarray]]:
         if self._assembler is None or self._metadata is None:
             raise SwarmError("the daemon sent no state")
-        metadata = msgpack.unpackb(self._metadata, raw=False) if self._metadata else None
+        metadata = unpack_state_metadata(self._metadata) if self._metadata else None
         return metadata, self._assembler.finish()
 
 
@@ -415,4 +441,5 @@ __all__ = [
     "state_messages",
     "status_to_dict",
     "unpack_get",
+    "unpack_state_metadata",
 ]

@@ -50,6 +50,16 @@ class NoStateError(SwarmError, layer.StateNotFoundError):
     """No peer in the run has published state (``load_state``)."""
 
 
+class MalformedStateError(SwarmError, layer.StateDownloadError):
+    """``load_state`` got a state whose donor-supplied part cannot be decoded: metadata
+    that is not one msgpack object, or a tensor layout this client refuses.
+
+    A :class:`SwarmError`, and the averaging layer's ``StateDownloadError`` (no donor
+    delivered a usable state), so the training wrappers treat it as a failed load and
+    go on; the daemon keeps serving.
+    """
+
+
 class DaemonUnavailableError(SwarmError, ConnectionError):
     """No daemon answers at the control endpoint, or it is shutting down."""
 

@@ -31,6 +31,8 @@ MAX_CHUNK_SIZE = 2 << 20  # stays under gRPC's 4 MiB message cap with room for f
 MAX_CHUNKS = 1 << 16
 MAX_HEADER_BYTES = 16 << 20
 MAX_TENSORS = 100_000
+MAX_NDIM = 32
+"""Most dimensions a tensor of a state may have (what the client accepts too)."""
 HASH_BYTES = 32
 
 _PLAIN_DTYPES: dict[str, np.dtype[np.generic]] = {
@@ -220,7 +222,8 @@ def unpack_state(
             or not isinstance(spec[0], str)  # a list here would not even hash
             or spec[0] not in SUPPORTED_DTYPES
             or not isinstance(spec[1], list)
-            or not all(isinstance(d, int) and d >= 0 for d in spec[1])
+            or len(spec[1]) > MAX_NDIM
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in spec[1])
         ):
             raise StateFormatError(f"bad tensor spec {spec!r}")
         dtype = _dtype_named(spec[0])
@@ -233,7 +236,10 @@ def unpack_state(
         index += count
         if len(raw) != nbytes:
             raise StateFormatError("tensor bytes do not match its shape and dtype")
-        array = np.frombuffer(raw, dtype=dtype.newbyteorder("<")).astype(dtype).reshape(shape)
+        try:  # a zero-sized shape may still name dimensions numpy cannot hold
+            array = np.frombuffer(raw, dtype=dtype.newbyteorder("<")).astype(dtype).reshape(shape)
+        except (ValueError, OverflowError) as error:
+            raise StateFormatError(f"bad tensor shape {shape}: {error}") from None
         tensors.append(array.copy() if not array.flags.writeable else array)
     if index != len(data):
         raise StateFormatError("manifest lists chunks that no tensor uses")

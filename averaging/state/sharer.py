@@ -2,21 +2,24 @@
 
 A peer that publishes its state advertises ``(root, version, size, address)`` in the DHT
 under ``{run}.state`` (one subkey per donor, refreshed while it holds the state). A joiner
-(:meth:`StateSharer.load`) picks the freshest version, fetches the manifest from one donor
-holding it and checks it against the advertised root, then downloads the chunks it lacks
-from every donor holding that root at once: each donor serves small batches pulled from a
+(:meth:`StateSharer.load`) picks the root held by the most donors, the fresher of equally
+held ones as far as other donors vouch for its version
+(:func:`~swarmavg.averaging.state.adverts.choose_donors`: one advert's claimed version
+never wins by itself), fetches the manifest from one donor holding it and checks
+it against the advertised root, then downloads the chunks it lacks from every donor
+holding that root at once: each donor serves small batches pulled from a
 shared queue, so fast donors serve more, and a donor that fails (error, timeout, a chunk
 whose sha256 is wrong) hands its unfinished batch back to the others. Chunks are
 content-addressed (:mod:`swarmavg.averaging.state.format`), so a peer that holds an older
 version fetches only the chunks that changed. hivemind sends every newcomer to one donor
-(its issue 169); here the load spreads over all donors of the freshest version.
+(its issue 169); here the load spreads over all donors of the chosen root.
 
 Peers republish every few steps, so a download must survive donors that move on while it
 runs. A donor keeps serving its superseded versions for a bounded grace
 (:mod:`swarmavg.averaging.state.store`: the last ``retain_versions``, each for
 ``retain_seconds`` after its last use). When every donor of the version being downloaded
-has dropped it anyway, the joiner reads the DHT again and moves on to the freshest version
-advertised, keeping every chunk it already verified (content addressing makes them valid
+has dropped it anyway, the joiner reads the DHT again and moves on to the best-ranked root
+not yet tried, keeping every chunk it already verified (content addressing makes them valid
 for any version that contains them). The result is always exactly one manifest's chunks,
 each sha256-verified: never a mix of two versions.
 """
@@ -48,12 +51,14 @@ from swarmavg.averaging.state.format import (
     pack_state,
     unpack_state,
 )
+from swarmavg.averaging.state.slots import UploadSlots
 from swarmavg.averaging.state.store import StateStore
 from swarmavg.averaging.state.transfer import TransferProgress, format_bytes
 from swarmavg.averaging.stubs import DOWNLOAD_STATE, download_state_method
 from swarmavg.dht.auth import AuthenticationError, message_digest
 from swarmavg.dht.channels import ChannelPool
 from swarmavg.dht.identity import HeaderError
+from swarmavg.dht.ranges import grpc_peer_host, limited_range
 from swarmavg.dht.records import owner_suffix
 from swarmavg.proto import averaging_pb2
 
@@ -101,6 +106,9 @@ class StateSharer:
         self._held: dict[bytes, bytes] = {}
         self.uploads = Gauge()
         """Download streams this donor is serving now (at most ``max_uploads``)."""
+        self.slots = UploadSlots(self.config.max_uploads)
+        """Who holds those streams: at most 2 per requesting identity and half of them per
+        address range (:mod:`~swarmavg.averaging.state.slots`)."""
         self.served_chunks = 0
         """Chunks this peer has served to others (a counter for status and tests)."""
         self.downloaded_chunks = 0
@@ -208,7 +216,12 @@ class StateSharer:
     async def load(
         self, timeout: float, max_bytes: int | None = None
     ) -> tuple[bytes, list[np.ndarray]]:
-        """Download the freshest state in the run; return ``(metadata, tensors)``.
+        """Download the run's state; return ``(metadata, tensors)``.
+
+        The state taken is the root advertised by the most distinct donors, the fresher of
+        equally held roots as far as other donors vouch for its version
+        (:func:`~swarmavg.averaging.state.adverts.choose_donors`); a single advert's
+        version never decides it.
 
         The state accepted, and so what the joiner buffers, is at most ``max_bytes``
         (the schema the caller expects, e.g. its own model's state) and at most
@@ -218,7 +231,7 @@ class StateSharer:
         The result is exactly the state named by one advertised root: every chunk is
         checked against that root's manifest, never mixed with another version. When every
         donor of the version being downloaded fails or has dropped it (donors republish),
-        the DHT is read again and the freshest version not yet tried is downloaded,
+        the DHT is read again and the best-ranked root not yet tried is downloaded,
         reusing the chunks already verified; this goes on until ``timeout``.
 
         Raises:
@@ -467,12 +480,18 @@ class StateSharer:
         Every write has a deadline (``message_timeout``) and the whole stream another
         (``upload_timeout``): a joiner that does not keep up is cut, so that 8 slow
         readers cannot hold every upload slot and make every other joiner get
-        ``STATE_BUSY`` (issue 17).
+        ``STATE_BUSY`` (issue 17). And one requesting identity, or one address range, holds
+        at most its share of the slots (:mod:`~swarmavg.averaging.state.slots`):
+        readers that are slow but just fast enough for those deadlines still leave the
+        other slots to everyone else.
         """
         try:
-            self.dht.authenticator.check(request.header, DOWNLOAD_STATE, message_digest(request))
+            sender = self.dht.authenticator.check(
+                request.header, DOWNLOAD_STATE, message_digest(request)
+            )
         except AuthenticationError as error:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
+            raise AssertionError("unreachable: abort raises") from None
         except HeaderError as error:
             await self._write(
                 context,
@@ -505,9 +524,12 @@ class StateSharer:
                 ),
             )
             return
-        if self.uploads.value >= self.config.max_uploads:
+        host = grpc_peer_host(context.peer())
+        network = limited_range(host, False) if host else None  # local ranges: exempt
+        refusal = self.slots.acquire(sender, network)
+        if refusal is not None:
             await self._write(
-                context, averaging_pb2.StateResponse(code=averaging_pb2.STATE_BUSY, detail="busy")
+                context, averaging_pb2.StateResponse(code=averaging_pb2.STATE_BUSY, detail=refusal)
             )
             return
         self.uploads.add(1)
@@ -520,6 +542,7 @@ class StateSharer:
             log.info("state upload cut: %s", reason)
             await abort_stalled(context, grpc.StatusCode.DEADLINE_EXCEEDED, reason)
         finally:
+            self.slots.release(sender, network)
             self.uploads.add(-1)
 
     async def _write(

@@ -103,21 +103,22 @@ async def test_corrupted_chunks_are_rejected() -> None:
 
 
 @pytest.mark.timeout(60)
-async def test_freshest_version_wins_and_download_is_incremental() -> None:
-    async with averager_swarm(3, CONFIG) as swarm:
-        old_donor, new_donor, joiner = swarm.peers
-        await old_donor.averager.publish_state(
-            state(),
-            b"v1",
-        )
-        await new_donor.averager.publish_state(state(), b"v1")
+async def test_freshest_of_equally_held_versions_wins_and_download_is_incremental() -> None:
+    """Two donors stay at v1 and two publish v2: as many donors vouch for each, so the
+    fresher wins (a version held by fewer donors does not win by being fresher: issue 40,
+    tests/attacks/test_state_version_hijack.py)."""
+    async with averager_swarm(5, CONFIG) as swarm:
+        *donors, joiner = swarm.peers
+        for donor in donors:
+            await donor.averager.publish_state(state(), b"v1")
         metadata, _ = await joiner.averager.load_state(timeout=10)
         assert metadata == b"v1"
         fetched_v1 = joiner.averager.state_sharer.downloaded_chunks
 
         v2 = state()
         v2[2] = v2[2] * 2  # one small tensor changes: one chunk, plus the header
-        await new_donor.averager.publish_state(v2, b"v2")
+        for donor in donors[2:]:
+            await donor.averager.publish_state(v2, b"v2")
         metadata, tensors = await joiner.averager.load_state(timeout=10)
         assert metadata == b"v2"
         assert_same(tensors, v2)

@@ -11,8 +11,10 @@ import pytest
 from swarmavg.averaging import StateDownloadError
 from swarmavg.averaging.state.config import StateSharingConfig
 from swarmavg.averaging.stubs import DOWNLOAD_STATE, download_state_method
+from swarmavg.dht.auth import RequestSigner
+from swarmavg.dht.identity import Identity
 from swarmavg.proto import averaging_pb2
-from tests.averaging.averager_swarm import AveragerSwarm, fast_config
+from tests.averaging.averager_swarm import RUN_ID, AveragerSwarm, fast_config
 
 CONFIG = fast_config(
     state=StateSharingConfig(chunk_size=1 << 20, message_timeout=1.0, max_uploads=8)
@@ -24,7 +26,9 @@ async def test_eight_slow_readers_do_not_make_every_joiner_busy() -> None:
     """8 joiners ask a donor for every chunk of a 32 MiB state and never read. Before
     issue 17 a donor stream had no write deadline: the 8 held every upload slot for as
     long as they liked and every other joiner got ``STATE_BUSY`` (``load_state`` raised
-    StateDownloadError). Now a reader that does not keep up is cut and the joiner loads."""
+    StateDownloadError). Now a reader that does not keep up is cut and the joiner loads.
+    (8 identities: one identity holds at most 2 slots, issue 40,
+    tests/attacks/test_state_upload_slots.py.)"""
     swarm = AveragerSwarm()
     channels: list[grpc.aio.Channel] = []
     calls: list[grpc.aio.UnaryStreamCall] = []
@@ -45,7 +49,8 @@ async def test_eight_slow_readers_do_not_make_every_joiner_busy() -> None:
             request = averaging_pb2.StateRequest(
                 root=manifest.root, chunk_hashes=manifest.chunk_hashes
             )
-            joiner.node.signer.signed(request, donor.node.peer_id, DOWNLOAD_STATE)
+            slow = RequestSigner(Identity.generate(), RUN_ID, lambda: "")
+            slow.signed(request, donor.node.peer_id, DOWNLOAD_STATE)
             calls.append(download_state_method(channel)(request, timeout=60))
         await asyncio.wait_for(sharer.uploads.wait_until(lambda n: n == 8), 30)
         metadata, loaded = await joiner.averager.load_state(timeout=30)
