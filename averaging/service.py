@@ -3,10 +3,13 @@
 ``JoinGroup`` goes to matchmaking, ``Reduce`` to the all-reduce service, ``DownloadState``
 to state sharing. The servicer holds no state of its own; before
 :meth:`~swarmavg.averaging.averager.Averager.start` (and after shutdown) every call is
-refused with ``UNAVAILABLE``. ``JoinGroup`` and ``DownloadState`` first pass a per-source
-rate limit (dht/ratelimit.py, the same one the DHT service uses): a flood gets
-``RESOURCE_EXHAUSTED`` before any component works for it. ``Reduce`` streams belong to a
-formed group and are bounded by the all-reduce service itself.
+refused with ``UNAVAILABLE``. ``JoinGroup`` and ``DownloadState`` first pass rate limits
+(dht/ratelimit.py, as the DHT service does): their address range's, from the connection,
+before anything else; then, once the request's signature verified, the verified sender's.
+Over either a request gets ``RESOURCE_EXHAUSTED`` before any component works for it. The id
+is never taken from the header before the signature checks out: a limit keyed by a claimed
+id let anyone throttle the peer it named. ``Reduce`` streams belong to a formed
+group and are bounded by the all-reduce service itself.
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ from swarmavg.averaging.allreduce.service import AllReduceService
 from swarmavg.averaging.allreduce.wire import Request, deserialize_request, serialize_pieces
 from swarmavg.averaging.matchmaking.matchmaker import Matchmaker
 from swarmavg.averaging.state.sharer import StateSharer
-from swarmavg.dht.ranges import grpc_peer_host, limited_range
+from swarmavg.averaging.stubs import DOWNLOAD_STATE, JOIN_GROUP
+from swarmavg.dht.auth import AuthenticationError, message_digest
+from swarmavg.dht.identity import HeaderError
+from swarmavg.dht.ranges import RangeRateLimiter, grpc_peer_host, limited_range
 from swarmavg.dht.ratelimit import RateLimiter, RateLimits
-from swarmavg.proto import averaging_pb2, averaging_pb2_grpc, common_pb2
+from swarmavg.proto import averaging_pb2, averaging_pb2_grpc
 
 Components = tuple[Matchmaker, AllReduceService, StateSharer]
 
@@ -36,20 +42,41 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
         rate_limits: RateLimits | None = None,
     ) -> None:
         self._components = components
-        self.rate_limiter = RateLimiter(rate_limits or RateLimits())
+        limits = rate_limits or RateLimits()
+        self.rate_limiter = RateLimiter(limits)  # per verified peer id
+        self.range_limiter = RangeRateLimiter(limits)  # per source range, before verifying
 
-    async def _admit(
-        self, header: common_pb2.RequestHeader, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> None:
-        """Refuse the request with RESOURCE_EXHAUSTED when its source is over its rate.
-
-        Keyed by the claimed peer id (checked later by the component) and by the address
-        range it connects from; loopback and private ranges have no range budget.
-        """
+    async def _admit_range(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """Refuse the request with RESOURCE_EXHAUSTED when the address range it connects
+        from is over its rate (loopback and private ranges have no range budget). Nothing of
+        the request is read: before its signature is checked it proves nothing."""
         host = grpc_peer_host(context.peer())
-        refusal = self.rate_limiter.admit(
-            bytes(header.peer_id), limited_range(host, False) if host else None
-        )
+        refusal = self.range_limiter.admit(limited_range(host, False) if host else None)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+
+    async def _admit_sender(
+        self,
+        request: averaging_pb2.JoinRequest | averaging_pb2.StateRequest,
+        method: str,
+        allreduce: AllReduceService,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
+        """Verify the request's signature (without using its nonce up: the component's
+        own check does that) and refuse it with RESOURCE_EXHAUSTED when its verified sender
+        is over its rate. A request that does not verify is refused UNAUTHENTICATED, as the
+        component would; a structural fault (another run) is left to the component's
+        answer."""
+        try:
+            peer_id = allreduce.authenticator.verify(
+                request.header, method, message_digest(request)
+            )
+        except AuthenticationError as error:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
+            raise AssertionError("unreachable: abort raises") from None
+        except HeaderError:
+            return
+        refusal = self.rate_limiter.admit(peer_id, None)
         if refusal is not None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
 
@@ -63,8 +90,9 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
     async def JoinGroup(
         self, request: averaging_pb2.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[averaging_pb2.JoinResponse]:
-        await self._admit(request.header, context)
-        matchmaker, _, _ = await self._get(context)
+        await self._admit_range(context)
+        matchmaker, allreduce, _ = await self._get(context)
+        await self._admit_sender(request, JOIN_GROUP, allreduce, context)
         async for response in matchmaker.rpc_join_group(request, context):
             yield response
 
@@ -79,8 +107,9 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
     async def DownloadState(
         self, request: averaging_pb2.StateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> None:
-        await self._admit(request.header, context)
-        _, _, sharer = await self._get(context)
+        await self._admit_range(context)
+        _, allreduce, sharer = await self._get(context)
+        await self._admit_sender(request, DOWNLOAD_STATE, allreduce, context)
         await sharer.rpc_download_state(request, context)
 
 

@@ -12,8 +12,13 @@ sent, so a signature cannot be moved onto another body (another group, another p
 other records). The receiver id and the method pin it to one peer and one RPC; the timestamp
 and the nonce make it single-use: a request older or newer than ``window`` seconds by the
 receiver's clock is refused, and a (sender, nonce) seen inside the window is refused as a
-replay. Streams are authenticated once, by their first message; the rest of an HTTP/2
-stream or data-plane connection cannot be injected by an off-path third party (see
+replay. The replay cache is bounded and kept per sender (:class:`ReplayCache`): what it
+drops under a flood, and a timestamp far ahead, refuse only that sender's own older
+messages, not another peer's (the one exception is a slot collision in a keyed
+table that only a flood of many identities fills). A service's per-sender rate limit runs
+between the signature check and the cache (``admit``), so a sender over its rate fills no
+entry. Streams are authenticated once, by their first message; the rest of an HTTP/2 stream
+or data-plane connection cannot be injected by an off-path third party (see
 docs/security.md, "Message authentication").
 
 Answers that the caller relies on (the DHT's) are signed the same way by the responder, with
@@ -30,6 +35,7 @@ import hashlib
 import os
 import struct
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TypeVar
@@ -50,7 +56,9 @@ DIGEST_BYTES = 32
 DEFAULT_AUTH_WINDOW = 120.0
 """Seconds a signed message stays acceptable either side of the receiver's clock."""
 DEFAULT_MAX_NONCES = 200_000
-"""Replay-cache entries kept at most (about 30 MB): ~1600 messages per second for 120 s."""
+"""Replay-cache entries kept at most (about 30 MB): ~1600 messages per second for 120 s;
+as many horizons of senders without entries again, and, allocated on a flood of identities
+only, a keyed table of about 4 times as many folded horizons (8 MB)."""
 
 M = TypeVar("M", bound=Message)
 
@@ -202,19 +210,168 @@ class RequestSigner:
         )
 
 
+class AdmissionError(Exception):
+    """A verified message that ``admit`` (a per-sender rate limit) turned away.
+
+    Not an authentication failure: services answer it with ``RESOURCE_EXHAUSTED``. Nothing
+    of the message is remembered, so a sender over its rate fills no replay-cache entry.
+    """
+
+
+class _Sender:
+    """One sender's remembered nonces (arrival order) and its replay horizon."""
+
+    __slots__ = ("floor", "nonces")
+
+    def __init__(self, floor: float) -> None:
+        self.nonces: OrderedDict[bytes, float] = OrderedDict()  # nonce -> timestamp
+        self.floor = floor
+
+
+class ReplayCache:
+    """The (sender, nonce) pairs accepted inside the window, bounded, kept per sender.
+
+    A nonce is needed only while its timestamp is inside the window (older messages are
+    refused as stale). When more than ``max_nonces`` are held, one is dropped and its
+    timestamp becomes the **horizon of its own sender**: that sender's messages stamped at or
+    before it are refused, so eviction never lets a replay through, and it never refuses
+    anyone else's. The nonce dropped is the oldest of the sender that just went over its
+    share (``max_nonces`` over the number of senders held), else of the least recently heard
+    sender: a flooding identity displaces its own entries, not those of peers that are
+    active, and an evicted honest entry only sets a horizon in that peer's own past.
+
+    Horizons of senders that hold no nonce any more are kept too (at most ``max_nonces``,
+    least recently set dropped first, each until it leaves the window). One dropped while
+    still inside the window is folded into a table of ``spill_slots`` horizons indexed by a
+    keyed hash of the sender (a secret key per cache, so nobody can aim at a given peer's
+    slot): it can refuse another sender only when their slots collide, and refusing a sender
+    whose slot was folded takes many identities, each sending a message that must be
+    evicted while fresh, well over ``2 * max_nonces`` of them inside one window.
+    """
+
+    def __init__(self, window: float, max_nonces: int) -> None:
+        self.window = window
+        self.max_nonces = max_nonces
+        self._senders: OrderedDict[bytes, _Sender] = OrderedDict()  # least recently heard first
+        self._floors: OrderedDict[bytes, float] = OrderedDict()  # senders without nonces
+        self._size = 0
+        self._spill: array[float] | None = None  # allocated by the first fold
+        self._spill_mask = (1 << max(12, (4 * max_nonces - 1).bit_length())) - 1
+        self._spill_key = os.urandom(16)
+        self.folded = 0
+        """Horizons folded into the keyed table (a flood of identities; normally 0)."""
+
+    def __len__(self) -> int:
+        return self._size
+
+    def _slot(self, sender: bytes) -> int:
+        digest = hashlib.blake2b(sender, key=self._spill_key, digest_size=8).digest()
+        return int.from_bytes(digest, "big") & self._spill_mask
+
+    def horizon(self, sender: bytes) -> float:
+        """The timestamp at or before which ``sender``'s messages are refused."""
+        state = self._senders.get(sender)
+        floor = state.floor if state is not None else self._floors.get(sender, -float("inf"))
+        if self._spill is not None:
+            floor = max(floor, self._spill[self._slot(sender)])
+        return floor
+
+    def refusal(self, sender: bytes, nonce: bytes, timestamp: float) -> str | None:
+        """Why (``sender``, ``nonce``) stamped ``timestamp`` cannot be accepted, or None."""
+        if timestamp <= self.horizon(sender):
+            return (
+                "the timestamp predates this peer's replay horizon for this sender (its "
+                "older nonces were dropped); sign the message again"
+            )
+        state = self._senders.get(sender)
+        if state is not None and nonce in state.nonces:
+            return "replayed message: this nonce was already used"
+        return None
+
+    def add(self, sender: bytes, nonce: bytes, timestamp: float, now: float) -> None:
+        """Remember an accepted nonce (after :meth:`refusal` said None)."""
+        state = self._senders.get(sender)
+        if state is not None:
+            self._expire(sender, state, now)  # may leave it only a horizon
+            state = self._senders.get(sender)
+        if state is None:
+            state = self._senders[sender] = _Sender(self._floors.pop(sender, -float("inf")))
+        else:
+            self._senders.move_to_end(sender)
+        state.nonces[nonce] = timestamp
+        self._size += 1
+        self._sweep(now)
+        while self._size > self.max_nonces:
+            if len(state.nonces) * len(self._senders) >= self._size:
+                self._evict(sender, state, now)  # over its share: its own oldest goes
+            else:
+                oldest = next(iter(self._senders))
+                self._evict(oldest, self._senders[oldest], now)
+
+    def _evict(self, sender: bytes, state: _Sender, now: float) -> None:
+        _, timestamp = state.nonces.popitem(last=False)
+        self._size -= 1
+        if timestamp + self.window >= now:  # dropped while still fresh: the sender's horizon
+            state.floor = max(state.floor, timestamp)
+        if not state.nonces:
+            self._retire(sender, state, now)
+
+    def _expire(self, sender: bytes, state: _Sender, now: float) -> None:
+        """Drop ``sender``'s nonces that left the window. Arrival order is only roughly
+        timestamp order: this frees the front and lets a late straggler wait."""
+        nonces = state.nonces
+        while nonces:
+            timestamp = next(iter(nonces.values()))
+            if timestamp + self.window >= now:
+                return
+            nonces.popitem(last=False)
+            self._size -= 1
+        self._retire(sender, state, now)
+
+    def _retire(self, sender: bytes, state: _Sender, now: float) -> None:
+        """``sender`` holds no nonce any more: keep only its horizon, while it matters."""
+        del self._senders[sender]
+        if state.floor + self.window < now:
+            return
+        self._floors[sender] = state.floor
+        if len(self._floors) > self.max_nonces:
+            dropped, floor = self._floors.popitem(last=False)
+            if floor + self.window >= now:
+                self._fold(dropped, floor)
+
+    def _fold(self, sender: bytes, floor: float) -> None:
+        if self._spill is None:
+            self._spill = array("d", [-float("inf")]) * (self._spill_mask + 1)
+        slot = self._slot(sender)
+        self._spill[slot] = max(self._spill[slot], floor)
+        self.folded += 1
+
+    def _sweep(self, now: float) -> None:
+        """Expire the least recently heard sender's old nonces and horizons that left the
+        window (amortised: each entry goes once)."""
+        if self._senders:
+            oldest = next(iter(self._senders))
+            self._expire(oldest, self._senders[oldest], now)
+        floors = self._floors
+        while floors and next(iter(floors.values())) + self.window < now:
+            floors.popitem(last=False)
+
+
 class Authenticator:
     """The one check every service applies to a message's header (one per daemon).
 
     :meth:`check` verifies a request: structure (:func:`verify_header`), receiver, method,
-    freshness, signature, and single use. :meth:`check_response` verifies an answer to one
-    of our requests. Both raise :class:`AuthenticationError` (answer ``UNAUTHENTICATED``)
-    or, for a structural fault such as another run, :class:`HeaderError`.
+    freshness, single use, signature; then it may ``admit`` the verified sender (a rate
+    limit), and only then remembers the nonce. :meth:`verify` is the same without
+    remembering. :meth:`check_response` verifies an answer to one of our requests. They raise
+    :class:`AuthenticationError` (answer ``UNAUTHENTICATED``) or, for a structural fault such
+    as another run, :class:`HeaderError`.
 
-    The replay cache holds (sender, nonce) of every accepted request until its timestamp
-    leaves the window, at most ``max_nonces`` entries. When it is full, the oldest entry is
-    dropped and its timestamp becomes a floor: a request stamped at or before the floor is
-    refused, so evicting never lets a replay through (under a flood, honest requests older
-    than the floor are refused too, and the sender retries with a fresh stamp).
+    The replay cache (:class:`ReplayCache`) keeps (sender, nonce) of every accepted request
+    until its timestamp leaves the window, at most ``max_nonces`` entries, and when full it
+    drops one and refuses that sender's messages stamped at or before it: the horizon is the
+    sender's own, so neither a message stamped far ahead nor a flood of other messages can
+    make this peer refuse an honest sender.
     """
 
     def __init__(
@@ -235,12 +392,20 @@ class Authenticator:
         self.max_nonces = max_nonces
         self.clock = clock
         """The receiver's unix time (a test seam)."""
-        self._seen: OrderedDict[bytes, float] = OrderedDict()  # sender+nonce -> timestamp
-        self._floor = -float("inf")
+        self.replays = ReplayCache(window, max_nonces)
         self.refused = 0
+        # The last signature verified, with its payload: a service that verified a request
+        # before admitting it (:meth:`verify`) hands it to the component's :meth:`check`,
+        # which then costs no second Ed25519 verification.
+        self._last_verified: tuple[bytes, bytes] = (b"", b"")
 
     def _check_common(
-        self, header: common_pb2.RequestHeader, method: str, digest: bytes, *, response: bool
+        self,
+        header: common_pb2.RequestHeader,
+        method: str,
+        digest: bytes,
+        *,
+        response: bool,
     ) -> tuple[bytes, float]:
         sender = verify_header(header, self.run_id)
         if not header.signature:
@@ -261,28 +426,67 @@ class Authenticator:
                 f"(window {self.window:g} s)"
             )
         payload = signed_payload(header, digest, response=response)
-        if not verify_signature(header.public_key, header.signature, payload):
-            raise AuthenticationError("the signature does not verify for this sender and message")
+        verified = (bytes(header.signature), payload)
+        if verified != self._last_verified:
+            if not verify_signature(header.public_key, header.signature, payload):
+                raise AuthenticationError(
+                    "the signature does not verify for this sender and message"
+                )
+            # the payload names the key (the sender id is its hash): same bytes, same result
+            self._last_verified = verified
+        if not response:  # answers are bound to our request's nonce: no cache
+            refusal = self.replays.refusal(sender, bytes(header.nonce), header.timestamp)
+            if refusal is not None:
+                raise AuthenticationError(refusal)
         return sender, now
 
-    def check(self, header: common_pb2.RequestHeader, method: str, digest: bytes) -> bytes:
+    def verify(self, header: common_pb2.RequestHeader, method: str, digest: bytes) -> bytes:
+        """Every check of :meth:`check` (a replay included) without using the nonce up;
+        return the sender's peer id. For a service that admits the sender before the
+        component that owns the request calls :meth:`check`.
+
+        Raises:
+            AuthenticationError, HeaderError: as :meth:`check`.
+        """
+        try:
+            sender, _ = self._check_common(header, method, digest, response=False)
+        except AuthenticationError:
+            self.refused += 1
+            raise
+        return sender
+
+    def check(
+        self,
+        header: common_pb2.RequestHeader,
+        method: str,
+        digest: bytes,
+        admit: Callable[[bytes], str | None] | None = None,
+    ) -> bytes:
         """Verify a request (or a stream's first message); return the sender's peer id.
 
         Args:
             method: the full gRPC method the message arrived on.
             digest: :func:`message_digest` of the message as received.
+            admit: called with the verified sender before its nonce is remembered; a
+                string it returns (a rate limit's refusal) is raised as
+                :class:`AdmissionError` and nothing is remembered.
 
         Raises:
             AuthenticationError: bad or missing signature, stale timestamp, replay, another
                 receiver or method.
             HeaderError: another run or protocol version, a key that does not match the id.
+            AdmissionError: ``admit`` refused the sender.
         """
         try:
             sender, now = self._check_common(header, method, digest, response=False)
-            self._remember(sender + bytes(header.nonce), header.timestamp, now)
         except AuthenticationError:
             self.refused += 1
             raise
+        if admit is not None:
+            refusal = admit(sender)
+            if refusal is not None:
+                raise AdmissionError(refusal)
+        self.replays.add(sender, bytes(header.nonce), header.timestamp, now)
         return sender
 
     def check_response(
@@ -306,25 +510,5 @@ class Authenticator:
             raise AuthenticationError("answered as another peer")
         return responder
 
-    def _remember(self, key: bytes, timestamp: float, now: float) -> None:
-        if timestamp <= self._floor:
-            raise AuthenticationError(
-                "the timestamp predates this peer's replay horizon (it is flooded); "
-                "sign the message again"
-            )
-        if key in self._seen:
-            raise AuthenticationError("replayed message: this nonce was already used")
-        seen = self._seen
-        # Entries leave once their timestamp is out of the window; insertion order is only
-        # roughly timestamp order, so this frees the front and lets a late straggler wait.
-        while seen:
-            oldest_key, oldest = next(iter(seen.items()))
-            if oldest + self.window >= now and len(seen) < self.max_nonces:
-                break
-            del seen[oldest_key]
-            if oldest + self.window >= now:
-                self._floor = max(self._floor, oldest)  # evicted while still fresh
-        seen[key] = timestamp
-
     def __len__(self) -> int:
-        return len(self._seen)
+        return len(self.replays)

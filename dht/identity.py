@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import stat
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
@@ -38,6 +39,11 @@ _KEY_FILE_BYTES = 32  # a raw Ed25519 private key (seed)
 
 class HeaderError(ValueError):
     """A request header is malformed, from another run or protocol version, or lies about its id."""
+
+
+class KeyFilePermissionError(PermissionError):
+    """An identity file that users other than its owner may read or write (as ssh, refused:
+    whoever reads the file is that peer). The message says the ``chmod`` that fixes it."""
 
 
 def peer_id_from_public_key(public_key: bytes) -> bytes:
@@ -110,21 +116,34 @@ class Identity:
 
         The same file always gives the same peer id. The file holds the raw 32-byte private key.
         Creation is atomic (``O_EXCL``): two processes racing on a missing file end up with the
-        same identity, and the key is never readable by other users, even briefly.
+        same identity, and the key is never readable by other users, even briefly. An existing
+        file that its group or other users may read or write is refused, as ssh refuses such
+        a private key: the message says to ``chmod 600`` it.
 
         Raises:
             ValueError: the file exists but does not hold a 32-byte key.
+            KeyFilePermissionError: the file exists and its mode lets other users at it (an
+                ``OSError``).
             OSError: the file cannot be read or created.
         """
         path = Path(path)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
-            data = path.read_bytes()
+            with open(path, "rb") as file:
+                mode = stat.S_IMODE(os.fstat(file.fileno()).st_mode)
+                data = file.read(_KEY_FILE_BYTES + 1)
             if len(data) != _KEY_FILE_BYTES:
                 raise ValueError(
                     f"{path} is not a swarmavg identity file "
-                    f"(expected {_KEY_FILE_BYTES} bytes, found {len(data)})"
+                    f"(expected {_KEY_FILE_BYTES} bytes, found {len(data)}"
+                    f"{' or more' if len(data) > _KEY_FILE_BYTES else ''})"
+                ) from None
+            if mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise KeyFilePermissionError(
+                    f"permissions {mode:04o} for the identity file {path} are too open: it is "
+                    "this peer's private key, and other users may reach it; it is refused "
+                    f"(run `chmod 600 {path}`)"
                 ) from None
             return cls(Ed25519PrivateKey.from_private_bytes(data))
         private_key = Ed25519PrivateKey.generate()

@@ -4,9 +4,15 @@ Both directions keep the routing table current (paper 2.2: every message a node 
 gets an answer to refreshes the sender's bucket entry):
 
 * A request whose header carries an address (a serving node) teaches us its sender, once the
-  header and the sender's signed address check out. Client-mode senders send no address and
-  are never learned, so they never enter others' tables. A request from a public address that
-  claims a local one (loopback, private) is not learned: it cannot be the sender's own.
+  header and the sender's signed address check out, and only at an address its connection
+  shows it has: the claimed host must be in the address range the request came from (any
+  local address from a local source, unless ``limit_local_ranges``). A claim elsewhere (a
+  peer behind port forwarding, a relayed peer, a multi-homed host) is checked by a ping to
+  the claimed address, and learned from that answer if the claimant answers there
+  (:meth:`DHTProtocol.learn_claim`); a claim that is a DNS name is not learned from a request
+  at all (anyone can point many names at one host), nor is a local address claimed from a
+  public source (it cannot be the sender's own, and is never dialled on its word).
+  Client-mode senders send no address and are never learned.
 * An answer teaches us the responder at the address we dialled, and only if the answer carries
   the responder's signature binding its id to that very address. Contacts are learned only
   from their owners: a peer that copies another's public key into its answers (the routing
@@ -16,9 +22,11 @@ gets an answer to refreshes the sender's bucket entry):
 * A failed call counts against a contact only when we dialled the contact's known address, so
   hearsay naming a known id at a dead address cannot get the real contact dropped.
 
-Every request is admitted by a per-source token bucket first (ratelimit.py; sender id and
-address range); over the limit it gets ``RESOURCE_EXHAUSTED``. Records stored for a peer count
-against its storage quotas (quotas.py).
+Every request is admitted by token buckets (ratelimit.py): its address range's, from the
+connection, before anything else; its sender's, by the verified id, after the signature and
+before the nonce is remembered, so that neither a claimed id nor a rate-limited flood touches
+what others get. Over either it gets ``RESOURCE_EXHAUSTED``. Records stored for a
+peer count against its storage quotas (quotas.py).
 
 Every inbound message is length-checked before it is parsed, and every record is validated
 before anything is stored: a bad request gets an error status and changes nothing, not even
@@ -37,7 +45,13 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from swarmavg.dht.auth import AuthenticationError, Authenticator, RequestSigner, message_digest
+from swarmavg.dht.auth import (
+    AdmissionError,
+    AuthenticationError,
+    Authenticator,
+    RequestSigner,
+    message_digest,
+)
 from swarmavg.dht.channels import ChannelPool
 from swarmavg.dht.config import DHTConfig
 from swarmavg.dht.identity import (
@@ -48,7 +62,14 @@ from swarmavg.dht.identity import (
 )
 from swarmavg.dht.ids import ID_BYTES, id_to_int, key_id
 from swarmavg.dht.quotas import Source
-from swarmavg.dht.ranges import grpc_peer_host, host_range, limited_range, split_host
+from swarmavg.dht.ranges import (
+    RangeRateLimiter,
+    grpc_peer_host,
+    host_range,
+    is_name,
+    limited_range,
+    split_host,
+)
 from swarmavg.dht.ratelimit import RateLimiter
 from swarmavg.dht.records import StoredRecord
 from swarmavg.dht.routing import Contact, RoutingTable
@@ -67,6 +88,11 @@ log = logging.getLogger(__name__)
 SERVICE = "swarmavg.v1.DHT"
 MAX_ADDRESS_CHARS = 256
 _BINDING_CACHE = 4096  # verified (peer id -> address, signature) bindings kept
+CLAIM_CHECKS_AT_ONCE = 8
+"""Pings to addresses claimed elsewhere than the request came from, in flight at most."""
+CLAIM_RETRY_AFTER = 60.0
+"""Seconds before the same (peer id, claimed address) is pinged again."""
+_CLAIMS_REMEMBERED = 4096
 
 M = TypeVar("M", bound=Message)
 R = TypeVar("R", dht_pb2.PingResponse, dht_pb2.StoreResponse, dht_pb2.FindResponse)
@@ -169,7 +195,11 @@ class DHTProtocol:
         )
         self._bindings: OrderedDict[bytes, tuple[str, bytes]] = OrderedDict()
         self._pinging: set[bytes] = set()
-        self.rate_limiter = RateLimiter(config.rate_limits)
+        self.rate_limiter = RateLimiter(config.rate_limits)  # per verified peer id
+        self.range_limiter = RangeRateLimiter(config.rate_limits)  # per source range, first
+        self._claims_tried: OrderedDict[tuple[bytes, str], float] = OrderedDict()
+        self._claims_checking: set[bytes] = set()
+        self.claims_checked = 0  # pings to claimed addresses that ended (either way)
         self.signatures = SignatureCache(config.signature_cache)
         self.unproven_answers = 0  # answers that did not bind the address we dialled
         self._tasks = TaskSet()
@@ -256,29 +286,38 @@ class DHTProtocol:
             self._bindings.popitem(last=False)
         return True
 
+    def _admit_id(self, peer_id: bytes) -> str | None:
+        return self.rate_limiter.admit(peer_id, None)
+
     async def _check_sender(
         self,
         msg: dht_pb2.PingRequest | dht_pb2.StoreRequest | dht_pb2.FindRequest,
         method: str,
         context: Any,
     ) -> tuple[Source, Contact | None]:
-        """Authenticate the request and admit it under the sender's rate limit; return the
-        sender as a storage-quota source and, for serving senders we may learn, its contact.
-        A bad signature, a replay or a stale or misdirected request: UNAUTHENTICATED."""
+        """Admit the request under its source range's rate, authenticate it, admit it under
+        the verified sender's rate; return the sender as a storage-quota source and, for a
+        serving sender we may learn at once, its contact (:meth:`learn_claim` may learn it
+        later). A bad signature, a replay or a stale or misdirected request: UNAUTHENTICATED;
+        over a rate: RESOURCE_EXHAUSTED, and its nonce is not remembered."""
         header, signature = msg.header, msg.address_signature
-        try:
-            peer_id = self.authenticator.check(header, _method(method), message_digest(msg))
-        except AuthenticationError as e:
-            await self._abort(context, grpc.StatusCode.UNAUTHENTICATED, str(e))
-        except HeaderError as e:
-            await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
         source_host = grpc_peer_host(context.peer())
         range_name = (
             limited_range(source_host, self.config.limit_local_ranges) if source_host else None
         )
-        refusal = self.rate_limiter.admit(peer_id, range_name)
+        refusal = self.range_limiter.admit(range_name)
         if refusal is not None:
             await self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        try:
+            peer_id = self.authenticator.check(
+                header, _method(method), message_digest(msg), admit=self._admit_id
+            )
+        except AdmissionError as e:
+            await self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except AuthenticationError as e:
+            await self._abort(context, grpc.StatusCode.UNAUTHENTICATED, str(e))
+        except HeaderError as e:
+            await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
         source = Source(peer_id, range_name)
         address = header.address
         if not address:
@@ -291,9 +330,65 @@ class DHTProtocol:
                 grpc.StatusCode.UNAUTHENTICATED,
                 "address signature does not verify for this peer id",
             )
-        if source_host and host_range(split_host(address))[1] and not host_range(source_host)[1]:
-            return source, None  # a public sender claiming a local address: not its own
-        return source, Contact(peer_id, address)
+        contact = Contact(peer_id, address)
+        if not source_host or self._shows(source_host, address):
+            return source, contact
+        self.learn_claim(contact, source_host)
+        return source, None
+
+    def _shows(self, source_host: str, address: str) -> bool:
+        """Whether a connection from ``source_host`` shows that its sender is at
+        ``address``: the claimed host is an IP in the source's address range, or both are
+        local and local ranges are exempt (this host or its LAN)."""
+        claimed = split_host(address)
+        if is_name(claimed):
+            return False
+        claimed_range, claimed_local = host_range(claimed)
+        source_range, source_local = host_range(source_host)
+        if claimed_range == source_range:
+            return True
+        return claimed_local and source_local and not self.config.limit_local_ranges
+
+    def learn_claim(self, contact: Contact, source_host: str) -> None:
+        """A serving sender whose request came from elsewhere than the address it claims:
+        learn it only if it answers a ping there (the answer path learns it; see the module
+        docstring). A contact already known at that address is refreshed. Never for a DNS
+        name (a name is not dialled on a request's word) nor for a local address claimed
+        from a public source; at most :data:`CLAIM_CHECKS_AT_ONCE` pings at once and one per
+        (id, address) per :data:`CLAIM_RETRY_AFTER` seconds."""
+        known = self.routing.get(contact.peer_id)
+        if known is not None and known.address == contact.address:
+            self.learn(contact)  # that address was proven before
+            return
+        claimed = split_host(contact.address)
+        if is_name(claimed) or (host_range(claimed)[1] and not host_range(source_host)[1]):
+            return
+        if (
+            self._closed
+            or contact.peer_id in self._claims_checking
+            or len(self._claims_checking) >= CLAIM_CHECKS_AT_ONCE
+        ):
+            return
+        key = (contact.peer_id, contact.address)
+        now = time.monotonic()
+        tried = self._claims_tried.get(key)
+        if tried is not None and now - tried < CLAIM_RETRY_AFTER:
+            return
+        self._claims_tried[key] = now
+        self._claims_tried.move_to_end(key)
+        while len(self._claims_tried) > _CLAIMS_REMEMBERED:
+            self._claims_tried.popitem(last=False)
+        self._claims_checking.add(contact.peer_id)
+        self._tasks.spawn(self._check_claim(contact), name="check-claim")
+
+    async def _check_claim(self, contact: Contact) -> None:
+        try:
+            await self.call_ping(contact.address, expected_id=contact.peer_id)
+        except DHTRPCError:
+            pass  # not there (or not as that peer): nothing learned
+        finally:
+            self._claims_checking.discard(contact.peer_id)
+            self.claims_checked += 1
 
     def _answer(self, request: common_pb2.RequestHeader, method: str, answer: R) -> bytes:
         """``answer`` signed for the requester, bound to the request's nonce, with our

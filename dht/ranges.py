@@ -5,7 +5,10 @@ table limits how many contacts of one address range one bucket holds (routing.py
 rate limits and storage quotas count per range as well as per id (ratelimit.py, storage.py).
 
 A range is an IPv4 /24 or an IPv6 /48 (the usual allocation to one site). Hosts that are not
-IP literals (DNS names) are their own range: the table never resolves names.
+IP literals (DNS names) all share one range, :data:`NAMES_RANGE`: the table never resolves
+names, and anyone can point any number of names at one address, so a name says nothing about
+the network behind it (when each name was its own range, 40 names filled a
+bucket that one /24 may hold 2 places of). ``localhost`` and ``*.localhost`` are local.
 
 Loopback, private (RFC 1918, fc00::/7) and link-local addresses are *local*. Whether they are
 limited is the caller's choice (``DHTConfig.limit_local_ranges``, off by default): test swarms
@@ -17,12 +20,20 @@ public one, so that claim does not bypass the limit.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
+import time
+from collections.abc import Callable
 from functools import lru_cache
 from urllib.parse import unquote
 
+from swarmavg.dht.ratelimit import RateLimiter, RateLimits
+
 IPV4_PREFIX = 24
 IPV6_PREFIX = 48
+NAMES_RANGE = "dns-names"
+"""The one range of every host that is a DNS name (not a network: never an IP literal)."""
+LOCALHOST_RANGE = "localhost"
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -55,12 +66,15 @@ def is_local(ip: IPAddress) -> bool:
 def host_range(host: str) -> tuple[str, bool]:
     """(range name, local?) of a bare host (an IP literal or a DNS name).
 
-    The name is the /24 or /48 network (``"203.0.113.0/24"``) or, for a DNS name, the name
-    itself; ``localhost`` counts as local.
+    The name is the /24 or /48 network (``"203.0.113.0/24"``); every DNS name is
+    :data:`NAMES_RANGE`, except ``localhost`` and ``*.localhost``, which are the local range
+    ``"localhost"``.
     """
     ip = parse_ip(host)
     if ip is None:
-        return host, host == "localhost" or host.endswith(".localhost")
+        if host == "localhost" or host.endswith(".localhost"):
+            return LOCALHOST_RANGE, True
+        return NAMES_RANGE, False
     prefix = IPV4_PREFIX if ip.version == 4 else IPV6_PREFIX
     network = ipaddress.ip_network(f"{ip}/{prefix}", strict=False)
     return str(network), is_local(ip)
@@ -86,3 +100,49 @@ def limited_range(host: str, limit_local: bool) -> str | None:
     if local and not limit_local:
         return None
     return name
+
+
+def is_name(host: str) -> bool:
+    """Whether a bare host is a DNS name rather than an IP literal."""
+    return parse_ip(host) is None
+
+
+class RangeRateLimiter:
+    """Requests per second per address range alone: the range half of a
+    :class:`~swarmavg.dht.ratelimit.RateLimiter` with the same settings
+    (``per_range_factor`` times the per-id rate and burst).
+
+    For the check that runs before a request's signature is verified: then the only thing
+    known about its source is the address its connection comes from, never the id it claims
+    (a limit keyed by a claimed id lets anyone throttle that id). The per-id budget
+    is taken after verification, by the verified id.
+    """
+
+    def __init__(self, limits: RateLimits, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = limits.per_source_rate * limits.per_range_factor
+        self._limiter = RateLimiter(
+            dataclasses.replace(
+                limits,
+                per_source_rate=self.rate,
+                per_source_burst=limits.per_source_burst * limits.per_range_factor,
+                per_range_factor=1.0,
+            ),
+            clock,
+        )
+
+    @property
+    def refused(self) -> int:
+        return self._limiter.refused
+
+    def admit(self, range_name: str | None) -> str | None:
+        """Take one request from ``range_name`` (None: an exempt range, always admitted).
+
+        Returns:
+            None when admitted, else why not (for the ``RESOURCE_EXHAUSTED`` details).
+        """
+        if range_name is None or self._limiter.admit(range_name.encode(), None) is None:
+            return None
+        return (
+            f"too many requests from address range {range_name} (more than "
+            f"{self.rate:.0f}/s); slow down"
+        )

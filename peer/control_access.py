@@ -13,14 +13,28 @@ it must take what only the daemon's user has:
   (:class:`TokenInterceptor`, UNAUTHENTICATED). The client reads the file and sends the token
   as call metadata (:func:`read_token`); a client of another user finds no file and gets a
   clear error.
+
+  A port, unlike a socket file, has no owner to check, and any local user can listen on one
+  that is free: the port of a daemon that exited, whose token file is still there. So the
+  client authenticates the daemon before it sends anything: the token file also
+  names the daemon's process, and :func:`check_listener` asks the kernel which sockets
+  listen where the client would connect and refuses unless every one of them is a socket of
+  that process (Linux: ``/proc/net/tcp``, ``/proc/net/tcp6`` and ``/proc/PID/fd``). An
+  impostor's listener, another user's or this user's, is refused before the token or a
+  tensor leaves the client. What stays open: the check is made when the client connects; a
+  client whose daemon dies while it is connected reconnects to whoever listens next, and
+  on a system without ``/proc`` a TCP endpoint is refused (use the unix socket).
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 import secrets
+import socket
 import stat
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -76,6 +90,9 @@ def new_token() -> str:
 def write_token_file(endpoint: ControlEndpoint, token: str) -> Path:
     """Write ``token`` (mode 600) for the bound TCP ``endpoint``; return the file's path.
 
+    The second line is this process's id: the process that holds the listening socket, which
+    clients check before they send anything (:func:`check_listener`).
+
     Raises:
         ControlAccessError: the folder is not private to this user.
         OSError: the file cannot be written.
@@ -86,7 +103,7 @@ def write_token_file(endpoint: ControlEndpoint, token: str) -> Path:
     path.unlink(missing_ok=True)  # a stale token of a daemon that died on this port
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.write(fd, token.encode())
+        os.write(fd, f"{token}\n{os.getpid()}\n".encode())
     finally:
         os.close(fd)
     return path
@@ -98,6 +115,16 @@ def read_token(endpoint: ControlEndpoint) -> str:
     Raises:
         ControlAccessError: no token file for this port, or one other users can read or that
             another user owns.
+    """
+    return read_token_file(endpoint)[0]
+
+
+def read_token_file(endpoint: ControlEndpoint) -> tuple[str, int | None]:
+    """(token, daemon process id) of the TCP ``endpoint``, from this user's token file; the
+    process id is None in a file that names none (an older daemon).
+
+    Raises:
+        ControlAccessError: as :func:`read_token`.
     """
     path = token_path(endpoint)
     try:
@@ -111,7 +138,123 @@ def read_token(endpoint: ControlEndpoint) -> str:
         info = os.fstat(file.fileno())
         if info.st_uid != os.geteuid() or info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise ControlAccessError(f"the control token file {path} is not private to you")
-        return file.read(4 * _TOKEN_BYTES).decode(errors="replace").strip()
+        lines = file.read(4 * _TOKEN_BYTES).decode(errors="replace").split()
+    token = lines[0] if lines else ""
+    pid = int(lines[1]) if len(lines) > 1 and lines[1].isdigit() else None
+    return token, pid
+
+
+_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's "st" column
+
+
+def _proc_address(hex_address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address of /proc/net/tcp{,6}: 32-bit words in the host's byte order, as hex."""
+    raw = bytes.fromhex(hex_address)
+    words = struct.unpack(f"={len(raw) // 4}I", raw)
+    return ipaddress.ip_address(struct.pack(f">{len(words)}I", *words))
+
+
+def _listening_sockets(
+    port: int,
+) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]]:
+    """(local address, socket inode) of every TCP socket listening on ``port`` here."""
+    found = []
+    for table in ("tcp", "tcp6"):
+        try:
+            text = Path("/proc/net", table).read_text()
+        except FileNotFoundError:
+            if table == "tcp":
+                raise
+            continue  # no IPv6
+        for line in text.splitlines()[1:]:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != _LISTEN:
+                continue
+            host, _, port_hex = fields[1].partition(":")
+            if int(port_hex, 16) == port:
+                found.append((_proc_address(host), int(fields[9])))
+    return found
+
+
+def _targets(endpoint: ControlEndpoint) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The addresses a client connecting to ``endpoint`` may reach (a name: all of them)."""
+    host = endpoint.host.strip("[]")
+    try:
+        return {ipaddress.ip_address(host)}
+    except ValueError:
+        infos = socket.getaddrinfo(host, endpoint.port, type=socket.SOCK_STREAM)
+        return {ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in infos}
+
+
+def _reaches(
+    listener: ipaddress.IPv4Address | ipaddress.IPv6Address,
+    targets: set[ipaddress.IPv4Address | ipaddress.IPv6Address],
+) -> bool:
+    """Whether a socket listening on ``listener`` takes connections to any of ``targets``."""
+    if listener in targets or listener.is_unspecified:  # a wildcard takes every address
+        return True
+    mapped = listener.ipv4_mapped if isinstance(listener, ipaddress.IPv6Address) else None
+    return mapped is not None and mapped in targets
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    """The sockets process ``pid`` holds, if it is this user's (else none)."""
+    proc = Path("/proc", str(pid))
+    try:
+        if proc.stat().st_uid != os.geteuid():
+            return set()
+        fds = os.listdir(proc / "fd")
+    except OSError:  # gone, or not ours to read
+        return set()
+    inodes = set()
+    for fd in fds:
+        try:
+            link = os.readlink(proc / "fd" / fd)
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:[") and link.endswith("]"):
+            inodes.add(int(link[8:-1]))
+    return inodes
+
+
+def check_listener(endpoint: ControlEndpoint, pid: int | None) -> None:
+    """Raise :class:`ControlAccessError` unless every socket that listens where a client of
+    the TCP ``endpoint`` would connect belongs to the daemon process ``pid`` (the one its
+    token file names), and at least one does.
+
+    The kernel's socket tables say who listens, before any byte is sent: a daemon that
+    exited leaves its port free and its token file behind, and whoever listens on the port
+    then must not get the token or the tensors.
+    """
+    where = f"{endpoint.host}:{endpoint.port}"
+    if pid is None:
+        raise ControlAccessError(
+            f"the control token file for {where} names no daemon process (an older swarmavg "
+            "wrote it); restart the daemon"
+        )
+    try:
+        listening = _listening_sockets(endpoint.port)
+    except OSError:
+        raise ControlAccessError(
+            f"cannot tell who listens at {where} on this system (no /proc/net/tcp), so the "
+            "TCP control endpoint cannot be checked; use the daemon's unix socket"
+        ) from None
+    try:
+        targets = _targets(endpoint)
+    except (OSError, ValueError) as exc:
+        raise ControlAccessError(f"cannot resolve the control endpoint {where}: {exc}") from None
+    reaching = {inode for address, inode in listening if _reaches(address, targets)}
+    if not reaching:
+        raise ControlAccessError(
+            f"nothing listens at {where}: the daemon that wrote its control token (process "
+            f"{pid}) has exited"
+        )
+    if not reaching <= _socket_inodes(pid):
+        raise ControlAccessError(
+            f"the listener at {where} is not the daemon that wrote its control token "
+            f"(process {pid}): that daemon has exited and another program took its port; "
+            "refusing to send it the token or anything else"
+        )
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -166,7 +309,15 @@ def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 
 def call_metadata(endpoint: ControlEndpoint) -> tuple[tuple[str, str], ...]:
-    """The metadata a client sends with every call to ``endpoint`` (empty for unix sockets)."""
+    """The metadata a client sends with every call to ``endpoint`` (empty for unix sockets),
+    once the TCP listener proved to be the daemon that wrote the token (:func:`check_listener`).
+
+    Raises:
+        ControlAccessError: no token of this user for the endpoint, or another program
+            listens there.
+    """
     if endpoint.path is not None:
         return ()
-    return ((TOKEN_METADATA_KEY, read_token(endpoint)),)
+    token, pid = read_token_file(endpoint)
+    check_listener(endpoint, pid)
+    return ((TOKEN_METADATA_KEY, token),)
