@@ -7,9 +7,11 @@ tells the NATed peer over its reservation stream (an outbound connection the NAT
 in) "connection X on port i"; the peer connects out to the relay's splice port, sends X, and
 the relay joins the two connections byte for byte (:mod:`splice`). The splice port also tells
 a peer that sends :data:`OBSERVE_MAGIC` the address it sees that connection come from (a
-NATed peer's mapping, for hole punching). What passes is the peers'
-own traffic, signed end to end (and TLS in private runs), which the relay cannot read or
-alter without the receiver noticing.
+NATed peer's mapping, for hole punching). What passes is the peers' own traffic. In a
+private run it is TLS bound to the peers' ids, which the relay can neither read nor alter.
+In a public run only the first message of a stream (and every DHT request) is signed: the
+relay reads everything, and can alter the rest of a stream (tensor chunks and replies)
+without the receiver noticing, like any attacker on the path (docs/security.md).
 
 Bounded by :class:`~swarmavg.peer.nat.limits.RelayLimits`: reservations, connections per
 dialer range and per reserved peer, bytes per second per dialer range and in all. A dialer
