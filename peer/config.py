@@ -418,6 +418,13 @@ INTERNAL: Mapping[type, tuple[str, ...]] = MappingProxyType(
             "finalize_margin",
             "max_waiting_streams",
             # Resource bounds against strangers (docs/averaging.md, bounded resources).
+            # Per address range and per sender: far above an honest member's
+            # few streams; limit_local_ranges is for tests (127.x.y.z as networks).
+            "max_waiting_per_range",
+            "max_waiting_per_peer",
+            "max_pending_per_range",
+            "first_message_timeout",
+            "limit_local_ranges",
             "write_timeout",
             "max_reply_backlog",
             "max_codec_instances",

@@ -38,6 +38,23 @@ class AllReduceConfig:
             averaged chunks still reach the senders in time.
         max_waiting_streams: inbound streams allowed to wait for an unknown group at
             once; more are refused with RESOURCE_EXHAUSTED.
+        max_waiting_per_range: of those, streams from one address range (an IPv4 /24, an
+            IPv6 /48, of the connection: dht/ranges.py) at once; far below
+            ``max_waiting_streams``, so that one network, whatever identities it signs
+            with, leaves slots to every other.
+        max_waiting_per_peer: of those, streams signed by one verified peer id at once.
+            An honest member has one stream per part per round to a reducer.
+        max_pending_per_range: inbound streams from one address range not yet serving a
+            round (waiting for their first message, being checked, waiting for their
+            group) at once; more are refused with RESOURCE_EXHAUSTED before anything is
+            read, so that silent streams of one network hold few handlers.
+        first_message_timeout: an inbound stream whose first message has not arrived
+            within this long is cut (an honest sender writes it as soon as it opens the
+            stream). At most ``registration_wait`` counts.
+        limit_local_ranges: apply the per-range limits above to loopback and private
+            sources too (off: a LAN cluster or a test swarm shares one range; tests turn it
+            on to stand for distinct networks on 127.x.y.z), as
+            ``DHTConfig.limit_local_ranges``.
         write_timeout: a reply (gRPC message or data-plane frame) that the transport has
             not taken within this long means its sender stopped reading: the stream is cut
             (``DEADLINE_EXCEEDED``) and the sender dropped, so it pins nothing longer.
@@ -77,6 +94,11 @@ class AllReduceConfig:
     registration_wait: float = 5.0
     finalize_margin: float = 0.5
     max_waiting_streams: int = 64
+    max_waiting_per_range: int = 8
+    max_waiting_per_peer: int = 4
+    max_pending_per_range: int = 32
+    first_message_timeout: float = 2.0
+    limit_local_ranges: bool = False
     write_timeout: float = 10.0
     max_reply_backlog: int = 32 << 20
     max_codec_instances: int = 4
@@ -94,7 +116,13 @@ class AllReduceConfig:
             MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES
         ):
             raise ValueError("chunk_bytes must be within 4 KiB..3 MiB (gRPC caps messages at 4)")
-        for name in ("min_stall", "stall_factor", "registration_wait", "write_timeout"):
+        for name in (
+            "min_stall",
+            "stall_factor",
+            "registration_wait",
+            "write_timeout",
+            "first_message_timeout",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
         if not (math.isfinite(self.weight_bound) and self.weight_bound >= 1.0):
@@ -113,3 +141,6 @@ class AllReduceConfig:
             check_name(self.congestion_control)
         if self.max_waiting_streams < 1 or self.executor_threads < 0:
             raise ValueError("max_waiting_streams must be >= 1 and executor_threads >= 0")
+        for name in ("max_waiting_per_range", "max_waiting_per_peer", "max_pending_per_range"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")

@@ -653,6 +653,13 @@ class _ServerStream:
         self.client_closed = False
         self.status_sent = False
 
+    def peer_host(self) -> str:
+        """The host this stream's connection comes from ("" when unknown): what a gRPC
+        context's ``peer()`` says, for the per-source limits of the Reduce service."""
+        transport = getattr(self._protocol, "transport", None)
+        name = transport.get_extra_info("peername") if transport is not None else None
+        return str(name[0]) if isinstance(name, tuple) and name else ""
+
     async def requests(self) -> AsyncIterator[Request]:
         first = True
         while True:

@@ -8,6 +8,18 @@ Hostile input never reaches the accumulator: the header, the group id, the sende
 membership, the part index, the weight, the codec, each chunk's index and size, its
 dtype and its values (NaN/Inf) are checked first, and a sender that breaks a rule is cut
 off with an error status. Only that sender's stream ends; the round goes on without it.
+
+Before a stream serves a round it costs this peer a handler and, while it waits for its
+group to start here, a waiting slot; neither is free for the sender to hold:
+
+* its first message must come within ``first_message_timeout`` (a silent stream is cut);
+* the streams of one address range (its connection's, :mod:`swarmavg.dht.ranges`) not yet
+  serving a round are at most ``max_pending_per_range``; more are refused at once, before
+  anything is read, so one network holds few handlers of the server's pool;
+* a stream for a group not started here waits at most ``registration_wait``, in a slot
+  counted against ``max_waiting_streams`` in all, ``max_waiting_per_range`` per address
+  range and ``max_waiting_per_peer`` per verified sender: identities are free, networks
+  are not, so one network at its limit leaves the other slots to honest members.
 """
 
 from __future__ import annotations
@@ -36,12 +48,49 @@ from swarmavg.averaging.stubs import REDUCE
 from swarmavg.compression import Codec, canonical_name, get_codec
 from swarmavg.dht.auth import Authenticator
 from swarmavg.dht.identity import HeaderError
+from swarmavg.dht.ranges import grpc_peer_host, limited_range
 from swarmavg.dht.tls import PeerTLS
 from swarmavg.proto import common_pb2
 
 log = logging.getLogger(__name__)
 
 _RECENT_ROUNDS = 256
+
+
+def stream_host(context: object) -> str:
+    """The host a ``Reduce`` stream's connection comes from ("" when unknown).
+
+    A gRPC context says it in ``peer()``; a data-plane stream in ``peer_host()``.
+    """
+    peer_host = getattr(context, "peer_host", None)
+    if callable(peer_host):
+        return str(peer_host())
+    peer = getattr(context, "peer", None)
+    if callable(peer):
+        try:
+            return grpc_peer_host(str(peer()))
+        except Exception:  # a test double's peer() that does not answer
+            return ""
+    return ""
+
+
+class _Counted:
+    """One stream's place in a per-key count, given back once (idempotent)."""
+
+    __slots__ = ("_counter", "_key")
+
+    def __init__(self, counter: collections.Counter[str], key: str | None) -> None:
+        self._counter = counter
+        self._key = key
+        if key is not None:
+            counter[key] += 1
+
+    def release(self) -> None:
+        key, self._key = self._key, None
+        if key is not None:
+            self._counter[key] -= 1
+            if self._counter[key] <= 0:
+                del self._counter[key]
 
 
 class AllReduceService:
@@ -90,6 +139,13 @@ class AllReduceService:
         self._recent: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._registered = asyncio.Event()
         self._waiting = 0
+        self._waiting_by_range: collections.Counter[str] = collections.Counter()
+        self._waiting_by_peer: collections.Counter[str] = collections.Counter()
+        self._pending_by_range: collections.Counter[str] = collections.Counter()
+        self.waiting = Gauge()
+        """Streams waiting for a group not started here (status, tests)."""
+        self.refused = 0
+        """Streams refused for a per-range, per-peer or total limit (status, tests)."""
         self.inbound = Gauge()
         """``Reduce`` streams being served now, over either transport (status, tests)."""
         self._closed = False
@@ -250,27 +306,62 @@ class AllReduceService:
 
         Ends with OK once the sender got every averaged chunk of this part; otherwise
         aborts with INVALID_ARGUMENT (bad input), UNAUTHENTICATED (bad header),
+        INVALID_ARGUMENT also when no first message came within ``first_message_timeout``;
         NOT_FOUND (no round of that group started here within ``registration_wait``),
         PERMISSION_DENIED (not a sender of the group), FAILED_PRECONDITION (round over,
-        sender dropped), RESOURCE_EXHAUSTED (too many streams waiting), or UNAVAILABLE
-        (this peer is shutting down).
+        sender dropped), RESOURCE_EXHAUSTED (too many streams of its address range not
+        serving a round yet, or waiting in all, of its range or of its sender), or
+        UNAVAILABLE (this peer is shutting down).
         """
         until = time.monotonic() + self.config.registration_wait
+        host = stream_host(context)
+        # No address (a unix socket, a test double): the total limits only, as exempt ranges.
+        source = limited_range(host, self.config.limit_local_ranges) if host else None
+        if source is not None and (
+            self._pending_by_range[source] >= self.config.max_pending_per_range
+        ):
+            # Nothing read, no await before the abort: the handler is free again at once.
+            self.refused += 1
+            await abort_stream(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many streams from address range {source} not serving a round yet",
+            )
         iterator = request_iterator.__aiter__()
+        pending = _Counted(self._pending_by_range, source)
         self.inbound.add(1)
         try:
-            await self._serve_checked(iterator, context, until)
+            await self._serve_checked(iterator, context, until, source, pending)
         finally:
+            pending.release()
             self.inbound.add(-1)
 
+    def _waiting_refusal(self, source: str | None, peer_id: bytes) -> str | None:
+        """Why a verified stream from ``source`` by ``peer_id`` may not wait for its
+        group now (None: it may). No await between it and the count it checks."""
+        config = self.config
+        if self._waiting >= config.max_waiting_streams:
+            return "too many pending streams"
+        if source is not None and self._waiting_by_range[source] >= config.max_waiting_per_range:
+            return f"too many pending streams from address range {source}"
+        if self._waiting_by_peer[peer_id.hex()] >= config.max_waiting_per_peer:
+            return "too many pending streams from this peer"
+        return None
+
     async def _serve_checked(
-        self, iterator: AsyncIterator[Request], context: ReduceContext, until: float
+        self,
+        iterator: AsyncIterator[Request],
+        context: ReduceContext,
+        until: float,
+        source: str | None,
+        pending: _Counted,
     ) -> None:
-        # The first message is read before any slot is taken: a silent stream (64 of them
-        # fit on one HTTP/2 connection) costs nothing but its own deadline, so it cannot
-        # make this peer refuse honest senders (issue 17).
+        # The first message is read before any waiting slot is taken, within a short
+        # deadline: a silent stream (64 of them fit on one HTTP/2 connection) costs only
+        # its own place among its range's pending streams, and that briefly (issues 17, 40).
+        first_wait = min(self.config.first_message_timeout, self.config.registration_wait)
         try:
-            first = await asyncio.wait_for(iterator.__anext__(), self.config.registration_wait)
+            first = await asyncio.wait_for(iterator.__anext__(), first_wait)
         except (StopAsyncIteration, TimeoutError):
             first = None
         if first is None:
@@ -283,16 +374,23 @@ class AllReduceService:
             await abort_stream(context, grpc.StatusCode.UNAUTHENTICATED, str(e))
         round_ = self._rounds.get(first.group_id)
         if round_ is None and first.group_id not in self._recent and not self._closed:
-            # Only a stream that passed the header check waits for its round, in a slot.
-            if self._waiting >= self.config.max_waiting_streams:
-                await abort_stream(
-                    context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many pending streams"
-                )
+            # Only a stream that passed the header check waits for its round, in a slot of
+            # the total, of its address range and of its verified sender.
+            refusal = self._waiting_refusal(source, peer_id)
+            if refusal is not None:
+                self.refused += 1
+                await abort_stream(context, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
             self._waiting += 1
+            by_range = _Counted(self._waiting_by_range, source)
+            by_peer = _Counted(self._waiting_by_peer, peer_id.hex())
+            self.waiting.add(1)
             try:
                 round_ = await self._find_round(first.group_id, until)
             finally:
                 self._waiting -= 1
+                by_range.release()
+                by_peer.release()
+                self.waiting.add(-1)
         if round_ is None and self._closed:
             await abort_stream(context, grpc.StatusCode.UNAVAILABLE, "this peer is shutting down")
         if round_ is None and first.group_id in self._recent:
@@ -316,4 +414,6 @@ class AllReduceService:
             )
         if not math.isfinite(first.weight):
             await abort_stream(context, grpc.StatusCode.INVALID_ARGUMENT, "weight is not finite")
+        # A sender of a round here: bounded by the group from now on, not by its range.
+        pending.release()
         await round_.serve(sender, first, iterator, context)
