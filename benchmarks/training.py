@@ -43,6 +43,16 @@ cosine schedule; its accuracy is the median over 5 data orders. Scenarios:
   ``--disable-repair`` is the control: trainers ignore the round digests, and the run must
   then end with differing parameters.
 
+``--unsync`` starts the trainers the way real ones start, seconds apart,
+instead of all at one go: trainer 0 on the first daemon at once, then for each next one a
+seeded pause of up to ``UNSYNC_STAGGER`` (2 s), a fresh daemon that joins the first, and
+the trainer once that daemon is up; nobody waits, so the first trainer steps alone
+meanwhile. Each scenario (not churn or chaos) then reports, besides the usual figures,
+``distinct_parameter_sets`` at the end, every trainer's rounds attempted and failed, its
+rejoins (``stats.rejoins``: times it adopted the swarm's epoch), its final agreement on
+``close()`` (``stats.final_agreement``), the epoch it started at, the pauses and where the
+first trainer was when each next one started.
+
 Prints one JSON line: per scenario the final test accuracy (mean over the peers alive at
 the end), its distance to the reference, bytes sent per peer (from the daemons' status),
 rounds and failures, repairs, whether every trainer ends with bit-identical parameters
@@ -345,6 +355,7 @@ def _train_peer(scenario: Scenario) -> dict[str, Any]:
             # whatever the wrapper loaded from the swarm when it joined.
             opt.load_state_dict(checkpoint["optimizer"])
             emit({"event": "restored", "position": position()})
+        start_epoch = int(opt.epoch)
         emit({"event": "started", "position": position()})
         if scenario.wait_for_go:
             sys.stdin.readline()  # every peer starts training at the same moment
@@ -391,6 +402,9 @@ def _train_peer(scenario: Scenario) -> dict[str, Any]:
         "train_seconds": time.monotonic() - train_started,
         "seconds": time.monotonic() - started,
         "round_seconds": stats.seconds,
+        "rejoins": getattr(stats, "rejoins", 0),
+        "final_agreement": getattr(stats, "final_agreement", ""),
+        "start_epoch": start_epoch,
         "checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
         "sha256": parameters_sha256(model),
         "injected_failures": client.injected,
@@ -536,6 +550,44 @@ def start_daemons(
     return started + rest
 
 
+UNSYNC_STAGGER = 2.0
+"""``--unsync``: most seconds (seeded, uniform) between one trainer's start and the next
+daemon's start."""
+
+
+def start_unsync(
+    workers: list[Proc],
+    daemons: list[tuple[Proc, str]],
+    scenario: Any,
+    workdir: Path,
+    log: Any,
+    seed: int,
+) -> tuple[list[int], dict[str, Any]]:
+    """``--unsync``: the trainers start one by one, as real ones do. Trainer 0 starts on the
+    first daemon at once; then, for each next trainer, a seeded pause of up to
+    ``UNSYNC_STAGGER`` seconds, a fresh daemon that joins the first, and the trainer once
+    that daemon is up. Nobody waits for a go: the first trainer trains alone meanwhile.
+    ``daemons`` (holding the first) gets the new daemons appended.
+
+    Returns:
+        each trainer's output mark, and the figures of the start: the pauses, and the
+        global step each trainer found the first one at when it started.
+    """
+    rng = np.random.default_rng(7 + SEED_STRIDE * seed)
+    pauses = [round(float(rng.uniform(0.0, UNSYNC_STAGGER)), 3) for _ in workers[1:]]
+    marks = [workers[0].send(scenario(0, daemons[0][1], wait_for_go=False))]
+    workers[0].wait_for(lambda r: r.get("event") == "started", 120, marks[0])
+    first_at = []
+    for i, pause in enumerate(pauses, start=1):
+        time.sleep(pause)
+        (daemon,) = start_daemons(workdir, 1, log, join=daemon_address(daemons[0][0]))
+        daemons.append(daemon)
+        first_at.append(workers[0].position(marks[0]))
+        marks.append(workers[i].send(scenario(i, daemon[1], wait_for_go=False)))
+        workers[i].wait_for(lambda r: r.get("event") == "started", 120, marks[i])
+    return marks, {"pauses": pauses, "first_trainer_at_each_start": first_at}
+
+
 def daemon_address(proc: Proc) -> str:
     return str(proc.wait_for(lambda r: r.get("event") == "ready", 1)["address"])
 
@@ -564,7 +616,8 @@ def run_scenario(
     the victims; the victims are removed from ``workers``, the spares take their place.
     """
     started = time.monotonic()
-    daemons = start_daemons(workdir, PEERS, log)
+    unsync = bool(getattr(opts, "unsync", False)) and not (churn or chaos)
+    daemons = start_daemons(workdir, 1 if unsync else PEERS, log)
     steps = total_steps(len(load_data()[0]), opts.data_epochs)
 
     def scenario(shard: int, control: str, wait_for_go: bool = True, **more: Any) -> dict[str, Any]:
@@ -603,15 +656,18 @@ def run_scenario(
         if chaos:
             plans[1] = {"checkpoint_at": CHAOS_CHECKPOINT_AT, "checkpoint_path": checkpoint}
             plans[3] = {"fail_rounds": fail_rounds}
-        marks = [
-            send(w, scenario(i, control, **plans[i]))
-            for i, (w, (_, control)) in enumerate(zip(active, daemons, strict=True))
-        ]
-        for w, m in zip(active, marks, strict=True):
-            w.wait_for(lambda r: r.get("event") == "started", 120, m)
-        for w in active:
-            w.send({"go": True})
         extra: dict[str, Any] = {}
+        if unsync:
+            marks, extra["unsync"] = start_unsync(active, daemons, scenario, workdir, log, seed)
+        else:
+            marks = [
+                send(w, scenario(i, control, **plans[i]))
+                for i, (w, (_, control)) in enumerate(zip(active, daemons, strict=True))
+            ]
+            for w, m in zip(active, marks, strict=True):
+                w.wait_for(lambda r: r.get("event") == "started", 120, m)
+            for w in active:
+                w.send({"go": True})
         if churn:
             victim = active[-1]
             victim.wait_for(lambda r: r.get("position", -1) >= steps // 2, opts.budget, marks[-1])
@@ -728,10 +784,15 @@ def run_scenario(
         "round_seconds_per_peer": round(float(np.mean([r["round_seconds"] for r in results])), 1),
         "seconds": round(time.monotonic() - started, 1),
     }
+    extra["distinct_parameter_sets"] = len({r["sha256"] for r in results})
+    extra["rounds_per_trainer"] = [r["rounds"] for r in results]
+    extra["failed_rounds_per_trainer"] = [r["failed"] for r in results]
+    extra["rejoins_per_trainer"] = [r["rejoins"] for r in results]
+    extra["final_agreement_per_trainer"] = [r["final_agreement"] or "-" for r in results]
+    extra["start_epoch_per_trainer"] = [r["start_epoch"] for r in results]
     if churn:
         extra["joiner_states_loaded"] = results[-1]["states_loaded"]
     if chaos:
-        extra["distinct_parameter_sets"] = len({r["sha256"] for r in results})
         extra["diverged"] = sum(r["diverged"] for r in results)
         extra["states_loaded"] = sum(r["states_loaded"] for r in results)
         extra["served"] = sum(r["served"] for r in results)
@@ -777,6 +838,13 @@ def main() -> None:
         action="store_true",
         help="a control: trainers ignore the round digests (no shared-state repair), to "
         "show that parameters_identical can fail",
+    )
+    parser.add_argument(
+        "--unsync",
+        action="store_true",
+        help="start the trainers one by one: each after a seeded pause of up to "
+        f"{UNSYNC_STAGGER:.0f} s and once its own fresh daemon is up, not all at one go "
+        "(not for churn and chaos)",
     )
     parser.add_argument("--log", help="append the daemons' and trainers' stderr to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -846,6 +914,8 @@ def run_all(
         figures["single_process_same_init_mean"] = round(float(np.mean(matched)), 3)
     if opts.disable_repair:
         figures["repair_disabled"] = True
+    if opts.unsync:
+        figures["unsync"] = True
     for name in names:
         mode, codec, extra = SCENARIOS[name]
         runs = []
@@ -894,6 +964,7 @@ def over_seeds(
         "gap_points_mean_same_init": round(mean - float(np.mean(matched)), 3),
         "parameters_identical_every_run": all(r["parameters_identical"] for r in runs),
         "parameters_identical_per_run": [r["parameters_identical"] for r in runs],
+        "distinct_parameter_sets_per_run": [r["distinct_parameter_sets"] for r in runs],
         "repairs_per_run": [r["repairs"] for r in runs],
         "repair_failures_per_run": [r["repair_failures"] for r in runs],
         "failed_rounds_per_run": [r["failed_rounds"] for r in runs],

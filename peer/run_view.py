@@ -17,11 +17,15 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from swarmavg.averaging.training.progress import PeerProgress, aggregate
+from swarmavg.averaging.training.progress import PeerProgress, aggregate, swarm_epoch
 from swarmavg.proto import control_pb2
 
 METHODS = {"collaborative": ".progress", "diloco": ".diloco.progress"}
 """Training method -> the suffix of its progress key after the run id."""
+REJOINS_METRIC = "rejoins"
+"""The metric a peer's row shows its trainers' rejoins under (``PeerProgress.rejoins``,
+summed over the daemon's processes; shown when not 0, unless a trainer reports a user
+metric of that name itself)."""
 
 
 def progress_keys(training_run: str) -> dict[str, str]:
@@ -62,8 +66,7 @@ def run_progress(
     method: str, records: Sequence[PeerProgress], now: float
 ) -> control_pb2.RunProgress:
     """The run's progress for one method's records (every record, left ones included)."""
-    epoch = max((p.epoch for p in records), default=0)
-    target = _run_target(records, epoch)
+    target = _run_target(records, swarm_epoch(records))
     view = aggregate(records, target or 1, now=now)
     eta = view.eta if target else -1.0
     return control_pb2.RunProgress(
@@ -94,6 +97,9 @@ def _peer_row(
     )
     if with_metrics:
         row.metrics.update(dict(max(with_metrics, key=lambda p: p.time).metrics))
+    rejoins = sum(p.rejoins for p in processes)
+    if rejoins and REJOINS_METRIC not in row.metrics:
+        row.metrics[REJOINS_METRIC] = float(rejoins)
     return row
 
 

@@ -41,9 +41,21 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from swarmavg.averaging.training.background import LatestWork
-from swarmavg.averaging.training.consensus import Provenance, Role, Verdict, judge
+from swarmavg.averaging.training.consensus import (
+    Provenance,
+    Role,
+    Verdict,
+    judge,
+    provenance_id,
+)
+from swarmavg.averaging.training.digest import state_digest
 from swarmavg.averaging.training.local_group import LocalGroup, LocalGroupError, outcome_timeout
-from swarmavg.averaging.training.progress import GlobalProgress, ProgressTracker
+from swarmavg.averaging.training.progress import (
+    STATE_ID_BYTES,
+    GlobalProgress,
+    PeerProgress,
+    ProgressTracker,
+)
 from swarmavg.averaging.training.state import TrainingState, pack_state
 from swarmavg.averaging.training.swarm import (
     RoundResultLike,
@@ -59,6 +71,10 @@ from swarmavg.averaging.training.verbose import ProgressLog
 log = logging.getLogger(__name__)
 
 _W = TypeVar("_W", bound="SwarmOptimizer")
+
+FINAL_POLL = 0.05
+"""Seconds between two reads of the progress while ``close()`` waits for the final records
+of the processes that stop with it (a DHT read through the daemon each)."""
 
 
 class SwarmOptimizer(torch.optim.Optimizer, ABC):
@@ -120,7 +136,11 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         peer_id: str | None,
         verbose: bool = False,
         local_group: LocalGroup | None = None,
+        final_round: bool = True,
+        final_timeout: float | None = None,
     ) -> None:
+        if final_timeout is not None and not final_timeout > 0:
+            raise ValueError(f"final_timeout must be positive, got {final_timeout}")
         if batch_size_per_step <= 0:
             raise ValueError(f"batch_size_per_step must be positive, got {batch_size_per_step}")
         if publish_state_every < 0:
@@ -177,6 +197,26 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         checkpoint, ...); published with the state so that repairing members find it."""
         self._publisher = LatestWork("state publish")
         """``PUBLISH_IN_BACKGROUND``: the publishes in flight, newest last."""
+        self.final_round = bool(final_round)
+        self.final_timeout = averaging_timeout if final_timeout is None else final_timeout
+        # the followers of a local group wait for the leader's final agreement too: its
+        # wait for the others' final records, then its round (each final_timeout at most)
+        self._outcome_timeout = max(self._outcome_timeout, 2 * self.final_timeout + 30.0)
+        self._joined = False
+        """Set once the process joined the swarm: a later catch-up is a rejoin."""
+        self._exact_for: Provenance | None = None
+        """Set to :attr:`_provenance` when the current state is exactly the post-step state
+        it names (a complete round's step, or a state loaded from such a holder), so any
+        member with the same provenance holds the same bytes (:meth:`_state_id`). A new
+        provenance object (or None) is not exact until marked (:meth:`_mark_exact`)."""
+        self._exact_holders: frozenset[str] = frozenset()
+        """The daemons that held the majority's state in the round whose exact post-step
+        state this is: each gets the same state when that round lands on it (a member with
+        ``delay_updates`` whose round is still in flight)."""
+        self._exact_versions: tuple[int, ...] = ()
+        """The parameters' in-place version counters when :attr:`_exact_for` was set: any
+        change since (a local step, a checkpoint loaded into the model) voids the id."""
+        self.tracker.state_id = self._record_state_id
 
     def _join_swarm(self, load_state_on_start: bool) -> None:
         """Catch up with a swarm past our epoch (if asked to), report, start the meter.
@@ -189,13 +229,31 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
             if load_state_on_start:
                 progress = self.tracker.refresh()
                 if progress.epoch > self.epoch:
+                    if progress.num_peers <= 1:
+                        self._announce(progress.epoch)
                     self._catch_up(progress)
             self.tracker.report()
 
         # Hierarchical mode: every rank starts from the leader's state (like DDP's first
         # broadcast), the one it loaded from the swarm if it caught up.
         self._as_machine(join)
+        self._joined = True
         self.tracker.meter.start()
+
+    def _announce(self, epoch: int) -> None:
+        """A newcomer that finds one trainer alone reports the epoch it is about to load
+        before the download: the trainer alone then counts it as a member of its round
+        and waits for it, instead of stepping on alone meanwhile (the newcomer would
+        arrive one epoch behind, at a round nobody else joins). A swarm of
+        several daemons does not wait for a newcomer: it loads what they publish."""
+        joined = self.tracker.epoch
+        self.tracker.set_epoch(epoch)
+        try:
+            self.tracker.report()
+        except swarm_errors() as exc:
+            log.info("could not announce this process before loading the state: %s", exc)
+        finally:
+            self.tracker.set_epoch(joined)
 
     # ------------------------------------------------------------------ public API
 
@@ -244,28 +302,211 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         super().add_param_group(param_group)
 
     def close(self) -> None:
-        """Finish the wrapper's own work (:meth:`_finish`) and tell the swarm this process
-        stopped, so that no round waits for it; idempotent."""
+        """Finish the wrapper's own work (:meth:`_finish`), agree on the parameters with
+        the others that stop now (the final round, docs/training.md "Finishing a run";
+        ``final_round=False`` skips it), and tell the swarm this process stopped, so that
+        no round waits for it; idempotent."""
+        self._close(agree=self.final_round)
+
+    def __enter__(self: _W) -> _W:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # A loop that raised leaves without the final round: its parameters are not a
+        # result anyone should average with (and the error is not delayed by a round).
+        self._close(agree=self.final_round and exc_type is None)
+
+    def _close(self, *, agree: bool) -> None:
         if self._closed:
             return
         try:
             self._finish()
+            if agree:
+                self._as_machine(self._final_agreement)
         finally:
             self._closed = True
             # The last state published is the one a late joiner loads: let it land.
             self._publisher.close(timeout=self.link.state_timeout)
         self._leave()
 
-    def __enter__(self: _W) -> _W:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # ------------------------------------------------------------------ for subclasses
 
     def _finish(self) -> None:
         """Work to complete before leaving the swarm on :meth:`close` (default: none)."""
+
+    # ------------------------------------------------------------------ finishing a run
+
+    def _final_agreement(self) -> None:
+        """``close()``: end with the same parameters as every other process that stops now
+        (docs/training.md, "Finishing a run").
+
+        This process reports a final record (its state id), then reads the others at the
+        swarm's epoch or one behind until each has either reported a final record too or
+        reports this process's state id (identical, whether it stops or trains on), at
+        most ``final_timeout``. When every one of them holds this state, or there is none,
+        nothing runs. Otherwise the processes that stop average their parameters under
+        ``final.{epoch}`` (equal weights, codec none) and take the mean, unless every
+        member attached the same parameter digest (identical already). Every process that
+        stops reads the same final records, so all of them decide alike. The round has
+        ``final_timeout`` of its own; one that gathers nobody leaves the parameters as
+        they are. On the hierarchical mode's leader: its ranks take the outcome.
+        """
+        stats = self.stats
+        deadline = time.monotonic() + self.final_timeout
+        own = self.tracker.peer_id
+        mine = self._state_id()
+        self.tracker.final = True
+        training = self.tracker.last  # global_progress() keeps the training's last read
+        try:
+            self._agree(stats, deadline, own, mine)
+        finally:
+            self.tracker.last = training
+
+    def _agree(self, stats: RoundStats, deadline: float, own: str, mine: bytes) -> None:
+        """:meth:`_final_agreement`'s work."""
+        try:
+            self.tracker.report()
+            while True:
+                progress = self.tracker.refresh()
+                epoch = progress.epoch
+                others = [
+                    p for p in progress.peers if p.peer_id != own and epoch - 1 <= p.epoch <= epoch
+                ]
+                undecided = [p for p in others if not p.final and not self._holds(p, mine)]
+                if not undecided or time.monotonic() >= deadline:
+                    break
+                time.sleep(FINAL_POLL)
+        except swarm_errors() as exc:
+            stats.final_agreement = "failed"
+            log.warning("final round skipped: the swarm's progress could not be read: %s", exc)
+            return
+        differing = [p for p in others if p.final and not self._holds(p, mine)]
+        if not others:
+            stats.final_agreement = "alone"
+            log.debug("final round: no other live process; the parameters are this one's")
+            return
+        if not differing:
+            if undecided:
+                stats.final_agreement = "failed"
+                log.warning(
+                    "final round: %d process(es) at epoch %d hold other parameters and did "
+                    "not stop within %.0fs; this process keeps its own",
+                    len(undecided),
+                    epoch,
+                    self.final_timeout,
+                )
+            else:
+                stats.final_agreement = "identical"
+                log.debug("final round: the others hold this state; nothing to do")
+            return
+        daemons = {own} | {p.peer_id for p in others if p.final}
+        tensors = self._final_tensors()
+        digest = state_digest(tensors, {}, 0)
+        result = self.link.agree(
+            [t.detach().cpu().float().numpy() for t in tensors],
+            key=f"final.{epoch}",
+            group_size=len(daemons),
+            timeout=self.final_timeout,
+            digest=digest,
+        )
+        if result is None:
+            stats.final_agreement = "failed"
+            log.warning(
+                "final round final.%d gathered no group within %.0fs: this process's "
+                "parameters may differ from the others'",
+                epoch,
+                self.final_timeout,
+            )
+            return
+        stats.final_group_size = int(result.group_size)
+        digests = _digests_of(result)
+        if set(digests.values()) == {digest} and len(digests) == result.group_size:
+            stats.final_agreement = "identical"  # same bytes everywhere: nothing to take
+        else:
+            self._take_final(result.tensors)
+            stats.final_agreement = "partial" if result.partial else "averaged"
+            # No round step produced these parameters: publish them without a provenance
+            # (no repair may take them for one), as the run's result for whoever loads it.
+            self._provenance = None
+            if self.publish_state_every:
+                self._publish(*pack_state(self._training_state(self.epoch)), self.epoch, False)
+        log.info(
+            "final round final.%d: %d members, %s",
+            epoch,
+            result.group_size,
+            stats.final_agreement,
+        )
+
+    def _holds(self, record: PeerProgress, mine: bytes) -> bool:
+        """Whether the process of ``record`` holds this process's state ``mine``: it
+        reports the same id. A process whose round is still in flight (``delay_updates``)
+        reports none, so it is waited for until it reports a final record or the wait
+        ends: that it held the majority's state when its round started says nothing of
+        what it changed since (a local step, parameters set in place)."""
+        return _same(record.state, mine)
+
+    def _final_tensors(self) -> list[torch.Tensor]:
+        """The tensors the final round averages (the parameters)."""
+        return list(self.params)
+
+    def _take_final(self, tensors: Sequence[Any]) -> None:
+        """Take the final round's mean (default: as the parameters)."""
+        copy_into(self.params, [torch.as_tensor(t) for t in tensors])
+
+    def _state_id(self) -> bytes:
+        """An id of this process's parameters: equal non-empty ids mean bit-identical
+        parameters (default: the provenance of an exact post-step state, while the
+        parameters were not changed in place since; see :attr:`_exact_for`). Empty when
+        not known."""
+        provenance = self._provenance
+        if provenance is None or provenance is not self._exact_for:
+            return b""
+        if provenance.epoch != self.epoch or self._versions() != self._exact_versions:
+            return b""
+        return provenance_id(provenance)
+
+    def _versions(self) -> tuple[int, ...]:
+        """The parameters' in-place version counters (torch bumps them on every in-place
+        change but those made through ``.data``)."""
+        return tuple(int(getattr(p, "_version", 0)) for p in self.params)
+
+    def _mark_exact(self, holders: Iterable[str] = ()) -> None:
+        """The current state is exactly the one :attr:`_provenance` names (``holders``:
+        the round's members that held the state it stepped from)."""
+        self._exact_for = self._provenance
+        self._exact_versions = self._versions()
+        self._exact_holders = frozenset(holders)
+
+    def _take_provenance(self, state: TrainingState) -> None:
+        """The provenance of a loaded state (a repair, a catch-up), taken after its
+        tensors: exact when its holder said its state was (``extra["exact"]``)."""
+        self._provenance = Provenance.from_extra(state.extra)
+        if state.extra.get("exact") is True:
+            self._mark_exact()
+
+    def _record_state_id(self) -> bytes:
+        """The id the progress records carry (the tracker calls it at every report)."""
+        return self._state_id()
+
+    # ------------------------------------------------------------------ rejoining
+
+    def _note_rejoin(self, old: int, new: int) -> None:
+        """Count and log that this process adopted the swarm's epoch ``new`` at ``old``
+        (after it joined; the newcomer's first catch-up is not a rejoin)."""
+        if not self._joined:
+            return
+        self.stats.rejoins += 1
+        self.tracker.rejoins = self.stats.rejoins
+        where = "ahead of" if old > new else "behind"
+        level = logging.WARNING if self.stats.rejoins == 1 else logging.INFO
+        log.log(
+            level,
+            "at epoch %d, %s the swarm's epoch %d: adopted the swarm's epoch (rejoin %d)",
+            old,
+            where,
+            new,
+            self.stats.rejoins,
+        )
 
     def _leave(self) -> None:
         """Withdraw from the swarm's progress so that nobody waits for this process (a
@@ -335,6 +576,8 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         state = self._training_state(epoch)
         if self._provenance is not None and self._provenance.epoch == epoch:
             state.extra["provenance"] = self._provenance.to_extra()
+            if self._provenance is self._exact_for:
+                state.extra["exact"] = True
         metadata, arrays = pack_state(state)  # a snapshot: training goes on meanwhile
         if self.PUBLISH_IN_BACKGROUND and not self._closed:
             self._publisher.submit(self._publish, metadata, arrays, epoch, serve)
@@ -367,14 +610,23 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         return verdict
 
     def _step_provenance(
-        self, epoch: int, verdict: Verdict | None, mine: bytes, group: str
+        self,
+        epoch: int,
+        verdict: Verdict | None,
+        mine: bytes,
+        group: str,
+        *,
+        partial: bool = False,
     ) -> None:
         """Record that the state of ``epoch`` is the round step from the majority's state
-        (``verdict`` None or REPAIR: a state no repairing member may take)."""
+        (``verdict`` None or REPAIR: a state no repairing member may take). Exact unless
+        the round was ``partial`` (its members kept some values of their own)."""
         if verdict is None or verdict.role is Role.REPAIR:
             self._provenance = None
         else:
             self._provenance = Provenance(epoch, verdict.majority or mine, group)
+            if not partial:
+                self._mark_exact(verdict.holders)
 
     def _repair(
         self,
@@ -414,6 +666,45 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         log.warning("round %s: repaired from the majority's state in %.2fs", key, elapsed)
         return state
 
+    def _adopt_swarm_epoch(
+        self, progress: GlobalProgress, like: list[torch.Tensor]
+    ) -> tuple[TrainingState | None, int]:
+        """Not at the swarm's epoch (behind it, or ahead of its majority): the state to
+        take and the epoch to continue at (docs/training.md, "Staying in one swarm").
+
+        The state is the swarm's newest one (None, with a warning, when none loads or
+        the newest is far ahead of the swarm's epoch: a process that ran ahead published
+        it). The epoch is the swarm's, read again after the download (the swarm may have
+        stepped on meanwhile: continuing at its epoch with a slightly older state lets the
+        next round's shared-state repair finish the job instead of chasing it with
+        downloads), or the state's when that is newer. Counts and logs a rejoin.
+        """
+        old = self.epoch
+        if progress.epoch > old:
+            where = f"epoch {old} < {progress.epoch}"
+        elif progress.epoch < old:
+            where = f"epoch {old}, ahead of the swarm's epoch {progress.epoch}"
+        else:
+            where = f"epoch {old}, missed by the swarm's round"
+        state = self._load_swarm_state(like, where)
+        if state is not None and state.epoch > progress.epoch + 1:
+            warnings.warn(
+                f"{where}: the swarm's newest state is of epoch {state.epoch}, ahead of the "
+                "swarm's majority (a process that ran ahead published it); continuing "
+                "with local parameters at the swarm's epoch",
+                SwarmRoundWarning,
+                stacklevel=3,
+            )
+            state = None
+        epoch = progress.epoch if state is None else max(state.epoch, progress.epoch)
+        self.tracker.set_epoch(epoch)
+        try:
+            epoch = max(epoch, self.tracker.refresh().epoch)
+        except swarm_errors() as exc:
+            log.info("could not read the swarm's progress after loading its state: %s", exc)
+        self._note_rejoin(old, epoch)
+        return state, epoch
+
     def _load_swarm_state(self, params: list[torch.Tensor], behind: str) -> TrainingState | None:
         """The swarm's newest state of this wrapper's kind, shaped like ``params``; None,
         with a :class:`SwarmRoundWarning`, when none could be loaded.
@@ -426,8 +717,8 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         state = self.link.load(self.KIND, params)
         if state is None:
             warnings.warn(
-                f"behind the swarm ({behind}) and no state could be loaded; continuing "
-                "with local parameters",
+                f"off the swarm's epoch ({behind}) and no state could be loaded; "
+                "continuing with local parameters",
                 SwarmRoundWarning,
                 stacklevel=4,  # two frames above _catch_up: usually the user's step()
             )
@@ -589,6 +880,11 @@ def _digests_of(result: RoundResultLike) -> dict[str, bytes]:
     if not isinstance(raw, Mapping):
         return {}
     return {p: d for p, d in raw.items() if isinstance(p, str) and isinstance(d, bytes)}
+
+
+def _same(state: bytes, mine: bytes) -> bool:
+    """Whether a record's state id says it holds this process's state (ids are known)."""
+    return bool(mine) and state == mine[:STATE_ID_BYTES]
 
 
 def _group_of(result: RoundResultLike) -> str:

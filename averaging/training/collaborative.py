@@ -19,11 +19,18 @@ which never loads torch.
 
 Synchronisation rules (one place, so they can be checked):
 
-* A process at epoch ``e`` that sees a newer epoch in the DHT is behind: it drops its
-  accumulated gradients, loads the newest published state (parameters, optimizer state,
-  epoch) through ``client.load_state`` and continues at the swarm's epoch.
+* The swarm's epoch is the one most daemons report (``progress.swarm_epoch``), not the
+  newest. A process at epoch ``e`` behind it, or ahead of it (it took global steps alone),
+  drops its accumulated gradients, loads the newest published state (parameters,
+  optimizer state, epoch) through ``client.load_state`` and continues at the swarm's
+  epoch (a rejoin, counted in ``stats.rejoins``). One epoch behind, it joins the round it
+  missed only when the others say they still run it in the background
+  (``delay_updates``).
 * The round of epoch ``e`` is expected to gather every daemon that reported epoch ``e``
-  (``group_size``), so it closes as soon as they are all in.
+  (``group_size``), so it closes as soon as they are all in. A process alone at its epoch
+  while others are live (catching up) expects them too, rather than run away from them.
+* ``close()`` ends with a final agreement: the processes that stop together end with
+  bit-identical parameters (``base.SwarmOptimizer._final_agreement``).
 * A round that fails (``NoGroupError`` or any other ``SwarmError``) becomes a local step
   with a :class:`SwarmRoundWarning`; the epoch still advances, so the process stays in
   step with the others.
@@ -49,7 +56,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from swarmavg.averaging.training.base import SwarmOptimizer
-from swarmavg.averaging.training.consensus import Provenance, Role
+from swarmavg.averaging.training.consensus import Role
 from swarmavg.averaging.training.digest import state_digest
 from swarmavg.averaging.training.local_group import (
     LocalGroup,
@@ -92,6 +99,9 @@ class _PendingRound:
     local: list[np.ndarray]
     digest: bytes
     future: Future[tuple[RoundResultLike | None, str]]
+    versions: tuple[int, ...] = ()
+    """The parameters' version counters when ``digest`` was taken: a change before the
+    round lands (outside the wrapper) means the step is not from the digested state."""
 
 
 class CollaborativeOptimizer(SwarmOptimizer):
@@ -143,6 +153,11 @@ class CollaborativeOptimizer(SwarmOptimizer):
             background and every rank takes its result at the same later step (the
             leader says when; one more small collective per step).
         local_leader: the group rank that talks to the daemon (default 0).
+        final_round: on ``close()`` (and when a ``with`` block ends without an error),
+            agree on the parameters with the processes that stop at the same time, so
+            that all of them end with bit-identical parameters (docs/training.md,
+            "Finishing a run"). In gradients mode a delayed update is applied first.
+        final_timeout: seconds the final round may take (default ``averaging_timeout``).
 
     Call ``zero_grad()`` after ``step()`` as usual. ``step()`` returns the closure's loss
     (or None). Not thread-safe: use it from the training thread. Close it (or use it as a
@@ -175,6 +190,8 @@ class CollaborativeOptimizer(SwarmOptimizer):
         verbose: bool = False,
         process_group: LocalGroup | torch.distributed.ProcessGroup | str | None = None,
         local_leader: int = 0,
+        final_round: bool = True,
+        final_timeout: float | None = None,
     ) -> None:
         if average not in ("gradients", "parameters"):
             raise ValueError(f"average must be 'gradients' or 'parameters', got {average!r}")
@@ -201,6 +218,8 @@ class CollaborativeOptimizer(SwarmOptimizer):
             peer_id=peer_id,
             verbose=verbose,
             local_group=local_group,
+            final_round=final_round,
+            final_timeout=final_timeout,
         )
         self.optimizer = optimizer
         self.average = average
@@ -297,8 +316,9 @@ class CollaborativeOptimizer(SwarmOptimizer):
         self._report_unless_follower()
 
     def close(self) -> None:
-        """Finish and apply a round still running in the background, and tell the swarm this
-        process stopped (its progress record no longer counts); idempotent."""
+        """Finish and apply a round still running in the background, agree on the
+        parameters with the processes that stop now (``final_round``), and tell the swarm
+        this process stopped (its progress record no longer counts); idempotent."""
         super().close()
 
     def _finish(self) -> None:
@@ -321,8 +341,21 @@ class CollaborativeOptimizer(SwarmOptimizer):
         if progress.epoch > self.epoch + 1:
             return _Action.CATCH_UP, progress
         if progress.epoch == self.epoch + 1:
-            # The others have just started the round of our epoch: join it late.
-            return _Action.LATE, progress
+            if progress.round_in_flight(self.epoch):
+                # The others have just started the round of our epoch in the background
+                # (delay_updates): join it late.
+                return _Action.LATE, progress
+            if progress.daemons_at(self.epoch) - {self.tracker.peer_id}:
+                # Others were left at our epoch too (those ahead stepped without us, or
+                # one of them alone): the round of our epoch is still ours to take.
+                return _Action.LATE, progress.at_epoch(self.epoch)
+            # Their round of our epoch is over and nobody else is left at it: a late round
+            # would wait for nobody.
+            return _Action.CATCH_UP, progress
+        if progress.epoch < self.epoch:
+            # Ahead of the swarm's majority (global steps taken alone; the tracker allows
+            # for the others' reports' lag): back to its epoch.
+            return _Action.CATCH_UP, progress
         if progress.ready:
             return _Action.GLOBAL, progress
         return _Action.NONE, progress
@@ -452,6 +485,14 @@ class CollaborativeOptimizer(SwarmOptimizer):
         instead of stepping alone (a local step would leave it off the others' parameters).
         """
         epoch = self.epoch
+        if len(progress.round_members(self.tracker.peer_id)) <= 1:
+            # About to step alone: read once more, right before it. A newcomer may have
+            # announced itself since (it loads this epoch's state and joins this round);
+            # stepping past it now would leave it a step behind, waiting in a round that
+            # this process never joins.
+            fresh = self.tracker.refresh()
+            if fresh.epoch == epoch:
+                progress = fresh
         weight = float(self.tracker.samples) or ZERO_WEIGHT
         self.tracker.meter.pause()
         if self._grads is not None:
@@ -464,14 +505,15 @@ class CollaborativeOptimizer(SwarmOptimizer):
             self._apply_pending(block=True)
             digest = self._shared_digest()  # after the previous round was applied
             future = self._executor.submit(self._round, local, key, weight, progress, digest)
-            self._pending = _PendingRound(epoch, local, digest, future)
+            self._pending = _PendingRound(epoch, local, digest, future, self._versions())
+            self.tracker.inflight = epoch  # a member one epoch behind may still join it
             self._advance(epoch + 1, publish=False)
             return
         self._apply_pending(block=True)
         digest = self._shared_digest()
         result, error = self._round(local, key, weight, progress, digest)
         if result is None and (late or (error and self._others_moved_on())):
-            self._catch_up(progress if late else self.tracker.last)
+            self._catch_up(self.tracker.last)  # the swarm's progress, not a late view
             return
         if error:
             _warn_local_step(key, error)
@@ -520,10 +562,12 @@ class CollaborativeOptimizer(SwarmOptimizer):
             state = self._repair(verdict, result, epoch + 1, key, self.params)
             if state is not None:
                 self._take_state(state)
-                self._provenance = Provenance.from_extra(state.extra)
+                self._take_provenance(state)
                 return False
         self._apply_update(result.tensors, epoch + 1)
-        self._step_provenance(epoch + 1, verdict, digest, str(result.group_id))
+        self._step_provenance(
+            epoch + 1, verdict, digest, str(result.group_id), partial=bool(result.partial)
+        )
         return verdict.role is Role.SERVE and self._grads is not None
 
     def _apply_update(self, values: list[Any], epoch: int) -> None:
@@ -555,6 +599,16 @@ class CollaborativeOptimizer(SwarmOptimizer):
             return self._synced
         return state_digest(self.params, {"optimizer": self.optimizer.state_dict()}, self.epoch)
 
+    def _state_id(self) -> bytes:
+        """Parameters mode: the parameters are the round's only until the next local step."""
+        if self._grads is None and self.tracker.samples:
+            return b""
+        return super()._state_id()
+
+    def _take_final(self, tensors: Any) -> None:
+        super()._take_final(tensors)
+        self._mark_synced()
+
     def _others_moved_on(self) -> bool:
         """After a failed round: did the others step without us?
 
@@ -576,7 +630,11 @@ class CollaborativeOptimizer(SwarmOptimizer):
         Runs in the background thread with ``delay_updates``: it only reads its arguments
         and the link (whose counters no other thread writes meanwhile).
         """
-        if progress.num_peers <= 1:
+        expected, group_size = progress.members(), progress.num_peers
+        if group_size <= 1:
+            expected = progress.round_members(self.tracker.peer_id)
+            group_size = len(expected)
+        if group_size <= 1:
             log.debug("alone in the swarm at %s: stepping locally", key)
             return None, ""
         failed = self.link.stats.failed
@@ -584,12 +642,16 @@ class CollaborativeOptimizer(SwarmOptimizer):
             arrays,
             key=key,
             weight=weight,
-            group_size=progress.num_peers,
+            group_size=group_size,
             warn=False,
             state_digest=digest,
-            expected=progress.members(),
+            expected=expected,
         )
         error = self.link.stats.last_error if self.link.stats.failed > failed else ""
+        if result is None and progress.num_peers <= 1:
+            # It waited for processes catching up (round_members) that did not come: do
+            # not wait for them again until they report anew.
+            self.link.no_shows.note(expected, [self.tracker.peer_id])
         return result, error
 
     def _apply_gradients(self, grads: list[Any]) -> None:
@@ -614,13 +676,17 @@ class CollaborativeOptimizer(SwarmOptimizer):
         if pending is None or (not block and not pending.future.done()):
             return
         self._pending = None
+        self.tracker.inflight = None
         if self.local_group is not None and not self._landing:
             self._landed_alone = True  # e.g. state_dict() on the leader alone
         result, error = pending.future.result()
         key = f"grads.{pending.epoch}"
         if error:
             _warn_local_step(key, error)
+        moved = pending.versions != self._versions()
         serve = self._finish_round(pending.epoch, pending.local, result, pending.digest, key)
+        if moved:
+            self._exact_for = None  # stepped from parameters changed since the digest
         self._maybe_publish(pending.epoch + 1, serve=serve)
 
     def _advance(self, epoch: int, *, publish: bool, serve: bool = False) -> None:
@@ -641,21 +707,21 @@ class CollaborativeOptimizer(SwarmOptimizer):
         )
 
     def _catch_up(self, progress: GlobalProgress) -> None:
-        """Behind the swarm: drop local work, load the newest state, continue at its epoch."""
+        """Off the swarm's epoch (behind it, or ahead of its majority): drop local work,
+        load the newest state, continue at the swarm's epoch."""
         self.tracker.meter.pause()
         if self._pending is not None:
             self._pending.future.result()  # bounded by the round's timeout; superseded below
             self._pending = None
+            self.tracker.inflight = None
         log.info("at epoch %d, the swarm is at %d: loading its state", self.epoch, progress.epoch)
-        state = self._load_swarm_state(self.params, f"epoch {self.epoch} < {progress.epoch}")
-        epoch = progress.epoch
+        # A state older than the swarm's epoch (published a moment ago) is still the best
+        # there is; continuing at the swarm's epoch avoids loading again at once.
+        state, epoch = self._adopt_swarm_epoch(progress, self.params)
         self._provenance = None
         if state is not None:
             self._take_state(state)
-            # A state older than the swarm's epoch (published a moment ago) is still the
-            # best there is; continuing at the swarm's epoch avoids loading again at once.
-            epoch = max(state.epoch, progress.epoch)
-            self._provenance = Provenance.from_extra(state.extra)
+            self._take_provenance(state)
         self._advance(epoch, publish=False)
         self._mark_synced()
 

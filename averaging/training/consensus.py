@@ -27,6 +27,8 @@ nothing; such a repair fails, is counted, and training goes on.
 from __future__ import annotations
 
 import enum
+import hashlib
+import struct
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -135,4 +137,15 @@ class Provenance:
         return cls(epoch, stepped_from, group)
 
 
-__all__ = ["Provenance", "Role", "Verdict", "judge", "majority_digest"]
+def provenance_id(provenance: Provenance) -> bytes:
+    """A 16-byte id of a provenance, for progress records (``PeerProgress.state``): two
+    members whose states are exactly the post-step states of the same provenance report
+    the same id."""
+    h = hashlib.blake2b(digest_size=16, person=b"swarmavg.prov1")
+    h.update(struct.pack("<q", provenance.epoch))
+    h.update(struct.pack("<Q", len(provenance.stepped_from)) + provenance.stepped_from)
+    h.update(provenance.group.encode())
+    return h.digest()
+
+
+__all__ = ["Provenance", "Role", "Verdict", "judge", "majority_digest", "provenance_id"]

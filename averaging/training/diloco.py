@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from swarmavg.averaging.training.base import SwarmOptimizer
-from swarmavg.averaging.training.consensus import Provenance, Role, Verdict
+from swarmavg.averaging.training.consensus import Role, Verdict
 from swarmavg.averaging.training.digest import state_digest
 from swarmavg.averaging.training.local_group import LocalGroup, resolve_local_group
 from swarmavg.averaging.training.progress import GlobalProgress
@@ -149,6 +149,9 @@ class DiLoCo(SwarmOptimizer):
             leader's synchronised parameters and outer optimizer state (each rank keeps
             its own inner optimizer state, unless the leader loaded one from the swarm).
             ``batch_size_per_step`` stays per rank.
+        final_round, final_timeout: as for ``CollaborativeOptimizer``: on ``close()``
+            the processes that stop together average their current parameters (inner
+            progress included), which become the parameters and the anchor of each.
 
     ``epoch`` counts outer steps. A late joiner loads the last synchronised parameters, the
     outer optimizer's state and the epoch, then runs only the inner steps the swarm has left
@@ -181,6 +184,8 @@ class DiLoCo(SwarmOptimizer):
         verbose: bool = False,
         process_group: LocalGroup | torch.distributed.ProcessGroup | str | None = None,
         local_leader: int = 0,
+        final_round: bool = True,
+        final_timeout: float | None = None,
     ) -> None:
         self.auto = local_steps == "auto"
         self.local_steps_bounds = check_bounds(local_steps_bounds)
@@ -219,6 +224,8 @@ class DiLoCo(SwarmOptimizer):
             peer_id=peer_id,
             verbose=verbose,
             local_group=local_group,
+            final_round=final_round,
+            final_timeout=final_timeout,
         )
         self.inner_optimizer = inner_optimizer
         self.local_steps = local_steps
@@ -349,7 +356,8 @@ class DiLoCo(SwarmOptimizer):
     def _outer_sync(self) -> None:
         self.tracker.report()
         progress = self.tracker.refresh()
-        if progress.epoch > self.epoch:
+        if progress.epoch != self.epoch:
+            # Behind the swarm, or ahead of its majority (outer steps taken alone).
             self._catch_up(progress)
             return
         self.tracker.meter.pause()
@@ -360,20 +368,24 @@ class DiLoCo(SwarmOptimizer):
         result = None
         averaged: list[Any] = []
         verdict: Verdict | None = None
-        if progress.num_peers > 1:
+        expected = progress.round_members(self.tracker.peer_id)
+        if len(expected) > 1:
             started = time.monotonic()
             result = self.link.average(
                 self._with_schedule(delta),
                 key=key,
                 weight=float(self.tracker.samples),
-                group_size=progress.num_peers,
+                group_size=len(expected),
                 warn=False,
                 state_digest=digest,
-                expected=progress.members(),
+                expected=expected,
             )
+            if result is None and len(expected) > progress.num_peers:
+                # it waited for processes catching up that did not come (round_members)
+                self.link.no_shows.note(expected, [self.tracker.peer_id])
             if result is None:
                 after = self.tracker.refresh()
-                if after.epoch > epoch:  # they stepped without us: take their state
+                if after.epoch != epoch:  # they stepped without us: take their state
                     self._catch_up(after)
                     return
                 warnings.warn(
@@ -392,7 +404,7 @@ class DiLoCo(SwarmOptimizer):
             state = self._repair(verdict, result, epoch + 1, key, self.params)
             if state is not None:
                 self._take_synced(state)
-                self._provenance = Provenance.from_extra(state.extra)
+                self._take_provenance(state)
                 self._next_outer_step(epoch + 1, serve=False)
                 return
         outer_step(
@@ -404,7 +416,9 @@ class DiLoCo(SwarmOptimizer):
         if result is None:
             self._provenance = None
         else:
-            self._step_provenance(epoch + 1, verdict, digest, str(result.group_id))
+            self._step_provenance(
+                epoch + 1, verdict, digest, str(result.group_id), partial=bool(result.partial)
+            )
         serve = verdict is not None and verdict.role is Role.SERVE
         self._next_outer_step(epoch + 1, serve=serve)
 
@@ -448,6 +462,15 @@ class DiLoCo(SwarmOptimizer):
             self.outer_optimizer.load_state_dict(state.optimizers["outer"])
         self._adopt_schedule(state.extra)
 
+    def _state_id(self) -> bytes:
+        """The parameters are the synchronised ones only until the next inner step."""
+        return b"" if self.inner_steps else super()._state_id()
+
+    def _take_final(self, tensors: Any) -> None:
+        """The final round's mean becomes the parameters and the anchor."""
+        super()._take_final(tensors)
+        copy_into(self.anchor, [p.detach() for p in self.params])
+
     def _shared_digest(self) -> bytes:
         """The synchronised parameters (the anchor), the outer optimizer's state and the
         epoch: what every member holds identically between two outer steps."""
@@ -466,14 +489,13 @@ class DiLoCo(SwarmOptimizer):
         )
 
     def _catch_up(self, progress: GlobalProgress) -> None:
-        """Load the swarm's last synchronised state and run only the inner steps left."""
+        """Load the swarm's last synchronised state and run only the inner steps left
+        (behind the swarm, or ahead of its majority)."""
         self.tracker.meter.pause()
-        state = self._load_swarm_state(self.params, f"outer step {self.epoch} < {progress.epoch}")
-        epoch = progress.epoch
+        state, epoch = self._adopt_swarm_epoch(progress, self.params)
         self._provenance = None
         if state is not None:
             self._state_loaded = True
-            self._provenance = Provenance.from_extra(state.extra)
             copy_into(self.anchor, state.params)
             copy_into(self.params, state.params)
             if "outer" in state.optimizers:
@@ -481,7 +503,7 @@ class DiLoCo(SwarmOptimizer):
             if "inner" in state.optimizers:
                 self.inner_optimizer.load_state_dict(state.optimizers["inner"])
             self._adopt_schedule(state.extra)
-            epoch = max(state.epoch, progress.epoch)
+            self._take_provenance(state)
         else:
             copy_into(self.anchor, [p.detach() for p in self.params])
         # Arrive at the round with the others: skip the inner steps they have already done.

@@ -243,6 +243,8 @@ class PowerSGDOptimizer(CollaborativeOptimizer):
         verbose: bool = False,
         process_group: LocalGroup | torch.distributed.ProcessGroup | str | None = None,
         local_leader: int = 0,
+        final_round: bool = True,
+        final_timeout: float | None = None,
     ) -> None:
         if delay_updates:
             raise ValueError(
@@ -274,6 +276,8 @@ class PowerSGDOptimizer(CollaborativeOptimizer):
             verbose=verbose,
             process_group=process_group,
             local_leader=local_leader,
+            final_round=final_round,
+            final_timeout=final_timeout,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -299,7 +303,7 @@ class PowerSGDOptimizer(CollaborativeOptimizer):
         progress: GlobalProgress,
         digest: bytes,
     ) -> tuple[RoundResultLike | None, str]:
-        if progress.num_peers <= 1:
+        if len(progress.round_members(self.tracker.peer_id)) <= 1:
             return None, ""
         state = self.powersgd
         matrices = state.matrices(arrays)

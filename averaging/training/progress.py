@@ -3,8 +3,10 @@
 Every training process reports how many samples it has accumulated towards the run's
 current global step ("epoch") under one DHT key, with its own subkey, so the records of
 all peers live side by side (dictionary values, docs/dht.md). Reading that key back gives
-the swarm's global progress: the newest epoch, how many samples the swarm has gathered
-towards it, how fast, and when it will reach ``target_batch_size``.
+the swarm's global progress: the swarm's epoch, how many samples the swarm has gathered
+towards it, how fast, and when it will reach ``target_batch_size``. The swarm's epoch is
+the one most daemons are at (:func:`swarm_epoch`), not the newest one: a trainer that ran
+ahead alone is the one that moves back, not the swarm that follows it.
 
 The pure part (:class:`PeerProgress`, :func:`aggregate`, :class:`RateMeter`) is
 synchronous and needs no network; :class:`ProgressTracker` adds the two DHT calls.
@@ -34,7 +36,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeGuard
@@ -53,6 +55,14 @@ future is implausible (volunteers' clocks differ, but not by this much)."""
 MAX_SAMPLES_PER_SECOND = 1e12
 """A process reporting a higher rate is implausible (it would make every other process
 stop waiting for the epoch's last batches, ``CollaborativeOptimizer.max_wait``)."""
+STATE_ID_BYTES = 16
+"""Bytes of a record's ``state`` id (:attr:`PeerProgress.state`)."""
+AHEAD_TOLERANCE = 2
+"""Epochs a process may be ahead of the swarm's epoch (:func:`swarm_epoch`) and still be
+in step with it: the majority's records lag one step behind its own report, and with
+``delay_updates`` its round of the previous epoch may still be in flight (its record says
+``inflight``), which adds one. Further ahead, it took global steps alone and moves back
+(:meth:`ProgressTracker.refresh`)."""
 MAX_EPOCH_LEAD = 8
 """Epochs a record may be ahead of the swarm's majority (:func:`within_epoch_lead`)."""
 SETTLE_TIMEOUT = 30.0
@@ -104,6 +114,19 @@ class PeerProgress:
             can tell how far the swarm is from its next step.
         metrics: the user's metrics (loss, ...) as name-sorted pairs
             (:mod:`swarmavg.averaging.training.metrics`).
+        rejoins: how often the process adopted the swarm's epoch after it had lost it
+            (it was behind, or ahead alone; docs/training.md, "Staying in one swarm").
+            Optional (0: none, or an older writer); ``swarmavg peers`` shows it.
+        state: a short id of the process's shared state (:data:`STATE_ID_BYTES` bytes):
+            two processes that report the same non-empty id hold bit-identical
+            parameters (empty: not known, e.g. after a local step). Lets a closing
+            trainer skip the final agreement round when it has nothing to change.
+        inflight: the epoch of a round this process still runs in the background
+            (``delay_updates``; None: none). A process one epoch behind joins that round
+            late; when no process runs one, the round of its epoch is over and it loads
+            the swarm's state at once instead of waiting for a round nobody will join.
+        final: the process is in ``close()``: ``state`` is the one it stops with (its
+            final agreement waits for the records of the others that stop with it).
     """
 
     peer_id: str
@@ -114,6 +137,10 @@ class PeerProgress:
     left: bool = False
     target: int = 0
     metrics: Metrics = ()
+    rejoins: int = 0
+    state: bytes = b""
+    inflight: int | None = None
+    final: bool = False
 
     def to_record(self) -> dict[str, Any]:
         """The msgpack-able DHT value."""
@@ -130,6 +157,14 @@ class PeerProgress:
             record["target"] = self.target
         if self.metrics:
             record["metrics"] = dict(self.metrics)
+        if self.rejoins:
+            record["rejoins"] = self.rejoins
+        if self.state:
+            record["state"] = self.state
+        if self.inflight is not None:
+            record["inflight"] = self.inflight
+        if self.final:
+            record["final"] = True
         return record
 
     @classmethod
@@ -156,8 +191,30 @@ class PeerProgress:
         metrics = parse_metrics(record.get("metrics", {}))
         if metrics is None:
             return None
+        # Optional too (older writers send none of them), valid when present.
+        rejoins, state = record.get("rejoins", 0), record.get("state", b"")
+        inflight, final = record.get("inflight"), record.get("final", False)
+        if not isinstance(final, bool):
+            return None
+        if not (_is_int(rejoins) and 0 <= rejoins <= MAX_EPOCH):
+            return None
+        if not (isinstance(state, bytes) and len(state) <= STATE_ID_BYTES):
+            return None
+        if inflight is not None and not (_is_int(inflight) and 0 <= inflight <= MAX_EPOCH):
+            return None
         return cls(
-            peer, int(epoch), int(samples), float(sps), float(when), left, int(target), metrics
+            peer,
+            int(epoch),
+            int(samples),
+            float(sps),
+            float(when),
+            left,
+            int(target),
+            metrics,
+            int(rejoins),
+            state,
+            None if inflight is None else int(inflight),
+            final,
         )
 
 
@@ -174,7 +231,9 @@ class GlobalProgress:
     """The swarm's progress towards its next global step, as seen by one reader.
 
     Attributes:
-        epoch: the newest epoch any live process reports (the swarm's global epoch).
+        epoch: the swarm's global epoch (:func:`swarm_epoch`): the one most daemons are
+            at, the newest on a tie; with no other live daemon, the newest any record
+            reports, left ones included (a newcomer then loads the run's state).
         samples: samples accumulated towards ``epoch`` by every process at that epoch.
         target: ``target_batch_size``; the swarm steps once ``samples >= target``.
         num_peers: distinct daemons (group members) at ``epoch`` or one epoch behind it.
@@ -206,9 +265,42 @@ class GlobalProgress:
         who a round at this progress expects (see ``no_shows``)."""
         newest: dict[str, float] = {}
         for p in self.peers:
-            if p.epoch >= self.epoch - 1:
+            if self.epoch - 1 <= p.epoch <= self.epoch:
                 newest[p.peer_id] = max(newest.get(p.peer_id, 0.0), p.time)
         return newest
+
+    def round_members(self, own_peer: str) -> dict[str, float]:
+        """Who a round of daemon ``own_peer`` at this progress waits for.
+
+        The :meth:`members`; but when ``own_peer`` is the only one (it would step alone),
+        every other live daemon too, at whatever epoch: they are catching up with it
+        (loading its state), and a round that waits for them keeps it from running away
+        alone meanwhile, which would leave them chasing an epoch they never reach (issue
+        39). A daemon that does not come is a no-show like any other.
+        """
+        members = self.members()
+        if set(members) - {own_peer}:
+            return members
+        others: dict[str, float] = {}
+        for p in self.peers:
+            if p.peer_id != own_peer:
+                others[p.peer_id] = max(others.get(p.peer_id, 0.0), p.time)
+        return {**members, **others} if others else members
+
+    def at_epoch(self, epoch: int) -> GlobalProgress:
+        """The same records seen from ``epoch``: its samples, its members (at it or one
+        behind), as if it were the swarm's epoch (the view of a process a little ahead of
+        the majority's records, or of those left one epoch behind it)."""
+        return _progress_at(epoch, self.peers, self.target)
+
+    def daemons_at(self, epoch: int) -> set[str]:
+        """The daemons with a live record at exactly ``epoch``."""
+        return {p.peer_id for p in self.peers if p.epoch == epoch}
+
+    def round_in_flight(self, epoch: int) -> bool:
+        """Whether a process past ``epoch`` says it still runs the round of ``epoch`` in
+        the background (``delay_updates``): a process at ``epoch`` can still join it."""
+        return any(p.inflight == epoch and p.epoch > epoch for p in self.peers)
 
     def samples_per_peer(self) -> dict[str, float]:
         """Throughput of each daemon (summed over its processes), at any epoch."""
@@ -224,7 +316,8 @@ def within_epoch_lead(
     """Drop records whose epoch jumps too far ahead of the swarm's majority.
 
     The reference is the larger of ``own_epoch`` and the lower median of the other daemons'
-    epochs (each daemon counted once, at its newest live record); a record more than
+    epochs (each daemon counted once, at its newest live record; at its goodbye when every
+    record is one, so that a newcomer to a finished run sees where it ended); a record more than
     ``max_lead`` epochs past it is ignored. One identity (or a minority of them) therefore
     cannot drag the swarm to epoch 2**53; an honest swarm spreads over one or two epochs, and a
     newcomer reads the records before reporting its own, so it sees the veterans' epoch as the
@@ -236,14 +329,57 @@ def within_epoch_lead(
     """
     records = list(records)
     newest: dict[str, int] = {}
-    for p in records:
-        if not p.left:
-            newest[p.peer_id] = max(newest.get(p.peer_id, 0), p.epoch)
+    # The live records decide; only when every process left do the goodbyes say where the
+    # run ended (a newcomer to a finished run then loads its state rather than start over).
+    live = [p for p in records if not p.left] or records
+    for p in live:
+        newest[p.peer_id] = max(newest.get(p.peer_id, 0), p.epoch)
     epochs = sorted(newest.values())
     majority = epochs[(len(epochs) - 1) // 2] if epochs else 0
     limit = max(own_epoch, majority) + max_lead
     kept = [p for p in records if p.epoch <= limit]
     return kept, len(records) - len(kept)
+
+
+def swarm_epoch(records: Iterable[PeerProgress]) -> int:
+    """The swarm's epoch: the one most daemons are at.
+
+    Each daemon counts once, at its newest live record. An epoch's support is the number
+    of daemons at it or one behind it (right after a step, some members have not reported
+    the new epoch yet: they are in the same round); the epoch with the most support is
+    the swarm's, the newest of those on a tie, so that a newcomer joins the veterans and
+    two daemons that differ follow the one ahead. With at most one live daemon (the
+    reader alone), it is the newest epoch of any record, goodbyes included: a newcomer to
+    a run whose trainers left loads the run's state instead of starting over.
+
+    Why not the newest epoch: a trainer that took global steps alone (before the others
+    came, or cut off from them) would make every other trainer load its state and throw
+    away the swarm's own work, and one far enough ahead is not even seen by them
+    (:func:`within_epoch_lead`), so it stays alone for good. With the majority's epoch,
+    the one ahead is the one that moves back. One record, or a minority of daemons, cannot
+    move the swarm's epoch; a majority of the daemons a reader sees defines it.
+    """
+    records = list(records)
+    newest: dict[str, int] = {}
+    for p in records:
+        if not p.left:
+            newest[p.peer_id] = max(newest.get(p.peer_id, 0), p.epoch)
+    if len(newest) <= 1:
+        return max((p.epoch for p in records), default=0)
+    count: dict[int, int] = {}
+    for epoch in newest.values():
+        count[epoch] = count.get(epoch, 0) + 1
+    return max(count, key=lambda e: (count[e] + count.get(e - 1, 0), e))
+
+
+def ahead_of(record: PeerProgress, swarm: int) -> bool:
+    """Whether the process of ``record`` is ahead of the swarm's epoch ``swarm``: it took
+    global steps the swarm did not take (alone, before the others came or cut off from
+    them), so it must move back to the swarm's epoch. One epoch ahead is the lag of the
+    others' reports; one more is allowed while its record says a round of the previous
+    epoch is in flight (:data:`AHEAD_TOLERANCE`)."""
+    settled = record.epoch - 1 if record.inflight == record.epoch - 1 else record.epoch
+    return settled >= swarm + AHEAD_TOLERANCE
 
 
 def plausible(record: PeerProgress, now: float) -> bool:
@@ -259,20 +395,24 @@ def aggregate(
 ) -> GlobalProgress:
     """Combine the processes' records into the swarm's progress.
 
-    Only processes at the newest epoch count towards it: a process still at an older epoch
-    is behind and will catch up (load state) rather than contribute. Processes that left
-    still say which epoch the run reached (a newcomer then loads the state instead of
-    starting over), but count for nothing else. Implausible records (:func:`plausible`,
-    judged at ``now``, default the wall clock) count for nothing at all.
+    Only processes at the swarm's epoch (:func:`swarm_epoch`) count towards it: a process
+    at an older epoch is behind and will catch up (load state) rather than contribute, and
+    one ahead of it will move back. Processes that left say which epoch the run reached
+    when no other process is live (a newcomer then loads the state instead of starting
+    over), but count for nothing else. Implausible records (:func:`plausible`, judged at
+    ``now``, default the wall clock) count for nothing at all.
     """
     if target <= 0:
         raise ValueError(f"target must be positive, got {target}")
     now = time.time() if now is None else now
     records = tuple(p for p in records if plausible(p, now))
-    epoch = max((p.epoch for p in records), default=0)
     peers = tuple(p for p in records if not p.left)
+    return _progress_at(swarm_epoch(records), peers, target)
+
+
+def _progress_at(epoch: int, peers: tuple[PeerProgress, ...], target: int) -> GlobalProgress:
     current = [p for p in peers if p.epoch == epoch]
-    active = [p for p in peers if p.epoch >= epoch - 1]
+    active = [p for p in peers if epoch - 1 <= p.epoch <= epoch]
     samples = sum(p.samples for p in current)
     rate = sum(p.samples_per_second for p in current)
     remaining = max(0, target - samples)
@@ -386,6 +526,14 @@ class ProgressTracker:
         self.samples = 0
         self.meter = RateMeter()
         self.metrics: Metrics = ()
+        self.rejoins = 0
+        """Sent with every record (:attr:`PeerProgress.rejoins`)."""
+        self.state_id: Callable[[], bytes] | None = None
+        """Gives the id sent as :attr:`PeerProgress.state` (None: none is sent)."""
+        self.inflight: int | None = None
+        """Sent as :attr:`PeerProgress.inflight`."""
+        self.final = False
+        """Sent as :attr:`PeerProgress.final`."""
         self.last: GlobalProgress = aggregate((), target_batch_size)
         self._ignored = 0  # records ignored by the last refresh, to log changes only
         self._reporter = LatestWork("progress report")  # report_soon's thread, made on use
@@ -426,6 +574,10 @@ class ProgressTracker:
             time.time(),
             target=self.target_batch_size,
             metrics=self.metrics,
+            rejoins=self.rejoins,
+            state=self.state_id()[:STATE_ID_BYTES] if self.state_id is not None else b"",
+            inflight=self.inflight,
+            final=self.final,
         )
 
     def report(self) -> bool:
@@ -507,7 +659,12 @@ class ProgressTracker:
                 self.key,
             )
             self._ignored = ignored
-        self.last = aggregate(records, self.target_batch_size, now=now)
+        progress = aggregate(records, self.target_batch_size, now=now)
+        if not ahead_of(records[0], progress.epoch) and progress.epoch < self.epoch:
+            # A report's lag (and a round in flight) ahead of the majority's records: in
+            # step, so its own epoch is the one to look at.
+            progress = progress.at_epoch(self.epoch)
+        self.last = progress
         return self.last
 
 
@@ -566,7 +723,9 @@ __all__ = [
     "ProgressTracker",
     "RateMeter",
     "aggregate",
+    "ahead_of",
     "parse_records",
     "plausible",
+    "swarm_epoch",
     "within_epoch_lead",
 ]

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
 
-from swarmavg.averaging.training.consensus import Provenance, Role, Verdict
+from swarmavg.averaging.training.consensus import Role, Verdict
 from swarmavg.averaging.training.diloco import DiLoCo, pseudo_gradient
 from swarmavg.averaging.training.fragments import (
     fragment_of_sync,
@@ -338,6 +338,14 @@ class StreamingDiLoCo(DiLoCo):
         super()._take_synced(state)
         self._full_envelope = True
 
+    def _state_id(self) -> bytes:
+        """Each member's parameters carry its own progress since each fragment's sync."""
+        return b""
+
+    def _take_final(self, tensors: Any) -> None:
+        super()._take_final(tensors)
+        self._full_envelope = True  # every rank takes the final parameters whole
+
     def _mean_onto_leader(self, tensors: Sequence[torch.Tensor], weight: int) -> None:
         """Replace the leader's ``tensors`` with the mean of every rank's, weighted by
         ``weight`` (one reduction: the weights travel with the tensors)."""
@@ -442,7 +450,7 @@ class StreamingDiLoCo(DiLoCo):
         verdict: Verdict | None = None
         if outcome.behind or (result is None and error):
             after = self.tracker.refresh()
-            if after.epoch > epoch:  # they stepped without us: take their state
+            if after.epoch != epoch:  # they stepped without us (or we ran ahead alone)
                 self._catch_up(after)
                 return
             warnings.warn(
@@ -461,7 +469,7 @@ class StreamingDiLoCo(DiLoCo):
             state = self._repair(verdict, result, epoch + 1, key, self.params)
             if state is not None:
                 self._take_synced(state)
-                self._provenance = Provenance.from_extra(state.extra)
+                self._take_provenance(state)
                 self._advance_sync(epoch + 1, done, serve=False)
                 return
         import torch
@@ -483,7 +491,13 @@ class StreamingDiLoCo(DiLoCo):
         if result is None:
             self._provenance = None
         else:
-            self._step_provenance(epoch + 1, verdict, outcome.digest, str(result.group_id))
+            self._step_provenance(
+                epoch + 1,
+                verdict,
+                outcome.digest,
+                str(result.group_id),
+                partial=bool(result.partial),
+            )
         self._advance_sync(
             epoch + 1, done, serve=verdict is not None and verdict.role is Role.SERVE
         )

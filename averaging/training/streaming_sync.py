@@ -39,7 +39,8 @@ class SyncOutcome:
 
     Attributes:
         progress: the swarm's progress read when the sync started.
-        behind: the swarm had passed this sync's epoch: no round ran (catch up instead).
+        behind: the swarm is not at this sync's epoch (it passed it, or this member is
+            ahead of its majority): no round ran (catch up instead).
         local: this member's pseudo-gradient of the fragment (empty when ``behind``).
         digest: the shared state's digest attached to the round (empty when ``behind``).
         result: the round's result; None when it failed, or ran alone (one member).
@@ -112,10 +113,11 @@ def run_sync(
         with contextlib.suppress(CancelledError, FutureTimeout):
             reported.result(timeout=link.timeout)
     progress = tracker.refresh()
-    if progress.epoch > epoch:
+    if progress.epoch != epoch:  # behind the swarm, or ahead of its majority
         return SyncOutcome(progress, True, [], b"", None, "", 0.0)
     arrays, mine = local(), digest()
-    if progress.num_peers <= 1:
+    expected = progress.round_members(tracker.peer_id)
+    if len(expected) <= 1:
         return SyncOutcome(progress, False, arrays, mine, None, "", 0.0)
     failed = link.stats.failed
     started = time.monotonic()
@@ -123,11 +125,14 @@ def run_sync(
         with_schedule(arrays),
         key=f"diloco.{epoch}",
         weight=weight,
-        group_size=progress.num_peers,
+        group_size=len(expected),
         warn=False,
         state_digest=mine,
-        expected=progress.members(),
+        expected=expected,
     )
+    if result is None and len(expected) > progress.num_peers:
+        # it waited for processes catching up that did not come (round_members)
+        link.no_shows.note(expected, [tracker.peer_id])
     error = link.stats.last_error if link.stats.failed > failed else ""
     return SyncOutcome(progress, False, arrays, mine, result, error, time.monotonic() - started)
 

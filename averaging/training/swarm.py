@@ -138,6 +138,18 @@ class RoundStats:
         served: rounds in which this process held the majority's state, some member
             differed, and this process published its post-step state for it.
         last_repair_error: why the most recent repair failed.
+        rejoins: times this process, already training, adopted the swarm's epoch after
+            it had lost it: it was behind (and loaded the swarm's state) or ahead of the
+            swarm's majority, e.g. after global steps alone (docs/training.md, "Staying
+            in one swarm"). The initial catch-up of a newcomer is not one.
+        final_agreement: what ``close()`` did to end with the same parameters as the
+            others that stopped with it (docs/training.md, "Finishing a run"): ``""``
+            (not closed yet, or ``final_round=False``), ``"alone"`` (no other live
+            process), ``"identical"`` (every other one reported the same state: nothing to
+            average), ``"averaged"`` (the final round ran; the parameters are its mean),
+            ``"partial"`` (it ran but was partial), ``"failed"`` (it did not gather a group
+            within ``final_timeout``: the parameters are this process's own).
+        final_group_size: members of the final round (0: it did not run or failed).
     """
 
     rounds: int = 0
@@ -155,6 +167,9 @@ class RoundStats:
     repair_seconds: float = 0.0
     served: int = 0
     last_repair_error: str = ""
+    rejoins: int = 0
+    final_agreement: str = ""
+    final_group_size: int = 0
 
 
 def swarm_errors() -> tuple[type[Exception], ...]:
@@ -317,6 +332,41 @@ class SwarmLink:
                 100 * averaged,
             )
         return result
+
+    def agree(
+        self,
+        arrays: list[np.ndarray],
+        *,
+        key: str,
+        group_size: int,
+        timeout: float,
+        digest: bytes,
+    ) -> RoundResultLike | None:
+        """The final agreement round of ``close()`` (docs/training.md, "Finishing a run"):
+        every member gets the plain mean of the members' ``arrays`` (equal weights, codec
+        ``none``: the run's result is not quantised; the run's aggregation rule), the same
+        bytes on every member, and every member's ``digest`` of its arrays. None, logged,
+        when it failed; never raises (it runs while the process is leaving). Not counted
+        in :attr:`stats`' rounds.
+        """
+        options: dict[str, Any] = {"state_digest": digest}
+        if self.aggregation != MEAN:
+            options["aggregation"] = self.aggregation
+        size = max(2, min(group_size, MAX_GROUP_SIZE))
+        try:
+            return self.client.average(
+                arrays,
+                key=f"{self.run_id}.{key}",
+                weight=1.0,
+                group_size=size,
+                min_group_size=2,
+                timeout=timeout,
+                codec="none",
+                **options,
+            )
+        except (*swarm_errors(), *_validation_errors()) as exc:
+            log.info("final round %s failed: %s: %s", key, type(exc).__name__, exc)
+            return None
 
     def _failed(self, key: str, exc: Exception, warn: bool, stacklevel: int) -> None:
         """Count a failed round and say why (a warning unless ``warn`` is False)."""

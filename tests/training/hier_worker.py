@@ -63,6 +63,7 @@ def build(spec: dict[str, Any], model: torch.nn.Module, client: Any) -> Any:
         "averaging_timeout": spec.get("averaging_timeout", 30.0),
         "process_group": group,
         "peer_id": None,
+        "final_round": spec.get("final_round", True),
     }
     if spec["wrapper"] == "diloco":
         return DiLoCo(

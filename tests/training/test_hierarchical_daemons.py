@@ -390,7 +390,8 @@ def test_two_machines_of_two_ranks_streaming_diloco_syncs_each_fragment_once_per
     """``StreamingDiLoCo`` (2 fragments, H = 4, overlap 1): every sync starts from the
     machine's mean of the fragment, runs in the leader's background while both ranks
     train on, and lands on both one step later; every rank of both machines ends with the
-    same anchor, and each rank keeps its own progress on top of it."""
+    same anchor, and each rank keeps its own progress on top of it (no final round on
+    close, which would average that progress away: test_one_swarm.py covers it)."""
     daemons = machines.daemons
     syncs = 4  # two of each fragment
     records = run_machines(
@@ -402,6 +403,7 @@ def test_two_machines_of_two_ranks_streaming_diloco_syncs_each_fragment_once_per
         local_steps=4,
         epochs=syncs,
         run_id=machines.run_id,
+        final_round=False,
     )
     assert_one_machine_per_peer(records, machines, syncs)
     anchor = records[(0, 0)]["anchor"]
