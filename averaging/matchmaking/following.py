@@ -165,8 +165,11 @@ class Following(Declaring):
                 rnd.mismatched[target.peer_id] = b""
                 banned[target.peer_id] = forever
                 return None
-            if code == averaging_pb2.JOIN_REJECT_FULL and first.taken:
-                rnd.taken |= peer_ids(first.taken)
+            if code == averaging_pb2.JOIN_REJECT_FULL and target.peer_id in peer_ids(first.taken):
+                # Only a peer's own word that it is in a closed group counts. The others it
+                # names are asked in turn (each answers from local state, at once): a
+                # hostile leader's list of every honest peer used to end all their rounds.
+                rnd.taken.add(target.peer_id)
             if code == averaging_pb2.JOIN_REJECT_BAD_REQUEST:
                 # Most often: the leader has not read our declaration yet. Ask again soon.
                 log.debug("%s refused our request: %s", target.peer_id.hex()[:8], first.detail)
