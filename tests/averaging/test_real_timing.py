@@ -19,7 +19,7 @@ from tests.averaging.timing_harness import Timing, run_unsynchronised
 WINDOW = fast_config(matchmaking_time=4.0)
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", [1, 2])
 @pytest.mark.timeout(240)
 async def test_unsynchronised_peers_form_one_group_every_round(seed: int) -> None:
     n = 5

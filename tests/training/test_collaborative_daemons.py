@@ -77,7 +77,13 @@ def open_client(stack: ExitStack, daemon: SwarmavgProcess) -> Client:
 
 def make_peer(client: Client, **kwargs: object) -> tuple[torch.nn.Module, CollaborativeOptimizer]:
     model = linear_model()
-    options: dict[str, object] = {"averaging_timeout": 20.0, "codec": "none", **kwargs}
+    # final_timeout: the tests close one after another; the first closer waits this long
+    options: dict[str, object] = {
+        "averaging_timeout": 20.0,
+        "final_timeout": 2.0,
+        "codec": "none",
+        **kwargs,
+    }
     opt = sgd_collaborative(model, client, run_id=RUN, target_batch_size=8, lr=LR, **options)
     return model, opt
 
