@@ -1,4 +1,4 @@
-"""The wheel that deploy/Dockerfile installs, built and run outside the source tree (issue 43).
+"""The wheel that deploy/Dockerfile installs, built and run outside the source tree.
 
 Every other test imports swarmavg through the editable install, whose finder maps the five
 source folders as they are, so a package that the distribution forgets goes unnoticed there

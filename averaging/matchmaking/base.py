@@ -66,7 +66,7 @@ class MatchmakerBase:
         a whole swarm starts a round at once, the burst of stores and reads can keep the
         DHT nodes busy for longer than ``dht_timeout``; a fixed deadline then cancels every
         operation before it completes, each retry adds to the same burst, and no peer ever
-        sees another (issue 21, 256 peers). A growing one lets the burst drain.
+        sees another (256 peers). A growing one lets the burst drain.
         """
         budget = self.config.dht_timeout * 2.0 ** min(failures, 3)
         return min(budget, max(0.05, give_up - time.time()))

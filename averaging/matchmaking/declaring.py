@@ -72,7 +72,7 @@ class Declaring(MatchmakerBase):
     ) -> dict[bytes, Declaration]:
         """The declarations of ``found`` that are live at wall time ``now``, ours included.
 
-        A start outside the window is ignored (issue 17): the earliest start leads, so a
+        A start outside the window is ignored: the earliest start leads, so a
         declaration with start=-1e300 would otherwise lead every round."""
         current = {
             d.peer_id: d

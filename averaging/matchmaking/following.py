@@ -290,7 +290,7 @@ class Following(Declaring):
         )
         members = [bytes(m.peer_id) for m in message.members[:MAX_GROUP_SIZE]]
         # A member declared after our last read, or our read missed its deadline while the
-        # DHT was busy (a swarm that starts a round at once, issue 21): read again, a few
+        # DHT was busy (a swarm that starts a round at once): read again, a few
         # times at most, each under a longer deadline after a miss. Refusing a group only
         # because our view lags costs every member a partial round.
         # Only a read that completed counts: a read that missed its deadline saw nothing,

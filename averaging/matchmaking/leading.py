@@ -236,7 +236,7 @@ class Leading(Declaring):
                 # A member of the group we closed asks again: it left its stream after we
                 # gave it a seat (its first answer came after its join_timeout on a busy
                 # loop) or lost it. It is in the group the others are averaging now: tell
-                # it, rather than leave its seat empty and every member partial (issue 21).
+                # it, rather than leave its seat empty and every member partial.
                 yield averaging_pb2.JoinResponse(
                     code=averaging_pb2.JOIN_GROUP_FORMED,
                     leader_id=self.peer_id,
@@ -363,7 +363,7 @@ class Leading(Declaring):
             yield final
         finally:
             # A follower whose stream died before the group closed is simply forgotten:
-            # it never blocks the group (issue 5).
+            # it never blocks the group.
             if not rnd.closed and rnd.followers.get(peer_id) is follower:
                 del rnd.followers[peer_id]
                 rnd.last_change = time.monotonic()

@@ -125,7 +125,7 @@ class Matchmaker(Following, Leading):
 
         ``inputs_ready``, when given, is awaited after the declaration is stored and
         before this peer joins or closes any group: the daemon's checked copy of the
-        caller's tensors runs meanwhile (issue 21), and a failure of that check (NaN in
+        caller's tensors runs meanwhile, and a failure of that check (NaN in
         the caller's own tensors) ends the search before any group counts this peer.
 
         Raises:

@@ -77,7 +77,7 @@ class Round:
     """The live declarations of our schema and codec at the last read, our own included."""
     signed: dict[bytes, Declaration] = field(default_factory=dict)
     """Every live declaration read under our key whose start lies in the window, by peer id:
-    what members signed, against which a group's entries are checked (issue 17)."""
+    what members signed, against which a group's entries are checked."""
     other_codecs: dict[bytes, str] = field(default_factory=dict)
     """Peers of our schema seen averaging with another codec (they never group with us)."""
     refusals: list[str] = field(default_factory=list)

@@ -480,7 +480,7 @@ class StateSharer:
         Every write has a deadline (``message_timeout``) and the whole stream another
         (``upload_timeout``): a joiner that does not keep up is cut, so that 8 slow
         readers cannot hold every upload slot and make every other joiner get
-        ``STATE_BUSY`` (issue 17). And one requesting identity, or one address range, holds
+        ``STATE_BUSY``. And one requesting identity, or one address range, holds
         at most its share of the slots (:mod:`~swarmavg.averaging.state.slots`):
         readers that are slow but just fast enough for those deadlines still leave the
         other slots to everyone else.

@@ -1,7 +1,7 @@
 """Slow readers holding every state-upload slot (low).
 
 A donor serves at most ``max_uploads`` (8) download streams. Its per-message and
-per-stream deadlines (issue 17) cut a reader that stops, but one that reads just fast
+per-stream deadlines cut a reader that stops, but one that reads just fast
 enough kept all 8: an outsider opening 8 ``DownloadState`` streams and reading slowly made
 an honest load take 20.6 s (0.1 s without it). Now one identity holds at most 2 slots
 and one address range at most half of them (averaging/state/slots.py), so an honest joiner

@@ -1,5 +1,5 @@
 """The Averaging service's JoinGroup and DownloadState entry points pass rate limits
-(dht/ratelimit.py) before any component works for a request (issue 16): the source range's
+(dht/ratelimit.py) before any component works for a request: the source range's
 before anything else, the sender's once its signature verified, never an id a request only
 claims."""
 

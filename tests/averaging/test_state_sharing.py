@@ -105,7 +105,7 @@ async def test_corrupted_chunks_are_rejected() -> None:
 @pytest.mark.timeout(60)
 async def test_freshest_of_equally_held_versions_wins_and_download_is_incremental() -> None:
     """Two donors stay at v1 and two publish v2: as many donors vouch for each, so the
-    fresher wins (a version held by fewer donors does not win by being fresher: issue 40,
+    fresher wins (a version held by fewer donors does not win by being fresher,
     tests/attacks/test_state_version_hijack.py)."""
     async with averager_swarm(5, CONFIG) as swarm:
         *donors, joiner = swarm.peers

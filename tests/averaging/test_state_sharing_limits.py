@@ -27,7 +27,7 @@ async def test_eight_slow_readers_do_not_make_every_joiner_busy() -> None:
     issue 17 a donor stream had no write deadline: the 8 held every upload slot for as
     long as they liked and every other joiner got ``STATE_BUSY`` (``load_state`` raised
     StateDownloadError). Now a reader that does not keep up is cut and the joiner loads.
-    (8 identities: one identity holds at most 2 slots, issue 40,
+    (8 identities: one identity holds at most 2 slots,
     tests/attacks/test_state_upload_slots.py.)"""
     swarm = AveragerSwarm()
     channels: list[grpc.aio.Channel] = []

@@ -262,7 +262,7 @@ def test_ranges() -> None:
     assert address_range("127.9.9.9:1") == ("127.9.9.0/24", True)
     assert address_range("10.1.2.3:1")[1]
     assert address_range("localhost:1")[1]
-    # every DNS name shares one range: a name says nothing of the network behind it (issue 40)
+    # every DNS name shares one range: a name says nothing of the network behind it
     assert address_range("Example.org:1") == ("dns-names", False)
     assert address_range("other.example:1") == address_range("example.org:2")
     assert address_range("a.localhost:1") == ("localhost", True)

@@ -56,7 +56,7 @@ def test_signatures_interoperate_with_openssls_ed25519(tmp_path: Path) -> None:
     seed = bytes(range(32))
     path = tmp_path / "id.key"
     path.write_bytes(seed)
-    path.chmod(0o600)  # a key file others may read is refused (issue 40)
+    path.chmod(0o600)  # a key file others may read is refused
     ours = Identity.load_or_create(path)
     openssl = Ed25519PrivateKey.from_private_bytes(seed)
     for payload in (b"", b"payload", bytes(range(256)) * 40):
