@@ -50,7 +50,7 @@ from swarmavg.averaging.result import AveragingResult
 from swarmavg.averaging.service import AveragingServicer, Components, add_to_server
 from swarmavg.averaging.state.config import DonorFaults, StateSharingConfig
 from swarmavg.averaging.state.sharer import StateSharer
-from swarmavg.averaging.state.transfer import TransferProgress
+from swarmavg.averaging.transfer_progress import TransferProgress
 from swarmavg.compression import get_codec
 from swarmavg.dht.channels import ChannelPool
 

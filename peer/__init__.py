@@ -7,8 +7,9 @@ Public API (docs/peer.md)::
     from swarmavg.peer import enable_logging   # the library's log lines in a training script
     from swarmavg.peer import start_peer       # a daemon in a background thread (context manager)
 
-``Peer`` is imported lazily: a training process that only uses the client never loads the
-daemon's DHT and averaging modules. ``__version__`` is read on first use (peer/version.py).
+``Peer``, ``PeerConfig`` and ``start_peer`` are imported lazily: a training process that only
+uses the client never loads the daemon's DHT and averaging modules (tests/test_layout.py
+checks the import closure). ``__version__`` is read on first use (peer/version.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 from swarmavg.peer.calls import AverageResult
 from swarmavg.peer.client import AsyncClient, Client, connect, connect_async
-from swarmavg.peer.config import PeerConfig
 from swarmavg.peer.errors import (
     AveragingError,
     DaemonUnavailableError,
@@ -32,6 +32,7 @@ from swarmavg.peer.logs import enable_logging
 
 if TYPE_CHECKING:
     from swarmavg.peer.background import BackgroundPeer, start_peer
+    from swarmavg.peer.config import PeerConfig
     from swarmavg.peer.daemon import Peer
 
     __version__: str
@@ -46,6 +47,10 @@ def __getattr__(name: str) -> Any:
         from swarmavg.peer.daemon import Peer
 
         return Peer
+    if name == "PeerConfig":  # the daemon's whole config tree: the client never needs it
+        from swarmavg.peer.config import PeerConfig
+
+        return PeerConfig
     if name in ("start_peer", "BackgroundPeer"):
         from swarmavg.peer import background
 

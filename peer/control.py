@@ -23,7 +23,7 @@ import numpy as np
 from swarmavg.averaging import errors as averaging_errors
 from swarmavg.averaging.request import RoundRequest, check_finite
 from swarmavg.averaging.result import AveragingResult
-from swarmavg.averaging.state.transfer import TransferProgress
+from swarmavg.averaging.transfer_progress import TransferProgress
 from swarmavg.peer import shm
 from swarmavg.peer.combiner import LocalCombiner
 from swarmavg.peer.errors import (

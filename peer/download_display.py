@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from swarmavg.averaging.state.transfer import LOG_EVERY, TransferProgress
+from swarmavg.averaging.transfer_progress import LOG_EVERY, TransferProgress
 from swarmavg.proto import control_pb2
 
 log = logging.getLogger("swarmavg.peer.client")

@@ -126,3 +126,43 @@ def test_no_private_name_from_another_module(module: str) -> None:
     # Importing a private C extension module of one's own package is its normal use.
     private = [p for p in private if p[1] != "_native"]
     assert private == []
+
+
+# What a training process that only talks to its daemon must never load: the engine
+# (all-reduce, matchmaking, state sharing, the averager), the DHT and its crypto. Loading
+# them costs start-up time and memory in every trainer, and ties the client to the daemon.
+ENGINE_PREFIXES = (
+    "swarmavg.averaging.allreduce",
+    "swarmavg.averaging.matchmaking",
+    "swarmavg.averaging.state",
+    "swarmavg.averaging.averager",
+    "swarmavg.averaging.service",
+    "swarmavg.dht",
+    "swarmavg.peer.daemon",
+    "swarmavg.peer.config",
+    "nacl",
+    "cryptography",
+)
+
+CLIENT_IMPORTS = """
+import sys
+from swarmavg.peer import connect, connect_async, SwarmError, NoGroupError
+from swarmavg.averaging import AveragingError
+from swarmavg.averaging.optim import CollaborativeOptimizer, DiLoCo, StreamingDiLoCo
+print("\\n".join(sorted(sys.modules)))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_client_and_wrappers_load_no_engine() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", CLIENT_IMPORTS], capture_output=True, text=True, timeout=50
+    )
+    assert out.returncode == 0, out.stderr
+    loaded = out.stdout.split()
+    assert "swarmavg.peer.client" in loaded  # the check means nothing if the import failed early
+    engine = [m for m in loaded if m.startswith(ENGINE_PREFIXES)]
+    assert engine == []

@@ -53,8 +53,8 @@ from swarmavg.averaging.state.format import (
 )
 from swarmavg.averaging.state.slots import UploadSlots
 from swarmavg.averaging.state.store import StateStore
-from swarmavg.averaging.state.transfer import TransferProgress, format_bytes
 from swarmavg.averaging.stubs import DOWNLOAD_STATE, download_state_method
+from swarmavg.averaging.transfer_progress import TransferProgress, format_bytes
 from swarmavg.dht.auth import AuthenticationError, message_digest
 from swarmavg.dht.channels import ChannelPool
 from swarmavg.dht.identity import HeaderError

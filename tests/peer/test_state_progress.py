@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from swarmavg.averaging.state.config import DonorFaults
-from swarmavg.averaging.state.transfer import TransferProgress
+from swarmavg.averaging.transfer_progress import TransferProgress
 from swarmavg.peer import Peer, PeerConfig
 
 pytestmark = pytest.mark.timeout(90)

@@ -1,4 +1,4 @@
-"""Progress of one state download: bytes, rate, ETA (issue 19: "long work is silent").
+"""Progress of one state download: bytes, rate, ETA, so that long work is never silent.
 
 Pure and synchronous: the sharer counts the verified bytes as chunks arrive, logs a line
 every :data:`LOG_EVERY` seconds, and the control service forwards the figures to the
