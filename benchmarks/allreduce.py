@@ -6,8 +6,8 @@ the group by hand from their addresses and starts every round at the same monoto
 instant; a round's time is the slowest member's. Then the same processes run gloo's
 ``all_reduce`` on a tensor of the same size. Prints ONE JSON line.
 
-    python benchmarks/allreduce.py --peers 2,4,8 --codecs none,float16,uint8-blockwise
-    python benchmarks/allreduce.py --peers 4,8 --codecs none \
+    python -m benchmarks.allreduce --peers 2,4,8 --codecs none,float16,uint8-blockwise
+    python -m benchmarks.allreduce --peers 4,8 --codecs none \
         --aggregations mean,centered-clip,trimmed-mean
 
 ``--aggregations``: the reducers' rules (docs/averaging.md, "Aggregation"), run A/B in one

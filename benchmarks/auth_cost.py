@@ -7,7 +7,7 @@ and check (signature verification and replay cache), for a DHT ``Store`` of one 
 sides of the request and of the signed answer). Prints ONE JSON line of medians in
 microseconds.
 
-    python benchmarks/auth_cost.py --repeats 2000
+    python -m benchmarks.auth_cost --repeats 2000
 """
 
 from __future__ import annotations

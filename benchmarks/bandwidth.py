@@ -9,9 +9,9 @@ Also measures raw TCP through the same links in the same traffic pattern (every 
 2/N of the tensor to every other host) as the reference for goodput. Prints ONE JSON line;
 progress goes to stderr.
 
-    sudo .venv/bin/python benchmarks/bandwidth.py                       # the docs' figures
-    sudo .venv/bin/python benchmarks/bandwidth.py --mb 8 --rounds 1     # a quick look
-    sudo .venv/bin/python benchmarks/bandwidth.py --congestion-control default,cubic
+    sudo .venv/bin/python -m benchmarks.bandwidth                       # the docs' figures
+    sudo .venv/bin/python -m benchmarks.bandwidth --mb 8 --rounds 1     # a quick look
+    sudo .venv/bin/python -m benchmarks.bandwidth --congestion-control default,cubic
         # A/B in one run: one swarm of daemons per variant, rounds interleaved
 
 ``--congestion-control``: comma-separated variants, each the daemons'
@@ -35,7 +35,7 @@ no_group_errors, partial, median_s, p90_s, ...), with the link-bound time of the
 host's link carried per round. ``--daemon-log-level DEBUG`` adds the daemons' group closes
 by reason and size; ``--log-dir`` keeps the daemons' logs.
 
-    sudo .venv/bin/python benchmarks/bandwidth.py --unsync --hosts 4 --mb 64 \
+    sudo .venv/bin/python -m benchmarks.bandwidth --unsync --hosts 4 --mb 64 \
         --codecs none,float16,uint8-blockwise --rounds 10 --compute 2
 
 Needs root, iproute2 and iptables (like the test bed).
@@ -62,16 +62,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import numpy as np
 
-import numpy as np  # noqa: E402
+from deploy.testbed import Host, HostSpec, TestBed, missing_requirements
+from deploy.testbed.goodput import all_to_all
+from swarmavg.peer import connect_async
 
-from deploy.testbed import Host, HostSpec, TestBed, missing_requirements  # noqa: E402
-from deploy.testbed.goodput import all_to_all  # noqa: E402
-from swarmavg.peer import connect_async  # noqa: E402
-from tests.harness import ProcessPool, SwarmavgProcess  # noqa: E402
+from . import unsync_rounds
+from .common import Daemon, DaemonPool, module_command, worker_env
+from .common import cpu_seconds as common_cpu_seconds
 
 DEFAULT_CODECS = "none,float16,uint8-blockwise,uint4-blockwise,topk"
 PORT = 31337
@@ -195,13 +194,14 @@ class Worker:
 
     def __init__(self, host: Host, control: str, seed: int, elements: int) -> None:
         self._reader: threading.Thread | None = None
-        args = [sys.executable, __file__, "worker", "--control", control]
+        args = [*module_command("benchmarks.bandwidth"), "worker", "--control", control]
         args += ["--seed", str(seed), "--elements", str(elements)]
         self.proc = subprocess.Popen(
             host.command(args),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            env=worker_env(),
         )
         if json.loads(self._readline()).get("event") != "ready":
             raise RuntimeError("worker did not start")
@@ -277,25 +277,23 @@ class Round:
     slowest_prepare: float = 0.0  # the longest ``client.prepare`` among the workers
 
 
-def cpu_seconds(daemon: SwarmavgProcess) -> float:
+def cpu_seconds(daemon: Daemon) -> float:
     """User + system CPU time the daemon process has used so far."""
-    fields = Path(f"/proc/{daemon.proc.pid}/stat").read_text().rpartition(")")[2].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks
+    return common_cpu_seconds([daemon.pid])
 
 
 def start_daemons(
     bed: TestBed,
-    pool: ProcessPool,
+    pool: DaemonPool,
     workdir: Path,
     run_id: str,
     *,
     port: int = PORT,
     extra: Sequence[str] = (),
     log_level: str | None = None,
-) -> list[SwarmavgProcess]:
+) -> list[Daemon]:
     """One daemon per host on ``HOST_ADDRESS:port``; all join the first."""
-    daemons: list[SwarmavgProcess] = []
+    daemons: list[Daemon] = []
     for name, host in bed.hosts.items():
         args = ["peer", "--listen", f"{host.address}:{port}", "--run-id", run_id]
         args += ["--control", str(workdir / f"{name}-{run_id}.sock")]
@@ -309,7 +307,7 @@ def start_daemons(
 
 def one_round(
     bed: TestBed,
-    daemons: list[SwarmavgProcess],
+    daemons: list[Daemon],
     workers: list[Worker],
     expected_sample: np.ndarray | None,
     *,
@@ -421,7 +419,7 @@ class Swarm:
     """One variant's daemons (one per host) and training processes."""
 
     name: str
-    daemons: list[SwarmavgProcess]
+    daemons: list[Daemon]
     workers: list[Worker]
 
 
@@ -487,7 +485,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 by_algorithm[cc] = raw_tcp(bed, nbytes, args.raw_repeats, cc)
             raws[variant] = by_algorithm[cc]
             log(f"raw TCP, butterfly pattern, {variant}: {raws[variant]}")
-        pool = ProcessPool(workdir)
+        pool = DaemonPool(workdir)
         swarms: list[Swarm] = []
         try:
             elements = nbytes // 4
@@ -545,11 +543,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for swarm in swarms:
                 for worker in swarm.workers:
                     worker.close()
-            handles = list(pool.processes)
             pool.close()
-            for handle in handles:  # tests/harness.py leaves the stdout pipes open
-                if handle.proc.stdout is not None:
-                    handle.proc.stdout.close()
     figures["load_average_at_end"] = round(os.getloadavg()[0], 1)
     if list(variants) == ["default"]:  # the single-variant layout of earlier runs
         figures["raw_tcp"] = raws["default"]
@@ -570,17 +564,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 # -- --unsync: every host's training process on its own clock ----------------------------
 
 
-def _unsync_rounds() -> Any:
-    """benchmarks/unsync_rounds.py, the loopback sibling: its per-codec summary (the
-    fields its issue-39 figures use) and its daemon log patterns."""
-    folder = str(Path(__file__).resolve().parent)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    import unsync_rounds
-
-    return unsync_rounds
-
-
 def check_sample(sample: np.ndarray, members: list[np.ndarray]) -> dict[str, float]:
     """A result's every-997th elements against the exact mean of its members' inputs:
     max |error| and |mean error| (the bias) relative to max |mean| (rounds.py's measures,
@@ -596,12 +579,11 @@ def check_sample(sample: np.ndarray, members: list[np.ndarray]) -> dict[str, flo
     }
 
 
-def daemon_logs(daemons: Sequence[SwarmavgProcess]) -> tuple[list[Any], Any, int]:
+def daemon_logs(daemons: Sequence[Daemon]) -> tuple[list[Any], Any, int]:
     """The daemons' DEBUG ``closing`` lines, the reasons leaders gave for refusing a
     follower, and their WARNING/ERROR line count (unsync_rounds.py's patterns)."""
     from collections import Counter
 
-    unsync_rounds = _unsync_rounds()
     closes = []
     rejections: Counter[str] = Counter()
     warnings = 0
@@ -616,7 +598,7 @@ def daemon_logs(daemons: Sequence[SwarmavgProcess]) -> tuple[list[Any], Any, int
 
 def unsync_swarm(
     bed: TestBed,
-    daemons: list[SwarmavgProcess],
+    daemons: list[Daemon],
     workers: list[Worker],
     samples: list[np.ndarray],
     offsets: list[float],
@@ -624,7 +606,6 @@ def unsync_swarm(
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     """Start every worker's own loop, collect its records; per codec, the summary."""
-    unsync_rounds = _unsync_rounds()
     n, rounds_n = len(workers), args.rounds
     seed_of = {d.peer_id: i for i, d in enumerate(daemons)}
     hosts = list(bed.hosts.values())
@@ -779,7 +760,7 @@ def run_unsync(args: argparse.Namespace) -> dict[str, Any]:
             elements = nbytes // 4
             samples = [make_input(seed, elements)[::SAMPLE_STRIDE] for seed in range(n)]
             for k, (variant, flags) in enumerate(variants.items()):
-                pool = ProcessPool(workdir)
+                pool = DaemonPool(workdir)
                 workers: list[Worker] = []
                 try:
                     daemons = start_daemons(
@@ -801,9 +782,6 @@ def run_unsync(args: argparse.Namespace) -> dict[str, Any]:
                         worker.close()
                     handles = list(pool.processes)
                     pool.close()
-                    for handle in handles:  # tests/harness.py leaves the stdout pipes open
-                        if handle.proc.stdout is not None:
-                            handle.proc.stdout.close()
                     if args.log_dir:
                         folder = Path(args.log_dir) / variant
                         folder.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ Every trainer applies the round's result, the attacker too, so all four end with
 parameters; the figure is each trainer's test accuracy (and its failed rounds). Prints one
 JSON line::
 
-    python benchmarks/byzantine.py --steps 90
+    python -m benchmarks.byzantine --steps 90
 
 ``tests/training/test_byzantine.py`` runs the same code, shorter.
 """
@@ -31,9 +31,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `benchmarks.` as a package
-
-from benchmarks import training as digits
+from . import training as digits
+from .common import parameters_sha256
 
 TRAINERS = 4
 ATTACKER = 3
@@ -99,7 +98,7 @@ def train(
                     opt.step()
                     opt.zero_grad()
             results[i] = (digits.accuracy(model, x_te, y_te), int(opt.stats.failed))
-            shas[i] = digits.parameters_sha256(model)
+            shas[i] = parameters_sha256(model)
         except BaseException as exc:  # re-raised in the calling thread
             errors.append(exc)
 

@@ -21,10 +21,10 @@ processes on a shared machine do not inflate them; all-core times are wall-clock
 Codec cost is measured on ``encode_payload``/``decode_payload``: the codec's own work,
 without the protobuf copy that ``encode`` adds.
 
-    python benchmarks/compression.py                    # everything (~2-4 min)
-    python benchmarks/compression.py --codecs float16,uint8-blockwise --repeats 3
-    python benchmarks/compression.py --codecs none --reference    # hivemind's accuracy
-    python benchmarks/compression.py --public --repeats 7          # public API vs internal
+    python -m benchmarks.compression                    # everything (~2-4 min)
+    python -m benchmarks.compression --codecs float16,uint8-blockwise --repeats 3
+    python -m benchmarks.compression --codecs none --reference    # hivemind's accuracy
+    python -m benchmarks.compression --public --repeats 7          # public API vs internal
 
 ``--public`` (issue 21) times instead, per codec on each tensor, the public
 ``Codec.encode``/``Codec.decode`` (protobuf ``TensorChunk`` in and out) against the

@@ -18,7 +18,7 @@ Phases (issue 4):
 All nodes share one ChannelPool (one channel per address): with separate pools 1000 nodes
 would open ~10^5 loopback connections in one process. Per-RPC work is the same.
 
-Usage: python benchmarks/dht.py [--nodes 128] [--ops 1000] [--scale-max 1000] [--quick]
+Usage: python -m benchmarks.dht [--nodes 128] [--ops 1000] [--scale-max 1000] [--quick]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """RPCs one DHT maintenance round costs each node of a stable swarm; prints ONE JSON line.
 
-    python benchmarks/dht_maintenance.py [--nodes 128] [--rounds 2] [--one-initial-peer]
+    python -m benchmarks.dht_maintenance [--nodes 128] [--rounds 2] [--one-initial-peer]
 
 Grows ``--nodes`` nodes in one process (background maintenance disabled, so only the rounds
 run here count), then calls ``maintain_once`` on every node ``--rounds`` times and reports

@@ -14,7 +14,7 @@ for each MTU given (``--mtu 1500,9000``). Fractions are payload bits over the li
 and the transfer's span (first accept to last EOF); medians of ``--repeats``. Prints ONE
 JSON line; progress on stderr. Needs root, iproute2 and iptables (like the test bed).
 
-    sudo .venv/bin/python benchmarks/link_ceiling.py --mtu 1500,9000 --repeats 3
+    sudo .venv/bin/python -m benchmarks.link_ceiling --mtu 1500,9000 --repeats 3
 """
 
 from __future__ import annotations
@@ -24,14 +24,9 @@ import json
 import os
 import statistics
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from deploy.testbed import HostSpec, TestBed, missing_requirements  # noqa: E402
-from deploy.testbed.goodput import all_to_all, transfer  # noqa: E402
+from deploy.testbed import HostSpec, TestBed, missing_requirements
+from deploy.testbed.goodput import all_to_all, transfer
 
 
 def log(message: str) -> None:

@@ -59,8 +59,8 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from training import Proc, emit, parameters_sha256, start_daemons
+from .common import Proc, emit, module_command, parameters_sha256
+from .common import start_daemons as start_loopback_daemons
 
 PEERS = 4
 HEADS = 4
@@ -538,7 +538,7 @@ def run_method(
 ) -> dict[str, Any]:
     """``method`` on 4 fresh daemons on this machine (loopback)."""
     started = time.monotonic()
-    daemons = start_daemons(workdir, PEERS, log, ready_timeout=cfg.ready_timeout)
+    daemons = start_loopback_daemons(workdir, PEERS, log, "lm", ready_timeout=cfg.ready_timeout)
     try:
         out = run_jobs(method, cfg, workers, [control for _, control in daemons])
     finally:
@@ -727,7 +727,8 @@ def main() -> None:
         workdir = Path(tmp)
         with open(workdir / "log.txt", "wb") as log:
             workers = [
-                Proc([sys.executable, __file__, "--worker"], log, stdin=True) for _ in range(PEERS)
+                Proc([*module_command("benchmarks.lm"), "--worker"], log, stdin=True)
+                for _ in range(PEERS)
             ]
             try:
                 for w in workers:

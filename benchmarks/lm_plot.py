@@ -9,7 +9,7 @@ rounds are left out (their bytes and loss are not the method's) and listed, and 
 another length than ``--steps`` (a row's ``steps`` key, 300 when absent: a ratio to a longer
 run's reference is not on the same scale).
 
-    python benchmarks/lm_plot.py benchmarks/results/lm-front.jsonl --out docs/lm-front.png
+    python -m benchmarks.lm_plot benchmarks/results/lm-front.jsonl --out docs/lm-front.png
 
 Needs matplotlib (``pip install matplotlib``; not a dependency of the package). Prints one
 JSON line: the points on the front and the runs left out.

@@ -14,7 +14,7 @@ H in ``--intervals``: validation loss and its ratio to the reference. The questi
 answers (docs/benchmarks.md, "Language model, session 12"): is the gap to the single
 process the interval, the codec, or the replicas' small batches?
 
-    python benchmarks/lm_sim.py --steps 1200 --intervals 1,2,10,50
+    python -m benchmarks.lm_sim --steps 1200 --intervals 1,2,10,50
 """
 
 from __future__ import annotations
@@ -23,13 +23,10 @@ import argparse
 import copy
 import dataclasses
 import json
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lm import (
+from .lm import (
     PEERS,
     Config,
     Windows,

@@ -29,7 +29,7 @@ run, the slowest trainer's wall time over its wall time minus the seconds its wr
 (``parts_seconds`` says where they went: starting syncs, applying them, publishing states).
 Needs root and iproute2 (as the test bed does). Prints ONE JSON line.
 
-    sudo nice -n 19 python benchmarks/lm_testbed.py --hosts 4 --rate 100 --steps 50 --repeats 3 \
+    sudo nice -n 19 python -m benchmarks.lm_testbed --hosts 4 --rate 100 --steps 50 --repeats 3 \
         --overlap-steps 5 [--publish-every 5]
 """
 
@@ -46,16 +46,10 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-for path in (str(REPO), str(HERE)):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+from deploy.testbed import Host, HostSpec, TestBed, missing_requirements
 
-from lm import Config, run_jobs  # noqa: E402
-from training import Proc  # noqa: E402
-
-from deploy.testbed import Host, HostSpec, TestBed, missing_requirements  # noqa: E402
+from .common import Proc, module_command
+from .lm import Config, run_jobs
 
 MODES = ("compute-only", "streaming-h50", "grad-none")
 PORT = 31337
@@ -150,7 +144,7 @@ def main() -> int:
             try:
                 hosts = list(bed.hosts.values())
                 workers = [
-                    Proc([sys.executable, str(HERE / "lm.py"), "--worker"], log_file, stdin=True)
+                    Proc([*module_command("benchmarks.lm"), "--worker"], log_file, stdin=True)
                     for _ in hosts
                 ]
                 daemons = start_daemons(hosts, workdir, log_file, cfg.ready_timeout)

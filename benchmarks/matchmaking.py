@@ -1,6 +1,6 @@
 """Matchmaking and fault-tolerance figures, one process per peer; prints ONE JSON line.
 
-    python benchmarks/matchmaking.py [--peers 8] [--rounds 7] [--elements 4194304] [--timeout 15]
+    python -m benchmarks.matchmaking [--peers 8] [--rounds 7] [--elements 4194304] [--timeout 15]
                                      [--state-elements 16777216]
 
 1. Matchmaking time: every peer calls ``Averager.average`` at the same wall-clock moment

@@ -1,6 +1,6 @@
 """What forming one group costs: DHT RPCs and CPU per round of N peers; ONE JSON line.
 
-    python benchmarks/matchmaking_cost.py [--peers 8] [--rounds 8]
+    python -m benchmarks.matchmaking_cost [--peers 8] [--rounds 8]
 
 N real peers (DHT node, gRPC server, averager) in one process on loopback average a tiny
 tensor under a new key each round, in the default configuration (no ``group_size``), as

@@ -13,7 +13,7 @@ protobuf sizes, counted at its protocol's ``_call``): the swarm's peers send and
 the same bytes for it. The monitor is started before and stopped after its window (its
 join is not counted).
 
-    PYTHONPATH=. python benchmarks/monitor_overhead.py [--peers 16] [--window 30] [--reps 2]
+    python -m benchmarks.monitor_overhead [--peers 16] [--window 30] [--reps 2]
         [--kinds idle,monitor,peers]
 
 The kinds' order alternates from one rep to the next (A B C, then C B A, ...), so that a
@@ -37,18 +37,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.run_view import WRITER
+from .common import cpu_seconds
 
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds of the processes so far."""
-    total = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
-    return total / TICKS
+WRITER = """
+import sys, time
+from swarmavg.averaging.training.progress import ProgressTracker
+from swarmavg.peer import connect
+clients = [connect(c, use_shm=False) for c in sys.argv[2:]]
+trackers = [ProgressTracker(c, sys.argv[1], target_batch_size=4096, ttl=30.0) for c in clients]
+for t in trackers:
+    t.set_metrics({"loss": 0.5, "accuracy": 0.9})
+while True:
+    for t in trackers:
+        t.add_samples(32)
+        t.report()
+    time.sleep(2.0)
+"""
+"""A trainer stand-in: a progress record with metrics for every daemon every 2 s."""
 
 
 async def monitor_window(

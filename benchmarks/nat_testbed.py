@@ -17,7 +17,7 @@ against the exact mean. The relay's cost: CPU seconds (utime+stime from /proc) o
 nat-swarm daemon minus pub0's public-swarm daemon over the timed rounds, per MB it relayed
 (its status), and both daemons' RSS. Needs root and iproute2/iptables. Prints ONE JSON line.
 
-    sudo .venv/bin/python benchmarks/nat_testbed.py --rate 100 --mb 16 --rounds 5
+    sudo .venv/bin/python -m benchmarks.nat_testbed --rate 100 --mb 16 --rounds 5
 """
 
 from __future__ import annotations
@@ -36,12 +36,10 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from deploy.testbed import Host, HostSpec, TestBed, missing_requirements
+from swarmavg.peer import connect_async
 
-from deploy.testbed import Host, HostSpec, TestBed, missing_requirements  # noqa: E402
-from swarmavg.peer import connect_async  # noqa: E402
+from .common import REPO
 
 PUBLIC = ["pub0", "pub1", "p2", "p3", "p4"]
 NAT = ["pub0", "pub1", "home0", "home1", "home2"]

@@ -8,7 +8,7 @@
   other side is always the same partner daemon fed by a helper process that is already
   waiting, so the difference is what the client <-> daemon hop costs.
 
-Usage: ``python benchmarks/peer.py [--starts 7] [--rounds 5] [--idle 10]``
+Usage: ``python -m benchmarks.peer [--starts 7] [--rounds 5] [--idle 10]``
 """
 
 from __future__ import annotations

@@ -17,10 +17,10 @@ as in benchmarks/allreduce.py). Each record also says what one daemon spent per 
 its codec (``daemon_cpu_per_round``: user and system CPU, minor page faults, from
 ``/proc``, warm-up rounds included). Prints ONE JSON line on stdout; progress on stderr.
 
-    python benchmarks/rounds.py --peers 2,4,8 --codecs none,float16,uint8-blockwise
-    python benchmarks/rounds.py --peers 4,8 --codecs none --modes given \
+    python -m benchmarks.rounds --peers 2,4,8 --codecs none,float16,uint8-blockwise
+    python -m benchmarks.rounds --peers 4,8 --codecs none --modes given \
         --aggregations mean,centered-clip,trimmed-mean
-    python benchmarks/rounds.py --stability 500
+    python -m benchmarks.rounds --stability 500
 
 ``--stability R`` instead runs 4 daemons and 4 workers for R consecutive rounds in the
 default configuration (``--stability-mb``, 1 MB): each worker calls again as soon as its
@@ -62,7 +62,9 @@ from typing import Any
 
 import numpy as np
 
-SCRIPT = Path(__file__).resolve()
+from .common import emit as _emit
+from .common import module_command, swarmavg_command
+
 CALL_TIMEOUT = 120.0
 START_LEAD = 0.3
 """Seconds between the parent's round command and the instant every worker calls."""
@@ -126,11 +128,6 @@ def check_result(result: np.ndarray, base: np.ndarray, ranks: list[int]) -> dict
 
 
 # -- the worker: one training process stand-in per daemon ----------------------------------
-
-
-def _emit(record: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(record) + "\n")
-    sys.stdout.flush()
 
 
 def _error_kind(exc: BaseException) -> str:
@@ -329,12 +326,6 @@ class Child:
         self._reader.join(5)
 
 
-def swarmavg_command() -> list[str]:
-    """The console script next to this interpreter (the venv's), else the module."""
-    script = Path(sys.executable).with_name("swarmavg")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "swarmavg.peer.cli"]
-
-
 class Swarm:
     """N daemons (CLI) and N workers; ``close`` stops them all, whatever happened."""
 
@@ -390,7 +381,7 @@ class Swarm:
             if ready.get("event") != "ready":
                 raise RuntimeError(f"{d.name}: unexpected first line {ready!r}")
         for i, ready in enumerate(self.ready):
-            argv = [sys.executable, str(SCRIPT), "--worker", "--rank", str(i)]
+            argv = [*module_command("benchmarks.rounds"), "--worker", "--rank", str(i)]
             argv += ["--control", ready["control"], "--elements", str(elements)]
             self.workers.append(Child(f"worker {i}", argv, None, stdin=True))
         deadline = time.monotonic() + READY_TIMEOUT

@@ -1,6 +1,6 @@
 """Moshpit averaging at scale: N real peers in a few processes; prints ONE JSON line.
 
-    python benchmarks/scale.py [--peers 16,64,128,256] [--group-size 16] [--processes 4]
+    python -m benchmarks.scale [--peers 16,64,128,256] [--group-size 16] [--processes 4]
                                [--elements 4096] [--timeout 120]
 
 For each N, ``--processes`` worker processes (``--worker`` mode of this script) each run

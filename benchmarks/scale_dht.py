@@ -1,6 +1,6 @@
 """A DHT grown to thousands of nodes in one process, built and queried; prints ONE JSON line.
 
-    python benchmarks/scale_dht.py [--sizes 250,500,1000,2000] [--probes 200] [--idle 40]
+    python -m benchmarks.scale_dht [--sizes 250,500,1000,2000] [--probes 200] [--idle 40]
                                    [--processes 1]
 
 One swarm is grown node by node (each bootstraps from a random earlier node, with the full

@@ -1,6 +1,6 @@
 """Plot how swarmavg grows with N from the JSON lines of scale.py and scale_dht.py.
 
-    python benchmarks/scale_plot.py RESULTS.jsonl [MORE.jsonl ...] [--out docs/scale.png]
+    python -m benchmarks.scale_plot RESULTS.jsonl [MORE.jsonl ...] [--out docs/scale.png]
 
 Reads every line that is a JSON object with ``"benchmark": "scale"`` (averaging swarms) or
 ``"benchmark": "scale_dht"`` (DHT sizes); prints one JSON line with the points it drew.

@@ -14,8 +14,8 @@ the rounds, and the record gives per daemon: ``idle`` (connected, after one tiny
 ``peak`` during the rounds, ``after`` (the end), each in MiB, and ``peak_above_idle`` in
 units of the tensors' size (issue 21's goal: at most 2).
 
-Usage: ``python benchmarks/soak.py [--rounds 1000] [--warmup 50] [--elements 4096]``
-       ``python benchmarks/soak.py --mb 64 --rounds 100 --warmup 10 --peers 4``
+Usage: ``python -m benchmarks.soak [--rounds 1000] [--warmup 50] [--elements 4096]``
+       ``python -m benchmarks.soak --mb 64 --rounds 100 --warmup 10 --peers 4``
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .common import swarmavg_command
 
 READY_TIMEOUT = 60.0
 
@@ -80,11 +82,6 @@ class PeakSampler:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-
-
-def swarmavg_command() -> list[str]:
-    script = Path(sys.executable).with_name("swarmavg")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "swarmavg.peer.cli"]
 
 
 class Daemon:

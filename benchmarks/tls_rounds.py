@@ -13,7 +13,7 @@ the exact mean (rounds.py's check). Besides the round time it reports the CPU se
 daemons spent per round (``/proc/PID/stat``, all threads), which is what TLS adds and which a
 loaded machine inflates far less than wall time. Prints ONE JSON line; progress on stderr.
 
-    python benchmarks/tls_rounds.py --peers 4 --mb 64 --rounds 7
+    python -m benchmarks.tls_rounds --peers 4 --mb 64 --rounds 7
 """
 
 from __future__ import annotations
@@ -28,9 +28,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import rounds  # the sibling script: Swarm, one_round, summarize
-
 from swarmavg.dht.credentials import (
     JoinRequest,
     init_run,
@@ -39,6 +36,9 @@ from swarmavg.dht.credentials import (
     tls_key_path,
 )
 from swarmavg.dht.identity import Identity
+
+from . import rounds  # the loopback swarm, one round, the summary
+from .common import cpu_seconds
 
 
 def invite_members(folder: Path, run_id: str, n: int) -> list[list[str]]:
@@ -62,16 +62,6 @@ def invite_members(folder: Path, run_id: str, n: int) -> list[list[str]]:
             ]
         )
     return flags
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds so far of the processes ``pids`` (every thread)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
-    return total / ticks
 
 
 VARIANTS = {

@@ -11,7 +11,7 @@ tests/deploy. A round's time is from the call to the last member's result; each 
 median over ``--rounds`` rounds after one untimed warm-up round each; every result is checked
 against the exact mean. Needs root and iproute2 (as the test bed does). Prints ONE JSON line.
 
-    sudo python benchmarks/tls_testbed.py --hosts 4 --rate 200 --mb 16 --rounds 7
+    sudo python -m benchmarks.tls_testbed --hosts 4 --rate 200 --mb 16 --rounds 7
 """
 
 from __future__ import annotations
@@ -30,20 +30,18 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from deploy.testbed import Host, HostSpec, TestBed, missing_requirements  # noqa: E402
-from swarmavg.dht.credentials import (  # noqa: E402
+from deploy.testbed import Host, HostSpec, TestBed, missing_requirements
+from swarmavg.dht.credentials import (
     JoinRequest,
     init_run,
     invite,
     load_or_create_tls_key,
     tls_key_path,
 )
-from swarmavg.dht.identity import Identity  # noqa: E402
-from swarmavg.peer import connect_async  # noqa: E402
+from swarmavg.dht.identity import Identity
+from swarmavg.peer import connect_async
+
+from .common import REPO
 
 READY_TIMEOUT = 120.0
 

@@ -61,19 +61,17 @@ the model init (``torch.manual_seed(s)``) and the trainers' data orders; the sce
 figure then lists every run's accuracy, their mean and median, the gap of the mean to the
 reference, ``parameters_identical_every_run`` and repairs per run, and keeps every run's
 full figures under ``runs``. The reference stays the median over ``--seeds`` data orders
-from init seed 0. ``python benchmarks/training.py --help`` for options.
+from init seed 0. ``python -m benchmarks.training --help`` for options.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib
 import json
 import math
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -83,6 +81,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .common import Proc, emit, module_command, parameters_sha256
+from .common import start_daemons as start_loopback_daemons
 
 GLOBAL_BATCH = 128
 PEERS = 4
@@ -411,18 +412,6 @@ def _train_peer(scenario: Scenario) -> dict[str, Any]:
     }
 
 
-def parameters_sha256(model: Any) -> str:
-    """sha256 of the parameters' bytes: equal only for bit-identical parameters."""
-    digest = hashlib.sha256()
-    for p in model.parameters():
-        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
-def emit(record: dict[str, Any]) -> None:
-    print(json.dumps(record), flush=True)
-
-
 def worker() -> None:
     """A trainer process: runs the scenarios it reads from stdin, one JSON line each.
 
@@ -442,112 +431,6 @@ def worker() -> None:
 
 
 # ---------------------------------------------------------------- the swarm
-
-
-class Proc:
-    """A child process whose JSON stdout lines are collected by a reader thread."""
-
-    def __init__(self, command: list[str], stderr: Any, stdin: bool = False) -> None:
-        self.popen = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-        )
-        self.lines: list[dict[str, Any]] = []
-        self.cond = threading.Condition()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.popen.stdout is not None
-        for raw in self.popen.stdout:
-            try:
-                record = json.loads(raw)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                with self.cond:
-                    self.lines.append(record)
-                    self.cond.notify_all()
-        with self.cond:
-            self.cond.notify_all()
-
-    def wait_for(self, predicate: Any, timeout: float, since: int = 0) -> dict[str, Any]:
-        """The first line (from index ``since``) that satisfies ``predicate``."""
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while True:
-                for record in self.lines[since:]:
-                    if predicate(record):
-                        return record
-                if not self.reader.is_alive():
-                    raise RuntimeError(f"{self.popen.args[-3:]} exited ({self.popen.poll()})")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(
-                        f"no expected line from {self.popen.args[-3:]} in {timeout}s"
-                    )
-                self.cond.wait(left)
-
-    def send(self, record: dict[str, Any]) -> int:
-        """Write one JSON line to stdin; return the index of the next output line."""
-        assert self.popen.stdin is not None
-        with self.cond:
-            mark = len(self.lines)
-        self.popen.stdin.write((json.dumps(record) + "\n").encode())
-        self.popen.stdin.flush()
-        return mark
-
-    def position(self, since: int = 0) -> int:
-        """The newest training position this process reported (from line ``since`` on)."""
-        with self.cond:
-            lines = self.lines[since:]
-        return max((int(r["position"]) for r in lines if "position" in r), default=-1)
-
-    def signal(self, sig: int) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(sig)
-
-    def close(self, timeout: float = 15.0, *, terminate: bool = True) -> None:
-        """Stop the process (SIGTERM unless ``terminate`` is False: already signalled)."""
-        if self.popen.stdin is not None:
-            self.popen.stdin.close()
-        if terminate:
-            self.signal(signal.SIGTERM)
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait(timeout)
-        self.reader.join(timeout)
-        if self.popen.stdout is not None:
-            self.popen.stdout.close()
-
-
-def start_daemons(
-    workdir: Path, count: int, log: Any, join: str = "", ready_timeout: float = 60.0
-) -> list[tuple[Proc, str]]:
-    """Start ``count`` daemons (the first founds the swarm unless ``join``); (proc, control).
-    Each must print its ready line within ``ready_timeout`` seconds."""
-    started: list[tuple[Proc, str]] = []
-
-    def start(index: int, join_address: str) -> tuple[Proc, str]:
-        control = str(workdir / f"peer-{time.monotonic_ns()}-{index}.sock")
-        command = [sys.executable, "-m", "swarmavg.peer.cli", "peer", "--listen", "127.0.0.1:0"]
-        command += ["--control", control, "--run-id", RUN_ID, "--log-level", "WARNING"]
-        if join_address:
-            command += ["--join", join_address]
-        return Proc(command, log), control
-
-    if not join:
-        first = start(0, "")
-        join = str(first[0].wait_for(lambda r: r.get("event") == "ready", ready_timeout)["address"])
-        started.append(first)
-    rest = [start(i, join) for i in range(len(started), count)]
-    for proc, _ in rest:
-        proc.wait_for(lambda r: r.get("event") == "ready", ready_timeout)
-    return started + rest
 
 
 UNSYNC_STAGGER = 2.0
@@ -588,12 +471,19 @@ def start_unsync(
     return marks, {"pauses": pauses, "first_trainer_at_each_start": first_at}
 
 
+def start_daemons(
+    workdir: Path, count: int, log: Any, join: str = "", ready_timeout: float = 60.0
+) -> list[tuple[Proc, str]]:
+    """``count`` loopback daemons of the digits run (the first founds it unless ``join``)."""
+    return start_loopback_daemons(workdir, count, log, RUN_ID, join, ready_timeout)
+
+
 def daemon_address(proc: Proc) -> str:
     return str(proc.wait_for(lambda r: r.get("event") == "ready", 1)["address"])
 
 
 def start_worker(log: Any) -> Proc:
-    proc = Proc([sys.executable, __file__, "--worker"], log, stdin=True)
+    proc = Proc([*module_command("benchmarks.training"), "--worker"], log, stdin=True)
     return proc
 
 

@@ -9,7 +9,7 @@ identity serializers (what ``Reduce`` costs before our code runs); ``tcp`` uses
 data plane's framing adds on top of the kernel). Prints one JSON line: median seconds
 per round (slowest peer) and CPU seconds of all peers per round.
 
-    python benchmarks/transport_floor.py --peers 2,4,8
+    python -m benchmarks.transport_floor --peers 2,4,8
 """
 
 from __future__ import annotations

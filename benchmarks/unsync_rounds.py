@@ -25,11 +25,11 @@ group size N and one group id), the rounds' shapes (``"4+3+1"``), the histogram 
 sizes over calls, NoGroupError and other errors, partial results, bit-identity within
 groups, the median and p90 call time, the gloo median and the ratio of the two.
 
-    python benchmarks/unsync_rounds.py --peers 4,8 --rounds 20 --mb 16 --codecs none \
+    python -m benchmarks.unsync_rounds --peers 4,8 --rounds 20 --mb 16 --codecs none \
         --compute 2 --seed 1
-    python benchmarks/unsync_rounds.py --peers 2,4 --rounds 10 --mb 64 --codecs none \
+    python -m benchmarks.unsync_rounds --peers 2,4 --rounds 10 --mb 64 --codecs none \
         --compute 0 --gloo
-    python benchmarks/unsync_rounds.py --peers 8 --daemon-log-level DEBUG --log-dir /tmp/u8
+    python -m benchmarks.unsync_rounds --peers 8 --daemon-log-level DEBUG --log-dir /tmp/u8
 
 With ``--daemon-log-level DEBUG`` each record also counts the daemons' group closes by
 reason and size (their ``closing KEY with N member(s) (REASON)`` lines); ``--log-dir``
@@ -58,10 +58,9 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import rounds  # the sibling script: Swarm, Child, member data and checks, gloo
+from . import rounds  # the loopback swarm, member data and checks, gloo
+from .common import module_command
 
-SCRIPT = Path(__file__).resolve()
 DEFAULT_TIMEOUT = 60.0
 LINE_MARGIN = 60.0
 """Seconds past a call's compute time and timeout within which its worker must report."""
@@ -160,7 +159,7 @@ class Daemons(rounds.Swarm):
         for i, (ready, pause) in enumerate(zip(self.ready, staggers, strict=True)):
             time.sleep(pause)
             mine = {**spec, "rank": i, "control": ready["control"]}
-            argv = [sys.executable, str(SCRIPT), "--worker", json.dumps(mine)]
+            argv = [*module_command("benchmarks.unsync_rounds"), "--worker", json.dumps(mine)]
             self.workers.append(rounds.Child(f"worker {i}", argv, None, stdin=True))
 
     def log_lines(self) -> tuple[list[tuple[str, int, str, float]], Counter[str]]:
