@@ -472,7 +472,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         workdir = Path(tmp)
         log(f"test bed {bed.prefix}: {n} hosts at {rate} Mbit/s")
         # The kernel's default (variant "default"): with BBR, connections reused from round
-        # to round carry a stale minimum-RTT estimate (docs/benchmarks-bandwidth.md).
+        # to round carry a stale minimum-RTT estimate (docs/benchmarks-testbed.md).
         first = next(iter(bed.hosts.values()))
         figures["tcp_congestion_control"] = first.run(
             ["sysctl", "-n", "net.ipv4.tcp_congestion_control"], check=False
@@ -825,7 +825,7 @@ def main() -> int:
         type=int,
         default=None,
         help="every link's MTU (default: the kernel's 1500, as on the internet; 9000 shows "
-        "what jumbo frames would carry, docs/benchmarks-bandwidth.md)",
+        "what jumbo frames would carry, docs/benchmarks-testbed.md)",
     )
     parser.add_argument("--mb", type=float, default=64.0, help="tensor size per host, MB")
     parser.add_argument("--rounds", type=int, default=3)
