@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import cpu_seconds
+from .common import DaemonPool, cpu_seconds
 
 WRITER = """
 import sys, time
@@ -108,23 +108,21 @@ def main() -> None:
     if "idle" not in args.kinds or not set(args.kinds) <= {"idle", "monitor", "peers"}:
         parser.error("--kinds: idle and any of monitor, peers")
     from swarmavg.peer import connect
-    from tests.harness import ProcessPool
 
     run = "bench-monitor"
     with tempfile.TemporaryDirectory(dir="/tmp", prefix="sa-bm-") as tmp:
         work = Path(tmp)
-        pool = ProcessPool(work)
+        pool = DaemonPool(work, ready_timeout=180)
         try:
             listen = ["peer", "--listen", "127.0.0.1:0", "-q", "--run-id", run]
-            first = pool.start([*listen, "--control", str(work / "p0.sock")], ready_timeout=180)
+            first = pool.start([*listen, "--control", str(work / "p0.sock")])
             daemons = [first] + [
                 pool.start(
-                    [*listen, "--control", str(work / f"p{i}.sock"), "--join", first.address],
-                    ready_timeout=180,
+                    [*listen, "--control", str(work / f"p{i}.sock"), "--join", first.address]
                 )
                 for i in range(1, args.peers)
             ]
-            pids = [d.proc.pid for d in daemons]
+            pids = [d.pid for d in daemons]
             writer = subprocess.Popen(
                 [sys.executable, "-c", WRITER, run, *(d.control for d in daemons)]
             )
