@@ -46,15 +46,14 @@ still pulls the estimate by about ``r / n_honest`` (the fixed point of the itera
 the radius is the attacker's budget: with one trainer of four sending -10 x its gradients
 on digits and no rejection (``reject=0``), ``tau=2`` cost 8 points of accuracy and
 ``tau=1`` about 2 (simulated) to 3.7 (the 90-step benchmark); below 1 the honest copies
-are clipped too and little more is gained (docs/benchmarks.md, "Robust aggregation
-(issue 17)")."""
+are clipped too and little more is gained (``benchmarks/byzantine.py``)."""
 DEFAULT_ITERS = 5
 DEFAULT_REJECT = 3.0
 """Rejection radius in median distances from the median. With one trainer of four sending
 -10 x its gradients on digits, clipping alone left the honest trainers 3-4 points below a
 clean run; rejecting beyond 3 (or 2, or 5) brings them within 0.6, where the three honest
 trainers alone are 0.5 below; with no attacker it changes nothing measurable
-(docs/benchmarks.md, "Byzantine training, session 10"). Must be 0 (off) or at least 1: at
+(docs/benchmarks.md, "Training"). Must be 0 (off) or at least 1: at
 most half the copies can be farther than the median distance, so an honest majority is
 never rejected by count (attackers placed at the median could still shrink the median
 distance and have some honest copies rejected, never all)."""

@@ -232,7 +232,7 @@ class Averager:
             self.dht, self.run_id, address, self._channels, self.config.matchmaker, self._observer
         )
         # A private run's pool holds the peer's TLS setup: the data plane uses it too, so that
-        # no byte of a round travels in clear (issue 16).
+        # no byte of a round travels in clear.
         allreduce = AllReduceService(
             self.dht.authenticator, self.config.allreduce, tls=self._channels.tls
         )

@@ -4,7 +4,7 @@ Every key below is a dictionary of owner-signed entries: each peer writes one su
 names it (``[owner:<peer id hex>]`` at the subkey's end) and that the DHT makes it sign
 (dht/validation.py). A plain value or an unowned subkey under these keys would otherwise
 replace every peer's entries and then refuse theirs as outdated, which blocks the run
-(issue 16: one ``client.dht.store(f"{run}.{key}.0b", "x")`` failed every peer's next
+(one ``client.dht.store(f"{run}.{key}.0b", "x")`` failed every peer's next
 ``average`` with ``NoGroupError``). :func:`protocol_key_classes` describes them to the DHT;
 the peer daemon registers them in its ``DHTConfig.key_classes``, so every daemon and bare
 DHT node of the run refuses other records there when asked to store them and ignores them in

@@ -40,7 +40,7 @@ class AveragingResult:
         errors: failures of this member's own tasks in the round, each with its cause
             (also logged); a round with any is ``partial``.
         distrusted: parts whose reducer answered inconsistently, with the reason: they
-            keep local values and are in ``failed_parts`` (issue 17).
+            keep local values and are in ``failed_parts``.
         local_fraction: share of the elements (0..1) that kept this member's own values
             because no trusted average came back for them, as this member observed it.
         local_callers: training processes of this machine combined into the round.

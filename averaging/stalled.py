@@ -4,7 +4,7 @@ Neither ``grpc.aio``'s ``context.write`` nor ``context.abort`` has a deadline: a
 stops reading makes a write wait for ever, and the error status that would end the stream
 queues behind the unread messages, so ``abort`` waits for ever too. A handler that gave up
 on such a client must still return, so that what it holds (a round's replies, a donor's
-upload slot) is freed at once (issue 17). gRPC then ends the call itself, at the client's
+upload slot) is freed at once. gRPC then ends the call itself, at the client's
 deadline or when the connection reaches its age limit (:mod:`swarmavg.dht.server_limits`).
 """
 

@@ -1,4 +1,4 @@
-"""CPU cost of message authentication per message (issue 16), without a network.
+"""CPU cost of message authentication per message, without a network.
 
 Times, in thread CPU time (so other processes' load does not count), what each side of one
 message spends on authentication: the sender's digest and signature, the receiver's digest

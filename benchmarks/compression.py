@@ -26,7 +26,7 @@ without the protobuf copy that ``encode`` adds.
     python -m benchmarks.compression --codecs none --reference    # hivemind's accuracy
     python -m benchmarks.compression --public --repeats 7          # public API vs internal
 
-``--public`` (issue 21) times instead, per codec on each tensor, the public
+``--public`` times instead, per codec on each tensor, the public
 ``Codec.encode``/``Codec.decode`` (protobuf ``TensorChunk`` in and out) against the
 internal path the all-reduce uses (``encode_payload``/``decode_payload``: no protobuf), one
 thread, each run right after an ``np.copy`` of the same array, the five interleaved in

@@ -1,6 +1,6 @@
 """DHT benchmark: many nodes in one process on loopback; prints one JSON line.
 
-Phases (issue 4):
+Phases:
 1. ``--nodes`` nodes (default 128), each bootstrapped from a random earlier node.
 2. ``--ops`` stores then ``--ops`` gets, each through a random node, one at a time; a get
    runs from a different node than the store and always does a network lookup (every key is

@@ -1,6 +1,6 @@
 """What the test bed's links can carry at all: raw TCP's goodput in the patterns that matter.
 
-The 100 Mbit/s goal for an all-reduce is stated as a fraction of the link (issue 21: at
+The 100 Mbit/s goal for an all-reduce is stated as a fraction of the link (at
 least 0.95 with codec ``none``). This measures, on the same test bed and with no swarmavg
 code in the path, the fraction plain TCP reaches:
 

@@ -11,7 +11,7 @@ not DiLoCo, it bounds what syncing parameters alone can reach).
 
 Prints one JSON line for the single-process reference (batch ``4 x --batch``) and one per
 H in ``--intervals``: validation loss and its ratio to the reference. The question it
-answers (docs/benchmarks.md, "Language model, session 12"): is the gap to the single
+answers (docs/benchmarks.md, "Training"): is the gap to the single
 process the interval, the codec, or the replicas' small batches?
 
     python -m benchmarks.lm_sim --steps 1200 --intervals 1,2,10,50

@@ -1,6 +1,6 @@
 """Wall time per inner step on the 100 Mbit/s test bed: is Streaming DiLoCo's sync hidden?
 
-Issue 18's test-bed figure. ``--hosts`` hosts of the multi-host test bed (deploy/testbed:
+``--hosts`` hosts of the multi-host test bed (deploy/testbed:
 network namespaces, a bridge, ``tc`` limits of ``--rate`` Mbit/s on every host's link, both
 directions), one real ``swarmavg peer`` daemon per host; one trainer process per host
 (benchmarks/lm.py's ``--worker``), on its host's daemon's control socket as a training process

@@ -1,4 +1,4 @@
-"""Overhead of ``swarmavg monitor`` and ``swarmavg peers`` on a 16-peer run (issue 19), as
+"""Overhead of ``swarmavg monitor`` and ``swarmavg peers`` on a 16-peer run, as
 one JSON line.
 
 16 ``swarmavg peer`` processes on 127.0.0.1 and one writer process reporting a progress

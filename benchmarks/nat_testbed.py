@@ -1,4 +1,4 @@
-"""Peers behind NAT (issue 20) on the test bed: round time with 3 of 5 hosts NATed (reached
+"""Peers behind NAT on the test bed: round time with 3 of 5 hosts NATed (reached
 through a relay only, and after hole punching) against all 5 public, and the relay's CPU and
 memory per relayed MB/s.
 

@@ -1,4 +1,4 @@
-"""Peer daemon figures (issue 6); prints ONE JSON line.
+"""Peer daemon figures; prints ONE JSON line.
 
 - ``start_to_ready_s``: process start -> JSON ready line of ``swarmavg peer`` (median).
 - ``idle_rss_mb`` / ``idle_cpu_percent``: an idle daemon with one DHT neighbour.

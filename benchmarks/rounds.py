@@ -1,6 +1,6 @@
 """The round a user sees: real ``swarmavg peer`` daemons and client processes on loopback.
 
-Issue 15, "Figures to reach". For each peer count N, starts N ``swarmavg peer`` daemons
+For each peer count N, starts N ``swarmavg peer`` daemons
 through the CLI (each joins the first) and N client processes (this script with
 ``--worker``, one per daemon), each holding ``--mb`` MB of float32. Every round, the parent
 tells all workers one shared ``CLOCK_MONOTONIC`` instant to start at; each worker calls
@@ -478,7 +478,7 @@ PHASES = (
     "allreduce.finish",
     "daemon.write_back",
 )
-"""Where a call's time goes (issue 21), in order: the client's checks and copy into shared
+"""Where a call's time goes, in order: the client's checks and copy into shared
 memory, the daemon mapping it, its checked copy of the inputs, matchmaking, the all-reduce's
 three steps, the result's copy into shared memory; ``other`` is the rest of the call
 (control RPC, the local combiner, scheduling)."""

@@ -117,7 +117,7 @@ class WorkerPeers:
                 allreduce=AllReduceConfig(min_stall=cmd["min_stall"]),
                 # the leader's first reply is as slow as the loop it shares with N / processes
                 # other peers: a follower that gives up on it after the default 2 s may leave
-                # a seat it was already given (see docs/benchmarks.md, "Scale (issue 21)")
+                # a seat it was already given (docs/benchmarks.md, "Scale")
                 matchmaker=MatchmakerConfig(
                     join_timeout=cmd["join_timeout"], poll_interval=cmd["poll_interval"]
                 ),

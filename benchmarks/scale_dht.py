@@ -4,7 +4,7 @@
                                    [--processes 1]
 
 One swarm is grown node by node (each bootstraps from a random earlier node, with the full
-issue-16 authentication: every request and answer signed and verified, contacts only from
+authentication: every request and answer signed and verified, contacts only from
 their owners). At each size in ``--sizes``:
 
 - build: seconds to add the nodes since the previous size, and per node;

@@ -1,4 +1,4 @@
-"""Soak (issue 17) and daemon memory (issue 21): many rounds of real daemons.
+"""Soak and daemon memory: many rounds of real daemons.
 
 Starts ``--peers`` (4) ``swarmavg peer`` processes (the CLI, loopback) and drives them from
 one client thread of this process per daemon, in lockstep: every round each thread calls
@@ -12,7 +12,7 @@ thread also reads every daemon's ``VmRSS``, ``RssAnon`` (its private memory) and
 ``RssShmem`` (the clients' shared-memory segments it maps) every ``--sample-ms`` during
 the rounds, and the record gives per daemon: ``idle`` (connected, after one tiny round),
 ``peak`` during the rounds, ``after`` (the end), each in MiB, and ``peak_above_idle`` in
-units of the tensors' size (issue 21's goal: at most 2).
+units of the tensors' size (the goal: at most 2).
 
 Usage: ``python -m benchmarks.soak [--rounds 1000] [--warmup 50] [--elements 4096]``
        ``python -m benchmarks.soak --mb 64 --rounds 100 --warmup 10 --peers 4``

@@ -1,4 +1,4 @@
-"""Private runs (issue 16): the round time with TLS on vs off, A/B in one run.
+"""Private runs: the round time with TLS on vs off, A/B in one run.
 
 Starts swarms side by side on loopback, each of N real ``swarmavg peer`` daemons (CLI)
 with one client process per daemon (benchmarks/rounds.py's ``Swarm`` and workers): "plain",

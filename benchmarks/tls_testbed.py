@@ -1,4 +1,4 @@
-"""Private runs (issue 16) on shaped links: the round time with TLS on vs off on the test bed.
+"""Private runs on shaped links: the round time with TLS on vs off on the test bed.
 
 benchmarks/tls_rounds.py measures loopback, where a round is CPU-bound and TLS's AES-GCM and
 copies show in full. This script measures what a user's link sees: N hosts of the multi-host

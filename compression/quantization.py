@@ -248,7 +248,7 @@ class _SnappedTable:
     arithmetic): in sparse tails, where each border is one extreme sample value, that
     element keeps its own bin. Only values below a border within its cell (one of up
     to 65,536 cells spanning the borders' range) move up one code, which changes the
-    error by less than the run-to-run noise (docs/benchmarks-compression.md).
+    error by less than the run-to-run noise (docs/benchmarks.md).
 
     The tail codes (below ``below`` or above ``above``) are gathered anyway for their
     exact means. When tail borders share cells (bounded distributions: the geometric

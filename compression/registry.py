@@ -39,7 +39,7 @@ __all__ = [
 _factories: dict[str, Callable[..., Codec]] = {}
 _wrappers: dict[str, Callable[[Codec], Codec]] = {}
 # Decoders by the codec name a message carries, which a peer chooses: bounded (LRU), so
-# that a flood of spellings ("topk:fraction=0.0001", ...) cannot grow it (issue 17).
+# that a flood of spellings ("topk:fraction=0.0001", ...) cannot grow it.
 _decoders: collections.OrderedDict[str, Codec] = collections.OrderedDict()
 MAX_DECODERS = 64
 _lock = threading.Lock()

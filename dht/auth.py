@@ -1,4 +1,4 @@
-"""Sender authentication of every peer-to-peer message, with a bounded replay window (issue 16).
+"""Sender authentication of every peer-to-peer message, with a bounded replay window.
 
 A :class:`~swarmavg.proto.common_pb2.RequestHeader` names its sender by public key, and keys
 are public, so the header alone proves nothing. Every request therefore carries an Ed25519

@@ -1,6 +1,6 @@
 """A private run's credentials: its authority, join requests, and the peer credentials it issues.
 
-A private run (issue 16, docs/private-runs.md) admits only peers holding a credential issued by
+A private run (docs/private-runs.md) admits only peers holding a credential issued by
 the run's authority. Everything here is X.509 made with ``cryptography``; the wire side (TLS on
 the gRPC port and the data plane) is :mod:`swarmavg.dht.tls`.
 

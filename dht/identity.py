@@ -202,7 +202,7 @@ def verify_header(header: common_pb2.RequestHeader, run_id: str) -> bytes:
         )
     if header.run_id != run_id:
         # Says that the runs differ, never which run this peer serves: the run id is the
-        # only gate of a public run, and an error must not hand it to a prober (issue 16).
+        # only gate of a public run, and an error must not hand it to a prober.
         raise HeaderError("the run id differs: the message is for another run than this peer's")
     if len(header.public_key) != PUBLIC_KEY_BYTES:
         raise HeaderError(f"public key must have {PUBLIC_KEY_BYTES} bytes")

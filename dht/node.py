@@ -84,7 +84,7 @@ def rejoin_probability(size_estimate: int, rejoins_per_round: int) -> float:
     each of them serve 2 requests per node per round (a ping and a Find): 667 per second
     for 10,000 nodes at 30 s. With this chance the swarm as a whole sends about
     ``rejoins_per_round`` rejoins to each initial peer per round, whatever its size; a
-    bootstrap node that restarted empty (hivemind issue 624) still hears from that many
+    bootstrap node that restarted empty (learning-at-home/hivemind#624) still hears from that many
     nodes of the old swarm each round, and one is enough to start the merge. A node that
     sees a swarm no larger than that (a small run, the new half of a split, a node that
     lost its contacts: its estimate is its table's size) rejoins every round, as before.
@@ -289,7 +289,7 @@ class DHTNode:
                     failures[address] = answer
             # A peer that refused our header (another run, another protocol version) will
             # refuse it again: stop asking it, and give up at once when nobody else is left
-            # (issue 19: no 30 s of retries for a typo in --run-id).
+            # (no 30 s of retries for a typo in --run-id).
             addresses = [a for a in addresses if not permanent_failure(failures[a])]
             if joined:
                 # paper 2.3: a joining node looks up its own id through the contacts it has
@@ -328,7 +328,7 @@ class DHTNode:
 
         Drops expired records; rejoins through the initial peers (see :meth:`_rejoin_via`), so
         that a swarm whose bootstrap node restarted empty merges with it again instead of
-        splitting in two (hivemind issue 624), each with :func:`rejoin_probability`, so
+        splitting in two (learning-at-home/hivemind#624), each with :func:`rejoin_probability`, so
         that an initial peer serves about ``rejoins_per_round`` rejoins per round however
         large the swarm; refreshes stale buckets and our own
         neighbourhood (paper 2.3); republishes records nobody stored to us during the last
@@ -403,11 +403,11 @@ class DHTNode:
 
         Yes when the rejoin's answer named a peer we do not know that is nearer to us than
         our k-th nearest contact (a newcomer in our neighbourhood, or the other half of a
-        split swarm, hivemind issue 624) or when our own bucket had no lookup within
+        split swarm, learning-at-home/hivemind#624) or when our own bucket had no lookup within
         ``refresh_interval`` (paper 2.3). Otherwise newcomers near us already queried us on
         their own join lookup and so are known: a full lookup every round in a stable swarm
         costs each node about k RPCs and serves as many every 30 s, which dominated a
-        1000-node swarm's CPU (issue 21) and brings nothing new. Unknown peers farther
+        1000-node swarm's CPU and brings nothing new. Unknown peers farther
         away sit in buckets that are full anyway and do not move where records go.
         """
         own = self.routing.own_int

@@ -16,7 +16,7 @@ gets an answer to refreshes the sender's bucket entry):
 * An answer teaches us the responder at the address we dialled, and only if the answer carries
   the responder's signature binding its id to that very address. Contacts are learned only
   from their owners: a peer that copies another's public key into its answers (the routing
-  hijack of issue 16: a lookup answered with ``(victim id, attacker address)``) is refused,
+  hijack: a lookup answered with ``(victim id, attacker address)``) is refused,
   and the victim's known address stays. An answer bound to another address than the one we
   dialled is a hint: a ping dials the bound address (bootstrap addresses written differently).
 * A failed call counts against a contact only when we dialled the contact's known address, so

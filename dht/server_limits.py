@@ -3,7 +3,7 @@
 gRPC's own defaults let one connection open an unbounded number of streams (the C core
 advertises ``SETTINGS_MAX_CONCURRENT_STREAMS`` = 2^31 - 1), keep an idle connection
 forever, and run any number of handlers at once. A stranger can then pin a daemon's
-memory with cheap connections (issue 17). Every daemon and bare DHT node builds its
+memory with cheap connections. Every daemon and bare DHT node builds its
 public server from :class:`ServerLimits`; the defaults are sized so that honest 16-peer
 groups never reach them (a member holds at most a few streams to one peer at a time: one
 ``Reduce`` per round, a ``JoinGroup``, a state download, DHT calls).

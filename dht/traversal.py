@@ -10,7 +10,7 @@ Many keys share one traversal through :class:`FindBatcher`: the Find requests th
 address to the same peer in the same event-loop iteration travel as one RPC. A peer that fails
 is skipped by every key of the traversal.
 
-Hearsay is a hint to dial, never a contact by itself (issue 16): a peer named in an answer
+Hearsay is a hint to dial, never a contact by itself: a peer named in an answer
 under an id our routing table knows is dialled at the address the table knows, not at the
 named one; a peer named at several addresses is tried at each in turn (at most
 ``_MAX_ADDRESSES``) until one answers as it; only an answer that proves the dialled address

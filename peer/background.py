@@ -1,4 +1,4 @@
-"""A daemon in a background thread of a plain synchronous script (issue 19).
+"""A daemon in a background thread of a plain synchronous script.
 
 The counterpart of ``hivemind.DHT(initial_peers=..., start=True)``::
 

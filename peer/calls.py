@@ -272,7 +272,7 @@ class PreparedAverage:
         segment and it keeps its mapping (peer/control.py), so the pool may keep the
         segment as after a success. A fresh segment costs its page faults in the next
         call's copy (0.07-0.4 s for 64 MB), enough to make this peer late for that round
-        too (docs/benchmarks-bandwidth.md, "Session 21")."""
+        too (docs/benchmarks-testbed.md, "First rounds of a key")."""
         self._ok = True
 
     def cleanup(self) -> None:

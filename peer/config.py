@@ -135,7 +135,7 @@ class AllReduceSettings:
         min_stall: seconds without progress after which a sender or reducer counts as
             stalled and is dropped (longer on slow links; see ``AllReduceConfig``).
         weight_bound: under the mean, a sender's weight counts as at most this many times
-            the median weight of the part's senders (issue 17; the robust aggregation
+            the median weight of the part's senders (the robust aggregation
             rules bound it by the median).
         congestion_control: TCP congestion control algorithm of the data plane's
             connections (``cubic``, ``bbr``, ...); ``None``: the kernel's default. The
@@ -381,7 +381,7 @@ INTERNAL: Mapping[type, tuple[str, ...]] = MappingProxyType(
             "validators",
             # The run's protocol keys, set by the daemon (peer/daemon.py, node_dht_config).
             "key_classes",
-            # Guards against hostile sources (issue 16, docs/dht.md "Quotas and rate
+            # Guards against hostile sources (docs/dht.md "Quotas and rate
             # limits"): defaults far above what honest peers use, the same on every peer.
             "contacts_per_range",
             "limit_local_ranges",
@@ -401,15 +401,15 @@ INTERNAL: Mapping[type, tuple[str, ...]] = MappingProxyType(
             "dht_timeout",
             "max_redirects",
             "initial_latency",
-            "start_window",  # a protocol bound on declared starts (issue 17)
-            # How many of a key's nearest nodes store and serve declarations (issue 21).
+            "start_window",  # a protocol bound on declared starts
+            # How many of a key's nearest nodes store and serve declarations.
             "read_quorum",
             "declaration_replicas",
             # Whom a family's first round expects: a rule every peer of a run shares
             # (docs/averaging.md, "When a group closes"); the Python API turns it off.
             "expect_run_members",
         ),
-        # Sizes and patience measured in docs/benchmarks-allreduce.md; min_stall is the one
+        # Sizes and patience measured in docs/benchmarks-data-path.md; min_stall is the one
         # a slow link needs, and it is in [allreduce].
         AllReduceConfig: (
             "chunk_bytes",

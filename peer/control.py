@@ -439,7 +439,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 raise ValidationError(f"timeout {request.timeout} out of range (0, 3600]")
             started = time.monotonic()
             # The download runs as this handler's task; meanwhile the caller hears how far
-            # it has come (a multi-GB state takes minutes: issue 19, "long work is silent").
+            # it has come (a multi-GB state takes minutes, and silence looks like a hang).
             load = asyncio.ensure_future(
                 self._backend.load_state(request.timeout, request.max_bytes or None)
             )

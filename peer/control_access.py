@@ -1,4 +1,4 @@
-"""Who may use a daemon's control endpoint: only the user who runs the daemon (issue 16).
+"""Who may use a daemon's control endpoint: only the user who runs the daemon.
 
 The control service moves tensors and DHT writes and signs records as the daemon, so reaching
 it must take what only the daemon's user has:

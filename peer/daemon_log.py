@@ -1,4 +1,4 @@
-"""What a daemon tells the human who runs it (issue 19: "a daemon that talks").
+"""What a daemon tells the human who runs it: joins, leaves, failed rounds, warnings.
 
 * a start banner on stderr with the exact command others run to join, and a warning when
   the announced address cannot be reached from elsewhere (loopback, private, link-local);

@@ -1,4 +1,4 @@
-"""How a training process shows its daemon's state download (issue 19): a tqdm bar when
+"""How a training process shows its daemon's state download: a tqdm bar when
 stderr is a terminal and tqdm is installed (it is not a dependency), INFO log lines every
 few seconds otherwise (visible with ``swarmavg.peer.enable_logging()``)."""
 

@@ -10,7 +10,7 @@ the segment again: the round's codec checks each chunk as it encodes it (with ``
 reducer that averages it does), and a caller that lied fails mid-round while its group
 goes on without it (``FiniteCheck.AS_ENCODED``). A call that does not say so is scanned,
 read-only, in a thread while matchmaking declares this peer. The daemon never copies the
-inputs out (issue 21: passes over S saved, and S less memory per call).
+inputs out (passes over S saved, and S less memory per call).
 
 In place is safe because the round never needs a chunk's local values after that chunk's
 average arrived: a reducer averages a chunk only once this member's copy of it arrived, or

@@ -1,5 +1,5 @@
 """The daemon's allocator keeps the memory a round frees, so the next round does not
-page-fault it back in (issue 21: page faults out of the hot path).
+page-fault it back in (page faults out of the hot path).
 
 A 64 MB round allocates and frees megabytes at a time: every received chunk's body, every
 averaged chunk, every reply. glibc's malloc serves blocks above its mmap threshold with
@@ -8,7 +8,7 @@ passes the trim threshold. Both thresholds adapt (the first free of a large bloc
 them to about its size), but a round frees far more at once than the adapted trim
 threshold, so every round handed tens of MB back and faulted them in again: about 6,000
 page faults per daemon per 4-peer round, each one a kernel entry plus a page zeroed,
-measured at 17% more system time (docs/benchmarks-allreduce.md, "Page faults").
+measured at 17% more system time (docs/benchmarks-data-path.md).
 
 The daemon fixes both thresholds at start: blocks up to 32 MiB (glibc's largest mmap
 threshold on 64-bit) come from the heap, and up to 64 MiB of freed heap stays mapped for

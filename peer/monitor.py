@@ -43,7 +43,7 @@ from swarmavg.peer.run_view import ThisPeer, view_to_dict
 log = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL = 5.0
-"""Seconds between polls: a poll costs two DHT lookups (docs/benchmarks.md, "Monitor")."""
+"""Seconds between polls: a poll costs two DHT lookups (docs/benchmarks.md, "Peer")."""
 DEFAULT_HTTP = "127.0.0.1:8470"
 """Where the dashboard listens unless told otherwise (loopback: see ``--http``)."""
 MAX_INTERVAL = 3600.0

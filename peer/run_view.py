@@ -1,4 +1,4 @@
-"""The view of a run that ``swarmavg peers`` prints (issue 19): every peer, its progress.
+"""The view of a run that ``swarmavg peers`` prints: every peer, its progress.
 
 Pure: the daemon gathers the inputs (its routing table and the run's progress records,
 read through its DHT) and :func:`build_view` turns them into the ``PeersResponse`` the

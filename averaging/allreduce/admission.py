@@ -2,7 +2,7 @@
 
 A data-plane frame header declares its body's length (up to ``MAX_BODY``, about 4 MiB),
 and the body is read straight into a buffer of that size. Allocating on the header's
-word alone let 1000 connections that each send one header allocate 4 GB (issue 17). So a
+word alone let 1000 connections that each send one header allocate 4 GB. So a
 body is admitted first: its bytes are charged to the connection's host and to the whole
 server, and a connection whose body does not fit stops being read (TCP flow control then
 holds the sender) until bodies of others are consumed and free their bytes.

@@ -1,4 +1,4 @@
-"""Reusable, already faulted-in buffers for the data path (issue 21).
+"""Reusable, already faulted-in buffers for the data path.
 
 A 64 MB round used to allocate its large buffers afresh every round (the reducer's
 accumulator, the daemon's copy of a client's inputs). Memory that large comes straight

@@ -1,4 +1,4 @@
-"""Chunk size from the group's links (issue 21): small chunks on slow links, large on fast.
+"""Chunk size from the group's links: small chunks on slow links, large on fast.
 
 A round streams each part as chunks, and the reducer returns a chunk once every sender
 delivered it. So each stream's return direction idles until the first chunk is in, and its
@@ -10,7 +10,8 @@ CPU per message (headers, encoder and reducer calls, event-loop turns), which fa
 larger chunks. Hence the rule: a chunk carries :data:`CHUNK_SECONDS` of the slowest
 member's link, rounded down to a power of two and kept within
 [:data:`MIN_LINK_CHUNK_BYTES`, :data:`MAX_LINK_CHUNK_BYTES`]. The figures behind it are in
-docs/benchmarks-bandwidth.md (session 7, "Chunk sizes measured"; session 10): on loopback
+docs/benchmarks-data-path.md and docs/benchmarks-testbed.md ("Chunk size", "Chunks on slow
+links"): on loopback
 256 KiB chunks cost the most CPU and time, and on a quiet 100 Mbit/s test bed too, so the
 rule errs large: 100 ms of the link per chunk.
 
@@ -40,12 +41,12 @@ __all__ = [
 
 CHUNK_SECONDS = 0.1
 """Link time one chunk may take at the slowest member's advertised bandwidth: 512 KiB at
-10 MB/s, 1 MiB at 11-20 MB/s (90-160 Mbit/s), the cap from about 21 MB/s up. Session 7's
-0.025 s (256 KiB at 100 Mbit/s) was an argument, not a measurement; measured on a quiet
+10 MB/s, 1 MiB at 11-20 MB/s (90-160 Mbit/s), the cap from about 21 MB/s up. A shorter
+0.025 s (256 KiB at 100 Mbit/s) follows from the fill-and-drain argument alone; measured on a quiet
 test bed (4 hosts at 100 Mbit/s, codec none, interleaved), 256 KiB chunks made 64 MB rounds
 8-12% slower than 1 MiB ones with either congestion control: the fill and drain they save
 (tenths of a second per round) costs less than the CPU of 4x the messages on a machine the
-daemons share (docs/benchmarks-bandwidth.md, session 10)."""
+daemons share (docs/benchmarks-testbed.md, "Chunks on slow links")."""
 
 MIN_LINK_CHUNK_BYTES = 256 * 1024
 """Floor, whatever a member claims: smaller chunks save at most a few tens of milliseconds

@@ -68,7 +68,7 @@ class AllReduceConfig:
         executor_threads: threads for codec work and reduction, off the event loop; 0
             runs it on the loop. Default: 0 on machines with at most 2 cores, where the
             thread pool cost 10-30% more CPU per round than inline work
-            (docs/benchmarks-allreduce.md), else 2.
+            (docs/benchmarks-data-path.md), else 2.
         data_plane: also serve and use ``Reduce`` over framed TCP
             (:mod:`~swarmavg.averaging.allreduce.data_plane`), which costs less than half the CPU
             per byte of gRPC; members that cannot reach it fall back to gRPC.
@@ -80,7 +80,7 @@ class AllReduceConfig:
             plane before it uses gRPC for that reducer (for ``data_retry_after`` seconds).
         data_retry_after: see ``data_connect_timeout``.
         weight_bound: a sender's weight counts as at most this many times the median
-            weight of the part's senders (issue 17: one member must not dictate the
+            weight of the part's senders (one member must not dictate the
             mean); larger weights are clipped to it and counted. >= 1.
         congestion_control: TCP congestion control algorithm of the data plane's sockets,
             both the connections this peer opens and the ones it accepts (``cubic``,

@@ -4,7 +4,7 @@ The kernel's default algorithm (``net.ipv4.tcp_congestion_control``) is a machin
 choice that a daemon often may not change (a container, a network namespace, a shared
 host), yet it decides how the all-reduce's bulk streams behave on a link: BBR on a path
 with deep FIFO queues and almost no propagation delay overfills the queues once its
-minimum-RTT estimate expires on a reused connection (docs/benchmarks-bandwidth.md), where
+minimum-RTT estimate expires on a reused connection (docs/benchmarks-testbed.md), where
 CUBIC keeps the link full. ``setsockopt(IPPROTO_TCP, TCP_CONGESTION, name)`` picks the
 algorithm for one socket, which needs no privilege for the algorithms listed in
 ``net.ipv4.tcp_allowed_congestion_control`` (and CAP_NET_ADMIN for the others).

@@ -14,7 +14,7 @@ gRPC ``Reduce`` method, which every member always serves.
 
 Wire, version 2. Every connection starts with a HELLO frame from the client, which the
 server answers with its own HELLO; the client sends nothing more until that answer came
-(issue 17: a member told to stream to some ``host:port`` must not pump its part at whatever
+(a member told to stream to some ``host:port`` must not pump its part at whatever
 listens there, a reflection attack; version 1 sent its chunks right behind its HELLO).
 Frames::
 
@@ -33,7 +33,7 @@ sides saw its end, the client keeps the connection for the next stream to the sa
 reducer (across rounds); anything else closes it. Bodies above :data:`MAX_BODY` (gRPC's
 message cap here) and unknown kinds close the connection at once.
 
-In a private run (issue 16) every connection is mutual TLS 1.3 with the run's credentials
+In a private run every connection is mutual TLS 1.3 with the run's credentials
 (:class:`~swarmavg.dht.tls.PeerTLS`, the same files as the gRPC port): a client without a
 credential of the run fails the handshake, before its HELLO is read, and the first message of
 every stream must name the peer id of the connection's credential (else ``PERMISSION_DENIED``).
@@ -257,7 +257,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             self._deliver(body.data)
 
     def _admit_body(self, length: int) -> None:
-        """Allocate the next body once the budget has its bytes (issue 17: never on the
+        """Allocate the next body once the budget has its bytes (never on the
         header's word alone); until then this connection is not read."""
         if self._budget is None:
             self._body = np.empty(length, np.uint8)  # no zero-fill: recv writes it all
@@ -538,7 +538,7 @@ class DataConnector:
         self._unreachable[key] = now + self.retry_after
         if len(self._unreachable) > _MAX_UNREACHABLE:
             # Addresses come from group leaders, strangers: keep the table bounded, first
-            # by forgetting expired entries, then the oldest (issue 17).
+            # by forgetting expired entries, then the oldest.
             self._unreachable = {k: t for k, t in self._unreachable.items() if t > now}
             while len(self._unreachable) > _MAX_UNREACHABLE:
                 del self._unreachable[next(iter(self._unreachable))]

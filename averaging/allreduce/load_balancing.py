@@ -12,7 +12,7 @@ hivemind's ``load_balance_peers``, which solves it with scipy's LP solver).
 The result is deterministic: every member computes the same integers from the same
 inputs.
 
-Bounded claims (issue 17): a bandwidth is a member's unverifiable word, and the member that
+Bounded claims: a bandwidth is a member's unverifiable word, and the member that
 reduces a part decides what every member gets back for it. Claiming 1e9 used to hand the
 claimant the whole vector (part sizes ``[0, 0, 0, N]``). So before balancing, every claim
 is clamped to :data:`MAX_BANDWIDTH_RATIO` times the group's (lower) median claim, and no

@@ -25,7 +25,7 @@ DEFAULT_CHUNK_BYTES = 1024 * 1024
 from the group's links (:mod:`~swarmavg.averaging.allreduce.chunking`) unless
 ``AllReduceConfig.chunk_bytes`` is set: smaller chunks cost more CPU per byte (per-message
 overhead), bigger ones save CPU but slow rounds on 100 Mbit/s links, which volunteers
-have (docs/benchmarks-allreduce.md, docs/benchmarks-bandwidth.md)."""
+have (docs/benchmarks-data-path.md, docs/benchmarks-testbed.md)."""
 MIN_CHUNK_BYTES = 4096
 MAX_CHUNK_BYTES = 3 * 1024 * 1024
 """Largest chunk target accepted: an encoded chunk plus its message headers must stay

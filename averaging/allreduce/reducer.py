@@ -10,8 +10,8 @@ How copies combine is the group's aggregation rule (:mod:`swarmavg.averaging.agg
 - ``mean`` holds each sender's copy of a chunk (a view of the caller's tensors or of a
   received message, or a decoded array) until the chunk is final, then writes
   ``sum w_i x_i / sum w_i`` in one pass over the copies that also checks the result for
-  NaN/Inf (``weighted_sum``, :mod:`~swarmavg.compression.native`; issue 21,
-  "accumulation fused"): each copy is read once and the result written once, where
+  NaN/Inf (``weighted_sum``, :mod:`~swarmavg.compression.native`): each copy is read
+  once and the result written once, where
   adding each copy into an accumulator as it arrived read and wrote the accumulator once
   per copy, and dividing and checking it took two more passes. The operations and their
   order are those of the accumulation (arrival order, each rounded in the reduction
@@ -32,7 +32,7 @@ How copies combine is the group's aggregation rule (:mod:`swarmavg.averaging.agg
   (7x the mean's faults per 64 MB round at 4 peers); one buffer can come from the
   service's pool. The mean writes nothing but its results and needs no buffer.
 
-Weights are bounded relative to the group (issue 17, "bounded member powers"): once every
+Weights are bounded relative to the group: once every
 sender's weight is known (each sender's first message carries it, before its first
 chunk), a weight above ``weight_bound`` times the median of the senders' positive weights
 is clipped to that bound (the robust rules bound every weight by the median itself, so

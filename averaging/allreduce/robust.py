@@ -15,8 +15,8 @@ two, the trimmed mean's middle) depend on. With unequal weights the trimmed mean
 each value by pairwise comparisons instead of carrying weights through the network.
 CenteredClip's cost after the median is one float32 BLAS product per block of coordinates
 (:func:`_gram`). Per 1 MiB chunk that made CenteredClip 2x (4 copies) to 3x (8 copies)
-cheaper than sorting fully and forming the Gram matrix in float64 (``benchmarks/
-robust_kernels.py``; docs/benchmarks.md, "Security costs, session 7 (issues 16, 17)").
+cheaper than sorting fully and forming the Gram matrix in float64 (thread CPU per chunk,
+both in one process).
 
 Where the compiled kernels are built (:mod:`swarmavg.compression.native`), contiguous
 float32/float64 copies of at most :data:`_NETWORK_MAX` senders skip numpy's pass per
@@ -284,7 +284,7 @@ def centered_clip(
         start, gram = compiled
     else:
         # The start only has to be robust, not weighted: the plain median is as robust
-        # (the weights are bounded by their median, issue 17) and the fixed point of the
+        # (the weights are bounded by their median) and the fixed point of the
         # iteration, which carries the weights, does not depend on it; sorting without
         # weights costs a third.
         start = weighted_median(stack, np.ones_like(w))

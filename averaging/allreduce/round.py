@@ -342,7 +342,7 @@ class ReducerRound:
                 try:
                     # Neither gRPC's context.write nor a socket has a deadline of its own:
                     # a sender that stops reading would hold this stream, and the round's
-                    # memory, for ever (issue 17).
+                    # memory, for ever.
                     async with asyncio.timeout(self.config.write_timeout):
                         await context.write(item)
                 except TimeoutError:

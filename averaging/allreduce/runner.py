@@ -20,7 +20,7 @@ runner returns by ``deadline`` (plus the time to cancel its streams) and never m
 the caller's tensors, unless the caller asks for the result in place (``out`` is
 ``tensors``: the daemon does, for a client's shared memory).
 
-Honest reporting (issue 17): what a member reports comes from what it observed itself,
+Honest reporting: what a member reports comes from what it observed itself,
 not from the reducers' word. A reducer that answers inconsistently (more senders than the
 group has, or than it can have heard from: ``num_senders`` counting this member for a chunk
 it had not sent yet; a chunk out of range, twice, of the wrong size or codec) is distrusted
@@ -445,8 +445,8 @@ class _Exchange:
         # and a reducer's service waits only `registration_wait` for its round to start.
         # A reducer that has not started yet is asked again, within the patience we give
         # any reducer: at 256 peers, a group's senders gave up on the 3 members that came
-        # 3-8 s late, and all 16 ended with partial results (docs/benchmarks.md, "Scale,
-        # session 8"). Nothing was processed by a reducer that had no round: not a duplicate.
+        # 3-8 s late, and all 16 ended with partial results (seen in benchmarks/scale.py
+        # runs). Nothing was processed by a reducer that had no round: not a duplicate.
         asked = time.monotonic()
         give_up = asked + self._reply_patience(asked, 0)
         attempt = 0
@@ -596,7 +596,7 @@ class _Exchange:
 def _copy_into(out: np.ndarray, values: np.ndarray) -> None:
     """``out[...] = values`` through the compiled checked copy where it applies: its
     stores bypass the caches for copies of 256 KiB and more (a reply's chunk), so the
-    destination is not read first as memmove's stores read it (session 17: the replies'
+    destination is not read first as memmove's stores read it (the replies'
     copies into the caller's memory were 6.5% of a daemon's CPU at 8 peers). What it
     says of finiteness is not needed here: the values were checked already."""
     if copy_finite(values, out) is None:
@@ -836,7 +836,7 @@ async def run_allreduce(
         for outcome in outcomes[: len(tasks)]:  # main re-raised above; the events never fail
             if isinstance(outcome, Exception):
                 # A task of the round died: say why, and count it in the result, rather
-                # than let the gather swallow it (issue 17).
+                # than let the gather swallow it.
                 reason = f"a task of the round failed: {outcome!r}"
                 log.error("round %s: %s", group.group_id.hex(), reason, exc_info=outcome)
                 errors.append(reason)

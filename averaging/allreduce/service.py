@@ -220,7 +220,7 @@ class AllReduceService:
         one instance (:func:`~swarmavg.compression.canonical_name`), and at most
         ``config.max_codec_instances`` are kept, least recently used first out (a round in
         flight keeps its own reference), so a leader that names a new codec every round
-        cannot hold more than that many instances' residuals here (issue 17).
+        cannot hold more than that many instances' residuals here.
 
         Raises:
             ValueError: unknown codec name.
@@ -358,7 +358,7 @@ class AllReduceService:
     ) -> None:
         # The first message is read before any waiting slot is taken, within a short
         # deadline: a silent stream (64 of them fit on one HTTP/2 connection) costs only
-        # its own place among its range's pending streams, and that briefly (issues 17, 40).
+        # its own place among its range's pending streams, and that briefly.
         first_wait = min(self.config.first_message_timeout, self.config.registration_wait)
         try:
             first = await asyncio.wait_for(iterator.__anext__(), first_wait)

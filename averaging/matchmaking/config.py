@@ -44,7 +44,7 @@ class MatchmakerConfig:
         initial_latency: seconds assumed for one DHT or RPC round trip until this peer
             measured its own (the settle time derives from them, see ``closing``).
         start_window: ``(before, after)``: seconds before and after now within which a
-            declared start must lie for the declaration to count (issue 17).
+            declared start must lie for the declaration to count.
         read_quorum: a read of the declarations merges what this many of the key's nodes
             hold (the nearest answer first), besides this peer's own copy, where it asked
             all k nearest before. Every declarer's store reaches the key's nearest nodes in

@@ -36,7 +36,7 @@ USER_DATA_DIGEST_BYTES = 16
 _MODE_VALUES = frozenset(int(m) for m in Mode)  # the modes a peer may send
 DEFAULT_START_WINDOW = (600.0, 30.0)
 """How far a declared ``start`` may lie before and after now (seconds) for the declaration
-to count (issue 17): the earliest start leads, so a declaration with ``start=-1e300`` would
+to count: the earliest start leads, so a declaration with ``start=-1e300`` would
 otherwise lead every round. 600 s covers the longest matchmaking a peer waits through; 30 s
 covers clock skew between honest peers."""
 
@@ -399,7 +399,7 @@ def declaration_mismatch(member: Member, declaration: Declaration | None) -> str
 
     The declaration is an owner-signed DHT record (see ``averaging/protocol_keys.py``), so
     its address, data port, mode, bandwidth and user data digest are the member's own word;
-    a ``JoinRequest``'s or a leader's copy of them is not (issue 17: an unsigned address
+    a ``JoinRequest``'s or a leader's copy of them is not (an unsigned address
     made every member stream its part at any ``host:port``).
     """
     if declaration is None:
@@ -442,7 +442,7 @@ def check_formed_group(
     leader_id: bytes,
     declarations: Mapping[bytes, Declaration],
 ) -> GroupInfo:
-    """Parse the group a leader sent and check it is the one we asked for (issue 17).
+    """Parse the group a leader sent and check it is the one we asked for.
 
     The leader decides, the follower checks: the group must have our schema and codec, a
     size within our bounds, our own entry exactly as we asked, and only members whose

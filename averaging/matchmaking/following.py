@@ -295,8 +295,8 @@ class Following(Declaring):
         # because our view lags costs every member a partial round.
         # Only a read that completed counts: a read that missed its deadline saw nothing,
         # and at 256 peers 3 such reads in a row made a whole group's followers refuse it
-        # for its leader's declaration, stored 40 s before (docs/benchmarks.md, "Scale,
-        # session 8"). Failed reads go on, each under a longer deadline, until give-up.
+        # for its leader's declaration, stored 40 s before (seen in benchmarks/scale.py
+        # runs). Failed reads go on, each under a longer deadline, until give-up.
         completed = 0
         while completed < MEMBER_READS:
             if all(p in rnd.signed for p in members) or time.time() >= rnd.me.give_up:

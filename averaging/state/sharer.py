@@ -12,7 +12,7 @@ shared queue, so fast donors serve more, and a donor that fails (error, timeout,
 whose sha256 is wrong) hands its unfinished batch back to the others. Chunks are
 content-addressed (:mod:`swarmavg.averaging.state.format`), so a peer that holds an older
 version fetches only the chunks that changed. hivemind sends every newcomer to one donor
-(its issue 169); here the load spreads over all donors of the chosen root.
+(learning-at-home/hivemind#169); here the load spreads over all donors of the chosen root.
 
 Peers republish every few steps, so a download must survive donors that move on while it
 runs. A donor keeps serving its superseded versions for a bounded grace
@@ -226,7 +226,7 @@ class StateSharer:
         The state accepted, and so what the joiner buffers, is at most ``max_bytes``
         (the schema the caller expects, e.g. its own model's state) and at most
         ``config.max_state_bytes``: an advertisement or manifest declaring more is
-        refused before any chunk is fetched (issue 17).
+        refused before any chunk is fetched.
 
         The result is exactly the state named by one advertised root: every chunk is
         checked against that root's manifest, never mixed with another version. When every

@@ -1,6 +1,6 @@
 """User metrics in progress records (loss, accuracy, ...): names and values a trainer
 reports through its optimizer (``opt.report_metrics(loss=0.31)``) and ``swarmavg peers``
-shows beside each peer (issue 19).
+shows beside each peer.
 
 A record travels to every peer of the run and every DHT node that stores it checks it
 (averaging/protocol_keys.py), so the map is small and plain: at most

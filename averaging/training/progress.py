@@ -73,11 +73,10 @@ SOON_INTERVAL = 0.5
 
 Each store is a call through the daemon, and its client-side work (the record, protobuf,
 gRPC) holds the GIL for a millisecond or two on the tracker's thread, which the training
-thread then waits for: at every inner step of a 50 ms step that was 2-3 ms, 5% of the
-step (``benchmarks/lm_testbed.py``, docs/benchmarks.md "Streaming DiLoCo's step on a
-quiet test bed"). What reads these reports (a late joiner's catch-up, the swarm's
-throughput) does not need them fresher than a second; the reports a round depends on
-(``latest=True``) are never skipped."""
+thread then waits for: at every inner step of a 50 ms step that was 2-3 ms, 5% of the step
+(``benchmarks/lm_testbed.py``, docs/benchmarks.md "Training"). What reads these reports (a
+late joiner's catch-up, the swarm's throughput) does not need them fresher than a second;
+the reports a round depends on (``latest=True``) are never skipped."""
 
 
 class DHTLike(Protocol):

@@ -97,7 +97,7 @@ def _is_no_state(exc: Exception) -> bool:
 
 MIN_AVERAGED_FRACTION = 0.5
 """A partial round's result is applied only when at least this share of its elements came
-back averaged (``1 - local_fraction``, the member's own observation; issue 17).
+back averaged (``1 - local_fraction``, the member's own observation).
 
 Why apply a partial result at all: its un-averaged elements hold this member's own values,
 exactly what a failed round steps with, so for them it is a local step, and the rest is
@@ -261,7 +261,7 @@ class SwarmLink:
         started = time.monotonic()
         if group_size is not None and group_size > MAX_GROUP_SIZE:
             # Progress records come from other peers: forged ones must not make the
-            # round's own arguments invalid (issue 15).
+            # round's own arguments invalid.
             log.warning(
                 "the swarm's progress names %d peers, more than a group holds; "
                 "expecting %d in round %s",

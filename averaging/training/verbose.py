@@ -1,4 +1,4 @@
-"""``verbose=True`` on the training wrappers: a progress line now and then (issue 19).
+"""``verbose=True`` on the training wrappers: a progress line now and then.
 
 The line says the epoch, how far the swarm is towards the next global step, the swarm's
 throughput and the time to that step, e.g.::

@@ -1,4 +1,4 @@
-"""Peers behind NAT (issue 20): reachability by dial-back, a bounded relay on public peers,
+"""Peers behind NAT: reachability by dial-back, a bounded relay on public peers,
 and reservations that NATed peers keep at relays (docs/peer.md, "Behind NAT").
 
 Modules: :mod:`limits` (the relay's bounds, pure), :mod:`dialback` (the dial-back's rules and

@@ -1,5 +1,5 @@
 """Checking a member's tensors for NaN/Inf chunk by chunk as the codec encodes them
-(``FiniteCheck.AS_ENCODED``, issue 21): the daemon's mode for a client's shared memory,
+(``FiniteCheck.AS_ENCODED``): the daemon's mode for a client's shared memory,
 which the client checked as it wrote it. The result is the same as with the scan up front;
 a caller that lied fails alone, mid-round, and the rest of its group finishes."""
 

@@ -1,4 +1,4 @@
-"""The all-reduce's data path without fresh buffers (issue 21): results written into the
+"""The all-reduce's data path without fresh buffers: results written into the
 caller's ``out``, inputs read from one span, reducers' accumulators reused across rounds."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A member's weight is bounded relative to its group (issue 17, "bounded member powers").
+"""A member's weight is bounded relative to its group.
 
 Before the bound, weight 1e300 overflowed the float32 accumulator to NaN, the reducer's
 emitter died on encoding it and the part stalled to the deadline; weight 1e6 x the median

@@ -1,4 +1,4 @@
-"""The leader decides, the follower checks; members stream only where it is safe (issue 17).
+"""The leader decides, the follower checks; members stream only where it is safe.
 
 Real DHT nodes, real gRPC, real data planes, many peers in one process. A hostile peer
 signs its own matchmaking declaration (it may: it owns its subkey) and serves a hostile

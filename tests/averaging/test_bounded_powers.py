@@ -1,4 +1,4 @@
-"""Bounded member powers in the all-reduce (issue 17), over real gRPC.
+"""Bounded member powers in the all-reduce, over real gRPC.
 
 A member claiming an absurd bandwidth (1e9) used to reduce the whole vector (part sizes
 ``[0, 0, 0, N]``) and could then return any finite "average" with ``num_senders`` at or

@@ -1,4 +1,4 @@
-"""Chunk size from the group's advertised bandwidths (issue 21)."""
+"""Chunk size from the group's advertised bandwidths."""
 
 from __future__ import annotations
 

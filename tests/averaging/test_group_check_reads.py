@@ -1,4 +1,4 @@
-"""A follower's failed reads of the declarations do not make it refuse its group (issue 21).
+"""A follower's failed reads of the declarations do not make it refuse its group.
 
 A follower checks the leader's member list against the declarations it reads; one that
 has not seen a member yet reads again. At 256 peers the DHT was so busy that these reads

@@ -98,7 +98,7 @@ def test_key_format_and_validation() -> None:
 
 @pytest.mark.parametrize(("group_size", "num_peers"), [(16, 64), (16, 128), (16, 256), (8, 32)])
 def test_folded_grid_two_rounds_give_exact_global_mean(group_size: int, num_peers: int) -> None:
-    """N = g * 2**b peers with b < log2(g) initial bits (benchmarks/scale.py, issue 21):
+    """N = g * 2**b peers with b < log2(g) initial bits (benchmarks/scale.py):
     round 1 folds the g members of a round-0 group onto 2**b buckets, g / 2**b in each, so
     every round-1 group takes as many peers from every round-0 group: exact after 2 rounds."""
     nbits = (num_peers // group_size).bit_length() - 1

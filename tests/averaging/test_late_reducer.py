@@ -1,4 +1,4 @@
-"""A member that starts its round after the others' first streams reached it (issue 21).
+"""A member that starts its round after the others' first streams reached it.
 
 Members of a group learn that it formed at different times: a follower checks the
 leader's member list against declarations it reads from the DHT first, which on a busy

@@ -106,7 +106,7 @@ def test_minimax_is_optimal_against_brute_force(spec: list[tuple[Mode, float]], 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 def test_an_inflated_claim_buys_at_most_a_bounded_share(n: int) -> None:
-    """Issue 17: claiming 1e9 used to give the claimant the whole vector ([0, 0, 0, N])."""
+    """Claiming 1e9 used to give the claimant the whole vector ([0, 0, 0, N])."""
     members = _members([(Mode.NODE, 1.0)] * (n - 1) + [(Mode.NODE, 1e9)])
     assert effective_bandwidths(members)[-1] == MAX_BANDWIDTH_RATIO * 1.0
     total = 1_000_000

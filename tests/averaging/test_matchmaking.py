@@ -127,7 +127,7 @@ async def declarations(peer: Peer, key: str) -> dict[bytes, Declaration]:
 
 async def declare(peer: Peer, key: str, schema: bytes, start: float) -> None:
     """Store a declaration signed by ``peer`` (a hand-made follower): a leader takes only
-    followers whose requests match what they signed (issue 17)."""
+    followers whose requests match what they signed."""
     declaration = Declaration(
         peer_id=peer.peer_id,
         address=peer.address,
@@ -321,7 +321,7 @@ async def test_a_peer_whose_inputs_fail_their_check_while_it_declares_joins_no_g
 async def test_a_member_that_left_its_stream_is_told_the_group_when_it_asks_again() -> None:
     """A follower that gave up on its stream after the leader had seated it (the first
     answer came after its join_timeout on a busy loop) is in the group the others average
-    now: asking again, it gets that group, not a refusal (issue 21: at 256 peers such a
+    now: asking again, it gets that group, not a refusal (at 256 peers such a
     member failed its round and left every member of its group with partial results)."""
     async with averager_swarm(2) as swarm:
         leader, follower = swarm.peers

@@ -1,4 +1,4 @@
-"""JoinGroup, Reduce (gRPC and data plane) and DownloadState prove their sender (issue 16).
+"""JoinGroup, Reduce (gRPC and data plane) and DownloadState prove their sender.
 
 An outsider copies a real peer's header (its public key is public) and speaks in its name:
 unsigned, or signed with its own key. Real peers over real gRPC and the real data plane;

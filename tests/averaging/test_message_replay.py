@@ -1,4 +1,4 @@
-"""A captured signed message cannot be replayed (issue 16): a ``Reduce`` opening, on both
+"""A captured signed message cannot be replayed: a ``Reduce`` opening, on both
 transports, not twice inside the window, not after it, not into another group, not to
 another reducer; a JoinRequest not a second time.
 

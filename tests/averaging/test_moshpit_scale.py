@@ -1,4 +1,4 @@
-"""A Moshpit grid of 64 real peers (8 x 8): the exact global mean after two rounds (issue 21).
+"""A Moshpit grid of 64 real peers (8 x 8): the exact global mean after two rounds.
 
 Every peer is a DHT node, an Averager with its own gRPC server and data plane, all in one
 process (tests/averaging/averager_swarm.py). benchmarks/scale.py runs the same at 256 peers

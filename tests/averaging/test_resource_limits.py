@@ -1,7 +1,7 @@
-"""Bounded resources of the reducer side (issue 17): cheap streams cannot deny service.
+"""Bounded resources of the reducer side: cheap streams cannot deny service.
 
 Real gRPC servers and the real data plane on 127.0.0.1; the attacker drives hand-made
-``Reduce`` streams. Each test fails on the code before issue 17 (see its docstring).
+``Reduce`` streams. Each test's docstring says what happens without the bound it checks.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ async def test_silent_streams_on_one_connection_do_not_block_honest_reduces(
     grpc_servers: GrpcServerPool, channels: ChannelPool
 ) -> None:
     """64 streams that never send a message, all on one HTTP/2 connection, held open while
-    an honest round runs. Before issue 17 each took a waiting slot (64 by default) before
+    an honest round runs. Without the bound each would take a waiting slot (64 by default) before
     its first message, so the honest senders got RESOURCE_EXHAUSTED and every part they
     sent failed (``failed_parts`` not empty, and the probe below was refused too)."""
     peers = await start_peers(grpc_servers, HONEST)
@@ -91,7 +91,7 @@ async def test_silent_streams_on_one_connection_do_not_block_honest_reduces(
 async def test_a_member_that_stops_reading_is_cut_and_pins_nothing(
     grpc_servers: GrpcServerPool, channels: ChannelPool
 ) -> None:
-    """A member sends every chunk of every part but never reads a reply. Before issue 17
+    """A member sends every chunk of every part but never reads a reply. Without the bounds
     the reducer's ``context.write`` had no deadline and its reply queue no bound: the
     stream, the round and every reply stayed in memory after the round (the handler never
     returned), and the member was never dropped."""
@@ -149,8 +149,8 @@ async def test_a_member_that_stops_reading_is_cut_and_pins_nothing(
 async def test_codec_spelling_flood_keeps_few_codec_instances(
     grpc_servers: GrpcServerPool, channels: ChannelPool
 ) -> None:
-    """Rounds over real gRPC whose leader spells ``topk`` differently each time. Before
-    issue 17 every spelling made one more instance, each with up to 1 GiB of residuals
+    """Rounds over real gRPC whose leader spells ``topk`` differently each time. Without
+    the cap every spelling made one more instance, each with up to 1 GiB of residuals
     (here: 12 instances after 12 rounds); now spellings of one codec share an instance
     and at most ``max_codec_instances`` are kept."""
     peers = await start_peers(grpc_servers, HONEST)
@@ -184,7 +184,7 @@ def test_decoder_cache_is_bounded_against_spellings_in_messages() -> None:
 async def test_a_failing_round_task_is_logged_and_in_the_outcome(
     grpc_servers: GrpcServerPool, channels: ChannelPool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Member 0's task that returns averaged chunks raises. Before issue 17 the failure was
+    """Member 0's task that returns averaged chunks raises. Unowned, the failure was
     only logged as a nameless background task: its senders waited to the deadline and the
     result said nothing about it; now the cause is logged against the round, the senders
     are told at once, and every member's result shows part 0 as not averaged."""
@@ -218,7 +218,7 @@ async def test_frame_headers_from_many_connections_allocate_within_the_budget(
     grpc_servers: GrpcServerPool, channels: ChannelPool
 ) -> None:
     """64 data-plane connections from one host (127.0.0.2, the per-host connection cap)
-    each send a frame header declaring a 4 MiB body and nothing more. Before issue 17 each
+    each send a frame header declaring a 4 MiB body and nothing more. Without the budget each
     header allocated its body at once: 256 MiB traced for a few hundred bytes sent; now
     the bodies are charged to the host's 64 MiB budget first and the rest wait unread. An
     honest round from 127.0.0.1 still runs over the data plane meanwhile."""

@@ -1,4 +1,4 @@
-"""A declaration whose first store misses its deadline is retried (issue 21).
+"""A declaration whose first store misses its deadline is retried.
 
 When a whole swarm starts a round at once, the burst of declaration stores can keep the
 DHT busy past ``dht_timeout`` (256 peers on two cores: every store did). A peer whose

@@ -1,4 +1,4 @@
-"""Donor streams have deadlines (issue 17): slow joiners cannot take every upload slot."""
+"""Donor streams have deadlines: slow joiners cannot take every upload slot."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ CONFIG = fast_config(
 
 @pytest.mark.timeout(90)
 async def test_eight_slow_readers_do_not_make_every_joiner_busy() -> None:
-    """8 joiners ask a donor for every chunk of a 32 MiB state and never read. Before
-    issue 17 a donor stream had no write deadline: the 8 held every upload slot for as
+    """8 joiners ask a donor for every chunk of a 32 MiB state and never read. Without a
+    write deadline on donor streams the 8 held every upload slot for as
     long as they liked and every other joiner got ``STATE_BUSY`` (``load_state`` raised
     StateDownloadError). Now a reader that does not keep up is cut and the joiner loads.
     (8 identities: one identity holds at most 2 slots,
@@ -67,8 +67,8 @@ async def test_eight_slow_readers_do_not_make_every_joiner_busy() -> None:
 
 @pytest.mark.timeout(60)
 async def test_joiner_refuses_a_state_larger_than_it_asked_for() -> None:
-    """A joiner that expects a 1 MiB model is offered a 32 MiB state. Before issue 17 it
-    downloaded and buffered whatever was advertised (up to ``max_state_bytes``, 16 GiB);
+    """A joiner that expects a 1 MiB model is offered a 32 MiB state. Without a bound it
+    would download and buffer whatever was advertised (up to ``max_state_bytes``, 16 GiB);
     now ``max_bytes`` refuses it before any chunk is fetched, and a bound that fits loads."""
     swarm = AveragerSwarm()
     try:

@@ -1,4 +1,4 @@
-"""A misspelt codec or parameter says what would be right (issue 19)."""
+"""A misspelt codec or parameter says what would be right."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 The all-reduce calls ``encode_payload``/``decode_payload`` (no protobuf message); users
 call ``encode``/``decode`` and ``decode_chunk``. Both must produce the same bytes on the
 wire and the same bits after decoding, for every codec, so that speeding one up can
-never change what a peer receives (issue 21).
+never change what a peer receives.
 """
 
 from __future__ import annotations

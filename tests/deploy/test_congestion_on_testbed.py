@@ -1,6 +1,6 @@
 """``--congestion-control`` on the test bed: real daemons in network namespaces (which may
 not change the machine-wide algorithm) give their data-plane sockets the chosen one, seen
-from outside the processes with ``ss``, and average over rate-limited links (issue 21)."""
+from outside the processes with ``ss``, and average over rate-limited links."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Peers behind NAT as full members (issue 20), on the multi-host test bed: 2 public hosts
+"""Peers behind NAT as full members, on the multi-host test bed: 2 public hosts
 and 3 hosts behind 3 separate MASQUERADE routers that can only dial out. Daemons are started
 through the CLI with no NAT-specific flag: each finds out by dial-back whether others can
 reach it, and the NATed ones reserve at a public relay and announce the relayed address.

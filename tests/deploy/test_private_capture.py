@@ -1,4 +1,4 @@
-"""On the wire (issue 16): a private run's tensors never cross a link in clear.
+"""On the wire: a private run's tensors never cross a link in clear.
 
 Real ``swarmavg peer`` daemons, one per test bed host, average a tensor filled with a
 recognisable float32 pattern while a raw-socket capture (deploy/testbed/capture.py) records

@@ -1,4 +1,4 @@
-"""Hole punching (issue 20) on the multi-host test bed: two hosts behind two separate
+"""Hole punching on the multi-host test bed: two hosts behind two separate
 MASQUERADE routers (home routers: they keep the host's port and drop unsolicited packets)
 punch a direct TCP connection and move their round's bytes off the relay; behind routers
 that randomise every connection's port (symmetric NAT) the punch cannot work, the peers

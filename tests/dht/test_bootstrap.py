@@ -55,7 +55,7 @@ async def test_bootstrap_error_lists_every_address() -> None:
 
 async def test_bootstrap_reports_wrong_run_without_naming_it() -> None:
     """The answer says that the run differs, never which run the node serves: the run id is
-    a public run's only gate, and a prober must not learn it from an error (issue 16)."""
+    a public run's only gate, and a prober must not learn it from an error."""
     other = await DHTNode.create(DHTConfig(run_id="secret-run"))
     try:
         assert other.address is not None
@@ -105,11 +105,11 @@ async def test_own_address_as_only_initial_peer_is_a_new_dht() -> None:
 async def test_swarm_split_by_a_restarted_bootstrap_node_merges_again(
     old_group: int, rejoins_per_round: int
 ) -> None:
-    """hivemind issue 624: everyone joins through one bootstrap node; it restarts empty and
-    newcomers join it. Without care that makes two DHTs. Here the first group re-pings its
-    initial peer in maintenance, the groups learn of each other and records flow both ways.
-    In a swarm larger than ``rejoins_per_round`` only about that many of its nodes rejoin
-    per round (issue 21): the merge still happens."""
+    """learning-at-home/hivemind#624: everyone joins through one bootstrap node; it
+    restarts empty and newcomers join it. Without care that makes two DHTs. Here the first
+    group re-pings its initial peer in maintenance, the groups learn of each other and
+    records flow both ways. In a swarm larger than ``rejoins_per_round`` only about that
+    many of its nodes rejoin per round: the merge still happens."""
     k = 4
     identity = Identity.generate()
     async with swarm(0, k=k, refresh_interval=3600.0, rejoins_per_round=rejoins_per_round) as s:

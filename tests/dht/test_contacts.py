@@ -1,6 +1,6 @@
 """Contacts are learned only from their owners; one address range cannot fill a bucket.
 
-The routing hijack of issue 16: a node answers a lookup with ``(victim id, attacker
+The routing hijack: a node answers a lookup with ``(victim id, attacker
 address)`` and then answers, at that address, with the victim's public key copied into its
 header (a real signed header of the victim, replayed, with its real address binding). The
 attacker's own node is an honest, correctly signing peer. The querier must keep the victim's

@@ -1,4 +1,4 @@
-"""Protocol keys accept only owner-signed entries of their schema (issue 16, Records).
+"""Protocol keys accept only owner-signed entries of their schema (docs/dht.md).
 
 Attacks over raw DHT RPCs against nodes that carry the averaging layer's key classes
 (averaging/protocol_keys.py), as every daemon and bare DHT node of a run does.

@@ -1,6 +1,6 @@
 """Maintenance in a stable swarm stays cheap; a neighbourhood in doubt is looked up in full.
 
-Issue 21: a full lookup of our own id in every 30 s maintenance round cost each node about
+A full lookup of our own id in every 30 s maintenance round cost each node about
 k RPCs (and served as many), which was most of a 1000-node swarm's CPU and brought nothing
 new while nobody joined.
 """
@@ -62,7 +62,7 @@ async def _served_by_the_seed_in_one_round(rejoins_per_round: int) -> tuple[int,
 
 
 async def test_an_initial_peer_serves_a_bounded_number_of_rejoins_per_round() -> None:
-    """Issue 21 (10,000 volunteers): every node rejoined through the common initial peer in
+    """Every node rejoined through the common initial peer in
     every round, 2 requests per node per round on one node. Now the swarm sends it about
     ``rejoins_per_round`` rejoins per round; a swarm no larger than that still sends all."""
     everyone, nodes = await _served_by_the_seed_in_one_round(rejoins_per_round=10_000)

@@ -1,4 +1,4 @@
-"""Every DHT request and answer proves its sender (issue 16): copies and replays are refused.
+"""Every DHT request and answer proves its sender: copies and replays are refused.
 
 A public key is public (it is in every header and signed record), and a peer's address
 signature carries no time, so on code without message signatures an outsider that copies

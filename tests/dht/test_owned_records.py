@@ -1,5 +1,5 @@
 """Owned records: the signature covers the run id and the time the owner signed, so a record
-cannot be replayed into another run, nor over its owner's newer version (issue 16, Records).
+cannot be replayed into another run, nor over its owner's newer version.
 
 A captured record is replayed through a raw DHT ``Store`` from a serving identity of the
 target's run, as an eavesdropper or a former holder of the record could.

@@ -1,4 +1,4 @@
-"""Quotas and rate limits per source (issue 16), over real gRPC with in-process nodes.
+"""Quotas and rate limits per source, over real gRPC with in-process nodes.
 
 Each attack comes from one identity sending hand-made requests; an honest source must still
 get its records stored and its requests answered. The module imports only names that predate

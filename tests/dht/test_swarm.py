@@ -114,8 +114,8 @@ async def test_a_store_on_fewer_replicas_reaches_the_nearest_with_fewer_requests
         holders = {n.peer_id for n in s.nodes if n.storage.get(key_id(b"narrow"), time.time())}
         # Every one of the 3 nearest holds it. A node asked on the way whose own table
         # knows fewer than 3 nodes nearer than itself keeps a copy too (it answers the Find
-        # before it learns better): 2-4 stores in 160 carried one such copy, before and
-        # after session 19's lookup changes, which once failed this test in CI as ==.
+        # before it learns better): 2-4 stores in 160 carried one such copy, which once
+        # failed this test in CI as ==.
         assert nearest <= holders
         assert len(holders) < K
         found = await reader.get("narrow", latest=True, quorum=2)

@@ -1,5 +1,5 @@
-"""``swarmavg dht --metrics`` and ``swarmavg status`` for a bare DHT node (issue 19: "the
-bootstrap node has no metrics and no status"), against real processes.
+"""``swarmavg dht --metrics`` and ``swarmavg status`` for a bare DHT node, against
+real processes: a bootstrap node has metrics and a status too.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A daemon that talks (issue 19): banner, warnings, joins and leaves, failed rounds with
+"""A daemon that talks: banner, warnings, joins and leaves, failed rounds with
 their reason, one summary per interval; real ``swarmavg peer`` processes."""
 
 from __future__ import annotations

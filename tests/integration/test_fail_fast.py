@@ -1,4 +1,4 @@
-"""Fail fast, with a message that says what to do (issue 19); real ``swarmavg`` processes."""
+"""Fail fast, with a message that says what to do; real ``swarmavg`` processes."""
 
 from __future__ import annotations
 

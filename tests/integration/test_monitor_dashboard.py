@@ -1,5 +1,5 @@
-"""``swarmavg monitor`` against a real swarm, its dashboard in a real headless browser
-(issue 19: "it loads, shows the plots with real data from a running swarm, and updates").
+"""``swarmavg monitor`` against a real swarm, its dashboard in a real headless browser:
+it loads, shows the plots with real data from a running swarm, and updates.
 
 Two ``swarmavg peer`` daemons on 127.0.0.1; two trainers report progress and a falling loss
 through real clients (:class:`ProgressTracker`, the part of the wrappers that writes the

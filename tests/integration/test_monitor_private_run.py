@@ -1,4 +1,4 @@
-"""``swarmavg monitor`` in a private run (issue 19; docs/peer.md "Monitor",
+"""``swarmavg monitor`` in a private run (docs/peer.md "Monitor",
 docs/private-runs.md): with the run file, a credential and the identity it was issued for,
 the monitor joins a swarm of invited ``swarmavg peer`` daemons (real processes, mutual TLS)
 and records what their trainers report; without a credential every peer refuses it at the

@@ -237,7 +237,7 @@ def test_four_daemons_four_clients_get_the_weighted_mean(
 def test_daemon_killed_mid_round_others_return_within_timeout(
     swarmavg_processes: ProcessPool, sock_dir: Path, tmp_path: Path, phase: str
 ) -> None:
-    # -v: "group formed" is a per-round line, logged at DEBUG (issue 19)
+    # -v: "group formed" is a per-round line, logged at DEBUG
     peers = swarm(swarmavg_processes, sock_dir, 3, rest_args=("-v",))
     timeout = 15.0
     workers = [

@@ -1,4 +1,4 @@
-"""A private run end to end through the CLI (issue 16, docs/private-runs.md).
+"""A private run end to end through the CLI (docs/private-runs.md).
 
 ``swarmavg run init``, ``run whoami`` and ``run invite`` as the organiser and the peers would
 type them; invited ``swarmavg peer`` daemons (real processes) average through the client API;

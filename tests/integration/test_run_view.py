@@ -1,4 +1,4 @@
-"""``swarmavg peers`` against real ``swarmavg peer`` processes (issue 19: a view of the run).
+"""``swarmavg peers`` against real ``swarmavg peer`` processes (a view of the run).
 
 Three daemons (one in client mode) on 127.0.0.1; trainers report progress through real
 clients with :class:`ProgressTracker` (the part of the wrappers that writes the records),

@@ -1,4 +1,4 @@
-"""``start_peer``: a daemon in a background thread of a synchronous script (issue 19)."""
+"""``start_peer``: a daemon in a background thread of a synchronous script."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Only the daemon's user reaches its control endpoint (issue 16, "Control endpoint").
+"""Only the daemon's user reaches its control endpoint (docs/security.md).
 
 A unix socket must live in a private folder and belong to this user; a TCP loopback endpoint
 needs the token the daemon writes to a file only its user can read.

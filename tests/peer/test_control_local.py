@@ -363,7 +363,7 @@ async def test_shm_segments_are_reused_across_calls(daemon: Daemon) -> None:
 
 
 async def test_a_call_that_found_no_group_keeps_its_segment_for_the_next(daemon: Daemon) -> None:
-    """Seen on the test bed (session 21): a call that found no group used to drop its
+    """Seen on the test bed: a call that found no group used to drop its
     segment on both sides, so the peer's next call faulted in a fresh one, reached its
     daemon late again and missed that round too."""
     x = [np.random.default_rng(4).standard_normal(400_000).astype(np.float32)]
@@ -386,7 +386,7 @@ async def test_a_call_that_found_no_group_keeps_its_segment_for_the_next(daemon:
 
 
 async def test_a_shm_call_hands_the_round_its_segment_as_the_result(daemon: Daemon) -> None:
-    """Issue 21: the round averages in the client's segment (no copy of the inputs, no
+    """The round averages in the client's segment (no copy of the inputs, no
     result copied back), and does not scan it first: the client checked it as it wrote it
     and says so, so the round checks each chunk as it encodes it."""
     rng = np.random.default_rng(4)
@@ -514,7 +514,7 @@ async def test_a_nan_found_while_the_daemon_declares_fails_the_call_with_the_cli
 async def test_the_daemon_declares_before_the_client_has_written_its_inputs(
     daemon: Daemon,
 ) -> None:
-    """Issue 21: the client's copy into shared memory overlaps the declaration. A raw
+    """The client's copy into shared memory overlaps the declaration. A raw
     client sends ``start_before_inputs`` and holds ``inputs_written`` back: the round
     (here the backend's ``average``) starts at once and waits for the inputs."""
     import grpc

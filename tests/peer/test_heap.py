@@ -1,4 +1,4 @@
-"""The daemon's allocator keeps what a round frees (swarmavg.peer.heap, issue 21)."""
+"""The daemon's allocator keeps what a round frees (swarmavg.peer.heap)."""
 
 from __future__ import annotations
 

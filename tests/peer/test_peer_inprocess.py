@@ -193,7 +193,7 @@ def test_daemon_never_imports_torch() -> None:
 
 
 async def test_result_and_stats_name_the_codec_the_group_used(sock_dir: Path) -> None:
-    # A group has one codec, which every member asked for (issue 17: a follower refuses a
+    # A group has one codec, which every member asked for (a follower refuses a
     # leader's other codec). Peers asking for different codecs form no group and say why;
     # with one codec, both results and both daemons' per-codec figures name it.
     first = PeerConfig(listen="127.0.0.1:0", control=str(sock_dir / "a.sock"), run_id="t")
@@ -263,7 +263,7 @@ def test_rounds_are_counted_by_outcome_in_status_and_metrics() -> None:
 
 
 async def test_a_caller_that_claims_a_check_it_did_not_make_fails_alone(sock_dir: Path) -> None:
-    """Issue 21: a shared-memory call whose client says it checked its tensors is not
+    """A shared-memory call whose client says it checked its tensors is not
     scanned before matchmaking. A caller that lied (NaN in its segment) joins the group,
     is refused when its codec meets the bad chunk, and gets INVALID_ARGUMENT; the other
     members finish with finite, partial results, and its daemon keeps serving."""

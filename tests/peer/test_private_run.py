@@ -1,4 +1,4 @@
-"""Private runs in process (issue 16): invited ``Peer`` daemons over real gRPC and real TLS.
+"""Private runs in process: invited ``Peer`` daemons over real gRPC and real TLS.
 
 A peer without a credential of the run (none at all, or one of another run's authority) is
 refused at the TLS handshake on every public endpoint: DHT Ping/Store/Find, JoinGroup, Reduce

@@ -1,4 +1,5 @@
-"""The confirmed wipe through the client API (issue 16, Records), against real daemons.
+"""The confirmed wipe through the client API, against real daemons (docs/dht.md, "Owned
+(signed) records").
 
 ``client.dht.store(f"{run}.{key}.0b", "x", ttl=3600)`` used to make every honest peer's next
 ``average`` under that key fail with ``NoGroupError``; the same at ``{run}.state`` hid every

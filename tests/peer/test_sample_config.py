@@ -1,4 +1,4 @@
-"""docs/swarmavg.toml has every setting, commented, and cannot go stale (issue 19)."""
+"""docs/swarmavg.toml has every setting, commented, and cannot go stale."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A late joiner's state download reports its progress (issue 19): the daemon logs bytes,
+"""A late joiner's state download reports its progress: the daemon logs bytes,
 rate and ETA, and the training process's ``load_state`` shows the daemon's figures."""
 
 from __future__ import annotations

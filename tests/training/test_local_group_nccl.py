@@ -1,4 +1,4 @@
-"""The hierarchical mode's collectives on NCCL (issue 19): runs where there is a CUDA device
+"""The hierarchical mode's collectives on NCCL: runs where there is a CUDA device
 and NCCL, skipped elsewhere (the project's CI machines have no GPU).
 
 NCCL moves CUDA tensors only and refuses CPU ones even in a group of one rank, so a group

@@ -1,4 +1,4 @@
-"""The issue-18 methods end to end: real ``swarmavg peer`` processes, one per peer.
+"""The DiLoCo-family methods end to end: real ``swarmavg peer`` processes, one per peer.
 
 As in test_collaborative_daemons.py, each training "process" is a thread of the test with
 its own client talking to its own daemon.

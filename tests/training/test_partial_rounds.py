@@ -1,4 +1,4 @@
-"""What the wrappers do with a partial round (issue 17): apply it only when at least
+"""What the wrappers do with a partial round: apply it only when at least
 ``min_averaged_fraction`` of it came back averaged, as the member itself observed; else step
 with local values, as for a failed round (averaging/training/swarm.py, MIN_AVERAGED_FRACTION).
 """

@@ -1,4 +1,4 @@
-"""Remote input never crashes training (issue 15): what other peers put in the DHT or send
+"""Remote input never crashes training: what other peers put in the DHT or send
 back makes a round fail or leaves that peer out, is logged, and ``step()`` goes on. Only
 the caller's own bad input raises.
 

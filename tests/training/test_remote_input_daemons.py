@@ -1,6 +1,6 @@
 """Remote input never crashes training, with real ``swarmavg peer`` processes: a peer that
 trains another model under the same run, and more forged progress records than a group
-holds (issue 15)."""
+holds."""
 
 from __future__ import annotations
 

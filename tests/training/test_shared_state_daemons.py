@@ -1,6 +1,6 @@
 """One shared state with real ``swarmavg peer`` processes: members that differ from the
 group's majority repair from its holders; a trainer restarted from an old checkpoint ends
-identical to the others (issue 15, "One shared state")."""
+identical to the others (docs/training.md, "One shared state")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The wrappers are real ``torch.optim.Optimizer`` objects (issue 19): schedulers, hooks,
+"""The wrappers are real ``torch.optim.Optimizer`` objects: schedulers, hooks,
 checkpoints, and a misspelt codec refused when the wrapper is built."""
 
 from __future__ import annotations

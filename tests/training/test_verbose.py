@@ -1,4 +1,4 @@
-"""``verbose=True`` on the wrappers (issue 19): the epoch, the swarm's samples/s and the
+"""``verbose=True`` on the wrappers: the epoch, the swarm's samples/s and the
 time to the next step, through the library's logger, on a new epoch and otherwise at most
 every few seconds."""
 
