@@ -14,10 +14,11 @@ once went by the declared start, which the declarer writes itself: a start just 
 accepted window led every round.
 
 Deadlock freedom: a leader accepts only followers that come *after* it in this order (or
-that cannot lead at all: client-mode peers), and answers a JoinGroup from its local state
-without waiting on any call of its own. The order of two peers depends on their two ids
-and the key alone, so both compute it alike: two peers that ask each other at once cannot
-both wait, one of them answers ``JOIN_REJECT_NOT_LEADER`` immediately.
+that cannot lead at all: client-mode peers, or that it shuns: it will not follow them, and
+never asks them), and answers a JoinGroup from its local state without waiting on any
+call of its own. The order of two peers depends on their two ids and the key alone, so
+both compute it alike: two peers that ask each other at once cannot both wait, one of
+them answers ``JOIN_REJECT_NOT_LEADER`` immediately.
 """
 
 from __future__ import annotations
@@ -302,6 +303,9 @@ class JoinState:
     num_members: int
     """Members so far, the leader included."""
     group_size: int
+    shunned: frozenset[bytes] = frozenset()
+    """Peers that rank before this leader but that it will not follow this round (a
+    leader that stalled it, one that refused it): it leads them when they ask."""
 
 
 def decide_join(
@@ -328,7 +332,11 @@ def decide_join(
         return codes.JOIN_REJECT_SCHEMA_MISMATCH
     if aggregation != state.me.aggregation:
         return codes.JOIN_REJECT_AGGREGATION_MISMATCH
-    if follower_can_lead and follower_order < state.me.order:
+    if (
+        follower_can_lead
+        and follower_order < state.me.order
+        and follower_order[1] not in state.shunned
+    ):
         return codes.JOIN_REJECT_NOT_LEADER
     if not state.me.can_lead:
         return codes.JOIN_REJECT_NOT_LEADER

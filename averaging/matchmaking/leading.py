@@ -298,6 +298,7 @@ class Leading(Declaring):
                 closed=rnd.closed,
                 num_members=rnd.num_members,
                 group_size=rnd.request.group_size,
+                shunned=frozenset(rnd.shunned),
             )
             return decide_join(
                 state,

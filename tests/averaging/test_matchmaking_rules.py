@@ -135,6 +135,8 @@ def rank(i: int) -> tuple[bytes, bytes]:
         ({"num_members": 4}, 7, averaging_pb2.JOIN_REJECT_FULL),
         # A peer that ranks before us asking us: it leads, we do not (no mutual waits).
         ({}, 1, averaging_pb2.JOIN_REJECT_NOT_LEADER),
+        # Unless we shun it (it stalled or refused us): we never ask it, we lead it.
+        ({"shunned": frozenset({RANKED[1]})}, 1, averaging_pb2.JOIN_ACCEPTED),
     ],
 )
 def test_join_decisions(kw: dict[str, object], follower: int, expected: int) -> None:
