@@ -11,10 +11,18 @@ from swarmavg.averaging.dht_access import DHTAccess
 from swarmavg.averaging.matchmaking.closing import Latency, settle_time
 from swarmavg.averaging.matchmaking.config import MatchmakerConfig, MatchmakingEvent, Observer
 from swarmavg.averaging.matchmaking.roster import FamilyRoster, RunPresence
-from swarmavg.averaging.matchmaking.round import ClosedRound, Round
+from swarmavg.averaging.matchmaking.round import ClosedRound, Round, remember
 from swarmavg.dht.channels import ChannelPool
 
 log = logging.getLogger(__name__)
+
+SILENT_LEADER_BAN = 600.0
+"""Seconds a leader that accepted this peer and then did not close in time is not followed
+under the same key family (about a hundred rounds of a training loop; it may still join
+groups as a follower). Long enough that a stalling leader costs a family one round in
+many, short enough that an honest leader once stuck on a broken link comes back."""
+MAX_SHUNNED = 256
+"""Leaders remembered as silent per family (each one is an identity that stalled a round)."""
 
 
 class MatchmakerBase:
@@ -48,6 +56,10 @@ class MatchmakerBase:
         self._closed: collections.OrderedDict[str, ClosedRound] = collections.OrderedDict()
         # family -> every peer this peer saw in its last round there (``roster``)
         self._last: collections.OrderedDict[str, FamilyRoster] = collections.OrderedDict()
+        # family -> {leader that did not close in time: time.monotonic() until it is shunned}
+        self.silent_leaders: collections.OrderedDict[str, dict[bytes, float]] = (
+            collections.OrderedDict()
+        )
         self.presence: RunPresence | None = None
         """This averager's entry among the run's averagers (see :meth:`announce`)."""
 
@@ -58,6 +70,29 @@ class MatchmakerBase:
     def _patience(self) -> float:
         """How long a declared peer stays expected before it joins (see ``closing``)."""
         return 2 * self.config.poll_interval + self.settle_time()
+
+    def _leader_grace(self) -> float:
+        """Seconds past the round's close deadline a follower waits for its leader to
+        close: the leader's last join answers and its close reach the follower within two
+        RPC deadlines on a loaded machine."""
+        return 2.0 * self.config.join_timeout + self.settle_time()
+
+    def shunned_in(self, family: str) -> set[bytes]:
+        """The leaders this peer does not follow under ``family`` now."""
+        now = time.monotonic()
+        table = self.silent_leaders.get(family, {})
+        for peer_id in [p for p, until in table.items() if until <= now]:
+            del table[peer_id]
+        return set(table)
+
+    def shun(self, family: str, leader: bytes) -> None:
+        """Stop following ``leader`` under ``family`` for :data:`SILENT_LEADER_BAN`."""
+        table = self.silent_leaders.get(family, {})
+        table.pop(leader, None)
+        table[leader] = time.monotonic() + SILENT_LEADER_BAN
+        while len(table) > MAX_SHUNNED:  # the oldest go first: insertion order
+            del table[next(iter(table))]
+        remember(self.silent_leaders, family, table)
 
     def _dht_budget(self, failures: int, give_up: float) -> float:
         """Deadline of one DHT store or read after ``failures`` that missed theirs in a row.

@@ -121,7 +121,8 @@ class LeaderView:
         previous: the family's roster: peers seen in this peer's previous round under
             the same key family (or, in a family's first round, the run's averaging
             daemons).
-        taken: peers known to be in a group that already closed elsewhere.
+        taken: peers out of this leader's split: known to be in a group that already
+            closed elsewhere, or leaders it will not follow (``Round.shunned``).
         group_size: the most members it takes.
         min_group_size: the fewest members it may close with.
         wanted: members the caller expects (0: none beyond the declared ones).
@@ -199,6 +200,17 @@ def expected_members(view: LeaderView, now: float, patience: float) -> frozenset
     return frozenset(expected)
 
 
+def leads_in_split(view: LeaderView) -> bool:
+    """Whether the split of the live declarers (less those elsewhere) makes this peer a
+    leader. When a peer that ranks before it declares later (leadership goes by a hash of
+    the key and the id, not by who came first), the split gives this peer and its
+    followers to that one: it joins it with them rather than close a group that strands
+    the newcomer (its followers are redirected as it joins)."""
+    pool = [d for d in view.declarations if d.peer_id not in view.taken]
+    mine = assign_leaders(pool, view.group_size).get(view.me.peer_id)
+    return mine is None or mine == view.me.peer_id
+
+
 def close_reason(
     view: LeaderView,
     now: float,
@@ -210,6 +222,8 @@ def close_reason(
 ) -> str | None:
     """Why the leader should close now, or ``None``.
 
+    - never, short of full, while the split gives this peer to another leader
+      (:func:`leads_in_split`).
     - ``"full"``: ``group_size`` members.
     - ``"quorum"``: every expected peer is in, and the family's roster (from a round of
       the family, not the run's presence entries) is not empty: every roster peer has
@@ -229,6 +243,8 @@ def close_reason(
     if size >= view.group_size:
         return "full"
     if size < max(view.min_group_size, wanted_here(view)):
+        return None
+    if not leads_in_split(view):
         return None
     if not expected_members(view, now, patience) <= view.members:
         return None

@@ -4,13 +4,21 @@ A peer looking for a group declares itself in the DHT under the round's matchmak
 ``{run}.{key}.0b{group-bits}`` (a dictionary value: one subkey per declarer, the peer id in
 hex) with an expiration at the moment it gives up. The declaration says when the peer
 started looking, where it listens, what it brings (mode, bandwidth, schema hash) and its
-group size. The earliest declared start leads, ties broken by peer id: every peer reads the
-same declarations, so every peer computes the same order and asks the same leader.
+group size.
+
+Who leads is ranked by a hash of the round's key and the declarer's peer id
+(:func:`leader_order`), a value no declarer sets: every peer reads the same declarations,
+so every peer computes the same order and asks the same leader, and one identity leads
+its fair share of rounds (each round key deals a new order), not every round. The order
+once went by the declared start, which the declarer writes itself: a start just inside the
+accepted window led every round.
 
 Deadlock freedom: a leader accepts only followers that come *after* it in this order (or
-that cannot lead at all: client-mode peers), and answers a JoinGroup from its local state
-without waiting on any call of its own. Two peers that ask each other at once therefore
-cannot both wait: one of them answers ``JOIN_REJECT_NOT_LEADER`` immediately.
+that cannot lead at all: client-mode peers, or that it shuns: it will not follow them, and
+never asks them), and answers a JoinGroup from its local state without waiting on any
+call of its own. The order of two peers depends on their two ids and the key alone, so
+both compute it alike: two peers that ask each other at once cannot both wait, one of
+them answers ``JOIN_REJECT_NOT_LEADER`` immediately.
 """
 
 from __future__ import annotations
@@ -23,6 +31,11 @@ from typing import Any
 
 from swarmavg.averaging.aggregation import MAX_AGGREGATION_CHARS, MEAN, canonical_aggregation
 from swarmavg.averaging.group import GroupInfo, Member, Mode
+from swarmavg.averaging.matchmaking.group_ranges import (
+    crowded_range,
+    max_members_per_range,
+    public_range_of_address,
+)
 from swarmavg.dht.records import owner_suffix, subkey_owner
 from swarmavg.proto import averaging_pb2
 
@@ -36,9 +49,22 @@ USER_DATA_DIGEST_BYTES = 16
 _MODE_VALUES = frozenset(int(m) for m in Mode)  # the modes a peer may send
 DEFAULT_START_WINDOW = (600.0, 30.0)
 """How far a declared ``start`` may lie before and after now (seconds) for the declaration
-to count: the earliest start leads, so a declaration with ``start=-1e300`` would
-otherwise lead every round. 600 s covers the longest matchmaking a peer waits through; 30 s
-covers clock skew between honest peers."""
+to count: a start says how long a peer has looked (its give-up time is checked against
+it), and one far outside what any call waits through is not an honest peer's. 600 s covers
+the longest matchmaking a peer waits through; 30 s covers clock skew between honest peers."""
+_RANK_DOMAIN = b"swarmavg.leader-rank.v1"
+
+
+def leader_order(key: str, peer_id: bytes) -> tuple[bytes, bytes]:
+    """Sort key of leadership under round key ``key``: the smaller first.
+
+    A hash of the key and the peer id: the declarer chooses neither (the key is the
+    round's, the id is its public key's), so no value it writes wins it every round, and
+    each round key deals a fresh order, so one identity leads about one round in n of a
+    swarm of n. The peer id breaks (never seen) hash ties.
+    """
+    digest = hashlib.sha256(_RANK_DOMAIN + key.encode() + b"\0" + peer_id).digest()
+    return (digest, peer_id)
 
 
 @dataclass(frozen=True)
@@ -60,6 +86,8 @@ class Declaration:
         codec: the codec it averages with; a follower only takes a group of its codec.
         data_port: its data-plane port (0: none); members stream only to signed ports.
         user_data_digest: :func:`user_data_digest` of the user data it joins with.
+        key: the round key it was declared under (not encoded: the DHT key carries it);
+            with the peer id it ranks the declarer for leadership.
     """
 
     peer_id: bytes
@@ -75,11 +103,12 @@ class Declaration:
     codec: str = ""
     data_port: int = 0
     user_data_digest: bytes = b""
+    key: str = ""
 
     @property
-    def order(self) -> tuple[float, bytes]:
-        """Sort key of leadership: earlier start first, then the smaller peer id."""
-        return (self.start, self.peer_id)
+    def order(self) -> tuple[bytes, bytes]:
+        """Sort key of leadership under its key (:func:`leader_order`)."""
+        return leader_order(self.key, self.peer_id)
 
     @property
     def can_lead(self) -> bool:
@@ -128,12 +157,13 @@ def declaration_subkey(peer_id: bytes) -> str:
     return owner_suffix(peer_id)
 
 
-def decode_declaration(subkey: object, value: object) -> Declaration | None:
+def decode_declaration(subkey: object, value: object, key: str = "") -> Declaration | None:
     """Parse one DHT entry; ``None`` for anything malformed (peers are untrusted).
 
     Args:
         subkey: the dictionary subkey, ``[owner:<declarer's peer id hex>]``.
         value: the stored value.
+        key: the round key it was read under.
     """
     peer_id = subkey_owner(subkey)
     if peer_id is None:
@@ -191,6 +221,7 @@ def decode_declaration(subkey: object, value: object) -> Declaration | None:
         codec=codec,
         data_port=data_port,
         user_data_digest=digest,
+        key=key,
     )
 
 
@@ -272,16 +303,22 @@ class JoinState:
     num_members: int
     """Members so far, the leader included."""
     group_size: int
+    shunned: frozenset[bytes] = frozenset()
+    """Peers that rank before this leader but that it will not follow this round (a
+    leader that stalled it, one that refused it): it leads them when they ask."""
 
 
 def decide_join(
     state: JoinState,
-    follower_order: tuple[float, bytes],
+    follower_order: tuple[bytes, bytes],
     follower_can_lead: bool,
     schema: bytes,
     aggregation: str = MEAN,
 ) -> averaging_pb2.JoinCode:
     """The leader's answer to a join request; a ``JoinCode`` value.
+
+    Args:
+        follower_order: the follower's :func:`leader_order` under the leader's key.
 
     Returns ``JOIN_ACCEPTED`` when the follower may join now; otherwise the final code to
     send (``JOIN_REDIRECT`` means: tell it to ask my own leader).
@@ -295,7 +332,11 @@ def decide_join(
         return codes.JOIN_REJECT_SCHEMA_MISMATCH
     if aggregation != state.me.aggregation:
         return codes.JOIN_REJECT_AGGREGATION_MISMATCH
-    if follower_can_lead and follower_order < state.me.order:
+    if (
+        follower_can_lead
+        and follower_order < state.me.order
+        and follower_order[1] not in state.shunned
+    ):
         return codes.JOIN_REJECT_NOT_LEADER
     if not state.me.can_lead:
         return codes.JOIN_REJECT_NOT_LEADER
@@ -399,8 +440,8 @@ def declaration_mismatch(member: Member, declaration: Declaration | None) -> str
 
     The declaration is an owner-signed DHT record (see ``averaging/protocol_keys.py``), so
     its address, data port, mode, bandwidth and user data digest are the member's own word;
-    a ``JoinRequest``'s or a leader's copy of them is not (an unsigned address
-    made every member stream its part at any ``host:port``).
+    a ``JoinRequest``'s or a leader's copy of them is not (an unsigned address made every
+    member stream its part at any ``host:port``).
     """
     if declaration is None:
         return "no signed declaration of it is visible"
@@ -445,9 +486,11 @@ def check_formed_group(
     """Parse the group a leader sent and check it is the one we asked for.
 
     The leader decides, the follower checks: the group must have our schema and codec, a
-    size within our bounds, our own entry exactly as we asked, and only members whose
+    size within our bounds, our own entry exactly as we asked, only members whose
     entries match the declarations they signed (``declarations``: the live ones we read,
-    by peer id), so we stream only to addresses their owners signed.
+    by peer id), so we stream only to addresses their owners signed, and no more members
+    signing addresses in one public range than ``group_ranges`` allows (a leader filling
+    the group with its own identities).
 
     Raises:
         ValueError: malformed, or any of the above differs; the message says what.
@@ -487,4 +530,12 @@ def check_formed_group(
         reason = declaration_mismatch(member, declarations.get(member.peer_id))
         if reason is not None:
             raise ValueError(f"member {member.peer_id.hex()[:12]}: {reason}")
+    crowded = crowded_range(
+        ([public_range_of_address(m.address)] for m in group.members), ask.group_size
+    )
+    if crowded is not None:
+        raise ValueError(
+            f"{crowded[1]} members sign addresses in one range {crowded[0]}, more than "
+            f"the {max_members_per_range(ask.group_size)} one range may hold"
+        )
     return group

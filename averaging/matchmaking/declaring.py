@@ -52,7 +52,7 @@ class Declaring(MatchmakerBase):
             log.debug("declaring under %s failed: %r", rnd.request.key, error)
             return False
         if read_back:
-            found = decode_declarations(record)
+            found = decode_declarations(record, rnd.request.key)
             if self._read_back_stands(rnd, found):
                 self._apply_declarations(rnd, found, started)
         return ok
@@ -131,7 +131,7 @@ class Declaring(MatchmakerBase):
         except (TimeoutError, grpc.aio.AioRpcError) as error:
             log.debug("reading declarations under %s failed: %r", key, error)
             return None
-        return decode_declarations(record)
+        return decode_declarations(record, key)
 
     async def _refresh_declarations(self, rnd: Round) -> None:
         """Read the declarations under our key; keep the live ones of our schema."""

@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 MAX_BACKOFF = 2.0
 """Longest pause before asking again a leader whose call failed (seconds)."""
+DEAD_AFTER = 2
+"""Refused connections in a row after which a leader is out of this round's split."""
 
 
 class Following(Declaring):
@@ -59,14 +61,35 @@ class Following(Declaring):
         pool = [d for d in rnd.declarations if d.peer_id not in elsewhere] or [me]
         assignment = assign_leaders(pool, rnd.request.group_size)
         mine = assignment.get(self.peer_id)
+        excluded = {p for p, until in banned.items() if until > now_wall} | elsewhere
         if mine == self.peer_id:
-            return None  # we lead a group of the split; our followers come to us
-        excluded = {p for p, until in banned.items() if until > now_wall} | rnd.taken
+            # We lead a group of the split; our followers come to us.
+            return self._lonely_probe(rnd, excluded)
         candidates = leader_candidates(rnd.declarations, me, now_wall, excluded)
         candidates.sort(key=lambda d: d.peer_id != mine)  # stable: our assigned leader first
         if not candidates:
-            return None
+            return self._lonely_probe(rnd, excluded)
         return Redirect(candidates[0].peer_id, candidates[0].address)
+
+    def _lonely_probe(self, rnd: Round, excluded: set[bytes]) -> Redirect | None:
+        """A declarer to ask although it ranks after us, when we lead alone and it has not
+        come within the patience: if its group closed without us, its answer
+        (``JOIN_REJECT_FULL`` with itself among the members) tells us at once, where the
+        peers before us in the order would have told us as we asked them. An open one
+        answers ``JOIN_REJECT_NOT_LEADER`` at once and comes to us as before."""
+        if rnd.followers or rnd.leader is not None or not rnd.me.can_lead:
+            return None
+        now = time.monotonic()
+        patience = self._patience()
+        for d in sorted(rnd.declarations, key=lambda d: d.order):
+            if (
+                d.peer_id != self.peer_id
+                and d.peer_id not in excluded
+                and d.can_lead
+                and now - rnd.first_seen.get(d.peer_id, now) > patience
+            ):
+                return Redirect(d.peer_id, d.address)
+        return None
 
     def _round_is_gone(self, rnd: Round) -> NoGroupError | None:
         """Fail at once when the group we belonged to closed without us and nobody is left
@@ -185,6 +208,7 @@ class Following(Declaring):
                     first.detail,
                 )
                 banned[target.peer_id] = forever
+                self._refused_by(rnd, target.peer_id)
                 return None
             if rnd.closed or rnd.result.done():
                 return None  # our own group formed meanwhile; the cancel below leaves
@@ -198,8 +222,16 @@ class Following(Declaring):
                 ),
             )
             self._notify(MatchmakingEvent.JOINED_LEADER, req.key, target.peer_id)
-            async with asyncio.timeout(max(0.0, me.give_up - time.time())):
-                final = await call.read()
+            leave_at = min(me.give_up, self._leave_at(rnd, target.peer_id))
+            try:
+                async with asyncio.timeout(max(0.0, leave_at - time.time())):
+                    final = await call.read()
+            except TimeoutError:
+                if leave_at >= me.give_up:
+                    raise
+                self._left_silent_leader(rnd, target.peer_id)
+                banned[target.peer_id] = forever
+                return None
             if final is grpc.aio.EOF:
                 banned[target.peer_id] = time.time() + self._backoff(rnd, target.peer_id)
                 return None
@@ -230,6 +262,14 @@ class Following(Declaring):
             else:
                 log.debug("leader %s failed: %r", target.peer_id.hex()[:8], error)
             banned[target.peer_id] = time.time() + self._backoff(rnd, target.peer_id)
+            if (
+                isinstance(error, grpc.aio.AioRpcError)
+                and error.code() == grpc.StatusCode.UNAVAILABLE
+                and rnd.failures[target.peer_id] >= DEAD_AFTER
+            ):
+                # Its port refuses us (a killed daemon whose declaration lives on): out of
+                # our split, so that the next leader does not wait for it to lead.
+                self._refused_by(rnd, target.peer_id)
             return None
         finally:
             if following and not rnd.closed:
@@ -263,6 +303,67 @@ class Following(Declaring):
         rnd.result.set_result(group)
         self._notify(MatchmakingEvent.GROUP_FORMED, rnd.request.key, self.peer_id)
         return group
+
+    def _refused_by(self, rnd: Round, peer_id: bytes) -> None:
+        """A peer that ranks before us will not lead us this round (it refused us, or is
+        dead): leave it out of the split, so that the leader the split gives us instead
+        does not keep waiting for it to lead (``closing.close_reason``)."""
+        declared = rnd.signed.get(peer_id)
+        if declared is not None and declared.order < rnd.me.order:
+            rnd.shunned.add(peer_id)
+
+    def _leave_at(self, rnd: Round, leader_id: bytes) -> float:
+        """Wall time at which we leave ``leader_id`` if it has not closed our group.
+
+        An honest leader closes by its own close deadline (``matchmaking_time`` after it
+        started, or the longer wait of a family's first round), which is ours when it
+        started with us, and later by as much as it started later. Its signed deadline says
+        so, but it signs what it likes: it counts only up to where it could lie for an
+        honest peer, our own close window after the leader's start or after we first saw
+        its declaration, whichever came first. Then the grace (``_leader_grace``).
+        """
+        to_wall = time.time() - time.monotonic()
+        limit = rnd.close_by + to_wall
+        declared = rnd.signed.get(leader_id)
+        if declared is not None:
+            seen = rnd.first_seen.get(leader_id, time.monotonic()) + to_wall
+            window = rnd.close_by - rnd.started
+            limit = max(limit, min(declared.deadline, min(declared.start, seen) + window))
+        return max(limit, rnd.regroup_by + to_wall) + self._leader_grace()
+
+    def _left_silent_leader(self, rnd: Round, leader_id: bytes) -> None:
+        """Our leader accepted us and did not close by the deadline plus the grace: leave
+        it, stop following it under this family for a while, and regroup with the other
+        declarers within this call.
+
+        They followed it too (it ranked first for all) and leave it when their own
+        deadlines pass, so we expect each of them again until its deadline plus the grace
+        plus the patience (``first_seen`` restarts there), and our own close deadline
+        moves past that, within our give-up time: the peers that leave last still find
+        the group the first ones form.
+        """
+        log.warning(
+            "leader %s accepted this peer under %s and did not close by its deadline: "
+            "leaving it; not following it under this key family for a while",
+            leader_id.hex()[:12],
+            rnd.request.key,
+        )
+        family = rnd.request.family or rnd.request.key
+        self.shun(family, leader_id)
+        rnd.shunned.add(leader_id)
+        now = time.monotonic()
+        to_mono = now - time.time()
+        grace = self._leader_grace()
+        latest = now
+        for d in rnd.declarations:
+            if d.peer_id in rnd.shunned or d.peer_id == self.peer_id:
+                continue
+            leaves = min(d.give_up, max(d.deadline, now - to_mono) + grace) + to_mono
+            rnd.first_seen[d.peer_id] = max(rnd.first_seen.get(d.peer_id, now), leaves)
+            latest = max(latest, leaves)
+        last_close = rnd.request.give_up_by - self.config.join_timeout
+        rnd.regroup_by = min(latest + self._patience(), last_close)
+        rnd.close_by = max(rnd.close_by, rnd.regroup_by)
 
     def _backoff(self, rnd: Round, peer_id: bytes) -> float:
         """Seconds to skip a peer after its n-th transport failure: doubling, capped."""

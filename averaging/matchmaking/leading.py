@@ -26,6 +26,7 @@ from swarmavg.averaging.matchmaking.closing import (
     LeaderView,
     close_reason,
     expected_members,
+    leads_in_split,
     short_ids,
 )
 from swarmavg.averaging.matchmaking.config import MatchmakingEvent
@@ -34,10 +35,16 @@ from swarmavg.averaging.matchmaking.declarations import (
     decide_join,
     declaration_mismatch,
     group_to_proto,
+    leader_order,
     member_from_join_request,
     requested_aggregation,
 )
 from swarmavg.averaging.matchmaking.declaring import Declaring
+from swarmavg.averaging.matchmaking.group_ranges import (
+    admits,
+    public_range_of_address,
+    public_range_of_host,
+)
 from swarmavg.averaging.matchmaking.round import (
     FINAL_CODES_TEXT,
     Follower,
@@ -49,6 +56,7 @@ from swarmavg.averaging.stubs import JOIN_GROUP
 from swarmavg.averaging.tasks import cancel_and_wait
 from swarmavg.dht.auth import AuthenticationError, message_digest
 from swarmavg.dht.identity import HeaderError
+from swarmavg.dht.ranges import grpc_peer_host
 from swarmavg.proto import averaging_pb2
 
 log = logging.getLogger(__name__)
@@ -64,7 +72,7 @@ class Leading(Declaring):
             declarations=rnd.declarations or (rnd.me,),
             first_seen=rnd.first_seen,
             previous=rnd.previous,
-            taken=frozenset(rnd.taken),
+            taken=frozenset(rnd.taken | rnd.shunned),
             group_size=rnd.request.group_size,
             min_group_size=rnd.request.min_group_size,
             wanted=rnd.request.wanted,
@@ -89,6 +97,8 @@ class Leading(Declaring):
         if rnd.num_members < rnd.request.min_group_size:
             return False
         view = self._leader_view(rnd)
+        if not leads_in_split(view):
+            return False  # it joins the leader the split gives it: no close to read for
         return expected_members(view, time.monotonic(), self._patience()) <= view.members
 
     def _probe_missing_previous(self, rnd: Round, now: float) -> None:
@@ -288,10 +298,11 @@ class Leading(Declaring):
                 closed=rnd.closed,
                 num_members=rnd.num_members,
                 group_size=rnd.request.group_size,
+                shunned=frozenset(rnd.shunned),
             )
             return decide_join(
                 state,
-                (request.declared_start, peer_id),
+                leader_order(request.key, peer_id),
                 can_lead,
                 bytes(request.schema_hash),
                 aggregation,
@@ -323,6 +334,24 @@ class Leading(Declaring):
                     code=code, leader_id=rnd.leader[0], leader_address=rnd.leader[1]
                 )
                 return
+        ranges = frozenset(
+            r
+            for r in (
+                public_range_of_address(member.address),
+                public_range_of_host(grpc_peer_host(context.peer())),
+            )
+            if r is not None
+        )
+        crowded = None
+        if code == averaging_pb2.JOIN_ACCEPTED:
+            crowded = admits(self._member_ranges(rnd), ranges, rnd.request.group_size)
+        if crowded is not None:
+            yield averaging_pb2.JoinResponse(
+                code=averaging_pb2.JOIN_REJECT_FULL,
+                leader_id=self.peer_id,
+                detail=f"this group holds its share of members from address range {crowded}",
+            )
+            return
         if code != averaging_pb2.JOIN_ACCEPTED:
             detail = FINAL_CODES_TEXT.get(code, "")
             if code == averaging_pb2.JOIN_REJECT_SCHEMA_MISMATCH:
@@ -338,7 +367,7 @@ class Leading(Declaring):
             yield averaging_pb2.JoinResponse(code=code, leader_id=self.peer_id, detail=detail)
             return
         follower = Follower(
-            member, asyncio.get_running_loop().create_future(), request.declared_start
+            member, asyncio.get_running_loop().create_future(), request.declared_start, ranges
         )
         rnd.followers[peer_id] = follower
         rnd.last_change = time.monotonic()
@@ -369,6 +398,11 @@ class Leading(Declaring):
                 rnd.last_change = time.monotonic()
                 rnd.changed.set()
                 self._notify(MatchmakingEvent.FOLLOWER_LEFT, request.key, peer_id)
+
+    def _member_ranges(self, rnd: Round) -> list[frozenset[str]]:
+        """The public ranges of the group so far, the leader's own address first."""
+        mine = public_range_of_address(rnd.me.address)
+        return [frozenset({mine} if mine else ()), *(f.ranges for f in rnd.followers.values())]
 
     async def _verify_follower(
         self, rnd: Round, member: Member, declared_start: float

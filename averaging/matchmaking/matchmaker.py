@@ -4,9 +4,10 @@ Protocol (rules in :mod:`swarmavg.averaging.matchmaking.declarations`):
 
 1. A peer declares itself under the round's matchmaking key (dictionary value, one subkey
    per declarer) with an expiration at its give-up time.
-2. It reads the declarations and asks the best candidate leader (earliest declared start,
-   ties by peer id) to take it: ``JoinGroup``. Until it is accepted somewhere it is itself a
-   potential leader and accepts later peers.
+2. It reads the declarations and asks the best candidate leader (first in leader order: a
+   hash of the key and the peer id, see ``declarations.leader_order``) to take it:
+   ``JoinGroup``. Until it is accepted somewhere it is itself a potential leader and
+   accepts the peers that come after it in that order.
 3. A leader answers every request at once from its local state (accept, redirect to its own
    leader, or an explicit reject code), so two peers that ask each other never wait on each
    other. An accepted follower keeps the stream open; the leader streams the outcome on it.
@@ -21,8 +22,11 @@ Protocol (rules in :mod:`swarmavg.averaging.matchmaking.declarations`):
 
 Failures: a follower whose stream breaks is removed from the leader's pending group at once
 (the handler's ``finally``); a follower whose leader dies (stream error) or disbands returns
-to looking, bans that leader for the round, and still meets its own deadline. Nothing waits
-without a deadline: every call has one and the whole search ends at the peer's give-up time.
+to looking, bans that leader for the round, and still meets its own deadline; a follower
+whose leader accepted it and does not close by the round's close deadline plus a grace
+leaves it, shuns it under the key family and regroups with the others in the same call.
+Nothing waits without a deadline: every call has one and the whole search ends at the
+peer's give-up time.
 """
 
 from __future__ import annotations
@@ -162,6 +166,7 @@ class Matchmaker(Following, Leading):
             codec=request.codec,
             data_port=request.data_port if request.mode is not Mode.CLIENT and self.address else 0,
             user_data_digest=user_data_digest(request.user_data),
+            key=request.key,
         )
         rnd = Round(
             request,
@@ -173,6 +178,7 @@ class Matchmaker(Following, Leading):
             previous_addresses=roster_addresses(roster.peers),
             previous_seen=roster.seen,
             proven_roster=roster.proven,
+            shunned=self.shunned_in(family),
         )
         self._rounds[request.key] = rnd
         try:
@@ -268,7 +274,11 @@ class Matchmaker(Following, Leading):
                 return outcome
             if isinstance(outcome, Redirect):
                 redirects += 1
-                if redirects <= self.config.max_redirects and outcome.peer_id != self.peer_id:
+                if (
+                    redirects <= self.config.max_redirects
+                    and outcome.peer_id != self.peer_id
+                    and outcome.peer_id not in rnd.shunned
+                ):
                     redirect = outcome
 
     def _no_group_error(self, rnd: Round) -> Exception:

@@ -42,6 +42,8 @@ class Follower:
     outcome: asyncio.Future[averaging_pb2.JoinResponse]
     declared_start: float
     """The start it signed, which its request repeated (checked before it was accepted)."""
+    ranges: frozenset[str] = frozenset()
+    """The public address ranges it counts against (``group_ranges``)."""
 
 
 @dataclass
@@ -91,6 +93,14 @@ class Round:
     """``time.monotonic()`` when a follower last joined or left."""
     taken: set[bytes] = field(default_factory=set)
     """Peers that closed leaders told us are in their (already formed) group."""
+    shunned: set[bytes] = field(default_factory=set)
+    """Declarers this peer will not follow this round although they rank before it: a
+    leader that accepted it and did not close by the round's close deadline plus the
+    grace (remembered for the family, see ``MatchmakerBase.silent_leaders``), or one that
+    refused it for the round. They are out of the split this peer computes."""
+    regroup_by: float = -math.inf
+    """``time.monotonic()`` until which, after leaving a silent leader, this peer waits for
+    the other declarers to leave it too (see ``Following._regroup``)."""
     not_looking: set[bytes] = field(default_factory=set)
     """Declarers that answered they no longer look under our key (they averaged or gave
     up; their declaration outlives them until it expires)."""
@@ -109,8 +119,9 @@ class Round:
         return frozenset((self.me.peer_id, *self.followers))
 
     def elsewhere(self) -> set[bytes]:
-        """Declarers that will not join us: in a group that closed, or no longer looking."""
-        return self.taken | self.not_looking
+        """Declarers that will not join us: in a group that closed, or no longer looking;
+        and the leaders we shun, which we will not join."""
+        return self.taken | self.not_looking | self.shunned
 
     def away(self) -> frozenset[bytes]:
         """Peers that will not come although alive: they declared under our key with
@@ -191,11 +202,11 @@ class Redirect:
     address: str
 
 
-def decode_declarations(record: Any) -> list[Declaration]:
-    """The well-formed declarations in a DHT read of a key (``None``: none)."""
+def decode_declarations(record: Any, key: str) -> list[Declaration]:
+    """The well-formed declarations in a DHT read of ``key`` (``None``: none)."""
     found = []
     for subkey, value in dictionary_entries(record).items():
-        declaration = decode_declaration(subkey, value)
+        declaration = decode_declaration(subkey, value, key)
         if declaration is not None:
             found.append(declaration)
     return found

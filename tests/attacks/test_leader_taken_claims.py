@@ -1,7 +1,8 @@
 """A leader that claims every honest peer is in a group that closed (leader capture).
 
-A declaration with a start near the far edge of the accepted window is the earliest, so
-every honest peer asks its declarer to lead first. Such a leader answered
+The attacker is the peer that ranks first under the round's key (leadership goes by a
+hash of the key and the peer id; ``test_leader_rank.py``), so every honest peer asks it
+to lead first. Such a leader answered
 ``JOIN_REJECT_FULL`` with a ``taken`` list naming every honest peer; each honest peer
 believed the list, found nobody left to average with and failed at once with
 ``NoGroupError`` (all three in under a second; the control formed one group of 3). Now
@@ -22,7 +23,7 @@ import pytest
 from swarmavg.averaging.matchmaking.keys import matchmaking_key
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.proto import averaging_pb2
-from tests.averaging.averager_swarm import RUN_ID, averager_swarm
+from tests.averaging.averager_swarm import RUN_ID, averager_swarm, ranked
 from tests.averaging.test_bounded_leaders import hostile_declaration, hostile_server, inputs, sign
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,7 +38,7 @@ async def test_a_leaders_taken_list_does_not_end_the_others_rounds(
     attack: bool, itself: bool
 ) -> None:
     async with averager_swarm(4) as swarm:
-        attacker, *honest = swarm.peers
+        attacker, *honest = ranked(swarm.peers, "k")  # every honest peer asks it first
         key = matchmaking_key(RUN_ID, "k", honest[0].averager.group_bits)
         asked: list[bytes] = []
 
@@ -54,7 +55,6 @@ async def test_a_leaders_taken_list_does_not_end_the_others_rounds(
 
         async with hostile_server(join) as address:
             if attack:
-                # The earliest start the window accepts: every honest peer asks it first.
                 declaration = hostile_declaration(attacker, address, time.time() - 590)
                 await sign(attacker, key, declaration)
             else:

@@ -16,6 +16,7 @@ import grpc
 
 from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.averager import Averager, AveragerConfig
+from swarmavg.averaging.matchmaking.keys import matchmaking_key
 from swarmavg.averaging.matchmaking.matchmaker import MatchmakerConfig, MatchmakingEvent
 from swarmavg.dht import ChannelPool, DHTConfig, DHTNode
 
@@ -132,3 +133,36 @@ async def averager_swarm(
         yield swarm
     finally:
         await swarm.close()
+
+
+def ranked(peers: list[Peer], name: str) -> list[Peer]:
+    """``peers`` in leader order under round ``name`` (the first leads them all).
+
+    Leadership goes by a hash of the round key and the peer id (matchmaking/declarations.py,
+    ``leader_order``), so a test that needs "the leader" and "a follower" picks its roles
+    by rank, not by who calls first.
+    """
+    # Imported here: benchmarks load these helpers against older checkouts too.
+    from swarmavg.averaging.matchmaking.declarations import leader_order
+
+    def order(peer: Peer) -> tuple[bytes, bytes]:
+        key = matchmaking_key(RUN_ID, name, peer.averager.group_bits)
+        return leader_order(key, peer.peer_id)
+
+    return sorted(peers, key=order)
+
+
+def name_where_first(
+    first: bytes, others: list[bytes], group_bits: str = "", prefix: str = "k"
+) -> str:
+    """A round name (``prefix`` and a number: one key family) under which peer ``first``
+    ranks before every one of ``others``: it is the leader everyone asks first."""
+    from swarmavg.averaging.matchmaking.declarations import leader_order
+
+    for i in range(100_000):
+        name = f"{prefix}{i}"
+        key = matchmaking_key(RUN_ID, name, group_bits)
+        mine = leader_order(key, first)
+        if all(mine < leader_order(key, other) for other in others):
+            return name
+    raise AssertionError("no such name in 100,000 tries")

@@ -40,7 +40,7 @@ from swarmavg.averaging.result import AveragingResult
 from swarmavg.averaging.stubs import JOIN_GROUP, join_group_method
 from swarmavg.dht import Identity, RequestSigner
 from swarmavg.proto import averaging_pb2
-from tests.averaging.averager_swarm import RUN_ID, Peer, averager_swarm, fast_config
+from tests.averaging.averager_swarm import RUN_ID, Peer, averager_swarm, fast_config, ranked
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -135,17 +135,8 @@ def hostile_join(attacker: Peer, address: str, forgery: Forgery, calls: list[byt
         yield averaging_pb2.JoinResponse(
             code=averaging_pb2.JOIN_ACCEPTED, leader_id=attacker.peer_id
         )
-        follower = averaging_pb2.GroupMember(
-            peer_id=request.header.peer_id,
-            address=request.header.address,
-            mode=request.mode,
-            bandwidth=request.bandwidth,
-            user_data=request.user_data,
-            data_port=request.data_port,
-        )
-        me = averaging_pb2.GroupMember(
-            peer_id=attacker.peer_id, address=address, mode=int(Mode.NODE), bandwidth=1.0
-        )
+        follower = follower_entry(request)
+        me = node_entry(attacker.peer_id, address)
         members = [me, follower]
         codec = "none"
         if forgery is Forgery.CODEC:
@@ -163,18 +154,44 @@ def hostile_join(attacker: Peer, address: str, forgery: Forgery, calls: list[byt
             follower.bandwidth = 0.0  # the follower would reduce nothing: the leader's choice
         else:
             me.bandwidth = 1e9  # more than it signed: it would reduce everything
-        yield averaging_pb2.JoinResponse(
-            code=averaging_pb2.JOIN_GROUP_FORMED,
-            leader_id=attacker.peer_id,
-            group=averaging_pb2.GroupDescription(
-                group_id=os.urandom(16),
-                members=members,
-                schema_hash=schema_hash(inputs()),
-                codec=codec,
-            ),
-        )
+        yield formed(attacker.peer_id, members, codec)
 
     return join
+
+
+def follower_entry(request: averaging_pb2.JoinRequest) -> averaging_pb2.GroupMember:
+    """The asking follower's member entry, exactly as it asked (and signed)."""
+    return averaging_pb2.GroupMember(
+        peer_id=request.header.peer_id,
+        address=request.header.address,
+        mode=request.mode,
+        bandwidth=request.bandwidth,
+        user_data=request.user_data,
+        data_port=request.data_port,
+    )
+
+
+def node_entry(peer_id: bytes, address: str) -> averaging_pb2.GroupMember:
+    """A member entry as ``hostile_declaration`` signs it (node mode, bandwidth 1)."""
+    return averaging_pb2.GroupMember(
+        peer_id=peer_id, address=address, mode=int(Mode.NODE), bandwidth=1.0
+    )
+
+
+def formed(
+    leader_id: bytes, members: list[averaging_pb2.GroupMember], codec: str = "none"
+) -> averaging_pb2.JoinResponse:
+    """A leader's ``JOIN_GROUP_FORMED`` answer with a fresh group id over ``inputs()``."""
+    return averaging_pb2.JoinResponse(
+        code=averaging_pb2.JOIN_GROUP_FORMED,
+        leader_id=leader_id,
+        group=averaging_pb2.GroupDescription(
+            group_id=os.urandom(16),
+            members=members,
+            schema_hash=schema_hash(inputs()),
+            codec=codec,
+        ),
+    )
 
 
 @contextlib.asynccontextmanager
@@ -210,7 +227,7 @@ def assert_honest_group(results: list[Any], honest: list[Peer]) -> None:
 @pytest.mark.parametrize("forgery", list(Forgery))
 async def test_followers_refuse_a_group_the_leader_forged(forgery: Forgery) -> None:
     async with averager_swarm(4) as swarm:
-        attacker, *honest = swarm.peers
+        attacker, *honest = ranked(swarm.peers, "k")  # the leader every honest peer asks
         key = matchmaking_key(RUN_ID, "k", honest[0].averager.group_bits)
         calls: list[bytes] = []
         address_box: list[str] = []
@@ -223,7 +240,6 @@ async def test_followers_refuse_a_group_the_leader_forged(forgery: Forgery) -> N
 
         async with hostile_server(join) as address:
             address_box.append(address)
-            # The earliest start in the window: every honest peer asks it to lead first.
             await sign(attacker, key, hostile_declaration(attacker, address, time.time() - 5))
             results = await asyncio.gather(
                 *(p.averager.average(inputs(), "k", group_size=3, timeout=15) for p in honest),
@@ -235,7 +251,7 @@ async def test_followers_refuse_a_group_the_leader_forged(forgery: Forgery) -> N
 
 async def test_a_refused_leader_is_named_when_no_group_forms() -> None:
     async with averager_swarm(2) as swarm:
-        attacker, honest = swarm.peers
+        attacker, honest = ranked(swarm.peers, "k")
         key = matchmaking_key(RUN_ID, "k", honest.averager.group_bits)
         calls: list[bytes] = []
         address_box: list[str] = []
@@ -256,7 +272,8 @@ async def test_a_refused_leader_is_named_when_no_group_forms() -> None:
 
 async def test_a_start_far_in_the_past_does_not_lead() -> None:
     async with averager_swarm(4) as swarm:
-        attacker, *honest = swarm.peers
+        # It ranks first: only its start, outside the window, keeps it from leading.
+        attacker, *honest = ranked(swarm.peers, "k")
         key = matchmaking_key(RUN_ID, "k", honest[0].averager.group_bits)
         calls: list[bytes] = []
 
@@ -290,7 +307,7 @@ async def test_no_part_is_streamed_at_an_unrelated_port(how: Reflection) -> None
     config = fast_config(allreduce=AllReduceConfig(min_stall=1.0))
     try:
         async with averager_swarm(3, config) as swarm:
-            stranger, leader, other = swarm.peers
+            leader, stranger, other = ranked(swarm.peers, "k")
             key = matchmaking_key(RUN_ID, "k", leader.averager.group_bits)
             target = f"127.0.0.1:{listener.port}"
             first = asyncio.ensure_future(

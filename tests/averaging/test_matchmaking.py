@@ -22,7 +22,7 @@ from swarmavg.averaging.matchmaking.matchmaker import MatchmakingEvent, dictiona
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.averaging.stubs import JOIN_GROUP, join_group_method
 from swarmavg.proto import averaging_pb2
-from tests.averaging.averager_swarm import RUN_ID, AveragerSwarm, Peer, averager_swarm
+from tests.averaging.averager_swarm import RUN_ID, AveragerSwarm, Peer, averager_swarm, ranked
 
 
 def inputs(i: int) -> list[np.ndarray]:
@@ -149,7 +149,7 @@ async def declare(peer: Peer, key: str, schema: bytes, start: float) -> None:
 async def test_simultaneous_mutual_join_does_not_deadlock() -> None:
     """Two leaders asking each other at once both get an answer at once.
 
-    In the protocol a peer only asks peers that declared before it, so this cannot happen
+    In the protocol a peer only asks peers that rank before it, so this cannot happen
     between honest peers with one view of the DHT; the leader-side rule must still make it
     harmless. Different schemas keep both peers looking (neither asks the other), then each
     is asked by the other at the same moment.
@@ -203,7 +203,8 @@ async def test_simultaneous_mutual_join_does_not_deadlock() -> None:
 @pytest.mark.timeout(60)
 async def test_bad_join_requests_get_explicit_codes_and_change_nothing() -> None:
     async with averager_swarm(3) as swarm:
-        leader, stranger, late = swarm.peers
+        # The stranger ranks before the leader: whatever start it declares, it would lead.
+        stranger, leader, late = ranked(swarm.peers, "k")
         key = matchmaking_key(RUN_ID, "k", leader.averager.group_bits)
         round_ = asyncio.ensure_future(
             leader.averager.average(inputs(0), "k", group_size=2, timeout=12.0)
@@ -239,7 +240,7 @@ async def test_bad_join_requests_get_explicit_codes_and_change_nothing() -> None
             ({"schema_hash": b"y" * 32}, averaging_pb2.JOIN_REJECT_SCHEMA_MISMATCH),
             ({"mode": 42}, averaging_pb2.JOIN_REJECT_BAD_REQUEST),
             ({"bandwidth": float("nan")}, averaging_pb2.JOIN_REJECT_BAD_REQUEST),
-            ({"declared_start": 0.0}, averaging_pb2.JOIN_REJECT_NOT_LEADER),
+            ({"declared_start": time.time() + 20}, averaging_pb2.JOIN_REJECT_NOT_LEADER),
         ]
         for fields, code in cases:
             answer = await ask(**fields)
@@ -254,7 +255,7 @@ async def test_bad_join_requests_get_explicit_codes_and_change_nothing() -> None
 @pytest.mark.timeout(60)
 async def test_repeated_join_supersedes_the_stale_stream() -> None:
     async with averager_swarm(3) as swarm:
-        leader, stranger, late = swarm.peers
+        leader, stranger, late = ranked(swarm.peers, "k")
         key = matchmaking_key(RUN_ID, "k", leader.averager.group_bits)
         round_ = asyncio.ensure_future(
             leader.averager.average(inputs(0), "k", group_size=3, timeout=12.0)
@@ -324,7 +325,7 @@ async def test_a_member_that_left_its_stream_is_told_the_group_when_it_asks_agai
     now: asking again, it gets that group, not a refusal (at 256 peers such a
     member failed its round and left every member of its group with partial results)."""
     async with averager_swarm(2) as swarm:
-        leader, follower = swarm.peers
+        leader, follower = ranked(swarm.peers, "k")
         key = matchmaking_key(RUN_ID, "k", leader.averager.group_bits)
         round_ = asyncio.ensure_future(
             leader.averager.average(inputs(0), "k", group_size=2, timeout=12.0)

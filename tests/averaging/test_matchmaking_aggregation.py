@@ -69,7 +69,7 @@ def test_candidates_and_joins_need_the_same_rule() -> None:
     state = JoinState(
         me=decl(0.0, 1, CLIP), following=False, closed=False, num_members=1, group_size=4
     )
-    follower = (1.0, bytes([2]) * 20)
+    follower = (b"\xff" * 32, bytes([2]) * 20)  # ranks after any leader
     assert decide_join(state, follower, True, SCHEMA, CLIP) == averaging_pb2.JOIN_ACCEPTED
     assert (
         decide_join(state, follower, True, SCHEMA, "mean")

@@ -19,13 +19,18 @@ from swarmavg.averaging.matchmaking.closing import (
     read_back_suffices,
     settle_time,
 )
-from swarmavg.averaging.matchmaking.declarations import Declaration
+from swarmavg.averaging.matchmaking.declarations import Declaration, leader_order
 
 SCHEMA = b"s" * 32
 
 
+# Peer ids in leader order under the key the declarations below carry (""): pid(0) ranks
+# first, so "peer i" ranks i-th, as the tests' reasoning assumes.
+RANKED = sorted((bytes([j]) * 20 for j in range(256)), key=lambda p: leader_order("", p))
+
+
 def pid(i: int) -> bytes:
-    return bytes([i]) * 20
+    return RANKED[i]
 
 
 def decl(i: int, start: float | None = None, mode: Mode = Mode.NODE) -> Declaration:

@@ -19,12 +19,19 @@ from swarmavg.averaging.matchmaking.declarations import (
     group_from_proto,
     group_to_proto,
     leader_candidates,
+    leader_order,
     mismatched_schemas,
     user_data_digest,
 )
 from swarmavg.proto import averaging_pb2
 
 SCHEMA = b"s" * 32
+# Peer ids in leader order under the declarations' key (""): "peer i" ranks i-th.
+RANKED = sorted((bytes([j]) * 20 for j in range(256)), key=lambda p: leader_order("", p))
+
+
+def idx(d: Declaration) -> int:
+    return RANKED.index(d.peer_id)
 
 
 def decl(
@@ -37,7 +44,7 @@ def decl(
     give_up: float = 100.0,
 ) -> Declaration:
     return Declaration(
-        peer_id=bytes([pid]) * 20,
+        peer_id=RANKED[pid],
         address=address,
         start=start,
         deadline=start + 1,
@@ -72,11 +79,18 @@ def test_declaration_round_trip_and_rejects_garbage() -> None:
     assert decode_declaration(sub[:-2] + "]", good) is None
 
 
-def test_earliest_start_leads_ties_by_peer_id() -> None:
+def test_the_hash_rank_leads_not_the_declared_start() -> None:
     me = decl(5.0, 9)
     others = [decl(3.0, 4), decl(1.0, 8), decl(1.0, 2), decl(6.0, 1), me]
-    order = [d.peer_id[0] for d in leader_candidates(others, me, now=0.0)]
-    assert order == [2, 8, 4]  # later peers (start 6) never lead us
+    early = decl(-1e9, 12)  # the earliest start of all, but it ranks after us
+    order = [idx(d) for d in leader_candidates([*others, early], me, now=0.0)]
+    assert order == [1, 2, 4, 8]
+
+
+def test_each_key_deals_a_fresh_order() -> None:
+    ids = [bytes([j]) * 20 for j in range(8)]
+    firsts = {min(ids, key=lambda p: leader_order(f"run.step-{k}.0b", p)) for k in range(64)}
+    assert len(firsts) == len(ids)  # over 64 keys every one of 8 peers ranked first
 
 
 def test_candidates_skip_clients_expired_mismatched_and_excluded() -> None:
@@ -89,15 +103,15 @@ def test_candidates_skip_clients_expired_mismatched_and_excluded() -> None:
         decl(1.0, 5),
         decl(1.0, 6),
     ]
-    got = leader_candidates(others, me, now=10.0 - 5.5, excluded={bytes([6]) * 20})
-    assert [d.peer_id[0] for d in got] == [5]
-    assert [d.peer_id[0] for d in mismatched_schemas(others, me)] == [4]
+    got = leader_candidates(others, me, now=10.0 - 5.5, excluded={RANKED[6]})
+    assert [idx(d) for d in got] == [5]
+    assert [idx(d) for d in mismatched_schemas(others, me)] == [4]
 
 
 def test_client_asks_even_later_peers() -> None:
     me = decl(0.0, 9, mode=Mode.CLIENT, address="")
     got = leader_candidates([decl(3.0, 1), decl(2.0, 2)], me, now=0.0)
-    assert [d.peer_id[0] for d in got] == [2, 1]
+    assert [idx(d) for d in got] == [1, 2]
 
 
 def state(**kw: object) -> JoinState:
@@ -108,24 +122,25 @@ def state(**kw: object) -> JoinState:
     return JoinState(**base)  # type: ignore[arg-type]
 
 
+def rank(i: int) -> tuple[bytes, bytes]:
+    return leader_order("", RANKED[i])
+
+
 @pytest.mark.parametrize(
     ("kw", "follower", "expected"),
     [
-        ({}, (2.0, bytes([1]) * 20), averaging_pb2.JOIN_ACCEPTED),
-        ({"closed": True}, (2.0, bytes([1]) * 20), averaging_pb2.JOIN_REJECT_FULL),
-        ({"following": True}, (2.0, bytes([1]) * 20), averaging_pb2.JOIN_REDIRECT),
-        ({"num_members": 4}, (2.0, bytes([1]) * 20), averaging_pb2.JOIN_REJECT_FULL),
-        # An earlier peer asking us: it leads, we do not (this breaks mutual waits).
-        ({}, (0.5, bytes([1]) * 20), averaging_pb2.JOIN_REJECT_NOT_LEADER),
-        # Same start: the smaller peer id leads.
-        ({}, (1.0, bytes([1]) * 20), averaging_pb2.JOIN_REJECT_NOT_LEADER),
-        ({}, (1.0, bytes([7]) * 20), averaging_pb2.JOIN_ACCEPTED),
+        ({}, 7, averaging_pb2.JOIN_ACCEPTED),
+        ({"closed": True}, 7, averaging_pb2.JOIN_REJECT_FULL),
+        ({"following": True}, 7, averaging_pb2.JOIN_REDIRECT),
+        ({"num_members": 4}, 7, averaging_pb2.JOIN_REJECT_FULL),
+        # A peer that ranks before us asking us: it leads, we do not (no mutual waits).
+        ({}, 1, averaging_pb2.JOIN_REJECT_NOT_LEADER),
+        # Unless we shun it (it stalled or refused us): we never ask it, we lead it.
+        ({"shunned": frozenset({RANKED[1]})}, 1, averaging_pb2.JOIN_ACCEPTED),
     ],
 )
-def test_join_decisions(
-    kw: dict[str, object], follower: tuple[float, bytes], expected: int
-) -> None:
-    assert decide_join(state(**kw), follower, True, SCHEMA) == expected
+def test_join_decisions(kw: dict[str, object], follower: int, expected: int) -> None:
+    assert decide_join(state(**kw), rank(follower), True, SCHEMA) == expected
 
 
 def test_mutual_requests_never_both_accepted() -> None:
@@ -139,13 +154,10 @@ def test_mutual_requests_never_both_accepted() -> None:
 
 def test_schema_mismatch_and_client_follower() -> None:
     assert (
-        decide_join(state(), (2.0, bytes([1]) * 20), True, b"x" * 32)
-        == averaging_pb2.JOIN_REJECT_SCHEMA_MISMATCH
+        decide_join(state(), rank(7), True, b"x" * 32) == averaging_pb2.JOIN_REJECT_SCHEMA_MISMATCH
     )
-    # A client cannot lead, so it is accepted even if it started earlier.
-    assert (
-        decide_join(state(), (0.0, bytes([1]) * 20), False, SCHEMA) == averaging_pb2.JOIN_ACCEPTED
-    )
+    # A client cannot lead, so it is accepted even if it ranks before us.
+    assert decide_join(state(), rank(1), False, SCHEMA) == averaging_pb2.JOIN_ACCEPTED
 
 
 def test_group_wire_round_trip_and_validation() -> None:

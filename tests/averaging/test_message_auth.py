@@ -30,7 +30,14 @@ from swarmavg.dht import ChannelPool, Identity
 from swarmavg.proto import averaging_pb2, common_pb2
 from tests.averaging import allreduce_peers
 from tests.averaging.allreduce_peers import close_peers, make_group, run_group, start_peers
-from tests.averaging.averager_swarm import RUN_ID, AveragerSwarm, Peer, averager_swarm, fast_config
+from tests.averaging.averager_swarm import (
+    RUN_ID,
+    AveragerSwarm,
+    Peer,
+    averager_swarm,
+    fast_config,
+    ranked,
+)
 from tests.averaging.test_matchmaking import declarations
 from tests.harness import GrpcServerPool
 
@@ -74,7 +81,7 @@ async def test_a_displaced_join_is_refused_and_the_real_member_stays(signature: 
     (a newer request would supersede its stream and push it out of the group)."""
     config = fast_config(matchmaking_time=8.0)
     async with averager_swarm(4, config) as swarm:
-        leader, follower, late, outsider = swarm.peers
+        leader, follower, late, outsider = ranked(swarm.peers, "k")
         key = matchmaking_key(RUN_ID, "k", leader.averager.group_bits)
         values = [np.full(3, float(i), np.float32) for i in range(3)]
 

@@ -25,7 +25,7 @@ from swarmavg.averaging.stubs import JOIN_GROUP, REDUCE, join_group_method
 from swarmavg.dht import ChannelPool
 from swarmavg.proto import averaging_pb2
 from tests.averaging.allreduce_peers import FAST, LocalPeer, close_peers, make_group, start_peers
-from tests.averaging.averager_swarm import RUN_ID, averager_swarm, fast_config
+from tests.averaging.averager_swarm import RUN_ID, averager_swarm, fast_config, ranked
 from tests.averaging.test_matchmaking import declarations, declare
 from tests.averaging.test_message_auth import Outsider
 from tests.harness import GrpcServerPool
@@ -94,7 +94,7 @@ async def test_a_captured_join_request_cannot_be_replayed() -> None:
     """A follower's signed JoinRequest, replayed by an outsider while the follower waits
     (it would supersede the follower's stream): refused, and the follower stays in."""
     async with averager_swarm(3, fast_config(matchmaking_time=8.0)) as swarm:
-        leader, follower, outsider = swarm.peers
+        leader, follower, outsider = ranked(swarm.peers, "k")
         key = matchmaking_key(RUN_ID, "k", leader.averager.group_bits)
         round_ = asyncio.ensure_future(
             leader.averager.average([np.zeros(3, np.float32)], "k", group_size=3, timeout=20)
