@@ -11,6 +11,8 @@ progress goes to stderr.
 
     sudo .venv/bin/python benchmarks/bandwidth.py                       # the docs' figures
     sudo .venv/bin/python benchmarks/bandwidth.py --mb 8 --rounds 1     # a quick look
+    sudo .venv/bin/python benchmarks/bandwidth.py --rtt-ms 100 --jitter-ms 5 --loss 0.001
+        # long links: every host's link delays a quarter of the RTT each way (deploy/testbed/wan.py)
     sudo .venv/bin/python benchmarks/bandwidth.py --congestion-control default,cubic
         # A/B in one run: one swarm of daemons per variant, rounds interleaved
 
@@ -68,8 +70,9 @@ if str(REPO) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from deploy.testbed import Host, HostSpec, TestBed, missing_requirements  # noqa: E402
+from deploy.testbed import Host, TestBed, missing_requirements  # noqa: E402
 from deploy.testbed.goodput import all_to_all  # noqa: E402
+from deploy.testbed.wan import add_link_arguments, link_figures, uniform_hosts  # noqa: E402
 from swarmavg.peer import connect_async  # noqa: E402
 from tests.harness import ProcessPool, SwarmavgProcess  # noqa: E402
 
@@ -460,6 +463,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "hosts": n,
         "rate_mbit": rate,
         "mtu": args.mtu or 1500,
+        **link_figures(args),
         "tensor_mb": args.mb,
         "rounds": args.rounds,
         "group_size": args.group_size,
@@ -469,7 +473,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     with (
         tempfile.TemporaryDirectory(prefix="swarmavg-bw-") as tmp,
-        TestBed([HostSpec(f"h{i}", rate_mbit=rate, mtu=args.mtu) for i in range(n)]) as bed,
+        TestBed(uniform_hosts(n, args, rate_mbit=rate, mtu=args.mtu)) as bed,
     ):
         workdir = Path(tmp)
         log(f"test bed {bed.prefix}: {n} hosts at {rate} Mbit/s")
@@ -741,6 +745,7 @@ def run_unsync(args: argparse.Namespace) -> dict[str, Any]:
         "hosts": n,
         "rate_mbit": rate,
         "mtu": args.mtu or 1500,
+        **link_figures(args),
         "tensor_mb": args.mb,
         "rounds": args.rounds,
         "group_size": "default",
@@ -761,7 +766,7 @@ def run_unsync(args: argparse.Namespace) -> dict[str, Any]:
     # Unix socket paths are capped at 107 bytes: keep the folder short.
     tmp = tempfile.mkdtemp(prefix="bw-unsync-", dir="/tmp")
     try:
-        with TestBed([HostSpec(f"h{i}", rate_mbit=rate, mtu=args.mtu) for i in range(n)]) as bed:
+        with TestBed(uniform_hosts(n, args, rate_mbit=rate, mtu=args.mtu)) as bed:
             workdir = Path(tmp)
             log(f"test bed {bed.prefix}: {n} hosts at {rate} Mbit/s, offsets {offsets} s")
             first = next(iter(bed.hosts.values()))
@@ -849,6 +854,7 @@ def main() -> int:
         help="every link's MTU (default: the kernel's 1500, as on the internet; 9000 shows "
         "what jumbo frames would carry, docs/benchmarks-bandwidth.md)",
     )
+    add_link_arguments(parser)
     parser.add_argument("--mb", type=float, default=64.0, help="tensor size per host, MB")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--codecs", default=DEFAULT_CODECS)
