@@ -50,6 +50,7 @@ MIN_MTU = 576
 """The smallest MTU a host may ask for: every IPv4 host must accept datagrams this large."""
 MAX_MTU = 9000
 """The largest: the common jumbo frame (a veth takes more, real switches seldom do)."""
+TAP_QUEUE_FRAMES = 10_000
 _live_beds: set[TestBed] = set()
 
 
@@ -368,9 +369,15 @@ class TestBed:
             seed=len(self.wires) + 1,
         )
         self.wires[spec.name] = Wire(command)
-        if spec.mtu is not None:
-            for namespace, device in (host_end, far_end):
-                _system.run(["ip", "-n", namespace, "link", "set", device, "mtu", str(spec.mtu)])
+        for namespace, device in (host_end, far_end):
+            # A TAP holds TAP_QUEUE_FRAMES frames the wire has not read yet (500 by default)
+            # and drops the next: room for the wire to wait for a CPU on a busy machine
+            # without losses the link was not asked for. The tbf ahead of it still bounds
+            # the queue of a rate-limited link.
+            settings = ["txqueuelen", str(TAP_QUEUE_FRAMES)]
+            if spec.mtu is not None:
+                settings += ["mtu", str(spec.mtu)]
+            _system.run(["ip", "-n", namespace, "link", "set", device, *settings])
 
     def _add_veth(self, a: tuple[str, str], b: tuple[str, str], mtu: int | None = None) -> None:
         # Both ends are created directly inside their namespaces: no name ever appears in the

@@ -163,6 +163,9 @@ def wire_command(
         str(seed),
         "--queue-bytes",
         str(queue_bytes(rate_mbit, impairment)),
+        # Super-frames only where nothing is dropped: a loss would take several segments.
+        "--offload",
+        "0" if impairment.loss > 0 else "1",
     ]
 
 
