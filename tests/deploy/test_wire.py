@@ -61,6 +61,11 @@ def test_wire_command_names_both_ends_and_the_impairment() -> None:
     assert options["--jitter-us"] == "2000"
     assert float(options["--loss"]) == 0.01
     assert options["--seed"] == "7"
+    assert options["--offload"] == "0"  # a lossy link carries single packets
+    lossless = wire_command(
+        Path("/w"), ("h", "eth0"), ("s", "p-a"), LinkImpairment(delay_ms=5), rate_mbit=None
+    )
+    assert lossless[lossless.index("--offload") + 1] == "1"  # TCP super-frames
 
 
 def test_without_a_compiler_the_error_says_what_to_install(
