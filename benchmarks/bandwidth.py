@@ -11,6 +11,8 @@ progress goes to stderr.
 
     sudo .venv/bin/python -m benchmarks.bandwidth                       # the docs' figures
     sudo .venv/bin/python -m benchmarks.bandwidth --mb 8 --rounds 1     # a quick look
+    sudo .venv/bin/python -m benchmarks.bandwidth --rtt-ms 100 --jitter-ms 5 --loss 0.001
+        # long links: every host's link delays a quarter of the RTT each way (deploy/testbed/wan.py)
     sudo .venv/bin/python -m benchmarks.bandwidth --congestion-control default,cubic
         # A/B in one run: one swarm of daemons per variant, rounds interleaved
 
@@ -64,8 +66,9 @@ from typing import Any
 
 import numpy as np
 
-from deploy.testbed import Host, HostSpec, TestBed, missing_requirements
+from deploy.testbed import Host, TestBed, missing_requirements
 from deploy.testbed.goodput import all_to_all
+from deploy.testbed.wan import add_link_arguments, link_figures, uniform_hosts
 from swarmavg.peer import connect_async
 
 from . import unsync_rounds
@@ -458,6 +461,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "hosts": n,
         "rate_mbit": rate,
         "mtu": args.mtu or 1500,
+        **link_figures(args),
         "tensor_mb": args.mb,
         "rounds": args.rounds,
         "group_size": args.group_size,
@@ -467,7 +471,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     with (
         tempfile.TemporaryDirectory(prefix="swarmavg-bw-") as tmp,
-        TestBed([HostSpec(f"h{i}", rate_mbit=rate, mtu=args.mtu) for i in range(n)]) as bed,
+        TestBed(uniform_hosts(n, args, rate_mbit=rate, mtu=args.mtu)) as bed,
     ):
         workdir = Path(tmp)
         log(f"test bed {bed.prefix}: {n} hosts at {rate} Mbit/s")
@@ -722,6 +726,7 @@ def run_unsync(args: argparse.Namespace) -> dict[str, Any]:
         "hosts": n,
         "rate_mbit": rate,
         "mtu": args.mtu or 1500,
+        **link_figures(args),
         "tensor_mb": args.mb,
         "rounds": args.rounds,
         "group_size": "default",
@@ -742,7 +747,7 @@ def run_unsync(args: argparse.Namespace) -> dict[str, Any]:
     # Unix socket paths are capped at 107 bytes: keep the folder short.
     tmp = tempfile.mkdtemp(prefix="bw-unsync-", dir="/tmp")
     try:
-        with TestBed([HostSpec(f"h{i}", rate_mbit=rate, mtu=args.mtu) for i in range(n)]) as bed:
+        with TestBed(uniform_hosts(n, args, rate_mbit=rate, mtu=args.mtu)) as bed:
             workdir = Path(tmp)
             log(f"test bed {bed.prefix}: {n} hosts at {rate} Mbit/s, offsets {offsets} s")
             first = next(iter(bed.hosts.values()))
@@ -827,6 +832,7 @@ def main() -> int:
         help="every link's MTU (default: the kernel's 1500, as on the internet; 9000 shows "
         "what jumbo frames would carry, docs/benchmarks-testbed.md)",
     )
+    add_link_arguments(parser)
     parser.add_argument("--mb", type=float, default=64.0, help="tensor size per host, MB")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--codecs", default=DEFAULT_CODECS)

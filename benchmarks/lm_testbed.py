@@ -46,7 +46,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from deploy.testbed import Host, HostSpec, TestBed, missing_requirements
+from deploy.testbed import Host, TestBed, missing_requirements
+from deploy.testbed.wan import add_link_arguments, link_figures, uniform_hosts
 
 from .common import Proc, module_command
 from .lm import Config, run_jobs
@@ -86,6 +87,7 @@ def main() -> int:
     defaults = Config()
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--rate", type=float, default=100.0, help="Mbit/s of every host's link")
+    add_link_arguments(parser)
     parser.add_argument("--steps", type=int, default=100, help="inner steps per mode and repeat")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated lm.py methods")
@@ -130,6 +132,7 @@ def main() -> int:
         "benchmark": "lm_testbed",
         "hosts": args.hosts,
         "rate_mbit": args.rate,
+        **link_figures(args),
         "config": asdict(cfg),
         "repeats": args.repeats,
         "load_average_at_start": round(os.getloadavg()[0], 2),
@@ -140,7 +143,7 @@ def main() -> int:
     with open(workdir / "log.txt", "wb") as log_file:
         workers: list[Proc] = []
         daemons: list[tuple[Proc, str]] = []
-        with TestBed([HostSpec(f"h{i}", rate_mbit=args.rate) for i in range(args.hosts)]) as bed:
+        with TestBed(uniform_hosts(args.hosts, args, rate_mbit=args.rate)) as bed:
             try:
                 hosts = list(bed.hosts.values())
                 workers = [

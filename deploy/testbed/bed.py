@@ -14,11 +14,16 @@ the root namespace, so the host machine's own network is never touched)::
 A host's *link* is the veth pair from its eth0 to the switch (or to its router). A rate limit
 shapes both ends of that pair, so the host is limited in both directions; cutting the link
 takes the far end down, so the host and everyone talking to it see silence, not resets.
+A link with propagation delay, jitter or loss is two TAP devices instead, of the same names,
+joined by a compiled userspace wire process (``deploy.testbed.wire``); rate limits and cuts
+work on it the same way.
 
 Cleanup: :meth:`TestBed.close` (also run by ``with``, on exceptions and KeyboardInterrupt, and
-from ``atexit``) stops every process inside the namespaces and deletes them; interfaces and
-iptables rules live inside the namespaces and disappear with them. Leftovers of a process that
-was SIGKILLed are removed by the next test bed (:func:`deploy.testbed._system.sweep_stale`).
+from ``atexit``) stops the wires and every process inside the namespaces and deletes them;
+interfaces and iptables rules live inside the namespaces and disappear with them (a wire lives
+in its host's namespace, so it goes with it even when its owner was killed). Leftovers of a
+process that was SIGKILLed are removed by the next test bed
+(:func:`deploy.testbed._system.sweep_stale`).
 """
 
 from __future__ import annotations
@@ -30,13 +35,14 @@ import secrets
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from deploy.testbed import _system, shaping
+from deploy.testbed import _system, shaping, wire
 from deploy.testbed._system import TestBedError
+from deploy.testbed.wire import LinkImpairment, Wire
 
 _HOST_NAME = re.compile(r"^[a-z][a-z0-9]{0,11}$")
 _MAX_HOSTS = 80
@@ -44,6 +50,7 @@ MIN_MTU = 576
 """The smallest MTU a host may ask for: every IPv4 host must accept datagrams this large."""
 MAX_MTU = 9000
 """The largest: the common jumbo frame (a veth takes more, real switches seldom do)."""
+TAP_QUEUE_FRAMES = 10_000
 _live_beds: set[TestBed] = set()
 
 
@@ -64,6 +71,12 @@ class HostSpec:
             LAN), both ends; None keeps the kernel's 1500. Hosts that exchange traffic
             should share one: the switch forwards no frame larger than the port it leaves
             by, and sends no ICMP about it, as a real switch does not.
+        delay_ms: one-way propagation delay of the host's link, each direction: the
+            round-trip time between hosts a and b is ``2 * (a.delay_ms + b.delay_ms)``.
+        jitter_ms: the link's delay varies within ``delay_ms +- jitter_ms`` (at most
+            ``delay_ms``); frames keep their order (``deploy.testbed.wire``).
+        loss: probability that the link drops a frame, each frame and direction: a packet
+            from a to b is lost with ``1 - (1 - a.loss) * (1 - b.loss)``.
     """
 
     name: str
@@ -71,6 +84,14 @@ class HostSpec:
     nat: bool = False
     nat_random_ports: bool = False
     mtu: int | None = None
+    delay_ms: float = 0.0
+    jitter_ms: float = 0.0
+    loss: float = 0.0
+
+    @property
+    def impairment(self) -> LinkImpairment:
+        """The link's delay, jitter and loss (raises ValueError when out of range)."""
+        return LinkImpairment(self.delay_ms, self.jitter_ms, self.loss)
 
 
 @dataclass(frozen=True)
@@ -95,6 +116,8 @@ class Host:
     rate_mbit: float | None
     link_ends: tuple[tuple[str, str], tuple[str, str]]
     """``(namespace, device)`` of the host's end and of the far end of its link."""
+    impairment: LinkImpairment = field(default_factory=LinkImpairment)
+    """The link's delay, jitter and loss (a userspace wire when any is set)."""
 
     @property
     def exec_prefix(self) -> list[str]:
@@ -189,11 +212,17 @@ class TestBed:
                 raise ValueError(f"host {spec.name}: rate_mbit must be positive")
             if spec.mtu is not None and not MIN_MTU <= spec.mtu <= MAX_MTU:
                 raise ValueError(f"host {spec.name}: mtu must be in [{MIN_MTU}, {MAX_MTU}]")
+            try:
+                spec.impairment  # noqa: B018 (validates the delay, jitter and loss)
+            except ValueError as exc:
+                raise ValueError(f"host {spec.name}: {exc}") from exc
         self.specs = tuple(hosts)
         self.prefix = _system.new_prefix()
         self.subnet = f"10.77.{secrets.randbelow(256)}"
         self.hosts: dict[str, Host] = {}
         self.namespaces: list[str] = []
+        self.wires: dict[str, Wire] = {}
+        """Host name -> the wire of its link, for hosts with delay, jitter or loss."""
         self._closed = False
         self._started = False
 
@@ -211,6 +240,8 @@ class TestBed:
         if self._started:
             return self
         reason = _system.missing_requirements()
+        if reason is None and any(spec.impairment.active for spec in self.specs):
+            reason = wire.missing_requirements()
         if reason is not None:
             raise TestBedError(reason)
         _system.sweep_stale()
@@ -234,6 +265,8 @@ class TestBed:
             return
         self._closed = True
         _live_beds.discard(self)
+        for link in self.wires.values():  # stopping a wire removes its two devices
+            link.close()
         # Hosts first, switch last: processes die before the links they use.
         for namespace in reversed(self.namespaces):
             _system.delete_namespace(namespace)
@@ -279,6 +312,7 @@ class TestBed:
             host.nat,
             rate_mbit,
             host.link_ends,
+            host.impairment,
         )
 
     def count_forwarded_from(self, name: str, source_ip: str) -> None:
@@ -317,6 +351,34 @@ class TestBed:
         _system.run(["ip", "-n", name, "link", "set", "lo", "up"])
         return name
 
+    def _add_link(
+        self, spec: HostSpec, host_end: tuple[str, str], far_end: tuple[str, str]
+    ) -> None:
+        """The host's link: a veth pair, or two TAP devices and a wire when it has delay,
+        jitter or loss. Either way both ends exist, down, with the spec's MTU."""
+        impairment = spec.impairment
+        if not impairment.active:
+            self._add_veth(host_end, far_end, spec.mtu)
+            return
+        command = wire.wire_command(
+            wire.binary(),
+            host_end,
+            far_end,
+            impairment,
+            rate_mbit=spec.rate_mbit,
+            seed=len(self.wires) + 1,
+        )
+        self.wires[spec.name] = Wire(command)
+        for namespace, device in (host_end, far_end):
+            # A TAP holds TAP_QUEUE_FRAMES frames the wire has not read yet (500 by default)
+            # and drops the next: room for the wire to wait for a CPU on a busy machine
+            # without losses the link was not asked for. The tbf ahead of it still bounds
+            # the queue of a rate-limited link.
+            settings = ["txqueuelen", str(TAP_QUEUE_FRAMES)]
+            if spec.mtu is not None:
+                settings += ["mtu", str(spec.mtu)]
+            _system.run(["ip", "-n", namespace, "link", "set", device, *settings])
+
     def _add_veth(self, a: tuple[str, str], b: tuple[str, str], mtu: int | None = None) -> None:
         # Both ends are created directly inside their namespaces: no name ever appears in the
         # root namespace, so parallel test beds can reuse eth0, lan0, ... freely.
@@ -351,7 +413,7 @@ class TestBed:
             self._configure_address(router, "wan0", f"{wan_address}/24")
             namespace = self._add_namespace(spec.name)
             lan = f"10.78.{index}"
-            self._add_veth((namespace, "eth0"), (router, "lan0"), spec.mtu)
+            self._add_link(spec, (namespace, "eth0"), (router, "lan0"))
             self._configure_address(router, "lan0", f"{lan}.1/24")
             self._configure_address(namespace, "eth0", f"{lan}.2/24")
             _system.run(["ip", "-n", namespace, "route", "add", "default", "via", f"{lan}.1"])
@@ -364,11 +426,12 @@ class TestBed:
                 True,
                 None,
                 ((namespace, "eth0"), (router, "lan0")),
+                spec.impairment,
             )
         else:
             namespace = self._add_namespace(spec.name)
             address = f"{self.subnet}.{10 + index}"
-            self._add_veth((namespace, "eth0"), port, spec.mtu)
+            self._add_link(spec, (namespace, "eth0"), port)
             self._plug_into_bridge(port)
             self._configure_address(namespace, "eth0", f"{address}/24")
             # Like a real machine, a public host has a default route, so software that finds
@@ -376,7 +439,14 @@ class TestBed:
             # 0.0.0.0:PORT`) finds eth0. Packets to anything else only reach the bridge.
             _system.run(["ip", "-n", namespace, "route", "add", "default", "dev", "eth0"])
             host = Host(
-                spec.name, namespace, address, address, False, None, ((namespace, "eth0"), port)
+                spec.name,
+                namespace,
+                address,
+                address,
+                False,
+                None,
+                ((namespace, "eth0"), port),
+                spec.impairment,
             )
         self.hosts[spec.name] = host
         if spec.rate_mbit is not None:

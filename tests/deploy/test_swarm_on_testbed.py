@@ -87,6 +87,20 @@ def check_exact_mean(results: Sequence[AverageResult], inputs: Sequence[list[np.
             assert np.array_equal(result.tensors[index], first)
 
 
+def check_one_whole_group(
+    results: Sequence[AverageResult | BaseException], inputs: Sequence[list[np.ndarray]]
+) -> list[AverageResult]:
+    """Every call returned, in one group of all callers, none partial, with the exact
+    mean; the results."""
+    assert all(isinstance(r, AverageResult) for r in results), results
+    ok = [r for r in results if isinstance(r, AverageResult)]
+    check_exact_mean(ok, inputs)
+    for result in ok:
+        assert result.group_size == len(inputs)
+        assert not result.partial
+    return ok
+
+
 def status_inside(host: Host, daemon: SwarmavgProcess) -> dict[str, object]:
     """``swarmavg status --json`` run on the daemon's host, as an operator would."""
     command = [sys.executable, "-m", "swarmavg.peer.cli", "status", "--json"]
@@ -116,13 +130,8 @@ async def test_four_hosts_average_over_limited_links(
     inputs = make_inputs(4, [1_000_000, 37])
     sent_before = [host.link_bytes()[0] for host in hosts]
     results = await average_all(daemons, inputs, key="step-1", timeout=60)
-    assert all(isinstance(r, AverageResult) for r in results), results
-    ok = [r for r in results if isinstance(r, AverageResult)]
-    check_exact_mean(ok, inputs)
-    for result in ok:
-        assert result.group_size == 4
+    for result in check_one_whole_group(results, inputs):
         assert set(result.peers) == {d.peer_id for d in daemons}
-        assert not result.partial
     # The tensors crossed the shaped links: a butterfly sends 2*(n-1)/n of the data.
     payload = 2 * 3 / 4 * 4_000_000
     for host, before in zip(hosts, sent_before, strict=True):
