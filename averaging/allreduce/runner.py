@@ -45,7 +45,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Protocol, TypeVar
 
 import grpc
@@ -56,6 +56,12 @@ from swarmavg.averaging.allreduce.chunking import link_chunk_bytes
 from swarmavg.averaging.allreduce.data_plane import DataCall, DataStreamError, split_host
 from swarmavg.averaging.allreduce.faults import FaultPlan, InjectedCrash
 from swarmavg.averaging.allreduce.load_balancing import part_sizes
+from swarmavg.averaging.allreduce.part_check import (
+    DeviationTally,
+    PartDeviation,
+    forged_parts,
+    mean_absolute_deviation,
+)
 from swarmavg.averaging.allreduce.partition import (
     PartPlan,
     TensorLayout,
@@ -196,6 +202,14 @@ class _Exchange:
         self.weights_clipped = {j: 0 for j in range(group.size)}  # as each reducer said
         self.handed = dict.fromkeys(range(group.size), 0)  # chunks of part j given to its stream
         self.distrusted: dict[int, str] = {}  # part -> why its reducer's word is refused
+        # How far each part's averages are from our own values (part_check), counted as
+        # they are decoded; None: the check is off.
+        self.deviation_factor = self.config.part_deviation_factor
+        self.tallies = {j: DeviationTally() for j in range(group.size)}
+        self.deferred: dict[tuple[int, int], np.ndarray] = {}
+        """In place with the check on: averages of (part, chunk) decoded but not written
+        yet. The local values they replace must stay until every part was checked, so that a
+        refused part keeps them (:meth:`fill_missing` writes the accepted ones)."""
         self.crashed = asyncio.Event()
         # FiniteCheck.AS_ENCODED, and whether the codec checks our chunks (run_allreduce)
         self.check_as_encoded = False
@@ -207,6 +221,8 @@ class _Exchange:
         self.in_place = False
         """``result`` is ``vector``'s memory: a chunk's local values are gone once its
         average is written, so a reply is checked whole before it is written."""
+        self.defer_writes = False
+        """In place with the part check on: see :attr:`deferred`."""
         # Replies decode straight into `result` in executor threads, which outlive the
         # round's cancelled tasks: the lock lets fill_missing() wait for a decode in
         # flight, and `_sealed` keeps any later one from writing over the final result.
@@ -308,17 +324,24 @@ class _Exchange:
             )
         base = self.plan.bounds[part][0]
         values = self.result[base + start : base + end]
-        if self.in_place and not self.codec.decodes_into_cleanly:
+        own = self.vector[base + start : base + end]
+        if self.in_place and (self.defer_writes or not self.codec.decodes_into_cleanly):
             # The local values live where the average goes: decode and check the whole
             # chunk first (codec none: a checked view of the payload, no copy), so that
-            # a bad reply leaves them as they were; then one copy that cannot fail.
+            # a bad reply leaves them as they were; then one copy that cannot fail (at the
+            # end of the round, when the part check is on).
             decoded = self.codec.decode_payload(header, reply.payload).reshape(-1)
             if not self.codec.decodes_finite and not all_finite(decoded):
                 raise ValueError("reply holds NaN or Inf")
             with self._result_lock:
                 if self._sealed:
                     raise ValueError("the round is over")
-                _copy_into(values, decoded)
+                if self.deviation_factor is not None:
+                    self.tallies[part].add(decoded, own)
+                if self.defer_writes:
+                    self.deferred[(part, reply.chunk_index)] = decoded
+                else:
+                    _copy_into(values, decoded)
             return
         # Straight into the result: if this raises, the chunk stays unreceived and
         # fill_missing() puts the local values back over whatever was written (in place,
@@ -329,14 +352,76 @@ class _Exchange:
             self.codec.decode_payload_into(header, reply.payload, values)
             if not self.codec.decodes_finite and not all_finite(values):
                 raise ValueError("reply holds NaN or Inf")
+            if self.deviation_factor is not None:
+                self.tallies[part].add(values, own)
+
+    def seal(self) -> None:
+        """Refuse every later reply (decodes in executor threads may outlive the round's
+        tasks); returns once none is being decoded. Idempotent."""
+        with self._result_lock:
+            self._sealed = True
+
+    def check_parts(self) -> None:
+        """After :meth:`seal`: refuse the parts whose averages are too far from our own
+        values against the other parts (:func:`~swarmavg.averaging.allreduce.part_check.
+        forged_parts`), as from a distrusted reducer. Our own part, reduced here, is only a
+        reference. A member that sends nothing has nothing to compare."""
+        if self.deviation_factor is None or not self.group.members[self.my_index].mode.sends:
+            return
+        deviations = {}
+        for part, tally in self.tallies.items():
+            deviation = tally.result()
+            if deviation is not None and part not in self.distrusted:
+                deviations[part] = deviation
+        refused = forged_parts(
+            deviations,
+            {self.my_index},
+            self.deviation_factor,
+            self._own_zeros,
+            self._mean_absolute_deviations,
+        )
+        for part, reason in sorted(refused.items()):
+            self._distrust(part, f"forged averages: {reason}")
+
+    def _returned(self, part: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(averages, our values) of every chunk of ``part`` that came back; in place the
+        averages are the ones held back (:attr:`deferred`), our values still in place."""
+        base = self.plan.bounds[part][0]
+        for chunk in np.flatnonzero(self.received[part]):
+            start, end = self.plan.chunk_bounds(part, int(chunk))
+            own = self.vector[base + start : base + end]
+            if self.defer_writes:
+                yield self.deferred[(part, int(chunk))], own
+            else:
+                yield self.result[base + start : base + end], own
+
+    def _mean_absolute_deviations(self, parts: Collection[int]) -> dict[int, PartDeviation]:
+        return {part: mean_absolute_deviation(self._returned(part)) for part in parts}
+
+    def _own_zeros(self, part: int) -> float:
+        """The share of exact zeros in our values of the chunks of ``part`` that came back
+        (still in :attr:`vector`: a remote part's averages are not written over them yet
+        when in place)."""
+        zeros = elements = 0
+        for _, own in self._returned(part):
+            zeros += own.size - int(np.count_nonzero(own))
+            elements += own.size
+        return zeros / elements if elements else 0.0
 
     def fill_missing(self) -> None:
         """Copy local values into every chunk that no reducer returned, once no reply is
-        being decoded any more and none will be."""
-        with self._result_lock:
-            self._sealed = True
+        being decoded any more and none will be; in place, write the averages held back
+        for the check into the chunks that kept them."""
+        self.seal()
         if self.in_place:
-            return  # nothing overwrote the chunks no reducer returned: they are local
+            # nothing overwrote the chunks no reducer returned: they are local
+            for (part, index), decoded in self.deferred.items():
+                if self.received[part][index]:
+                    base = self.plan.bounds[part][0]
+                    start, end = self.plan.chunk_bounds(part, index)
+                    _copy_into(self.result[base + start : base + end], decoded)
+            self.deferred.clear()
+            return
         for part, received in self.received.items():
             base = self.plan.bounds[part][0]
             for chunk in np.flatnonzero(~received):
@@ -349,7 +434,14 @@ class _Exchange:
         """Called by the local ReducerRound with the decoded average of one chunk."""
         base = self.plan.bounds[self.my_index][0]
         start, end = self.plan.chunk_bounds(self.my_index, chunk)
-        _copy_into(self.result[base + start : base + end], values)
+        if self.deviation_factor is not None:  # our own part: a reference for the others
+            self.tallies[self.my_index].add(values, self.vector[base + start : base + end])
+        if self.defer_writes:
+            # a copy: the values may live in the reducer's buffer, which the next round
+            # takes once this one closed
+            self.deferred[(self.my_index, chunk)] = values.copy()
+        else:
+            _copy_into(self.result[base + start : base + end], values)
         self.received[self.my_index][chunk] = True
         if contributors == len(self.group.senders):
             self.full_chunks[self.my_index] += 1
@@ -536,10 +628,11 @@ class _Exchange:
         """Refuse everything the reducer of ``part`` returned: the whole part keeps local
         values (``fill_missing``) and counts as not averaged. Returns ``False``.
 
-        In place (:attr:`in_place`) the chunks it returned before are already written
-        over their local values, which are gone: they keep the averages, each of which
-        passed every check on its own, and only the rest of the part stays local. The
-        part still counts as distrusted and not averaged, the result as partial."""
+        In place (:attr:`in_place`) with the part check off, the chunks it returned before
+        are already written over their local values, which are gone: they keep the
+        averages, each of which passed every check on its own, and only the rest of the
+        part stays local. The part still counts as distrusted and not averaged, the result
+        as partial. With the check on, nothing was written yet (:attr:`deferred`)."""
         log.warning(
             "part %d: reducer %s answered inconsistently (%s); keeping local values",
             part,
@@ -547,7 +640,7 @@ class _Exchange:
             reason,
         )
         self.distrusted.setdefault(part, reason)
-        if not self.in_place:
+        if not self.in_place or self.defer_writes:
             self.received[part][:] = False
         self.full_chunks[part] = 0
         return False
@@ -778,6 +871,7 @@ async def run_allreduce(
             raise ValueError("tensors hold NaN or Inf")
         ex.result = target if target is not None else np.empty_like(ex.vector)
         ex.in_place = _same_vector(ex.result, ex.vector)
+        ex.defer_writes = ex.in_place and ex.deviation_factor is not None
 
     await offload(executor, prepare, elements=layout.total)
     t_prepared = time.monotonic()
@@ -858,6 +952,8 @@ async def run_allreduce(
     if ex.refusal is not None:
         raise ex.refusal
 
+    ex.seal()
+    await offload(executor, ex.check_parts)
     failed = tuple(
         j
         for j in range(group.size)
