@@ -15,9 +15,9 @@ For each part ``p`` whose averages came back, over the chunks that came back:
 - ``relative`` ``u_p = e_p / rms(own_p)``, the distance in units of this member's own
   values there: scale-free, so layers whose values differ by orders of magnitude compare.
 
-Both come from three dot products per chunk (``r.r``, ``r.o``, ``o.o``): BLAS passes over
-memory the decode has just written, about 0.4 ns per element, where the mean absolute
-distance took 2.5 ns, a third more CPU for a round that costs about 7 ns per element. The
+Both come from three dot products per chunk (``r.r``, ``r.o``, ``o.o``): about 0.4 ns per
+element in the caches, 1 ns from memory (where a chunk's averages are, written past the
+caches), where the mean absolute distance took 2.5 ns in the caches. The
 rms is ruled by a few values where they are heavy-tailed (Student-t with 2 degrees of
 freedom: honest parts 13x apart), the mean absolute distance is not (1.2x), so a part the
 rms refuses is refused only if the mean absolute distances, computed then for every part,
@@ -74,9 +74,10 @@ DEFAULT_FACTOR = 8.0
 rounds (``benchmarks/member_checks.py``: 2-8 members, parts of 6,000 elements and more,
 layers whose scales differ by e^4 either way; Gaussian, Student-t with 2 and 3 degrees of
 freedom, 99%-zero, shared-signal and nearly identical values, members whose scales differ by
-a log-normal factor) the largest ratio of an honest part was below 5 (Student-t with 2
-degrees of freedom, whose rms is ruled by a few values); 8 leaves a margin over that. A
-part moved to -4 x the honest average of gradients with a shared signal is refused."""
+a log-normal factor) the largest ratio of an honest part in rms was 1.84 (Student-t with 2
+degrees of freedom, whose rms is ruled by a few values; 4.7 in parts of 2,000 elements); 8
+leaves a margin over that. A part moved to -4 x the honest average of gradients with a
+shared signal is refused, one at -2 x by 4% of the members."""
 
 MOSTLY_ZERO = 0.5
 """Share of exact zeros in this member's values of a part above which its relative
@@ -122,8 +123,10 @@ class DeviationTally:
         if result.shape != own.shape or result.ndim != 1:
             raise ValueError("result and own values must be 1-D arrays of one length")
         # BLAS's dot sums float32 in float32: a relative error near 1e-6 per chunk, which
-        # the difference below turns into noise of about 1e-3 x rms(own) when the result
-        # nearly equals our values, far under RELATIVE_FLOOR.
+        # the difference in result() turns into noise of about 1e-3 x rms(own) when the
+        # result nearly equals our values, far under RELATIVE_FLOOR. Three whole-chunk
+        # products: blocks small enough for the caches cost more in calls than they save
+        # in memory traffic.
         self._result_result += float(np.dot(result, result))
         self._result_own += float(np.dot(result, own))
         self._own_own += float(np.dot(own, own))
