@@ -792,9 +792,10 @@ async def run_allreduce(
             lie back to back in the reduction dtype (one float32 tensor, say) the replies
             are decoded straight into them: no fresh result buffer, no copy afterwards.
             ``out`` may also be ``tensors`` themselves (the same memory): the round then
-            averages in place, and a chunk no reducer returned keeps its values. (A
-            reducer distrusted mid-part leaves the chunks it returned before averaged,
-            see ``_Exchange._distrust``.) ``None``: the result goes into new arrays.
+            averages in place, and a chunk no reducer returned keeps its values. (With the
+            part check off, a reducer distrusted mid-part leaves the chunks it returned
+            before averaged, see ``_Exchange._distrust``.) ``None``: the result goes into
+            new arrays.
 
     Returns:
         The outcome; ``partial`` when a member failed mid-round.
