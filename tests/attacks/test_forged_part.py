@@ -135,3 +135,26 @@ async def test_members_refuse_a_forged_part(
     finally:
         await channels.close()
         await close_peers(peers)
+
+
+@pytest.mark.parametrize("codec", ["topk:fraction=0.05", "uint8-blockwise"])
+async def test_honest_rounds_of_lossy_codecs_refuse_nothing(
+    grpc_servers: GrpcServerPool, codec: str
+) -> None:
+    """Lossy codecs move every part's averages away from our values by their error (top-k
+    keeps 5% of each chunk and carries the rest over in its error feedback): alike for every
+    honest part, so nothing is refused, round after round."""
+    peers = await start_peers(grpc_servers, MEMBERS, data_plane=False)
+    channels = ChannelPool()
+    try:
+        for seed in range(8):
+            inputs = _inputs(seed)
+            group = make_group(peers, inputs[0], codec=codec)
+            results = await run_group(peers, group, inputs, [1.0] * MEMBERS, channels)
+            for result in results:
+                assert isinstance(result, AveragingResult), result
+                assert result.distrusted == {}, result.distrusted
+                assert not result.partial
+    finally:
+        await channels.close()
+        await close_peers(peers)
