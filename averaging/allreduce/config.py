@@ -7,8 +7,10 @@ import os
 from dataclasses import dataclass, field
 
 from swarmavg.averaging.allreduce.congestion import check_name
+from swarmavg.averaging.allreduce.part_check import DEFAULT_FACTOR as PART_DEVIATION_FACTOR
 from swarmavg.averaging.allreduce.partition import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from swarmavg.averaging.allreduce.reducer import DEFAULT_WEIGHT_BOUND
+from swarmavg.averaging.allreduce.slow_senders import DEFAULT_FACTOR as SLOW_SENDER_FACTOR
 
 
 def _default_executor_threads() -> int:
@@ -86,6 +88,17 @@ class AllReduceConfig:
             both the connections this peer opens and the ones it accepts (``cubic``,
             ``bbr``, ...; :mod:`~swarmavg.averaging.allreduce.congestion`). ``None``: the
             kernel's default. The service checks at start that the kernel accepts it.
+        part_deviation_factor: a member refuses a part whose averages are farther from its
+            own values than this many times the median of the other parts, both in rms and
+            in units of its own values' rms (:mod:`~swarmavg.averaging.allreduce.part_check`):
+            the part keeps local values, as from a distrusted reducer. ``None`` turns the
+            check off. > 1.
+        slow_sender_factor: a sender still delivering its chunks of a part this many times
+            as long after its first chunk as the part's median remote sender took (and at
+            least ``min_stall``) is dropped, as a stalled one is
+            (:mod:`~swarmavg.averaging.allreduce.slow_senders`): the stall detector's
+            patience follows the sender's own pace, which a sender that trickles chooses.
+            An honest link at a quarter of the others' bandwidth takes about 4x. > 1.
     """
 
     chunk_bytes: int | None = None
@@ -110,6 +123,8 @@ class AllReduceConfig:
     data_retry_after: float = 300.0
     weight_bound: float = DEFAULT_WEIGHT_BOUND
     congestion_control: str | None = None
+    part_deviation_factor: float | None = PART_DEVIATION_FACTOR
+    slow_sender_factor: float = SLOW_SENDER_FACTOR
 
     def __post_init__(self) -> None:
         if self.chunk_bytes is not None and not (
@@ -127,6 +142,11 @@ class AllReduceConfig:
                 raise ValueError(f"{name} must be positive")
         if not (math.isfinite(self.weight_bound) and self.weight_bound >= 1.0):
             raise ValueError("weight_bound must be a finite number >= 1")
+        if not (math.isfinite(self.slow_sender_factor) and self.slow_sender_factor > 1):
+            raise ValueError("slow_sender_factor must be a finite number > 1")
+        factor = self.part_deviation_factor
+        if factor is not None and not (math.isfinite(factor) and factor > 1):
+            raise ValueError("part_deviation_factor must be a finite number > 1, or None")
         if self.finalize_margin < 0:
             raise ValueError("finalize_margin must be >= 0")
         if not 0 <= self.data_port <= 65535:

@@ -27,6 +27,7 @@ from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.allreduce.faults import FaultPlan, InjectedFault
 from swarmavg.averaging.allreduce.partition import PartPlan
 from swarmavg.averaging.allreduce.reducer import ContributionError, PartReducer
+from swarmavg.averaging.allreduce.slow_senders import too_slow
 from swarmavg.averaging.allreduce.wire import OutgoingChunk, Request, encode_response
 from swarmavg.averaging.group import GroupInfo
 from swarmavg.averaging.stalled import abort_stalled
@@ -215,6 +216,10 @@ class ReducerRound:
         self._final: asyncio.Queue[int] = asyncio.Queue()
         self._tasks = TaskSet()
         self._progress: dict[int, float] = dict.fromkeys(group.senders, self.start_time)
+        # when each remote sender's first and last chunk arrived (slow_senders)
+        self._first_chunk: dict[int, float] = {}
+        self._last_chunk: dict[int, float] = {}
+        self._remote_senders = len(set(group.senders) - {my_index})
         self._all_returned = asyncio.Event()
         self.finished = asyncio.Event()
         """Set when every chunk was returned and every attached stream got all of them, or
@@ -399,7 +404,11 @@ class ReducerRound:
             return
         added = self.reducer.add(sender, chunk, values, finite=checked, defer_check=True)
         self._queue_final(added)
-        self._progress[sender] = time.monotonic()
+        now = time.monotonic()
+        self._progress[sender] = now
+        self._first_chunk.setdefault(sender, now)
+        if self.reducer.delivered(sender) == self.reducer.num_chunks:
+            self._last_chunk[sender] = now
 
     # ---- output ----
 
@@ -536,4 +545,16 @@ class ReducerRound:
                     patience = 2 * self.config.min_stall
                 if now - last > patience:
                     self.drop(sender, f"no chunk for {now - last:.1f}s")
+            # The patience above follows each sender's own pace, which a sender that
+            # trickles chooses: its progress is also bounded against the other senders'.
+            slow = too_slow(
+                now,
+                self._first_chunk,
+                self._last_chunk,
+                self._remote_senders,
+                self.config.slow_sender_factor,
+                self.config.min_stall,
+            )
+            for sender, reason in sorted(slow.items()):
+                self.drop(sender, reason)
             await asyncio.sleep(min(tick, max(self.reduce_deadline - now, 0.0)))
