@@ -190,6 +190,8 @@ class StreamingDiLoCo(DiLoCo):
             self._machine_step(samples)
         else:
             self.tracker.add_samples(samples)
+            if self.pace is not None and not self._paced:
+                self._plan_first_round()
             if self._pending is not None:
                 self._pending.waited += 1
                 if self._pending.waited >= self.overlap_steps:
@@ -434,7 +436,7 @@ class StreamingDiLoCo(DiLoCo):
         )
         self._pending = PendingSync(epoch, fragment, start, future, samples)
         self.inner_steps = 0
-        self.steps_this_round = self.local_steps
+        self.steps_this_round = self._round_steps(self.tracker.last)
 
     def _apply_pending(self) -> None:
         """Wait for the sync in flight (bounded by the round's deadline) and apply it."""

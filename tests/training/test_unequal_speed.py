@@ -1,0 +1,149 @@
+"""DiLoCo trainers of unequal speed with a ``pace`` against the in-memory swarm.
+
+Each trainer's inner step sleeps its own compute time (the seam that stands for a slower
+GPU); the pace plans each member's inner steps from the rates in the progress records.
+What is asserted is counted, not timed: how many inner steps each member ran per outer
+step, the rounds' group sizes and weights, the state digests after every sync, and what
+a stalled member did with its work when it came back. The same with real daemons and
+trainer processes is ``tests/integration/test_unequal_speed_daemons.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from swarmavg.averaging.optim import DiLoCo  # noqa: E402
+from swarmavg.averaging.training.pace import SwarmPace  # noqa: E402
+from tests.training.helpers import backward, batch, linear_model, run_in_threads  # noqa: E402
+from tests.training.memswarm import MemorySwarm  # noqa: E402
+
+pytestmark = pytest.mark.timeout(90)
+
+BATCH = 4
+
+
+def paced(swarm: MemorySwarm, name: str, pace: SwarmPace, **options: Any) -> tuple[Any, Any]:
+    model = linear_model(0)
+    opt = DiLoCo(
+        model.parameters(),
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        swarm.client(name),
+        run_id="run",
+        local_steps=4,
+        batch_size_per_step=BATCH,
+        pace=pace,
+        final_round=False,
+        **options,
+    )
+    return model, opt
+
+
+class Record:
+    """Per member: inner steps per epoch, and the shared digest each epoch started with."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.steps: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        self.digests: dict[int, dict[str, bytes]] = defaultdict(dict)
+
+    def step(self, name: str, opt: Any, compute: float) -> None:
+        epoch = opt.epoch
+        time.sleep(compute)  # this member's simulated compute
+        opt.step()
+        opt.zero_grad()
+        with self.lock:
+            self.steps[name][epoch] += 1
+            if opt.epoch != epoch:
+                self.digests[opt.epoch][name] = opt._shared_digest()
+
+
+def test_fast_members_run_more_steps_and_nobody_waits() -> None:
+    swarm = MemorySwarm()
+    computes = {"fast-a": 0.004, "fast-b": 0.004, "fast-c": 0.004, "slow": 0.016}
+    pace = SwarmPace(target_samples=40 * BATCH)
+    trainers = {name: paced(swarm, name, pace, averaging_timeout=20.0) for name in computes}
+    record = Record()
+    epochs = 5
+
+    def train(name: str) -> None:
+        model, opt = trainers[name]
+        with opt:
+            while opt.epoch < epochs:
+                backward(model, batch(opt.epoch * 100 + len(name)))
+                record.step(name, opt, computes[name])
+
+    run_in_threads(*[lambda n=n: train(n) for n in computes], timeout=80)
+
+    # every outer step was one group of all four: nobody was left behind or waited out
+    sizes = [trainers[n][1].stats.group_sizes for n in computes]
+    assert all(s == [4] * epochs for s in sizes), sizes
+    # from the second round on (rates measured), the slow member's share of the work
+    # follows its speed: a quarter of a fast member's steps, within a wide margin
+    for epoch in range(1, epochs):
+        fast = min(record.steps[n][epoch] for n in ("fast-a", "fast-b", "fast-c"))
+        slow = record.steps["slow"][epoch]
+        assert slow >= 1, epoch
+        assert 2 * slow <= fast, (epoch, dict(record.steps["slow"]), fast)
+    # and its pseudo-gradient is weighted by the samples behind it
+    weights: dict[str, list[float]] = defaultdict(list)
+    for peer, key, weight, _ in swarm.calls:
+        if key.startswith("run.diloco."):
+            weights[peer].append(weight)
+    assert weights["slow"][-1] < weights["fast-a"][-1]
+    # one shared state after every sync
+    for epoch in range(1, epochs + 1):
+        assert len(record.digests[epoch]) == 4
+        assert len(set(record.digests[epoch].values())) == 1, epoch
+
+
+@pytest.mark.parametrize(("staleness", "merged"), [(1, True), (0, False)])
+def test_a_stalled_member_merges_or_discards_its_work(staleness: int, merged: bool) -> None:
+    """One member stops mid-round (a closed lid); the others step on without it after the
+    round's timeout; when it resumes, its work is carried onto their anchor (or dropped
+    with ``max_staleness=0``) and it is back in their rounds with the same state."""
+    swarm = MemorySwarm()
+    names = ["a", "b", "c", "lid"]
+    pace = SwarmPace(target_samples=24 * BATCH, max_staleness=staleness)
+    trainers = {n: paced(swarm, n, pace, averaging_timeout=2.0) for n in names}
+    record = Record()
+    epochs = 4
+    others_past_stall = threading.Event()
+    lid_back = threading.Event()
+
+    def train(name: str) -> None:
+        model, opt = trainers[name]
+        with opt:
+            while opt.epoch < epochs:
+                if name == "lid" and opt.epoch == 1 and record.steps[name][1] == 1:
+                    # the lid closes after one inner step of epoch 1, until the others
+                    # have taken epoch 1's outer step without it
+                    assert others_past_stall.wait(60)
+                if name == "lid" and opt.epoch >= 2:
+                    lid_back.set()
+                if name != "lid" and opt.epoch >= 2:
+                    # the choreography only pins which state the lid finds (epoch 2's):
+                    # the others' rounds never wait for it by design
+                    others_past_stall.set()
+                    assert lid_back.wait(60)
+                backward(model, batch(opt.epoch * 100 + len(name)))
+                record.step(name, opt, 0.003)
+
+    run_in_threads(*[lambda n=n: train(n) for n in names], timeout=85)
+
+    lid = trainers["lid"][1]
+    assert lid.stats.late_merges == (1 if merged else 0)
+    assert lid.stats.late_discards == (0 if merged else 1)
+    # epoch 1's outer step went on without it; it took part again afterwards
+    assert 3 in trainers["a"][1].stats.group_sizes
+    assert lid.epoch == epochs
+    for epoch in range(2, epochs + 1):
+        held = record.digests[epoch]
+        assert len(set(held.values())) == 1, (epoch, sorted(held))
+    assert "lid" in record.digests[epochs]
