@@ -29,18 +29,20 @@ pytestmark = pytest.mark.timeout(90)
 BATCH = 4
 
 
-def paced(swarm: MemorySwarm, name: str, pace: SwarmPace, **options: Any) -> tuple[Any, Any]:
+def paced(
+    swarm: MemorySwarm, name: str, pace: SwarmPace, family: Any = DiLoCo, **options: Any
+) -> tuple[Any, Any]:
+    """A trainer of ``family`` (``DiLoCo`` or ``StreamingDiLoCo``) with ``pace``."""
     model = linear_model(0)
-    opt = DiLoCo(
+    opt = family(
         model.parameters(),
         torch.optim.SGD(model.parameters(), lr=0.05),
         swarm.client(name),
         run_id="run",
-        local_steps=4,
         batch_size_per_step=BATCH,
         pace=pace,
         final_round=False,
-        **options,
+        **{"local_steps": 4, **options},
     )
     return model, opt
 
@@ -63,6 +65,20 @@ class Record:
             if opt.epoch != epoch:
                 self.digests[opt.epoch][name] = opt._shared_digest()
 
+    def train_all(
+        self, trainers: dict[str, tuple[Any, Any]], computes: dict[str, float], epochs: int
+    ) -> None:
+        """Every trainer in its own thread, each step costing its compute, to ``epochs``."""
+
+        def train(name: str) -> None:
+            model, opt = trainers[name]
+            with opt:
+                while opt.epoch < epochs:
+                    backward(model, batch(opt.epoch * 100 + len(name)))
+                    self.step(name, opt, computes[name])
+
+        run_in_threads(*[lambda n=n: train(n) for n in computes], timeout=80)
+
 
 def test_fast_members_run_more_steps_and_nobody_waits() -> None:
     swarm = MemorySwarm()
@@ -71,15 +87,7 @@ def test_fast_members_run_more_steps_and_nobody_waits() -> None:
     trainers = {name: paced(swarm, name, pace, averaging_timeout=20.0) for name in computes}
     record = Record()
     epochs = 5
-
-    def train(name: str) -> None:
-        model, opt = trainers[name]
-        with opt:
-            while opt.epoch < epochs:
-                backward(model, batch(opt.epoch * 100 + len(name)))
-                record.step(name, opt, computes[name])
-
-    run_in_threads(*[lambda n=n: train(n) for n in computes], timeout=80)
+    record.train_all(trainers, computes, epochs)
 
     # every outer step was one group of all four: nobody was left behind or waited out
     sizes = [trainers[n][1].stats.group_sizes for n in computes]
@@ -147,3 +155,38 @@ def test_a_stalled_member_merges_or_discards_its_work(staleness: int, merged: bo
         held = record.digests[epoch]
         assert len(set(held.values())) == 1, (epoch, sorted(held))
     assert "lid" in record.digests[epochs]
+
+
+def test_streaming_diloco_takes_the_same_pace() -> None:
+    """``StreamingDiLoCo`` with a pace: the target is the swarm's samples per fragment sync;
+    the slow member runs fewer inner steps between syncs and every sync ends with one
+    anchor and outer state on every member."""
+    from swarmavg.averaging.optim import StreamingDiLoCo
+
+    swarm = MemorySwarm()
+    computes = {"fast-a": 0.004, "fast-b": 0.004, "slow": 0.016}
+    pace = SwarmPace(target_samples=30 * BATCH)
+    trainers = {
+        name: paced(
+            swarm,
+            name,
+            pace,
+            StreamingDiLoCo,
+            local_steps=8,
+            fragments=2,
+            overlap_steps=1,
+            averaging_timeout=20.0,
+        )
+        for name in computes
+    }
+    record = Record()
+    syncs = 5
+    record.train_all(trainers, computes, syncs)
+
+    for name in computes:
+        assert trainers[name][1].stats.group_sizes[: syncs - 1] == [3] * (syncs - 1), name
+    fast = sum(record.steps["fast-a"][e] for e in range(2, syncs))
+    slow = sum(record.steps["slow"][e] for e in range(2, syncs))
+    assert 2 * slow <= fast, (dict(record.steps["slow"]), dict(record.steps["fast-a"]))
+    for epoch in range(1, syncs):
+        assert len(set(record.digests[epoch].values())) == 1, epoch
