@@ -18,6 +18,9 @@ Per run (speeds, mode), the figures:
 * ``identical_anchors``: every outer step after which two trainers hold the anchor and
   the outer optimizer's state, they hold the same bytes (sha256), and
   ``anchor_checks`` how many (epoch, trainer) states were compared;
+* ``catch_ups``: epochs a trainer reached by loading the swarm's state instead of a round,
+  and ``catch_ups_at_the_swarms_state`` how many of those held exactly the state the
+  rounds' members held at that epoch (the others are repaired by the next round);
 * ``val_loss``: the validation loss (cross-entropy on the held-out digits) of the anchor
   each trainer holds at the end (the median; they are the same state when in one epoch).
 
@@ -177,13 +180,19 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
             idx = stream.next()
             torch.nn.functional.cross_entropy(model(xt[idx]), yt[idx]).backward()
             compute += time.monotonic() - t0
-            epoch = opt.epoch
+            epoch, rejoins = opt.epoch, opt.stats.rejoins
             opt.step()
             opt.zero_grad()
             inner_steps += 1
             emit({"event": "step", "t": time.time(), "compute": compute, "epoch": opt.epoch})
             if opt.epoch != epoch:
-                emit({"event": "sync", "epoch": opt.epoch, "sha256": anchor_sha256(opt)})
+                # a catch-up (the step found the swarm ahead) loads the newest state there
+                # is, which may be one outer step older than the epoch it continues at:
+                # the next round's digests repair it (docs/training.md, "Staying in one
+                # swarm"), so it is counted apart from the rounds' states
+                caught_up = opt.stats.rejoins != rejoins
+                event = "catch-up" if caught_up else "sync"
+                emit({"event": event, "epoch": opt.epoch, "sha256": anchor_sha256(opt)})
         ended = time.time()
         opt.close()
     held = getattr(opt, "anchor", None) or opt.params
@@ -275,11 +284,14 @@ def run_one(
     lines = [w.lines[mark:] for w, mark in zip(workers, marks, strict=True)]
     by_epoch: dict[int, set[str]] = {}
     checks = 0
+    catch_ups: list[tuple[int, str]] = []
     for member in lines:
         for r in member:
             if r.get("event") == "sync":
                 by_epoch.setdefault(int(r["epoch"]), set()).add(r["sha256"])
                 checks += 1
+            elif r.get("event") == "catch-up":
+                catch_ups.append((int(r["epoch"]), r["sha256"]))
     fastest = max(speeds)
     fast = [d["utilisation"] for d in done if d["speed"] == fastest]
     figures: dict[str, Any] = {
@@ -294,6 +306,10 @@ def run_one(
         "repairs": sum(d["repairs"] for d in done),
         "identical_anchors": all(len(h) == 1 for h in by_epoch.values()),
         "anchor_checks": checks,
+        "catch_ups": len(catch_ups),
+        "catch_ups_at_the_swarms_state": sum(
+            1 for epoch, sha in catch_ups if by_epoch.get(epoch) == {sha}
+        ),
         "val_loss": round(statistics.median(d["val_loss"] for d in done), 4),
         "val_accuracy": round(statistics.median(d["val_accuracy"] for d in done), 2),
     }

@@ -66,7 +66,9 @@ class StreamingDiLoCo(DiLoCo):
         params, inner_optimizer, client, run_id, batch_size_per_step, outer_optimizer,
             codec, and the keyword options: as for :class:`DiLoCo` (any codec, 4-bit
             ``uint4-blockwise`` included; the outer optimizer steps only the synced
-            fragment's tensors).
+            fragment's tensors). With ``pace`` its target is the swarm's samples per
+            fragment sync, and each member's inner steps between two syncs follow its
+            speed; ``local_steps / fragments`` is then the first period only.
         local_steps: H, inner steps between two syncs of the same fragment; a multiple of
             ``fragments``. Or ``"auto"``: H and ``overlap_steps`` chosen from the measured
             inner step and round times so that each round ends within the steps it
