@@ -27,6 +27,12 @@ DEFAULT_MAX_STEPS = 100_000
 from a forged or broken record must not stop a member from ever syncing."""
 
 
+MAX_RATE_RATIO = 64.0
+"""Another member's rate counts as at most this many times the reader's own: a record is
+another daemon's word, and one that claims a huge rate would make every honest member plan
+one-step rounds (a sync per step). Real swarms mix machines a few times apart in speed."""
+
+
 @dataclass(frozen=True)
 class SwarmPace:
     """How long a DiLoCo round lasts when it is set by the swarm's work.
@@ -75,10 +81,12 @@ def swarm_rate(own_rate: float, other_rates: Iterable[float]) -> float:
 
     A rate that is not finite and positive (a member that has not measured one yet, in
     the first round) counts as this member's own: the best guess there is, and one that
-    lets every member plan the first round instead of running it as if alone.
+    lets every member plan the first round instead of running it as if alone. Once this
+    member knows its own rate, another's counts as at most :data:`MAX_RATE_RATIO` times it.
     """
     own = own_rate if math.isfinite(own_rate) and own_rate > 0 else 0.0
-    return own + sum(r if math.isfinite(r) and r > 0 else own for r in other_rates)
+    cap = MAX_RATE_RATIO * own if own > 0 else math.inf
+    return own + sum(min(r, cap) if math.isfinite(r) and r > 0 else own for r in other_rates)
 
 
 def round_seconds(pace: SwarmPace, total_rate: float, done: int = 0) -> float | None:
@@ -132,4 +140,11 @@ def planned_steps(
     return max(pace.min_steps, min(pace.max_steps, steps))
 
 
-__all__ = ["DEFAULT_MAX_STEPS", "SwarmPace", "planned_steps", "round_seconds", "swarm_rate"]
+__all__ = [
+    "DEFAULT_MAX_STEPS",
+    "MAX_RATE_RATIO",
+    "SwarmPace",
+    "planned_steps",
+    "round_seconds",
+    "swarm_rate",
+]

@@ -10,7 +10,13 @@ import torch
 
 from swarmavg.averaging.training.diloco import default_outer_optimizer, outer_step, pseudo_gradient
 from swarmavg.averaging.training.late_work import LateWork, late_work_fate, rebased
-from swarmavg.averaging.training.pace import SwarmPace, planned_steps, round_seconds, swarm_rate
+from swarmavg.averaging.training.pace import (
+    MAX_RATE_RATIO,
+    SwarmPace,
+    planned_steps,
+    round_seconds,
+    swarm_rate,
+)
 
 
 @pytest.mark.parametrize(
@@ -38,6 +44,17 @@ def test_swarm_rate_counts_unknown_members_at_own_rate() -> None:
     assert swarm_rate(0.0, [0.0]) == 0.0
 
 
+def test_a_forged_rate_cannot_shrink_the_rounds_to_one_step() -> None:
+    """A record claiming an absurd rate counts as MAX_RATE_RATIO times the reader's own, so
+    the honest member still plans a round of several steps."""
+    assert swarm_rate(100.0, [1e12]) == 100.0 + MAX_RATE_RATIO * 100.0
+    pace = SwarmPace(target_samples=100 * 4 * 32)
+    honest = planned_steps(pace, 640.0, swarm_rate(640.0, [640.0] * 3), 32, fallback=1)
+    attacked = planned_steps(pace, 640.0, swarm_rate(640.0, [640.0] * 3 + [1e12]), 32, fallback=1)
+    assert honest == 100
+    assert attacked > 1
+
+
 def test_round_seconds_from_target_and_work_done() -> None:
     pace = SwarmPace(target_samples=1000)
     assert round_seconds(pace, 250.0) == 4.0
@@ -52,7 +69,7 @@ def test_round_seconds_from_target_and_work_done() -> None:
 
 @pytest.mark.parametrize(
     "speeds",
-    [(1.0, 1.0, 1.0, 0.25), (1.0, 0.5, 1 / 3, 0.25), (1.0, 1.0, 1.0, 1.0), (8.0, 0.1)],
+    [(1.0, 1.0, 1.0, 0.25), (1.0, 0.5, 1 / 3, 0.25), (1.0, 1.0, 1.0, 1.0), (8.0, 0.2)],
 )
 def test_every_member_arrives_at_the_same_round_length(speeds: tuple[float, ...]) -> None:
     """Members plan their own step counts from the same records; the round's length in
