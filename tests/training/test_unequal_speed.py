@@ -231,3 +231,11 @@ def test_a_late_joiner_plans_the_rest_of_the_round_and_shares_the_state() -> Non
         held = record.digests[epoch]
         assert len(held) == 4, (epoch, sorted(held))
         assert len(set(held.values())) == 1, epoch
+
+
+@pytest.mark.parametrize("other", [{"local_steps": "auto"}, {"process_group": "auto"}])
+def test_pace_refuses_what_sets_the_steps_otherwise(other: dict[str, Any]) -> None:
+    """``"auto"`` H and the hierarchical mode each fix every member's or rank's steps: a
+    pace would contradict them, so the wrapper refuses the mix when it is built."""
+    with pytest.raises(ValueError, match="pace sets each member's inner steps"):
+        paced(MemorySwarm(), "a", SwarmPace(target_samples=64), **other)
