@@ -10,6 +10,7 @@ from swarmavg.averaging.training.diloco import (
     pseudo_gradient,
     sgd_outer_optimizer,
 )
+from swarmavg.averaging.training.pace import SwarmPace
 from swarmavg.averaging.training.powersgd import PowerSGDOptimizer
 from swarmavg.averaging.training.progress import GlobalProgress, ProgressTracker
 from swarmavg.averaging.training.streaming import StreamingDiLoCo
@@ -23,6 +24,7 @@ __all__ = [
     "ProgressTracker",
     "RoundStats",
     "StreamingDiLoCo",
+    "SwarmPace",
     "SwarmRoundWarning",
     "outer_step",
     "pseudo_gradient",

@@ -15,6 +15,7 @@ torch is imported inside functions only.
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -25,7 +26,9 @@ import numpy as np
 from swarmavg.averaging.training.base import SwarmOptimizer
 from swarmavg.averaging.training.consensus import Role, Verdict
 from swarmavg.averaging.training.digest import state_digest
+from swarmavg.averaging.training.late_work import LateWork, late_work_fate, rebased
 from swarmavg.averaging.training.local_group import LocalGroup, resolve_local_group
+from swarmavg.averaging.training.pace import SwarmPace, planned_steps, swarm_rate
 from swarmavg.averaging.training.progress import GlobalProgress
 from swarmavg.averaging.training.schedule import (
     DEFAULT_BOUNDS,
@@ -36,12 +39,14 @@ from swarmavg.averaging.training.schedule import (
     swarm_ratio,
 )
 from swarmavg.averaging.training.state import TrainingState
-from swarmavg.averaging.training.swarm import SwarmClient, SwarmRoundWarning
+from swarmavg.averaging.training.swarm import SwarmClient, SwarmRoundWarning, swarm_errors
 from swarmavg.averaging.training.tensors import copy_into, to_arrays
 
 if TYPE_CHECKING:
     import torch
     import torch.distributed
+
+log = logging.getLogger(__name__)
 
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
@@ -152,6 +157,14 @@ class DiLoCo(SwarmOptimizer):
         final_round, final_timeout: as for ``CollaborativeOptimizer``: on ``close()``
             the processes that stop together average their current parameters (inner
             progress included), which become the parameters and the anchor of each.
+        pace: the volunteer mode (docs/training.md, "Members of unequal speed"): an outer
+            step comes when the swarm has processed ``pace.target_samples`` (or after
+            ``pace.target_seconds`` of compute), each member running as many inner
+            steps as its speed allows (:mod:`~swarmavg.averaging.training.pace`);
+            ``local_steps`` is then only the first round's H, before any rate is
+            measured. A member that missed outer steps merges or discards its work by
+            :mod:`~swarmavg.averaging.training.late_work`. Not with ``"auto"`` nor a
+            ``process_group``.
 
     ``epoch`` counts outer steps. A late joiner loads the last synchronised parameters, the
     outer optimizer's state and the epoch, then runs only the inner steps the swarm has left
@@ -186,8 +199,17 @@ class DiLoCo(SwarmOptimizer):
         local_leader: int = 0,
         final_round: bool = True,
         final_timeout: float | None = None,
+        pace: SwarmPace | None = None,
     ) -> None:
         self.auto = local_steps == "auto"
+        if pace is not None and (self.auto or process_group is not None):
+            raise ValueError(
+                "pace sets each member's inner steps itself: it takes neither "
+                "local_steps='auto' nor a process_group"
+            )
+        self.pace = pace
+        self._paced = False
+        """Whether this round's inner steps were planned from measured rates (``pace``)."""
         self.local_steps_bounds = check_bounds(local_steps_bounds)
         if not auto_overhead > 0:
             raise ValueError(f"auto_overhead must be positive, got {auto_overhead}")
@@ -234,6 +256,12 @@ class DiLoCo(SwarmOptimizer):
         self.inner_steps = 0
         self.steps_this_round = local_steps
         self._join_swarm(load_state_on_start)
+        if self.pace is not None:
+            # The first interval would run from here to the end of the first step: the
+            # user's set-up, data loading, a wait for others to start. A rate that small
+            # makes every member plan the first round from a wrong speed; the first
+            # rate is measured over the second step instead.
+            self.tracker.meter.pause()
 
     def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
         """One inner step; every H of them, the averaged outer step.
@@ -247,6 +275,8 @@ class DiLoCo(SwarmOptimizer):
         self._time_step()
         self.inner_steps += 1
         self._machine_samples(samples)
+        if self.pace is not None and not self._paced:
+            self._plan_first_round()
         if self.inner_steps >= self.steps_this_round:
             if self.local_group is not None:
                 # Every rank reaches this together (the same inner_steps and
@@ -425,10 +455,56 @@ class DiLoCo(SwarmOptimizer):
     def _next_outer_step(self, epoch: int, *, serve: bool) -> None:
         self.timer.reset_steps()
         self.inner_steps = 0
-        self.steps_this_round = self.local_steps
         self.tracker.set_epoch(epoch)
+        self.steps_this_round = self._round_steps(self.tracker.last)
         self._maybe_publish(epoch, serve=serve)
         self.tracker.report()
+
+    # ------------------------------------------------------------ pace (unequal speeds)
+
+    def _round_steps(self, progress: GlobalProgress, done: int = 0) -> int:
+        """Inner steps of the round starting now: ``local_steps``, or with a ``pace``
+        this member's share of the swarm's target at the rates ``progress`` read (``done``:
+        samples the swarm already has in this round)."""
+        if self.pace is None:
+            return self.local_steps
+        own = self.tracker.meter.rate
+        others = [
+            p.samples_per_second
+            for p in progress.peers
+            if p.peer_id != self.tracker.peer_id and p.epoch >= self.epoch - 1 and not p.left
+        ]
+        self._paced = own > 0
+        return planned_steps(
+            self.pace,
+            own,
+            swarm_rate(own, others),
+            self._machine_batch,
+            fallback=self.local_steps,
+            done=done,
+        )
+
+    def _plan_first_round(self) -> None:
+        """The first round (or one after a catch-up with no rate yet) starts on
+        ``local_steps``: once this member's rate is measured, read the others' once and
+        plan what is left of the round, so no member's first sync waits for the slowest."""
+        if self.tracker.meter.rate <= 0:
+            return
+        try:
+            progress = self.tracker.refresh()
+        except swarm_errors() as exc:  # planning is an optimisation: keep local_steps
+            log.info("could not read the swarm's progress to plan the round: %s", exc)
+            self._paced = True
+            return
+        elapsed = self.inner_steps * self._machine_batch
+        others = sum(
+            p.samples
+            for p in progress.peers
+            if p.epoch == self.epoch and p.peer_id != self.tracker.peer_id
+        )
+        left = self._round_steps(progress, done=elapsed + others)
+        self._paced = True
+        self.steps_this_round = self.inner_steps + left
 
     def _machine_state(self) -> dict[str, Any]:
         """The synchronised parameters, the outer optimizer's state and where the next
@@ -490,22 +566,40 @@ class DiLoCo(SwarmOptimizer):
 
     def _catch_up(self, progress: GlobalProgress) -> None:
         """Load the swarm's last synchronised state and run only the inner steps left
-        (behind the swarm, or ahead of its majority)."""
+        (behind the swarm, or ahead of its majority). With a ``pace``, work that missed
+        few enough outer steps is carried onto the loaded anchor and counted in the next
+        sync (:mod:`~swarmavg.averaging.training.late_work`)."""
         self.tracker.meter.pause()
+        late_epoch = self.epoch
+        # kept only where the work may be merged (two copies of the model otherwise spent)
+        old_anchor = [a.detach().clone() for a in self.anchor] if self.pace else []
+        late_params = [p.detach().clone() for p in self.params] if self.pace else []
+        late_samples = self.tracker.samples
         state, epoch = self._adopt_swarm_epoch(progress, self.params)
         self._provenance = None
+        fate = LateWork.DISCARD
+        if self.pace is not None:
+            fate = late_work_fate(late_epoch, epoch, late_samples, self.pace.max_staleness)
+        merged = 0
         if state is not None:
             self._state_loaded = True
             copy_into(self.anchor, state.params)
             copy_into(self.params, state.params)
             if "outer" in state.optimizers:
                 self.outer_optimizer.load_state_dict(state.optimizers["outer"])
-            if "inner" in state.optimizers:
+            if fate is LateWork.MERGE:
+                # its own inner optimizer state follows its own batches: kept, as the work
+                copy_into(self.params, rebased(late_params, old_anchor, self.anchor))
+                merged = late_samples
+                self.stats.late_merges += 1
+            elif "inner" in state.optimizers:
                 self.inner_optimizer.load_state_dict(state.optimizers["inner"])
             self._adopt_schedule(state.extra)
             self._take_provenance(state)
         else:
             copy_into(self.anchor, [p.detach() for p in self.params])
+        if fate is LateWork.DISCARD and self.pace is not None and late_samples:
+            self.stats.late_discards += 1
         # Arrive at the round with the others: skip the inner steps they have already done.
         done = max(
             (
@@ -516,8 +610,16 @@ class DiLoCo(SwarmOptimizer):
             default=0,
         )
         self.inner_steps = 0
-        self.steps_this_round = max(1, self.local_steps - done // self._machine_batch)
-        self.tracker.set_epoch(epoch)
+        self.tracker.set_epoch(epoch, merged)
+        if self.pace is None:
+            self.steps_this_round = max(1, self.local_steps - done // self._machine_batch)
+        else:
+            swarm_done = merged + sum(
+                p.samples
+                for p in progress.peers
+                if p.epoch == epoch and p.peer_id != self.tracker.peer_id
+            )
+            self.steps_this_round = self._round_steps(progress, done=swarm_done)
         self.tracker.report()
         self._last_step_end = None  # the download is not an inner step
 

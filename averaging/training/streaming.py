@@ -66,7 +66,9 @@ class StreamingDiLoCo(DiLoCo):
         params, inner_optimizer, client, run_id, batch_size_per_step, outer_optimizer,
             codec, and the keyword options: as for :class:`DiLoCo` (any codec, 4-bit
             ``uint4-blockwise`` included; the outer optimizer steps only the synced
-            fragment's tensors).
+            fragment's tensors). With ``pace`` its target is the swarm's samples per
+            fragment sync, and each member's inner steps between two syncs follow its
+            speed; ``local_steps / fragments`` is then the first period only.
         local_steps: H, inner steps between two syncs of the same fragment; a multiple of
             ``fragments``. Or ``"auto"``: H and ``overlap_steps`` chosen from the measured
             inner step and round times so that each round ends within the steps it
@@ -190,6 +192,8 @@ class StreamingDiLoCo(DiLoCo):
             self._machine_step(samples)
         else:
             self.tracker.add_samples(samples)
+            if self.pace is not None and not self._paced:
+                self._plan_first_round()
             if self._pending is not None:
                 self._pending.waited += 1
                 if self._pending.waited >= self.overlap_steps:
@@ -434,7 +438,7 @@ class StreamingDiLoCo(DiLoCo):
         )
         self._pending = PendingSync(epoch, fragment, start, future, samples)
         self.inner_steps = 0
-        self.steps_this_round = self.local_steps
+        self.steps_this_round = self._round_steps(self.tracker.last)
 
     def _apply_pending(self) -> None:
         """Wait for the sync in flight (bounded by the round's deadline) and apply it."""

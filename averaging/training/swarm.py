@@ -150,6 +150,10 @@ class RoundStats:
             ``"partial"`` (it ran but was partial), ``"failed"`` (it did not gather a group
             within ``final_timeout``: the parameters are this process's own).
         final_group_size: members of the final round (0: it did not run or failed).
+        late_merges: times this process (a DiLoCo ``pace``) found the swarm past the outer
+            step its inner work was for and carried that work onto the swarm's anchor
+            (:mod:`~swarmavg.averaging.training.late_work`).
+        late_discards: times it dropped such work instead (too stale, or ahead alone).
     """
 
     rounds: int = 0
@@ -170,6 +174,8 @@ class RoundStats:
     rejoins: int = 0
     final_agreement: str = ""
     final_group_size: int = 0
+    late_merges: int = 0
+    late_discards: int = 0
 
 
 def swarm_errors() -> tuple[type[Exception], ...]:
