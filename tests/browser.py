@@ -8,6 +8,7 @@ Every read has a deadline; closing kills the browser and removes its profile.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -123,6 +124,23 @@ class Browser:
         if "exceptionDetails" in result:
             raise RuntimeError(f"{expression!r} raised: {result['exceptionDetails']}")
         return result["result"].get("value")
+
+    def set_viewport(self, width: int, height: int) -> None:
+        """Size the open page's window in CSS pixels (a screenshot shows this much)."""
+        self.command(
+            "Emulation.setDeviceMetricsOverride",
+            self._session,
+            width=width,
+            height=height,
+            deviceScaleFactor=1,
+            mobile=False,
+        )
+
+    def screenshot(self, path: str | os.PathLike[str]) -> None:
+        """Save the open page's window as a PNG."""
+        shot = self.command("Page.captureScreenshot", self._session, format="png")
+        with open(path, "wb") as f:
+            f.write(base64.b64decode(shot["data"]))
 
     def close(self) -> None:
         for fd in (self._to_browser, self._from_browser):
