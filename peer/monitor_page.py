@@ -173,58 +173,52 @@ function ago(seconds) {
   return seconds < 90 ? seconds.toFixed(0) + " s ago" : (seconds / 60).toFixed(0) + " min ago";
 }
 
-function showPeers(rows) {
-  const body = document.querySelector("#peers tbody");
+function fillTable(id, items, fillRow, empty, columns) {
+  const body = document.querySelector("#" + id + " tbody");
   body.replaceChildren();
-  for (const p of rows) {
+  for (const item of items) {
     const tr = document.createElement("tr");
-    tr.className = "peer" + (p.alone ? " alone" : "");
-    tr.dataset.peer = p.peer_id;
-    cell(tr, p.peer_id.slice(0, 12), "text");
-    cell(tr, p.address || "-", "text");
-    cell(tr, p.reachability, "text" + (p.reachability === "public" ? "" : " warn"));
-    cell(tr, String(p.trainers));
-    cell(tr, p.epoch === null ? "-" : String(p.epoch));
-    cell(tr, p.samples_per_second === null ? "-" : fmt(p.samples_per_second));
-    cell(tr, ago(p.last_seen));
-    cell(tr, p.rounds_done === null ? "-" : String(p.rounds_done));
-    cell(tr, p.rounds_partial === null ? "-" : String(p.rounds_partial),
-         p.rounds_partial ? "warn" : "");
-    const reasons = Object.entries(p.failures).map(([k, n]) => k + " " + n).join(", ");
-    const failed = p.rounds_failed === null ? "-" : String(p.rounds_failed);
-    cell(tr, reasons ? failed + " (" + reasons + ")" : failed, p.rounds_failed ? "bad" : "");
-    const r = p.last_round;
-    cell(tr, r === null ? "-" : r.key + ": " + (r.outcome === "failed" ? "failed, " + r.reason
-         : r.outcome + ", group of " + r.size) + " at " + clock(r.time),
-         "text" + (r && r.outcome === "failed" ? " bad" : ""));
+    fillRow(tr, item);
     body.append(tr);
   }
-  if (!rows.length) cell(body.insertRow(), "no peer seen yet", "text muted").colSpan = 11;
+  if (!items.length) cell(body.insertRow(), empty, "text muted").colSpan = columns;
 }
 
-function showRounds(rounds) {
-  const body = document.querySelector("#rounds tbody");
-  body.replaceChildren();
-  for (const r of rounds) {
-    const tr = document.createElement("tr");
-    tr.className = "round" + (r.split ? " split" : "");
-    tr.dataset.key = r.key;
-    tr.dataset.sizes = JSON.stringify(r.group_sizes);
-    tr.dataset.split = r.split ? "1" : "0";
-    cell(tr, clock(r.time), "text");
-    cell(tr, r.key, "text");
-    const sizes = r.group_sizes.length ? r.group_sizes.join(" + ") : "no group";
-    cell(tr, r.split ? sizes + "  (split!)" : sizes, "text sizes");
-    cell(tr, String(r.done));
-    cell(tr, String(r.partial), r.partial ? "warn" : "");
-    cell(tr, String(r.failed), r.failed ? "bad" : "");
-    cell(tr, Object.entries(r.failures).map(([k, n]) => k + " " + n).join(", ") || "-", "text");
-    body.append(tr);
-  }
-  if (!rounds.length) {
-    cell(body.insertRow(), "no round reported yet (daemons report theirs after each round)",
-         "text muted").colSpan = 7;
-  }
+function peerRow(tr, p) {
+  tr.className = "peer" + (p.alone ? " alone" : "");
+  tr.dataset.peer = p.peer_id;
+  cell(tr, p.peer_id.slice(0, 12), "text");
+  cell(tr, p.address || "-", "text");
+  cell(tr, p.reachability, "text" + (p.reachability === "public" ? "" : " warn"));
+  cell(tr, String(p.trainers));
+  cell(tr, p.epoch === null ? "-" : String(p.epoch));
+  cell(tr, p.samples_per_second === null ? "-" : fmt(p.samples_per_second));
+  cell(tr, ago(p.last_seen));
+  cell(tr, p.rounds_done === null ? "-" : String(p.rounds_done));
+  cell(tr, p.rounds_partial === null ? "-" : String(p.rounds_partial),
+       p.rounds_partial ? "warn" : "");
+  const reasons = Object.entries(p.failures).map(([k, n]) => k + " " + n).join(", ");
+  const failed = p.rounds_failed === null ? "-" : String(p.rounds_failed);
+  cell(tr, reasons ? failed + " (" + reasons + ")" : failed, p.rounds_failed ? "bad" : "");
+  const r = p.last_round;
+  cell(tr, r === null ? "-" : r.key + ": " + (r.outcome === "failed" ? "failed, " + r.reason
+       : r.outcome + ", group of " + r.size) + " at " + clock(r.time),
+       "text" + (r && r.outcome === "failed" ? " bad" : ""));
+}
+
+function roundRow(tr, r) {
+  tr.className = "round" + (r.split ? " split" : "");
+  tr.dataset.key = r.key;
+  tr.dataset.sizes = JSON.stringify(r.group_sizes);
+  tr.dataset.split = r.split ? "1" : "0";
+  cell(tr, clock(r.time), "text");
+  cell(tr, r.key, "text");
+  const sizes = r.group_sizes.length ? r.group_sizes.join(" + ") : "no group";
+  cell(tr, r.split ? sizes + "  (split!)" : sizes, "text sizes");
+  cell(tr, String(r.done));
+  cell(tr, String(r.partial), r.partial ? "warn" : "");
+  cell(tr, String(r.failed), r.failed ? "bad" : "");
+  cell(tr, Object.entries(r.failures).map(([k, n]) => k + " " + n).join(", ") || "-", "text");
 }
 
 function showAlerts(lines) {
@@ -260,8 +254,9 @@ async function poll() {
       draw(plotFor(name), data.t, ys, newest - updated > staleAfter, updated);
     }
     if (data.health && data.health.peers) {
-      showPeers(data.health.peers);
-      showRounds(data.health.rounds);
+      fillTable("peers", data.health.peers, peerRow, "no peer seen yet", 11);
+      fillTable("rounds", data.health.rounds, roundRow,
+                "no round reported yet (daemons report theirs after each round)", 7);
       showAlerts(data.health.alerts);
     }
     updates += 1;

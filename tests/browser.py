@@ -31,6 +31,16 @@ def find_chromium() -> str | None:
     return None
 
 
+def chromium_or_skip() -> str:
+    """The path of an installed Chromium; skips the calling test when there is none."""
+    import pytest  # only the tests that drive a browser need it
+
+    path = find_chromium()
+    if path is None:
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    return path
+
+
 class Browser:
     """One headless Chromium; :meth:`open` a page, :meth:`evaluate` JavaScript in it."""
 

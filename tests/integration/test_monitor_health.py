@@ -26,13 +26,12 @@ import pytest
 from swarmavg.averaging.training.progress import ProgressTracker
 from swarmavg.peer import connect
 from swarmavg.peer.errors import NoGroupError
-from tests.browser import Browser, find_chromium
+from tests.browser import Browser, chromium_or_skip
 from tests.harness import ProcessPool, SwarmavgProcess
-from tests.integration.test_monitor_dashboard import get_json, wait_until
+from tests.integration.test_monitor_dashboard import get_json, start_peers, wait_until
 
 pytestmark = pytest.mark.integration
 RUN = "health-run"
-CHROMIUM = find_chromium()
 
 HEALTH_JS = (
     "JSON.stringify(document.body ? {"
@@ -52,14 +51,7 @@ CLOCK = re.compile(r"\d\d:\d\d:\d\d")
 
 @pytest.fixture
 def swarm(swarmavg_processes: ProcessPool, tmp_path: Path) -> Iterator[list[SwarmavgProcess]]:
-    def start(name: str, *extra: str) -> SwarmavgProcess:
-        control = str(tmp_path / f"{name}.sock")
-        return swarmavg_processes.start(
-            ["peer", "--listen", "127.0.0.1:0", "--control", control, "--run-id", RUN, *extra]
-        )
-
-    first = start("a")
-    return [first, *(start(name, "--join", first.address) for name in "bcd")]
+    return start_peers(swarmavg_processes, tmp_path, RUN, 4)
 
 
 def average(control: str, key: str, timeout: float) -> Any:
@@ -70,12 +62,11 @@ def average(control: str, key: str, timeout: float) -> Any:
             return exc
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
 @pytest.mark.timeout(240)
 def test_the_dashboard_shows_peers_a_split_round_a_lone_peer_and_stale_figures(
     swarm: list[SwarmavgProcess], swarmavg_processes: ProcessPool, tmp_path: Path
 ) -> None:
-    assert CHROMIUM is not None
+    chromium = chromium_or_skip()
     monitor = swarmavg_processes.start(
         ["monitor", "--run-id", RUN, "--initial-peers", swarm[1].address,
          "--interval", "0.3", "--http", "127.0.0.1:0"]
@@ -107,7 +98,7 @@ def test_the_dashboard_shows_peers_a_split_round_a_lone_peer_and_stale_figures(
     )
     assert data["series"]["rounds_done"][-1] == 4.0
 
-    browser = Browser(CHROMIUM)
+    browser = Browser(chromium)
     try:
         browser.open(url)
         browser.set_viewport(1280, 1500)
