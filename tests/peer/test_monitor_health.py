@@ -19,7 +19,7 @@ from swarmavg.peer.monitor_rounds import (
     publish_rounds,
     rounds_key,
 )
-from swarmavg.peer.monitor_series import sample_from_view
+from swarmavg.peer.monitor_series import History, Sample, sample_from_view
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -201,3 +201,13 @@ async def test_the_daemon_publishes_its_report_when_a_round_ends() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+def test_the_history_says_when_each_series_last_had_a_value() -> None:
+    history = History("r")
+    history.add(Sample(1.0, {"peers": 2.0, "eta": 0.2193}))
+    history.add(Sample(2.0, {"peers": 2.0}))  # the trainers left: no ETA any more
+    history.add(Sample(3.0, {"peers": 1.0}))
+    data = history.to_json()
+    assert data["updated"] == {"peers": 3.0, "eta": 1.0}
+    assert data["series"]["eta"] == [0.2193, None, None]
