@@ -6,7 +6,7 @@ daemons' round reports (:mod:`swarmavg.peer.monitor_rounds`). A round is the set
 that share a round key across reports; its groups are the distinct group ids among them.
 Two groups under one key is a split swarm (peers that meant to average together did not);
 a daemon whose recent rounds all failed to find a group, or ran in a group of one, trains
-alone.
+alone, and so do the trainers of the only daemon that has any.
 """
 
 from __future__ import annotations
@@ -139,6 +139,14 @@ def alerts(rounds: Sequence[RoundHealth], rows: Sequence[Mapping[str, Any]]) -> 
         if r.split:
             sizes = " + ".join(str(s) for s in sorted(r.groups.values(), reverse=True))
             said.append(f"round {r.key} split into {len(r.groups)} groups ({sizes} peers)")
+    training = [row for row in rows if row["trainers"] > 0]
+    if len(training) == 1 and len(rows) > 1:
+        # one daemon's trainers, no other's: whatever its rounds say, it steps alone
+        only = training[0]
+        said.append(
+            f"only peer {only['address'] or only['peer_id'][:12]} has trainers reporting: "
+            "it trains alone"
+        )
     for row in rows:
         if row["alone"]:
             said.append(

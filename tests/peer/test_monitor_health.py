@@ -152,6 +152,7 @@ def test_a_daemon_whose_rounds_find_no_partner_is_alone() -> None:
         health["alerts"]
         == [
             "round step-2 split into 2 groups (2 + 1 peers)",  # C ran it in a group of one
+            "only peer 127.0.0.1:1 has trainers reporting: it trains alone",
             f"peer {C[:12]} is alone: its last 2 rounds found no partner",
         ]
     )
@@ -211,3 +212,25 @@ def test_the_history_says_when_each_series_last_had_a_value() -> None:
     data = history.to_json()
     assert data["updated"] == {"peers": 3.0, "eta": 1.0}
     assert data["series"]["eta"] == [0.2193, None, None]
+
+
+def test_the_only_daemon_with_trainers_is_reported_as_training_alone() -> None:
+    def peer(peer_id: str, method: str | None, processes: int) -> dict[str, Any]:
+        return {
+            "peer_id": peer_id,
+            "this_peer": False,
+            "address": f"10.0.0.{processes}:1",
+            "mode": "full",
+            "method": method,
+            "epoch": 1 if method else None,
+            "samples_per_second": 1.0 if method else None,
+            "processes": processes,
+            "last_seen": 0.0,
+        }
+
+    alone = {"peers": [peer(A, "collaborative", 1), peer(B, None, 0)]}
+    assert health_json(alone, [], 0)["alerts"] == [
+        "only peer 10.0.0.1:1 has trainers reporting: it trains alone"
+    ]
+    together = {"peers": [peer(A, "collaborative", 1), peer(B, "collaborative", 2)]}
+    assert health_json(together, [], 0)["alerts"] == []
