@@ -236,7 +236,8 @@ class Monitor:
         view_dict = view_to_dict(view)
         reports, ignored = parse_reports(raw_reports if found else None)
         sample = sample_from_view(view_dict, time.time())
-        sample = Sample(sample.time, {**sample.values, **round_totals(reports)})
+        if reports:  # none found is no news, not a run whose counters fell to 0
+            sample = Sample(sample.time, {**sample.values, **round_totals(reports)})
         self.health = health_json(view_dict, reports, ignored)
         step = self.history.total
         self.history.add(sample)
