@@ -17,6 +17,8 @@ key                              written by                                  val
 ``{run}.state``                  state sharing (state/sharer.py)              an advert
 ``{run}.averagers``              matchmaking (matchmaking/roster.py)          a presence
 ``<anything>.progress``          progress tracking (training/progress.py)     a progress
+``{run}.rounds``                 the daemon, for monitors                     a round report
+                                 (peer/monitor_rounds.py)
 ===============================  ==========================================  ===============
 
 Every class caps its records' lifetime at :data:`PROTOCOL_KEY_MAX_TTL` (an hour): the
@@ -68,6 +70,12 @@ def _is_progress(subkey: Subkey, owner: bytes, value: Any) -> bool:
     return record is not None and record.peer_id == owner.hex()
 
 
+def _is_round_report(subkey: Subkey, owner: bytes, value: Any) -> bool:
+    # Only the owner's claim is checked here: the report's schema belongs to the peer layer
+    # above (peer/monitor_rounds.py), whose reader checks every field again.
+    return isinstance(value, dict) and value.get("peer") == owner.hex()
+
+
 def protocol_key_classes(run_id: str) -> tuple[KeyClass, ...]:
     """The key classes of run ``run_id``'s protocol keys, for ``DHTConfig.key_classes``.
 
@@ -100,6 +108,12 @@ def protocol_key_classes(run_id: str) -> tuple[KeyClass, ...]:
             "progress records",
             re.compile(rb".+" + re.escape(PROGRESS_SUFFIX.encode()), re.DOTALL),
             _is_progress,
+            PROTOCOL_KEY_MAX_TTL,
+        ),
+        KeyClass(
+            "round reports",
+            re.compile(rb"%s\.rounds" % run),
+            _is_round_report,
             PROTOCOL_KEY_MAX_TTL,
         ),
     )

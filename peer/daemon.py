@@ -63,6 +63,7 @@ from swarmavg.peer.control_server import (
 )
 from swarmavg.peer.daemon_log import narrate
 from swarmavg.peer.endpoint import ControlEndpoint
+from swarmavg.peer.monitor_rounds import RoundLog, publish_rounds
 from swarmavg.peer.nat.agent import NatAgent
 from swarmavg.peer.nat.limits import MiB, RelayLimits
 from swarmavg.peer.nat.reservation import RelayedAddress
@@ -204,6 +205,7 @@ class Peer:
     def __init__(self, config: PeerConfig) -> None:
         self.config = config
         self.stats = PeerStats()
+        self.round_log = RoundLog()  # published for monitors: peer/monitor_rounds.py
         self.address: str | None = None
         self.control: ControlEndpoint | None = None
         self.identity: Identity | None = None
@@ -299,6 +301,9 @@ class Peer:
         if cfg.metrics:
             await self._start_metrics(cfg.metrics)
         self._tasks.spawn(self._sweep_shm(), name="shm-sweeper")
+        self._tasks.spawn(
+            publish_rounds(self.dht, cfg.run_id, self.peer_id, self.round_log), name="rounds"
+        )
         self._tasks.spawn(
             narrate(self._contacts, self.stats, cfg.summary_interval), name="narrator"
         )
@@ -486,6 +491,7 @@ class Peer:
             )
         except asyncio.CancelledError:
             self.stats.record_failure("cancelled")
+            self.round_log.round_failed(request.key, "cancelled")
             raise
         except Exception as exc:
             if _is_outcome_of(inputs_ready, exc) or (
@@ -494,6 +500,7 @@ class Peer:
                 raise  # the caller's own tensors, refused: the control service counts it
             reason = classify(exc)[1]
             self.stats.record_failure(reason)
+            self.round_log.round_failed(request.key, reason)
             log.info("round %s failed (%s): %s", request.key, reason, exc)
             raise
         log.debug(
@@ -511,6 +518,9 @@ class Peer:
             result.bytes_received,
             result.timings,
             partial=result.partial,
+        )
+        self.round_log.round_done(
+            request.key, result.group_id, result.group_size, partial=result.partial
         )
         return result
 

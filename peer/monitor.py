@@ -3,7 +3,8 @@
 The monitor joins the run's DHT in client mode (it serves nothing to the swarm and takes no
 part in averaging), reads the run's view every ``interval`` seconds (the progress records
 of every trainer and its routing table, as ``swarmavg peers`` does:
-:mod:`swarmavg.peer.run_gather`), keeps the newest samples in a ring buffer
+:mod:`swarmavg.peer.run_gather`, and the daemons' round reports:
+:mod:`swarmavg.peer.monitor_rounds`), keeps the newest samples in a ring buffer
 (:mod:`swarmavg.peer.monitor_series`), writes each sample to the sinks asked for (CSV,
 TensorBoard, wandb: :mod:`swarmavg.peer.monitor_sinks`) and serves a dashboard that plots
 them (:mod:`swarmavg.peer.monitor_http`).
@@ -33,17 +34,19 @@ from swarmavg.peer.daemon import (
     node_dht_config,
     revocation_keeper,
 )
+from swarmavg.peer.monitor_health import health_json, round_totals
 from swarmavg.peer.monitor_http import DashboardServer
 from swarmavg.peer.monitor_page import render_page
+from swarmavg.peer.monitor_rounds import parse_reports, rounds_key
 from swarmavg.peer.monitor_series import DEFAULT_HISTORY, History, Sample, sample_from_view
 from swarmavg.peer.monitor_sinks import Sink, SinkUnavailable, close_sinks, open_sinks, write_all
-from swarmavg.peer.run_gather import gather_view
+from swarmavg.peer.run_gather import gather_view, read_value
 from swarmavg.peer.run_view import ThisPeer, view_to_dict
 
 log = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL = 5.0
-"""Seconds between polls: a poll costs two DHT lookups (docs/benchmarks.md, "Peer")."""
+"""Seconds between polls: a poll costs three DHT lookups (docs/benchmarks.md, "Peer")."""
 DEFAULT_HTTP = "127.0.0.1:8470"
 """Where the dashboard listens unless told otherwise (loopback: see ``--http``)."""
 MAX_INTERVAL = 3600.0
@@ -65,7 +68,7 @@ class MonitorSettings:
         tensorboard: a TensorBoard log folder.
         wandb_project: a wandb project to log to.
         bootstrap_timeout: seconds to retry the initial peers.
-        poll_timeout: the longest one poll (two DHT lookups) may take.
+        poll_timeout: the longest one poll (three DHT lookups, in parallel) may take.
         log_level: the logging level name.
         identity: the monitor's Ed25519 identity file (None: a fresh identity per start).
         run_file, credential: a private run's run file and the monitor's credential in it
@@ -135,6 +138,7 @@ class Monitor:
     def __init__(self, settings: MonitorSettings) -> None:
         self.settings = settings
         self.history = History(settings.run_id, settings.history)
+        self.health: dict[str, Any] = {}  # the newest poll's peers, rounds and alerts
         self.node: DHTNode | None = None
         self.dashboard: DashboardServer | None = None
         self.polls_failed = 0
@@ -184,7 +188,7 @@ class Monitor:
             raise StartupError(f"cannot write {exc.filename}: {exc.strerror}") from None
         if s.http is not None:
             dashboard = DashboardServer(
-                s.http, render_page(s.run_id, min(s.interval, 5.0)), self.history.to_json
+                s.http, render_page(s.run_id, min(s.interval, 5.0)), self.data
             )
             try:
                 await dashboard.start()
@@ -224,17 +228,32 @@ class Monitor:
         if node is None:
             raise RuntimeError("the monitor is not started")
         s = self.settings
-        view = await asyncio.wait_for(
-            gather_view(node, s.run_id, s.training_run, ThisPeer(self.peer_id, None)),
-            s.poll_timeout,
-        )
-        sample = sample_from_view(view_to_dict(view), time.time())
+        async with asyncio.timeout(s.poll_timeout):
+            view, (found, raw_reports) = await asyncio.gather(
+                gather_view(node, s.run_id, s.training_run, ThisPeer(self.peer_id, None)),
+                read_value(node, rounds_key(s.run_id)),
+            )
+        view_dict = view_to_dict(view)
+        reports, ignored = parse_reports(raw_reports if found else None)
+        sample = sample_from_view(view_dict, time.time())
+        if reports:  # none found is no news, not a run whose counters fell to 0
+            sample = Sample(sample.time, {**sample.values, **round_totals(reports)})
+        self.health = health_json(view_dict, reports, ignored)
         step = self.history.total
         self.history.add(sample)
         if self._sinks:
             await asyncio.to_thread(write_all, self._sinks, sample, step)
         self._narrate(sample)
         return sample
+
+    def data(self) -> dict[str, Any]:
+        """``/data.json``: the history's columns, the newest poll's health, the poll
+        interval and the monitor's clock (the page judges staleness against both)."""
+        return self.history.to_json() | {
+            "health": self.health,
+            "interval": self.settings.interval,
+            "now": time.time(),
+        }
 
     async def _poll_forever(self) -> None:
         loop = asyncio.get_running_loop()

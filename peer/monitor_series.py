@@ -7,8 +7,13 @@ memory, and renders them as the columns the dashboard plots.
 
 Series names: ``peers`` (daemons seen: routing table and progress records), ``trainers``
 (training processes reporting), ``epoch``, ``samples_per_second``, ``eta`` (seconds to the
-next global step, absent when unknown), ``ignored_records``, and ``metric/NAME`` for each
-user metric (the mean over the peers that report it; ``opt.report_metrics``).
+next global step, absent when unknown), ``ignored_records``, ``rounds_done``,
+``rounds_partial`` and ``rounds_failed`` (the daemons' round reports summed:
+:mod:`swarmavg.peer.monitor_rounds`), and ``metric/NAME`` for each user metric (the mean
+over the peers that report it; ``opt.report_metrics``). ``epoch``, ``samples_per_second``
+and ``eta`` are absent while no trainer reports: the records of trainers that left still
+name their last figures, which would otherwise read as a live run (the dashboard shows the
+last value as stale instead).
 """
 
 from __future__ import annotations
@@ -21,7 +26,17 @@ from typing import Any
 
 DEFAULT_HISTORY = 2048
 """Samples a monitor keeps for the dashboard (at the default 5 s interval: about 2.8 h)."""
-BASE_SERIES = ("peers", "trainers", "epoch", "samples_per_second", "eta", "ignored_records")
+BASE_SERIES = (
+    "peers",
+    "trainers",
+    "epoch",
+    "samples_per_second",
+    "eta",
+    "rounds_done",
+    "rounds_partial",
+    "rounds_failed",
+    "ignored_records",
+)
 """The series every sample may carry, in the dashboard's order (metrics follow)."""
 METRIC_PREFIX = "metric/"
 
@@ -53,7 +68,7 @@ def sample_from_view(view: Mapping[str, Any], now: float) -> Sample:
         "trainers": float(sum(r["processes"] for r in rows if r["method"] is not None)),
         "ignored_records": float(view["ignored_records"]),
     }
-    if progress:
+    if progress and values["trainers"] > 0:
         values["epoch"] = float(max(p["epoch"] for p in progress))
         values["samples_per_second"] = float(sum(p["samples_per_second"] for p in progress))
         etas = [p["eta"] for p in progress if p["eta"] is not None]
@@ -102,8 +117,14 @@ class History:
 
     def to_json(self) -> dict[str, Any]:
         """The columns the dashboard plots: ``t`` (wall-clock seconds) and one list per
-        series, ``None`` where a sample did not carry it."""
+        series, ``None`` where a sample did not carry it; ``updated``: per series, the time
+        of the newest sample that carried it (the page greys a series whose newest value
+        is older than the newest poll)."""
         names = self.names()
+        updated: dict[str, float] = {}
+        for s in self._samples:
+            for name in s.values:
+                updated[name] = s.time
         return {
             "run_id": self.run_id,
             "points": len(self._samples),
@@ -112,6 +133,7 @@ class History:
             "series": {
                 name: [_finite(s.values.get(name)) for s in self._samples] for name in names
             },
+            "updated": {name: updated[name] for name in names},
         }
 
 

@@ -8,6 +8,7 @@ Every read has a deadline; closing kills the browser and removes its profile.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -28,6 +29,16 @@ def find_chromium() -> str | None:
         if path is not None:
             return path
     return None
+
+
+def chromium_or_skip() -> str:
+    """The path of an installed Chromium; skips the calling test when there is none."""
+    import pytest  # only the tests that drive a browser need it
+
+    path = find_chromium()
+    if path is None:
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    return path
 
 
 class Browser:
@@ -123,6 +134,23 @@ class Browser:
         if "exceptionDetails" in result:
             raise RuntimeError(f"{expression!r} raised: {result['exceptionDetails']}")
         return result["result"].get("value")
+
+    def set_viewport(self, width: int, height: int) -> None:
+        """Size the open page's window in CSS pixels (a screenshot shows this much)."""
+        self.command(
+            "Emulation.setDeviceMetricsOverride",
+            self._session,
+            width=width,
+            height=height,
+            deviceScaleFactor=1,
+            mobile=False,
+        )
+
+    def screenshot(self, path: str | os.PathLike[str]) -> None:
+        """Save the open page's window as a PNG."""
+        shot = self.command("Page.captureScreenshot", self._session, format="png")
+        with open(path, "wb") as f:
+            f.write(base64.b64decode(shot["data"]))
 
     def close(self) -> None:
         for fd in (self._to_browser, self._from_browser):

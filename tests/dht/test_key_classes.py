@@ -24,6 +24,7 @@ from swarmavg.dht.identity import address_signature_payload
 from swarmavg.dht.ids import key_id
 from swarmavg.dht.records import StoredRecord, pack, pack_subkey, signing_payload
 from swarmavg.dht.routing import Contact
+from swarmavg.peer.monitor_rounds import RoundLog
 from swarmavg.proto import dht_pb2
 from tests.dht.swarm import swarm
 
@@ -60,6 +61,10 @@ def progress(peer_id: bytes) -> Any:
     return PeerProgress(peer_id.hex(), 3, 10, 1.0, time.time()).to_record()
 
 
+def rounds(peer_id: bytes) -> Any:
+    return RoundLog().report(peer_id.hex()).to_record()
+
+
 @dataclass(frozen=True)
 class ProtocolKey:
     key: str
@@ -76,6 +81,7 @@ PROTOCOL_KEYS = {
     "diloco-progress": ProtocolKey(
         "run.diloco.progress", lambda p: "a1b2" + owner_suffix(p), progress
     ),
+    "round-reports": ProtocolKey(f"{RUN}.rounds", owner_suffix, rounds),
 }
 
 

@@ -92,16 +92,22 @@ class Trainers:
             client.close()
 
 
-@pytest.fixture
-def swarm(swarmavg_processes: ProcessPool, tmp_path: Path) -> Iterator[list[SwarmavgProcess]]:
+def start_peers(pool: ProcessPool, folder: Path, run: str, n: int) -> list[SwarmavgProcess]:
+    """``n`` daemons of ``run`` on 127.0.0.1, each joining the first."""
+
     def start(name: str, *extra: str) -> SwarmavgProcess:
-        control = str(tmp_path / f"{name}.sock")
-        return swarmavg_processes.start(
-            ["peer", "--listen", "127.0.0.1:0", "--control", control, "--run-id", RUN, *extra]
+        control = str(folder / f"{name}.sock")
+        return pool.start(
+            ["peer", "--listen", "127.0.0.1:0", "--control", control, "--run-id", run, *extra]
         )
 
-    first = start("a")
-    return [first, start("b", "--join", first.address)]
+    first = start("p0")
+    return [first, *(start(f"p{i}", "--join", first.address) for i in range(1, n))]
+
+
+@pytest.fixture
+def swarm(swarmavg_processes: ProcessPool, tmp_path: Path) -> Iterator[list[SwarmavgProcess]]:
+    return start_peers(swarmavg_processes, tmp_path, RUN, 2)
 
 
 def get_json(url: str) -> dict[str, Any]:
