@@ -32,6 +32,7 @@ torch-free ``progress`` module of this package).
 from __future__ import annotations
 
 import logging
+import math
 import time
 import warnings
 from abc import ABC, abstractmethod
@@ -41,6 +42,12 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from swarmavg.averaging.training.background import LatestWork
+from swarmavg.averaging.training.company import (
+    DEFAULT_ALONE_AFTER,
+    DEFAULT_STALLED_AFTER,
+    CompanyWatch,
+    Event,
+)
 from swarmavg.averaging.training.consensus import (
     Provenance,
     Role,
@@ -56,6 +63,12 @@ from swarmavg.averaging.training.progress import (
     PeerProgress,
     ProgressTracker,
 )
+from swarmavg.averaging.training.run_directory import (
+    TrainerEntry,
+    describe_runs,
+    trainers_key,
+    training_runs,
+)
 from swarmavg.averaging.training.state import TrainingState, pack_state
 from swarmavg.averaging.training.swarm import (
     RoundResultLike,
@@ -66,11 +79,39 @@ from swarmavg.averaging.training.swarm import (
     swarm_errors,
 )
 from swarmavg.averaging.training.tensors import collect_params, copy_into
-from swarmavg.averaging.training.verbose import ProgressLog
+from swarmavg.averaging.training.verbose import ProgressLog, eta_text
 
 log = logging.getLogger(__name__)
 
 _W = TypeVar("_W", bound="SwarmOptimizer")
+
+FOLLOWER_RUN = "local-group"
+"""The run id a follower rank of a local group uses when none is given: it never talks to
+the daemon, so its keys reach nobody."""
+
+
+def resolve_run(client: SwarmClient | None, run_id: str | None) -> str:
+    """The training run of a wrapper: ``run_id``, or its daemon's run id when None.
+
+    One run id is the common case (``swarmavg peer --run-id X`` and trainers that follow
+    it); a wrapper's own run id is a second namespace on the same daemons, useful on
+    purpose and silent when mistyped (docs/training.md, "Run ids").
+
+    Raises:
+        ValueError: an empty ``run_id``, or a daemon whose status names no run.
+    """
+    if run_id is not None:
+        if not run_id:
+            raise ValueError("run_id must not be empty (None: the daemon's run id)")
+        return run_id
+    if client is None:
+        return FOLLOWER_RUN
+    status = client.status()
+    run = status.get("run_id") if isinstance(status, Mapping) else None
+    if not isinstance(run, str) or not run:
+        raise ValueError("the daemon's status names no run_id; pass run_id explicitly")
+    return run
+
 
 FINAL_POLL = 0.05
 """Seconds between two reads of the progress while ``close()`` waits for the final records
@@ -98,6 +139,11 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         verbose: log the epoch, the swarm's samples/s and the time to the next global step
             at INFO (:mod:`~swarmavg.averaging.training.verbose`; make the library's logs
             visible with ``swarmavg.peer.enable_logging()``).
+        alone_after: seconds without another trainer of the run before a warning says
+            this process trains alone, with the run ids it can see (``inf``: never;
+            :mod:`~swarmavg.averaging.training.company`).
+        stalled_after: seconds without a global step before a warning says so, with the
+            swarm's progress towards the target (``inf``: never).
         local_group: the hierarchical mode (docs/training.md): this machine's ranks, of
             which only the leader talks to the daemon (None: this process is one peer).
             ``client`` may be None on the other ranks.
@@ -138,6 +184,8 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         local_group: LocalGroup | None = None,
         final_round: bool = True,
         final_timeout: float | None = None,
+        alone_after: float = DEFAULT_ALONE_AFTER,
+        stalled_after: float = DEFAULT_STALLED_AFTER,
     ) -> None:
         if final_timeout is not None and not final_timeout > 0:
             raise ValueError(f"final_timeout must be positive, got {final_timeout}")
@@ -188,6 +236,9 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         )
         self.verbose = bool(verbose)
         self._progress_log = ProgressLog() if verbose else None
+        self._company = CompanyWatch(alone_after, stalled_after, time.monotonic())
+        self._next_entry = -math.inf  # monotonic time the trainer entry is due again
+        self._daemon_run: str | None = None  # the daemon's run id, read on first use
         self._closed = False
         self._rank_samples = 0
         """Hierarchical mode: samples this rank processed since the last global step (its
@@ -281,7 +332,11 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
             ValueError: more than 8 entries, a name outside ``[A-Za-z0-9_./-]{1,32}``, or a
                 value that is not a finite number (a one-element tensor is taken).
         """
-        self.tracker.set_metrics(metrics)
+        # A loss straight from the graph requires grad; converting it to a number would
+        # warn (torch's "Converting a tensor with requires_grad=True to a scalar").
+        self.tracker.set_metrics(
+            {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the parameters' ``.grad`` (what the wrapper accumulated is kept)."""
@@ -519,9 +574,95 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
             log.warning("could not withdraw the progress record: %s", exc)
 
     def _log_progress(self) -> None:
-        """``verbose=True``: write the progress line when it is due (after each step)."""
+        """After each step: write the progress line when it is due (``verbose=True``) and
+        say when this process trains alone or the swarm takes no global step."""
         if self._progress_log is not None:
             self._progress_log.update(self.epoch, *self._verbose_figures())
+        if not self._follower:
+            self._watch_company()
+
+    def _watch_company(self) -> None:
+        """Refresh this trainer's entry under the daemons' run and warn when it has had no
+        company for a while (:mod:`~swarmavg.averaging.training.company`)."""
+        now = time.monotonic()
+        progress = self.tracker.last
+        company = any(p.peer_id != self.tracker.peer_id for p in progress.peers)
+        event = self._company.update(company, self.epoch, now)
+        try:
+            if now >= self._next_entry or event not in (None, Event.STALLED):
+                self._next_entry = now + self.tracker.ttl / 3
+                self._write_entry(now)
+            if event is not None:
+                self._say(event, progress, now)
+        except swarm_errors() as exc:
+            log.debug("could not write or read the trainer entries: %s", exc)
+
+    def _daemon_run_id(self) -> str | None:
+        if self._daemon_run is None:
+            status = self.link.client.status()
+            run = status.get("run_id") if isinstance(status, Mapping) else None
+            self._daemon_run = run if isinstance(run, str) and run else ""
+        return self._daemon_run or None
+
+    def _write_entry(self, now: float) -> None:
+        daemon_run = self._daemon_run_id()
+        if daemon_run is None:
+            return
+        # "alone" once this process has said so in its log: the status and ``swarmavg
+        # peers`` then tell the same story, not every start's first seconds
+        alone = self._company.alone_for(now) if self._company.warned else 0.0
+        entry = TrainerEntry(self.link.run_id, self.KIND, alone, time.time())
+        self.link.client.dht.store(
+            trainers_key(daemon_run),
+            entry.to_record(),
+            ttl=self.tracker.ttl,
+            subkey=self.tracker.subkey,
+        )
+
+    def _say(self, event: Event, progress: GlobalProgress, now: float) -> None:
+        run = self.link.run_id
+        if event is Event.COMPANY:
+            log.info("run %r: another trainer is here again; training together", run)
+            return
+        if event is Event.STALLED:
+            log.warning(
+                "run %r: no global step for %.0f s: the swarm has %d/%d samples towards "
+                "epoch %d at %.1f samples/s (next step in %s); lower target_batch_size or "
+                "add trainers for more frequent steps",
+                run,
+                self._company.stalled_after,
+                progress.samples,
+                progress.target,
+                progress.epoch,
+                progress.samples_per_second,
+                eta_text(progress.eta),
+            )
+            return
+        daemon_run = self._daemon_run_id()
+        raw = self.link.client.dht.get(trainers_key(daemon_run)) if daemon_run else None
+        others = [r for r in training_runs(raw) if r.run != run or r.trainers > 1]
+        seen = describe_runs(others)
+        if event is Event.LEFT_ALONE:
+            log.warning(
+                "run %r: the other trainers left %.0f s ago; this process now trains alone "
+                "and its global steps are its own (training runs seen under the daemons' "
+                "run %r: %s)",
+                run,
+                self._company.alone_for(now),
+                daemon_run,
+                seen,
+            )
+            return
+        log.warning(
+            "run %r: no other trainer of this run seen for %.0f s; this process trains "
+            "alone. Check that every trainer uses the same run id (training runs seen under "
+            "the daemons' run %r: %s; run_id=None takes the daemon's) and that the daemons "
+            "joined one another (swarmavg peers)",
+            run,
+            self._company.alone_for(now),
+            daemon_run,
+            seen,
+        )
 
     def _verbose_figures(self) -> tuple[int, int, float, int, float]:
         """``(samples, target, swarm samples/s, peers, eta)`` towards the next global step.

@@ -55,7 +55,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from swarmavg.averaging.training.base import SwarmOptimizer
+from swarmavg.averaging.training.base import SwarmOptimizer, resolve_run
+from swarmavg.averaging.training.company import DEFAULT_ALONE_AFTER, DEFAULT_STALLED_AFTER
 from swarmavg.averaging.training.consensus import Role
 from swarmavg.averaging.training.digest import state_digest
 from swarmavg.averaging.training.local_group import (
@@ -112,6 +113,7 @@ class CollaborativeOptimizer(SwarmOptimizer):
         optimizer: any ``torch.optim.Optimizer`` over those parameters.
         client: a connected swarmavg client (``swarmavg.peer.connect()``).
         run_id: the training run. Processes with the same ``run_id`` train together.
+            None (the default): the daemon's run id (``swarmavg peer --run-id``).
         target_batch_size: samples the swarm processes per global step.
         batch_size_per_step: samples behind one ``step()`` call (override per call with
             ``step(batch_size=...)``).
@@ -158,6 +160,10 @@ class CollaborativeOptimizer(SwarmOptimizer):
             that all of them end with bit-identical parameters (docs/training.md,
             "Finishing a run"). In gradients mode a delayed update is applied first.
         final_timeout: seconds the final round may take (default ``averaging_timeout``).
+        alone_after: seconds without another trainer of the run before a warning says
+            this process trains alone, naming the run ids it can see (``inf``: never).
+        stalled_after: seconds without a global step before a warning says so, with the
+            swarm's progress towards ``target_batch_size`` (``inf``: never).
 
     Call ``zero_grad()`` after ``step()`` as usual. ``step()`` returns the closure's loss
     (or None). Not thread-safe: use it from the training thread. Close it (or use it as a
@@ -171,9 +177,9 @@ class CollaborativeOptimizer(SwarmOptimizer):
         params: Iterable[Any],
         optimizer: torch.optim.Optimizer,
         client: SwarmClient | None,
-        run_id: str,
-        target_batch_size: int,
-        batch_size_per_step: int,
+        run_id: str | None = None,
+        target_batch_size: int | None = None,
+        batch_size_per_step: int | None = None,
         average: Literal["gradients", "parameters"] = "gradients",
         codec: str | None = None,
         *,
@@ -192,7 +198,11 @@ class CollaborativeOptimizer(SwarmOptimizer):
         local_leader: int = 0,
         final_round: bool = True,
         final_timeout: float | None = None,
+        alone_after: float = DEFAULT_ALONE_AFTER,
+        stalled_after: float = DEFAULT_STALLED_AFTER,
     ) -> None:
+        if target_batch_size is None or batch_size_per_step is None:
+            raise ValueError("target_batch_size and batch_size_per_step are required")
         if average not in ("gradients", "parameters"):
             raise ValueError(f"average must be 'gradients' or 'parameters', got {average!r}")
         if delay_updates and average != "gradients":
@@ -200,6 +210,7 @@ class CollaborativeOptimizer(SwarmOptimizer):
         if max_wait < 0:
             raise ValueError("max_wait must not be negative")
         local_group = resolve_local_group(process_group, local_leader)
+        run_id = resolve_run(client, run_id)
         super().__init__(
             params,
             optimizer,
@@ -220,6 +231,8 @@ class CollaborativeOptimizer(SwarmOptimizer):
             local_group=local_group,
             final_round=final_round,
             final_timeout=final_timeout,
+            alone_after=alone_after,
+            stalled_after=stalled_after,
         )
         self.optimizer = optimizer
         self.average = average
