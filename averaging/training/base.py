@@ -64,8 +64,10 @@ from swarmavg.averaging.training.progress import (
     ProgressTracker,
 )
 from swarmavg.averaging.training.run_directory import (
+    AVERAGERS_SUFFIX,
     TrainerEntry,
     describe_runs,
+    other_daemons,
     trainers_key,
     training_runs,
 )
@@ -113,6 +115,14 @@ def resolve_run(client: SwarmClient | None, run_id: str | None) -> str:
     return run
 
 
+DEFAULT_START_TIMEOUT = 60.0
+"""Seconds a trainer's first global step waits for the other trainers of its run
+(:meth:`SwarmOptimizer._await_company`): about the spread of a swarm's start (each trainer
+imports torch, loads its data, and its daemon joins), bounded so that a daemon without a
+trainer delays a run by this much once."""
+START_POLL = 0.2
+"""Seconds between two reads of the progress while the first global step waits."""
+
 FINAL_POLL = 0.05
 """Seconds between two reads of the progress while ``close()`` waits for the final records
 of the processes that stop with it (a DHT read through the daemon each)."""
@@ -144,6 +154,9 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
             :mod:`~swarmavg.averaging.training.company`).
         stalled_after: seconds without a global step before a warning says so, with the
             swarm's progress towards the target (``inf``: never).
+        min_peers: daemons (this one included) whose trainers must report in the run
+            before the first global step (the start barrier, :meth:`_await_company`).
+        start_timeout: seconds the first global step waits for them at most (0: no wait).
         local_group: the hierarchical mode (docs/training.md): this machine's ranks, of
             which only the leader talks to the daemon (None: this process is one peer).
             ``client`` may be None on the other ranks.
@@ -186,7 +199,16 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         final_timeout: float | None = None,
         alone_after: float = DEFAULT_ALONE_AFTER,
         stalled_after: float = DEFAULT_STALLED_AFTER,
+        min_peers: int = 1,
+        start_timeout: float = DEFAULT_START_TIMEOUT,
     ) -> None:
+        if min_peers < 1:
+            raise ValueError(f"min_peers must be at least 1, got {min_peers}")
+        if start_timeout < 0:
+            raise ValueError(f"start_timeout must not be negative, got {start_timeout}")
+        self.min_peers = min_peers
+        self.start_timeout = start_timeout
+        self._start_waited = False
         if final_timeout is not None and not final_timeout > 0:
             raise ValueError(f"final_timeout must be positive, got {final_timeout}")
         if batch_size_per_step <= 0:
@@ -323,7 +345,7 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         """The swarm's progress as last read (samples, rates, ETA)."""
         return self.tracker.last
 
-    def report_metrics(self, **metrics: float) -> None:
+    def report_metrics(self, **metrics: float | torch.Tensor) -> None:
         """Attach user metrics (``loss=0.31, accuracy=0.9``) to this process's progress
         record: they go out with its next report and ``swarmavg peers`` shows them. Each
         call replaces the previous metrics; no arguments clears them.
@@ -596,6 +618,79 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
                 self._say(event, progress, now)
         except swarm_errors() as exc:
             log.debug("could not write or read the trainer entries: %s", exc)
+
+    def _await_company(self, progress: GlobalProgress) -> GlobalProgress:
+        """The start barrier: before this trainer's first global step, wait for the other
+        trainers of its run, so that it does not take the run's first steps alone.
+
+        It waits (at most ``start_timeout`` seconds, once per wrapper) while fewer than
+        ``min_peers`` daemons report progress in the run, and, whatever ``min_peers``
+        says, while the run's other averaging daemons (their presence entries under
+        ``{daemon run}.averagers``) exist but none of their trainers reports yet. A trainer
+        that has met another trainer, or a daemon that is the only one, does not wait.
+        The batches it has accumulated wait with it (nothing is lost); it steps alone
+        after the timeout, and says so.
+        """
+        if self._start_waited or self._company.met or self._follower:
+            return progress
+        self._start_waited = True
+        if self.start_timeout == 0:
+            return progress
+        own = self.tracker.peer_id
+        presence_at = -math.inf
+        present: set[str] = set()
+        deadline = time.monotonic() + self.start_timeout
+        waited = False
+        while True:
+            now = time.monotonic()
+            reporting = {p.peer_id for p in progress.peers} - {own}
+            if now - presence_at >= 10 * START_POLL:
+                present, presence_at = self._present_daemons(own), now
+            needed = max(self.min_peers - 1, 1 if present else 0)
+            if len(reporting) >= needed:
+                if waited:
+                    log.info(
+                        "run %r: %d other trainer(s) in; first global step",
+                        self.link.run_id,
+                        len(reporting),
+                    )
+                return progress
+            if now >= deadline:
+                log.warning(
+                    "run %r: %d of %d other trainer(s) reported within start_timeout=%.0f s; "
+                    "taking the first global step without the rest",
+                    self.link.run_id,
+                    len(reporting),
+                    needed,
+                    self.start_timeout,
+                )
+                return progress
+            if not waited:
+                waited = True
+                log.info(
+                    "run %r: waiting up to %.0f s for %d other trainer(s) before the first "
+                    "global step (min_peers=%d, %d other daemon(s) of the run present)",
+                    self.link.run_id,
+                    self.start_timeout,
+                    needed,
+                    self.min_peers,
+                    len(present),
+                )
+            time.sleep(START_POLL)
+            self.tracker.report()  # keep this trainer's record alive for the others
+            progress = self.tracker.refresh()
+
+    def _present_daemons(self, own: str) -> set[str]:
+        """The run's other averaging daemons (empty when the DHT cannot say)."""
+        daemon_run = self._daemon_run_id()
+        if daemon_run is None:
+            return set()
+        try:
+            raw = self.link.client.dht.get(f"{daemon_run}{AVERAGERS_SUFFIX}")
+        except swarm_errors() as exc:
+            log.debug("could not read the run's averaging daemons: %s", exc)
+            return set()
+        return other_daemons(raw, own)
 
     def _daemon_run_id(self) -> str | None:
         if self._daemon_run is None:

@@ -55,7 +55,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from swarmavg.averaging.training.base import SwarmOptimizer, resolve_run
+from swarmavg.averaging.training.base import (
+    DEFAULT_START_TIMEOUT,
+    SwarmOptimizer,
+    resolve_run,
+)
 from swarmavg.averaging.training.company import DEFAULT_ALONE_AFTER, DEFAULT_STALLED_AFTER
 from swarmavg.averaging.training.consensus import Role
 from swarmavg.averaging.training.digest import state_digest
@@ -164,6 +168,12 @@ class CollaborativeOptimizer(SwarmOptimizer):
             this process trains alone, naming the run ids it can see (``inf``: never).
         stalled_after: seconds without a global step before a warning says so, with the
             swarm's progress towards ``target_batch_size`` (``inf``: never).
+        min_peers: the start barrier: daemons (this one included) whose trainers must
+            report in the run before the first global step. Whatever it says, the first
+            global step also waits while the run's other daemons are up but none of their
+            trainers reports yet (docs/training.md, "Starting together").
+        start_timeout: seconds the first global step waits for them at most (0: never
+            wait); the batches accumulated meanwhile are kept.
 
     Call ``zero_grad()`` after ``step()`` as usual. ``step()`` returns the closure's loss
     (or None). Not thread-safe: use it from the training thread. Close it (or use it as a
@@ -200,6 +210,8 @@ class CollaborativeOptimizer(SwarmOptimizer):
         final_timeout: float | None = None,
         alone_after: float = DEFAULT_ALONE_AFTER,
         stalled_after: float = DEFAULT_STALLED_AFTER,
+        min_peers: int = 1,
+        start_timeout: float = DEFAULT_START_TIMEOUT,
     ) -> None:
         if target_batch_size is None or batch_size_per_step is None:
             raise ValueError("target_batch_size and batch_size_per_step are required")
@@ -233,6 +245,8 @@ class CollaborativeOptimizer(SwarmOptimizer):
             final_timeout=final_timeout,
             alone_after=alone_after,
             stalled_after=stalled_after,
+            min_peers=min_peers,
+            start_timeout=start_timeout,
         )
         self.optimizer = optimizer
         self.average = average
@@ -370,6 +384,9 @@ class CollaborativeOptimizer(SwarmOptimizer):
             # for the others' reports' lag): back to its epoch.
             return _Action.CATCH_UP, progress
         if progress.ready:
+            awaited = self._await_company(progress)
+            if awaited is not progress:  # others came meanwhile: decide on what they say
+                return self._decide()
             return _Action.GLOBAL, progress
         return _Action.NONE, progress
 

@@ -784,15 +784,15 @@ def parse_records(
         parsed = PeerProgress.from_record(value)
         # The DHT checked that the subkey's named owner signed the entry; a record that
         # claims another daemon's id inside it is a forgery.
-        if parsed is not None and plausible(parsed, now) and _owner_of(subkey) == parsed.peer_id:
+        if parsed is not None and plausible(parsed, now) and owner_of(subkey) == parsed.peer_id:
             records.append(parsed)
         else:
             ignored += 1
     return records, ignored
 
 
-def _owner_of(subkey: object) -> str | None:
-    """The owner a progress subkey names (``...[owner:<hex>]``), or None."""
+def owner_of(subkey: object) -> str | None:
+    """The owner (hex) an owned subkey names (``...[owner:<hex>]``), or None."""
     if not isinstance(subkey, str) or not subkey.endswith("]"):
         return None
     _, sep, owner = subkey[:-1].rpartition("[owner:")
@@ -818,6 +818,7 @@ __all__ = [
     "aggregate",
     "ahead_of",
     "credit",
+    "owner_of",
     "parse_records",
     "plausible",
     "swarm_epoch",

@@ -20,12 +20,26 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
+from swarmavg.averaging.training.progress import owner_of
+
 TRAINERS_SUFFIX = ".trainers"
 """``{daemon run}.trainers``: the training runs of a daemons' run, one entry per trainer."""
+AVERAGERS_SUFFIX = ".averagers"
+"""``{daemon run}.averagers``: the run's averaging daemons, one owner-signed presence entry
+each (written by the daemons' matchmaking, ``roster.PRESENCE_SUFFIX``; named here so that
+a training process reads it without importing the daemon's side)."""
 MAX_RUN_CHARS = 128
 """Longest training run id an entry may name."""
 MAX_METHOD_CHARS = 32
 """Longest method name an entry may carry."""
+
+
+def other_daemons(raw: object, own: str) -> set[str]:
+    """The daemons (hex ids) other than ``own`` with a presence entry in a
+    ``{daemon run}.averagers`` value (``client.dht.get``): the run's averaging daemons."""
+    if not isinstance(raw, Mapping):
+        return set()
+    return {o for o in map(owner_of, raw) if o is not None and o != own}
 
 
 def trainers_key(daemon_run: str) -> str:
@@ -150,11 +164,13 @@ class LocalTrainers:
 
 
 __all__ = [
+    "AVERAGERS_SUFFIX",
     "TRAINERS_SUFFIX",
     "LocalTrainers",
     "TrainerEntry",
     "TrainingRun",
     "describe_runs",
+    "other_daemons",
     "trainers_key",
     "training_runs",
 ]

@@ -1,0 +1,154 @@
+"""The start barrier: a trainer's first global step waits for the other trainers of its run
+instead of taking the run's first steps alone. Real ``swarmavg peer`` processes; the second
+trainer starts only once the first one says it waits (an event, not a sleep)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from swarmavg.averaging.training.base import SwarmOptimizer  # noqa: E402
+from swarmavg.averaging.training.run_directory import AVERAGERS_SUFFIX  # noqa: E402
+from swarmavg.peer import connect  # noqa: E402
+from tests.harness import ProcessPool, SwarmavgProcess  # noqa: E402
+from tests.training.helpers import (  # noqa: E402
+    linear_model,
+    run_in_threads,
+    sgd_collaborative,
+    train_until,
+)
+
+pytestmark = pytest.mark.integration
+RUN = "start-barrier"
+
+
+def daemon(pool: ProcessPool, i: int, join: SwarmavgProcess | None = None) -> SwarmavgProcess:
+    joining = ["--join", join.address] if join is not None else []
+    control = str(pool.workdir / f"p{i}.sock")
+    return pool.start(
+        ["peer", "--listen", "127.0.0.1:0", "--control", control, "--run-id", RUN, *joining]
+    )
+
+
+@pytest.fixture
+def clients() -> Iterator[ExitStack]:
+    with ExitStack() as stack:
+        yield stack
+
+
+class Said(logging.Handler):
+    """Sets an event when a log line contains ``text``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+        self.event = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
+@pytest.fixture
+def first_waits() -> Iterator[Said]:
+    said = Said("waiting up to")
+    logger = logging.getLogger("swarmavg.averaging.training.base")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(said)
+    try:
+        yield said
+    finally:
+        logger.removeHandler(said)
+        logger.setLevel(level)
+
+
+def trainer(client: Any, **options: Any) -> tuple[Any, SwarmOptimizer]:
+    model = linear_model()
+    opt = sgd_collaborative(
+        model,
+        client,
+        run_id=None,
+        target_batch_size=8,
+        averaging_timeout=20.0,
+        final_timeout=2.0,
+        codec="none",
+        start_timeout=90.0,
+        **options,
+    )
+    return model, opt
+
+
+def start_second_when_first_waits(first_waits: Said, make_second: Any, seconds: list[Any]) -> None:
+    assert first_waits.event.wait(60), "the first trainer never waited"
+    seconds.append(make_second())
+
+
+@pytest.mark.timeout(120)
+def test_the_first_global_step_waits_for_the_trainer_of_a_daemon_already_up(
+    swarmavg_processes: ProcessPool, clients: ExitStack, first_waits: Said
+) -> None:
+    first_daemon = daemon(swarmavg_processes, 0)
+    second_daemon = daemon(swarmavg_processes, 1, join=first_daemon)
+    ca = clients.enter_context(connect(first_daemon.control))
+    cb = clients.enter_context(connect(second_daemon.control))
+    # the daemons' presence entries are what tells the first trainer to wait
+    for _ in range(200):
+        if len(ca.dht.get(f"{RUN}{AVERAGERS_SUFFIX}") or {}) >= 2:
+            break
+    ma, a = trainer(ca)
+    seconds: list[Any] = []
+
+    def second() -> None:
+        start_second_when_first_waits(first_waits, lambda: trainer(cb), seconds)
+        mb, b = seconds[0]
+        train_until(mb, b, 20, 2)
+
+    run_in_threads(lambda: train_until(ma, a, 10, 2), second, timeout=100)
+    _, b = seconds[0]
+    assert a.stats.group_sizes == b.stats.group_sizes == [2, 2]  # no step alone
+    a.close()
+    b.close()
+
+
+@pytest.mark.timeout(120)
+def test_min_peers_waits_for_a_trainer_whose_daemon_is_not_up_yet(
+    swarmavg_processes: ProcessPool, clients: ExitStack, first_waits: Said
+) -> None:
+    first_daemon = daemon(swarmavg_processes, 0)
+    ca = clients.enter_context(connect(first_daemon.control))
+    ma, a = trainer(ca, min_peers=2)
+    seconds: list[Any] = []
+
+    def make_second() -> tuple[Any, SwarmOptimizer]:
+        late = daemon(swarmavg_processes, 1, join=first_daemon)
+        return trainer(clients.enter_context(connect(late.control)), min_peers=2)
+
+    def second() -> None:
+        start_second_when_first_waits(first_waits, make_second, seconds)
+        mb, b = seconds[0]
+        train_until(mb, b, 20, 2)
+
+    run_in_threads(lambda: train_until(ma, a, 10, 2), second, timeout=100)
+    _, b = seconds[0]
+    assert a.stats.group_sizes == b.stats.group_sizes == [2, 2]
+    a.close()
+    b.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_lone_daemons_trainer_does_not_wait(
+    swarmavg_processes: ProcessPool, clients: ExitStack, first_waits: Said
+) -> None:
+    ca = clients.enter_context(connect(daemon(swarmavg_processes, 0).control))
+    ma, a = trainer(ca)
+    train_until(ma, a, 10, 2)
+    assert not first_waits.event.is_set()
+    a.close()
