@@ -87,10 +87,6 @@ log = logging.getLogger(__name__)
 
 _W = TypeVar("_W", bound="SwarmOptimizer")
 
-FOLLOWER_RUN = "local-group"
-"""The run id a follower rank of a local group uses when none is given: it never talks to
-the daemon, so its keys reach nobody."""
-
 
 def resolve_run(client: SwarmClient | None, run_id: str | None) -> str:
     """The training run of a wrapper: ``run_id``, or its daemon's run id when None.
@@ -100,14 +96,19 @@ def resolve_run(client: SwarmClient | None, run_id: str | None) -> str:
     purpose and silent when mistyped (docs/training.md, "Run ids").
 
     Raises:
-        ValueError: an empty ``run_id``, or a daemon whose status names no run.
+        ValueError: an empty ``run_id``, a daemon whose status names no run, or no client
+            to ask (a follower rank of a local group: every rank passes the run id, so
+            that the ranks' states name one run).
     """
     if run_id is not None:
         if not run_id:
             raise ValueError("run_id must not be empty (None: the daemon's run id)")
         return run_id
     if client is None:
-        return FOLLOWER_RUN
+        raise ValueError(
+            "run_id=None takes the daemon's run id, but this rank has no client to ask: "
+            "pass run_id on every rank of a local group"
+        )
     status = client.status()
     run = status.get("run_id") if isinstance(status, Mapping) else None
     if not isinstance(run, str) or not run:

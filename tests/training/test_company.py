@@ -81,3 +81,26 @@ def test_a_daemon_keeps_its_local_trainers_until_they_expire_and_bounds_them() -
     local.remember("s3", entry("c"), expires=30.0)  # over the limit: the oldest goes
     assert [t.run for t in local.live(5.0)] == ["b", "c"]
     assert [t.run for t in local.live(15.0)] == ["c"]
+
+
+class StatusOnly:
+    def __init__(self, status: dict[str, object]) -> None:
+        self._status = status
+
+    def status(self) -> dict[str, object]:
+        return self._status
+
+
+def test_a_wrappers_run_is_its_daemons_unless_given() -> None:
+    pytest.importorskip("torch")
+    from swarmavg.averaging.training.base import resolve_run
+
+    daemon = StatusOnly({"peer_id": "ab", "run_id": "my-run"})
+    assert resolve_run(daemon, None) == "my-run"
+    assert resolve_run(daemon, "other-run") == "other-run"
+    with pytest.raises(ValueError, match="must not be empty"):
+        resolve_run(daemon, "")
+    with pytest.raises(ValueError, match="names no run_id"):
+        resolve_run(StatusOnly({"peer_id": "ab"}), None)
+    with pytest.raises(ValueError, match="every rank"):
+        resolve_run(None, None)
