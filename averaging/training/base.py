@@ -68,6 +68,7 @@ from swarmavg.averaging.training.run_directory import (
     TrainerEntry,
     describe_runs,
     other_daemons,
+    runs_by_daemon,
     trainers_key,
     training_runs,
 )
@@ -307,6 +308,13 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
                         self._announce(progress.epoch)
                     self._catch_up(progress)
             self.tracker.report()
+            # at once, not after the first step: a trainer of another run on a daemon
+            # that is up must not hold the others' start barrier
+            self._next_entry = time.monotonic() + self.tracker.ttl / 3
+            try:
+                self._write_entry(time.monotonic())
+            except swarm_errors() as exc:
+                log.debug("could not write the trainer entry: %s", exc)
 
         # Hierarchical mode: every rank starts from the leader's state (like DDP's first
         # broadcast), the one it loaded from the swarm if it caught up.
@@ -682,16 +690,21 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
             progress = self.tracker.refresh()
 
     def _present_daemons(self, own: str) -> set[str]:
-        """The run's other averaging daemons (empty when the DHT cannot say)."""
+        """The run's other averaging daemons that may bring a trainer of this run: those
+        whose trainers all train another run are left out (empty when the DHT cannot
+        say)."""
         daemon_run = self._daemon_run_id()
         if daemon_run is None:
             return set()
         try:
-            raw = self.link.client.dht.get(f"{daemon_run}{AVERAGERS_SUFFIX}")
+            present = other_daemons(
+                self.link.client.dht.get(f"{daemon_run}{AVERAGERS_SUFFIX}"), own
+            )
+            runs = runs_by_daemon(self.link.client.dht.get(trainers_key(daemon_run)))
         except swarm_errors() as exc:
             log.debug("could not read the run's averaging daemons: %s", exc)
             return set()
-        return other_daemons(raw, own)
+        return {d for d in present if self.link.run_id in runs.get(d, {self.link.run_id})}
 
     def _daemon_run_id(self) -> str | None:
         if self._daemon_run is None:

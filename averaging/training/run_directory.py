@@ -124,6 +124,19 @@ def training_runs(raw: object) -> list[TrainingRun]:
     return sorted(runs, key=lambda r: (-r.trainers, r.run))
 
 
+def runs_by_daemon(raw: object) -> dict[str, set[str]]:
+    """The training runs each daemon's trainers name in a ``{daemon run}.trainers`` value
+    (the daemon is the owner its entry's subkey names)."""
+    runs: dict[str, set[str]] = {}
+    if not isinstance(raw, Mapping):
+        return runs
+    for subkey, value in raw.items():
+        entry, owner = TrainerEntry.from_record(value), owner_of(subkey)
+        if entry is not None and owner is not None:
+            runs.setdefault(owner, set()).add(entry.run)
+    return runs
+
+
 def describe_runs(runs: list[TrainingRun]) -> str:
     """``'my-run' (3 trainers), 'my_run' (1 trainer)``, or ``none``."""
     if not runs:
@@ -171,6 +184,7 @@ __all__ = [
     "TrainingRun",
     "describe_runs",
     "other_daemons",
+    "runs_by_daemon",
     "trainers_key",
     "training_runs",
 ]

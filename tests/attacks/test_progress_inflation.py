@@ -15,7 +15,6 @@ forged records under its own identity. Then the pure rule for the cases of many 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from contextlib import ExitStack
 
 import pytest
@@ -29,30 +28,15 @@ from swarmavg.averaging.training.progress import (
     aggregate,
 )
 from swarmavg.peer import Client, connect
-from tests.harness import ProcessPool, SwarmavgProcess
+from tests.harness import ProcessPool
+from tests.run_daemons import clients, start_run
 
 pytestmark = pytest.mark.integration
+__all__ = ["clients"]  # the fixture
 RUN = "inflation"
 TARGET = 4096
 HONEST_SAMPLES = 100
 HONEST_RATE = 10.0
-
-
-def start_daemons(pool: ProcessPool, n: int) -> list[SwarmavgProcess]:
-    def peer(i: int, join: list[str]) -> SwarmavgProcess:
-        control = str(pool.workdir / f"p{i}.sock")
-        return pool.start(
-            ["peer", "--listen", "127.0.0.1:0", "--control", control, "--run-id", RUN, *join]
-        )
-
-    first = peer(0, [])
-    return [first, *(peer(i, ["--join", first.address]) for i in range(1, n))]
-
-
-@pytest.fixture
-def clients() -> Iterator[ExitStack]:
-    with ExitStack() as stack:
-        yield stack
 
 
 def honest_tracker(client: Client) -> ProgressTracker:
@@ -77,7 +61,7 @@ def test_one_member_cannot_end_the_epoch_or_zero_the_eta(
     swarmavg_processes: ProcessPool, clients: ExitStack
 ) -> None:
     honest_a, honest_b, attacker = (
-        clients.enter_context(connect(d.control)) for d in start_daemons(swarmavg_processes, 3)
+        clients.enter_context(connect(d.control)) for d in start_run(swarmavg_processes, RUN, 3)
     )
     reader, other = honest_tracker(honest_a), honest_tracker(honest_b)
     assert other.report()

@@ -12,6 +12,7 @@ from swarmavg.averaging.training.run_directory import (
     LocalTrainers,
     TrainerEntry,
     describe_runs,
+    runs_by_daemon,
     training_runs,
 )
 
@@ -104,3 +105,15 @@ def test_a_wrappers_run_is_its_daemons_unless_given() -> None:
         resolve_run(StatusOnly({"peer_id": "ab"}), None)
     with pytest.raises(ValueError, match="every rank"):
         resolve_run(None, None)
+
+
+def test_the_runs_of_each_daemon_come_from_its_entries_subkeys() -> None:
+    raw = {
+        "x1[owner:aa]": entry("my-run"),
+        "x2[owner:aa]": entry("my_run"),
+        "x3[owner:bb]": entry("my_run"),
+        "unowned": entry("my-run"),
+        "x4[owner:cc]": "garbage",
+    }
+    assert runs_by_daemon(raw) == {"aa": {"my-run", "my_run"}, "bb": {"my_run"}}
+    assert runs_by_daemon(None) == {}

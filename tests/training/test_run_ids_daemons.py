@@ -4,7 +4,6 @@ processes, one client each, trainers in the test's threads."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
@@ -15,7 +14,8 @@ torch = pytest.importorskip("torch")
 from swarmavg.peer import Client, connect  # noqa: E402
 from swarmavg.peer.peers_table import format_peers  # noqa: E402
 from swarmavg.peer.status import format_status  # noqa: E402
-from tests.harness import ProcessPool, SwarmavgProcess  # noqa: E402
+from tests.harness import ProcessPool  # noqa: E402
+from tests.run_daemons import clients, start_run  # noqa: E402
 from tests.training.helpers import (  # noqa: E402
     backward,
     batch,
@@ -29,23 +29,7 @@ pytestmark = pytest.mark.integration
 RUN = "run-ids"
 TYPO = "run_ids"
 BASE_LOGGER = "swarmavg.averaging.training.base"
-
-
-def start_daemons(pool: ProcessPool, n: int) -> list[SwarmavgProcess]:
-    def peer(i: int, join: list[str]) -> SwarmavgProcess:
-        control = str(pool.workdir / f"p{i}.sock")
-        return pool.start(
-            ["peer", "--listen", "127.0.0.1:0", "--control", control, "--run-id", RUN, *join]
-        )
-
-    first = peer(0, [])
-    return [first, *(peer(i, ["--join", first.address]) for i in range(1, n))]
-
-
-@pytest.fixture
-def clients() -> Iterator[ExitStack]:
-    with ExitStack() as stack:
-        yield stack
+__all__ = ["clients"]  # the fixture
 
 
 def trainer(client: Client, run_id: str | None, **options: Any) -> tuple[Any, Any]:
@@ -68,7 +52,7 @@ def test_trainers_without_a_run_id_take_their_daemons_and_train_together(
     swarmavg_processes: ProcessPool, clients: ExitStack
 ) -> None:
     ca, cb = (
-        clients.enter_context(connect(d.control)) for d in start_daemons(swarmavg_processes, 2)
+        clients.enter_context(connect(d.control)) for d in start_run(swarmavg_processes, RUN, 2)
     )
     (ma, a), (mb, b) = trainer(ca, None), trainer(cb, None)
     assert a.link.run_id == b.link.run_id == RUN
@@ -83,7 +67,7 @@ def test_a_trainer_of_another_run_says_it_is_alone_and_names_the_runs_it_sees(
     swarmavg_processes: ProcessPool, clients: ExitStack, caplog: pytest.LogCaptureFixture
 ) -> None:
     ca, cb = (
-        clients.enter_context(connect(d.control)) for d in start_daemons(swarmavg_processes, 2)
+        clients.enter_context(connect(d.control)) for d in start_run(swarmavg_processes, RUN, 2)
     )
     # one trainer takes the daemons' run, the other was given a mistyped one
     (ma, a), (mb, b) = trainer(ca, None, alone_after=1.0), trainer(cb, TYPO, alone_after=1.0)

@@ -17,7 +17,8 @@ torch = pytest.importorskip("torch")
 from swarmavg.averaging.training.base import SwarmOptimizer  # noqa: E402
 from swarmavg.averaging.training.run_directory import AVERAGERS_SUFFIX  # noqa: E402
 from swarmavg.peer import connect  # noqa: E402
-from tests.harness import ProcessPool, SwarmavgProcess  # noqa: E402
+from tests.harness import ProcessPool  # noqa: E402
+from tests.run_daemons import clients, run_daemon  # noqa: E402
 from tests.training.helpers import (  # noqa: E402
     linear_model,
     run_in_threads,
@@ -27,20 +28,7 @@ from tests.training.helpers import (  # noqa: E402
 
 pytestmark = pytest.mark.integration
 RUN = "start-barrier"
-
-
-def daemon(pool: ProcessPool, i: int, join: SwarmavgProcess | None = None) -> SwarmavgProcess:
-    joining = ["--join", join.address] if join is not None else []
-    control = str(pool.workdir / f"p{i}.sock")
-    return pool.start(
-        ["peer", "--listen", "127.0.0.1:0", "--control", control, "--run-id", RUN, *joining]
-    )
-
-
-@pytest.fixture
-def clients() -> Iterator[ExitStack]:
-    with ExitStack() as stack:
-        yield stack
+__all__ = ["clients"]  # the fixture
 
 
 class Said(logging.Handler):
@@ -86,17 +74,28 @@ def trainer(client: Any, **options: Any) -> tuple[Any, SwarmOptimizer]:
     return model, opt
 
 
-def start_second_when_first_waits(first_waits: Said, make_second: Any, seconds: list[Any]) -> None:
-    assert first_waits.event.wait(60), "the first trainer never waited"
-    seconds.append(make_second())
+def first_then_second(
+    first: tuple[Any, SwarmOptimizer], first_waits: Said, make_second: Any
+) -> SwarmOptimizer:
+    """Train ``first`` to epoch 2; once it says it waits, make the second trainer and train
+    it to epoch 2 too; return the second."""
+    seconds: list[tuple[Any, SwarmOptimizer]] = []
+
+    def second() -> None:
+        assert first_waits.event.wait(60), "the first trainer never waited"
+        seconds.append(make_second())
+        train_until(*seconds[0], 20, 2)
+
+    run_in_threads(lambda: train_until(*first, 10, 2), second, timeout=100)
+    return seconds[0][1]
 
 
 @pytest.mark.timeout(120)
 def test_the_first_global_step_waits_for_the_trainer_of_a_daemon_already_up(
     swarmavg_processes: ProcessPool, clients: ExitStack, first_waits: Said
 ) -> None:
-    first_daemon = daemon(swarmavg_processes, 0)
-    second_daemon = daemon(swarmavg_processes, 1, join=first_daemon)
+    first_daemon = run_daemon(swarmavg_processes, RUN, 0)
+    second_daemon = run_daemon(swarmavg_processes, RUN, 1, first_daemon)
     ca = clients.enter_context(connect(first_daemon.control))
     cb = clients.enter_context(connect(second_daemon.control))
     # the daemons' presence entries are what tells the first trainer to wait
@@ -104,15 +103,7 @@ def test_the_first_global_step_waits_for_the_trainer_of_a_daemon_already_up(
         if len(ca.dht.get(f"{RUN}{AVERAGERS_SUFFIX}") or {}) >= 2:
             break
     ma, a = trainer(ca)
-    seconds: list[Any] = []
-
-    def second() -> None:
-        start_second_when_first_waits(first_waits, lambda: trainer(cb), seconds)
-        mb, b = seconds[0]
-        train_until(mb, b, 20, 2)
-
-    run_in_threads(lambda: train_until(ma, a, 10, 2), second, timeout=100)
-    _, b = seconds[0]
+    b = first_then_second((ma, a), first_waits, lambda: trainer(cb))
     assert a.stats.group_sizes == b.stats.group_sizes == [2, 2]  # no step alone
     a.close()
     b.close()
@@ -122,22 +113,14 @@ def test_the_first_global_step_waits_for_the_trainer_of_a_daemon_already_up(
 def test_min_peers_waits_for_a_trainer_whose_daemon_is_not_up_yet(
     swarmavg_processes: ProcessPool, clients: ExitStack, first_waits: Said
 ) -> None:
-    first_daemon = daemon(swarmavg_processes, 0)
-    ca = clients.enter_context(connect(first_daemon.control))
-    ma, a = trainer(ca, min_peers=2)
-    seconds: list[Any] = []
+    first_daemon = run_daemon(swarmavg_processes, RUN, 0)
+    ma, a = trainer(clients.enter_context(connect(first_daemon.control)), min_peers=2)
 
     def make_second() -> tuple[Any, SwarmOptimizer]:
-        late = daemon(swarmavg_processes, 1, join=first_daemon)
+        late = run_daemon(swarmavg_processes, RUN, 1, first_daemon)
         return trainer(clients.enter_context(connect(late.control)), min_peers=2)
 
-    def second() -> None:
-        start_second_when_first_waits(first_waits, make_second, seconds)
-        mb, b = seconds[0]
-        train_until(mb, b, 20, 2)
-
-    run_in_threads(lambda: train_until(ma, a, 10, 2), second, timeout=100)
-    _, b = seconds[0]
+    b = first_then_second((ma, a), first_waits, make_second)
     assert a.stats.group_sizes == b.stats.group_sizes == [2, 2]
     a.close()
     b.close()
@@ -147,7 +130,7 @@ def test_min_peers_waits_for_a_trainer_whose_daemon_is_not_up_yet(
 def test_a_lone_daemons_trainer_does_not_wait(
     swarmavg_processes: ProcessPool, clients: ExitStack, first_waits: Said
 ) -> None:
-    ca = clients.enter_context(connect(daemon(swarmavg_processes, 0).control))
+    ca = clients.enter_context(connect(run_daemon(swarmavg_processes, RUN, 0).control))
     ma, a = trainer(ca)
     train_until(ma, a, 10, 2)
     assert not first_waits.event.is_set()
