@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from swarmavg.averaging.training.verbose import ProgressLog, eta_text, progress_line
-from tests.training.helpers import backward, batch
+from tests.training.helpers import backward, batch, linear_model
 from tests.training.memswarm import MemorySwarm
 from tests.training.test_torch_optimizer import WRAPPERS
 
@@ -116,4 +116,37 @@ def test_report_metrics_takes_a_loss_straight_from_the_graph(make: Any) -> None:
         warnings.simplefilter("error")  # torch warns when a graph tensor becomes a number
         opt.report_metrics(loss=loss)
     assert opt.tracker.metrics == (("loss", pytest.approx(loss.item())),)
+    opt.close()
+
+
+def test_a_trainer_far_from_its_target_says_why_no_global_step_happens(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A target the swarm takes very long to reach (the HF snippet's 4096 with 2 peers)
+    fails nothing; the trainer says how far the swarm is instead of staying silent."""
+    from swarmavg.averaging.optim import CollaborativeOptimizer
+
+    model = linear_model()
+    opt = CollaborativeOptimizer(
+        model.parameters(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        client=MemorySwarm().client("a"),
+        run_id="run",
+        target_batch_size=10**9,
+        batch_size_per_step=4,
+        stalled_after=0.05,
+    )
+    with caplog.at_level(logging.WARNING, logger="swarmavg.averaging.training.base"):
+        for i in range(10_000):  # steps until the (configured) interval has passed
+            backward(model, batch(i))
+            opt.step()
+            opt.zero_grad()
+            if any("no global step" in r.getMessage() for r in caplog.records):
+                break
+    (line,) = [r.getMessage() for r in caplog.records if "no global step" in r.getMessage()]
+    assert re.search(
+        r"the swarm has \d+/1000000000 samples towards epoch 0 at [\d.]+ samples/s", line
+    )
+    assert "lower target_batch_size or add trainers" in line
+    assert opt.epoch == 0
     opt.close()
