@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import ProcessPool
+from tests.run_daemons import start_run
 
 pytestmark = pytest.mark.integration
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -40,22 +41,7 @@ def test_the_readme_training_script_ends_with_one_model(
     script = tmp_path / "train.py"
     script.write_text(readme_block("# train.py\n", "python"))
     # the README's commands, with ports from the OS (tests never take fixed ports)
-    first = swarmavg_processes.start(
-        ["peer", "--listen", "127.0.0.1:0", "--run-id", "demo", "--control", str(tmp_path / "a")]
-    )
-    second = swarmavg_processes.start(
-        [
-            "peer",
-            "--listen",
-            "127.0.0.1:0",
-            "--join",
-            first.address,
-            "--run-id",
-            "demo",
-            "--control",
-            str(tmp_path / "b"),
-        ]
-    )
+    first, second = start_run(swarmavg_processes, "demo", 2)
     trainers = [
         subprocess.Popen(
             [sys.executable, str(script)],

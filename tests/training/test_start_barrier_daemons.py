@@ -76,9 +76,9 @@ def trainer(client: Any, **options: Any) -> tuple[Any, SwarmOptimizer]:
 
 def first_then_second(
     first: tuple[Any, SwarmOptimizer], first_waits: Said, make_second: Any
-) -> SwarmOptimizer:
+) -> None:
     """Train ``first`` to epoch 2; once it says it waits, make the second trainer and train
-    it to epoch 2 too; return the second."""
+    it to epoch 2 too; both must have taken every global step together (no step alone)."""
     seconds: list[tuple[Any, SwarmOptimizer]] = []
 
     def second() -> None:
@@ -87,7 +87,10 @@ def first_then_second(
         train_until(*seconds[0], 20, 2)
 
     run_in_threads(lambda: train_until(*first, 10, 2), second, timeout=100)
-    return seconds[0][1]
+    a, b = first[1], seconds[0][1]
+    assert a.stats.group_sizes == b.stats.group_sizes == [2, 2]
+    a.close()
+    b.close()
 
 
 @pytest.mark.timeout(120)
@@ -103,10 +106,7 @@ def test_the_first_global_step_waits_for_the_trainer_of_a_daemon_already_up(
         if len(ca.dht.get(f"{RUN}{AVERAGERS_SUFFIX}") or {}) >= 2:
             break
     ma, a = trainer(ca)
-    b = first_then_second((ma, a), first_waits, lambda: trainer(cb))
-    assert a.stats.group_sizes == b.stats.group_sizes == [2, 2]  # no step alone
-    a.close()
-    b.close()
+    first_then_second((ma, a), first_waits, lambda: trainer(cb))
 
 
 @pytest.mark.timeout(120)
@@ -120,10 +120,7 @@ def test_min_peers_waits_for_a_trainer_whose_daemon_is_not_up_yet(
         late = run_daemon(swarmavg_processes, RUN, 1, first_daemon)
         return trainer(clients.enter_context(connect(late.control)), min_peers=2)
 
-    b = first_then_second((ma, a), first_waits, make_second)
-    assert a.stats.group_sizes == b.stats.group_sizes == [2, 2]
-    a.close()
-    b.close()
+    first_then_second((ma, a), first_waits, make_second)
 
 
 @pytest.mark.timeout(60)
