@@ -32,7 +32,6 @@ torch-free ``progress`` module of this package).
 from __future__ import annotations
 
 import logging
-import math
 import time
 import warnings
 from abc import ABC, abstractmethod
@@ -46,8 +45,8 @@ from swarmavg.averaging.training.company import (
     DEFAULT_ALONE_AFTER,
     DEFAULT_STALLED_AFTER,
     CompanyWatch,
-    Event,
 )
+from swarmavg.averaging.training.company_link import DEFAULT_START_TIMEOUT, CompanyLink
 from swarmavg.averaging.training.consensus import (
     Provenance,
     Role,
@@ -63,15 +62,6 @@ from swarmavg.averaging.training.progress import (
     PeerProgress,
     ProgressTracker,
 )
-from swarmavg.averaging.training.run_directory import (
-    AVERAGERS_SUFFIX,
-    TrainerEntry,
-    describe_runs,
-    other_daemons,
-    runs_by_daemon,
-    trainers_key,
-    training_runs,
-)
 from swarmavg.averaging.training.state import TrainingState, pack_state
 from swarmavg.averaging.training.swarm import (
     RoundResultLike,
@@ -82,7 +72,7 @@ from swarmavg.averaging.training.swarm import (
     swarm_errors,
 )
 from swarmavg.averaging.training.tensors import collect_params, copy_into
-from swarmavg.averaging.training.verbose import ProgressLog, eta_text
+from swarmavg.averaging.training.verbose import ProgressLog
 
 log = logging.getLogger(__name__)
 
@@ -116,14 +106,6 @@ def resolve_run(client: SwarmClient | None, run_id: str | None) -> str:
         raise ValueError("the daemon's status names no run_id; pass run_id explicitly")
     return run
 
-
-DEFAULT_START_TIMEOUT = 60.0
-"""Seconds a trainer's first global step waits for the other trainers of its run
-(:meth:`SwarmOptimizer._await_company`): about the spread of a swarm's start (each trainer
-imports torch, loads its data, and its daemon joins), bounded so that a daemon without a
-trainer delays a run by this much once."""
-START_POLL = 0.2
-"""Seconds between two reads of the progress while the first global step waits."""
 
 FINAL_POLL = 0.05
 """Seconds between two reads of the progress while ``close()`` waits for the final records
@@ -204,13 +186,6 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         min_peers: int = 1,
         start_timeout: float = DEFAULT_START_TIMEOUT,
     ) -> None:
-        if min_peers < 1:
-            raise ValueError(f"min_peers must be at least 1, got {min_peers}")
-        if start_timeout < 0:
-            raise ValueError(f"start_timeout must not be negative, got {start_timeout}")
-        self.min_peers = min_peers
-        self.start_timeout = start_timeout
-        self._start_waited = False
         if final_timeout is not None and not final_timeout > 0:
             raise ValueError(f"final_timeout must be positive, got {final_timeout}")
         if batch_size_per_step <= 0:
@@ -260,9 +235,16 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         )
         self.verbose = bool(verbose)
         self._progress_log = ProgressLog() if verbose else None
-        self._company = CompanyWatch(alone_after, stalled_after, time.monotonic())
-        self._next_entry = -math.inf  # monotonic time the trainer entry is due again
-        self._daemon_run: str | None = None  # the daemon's run id, read on first use
+        self.company = CompanyLink(
+            self.link,
+            self.tracker,
+            self.KIND,
+            CompanyWatch(alone_after, stalled_after, time.monotonic()),
+            min_peers=min_peers,
+            start_timeout=start_timeout,
+        )
+        """The trainer's ties to the rest of its run: its trainer entry, the warnings when
+        it trains alone, the start barrier (:meth:`_await_company`)."""
         self._closed = False
         self._rank_samples = 0
         """Hierarchical mode: samples this rank processed since the last global step (its
@@ -308,13 +290,7 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
                         self._announce(progress.epoch)
                     self._catch_up(progress)
             self.tracker.report()
-            # at once, not after the first step: a trainer of another run on a daemon
-            # that is up must not hold the others' start barrier
-            self._next_entry = time.monotonic() + self.tracker.ttl / 3
-            try:
-                self._write_entry(time.monotonic())
-            except swarm_errors() as exc:
-                log.debug("could not write the trainer entry: %s", exc)
+            self.company.joined()
 
         # Hierarchical mode: every rank starts from the leader's state (like DDP's first
         # broadcast), the one it loaded from the swarm if it caught up.
@@ -610,168 +586,12 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         if self._progress_log is not None:
             self._progress_log.update(self.epoch, *self._verbose_figures())
         if not self._follower:
-            self._watch_company()
-
-    def _watch_company(self) -> None:
-        """Refresh this trainer's entry under the daemons' run and warn when it has had no
-        company for a while (:mod:`~swarmavg.averaging.training.company`)."""
-        now = time.monotonic()
-        progress = self.tracker.last
-        company = any(p.peer_id != self.tracker.peer_id for p in progress.peers)
-        event = self._company.update(company, self.epoch, now)
-        try:
-            if now >= self._next_entry or event not in (None, Event.STALLED):
-                self._next_entry = now + self.tracker.ttl / 3
-                self._write_entry(now)
-            if event is not None:
-                self._say(event, progress, now)
-        except swarm_errors() as exc:
-            log.debug("could not write or read the trainer entries: %s", exc)
+            self.company.after_step(self.epoch)
 
     def _await_company(self, progress: GlobalProgress) -> GlobalProgress:
-        """The start barrier: before this trainer's first global step, wait for the other
-        trainers of its run, so that it does not take the run's first steps alone.
-
-        It waits (at most ``start_timeout`` seconds, once per wrapper) while fewer than
-        ``min_peers`` daemons report progress in the run, and, whatever ``min_peers``
-        says, while the run's other averaging daemons (their presence entries under
-        ``{daemon run}.averagers``) exist but none of their trainers reports yet. A trainer
-        that has met another trainer, or a daemon that is the only one, does not wait.
-        The batches it has accumulated wait with it (nothing is lost); it steps alone
-        after the timeout, and says so.
-        """
-        if self._start_waited or self._company.met or self._follower:
-            return progress
-        self._start_waited = True
-        if self.start_timeout == 0:
-            return progress
-        own = self.tracker.peer_id
-        presence_at = -math.inf
-        present: set[str] = set()
-        deadline = time.monotonic() + self.start_timeout
-        waited = False
-        while True:
-            now = time.monotonic()
-            reporting = {p.peer_id for p in progress.peers} - {own}
-            if now - presence_at >= 10 * START_POLL:
-                present, presence_at = self._present_daemons(own), now
-            needed = max(self.min_peers - 1, 1 if present else 0)
-            if len(reporting) >= needed:
-                if waited:
-                    log.info(
-                        "run %r: %d other trainer(s) in; first global step",
-                        self.link.run_id,
-                        len(reporting),
-                    )
-                return progress
-            if now >= deadline:
-                log.warning(
-                    "run %r: %d of %d other trainer(s) reported within start_timeout=%.0f s; "
-                    "taking the first global step without the rest",
-                    self.link.run_id,
-                    len(reporting),
-                    needed,
-                    self.start_timeout,
-                )
-                return progress
-            if not waited:
-                waited = True
-                log.info(
-                    "run %r: waiting up to %.0f s for %d other trainer(s) before the first "
-                    "global step (min_peers=%d, %d other daemon(s) of the run present)",
-                    self.link.run_id,
-                    self.start_timeout,
-                    needed,
-                    self.min_peers,
-                    len(present),
-                )
-            time.sleep(START_POLL)
-            self.tracker.report()  # keep this trainer's record alive for the others
-            progress = self.tracker.refresh()
-
-    def _present_daemons(self, own: str) -> set[str]:
-        """The run's other averaging daemons that may bring a trainer of this run: those
-        whose trainers all train another run are left out (empty when the DHT cannot
-        say)."""
-        daemon_run = self._daemon_run_id()
-        if daemon_run is None:
-            return set()
-        try:
-            present = other_daemons(
-                self.link.client.dht.get(f"{daemon_run}{AVERAGERS_SUFFIX}"), own
-            )
-            runs = runs_by_daemon(self.link.client.dht.get(trainers_key(daemon_run)))
-        except swarm_errors() as exc:
-            log.debug("could not read the run's averaging daemons: %s", exc)
-            return set()
-        return {d for d in present if self.link.run_id in runs.get(d, {self.link.run_id})}
-
-    def _daemon_run_id(self) -> str | None:
-        if self._daemon_run is None:
-            status = self.link.client.status()
-            run = status.get("run_id") if isinstance(status, Mapping) else None
-            self._daemon_run = run if isinstance(run, str) and run else ""
-        return self._daemon_run or None
-
-    def _write_entry(self, now: float) -> None:
-        daemon_run = self._daemon_run_id()
-        if daemon_run is None:
-            return
-        # "alone" once this process has said so in its log: the status and ``swarmavg
-        # peers`` then tell the same story, not every start's first seconds
-        alone = self._company.alone_for(now) if self._company.warned else 0.0
-        entry = TrainerEntry(self.link.run_id, self.KIND, alone, time.time())
-        self.link.client.dht.store(
-            trainers_key(daemon_run),
-            entry.to_record(),
-            ttl=self.tracker.ttl,
-            subkey=self.tracker.subkey,
-        )
-
-    def _say(self, event: Event, progress: GlobalProgress, now: float) -> None:
-        run = self.link.run_id
-        if event is Event.COMPANY:
-            log.info("run %r: another trainer is here again; training together", run)
-            return
-        if event is Event.STALLED:
-            log.warning(
-                "run %r: no global step for %.0f s: the swarm has %d/%d samples towards "
-                "epoch %d at %.1f samples/s (next step in %s); lower target_batch_size or "
-                "add trainers for more frequent steps",
-                run,
-                self._company.stalled_after,
-                progress.samples,
-                progress.target,
-                progress.epoch,
-                progress.samples_per_second,
-                eta_text(progress.eta),
-            )
-            return
-        daemon_run = self._daemon_run_id()
-        raw = self.link.client.dht.get(trainers_key(daemon_run)) if daemon_run else None
-        others = [r for r in training_runs(raw) if r.run != run or r.trainers > 1]
-        seen = describe_runs(others)
-        if event is Event.LEFT_ALONE:
-            log.warning(
-                "run %r: the other trainers left %.0f s ago; this process now trains alone "
-                "and its global steps are its own (training runs seen under the daemons' "
-                "run %r: %s)",
-                run,
-                self._company.alone_for(now),
-                daemon_run,
-                seen,
-            )
-            return
-        log.warning(
-            "run %r: no other trainer of this run seen for %.0f s; this process trains "
-            "alone. Check that every trainer uses the same run id (training runs seen under "
-            "the daemons' run %r: %s; run_id=None takes the daemon's) and that the daemons "
-            "joined one another (swarmavg peers)",
-            run,
-            self._company.alone_for(now),
-            daemon_run,
-            seen,
-        )
+        """The start barrier before the first global step (:meth:`CompanyLink.await_start`;
+        a follower rank never waits: its leader does)."""
+        return progress if self._follower else self.company.await_start(progress)
 
     def _verbose_figures(self) -> tuple[int, int, float, int, float]:
         """``(samples, target, swarm samples/s, peers, eta)`` towards the next global step.

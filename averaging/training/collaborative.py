@@ -55,12 +55,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from swarmavg.averaging.training.base import (
-    DEFAULT_START_TIMEOUT,
-    SwarmOptimizer,
-    resolve_run,
-)
+from swarmavg.averaging.training.base import SwarmOptimizer, resolve_run
 from swarmavg.averaging.training.company import DEFAULT_ALONE_AFTER, DEFAULT_STALLED_AFTER
+from swarmavg.averaging.training.company_link import DEFAULT_START_TIMEOUT
 from swarmavg.averaging.training.consensus import Role
 from swarmavg.averaging.training.digest import state_digest
 from swarmavg.averaging.training.local_group import (
