@@ -16,6 +16,7 @@ key                              written by                                  val
 ``{run}.{key}.0b{bits}``         matchmaking (matchmaking/keys.py)            a declaration
 ``{run}.state``                  state sharing (state/sharer.py)              an advert
 ``{run}.averagers``              matchmaking (matchmaking/roster.py)          a presence
+``{run}.trainers``               training wrappers (training/run_directory)   a trainer entry
 ``<anything>.progress``          progress tracking (training/progress.py)     a progress
 ``{run}.rounds``                 the daemon, for monitors                     a round report
                                  (peer/monitor_rounds.py)
@@ -41,6 +42,7 @@ from swarmavg.averaging.matchmaking.keys import MAX_GROUP_BITS
 from swarmavg.averaging.matchmaking.roster import PRESENCE_SUFFIX, decode_presence
 from swarmavg.averaging.state.adverts import parse_advertisement
 from swarmavg.averaging.training.progress import PeerProgress
+from swarmavg.averaging.training.run_directory import TRAINERS_SUFFIX, TrainerEntry
 from swarmavg.dht.records import Subkey
 from swarmavg.dht.validation import KeyClass
 
@@ -61,6 +63,10 @@ def _is_presence(subkey: Subkey, owner: bytes, value: Any) -> bool:
 
 def _is_advertisement(subkey: Subkey, owner: bytes, value: Any) -> bool:
     return parse_advertisement(subkey, value) is not None
+
+
+def _is_trainer_entry(subkey: Subkey, owner: bytes, value: Any) -> bool:
+    return TrainerEntry.from_record(value) is not None
 
 
 def _is_progress(subkey: Subkey, owner: bytes, value: Any) -> bool:
@@ -102,6 +108,12 @@ def protocol_key_classes(run_id: str) -> tuple[KeyClass, ...]:
             "averager presence",
             re.compile(run + re.escape(PRESENCE_SUFFIX.encode())),
             _is_presence,
+            PROTOCOL_KEY_MAX_TTL,
+        ),
+        KeyClass(
+            "trainer entries",
+            re.compile(run + re.escape(TRAINERS_SUFFIX.encode())),
+            _is_trainer_entry,
             PROTOCOL_KEY_MAX_TTL,
         ),
         KeyClass(

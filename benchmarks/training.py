@@ -51,7 +51,10 @@ meanwhile. Each scenario (not churn or chaos) then reports, besides the usual fi
 ``distinct_parameter_sets`` at the end, every trainer's rounds attempted and failed, its
 rejoins (``stats.rejoins``: times it adopted the swarm's epoch), its final agreement on
 ``close()`` (``stats.final_agreement``), the epoch it started at, the pauses and where the
-first trainer was when each next one started.
+first trainer was when each next one started. ``--min-peers N`` gives the grad scenarios'
+trainers the start barrier's ``min_peers`` (the first trainer's first global step waits for
+N daemons' trainers, ``--start-timeout`` seconds at most); ``--start-timeout 0`` is the
+control without any barrier.
 
 Prints one JSON line: per scenario the final test accuracy (mean over the peers alive at
 the end), its distance to the reference, bytes sent per peer (from the daemons' status),
@@ -228,6 +231,10 @@ class Scenario:
     """Global steps whose round this trainer fails on purpose (its step becomes local)."""
     disable_repair: bool = False
     """A control: every member steps whatever the digests say (no shared-state repair)."""
+    min_peers: int = 1
+    """The start barrier's ``min_peers`` (``CollaborativeOptimizer``; grad scenarios)."""
+    start_timeout: float = 60.0
+    """The start barrier's ``start_timeout`` (0: no barrier, the control)."""
 
 
 class FaultyClient:
@@ -333,7 +340,11 @@ def _train_peer(scenario: Scenario) -> dict[str, Any]:
             wrapper: Any = (
                 PowerSGDOptimizer if scenario.mode == "powersgd" else CollaborativeOptimizer
             )
-            powersgd = {"rank": POWERSGD_RANK} if scenario.mode == "powersgd" else {}
+            powersgd: dict[str, Any] = (
+                {"rank": POWERSGD_RANK}
+                if scenario.mode == "powersgd"
+                else {"min_peers": scenario.min_peers, "start_timeout": scenario.start_timeout}
+            )
             opt = wrapper(
                 model.parameters(),
                 inner,
@@ -525,6 +536,8 @@ def run_scenario(
                 wait_for_go,
                 seed,
                 disable_repair=opts.disable_repair,
+                min_peers=opts.min_peers,
+                start_timeout=opts.start_timeout,
                 **more,
             )
         )
@@ -736,6 +749,19 @@ def main() -> None:
         f"{UNSYNC_STAGGER:.0f} s and once its own fresh daemon is up, not all at one go "
         "(not for churn and chaos)",
     )
+    parser.add_argument(
+        "--min-peers",
+        type=int,
+        default=1,
+        help="the grad scenarios' start barrier: daemons whose trainers must report before "
+        "a trainer's first global step (CollaborativeOptimizer min_peers)",
+    )
+    parser.add_argument(
+        "--start-timeout",
+        type=float,
+        default=60.0,
+        help="seconds the start barrier waits at most (0: no barrier, the control)",
+    )
     parser.add_argument("--log", help="append the daemons' and trainers' stderr to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     opts = parser.parse_args()
@@ -806,6 +832,8 @@ def run_all(
         figures["repair_disabled"] = True
     if opts.unsync:
         figures["unsync"] = True
+    figures["min_peers"] = opts.min_peers
+    figures["start_timeout"] = opts.start_timeout
     for name in names:
         mode, codec, extra = SCENARIOS[name]
         runs = []

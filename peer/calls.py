@@ -417,6 +417,7 @@ def status_to_dict(status: control_pb2.StatusResponse) -> dict[str, Any]:
         "direct_peers": list(status.direct_peers),
         "punches_succeeded": status.punches_succeeded,
         "punches_failed": status.punches_failed,
+        "trainers": [{"run": t.run, "method": t.method, "alone": t.alone} for t in status.trainers],
     }
 
 

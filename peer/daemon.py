@@ -35,6 +35,7 @@ from swarmavg.averaging.matchmaking.matchmaker import MatchmakingEvent
 from swarmavg.averaging.protocol_keys import protocol_key_classes
 from swarmavg.averaging.request import RoundRequest
 from swarmavg.averaging.result import AveragingResult
+from swarmavg.averaging.training.run_directory import LocalTrainers, trainers_key
 from swarmavg.averaging.transfer_progress import TransferProgress
 from swarmavg.dht import (
     BootstrapError,
@@ -225,6 +226,7 @@ class Peer:
         self._metrics: Any = None
         self._tasks = TaskSet()  # shm sweeper, metrics sync, revocation list
         self._started_at = 0.0
+        self.local_trainers = LocalTrainers()
         self._stopped = False
 
     @property
@@ -530,6 +532,8 @@ class Peer:
     async def dht_store(self, key: str, value: Any, ttl: float, subkey: Any) -> bool:
         if self.dht is None:
             raise RuntimeError("the peer is not started")
+        if key == trainers_key(self.config.run_id):  # a local trainer: for the status
+            self.local_trainers.remember(subkey, value, time.monotonic() + ttl)
         return bool(await self.dht.store(key, value, time.time() + ttl, subkey=subkey))
 
     async def dht_get(self, key: str) -> tuple[bool, Any]:
@@ -588,6 +592,10 @@ class Peer:
             pid=os.getpid(),
         )
         self._fill_reachability(response)
+        response.trainers.extend(
+            control_pb2.LocalTrainer(run=t.run, method=t.method, alone=t.alone)
+            for t in self.local_trainers.live(time.monotonic())
+        )
         if self.averager is not None:
             response.bandwidth = self.averager.bandwidth.value
             response.bandwidth_measured = self.averager.bandwidth.measured

@@ -41,11 +41,23 @@ def progress_line(run_id: str, progress: dict[str, Any]) -> str:
     )
 
 
+def training_run_text(run: dict[str, Any]) -> str:
+    """``'my-run' (collaborative): 3 trainers, 1 alone``."""
+    n, alone = run["trainers"], run["alone"]
+    lonely = f", {alone} alone" if alone else ""
+    return f"{run['run']!r} ({run['method']}): {n} trainer{'s' if n != 1 else ''}{lonely}"
+
+
 def format_peers(view: dict[str, Any]) -> str:
     """A run summary per training method, then one row per peer (``*``: the daemon asked)."""
     lines = [progress_line(view["run_id"], p) for p in view["progress"]]
     if not view["progress"]:
         lines.append(f"run {view['run_id']}: no trainer reports progress yet")
+    runs = view.get("training_runs") or []
+    if runs:
+        lines.append("training runs: " + "; ".join(training_run_text(r) for r in runs))
+        if not view["progress"]:
+            lines.append("(swarmavg peers --training-run NAME shows the progress of one of them)")
     header = ("PEER", "ADDRESS", "MODE", "METHOD", "EPOCH", "SAMPLES/S", "PROCS", "SEEN", "METRICS")
     rows = [header]
     for r in view["peers"]:

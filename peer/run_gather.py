@@ -1,8 +1,9 @@
 """Reading a run's view from a DHT node (``swarmavg peers``, the bare DHT node's
 ``Peers`` answer, ``swarmavg monitor``).
 
-:mod:`swarmavg.peer.run_view` is pure; this module does the two DHT reads (one progress key
-per training method) and hands them, with the node's routing table, to ``build_view``.
+:mod:`swarmavg.peer.run_view` is pure; this module does the DHT reads (one progress key
+per training method, and the trainer entries that name the training runs) and hands them,
+with the node's routing table, to ``build_view``.
 """
 
 from __future__ import annotations
@@ -12,8 +13,15 @@ import time
 from typing import Any
 
 from swarmavg.averaging.training.progress import PeerProgress, parse_records
+from swarmavg.averaging.training.run_directory import trainers_key, training_runs
 from swarmavg.dht import DHTNode, ValueWithExpiration
-from swarmavg.peer.run_view import Neighbour, ThisPeer, build_view, progress_keys
+from swarmavg.peer.run_view import (
+    Neighbour,
+    ThisPeer,
+    add_training_runs,
+    build_view,
+    progress_keys,
+)
 from swarmavg.proto import control_pb2
 
 
@@ -53,11 +61,16 @@ async def gather_view(
         this: the node that answers (listed first).
     """
     keys = progress_keys(training_run or run_id)
-    values = await asyncio.gather(*(read_value(node, key) for key in keys.values()))
+    values = await asyncio.gather(
+        *(read_value(node, key) for key in (*keys.values(), trainers_key(run_id)))
+    )
+    found_runs, runs = values.pop()
     now = time.time()
     records: dict[str, list[PeerProgress]] = {}
     ignored = 0
     for method, (found, value) in zip(keys, values, strict=True):
         records[method], bad = parse_records(value if found else None, now)
         ignored += bad
-    return build_view(run_id, this, neighbours_of(node), records, now, ignored)
+    view = build_view(run_id, this, neighbours_of(node), records, now, ignored)
+    add_training_runs(view, training_runs(runs if found_runs else None))
+    return view

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from swarmavg.averaging.training.progress import PeerProgress, aggregate, swarm_epoch
+from swarmavg.averaging.training.run_directory import TrainingRun
 from swarmavg.proto import control_pb2
 
 METHODS = {"collaborative": ".progress", "diloco": ".diloco.progress"}
@@ -159,12 +160,25 @@ def build_view(
     return response
 
 
+def add_training_runs(view: control_pb2.PeersResponse, runs: Iterable[TrainingRun]) -> None:
+    """List the training runs the trainer entries under the daemons' run name
+    (``run_directory.training_runs``) in ``view``."""
+    view.training_runs.extend(
+        control_pb2.TrainingRunView(run=r.run, method=r.method, trainers=r.trainers, alone=r.alone)
+        for r in runs
+    )
+
+
 def view_to_dict(view: control_pb2.PeersResponse) -> dict[str, object]:
     """A plain dict (JSON-ready) of a run's view (``swarmavg peers --json``): ``eta`` is
     None when unknown, ``address`` None when not known."""
     return {
         "run_id": view.run_id,
         "ignored_records": view.ignored_records,
+        "training_runs": [
+            {"run": r.run, "method": r.method, "trainers": r.trainers, "alone": r.alone}
+            for r in view.training_runs
+        ],
         "progress": [
             {
                 "method": p.method,

@@ -81,6 +81,17 @@ def reachability(status: dict[str, Any]) -> str:
     return "not checked (no initial peer could dial back): announced as configured"
 
 
+def trainer_text(trainer: dict[str, Any]) -> str:
+    """``run 'r' (collaborative), alone for 75 s: no other trainer of its run``."""
+    text = f"run {trainer['run']!r} ({trainer['method']})"
+    if trainer["alone"] > 0:
+        return (
+            f"{text}, alone for {trainer['alone']:.0f} s: no other trainer of its run "
+            "(swarmavg peers lists the training runs)"
+        )
+    return f"{text}, training with others"
+
+
 def format_status(status: dict[str, Any]) -> str:
     """A small table of the figures ``client.status()`` returns."""
     if status.get("kind") == "dht":
@@ -103,6 +114,7 @@ def format_status(status: dict[str, Any]) -> str:
         ("uptime", f"{status['uptime']:.0f} s"),
         ("version", status["version"]),
     ]
+    rows += [("trainer", trainer_text(t)) for t in status.get("trainers") or []]
     width = max(len(name) for name, _ in rows)
     lines = _table(rows)
     if status["failures"]:

@@ -226,7 +226,7 @@ class CodecStats(_message.Message):
     def __init__(self, rounds: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("peer_id", "run_id", "address", "control", "client_mode", "known_peers", "dht_size_estimate", "rounds_done", "rounds_failed", "bytes_sent", "bytes_received", "codecs", "failures", "uptime", "version", "active_calls", "shm_dir", "shm_dev", "shm_ino", "pid", "bandwidth", "bandwidth_measured", "bandwidth_samples", "rounds_partial", "kind", "stored_records", "reachability", "relay", "relay_id", "observed_host", "relay_moves", "relaying_reservations", "relayed_bytes", "relayed_connections", "direct_peers", "punches_succeeded", "punches_failed")
+    __slots__ = ("peer_id", "run_id", "address", "control", "client_mode", "known_peers", "dht_size_estimate", "rounds_done", "rounds_failed", "bytes_sent", "bytes_received", "codecs", "failures", "uptime", "version", "active_calls", "shm_dir", "shm_dev", "shm_ino", "pid", "bandwidth", "bandwidth_measured", "bandwidth_samples", "rounds_partial", "kind", "stored_records", "reachability", "relay", "relay_id", "observed_host", "relay_moves", "relaying_reservations", "relayed_bytes", "relayed_connections", "direct_peers", "punches_succeeded", "punches_failed", "trainers")
     class CodecsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +278,7 @@ class StatusResponse(_message.Message):
     DIRECT_PEERS_FIELD_NUMBER: _ClassVar[int]
     PUNCHES_SUCCEEDED_FIELD_NUMBER: _ClassVar[int]
     PUNCHES_FAILED_FIELD_NUMBER: _ClassVar[int]
+    TRAINERS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     run_id: str
     address: str
@@ -315,7 +316,18 @@ class StatusResponse(_message.Message):
     direct_peers: _containers.RepeatedScalarFieldContainer[str]
     punches_succeeded: int
     punches_failed: int
-    def __init__(self, peer_id: _Optional[str] = ..., run_id: _Optional[str] = ..., address: _Optional[str] = ..., control: _Optional[str] = ..., client_mode: _Optional[bool] = ..., known_peers: _Optional[int] = ..., dht_size_estimate: _Optional[float] = ..., rounds_done: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., codecs: _Optional[_Mapping[str, CodecStats]] = ..., failures: _Optional[_Mapping[str, int]] = ..., uptime: _Optional[float] = ..., version: _Optional[str] = ..., active_calls: _Optional[int] = ..., shm_dir: _Optional[str] = ..., shm_dev: _Optional[int] = ..., shm_ino: _Optional[int] = ..., pid: _Optional[int] = ..., bandwidth: _Optional[float] = ..., bandwidth_measured: _Optional[bool] = ..., bandwidth_samples: _Optional[int] = ..., rounds_partial: _Optional[int] = ..., kind: _Optional[str] = ..., stored_records: _Optional[int] = ..., reachability: _Optional[str] = ..., relay: _Optional[str] = ..., relay_id: _Optional[str] = ..., observed_host: _Optional[str] = ..., relay_moves: _Optional[int] = ..., relaying_reservations: _Optional[int] = ..., relayed_bytes: _Optional[int] = ..., relayed_connections: _Optional[int] = ..., direct_peers: _Optional[_Iterable[str]] = ..., punches_succeeded: _Optional[int] = ..., punches_failed: _Optional[int] = ...) -> None: ...
+    trainers: _containers.RepeatedCompositeFieldContainer[LocalTrainer]
+    def __init__(self, peer_id: _Optional[str] = ..., run_id: _Optional[str] = ..., address: _Optional[str] = ..., control: _Optional[str] = ..., client_mode: _Optional[bool] = ..., known_peers: _Optional[int] = ..., dht_size_estimate: _Optional[float] = ..., rounds_done: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., codecs: _Optional[_Mapping[str, CodecStats]] = ..., failures: _Optional[_Mapping[str, int]] = ..., uptime: _Optional[float] = ..., version: _Optional[str] = ..., active_calls: _Optional[int] = ..., shm_dir: _Optional[str] = ..., shm_dev: _Optional[int] = ..., shm_ino: _Optional[int] = ..., pid: _Optional[int] = ..., bandwidth: _Optional[float] = ..., bandwidth_measured: _Optional[bool] = ..., bandwidth_samples: _Optional[int] = ..., rounds_partial: _Optional[int] = ..., kind: _Optional[str] = ..., stored_records: _Optional[int] = ..., reachability: _Optional[str] = ..., relay: _Optional[str] = ..., relay_id: _Optional[str] = ..., observed_host: _Optional[str] = ..., relay_moves: _Optional[int] = ..., relaying_reservations: _Optional[int] = ..., relayed_bytes: _Optional[int] = ..., relayed_connections: _Optional[int] = ..., direct_peers: _Optional[_Iterable[str]] = ..., punches_succeeded: _Optional[int] = ..., punches_failed: _Optional[int] = ..., trainers: _Optional[_Iterable[_Union[LocalTrainer, _Mapping]]] = ...) -> None: ...
+
+class LocalTrainer(_message.Message):
+    __slots__ = ("run", "method", "alone")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    ALONE_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    method: str
+    alone: float
+    def __init__(self, run: _Optional[str] = ..., method: _Optional[str] = ..., alone: _Optional[float] = ...) -> None: ...
 
 class PeersRequest(_message.Message):
     __slots__ = ("training_run",)
@@ -375,13 +387,27 @@ class RunProgress(_message.Message):
     def __init__(self, method: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., target: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., eta: _Optional[float] = ..., peers: _Optional[int] = ...) -> None: ...
 
 class PeersResponse(_message.Message):
-    __slots__ = ("run_id", "peers", "progress", "ignored_records")
+    __slots__ = ("run_id", "peers", "progress", "ignored_records", "training_runs")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     IGNORED_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_RUNS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     peers: _containers.RepeatedCompositeFieldContainer[PeerView]
     progress: _containers.RepeatedCompositeFieldContainer[RunProgress]
     ignored_records: int
-    def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerView, _Mapping]]] = ..., progress: _Optional[_Iterable[_Union[RunProgress, _Mapping]]] = ..., ignored_records: _Optional[int] = ...) -> None: ...
+    training_runs: _containers.RepeatedCompositeFieldContainer[TrainingRunView]
+    def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerView, _Mapping]]] = ..., progress: _Optional[_Iterable[_Union[RunProgress, _Mapping]]] = ..., ignored_records: _Optional[int] = ..., training_runs: _Optional[_Iterable[_Union[TrainingRunView, _Mapping]]] = ...) -> None: ...
+
+class TrainingRunView(_message.Message):
+    __slots__ = ("run", "method", "trainers", "alone")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    TRAINERS_FIELD_NUMBER: _ClassVar[int]
+    ALONE_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    method: str
+    trainers: int
+    alone: int
+    def __init__(self, run: _Optional[str] = ..., method: _Optional[str] = ..., trainers: _Optional[int] = ..., alone: _Optional[int] = ...) -> None: ...

@@ -41,6 +41,12 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from swarmavg.averaging.training.background import LatestWork
+from swarmavg.averaging.training.company import (
+    DEFAULT_ALONE_AFTER,
+    DEFAULT_STALLED_AFTER,
+    CompanyWatch,
+)
+from swarmavg.averaging.training.company_link import DEFAULT_START_TIMEOUT, CompanyLink
 from swarmavg.averaging.training.consensus import (
     Provenance,
     Role,
@@ -72,6 +78,35 @@ log = logging.getLogger(__name__)
 
 _W = TypeVar("_W", bound="SwarmOptimizer")
 
+
+def resolve_run(client: SwarmClient | None, run_id: str | None) -> str:
+    """The training run of a wrapper: ``run_id``, or its daemon's run id when None.
+
+    One run id is the common case (``swarmavg peer --run-id X`` and trainers that follow
+    it); a wrapper's own run id is a second namespace on the same daemons, useful on
+    purpose and silent when mistyped (docs/training.md, "Run ids").
+
+    Raises:
+        ValueError: an empty ``run_id``, a daemon whose status names no run, or no client
+            to ask (a follower rank of a local group: every rank passes the run id, so
+            that the ranks' states name one run).
+    """
+    if run_id is not None:
+        if not run_id:
+            raise ValueError("run_id must not be empty (None: the daemon's run id)")
+        return run_id
+    if client is None:
+        raise ValueError(
+            "run_id=None takes the daemon's run id, but this rank has no client to ask: "
+            "pass run_id on every rank of a local group"
+        )
+    status = client.status()
+    run = status.get("run_id") if isinstance(status, Mapping) else None
+    if not isinstance(run, str) or not run:
+        raise ValueError("the daemon's status names no run_id; pass run_id explicitly")
+    return run
+
+
 FINAL_POLL = 0.05
 """Seconds between two reads of the progress while ``close()`` waits for the final records
 of the processes that stop with it (a DHT read through the daemon each)."""
@@ -98,6 +133,14 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         verbose: log the epoch, the swarm's samples/s and the time to the next global step
             at INFO (:mod:`~swarmavg.averaging.training.verbose`; make the library's logs
             visible with ``swarmavg.peer.enable_logging()``).
+        alone_after: seconds without another trainer of the run before a warning says
+            this process trains alone, with the run ids it can see (``inf``: never;
+            :mod:`~swarmavg.averaging.training.company`).
+        stalled_after: seconds without a global step before a warning says so, with the
+            swarm's progress towards the target (``inf``: never).
+        min_peers: daemons (this one included) whose trainers must report in the run
+            before the first global step (the start barrier, :meth:`_await_company`).
+        start_timeout: seconds the first global step waits for them at most (0: no wait).
         local_group: the hierarchical mode (docs/training.md): this machine's ranks, of
             which only the leader talks to the daemon (None: this process is one peer).
             ``client`` may be None on the other ranks.
@@ -138,6 +181,10 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         local_group: LocalGroup | None = None,
         final_round: bool = True,
         final_timeout: float | None = None,
+        alone_after: float = DEFAULT_ALONE_AFTER,
+        stalled_after: float = DEFAULT_STALLED_AFTER,
+        min_peers: int = 1,
+        start_timeout: float = DEFAULT_START_TIMEOUT,
     ) -> None:
         if final_timeout is not None and not final_timeout > 0:
             raise ValueError(f"final_timeout must be positive, got {final_timeout}")
@@ -188,6 +235,16 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         )
         self.verbose = bool(verbose)
         self._progress_log = ProgressLog() if verbose else None
+        self.company = CompanyLink(
+            self.link,
+            self.tracker,
+            self.KIND,
+            CompanyWatch(alone_after, stalled_after, time.monotonic()),
+            min_peers=min_peers,
+            start_timeout=start_timeout,
+        )
+        """The trainer's ties to the rest of its run: its trainer entry, the warnings when
+        it trains alone, the start barrier (:meth:`_await_company`)."""
         self._closed = False
         self._rank_samples = 0
         """Hierarchical mode: samples this rank processed since the last global step (its
@@ -233,6 +290,7 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
                         self._announce(progress.epoch)
                     self._catch_up(progress)
             self.tracker.report()
+            self.company.joined()
 
         # Hierarchical mode: every rank starts from the leader's state (like DDP's first
         # broadcast), the one it loaded from the swarm if it caught up.
@@ -272,7 +330,7 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         """The swarm's progress as last read (samples, rates, ETA)."""
         return self.tracker.last
 
-    def report_metrics(self, **metrics: float) -> None:
+    def report_metrics(self, **metrics: float | torch.Tensor) -> None:
         """Attach user metrics (``loss=0.31, accuracy=0.9``) to this process's progress
         record: they go out with its next report and ``swarmavg peers`` shows them. Each
         call replaces the previous metrics; no arguments clears them.
@@ -281,7 +339,11 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
             ValueError: more than 8 entries, a name outside ``[A-Za-z0-9_./-]{1,32}``, or a
                 value that is not a finite number (a one-element tensor is taken).
         """
-        self.tracker.set_metrics(metrics)
+        # A loss straight from the graph requires grad; converting it to a number would
+        # warn (torch's "Converting a tensor with requires_grad=True to a scalar").
+        self.tracker.set_metrics(
+            {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the parameters' ``.grad`` (what the wrapper accumulated is kept)."""
@@ -519,9 +581,17 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
             log.warning("could not withdraw the progress record: %s", exc)
 
     def _log_progress(self) -> None:
-        """``verbose=True``: write the progress line when it is due (after each step)."""
+        """After each step: write the progress line when it is due (``verbose=True``) and
+        say when this process trains alone or the swarm takes no global step."""
         if self._progress_log is not None:
             self._progress_log.update(self.epoch, *self._verbose_figures())
+        if not self._follower:
+            self.company.after_step(self.epoch)
+
+    def _await_company(self, progress: GlobalProgress) -> GlobalProgress:
+        """The start barrier before the first global step (:meth:`CompanyLink.await_start`;
+        a follower rank never waits: its leader does)."""
+        return progress if self._follower else self.company.await_start(progress)
 
     def _verbose_figures(self) -> tuple[int, int, float, int, float]:
         """``(samples, target, swarm samples/s, peers, eta)`` towards the next global step.

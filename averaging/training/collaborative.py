@@ -55,7 +55,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from swarmavg.averaging.training.base import SwarmOptimizer
+from swarmavg.averaging.training.base import SwarmOptimizer, resolve_run
+from swarmavg.averaging.training.company import DEFAULT_ALONE_AFTER, DEFAULT_STALLED_AFTER
+from swarmavg.averaging.training.company_link import DEFAULT_START_TIMEOUT
 from swarmavg.averaging.training.consensus import Role
 from swarmavg.averaging.training.digest import state_digest
 from swarmavg.averaging.training.local_group import (
@@ -112,6 +114,7 @@ class CollaborativeOptimizer(SwarmOptimizer):
         optimizer: any ``torch.optim.Optimizer`` over those parameters.
         client: a connected swarmavg client (``swarmavg.peer.connect()``).
         run_id: the training run. Processes with the same ``run_id`` train together.
+            None (the default): the daemon's run id (``swarmavg peer --run-id``).
         target_batch_size: samples the swarm processes per global step.
         batch_size_per_step: samples behind one ``step()`` call (override per call with
             ``step(batch_size=...)``).
@@ -158,6 +161,16 @@ class CollaborativeOptimizer(SwarmOptimizer):
             that all of them end with bit-identical parameters (docs/training.md,
             "Finishing a run"). In gradients mode a delayed update is applied first.
         final_timeout: seconds the final round may take (default ``averaging_timeout``).
+        alone_after: seconds without another trainer of the run before a warning says
+            this process trains alone, naming the run ids it can see (``inf``: never).
+        stalled_after: seconds without a global step before a warning says so, with the
+            swarm's progress towards ``target_batch_size`` (``inf``: never).
+        min_peers: the start barrier: daemons (this one included) whose trainers must
+            report in the run before the first global step. Whatever it says, the first
+            global step also waits while the run's other daemons are up but none of their
+            trainers reports yet (docs/training.md, "Starting together").
+        start_timeout: seconds the first global step waits for them at most (0: never
+            wait); the batches accumulated meanwhile are kept.
 
     Call ``zero_grad()`` after ``step()`` as usual. ``step()`` returns the closure's loss
     (or None). Not thread-safe: use it from the training thread. Close it (or use it as a
@@ -171,9 +184,9 @@ class CollaborativeOptimizer(SwarmOptimizer):
         params: Iterable[Any],
         optimizer: torch.optim.Optimizer,
         client: SwarmClient | None,
-        run_id: str,
-        target_batch_size: int,
-        batch_size_per_step: int,
+        run_id: str | None = None,
+        target_batch_size: int | None = None,
+        batch_size_per_step: int | None = None,
         average: Literal["gradients", "parameters"] = "gradients",
         codec: str | None = None,
         *,
@@ -192,7 +205,13 @@ class CollaborativeOptimizer(SwarmOptimizer):
         local_leader: int = 0,
         final_round: bool = True,
         final_timeout: float | None = None,
+        alone_after: float = DEFAULT_ALONE_AFTER,
+        stalled_after: float = DEFAULT_STALLED_AFTER,
+        min_peers: int = 1,
+        start_timeout: float = DEFAULT_START_TIMEOUT,
     ) -> None:
+        if target_batch_size is None or batch_size_per_step is None:
+            raise ValueError("target_batch_size and batch_size_per_step are required")
         if average not in ("gradients", "parameters"):
             raise ValueError(f"average must be 'gradients' or 'parameters', got {average!r}")
         if delay_updates and average != "gradients":
@@ -200,6 +219,7 @@ class CollaborativeOptimizer(SwarmOptimizer):
         if max_wait < 0:
             raise ValueError("max_wait must not be negative")
         local_group = resolve_local_group(process_group, local_leader)
+        run_id = resolve_run(client, run_id)
         super().__init__(
             params,
             optimizer,
@@ -220,6 +240,10 @@ class CollaborativeOptimizer(SwarmOptimizer):
             local_group=local_group,
             final_round=final_round,
             final_timeout=final_timeout,
+            alone_after=alone_after,
+            stalled_after=stalled_after,
+            min_peers=min_peers,
+            start_timeout=start_timeout,
         )
         self.optimizer = optimizer
         self.average = average
@@ -357,6 +381,9 @@ class CollaborativeOptimizer(SwarmOptimizer):
             # for the others' reports' lag): back to its epoch.
             return _Action.CATCH_UP, progress
         if progress.ready:
+            awaited = self._await_company(progress)
+            if awaited is not progress:  # others came meanwhile: decide on what they say
+                return self._decide()
             return _Action.GLOBAL, progress
         return _Action.NONE, progress
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from swarmavg.averaging.training.base import SwarmOptimizer
+from swarmavg.averaging.training.base import SwarmOptimizer, resolve_run
 from swarmavg.averaging.training.consensus import Role, Verdict
 from swarmavg.averaging.training.digest import state_digest
 from swarmavg.averaging.training.late_work import LateWork, late_work_fate, rebased
@@ -124,7 +124,7 @@ class DiLoCo(SwarmOptimizer):
         inner_optimizer: any ``torch.optim.Optimizer`` over them (the paper uses AdamW);
             its state stays local.
         client: a connected swarmavg client.
-        run_id: the training run.
+        run_id: the training run (None: the daemon's run id).
         local_steps: H, inner steps between two outer steps, or ``"auto"``: H chosen
             from the measured inner step and round times so that a round costs at most
             ``auto_overhead`` of the compute between two (module
@@ -178,7 +178,7 @@ class DiLoCo(SwarmOptimizer):
         params: Iterable[Any],
         inner_optimizer: torch.optim.Optimizer,
         client: SwarmClient | None,
-        run_id: str,
+        run_id: str | None,
         local_steps: int | Literal["auto"],
         batch_size_per_step: int = 1,
         outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
@@ -228,6 +228,7 @@ class DiLoCo(SwarmOptimizer):
         self._last_step_end: float | None = None
         local_group = resolve_local_group(process_group, local_leader)
         ranks = local_group.size if local_group is not None else 1
+        run_id = resolve_run(client, run_id)
         super().__init__(
             params,
             inner_optimizer,

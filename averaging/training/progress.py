@@ -65,6 +65,12 @@ in step with it: the majority's records lag one step behind its own report, and 
 (:meth:`ProgressTracker.refresh`)."""
 MAX_EPOCH_LEAD = 8
 """Epochs a record may be ahead of the swarm's majority (:func:`within_epoch_lead`)."""
+MAX_SHARE_RATIO = 4.0
+"""How many times the median daemon's samples (and samples per second) one daemon's
+records may count for at an epoch (:func:`credit`). Samples are self-reported: without a
+bound, one record claiming ``2**53`` samples ends every epoch at once. A daemon faster than
+this many medians (a GPU among CPUs) counts as this many medians, or as its fair share of
+the target, whichever is more: its epoch then ends a little later than it could."""
 SETTLE_TIMEOUT = 30.0
 """Seconds :meth:`ProgressTracker.report` waits for the background stores in flight (each
 store also has the client's own call deadline)."""
@@ -243,6 +249,9 @@ class GlobalProgress:
         eta: seconds until ``samples`` reaches ``target`` at that throughput (0 when
             reached, ``inf`` when nobody is making progress).
         peers: every valid record read of a process still training, at any epoch.
+        capped: the daemons at ``epoch`` whose claimed samples or rate counted for less
+            than they said (:func:`credit`).
+        trusted: the reader's own daemon, whose records are never capped (None: none).
     """
 
     epoch: int
@@ -253,6 +262,8 @@ class GlobalProgress:
     samples_per_second: float
     eta: float
     peers: tuple[PeerProgress, ...]
+    capped: frozenset[str] = frozenset()
+    trusted: str | None = None
 
     @property
     def ready(self) -> bool:
@@ -290,7 +301,7 @@ class GlobalProgress:
         """The same records seen from ``epoch``: its samples, its members (at it or one
         behind), as if it were the swarm's epoch (the view of a process a little ahead of
         the majority's records, or of those left one epoch behind it)."""
-        return _progress_at(epoch, self.peers, self.target)
+        return _progress_at(epoch, self.peers, self.target, self.trusted)
 
     def daemons_at(self, epoch: int) -> set[str]:
         """The daemons with a live record at exactly ``epoch``."""
@@ -390,7 +401,11 @@ def plausible(record: PeerProgress, now: float) -> bool:
 
 
 def aggregate(
-    records: Iterable[PeerProgress], target: int, *, now: float | None = None
+    records: Iterable[PeerProgress],
+    target: int,
+    *,
+    now: float | None = None,
+    trusted: str | None = None,
 ) -> GlobalProgress:
     """Combine the processes' records into the swarm's progress.
 
@@ -399,21 +414,84 @@ def aggregate(
     one ahead of it will move back. Processes that left say which epoch the run reached
     when no other process is live (a newcomer then loads the state instead of starting
     over), but count for nothing else. Implausible records (:func:`plausible`, judged at
-    ``now``, default the wall clock) count for nothing at all.
+    ``now``, default the wall clock) count for nothing at all. Each daemon counts for at
+    most what :func:`credit` allows, except ``trusted`` (the reader's own daemon).
     """
     if target <= 0:
         raise ValueError(f"target must be positive, got {target}")
     now = time.time() if now is None else now
     records = tuple(p for p in records if plausible(p, now))
     peers = tuple(p for p in records if not p.left)
-    return _progress_at(swarm_epoch(records), peers, target)
+    return _progress_at(swarm_epoch(records), peers, target, trusted)
 
 
-def _progress_at(epoch: int, peers: tuple[PeerProgress, ...], target: int) -> GlobalProgress:
+@dataclass(frozen=True)
+class Credit:
+    """What the records of one epoch count for (:func:`credit`).
+
+    Attributes:
+        samples: each daemon's samples as counted.
+        rates: each daemon's samples per second as counted.
+        capped: the daemons that claimed more than they were counted for.
+    """
+
+    samples: dict[str, int]
+    rates: dict[str, float]
+    capped: frozenset[str]
+
+
+def credit(
+    current: Iterable[PeerProgress],
+    target: int,
+    trusted: str | None = None,
+    ratio: float = MAX_SHARE_RATIO,
+) -> Credit:
+    """Bound what each daemon's records at one epoch count for.
+
+    A daemon's processes are summed first (one daemon is one identity, however many
+    subkeys it writes: many records cannot count for many peers). Then each daemon other
+    than ``trusted`` counts for at most ``ratio`` times the lower median of the daemons'
+    samples, or its fair share ``target / daemons`` if that is more, and its rate for at
+    most ``ratio`` times the lower median rate. The lower median is an honest daemon's
+    figure as long as fewer than half the daemons lie upwards (with two daemons, the
+    reader and one liar, it is the smaller one: the reader's), so one member that lies can
+    shorten an epoch by at most its fair share plus ``ratio`` medians, never end it at once.
+    The fair-share floor keeps an honest daemon that is ahead right after a global step
+    (the others still at 0) from counting for nothing.
+    """
+    samples: dict[str, int] = {}
+    rates: dict[str, float] = {}
+    for p in current:
+        samples[p.peer_id] = samples.get(p.peer_id, 0) + p.samples
+        rates[p.peer_id] = rates.get(p.peer_id, 0.0) + p.samples_per_second
+    if not samples:
+        return Credit({}, {}, frozenset())
+    max_samples = max(ratio * _lower_median(samples.values()), target / len(samples))
+    max_rate = ratio * _lower_median(rates.values())
+    capped: set[str] = set()
+    for peer in samples:
+        if peer == trusted:
+            continue
+        if samples[peer] > max_samples or rates[peer] > max_rate:
+            capped.add(peer)
+        samples[peer] = min(samples[peer], math.floor(max_samples))
+        rates[peer] = min(rates[peer], max_rate)
+    return Credit(samples, rates, frozenset(capped))
+
+
+def _lower_median(values: Iterable[float]) -> float:
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2] if ordered else 0.0
+
+
+def _progress_at(
+    epoch: int, peers: tuple[PeerProgress, ...], target: int, trusted: str | None = None
+) -> GlobalProgress:
     current = [p for p in peers if p.epoch == epoch]
     active = [p for p in peers if epoch - 1 <= p.epoch <= epoch]
-    samples = sum(p.samples for p in current)
-    rate = sum(p.samples_per_second for p in current)
+    counted = credit(current, target, trusted)
+    samples = sum(counted.samples.values())
+    rate = sum(counted.rates.values())
     remaining = max(0, target - samples)
     if remaining == 0:
         eta = 0.0
@@ -430,6 +508,8 @@ def _progress_at(epoch: int, peers: tuple[PeerProgress, ...], target: int) -> Gl
         samples_per_second=rate,
         eta=eta,
         peers=peers,
+        capped=counted.capped,
+        trusted=trusted,
     )
 
 
@@ -535,6 +615,7 @@ class ProgressTracker:
         """Sent as :attr:`PeerProgress.final`."""
         self.last: GlobalProgress = aggregate((), target_batch_size)
         self._ignored = 0  # records ignored by the last refresh, to log changes only
+        self._capped: frozenset[str] = frozenset()  # likewise, daemons counted for less
         self._reporter = LatestWork("progress report")  # report_soon's thread, made on use
         self.soon_interval = soon_interval
         self._last_soon = -math.inf  # monotonic time of report_soon's last store
@@ -658,7 +739,18 @@ class ProgressTracker:
                 self.key,
             )
             self._ignored = ignored
-        progress = aggregate(records, self.target_batch_size, now=now)
+        progress = aggregate(records, self.target_batch_size, now=now, trusted=self.peer_id)
+        if progress.capped != self._capped:
+            if progress.capped - self._capped:
+                log.warning(
+                    "counting %d daemon(s) for less progress than they claim under %s "
+                    "(more than %.0fx the median daemon's): %s",
+                    len(progress.capped),
+                    self.key,
+                    MAX_SHARE_RATIO,
+                    ", ".join(sorted(p[:12] for p in progress.capped)),
+                )
+            self._capped = progress.capped
         if not ahead_of(records[0], progress.epoch) and progress.epoch < self.epoch:
             # A report's lag (and a round in flight) ahead of the majority's records: in
             # step, so its own epoch is the one to look at.
@@ -691,15 +783,15 @@ def parse_records(
         parsed = PeerProgress.from_record(value)
         # The DHT checked that the subkey's named owner signed the entry; a record that
         # claims another daemon's id inside it is a forgery.
-        if parsed is not None and plausible(parsed, now) and _owner_of(subkey) == parsed.peer_id:
+        if parsed is not None and plausible(parsed, now) and owner_of(subkey) == parsed.peer_id:
             records.append(parsed)
         else:
             ignored += 1
     return records, ignored
 
 
-def _owner_of(subkey: object) -> str | None:
-    """The owner a progress subkey names (``...[owner:<hex>]``), or None."""
+def owner_of(subkey: object) -> str | None:
+    """The owner (hex) an owned subkey names (``...[owner:<hex>]``), or None."""
     if not isinstance(subkey, str) or not subkey.endswith("]"):
         return None
     _, sep, owner = subkey[:-1].rpartition("[owner:")
@@ -716,6 +808,7 @@ def _peer_id_of(client: ClientLike) -> str:
 
 __all__ = [
     "ClientLike",
+    "Credit",
     "DHTLike",
     "GlobalProgress",
     "PeerProgress",
@@ -723,6 +816,8 @@ __all__ = [
     "RateMeter",
     "aggregate",
     "ahead_of",
+    "credit",
+    "owner_of",
     "parse_records",
     "plausible",
     "swarm_epoch",

@@ -7,8 +7,8 @@ throughput and the time to that step, e.g.::
 
 It goes through the library's logger at INFO (``swarmavg.averaging.training.verbose``), so
 ``swarmavg.peer.enable_logging()`` (or the script's own logging setup) makes it visible.
-A line is written when the epoch changes and otherwise at most every ``every`` seconds, so
-a fast training loop does not flood the log.
+A line is written at most every ``every`` seconds (:class:`ProgressLog`), so a fast training
+loop does not flood the log, and never at an epoch's empty start.
 """
 
 from __future__ import annotations
@@ -56,8 +56,16 @@ def progress_line(
 class ProgressLog:
     """Decides when a wrapper writes its progress line, and writes it.
 
+    A line is written at the first update and then at most every ``every`` seconds. A line
+    that falls due at the step that began a new epoch waits for the next step, so that it
+    shows how far the epoch got instead of its empty start (an epoch of one step is
+    logged anyway, at its second due step). The throughput is smoothed over about
+    ``every`` seconds: the swarm's figure is a sum of the processes' recent rates, which
+    jumps as rounds pause them. A line after global steps says how many were taken since
+    the previous line.
+
     Args:
-        every: seconds between two lines within one epoch (a new epoch always logs).
+        every: seconds between two lines.
         clock: monotonic seconds (tests pass their own).
         logger: where the lines go.
 
@@ -76,8 +84,22 @@ class ProgressLog:
         self.every = every
         self._clock = clock
         self._logger = logger
-        self._epoch: int | None = None
+        self._epoch: int | None = None  # at the previous update
+        self._logged_epoch: int | None = None  # at the previous line
         self._last = -math.inf
+        self._deferred = False
+        self.rate: float | None = None
+        """The smoothed swarm throughput (None before the first update)."""
+        self._rate_at = 0.0
+
+    def _smooth(self, samples_per_second: float, now: float) -> float:
+        if self.rate is None or not math.isfinite(self.rate):
+            self.rate = samples_per_second
+        else:
+            weight = 1.0 - math.exp(-max(now - self._rate_at, 0.0) / self.every)
+            self.rate += weight * (samples_per_second - self.rate)
+        self._rate_at = now
+        return self.rate
 
     def update(
         self,
@@ -88,12 +110,21 @@ class ProgressLog:
         peers: int,
         eta: float,
     ) -> bool:
-        """Write the line if the epoch changed or ``every`` seconds passed; say whether."""
+        """Write the line if it is due (see the class docstring); say whether."""
         now = self._clock()
-        if epoch == self._epoch and now - self._last < self.every:
+        rate = self._smooth(samples_per_second, now)
+        new_epoch = self._epoch is not None and epoch != self._epoch
+        self._epoch = epoch
+        if self._logged_epoch is not None and now - self._last < self.every:
             return False
-        self._epoch, self._last = epoch, now
-        self._logger.info(
-            "%s", progress_line(epoch, samples, target, samples_per_second, peers, eta)
-        )
+        if new_epoch and not self._deferred:
+            self._deferred = True
+            return False
+        steps = 0 if self._logged_epoch is None else max(epoch - self._logged_epoch, 0)
+        self._deferred = False
+        self._logged_epoch, self._last = epoch, now
+        line = progress_line(epoch, samples, target, rate, peers, eta)
+        if steps:
+            line += f" ({steps} global step{'s' if steps != 1 else ''} since the last line)"
+        self._logger.info("%s", line)
         return True

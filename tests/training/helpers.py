@@ -65,7 +65,7 @@ def sgd_collaborative(
     model: torch.nn.Module,
     client: Any,
     *,
-    run_id: str,
+    run_id: str | None,
     target_batch_size: int,
     batch_size_per_step: int = 4,
     lr: float = 0.1,

@@ -11,6 +11,7 @@ others waits for this process.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from swarmavg.averaging.training.base import SwarmOptimizer
@@ -22,6 +23,8 @@ try:
 except ImportError as exc:  # the extra is optional
     raise missing_extra("transformers", "hf") from exc
 
+log = logging.getLogger(__name__)
+
 
 class SwarmTrainerCallback(TrainerCallback):
     """Ties a ``transformers.Trainer`` to the swarm wrapper it steps.
@@ -31,8 +34,10 @@ class SwarmTrainerCallback(TrainerCallback):
         close_on_train_end: close the wrapper when ``train()`` ends (turn off to call
             ``train()`` again on the same wrapper).
 
-    Use::
+    Use (a constant learning rate: the Trainer's default linear decay counts local steps,
+    which differ between peers; docs/training.md)::
 
+        args = TrainingArguments(..., lr_scheduler_type="constant")
         trainer = Trainer(model, args, train_dataset=data, optimizers=(opt, None),
                           callbacks=[SwarmTrainerCallback(opt)])
     """
@@ -68,6 +73,15 @@ class SwarmTrainerCallback(TrainerCallback):
             raise ValueError(
                 "the Trainer does not step the swarm wrapper: pass it as "
                 "Trainer(..., optimizers=(opt, None)) together with SwarmTrainerCallback(opt)"
+            )
+        schedule = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
+        if not schedule.startswith("constant"):
+            log.warning(
+                "the Trainer's lr_scheduler_type is %r: a schedule over local steps gives "
+                "peers different learning rates at one global step (each such round repairs "
+                "the differing peer); use lr_scheduler_type='constant' or a schedule driven by "
+                "the wrapper's epoch",
+                schedule,
             )
 
     def on_log(

@@ -1,0 +1,134 @@
+"""The start barrier: a trainer's first global step waits for the other trainers of its run
+instead of taking the run's first steps alone. Real ``swarmavg peer`` processes; the second
+trainer starts only once the first one says it waits (an event, not a sleep)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from swarmavg.averaging.training.base import SwarmOptimizer  # noqa: E402
+from swarmavg.averaging.training.run_directory import AVERAGERS_SUFFIX  # noqa: E402
+from swarmavg.peer import connect  # noqa: E402
+from tests.harness import ProcessPool  # noqa: E402
+from tests.run_daemons import clients, run_daemon  # noqa: E402
+from tests.training.helpers import (  # noqa: E402
+    linear_model,
+    run_in_threads,
+    sgd_collaborative,
+    train_until,
+)
+
+pytestmark = pytest.mark.integration
+RUN = "start-barrier"
+__all__ = ["clients"]  # the fixture
+
+
+class Said(logging.Handler):
+    """Sets an event when a log line contains ``text``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+        self.event = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
+@pytest.fixture
+def first_waits() -> Iterator[Said]:
+    said = Said("waiting up to")
+    logger = logging.getLogger("swarmavg.averaging.training.base")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(said)
+    try:
+        yield said
+    finally:
+        logger.removeHandler(said)
+        logger.setLevel(level)
+
+
+def trainer(client: Any, **options: Any) -> tuple[Any, SwarmOptimizer]:
+    model = linear_model()
+    opt = sgd_collaborative(
+        model,
+        client,
+        run_id=None,
+        target_batch_size=8,
+        averaging_timeout=20.0,
+        final_timeout=2.0,
+        codec="none",
+        start_timeout=90.0,
+        **options,
+    )
+    return model, opt
+
+
+def first_then_second(
+    first: tuple[Any, SwarmOptimizer], first_waits: Said, make_second: Any
+) -> None:
+    """Train ``first`` to epoch 2; once it says it waits, make the second trainer and train
+    it to epoch 2 too; both must have taken every global step together (no step alone)."""
+    seconds: list[tuple[Any, SwarmOptimizer]] = []
+
+    def second() -> None:
+        assert first_waits.event.wait(60), "the first trainer never waited"
+        seconds.append(make_second())
+        train_until(*seconds[0], 20, 2)
+
+    run_in_threads(lambda: train_until(*first, 10, 2), second, timeout=100)
+    a, b = first[1], seconds[0][1]
+    assert a.stats.group_sizes == b.stats.group_sizes == [2, 2]
+    a.close()
+    b.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_first_global_step_waits_for_the_trainer_of_a_daemon_already_up(
+    swarmavg_processes: ProcessPool, clients: ExitStack, first_waits: Said
+) -> None:
+    first_daemon = run_daemon(swarmavg_processes, RUN, 0)
+    second_daemon = run_daemon(swarmavg_processes, RUN, 1, first_daemon)
+    ca = clients.enter_context(connect(first_daemon.control))
+    cb = clients.enter_context(connect(second_daemon.control))
+    # the daemons' presence entries are what tells the first trainer to wait
+    for _ in range(200):
+        if len(ca.dht.get(f"{RUN}{AVERAGERS_SUFFIX}") or {}) >= 2:
+            break
+    ma, a = trainer(ca)
+    first_then_second((ma, a), first_waits, lambda: trainer(cb))
+
+
+@pytest.mark.timeout(120)
+def test_min_peers_waits_for_a_trainer_whose_daemon_is_not_up_yet(
+    swarmavg_processes: ProcessPool, clients: ExitStack, first_waits: Said
+) -> None:
+    first_daemon = run_daemon(swarmavg_processes, RUN, 0)
+    ma, a = trainer(clients.enter_context(connect(first_daemon.control)), min_peers=2)
+
+    def make_second() -> tuple[Any, SwarmOptimizer]:
+        late = run_daemon(swarmavg_processes, RUN, 1, first_daemon)
+        return trainer(clients.enter_context(connect(late.control)), min_peers=2)
+
+    first_then_second((ma, a), first_waits, make_second)
+
+
+@pytest.mark.timeout(60)
+def test_a_lone_daemons_trainer_does_not_wait(
+    swarmavg_processes: ProcessPool, clients: ExitStack, first_waits: Said
+) -> None:
+    ca = clients.enter_context(connect(run_daemon(swarmavg_processes, RUN, 0).control))
+    ma, a = trainer(ca)
+    train_until(ma, a, 10, 2)
+    assert not first_waits.event.is_set()
+    a.close()
