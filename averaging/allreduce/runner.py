@@ -415,7 +415,10 @@ class _Exchange:
         connector = self.service.data_connector
         if data_port and connector is not None:
             remaining = self.deadline - time.monotonic()
-            call = await connector.open(split_host(address), data_port, remaining, address)
+            member = self.group.members[part]
+            call = await connector.open(
+                split_host(address), data_port, remaining, address, member.peer_id
+            )
             if call is not None:
                 return call
         return self._grpc_call(address)
