@@ -348,8 +348,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
             asyncio.get_running_loop().call_later(END_WAIT, self.transport.abort)
         self._wake()
 
-    def _drop_held(self) -> None:
-        """Give back the bytes of the body being read and of every queued frame."""
+    def _drop_body(self) -> None:
+        """Give back the bytes of the body being read (or stop waiting for them)."""
         self._cancel_timer("_body_timer")
         self._cancel_timer("_wait_timer")
         self._wanted = 0
@@ -358,6 +358,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
             if self._body is not None:
                 self._budget.release(self._body_accounts, self._body.size)
         self._body, self._body_accounts = None, ()
+
+    def _drop_held(self) -> None:
+        """Give back the bytes of the body being read and of every queued frame."""
+        self._drop_body()
         frames, self._frames = self._frames, collections.deque()
         self._queued_bytes = 0
         if self._budget is not None:
@@ -398,14 +402,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.closed.set()
         # The body being read is lost; frames queued before stay readable (and charged)
         # until taken or discarded.
-        self._cancel_timer("_body_timer")
-        self._cancel_timer("_wait_timer")
-        self._wanted = 0
-        if self._budget is not None:
-            self._budget.forget(self._retry_body)
-            if self._body is not None:
-                self._budget.release(self._body_accounts, self._body.size)
-        self._body, self._body_accounts = None, ()
+        self._drop_body()
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
 

@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import dataclasses
 import struct
-from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -99,17 +98,8 @@ async def honest_round(
     return checked
 
 
-@pytest.fixture
-async def channels() -> AsyncIterator[ChannelPool]:
-    pool = ChannelPool()
-    try:
-        yield pool
-    finally:
-        await pool.close()
-
-
 async def test_stalled_headers_from_five_networks_leave_the_round_whole(
-    grpc_servers: GrpcServerPool, channels: ChannelPool
+    grpc_servers: GrpcServerPool,
 ) -> None:
     """Control: a whole round. Attack: five networks hold 240 stalled 4 MiB headers at
     the reducer of part 0 while the same members run another round; it must end whole
@@ -118,6 +108,7 @@ async def test_stalled_headers_from_five_networks_leave_the_round_whole(
     peers = await start_peers(grpc_servers, HONEST, CONFIG, data_plane=True)
     target = peers[0]
     writers: list[asyncio.StreamWriter] = []
+    channels = ChannelPool()
     try:
         await honest_round(peers, channels, seed=1)  # control
 
@@ -133,4 +124,5 @@ async def test_stalled_headers_from_five_networks_leave_the_round_whole(
     finally:
         for writer in writers:
             writer.close()
+        await channels.close()
         await close_peers(peers)

@@ -23,6 +23,7 @@ from swarmavg.averaging.allreduce.data_plane import MAGIC, DataConnector, DataSt
 from swarmavg.averaging.allreduce.service import AllReduceService
 from swarmavg.dht.auth import Authenticator
 from swarmavg.peer.nat.splice import pump
+from tests.attacks.test_reduce_slots import SourceRelay
 from tests.private_runs import Authority
 
 pytestmark = pytest.mark.timeout(60)
@@ -30,53 +31,39 @@ pytestmark = pytest.mark.timeout(60)
 RUN = "secret-run"
 
 
-class TamperingRelay:
+class TamperingRelay(SourceRelay):
     """Splices each connection to ``port``; once :attr:`armed`, flips one bit in every
     chunk it forwards from the dialer. Keeps every byte it saw (both directions)."""
 
     def __init__(self, port: int) -> None:
+        super().__init__(f"127.0.0.1:{port}", "127.0.0.1")
         self.port = port
         self.armed = False
         self.seen = bytearray()
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[int]] = set()
 
-    async def start(self) -> int:
-        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        return int(self._server.sockets[0].getsockname()[1])
-
-    async def _tamper(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
-        total = 0
+    async def _tamper(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while data := await reader.read(1 << 16):
             self.seen += data
             if self.armed:
                 data = data[:-1] + bytes([data[-1] ^ 0x01])
             writer.write(data)
             await writer.drain()
-            total += len(data)
         writer.close()
-        return total
+
+    async def _pump_down(self, reader: _Recording, writer: asyncio.StreamWriter) -> None:
+        await pump(reader, writer)  # type: ignore[arg-type]  # duck-typed reader
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
-
-        down = _Recording(up_reader, self.seen)
         tasks = [
             asyncio.ensure_future(self._tamper(reader, up_writer)),
-            asyncio.ensure_future(pump(down, writer)),  # type: ignore[arg-type]
+            asyncio.ensure_future(self._pump_down(_Recording(up_reader, self.seen), writer)),
         ]
         self._tasks.update(tasks)
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.difference_update(tasks)
         for w in (writer, up_writer):
             w.close()
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 class _Recording:
@@ -123,7 +110,7 @@ async def test_a_relay_cannot_read_or_alter_a_private_run_stream(tmp_path: Path)
     )
     port = await reducer.start_data_plane("127.0.0.1")
     relay = TamperingRelay(port)
-    relay_port = await relay.start()
+    relay_port = int((await relay.start()).rpartition(":")[2])
     peer_id = reducer_member.identity.peer_id
     try:
         # Control: relayed unaltered, the message reaches the reducer, whose check of the
