@@ -20,9 +20,11 @@ from collections.abc import Callable
 import grpc
 
 from swarmavg.dht.tasks import TaskSet
-from swarmavg.dht.tls import CHANNEL_OPTIONS, PeerTLS
+from swarmavg.dht.tls import PeerTLS, channel_options
 
 log = logging.getLogger(__name__)
+
+_Key = tuple[str, bytes | None]  # (address, peer id the server must prove)
 
 DEFAULT_OPTIONS: tuple[tuple[str, int], ...] = (
     # Keep gRPC's 4 MiB default receive cap explicitly; sending is capped by callers.
@@ -60,10 +62,11 @@ class ChannelPool:
         self._options: list[tuple[str, int | str]] = list(options)
         self._credentials: grpc.ChannelCredentials | None = None
         if tls is not None:
-            self._options += CHANNEL_OPTIONS
             self._credentials = tls.channel_credentials()
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._last_used: dict[str, float] = {}
+        # Keyed by (address, peer id the server must prove, None: any member of the run);
+        # the peer id only in a private run, a public run keeps one channel per address.
+        self._channels: dict[_Key, grpc.aio.Channel] = {}
+        self._last_used: dict[_Key, float] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._closing = TaskSet()  # channel.close() of discarded channels: awaited, not cancelled
         self._closed = False
@@ -72,46 +75,59 @@ class ChannelPool:
         peer's direct links after hole punching set it (peer/nat/direct.py): the channel stays
         filed under the address dialled, which is what every caller checks answers against."""
 
-    def channel(self, address: str) -> grpc.aio.Channel:
+    def channel(self, address: str, peer_id: bytes | None = None) -> grpc.aio.Channel:
         """Return the channel to ``address`` (HOST:PORT), opening it on first use.
+
+        Args:
+            peer_id: in a private run, the peer the caller means to reach: the server's TLS
+                credential must be that peer's (else the call fails ``UNAVAILABLE``, the
+                handshake refused). None: any member of the run (an address whose peer
+                is not known yet). Ignored in a public run.
 
         Raises:
             RuntimeError: the pool is closed.
         """
         if self._closed:
             raise RuntimeError("ChannelPool is closed")
-        self._last_used[address] = time.monotonic()
-        channel = self._channels.get(address)
+        key = (address, (peer_id or None) if self._credentials is not None else None)
+        self._last_used[key] = time.monotonic()
+        channel = self._channels.get(key)
         if channel is None:
             target = address if self.route is None else self.route(address)
             if self._credentials is None:
                 channel = grpc.aio.insecure_channel(target, options=self._options)
             else:
-                channel = grpc.aio.secure_channel(target, self._credentials, options=self._options)
-            self._channels[address] = channel
+                options = [*self._options, *channel_options(key[1])]
+                channel = grpc.aio.secure_channel(target, self._credentials, options=options)
+            self._channels[key] = channel
             if self._sweeper is None:
                 self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         return channel
 
+    def _keys(self, address: str) -> list[_Key]:
+        return [k for k in self._channels if k[0] == address]
+
     def discard(self, address: str) -> None:
-        """Close the channel to ``address`` now (e.g. the peer is known to be gone)."""
-        channel = self._channels.pop(address, None)
-        self._last_used.pop(address, None)
-        if channel is not None:
-            self._close_later(channel)
+        """Close the channels to ``address`` now (e.g. the peer is known to be gone)."""
+        for key in self._keys(address) or [(address, None)]:
+            channel = self._channels.pop(key, None)
+            self._last_used.pop(key, None)
+            if channel is not None:
+                self._close_later(channel)
 
     def retire(self, address: str, grace: float = 30.0) -> None:
-        """Open a new channel to ``address`` on its next use (its route changed); calls in
-        flight on the old one get ``grace`` seconds to finish."""
-        channel = self._channels.pop(address, None)
-        if channel is not None:
-            self._closing.spawn(channel.close(grace), name="retire-channel")
+        """Open new channels to ``address`` on their next use (its route changed); calls in
+        flight on the old ones get ``grace`` seconds to finish."""
+        for key in self._keys(address):
+            channel = self._channels.pop(key, None)
+            if channel is not None:
+                self._closing.spawn(channel.close(grace), name="retire-channel")
 
     def __len__(self) -> int:
         return len(self._channels)
 
     def __contains__(self, address: object) -> bool:
-        return address in self._channels
+        return any(k[0] == address for k in self._channels)
 
     async def close(self) -> None:
         """Close every channel and stop the sweeper. Calls in flight fail with CANCELLED."""
@@ -137,11 +153,14 @@ class ChannelPool:
         pool's sweeper task; public so that tests need not wait.
         """
         now = time.monotonic() if now is None else now
-        idle = [a for a, t in self._last_used.items() if now - t > self.idle_timeout]
-        for address in idle:
-            log.debug("closing idle channel to %s", address)
-            self.discard(address)
-        return idle
+        idle = [k for k, t in self._last_used.items() if now - t > self.idle_timeout]
+        for key in idle:
+            log.debug("closing idle channel to %s", key[0])
+            channel = self._channels.pop(key, None)
+            self._last_used.pop(key, None)
+            if channel is not None:
+                self._close_later(channel)
+        return list(dict.fromkeys(k[0] for k in idle))
 
     async def _sweep(self) -> None:
         period = max(self.idle_timeout / 4, 0.05)

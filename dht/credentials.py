@@ -58,6 +58,16 @@ TLS_SERVER_NAME = "peer.swarmavg.invalid"
 """The one DNS name every peer certificate carries. Certificates name peer ids, not hosts, so
 every client checks this fixed name (grpc's ``ssl_target_name_override``, ``ssl``'s
 ``server_hostname``); ``.invalid`` is reserved (RFC 2606) and never resolves."""
+
+
+def peer_server_name(peer_id: bytes) -> str:
+    """The DNS name that binds a credential to its peer id (``<hex id>.`` + the shared name):
+    a client that dials a known member checks this name, so only that member's credential
+    passes, not any credential of the run. Every credential carries it besides
+    :data:`TLS_SERVER_NAME`."""
+    return f"{peer_id.hex()}.{TLS_SERVER_NAME}"
+
+
 JOIN_REQUEST_PREFIX = "swarmavg-join-v1:"
 _JOIN_SIGNING_PREFIX = b"swarmavg.v1.join-request\x00"
 _MAX_RUN_ID = 128
@@ -412,6 +422,7 @@ def issue_credential(
             x509.SubjectAlternativeName(
                 [
                     x509.DNSName(TLS_SERVER_NAME),
+                    x509.DNSName(peer_server_name(request.peer_id)),
                     x509.UniformResourceIdentifier(PEER_URI_PREFIX + peer_hex),
                     x509.UniformResourceIdentifier(RUN_URI_PREFIX + run.run_id),
                 ]

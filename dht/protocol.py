@@ -565,11 +565,11 @@ class DHTProtocol:
         header = self.signer.sign(expected_id or b"", full_method, message_digest(request))
         request.header.CopyFrom(header)
         try:
-            call = self.channels.channel(address).unary_unary(full_method)
+            call = self.channels.channel(address, expected_id).unary_unary(full_method)
             data: bytes = await call(request.SerializeToString(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE and address in self.channels:
-                channel = self.channels.channel(address)
+                channel = self.channels.channel(address, expected_id)
                 if channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
                     # the connection is down: a fresh channel reconnects at once when the peer
                     # comes back, instead of after gRPC's reconnect backoff. Only then, so that

@@ -12,7 +12,9 @@ Rules (pure, synchronous, unit-tested):
 * A plain value replaces a dictionary only when it expires later than every subkey; a subkey
   replaces a plain value only when it expires later than that value. Later expiration wins.
 * Expired records are never returned and are dropped by :meth:`Storage.sweep`.
-* Caps: subkeys per key and total stored bytes; over a cap a store reports ``FULL``.
+* Caps: subkeys per key and total stored bytes; over a cap a store reports ``FULL``. A full
+  key makes room for a holder (address range) with fewer subkeys there than the one with
+  most, by dropping that one's first-expiring subkey (:meth:`Storage._evict_for`).
 * Quotas per source (quotas.py): a record stored on behalf of a peer counts against that
   peer's id and address range (bytes, records, subkeys per key); over a quota a store reports
   ``FULL`` too, and ``last_refusal`` says why.
@@ -20,6 +22,7 @@ Rules (pure, synchronous, unit-tested):
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,6 +36,14 @@ STORED = dht_pb2.STORE_STATUS_STORED
 OUTDATED = dht_pb2.STORE_STATUS_OUTDATED
 EXPIRED = dht_pb2.STORE_STATUS_EXPIRED
 FULL = dht_pb2.STORE_STATUS_FULL
+
+
+def _holder(source: Source) -> tuple[str, bytes | str]:
+    """Whom a stored subkey counts for in a full key's fair share: its range, or its
+    peer id when the range is exempt (local) or unknown."""
+    if source.range_name is not None:
+        return ("range", source.range_name)
+    return ("id", source.peer_id)
 
 
 @dataclass(slots=True)
@@ -69,6 +80,7 @@ class Storage:
         self.bytes_used = 0
         self.ledger = QuotaLedger(quotas or StorageQuotas(), max_bytes)
         self.last_refusal = ""  # why the last FULL answer was given
+        self.evicted = 0  # subkeys dropped from full keys for a holder with fewer there
         self._entries: dict[bytes, _Entry] = {}
 
     def __len__(self) -> int:
@@ -154,7 +166,9 @@ class Storage:
                 return OUTDATED
         if old is None and len(entry.subkeys) >= self.max_subkeys_per_key:
             self._drop_expired_subkeys(entry, kid, now)
-            if len(entry.subkeys) >= self.max_subkeys_per_key:
+            if len(entry.subkeys) >= self.max_subkeys_per_key and not self._evict_for(
+                entry, kid, source
+            ):
                 return self._full(f"the key holds {len(entry.subkeys)} subkeys, the most allowed")
         freed = (old.size() if old is not None else 0) + (
             entry.plain.size() if entry.plain is not None else 0
@@ -178,6 +192,35 @@ class Storage:
             entry.sources[record.subkey] = source
         ledger.charge(source, kid, record.size(), True, 1)
         return STORED
+
+    def _evict_for(self, entry: _Entry, kid: bytes, source: Source | None) -> bool:
+        """Make room in a full key for one subkey of ``source``: drop the record of the
+        most-represented holder (an address range, or a peer id of an exempt range) that
+        expires first, if that holder has more subkeys here than ``source``'s would have
+        with its record. Return whether a subkey was dropped.
+
+        Quotas bound what one range holds under a key (``max_subkeys_per_source`` times
+        ``per_range_factor``), but a few networks together still filled a key; with this
+        rule a declarer always gets its place while any other holder has more: the key
+        fills up with a fair share per holder rather than first come, first served. This
+        node's own records have no holder and are never dropped.
+        """
+        counts = collections.Counter(_holder(s) for s in entry.sources.values())
+        if not counts:
+            return False
+        top, most = counts.most_common(1)[0]
+        mine = counts[_holder(source)] if source is not None else 0
+        if most <= mine + 1:  # no holder has more than the newcomer would: first come
+            return False
+        subkey = min(
+            (k for k, s in entry.sources.items() if _holder(s) == top),
+            key=lambda k: (entry.subkeys[k].expiration, k),
+        )
+        dropped = entry.subkeys.pop(subkey)
+        self.bytes_used -= dropped.size()
+        self.ledger.charge(entry.sources.pop(subkey), kid, dropped.size(), True, -1)
+        self.evicted += 1
+        return True
 
     def _full(self, reason: str) -> dht_pb2.StoreStatus:
         self.last_refusal = reason

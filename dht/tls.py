@@ -7,10 +7,13 @@ One :class:`PeerTLS` per daemon, built from its checked
   require_client_auth=True)``, so a peer without a credential of this run fails the handshake,
   before its first message reaches any handler (DHT, JoinGroup, Reduce, DownloadState);
 - every outgoing channel (:class:`~swarmavg.dht.channels.ChannelPool`): a ``secure_channel``
-  presenting this peer's credential, checking the server's against the same authority under the
-  one name every credential carries (:data:`~swarmavg.dht.credentials.TLS_SERVER_NAME`);
+  presenting this peer's credential, checking the server's against the same authority under
+  the name of the peer it dials (:func:`channel_options`), or, for an address whose peer is
+  not known yet (a bootstrap address), the one name every credential carries
+  (:data:`~swarmavg.dht.credentials.TLS_SERVER_NAME`);
 - the data plane (asyncio streams): ``ssl.SSLContext`` objects from the same files, TLS 1.3
-  only, client certificates required.
+  only, client certificates required; a client checks that the server's certificate names
+  the peer it dials before it sends anything (averaging/allreduce/data_plane.py).
 
 The handshake proves that a peer holds *a* credential of the run; :class:`PeerBindingInterceptor`
 (gRPC) and :func:`peer_id_of_der` (the data plane) then check that the request header names the
@@ -39,6 +42,7 @@ from swarmavg.dht.credentials import (
     TLS_SERVER_NAME,
     PeerCredentials,
     peer_id_of_certificate,
+    peer_server_name,
 )
 from swarmavg.dht.identity import PEER_ID_BYTES
 from swarmavg.dht.revocation import Revocations
@@ -107,10 +111,27 @@ class PeerTLS:
 
 
 CHANNEL_OPTIONS: tuple[tuple[str, str], ...] = (
-    # Credentials name peer ids, not hosts: every client checks the one name they all carry.
+    # Credentials name peer ids, not hosts: a client that does not know whom it dials (a
+    # bootstrap address) checks the one name they all carry; see channel_options.
     ("grpc.ssl_target_name_override", TLS_SERVER_NAME),
     ("grpc.default_authority", TLS_SERVER_NAME),
 )
+
+
+def channel_options(peer_id: bytes | None) -> tuple[tuple[str, str], ...]:
+    """The TLS options of a channel to ``peer_id`` (None: to any member of the run).
+
+    With a peer id the server's certificate must carry that peer's own name
+    (:func:`~swarmavg.dht.credentials.peer_server_name`), checked by gRPC's hostname
+    verification during the handshake: a run's credential proves membership, so without it
+    any member on the path (a relay, a hijacked address) could answer in another's place.
+    """
+    if peer_id is None:
+        return CHANNEL_OPTIONS
+    name = peer_server_name(peer_id)
+    return (("grpc.ssl_target_name_override", name), ("grpc.default_authority", name))
+
+
 SERVER_HOSTNAME = TLS_SERVER_NAME
 """``server_hostname`` of every data-plane connection (see :data:`CHANNEL_OPTIONS`)."""
 

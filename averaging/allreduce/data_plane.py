@@ -37,6 +37,14 @@ In a private run every connection is mutual TLS 1.3 with the run's credentials
 (:class:`~swarmavg.dht.tls.PeerTLS`, the same files as the gRPC port): a client without a
 credential of the run fails the handshake, before its HELLO is read, and the first message of
 every stream must name the peer id of the connection's credential (else ``PERMISSION_DENIED``).
+The client checks the server's side too: its credential must name the member the client
+meant to dial (:meth:`DataConnector.open`), before the HELLO, so that another member of the
+run on the path (a relay, a hijacked address) cannot take the reducer's place.
+
+A server charges every frame body to a byte budget before it reads it (framing.py,
+admission.py): until a stream's signed first message verified and its sender is a member of
+a round here, only the small pending allowance of the connection's address range; a stream
+refused there (``RESOURCE_EXHAUSTED``, before anything of it was processed) is sent over gRPC.
 """
 
 from __future__ import annotations
@@ -45,19 +53,25 @@ import asyncio
 import collections
 import contextlib
 import logging
-import struct
 import time
 from collections.abc import AsyncIterator, Callable, Container, Sequence
-from typing import Any, NoReturn, Protocol, cast
+from typing import Any, NoReturn, Protocol
 
 import grpc
-import numpy as np
 
-from swarmavg.averaging.allreduce.admission import ByteBudget, host_group
+from swarmavg.averaging.allreduce.admission import BudgetCaps, ByteBudget, Standing, host_group
 from swarmavg.averaging.allreduce.config import AllReduceConfig
-from swarmavg.averaging.allreduce.congestion import (
-    CongestionControlError,
-    set_congestion_control,
+from swarmavg.averaging.allreduce.framing import (
+    CLOSE,
+    HELLO,
+    MAGIC,
+    MAX_BODY,
+    MSG,
+    STATUS,
+    FrameProtocol,
+    ProtocolError,
+    parse_status,
+    status_body,
 )
 from swarmavg.averaging.allreduce.round import ReduceContext
 from swarmavg.averaging.allreduce.wire import (
@@ -66,18 +80,19 @@ from swarmavg.averaging.allreduce.wire import (
     deserialize_reply,
     deserialize_request,
 )
+from swarmavg.dht.ranges import limited_range
 from swarmavg.dht.tasks import TaskSet
 from swarmavg.dht.tls import (
     HANDSHAKE_TIMEOUT,
     REVOKED_DETAILS,
     SERVER_HOSTNAME,
     PeerTLS,
-    peer_id_of_der,
 )
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "MAGIC",
     "MAX_BODY",
     "DataCall",
     "DataConnector",
@@ -87,27 +102,11 @@ __all__ = [
     "split_host",
 ]
 
-HELLO, MSG, CLOSE, STATUS = 0, 1, 2, 3
-_KINDS = frozenset((HELLO, MSG, CLOSE, STATUS))
-_HEAD = struct.Struct("<IB")
-MAGIC = b"swarmavg-reduce/2"
-MAX_BODY = (4 << 20) + (64 << 10)
-"""Largest frame body accepted: gRPC's 4 MiB message cap, which every chunk respects
-(``AllReduceConfig.chunk_bytes`` is at most ``partition.MAX_CHUNK_BYTES``, 3 MiB), plus
-room for headers."""
-_MAX_DETAILS = 1024
-# Flow control: a connection stops being read while this much is buffered, so that a
-# peer that sends faster than we reduce (or a hostile one) holds little memory here.
-_QUEUE_HIGH_FRAMES = 16
-_QUEUE_HIGH_BYTES = 4 << 20
-_WRITE_HIGH = 4 << 20
-_WRITE_LOW = 1 << 20
 _END_WAIT = 2.0  # seconds the server waits for a client's CLOSE after the stream ended
 _IDLE_CLIENT = 30.0  # a client reuses a connection idle for less than this...
 _IDLE_SERVER = 120.0  # ...and the server closes one idle for longer than this
 _MAX_IDLE_PER_PEER = 8
 _MAX_UNREACHABLE = 1024  # remembered unreachable reducers; their addresses come from leaders
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class DataStreamError(grpc.RpcError):  # type: ignore[misc]  # grpc has no stubs
@@ -125,8 +124,9 @@ class DataStreamError(grpc.RpcError):  # type: ignore[misc]  # grpc has no stubs
         return self._details
 
 
-class _ProtocolError(ValueError):
-    pass
+class WrongPeerError(ProtocolError):
+    """A private run's data-plane server presented the credential of another member than
+    the one dialled."""
 
 
 class _StreamAborted(Exception):
@@ -137,272 +137,6 @@ def split_host(address: str) -> str:
     """The host of ``HOST:PORT`` (brackets of an IPv6 literal removed)."""
     host = address.rsplit(":", 1)[0]
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
-
-
-def _status_body(code: grpc.StatusCode, details: str) -> bytes:
-    return bytes((code.value[0],)) + details.encode("utf-8", "replace")[:_MAX_DETAILS]
-
-
-def _parse_status(body: memoryview) -> tuple[grpc.StatusCode, str]:
-    if len(body) < 1 or len(body) > 1 + _MAX_DETAILS or body[0] not in _CODES:
-        return grpc.StatusCode.INTERNAL, "malformed status frame"
-    return _CODES[body[0]], bytes(body[1:]).decode("utf-8", "replace")
-
-
-class _FrameProtocol(asyncio.BufferedProtocol):
-    """Frames in (read straight into their final buffers) and out, with flow control."""
-
-    def __init__(
-        self,
-        admit: Callable[[_FrameProtocol, str], bool] | None = None,
-        budget: ByteBudget | None = None,
-        congestion_control: str | None = None,
-    ) -> None:
-        """Args:
-        admit: on a server, called with the client's host group once connected;
-            ``False`` refuses the connection (see :attr:`reject`).
-        budget: on a server, the bytes every frame body is charged to before it is
-            allocated (:mod:`~swarmavg.averaging.allreduce.admission`).
-        congestion_control: TCP congestion control algorithm for the connection's socket
-            (:mod:`~swarmavg.averaging.allreduce.congestion`); ``None``: the kernel's default.
-        """
-        self._admit = admit
-        self._budget = budget
-        self._congestion_control = congestion_control
-        self.host_group = ""
-        self._held = 0  # budget bytes of this connection: the body being read, queued bodies
-        self._wanted = 0  # a declared body length waiting for the budget
-        self._budget_paused = False
-        self.transport: asyncio.Transport | None = None
-        self._head = bytearray(_HEAD.size)
-        self._body: np.ndarray | None = None
-        self._kind = 0
-        self._filled = 0
-        self._frames: collections.deque[tuple[int, memoryview]] = collections.deque()
-        self._waiter: asyncio.Future[None] | None = None
-        self._writable: asyncio.Future[None] | None = None
-        self._queued_bytes = 0
-        self._reading_paused = False
-        self.reject = False
-        """Refuse the connection as soon as it is made (the server is at its limit): send a
-        ``RESOURCE_EXHAUSTED`` status, discard what arrives, close when the client does."""
-        self.error: Exception | None = None
-        self.closed = asyncio.Event()
-        self.peer_id: bytes | None = None
-        """On a TLS connection, the peer id of the other side's verified credential."""
-
-    # ---- asyncio callbacks ----
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        self.transport.set_write_buffer_limits(high=_WRITE_HIGH, low=_WRITE_LOW)
-        if self._congestion_control is not None:
-            self._set_congestion_control(self._congestion_control)
-        ssl_object = self.transport.get_extra_info("ssl_object")
-        if ssl_object is not None:  # called after the handshake: the certificate is verified
-            der = ssl_object.getpeercert(binary_form=True)
-            self.peer_id = peer_id_of_der(der) if der else None
-        if self._admit is not None:
-            peer = self.transport.get_extra_info("peername")
-            host = str(peer[0]) if isinstance(peer, tuple) and peer else ""
-            self.host_group = host_group(host)
-            self.reject = not self._admit(self, self.host_group)
-        if self.reject:
-            # A status the client can read before it has sent anything that was processed,
-            # so it knows it may use gRPC instead. Closing at once, with its bytes unread,
-            # would reset the connection and lose the status: drain until it closes.
-            body = _status_body(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many data connections")
-            self.transport.writelines([_HEAD.pack(len(body), STATUS), body])
-            asyncio.get_running_loop().call_later(_END_WAIT, self.transport.abort)
-
-    def _set_congestion_control(self, name: str) -> None:
-        """Give this connection's socket algorithm ``name``. Both ends set it: each side's
-        algorithm governs what that side sends (the chunks one way, the averages back).
-        The daemon checked the name at start, so a refusal here is unexpected: logged,
-        and the connection goes on with the kernel's default rather than failing."""
-        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
-        if sock is None:
-            return
-        try:
-            set_congestion_control(sock, name)
-        except (CongestionControlError, OSError) as exc:
-            log.warning("data plane connection keeps the default congestion control: %s", exc)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self.reject:
-            return memoryview(self._head)  # scratch: a refused connection's bytes are dropped
-        if self._body is None:
-            return memoryview(self._head)[self._filled :]
-        return self._body.data[self._filled :]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if self.reject:
-            return
-        self._filled += nbytes
-        if self._body is None:
-            if self._filled < _HEAD.size:
-                return
-            length, kind = _HEAD.unpack(self._head)
-            self._filled = 0
-            if length > MAX_BODY or kind not in _KINDS:
-                self._fail(_ProtocolError(f"bad frame (kind {kind}, {length} bytes)"))
-                return
-            self._kind = kind
-            if length:
-                self._admit_body(length)
-                return
-            self._deliver(memoryview(b""))
-        elif self._filled == self._body.size:
-            body, self._body, self._filled = self._body, None, 0
-            self._deliver(body.data)
-
-    def _admit_body(self, length: int) -> None:
-        """Allocate the next body once the budget has its bytes (never on the
-        header's word alone); until then this connection is not read."""
-        if self._budget is None:
-            self._body = np.empty(length, np.uint8)  # no zero-fill: recv writes it all
-        elif self._budget.try_acquire(self.host_group, length):
-            self._held += length
-            self._body = np.empty(length, np.uint8)
-        else:
-            self._wanted = length
-            self._budget_paused = True
-            self._update_reading()
-            self._budget.wait(self._retry_body)
-
-    def _retry_body(self) -> bool:
-        if self._budget is None or self.error is not None or not self._wanted:
-            return True  # closed meanwhile: stop waiting
-        if not self._budget.try_acquire(self.host_group, self._wanted):
-            return False
-        self._held += self._wanted
-        self._body = np.empty(self._wanted, np.uint8)
-        self._wanted = 0
-        self._budget_paused = False
-        self._update_reading()
-        return True
-
-    def _release(self, nbytes: int) -> None:
-        if self._budget is not None and nbytes:
-            nbytes = min(nbytes, self._held)
-            self._held -= nbytes
-            self._budget.release(self.host_group, nbytes)
-
-    def _update_reading(self) -> None:
-        """Read the socket unless the frame queue is full or a body waits for the budget."""
-        paused = self._budget_paused or self._over_high_water()
-        if self.transport is None or paused == self._reading_paused:
-            return
-        self._reading_paused = paused
-        if paused:
-            self.transport.pause_reading()
-        elif not self.transport.is_closing():
-            self.transport.resume_reading()
-
-    def _deliver(self, body: memoryview) -> None:
-        self._frames.append((self._kind, body))
-        self._queued_bytes += body.nbytes
-        self._update_reading()
-        self._wake()
-
-    def _over_high_water(self) -> bool:
-        return len(self._frames) >= _QUEUE_HIGH_FRAMES or self._queued_bytes >= _QUEUE_HIGH_BYTES
-
-    def eof_received(self) -> bool:
-        self._fail(ConnectionResetError("connection closed by the other side"))
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(exc or ConnectionResetError("connection closed"))
-        self.closed.set()
-        if self._budget is not None:
-            # The body being read is lost; frames queued before stay readable (and
-            # charged) until taken or discarded.
-            self._wanted = 0
-            self._budget.forget(self._retry_body)
-            self._body = None
-            self._release(self._held - self._queued_bytes)
-        if self._writable is not None and not self._writable.done():
-            self._writable.set_result(None)
-
-    def pause_writing(self) -> None:
-        if self._writable is None or self._writable.done():
-            self._writable = asyncio.get_running_loop().create_future()
-
-    def resume_writing(self) -> None:
-        if self._writable is not None and not self._writable.done():
-            self._writable.set_result(None)
-
-    # ---- used by streams ----
-
-    def _fail(self, error: Exception) -> None:
-        if self.error is None:
-            self.error = error
-        if self.transport is not None:
-            self.transport.close()
-        self._wake()
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    @property
-    def usable(self) -> bool:
-        return self.error is None and self.transport is not None and not self.transport.is_closing()
-
-    async def next_frame(self) -> tuple[int, memoryview]:
-        """The next frame; raises the connection's error once no frame is left."""
-        await self.wait_for_frame()
-        frame = self._frames.popleft()
-        self._queued_bytes -= frame[1].nbytes
-        self._release(frame[1].nbytes)
-        self._update_reading()
-        return frame
-
-    def send(self, kind: int, pieces: Sequence[bytes | memoryview]) -> None:
-        """Queue one frame (never blocks; :meth:`drain` waits for room)."""
-        if not self.usable or self.transport is None:
-            raise self.error or ConnectionResetError("connection closed")
-        size = sum(memoryview(p).nbytes for p in pieces)
-        self.transport.writelines([_HEAD.pack(size, kind), *pieces])
-
-    async def drain(self) -> None:
-        if self._writable is not None and not self._writable.done():
-            await self._writable
-        if self.error is not None:
-            raise self.error
-
-    async def wait_for_frame(self) -> None:
-        """Wait until a frame is buffered (not taking it), or raise the connection's error."""
-        while not self._frames:
-            if self.error is not None:
-                raise self.error
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-
-    def discard_buffered(self) -> None:
-        """Drop every queued frame and give its bytes back to the budget (the server
-        calls this when it stops serving the connection)."""
-        self._frames.clear()
-        self._queued_bytes = 0
-        if not self.closed.is_set():
-            self._wanted = 0
-            if self._budget is not None:
-                self._budget.forget(self._retry_body)
-            self._body = None
-        self._release(self._held)
-
-    def close(self, *, discard: bool = False) -> None:
-        """Close the connection; ``discard`` drops unsent bytes instead of flushing them
-        (a sender's unsent chunks may be views of its caller's tensors)."""
-        if self.transport is not None:
-            if discard:
-                self.transport.abort()
-            else:
-                self.transport.close()
 
 
 def _connection_error(error: BaseException) -> DataStreamError:
@@ -422,7 +156,7 @@ class DataCall:
     reuse, anything else closes the connection.
     """
 
-    def __init__(self, protocol: _FrameProtocol, release: Callable[[_FrameProtocol], None]):
+    def __init__(self, protocol: FrameProtocol, release: Callable[[FrameProtocol], None]):
         self._protocol = protocol
         self._release = release
         self._wrote_close = False
@@ -434,7 +168,7 @@ class DataCall:
         try:
             self._protocol.send(MSG, pieces)
             await self._protocol.drain()
-        except (OSError, _ProtocolError) as e:
+        except (OSError, ProtocolError) as e:
             raise _connection_error(e) from e
         # Yield even when the socket took everything: a sender that encodes chunk after
         # chunk without suspending would starve this peer's reads (its reducer and the
@@ -447,7 +181,7 @@ class DataCall:
     async def done_writing(self) -> None:
         try:
             self._protocol.send(CLOSE, ())
-        except (OSError, _ProtocolError) as e:
+        except (OSError, ProtocolError) as e:
             raise _connection_error(e) from e
         self._wrote_close = True
 
@@ -457,12 +191,12 @@ class DataCall:
             return grpc.aio.EOF
         try:
             kind, body = await self._protocol.next_frame()
-        except (OSError, _ProtocolError) as e:
+        except (OSError, ProtocolError) as e:
             raise _connection_error(e) from e
         if kind == MSG:
             return deserialize_reply(body)  # type: ignore[arg-type]  # scans any buffer
         if kind == STATUS:
-            code, details = _parse_status(body)
+            code, details = parse_status(body)
             if code is grpc.StatusCode.OK:
                 self._finished_ok = True
                 return grpc.aio.EOF
@@ -519,7 +253,7 @@ class DataConnector:
         self.hello_timeout = hello_timeout
         self.retry_after = retry_after
         self._tls = tls
-        self._idle: dict[tuple[str, int], list[tuple[float, _FrameProtocol]]] = {}
+        self._idle: dict[tuple[str, int], list[tuple[float, FrameProtocol]]] = {}
         self._unreachable: dict[tuple[str, int], float] = {}
         self._closed = False
         self.opened = 0
@@ -554,10 +288,23 @@ class DataConnector:
             protocol.close()
 
     async def open(
-        self, host: str, port: int, timeout: float, peer: str | None = None
+        self,
+        host: str,
+        port: int,
+        timeout: float,
+        peer: str | None = None,
+        peer_id: bytes | None = None,
     ) -> DataCall | None:
         """A new stream to ``host:port`` (the data plane of the peer at gRPC address
-        ``peer``), or ``None`` (unreachable now: use gRPC)."""
+        ``peer``), or ``None`` (unreachable now: use gRPC).
+
+        In a private run the server's TLS credential must name ``peer_id``, the member
+        this stream is meant for, before one byte is sent: a run's credential proves
+        membership, not which member, and the route may pass a relay or any other member
+        that could answer in the reducer's place. Without ``peer_id`` a private run's
+        data plane is not used."""
+        if self._tls is not None and peer_id is None:
+            return None
         key = (host, port)
         now = time.monotonic()
         if self._closed or self._unreachable.get(key, 0.0) > now:
@@ -568,12 +315,16 @@ class DataConnector:
         idle = self._idle.get(target, [])
         while idle:
             since, idle_protocol = idle.pop()
-            if idle_protocol.usable and now - since < _IDLE_CLIENT:
+            if (
+                idle_protocol.usable
+                and now - since < _IDLE_CLIENT
+                and self._serves(idle_protocol, peer_id)
+            ):
                 return DataCall(idle_protocol, self._release_to(target))
             idle_protocol.close()
         self._idle.pop(target, None)  # no empty lists left behind for every address ever used
         loop = asyncio.get_running_loop()
-        protocol: _FrameProtocol | None = None
+        protocol: FrameProtocol | None = None
         until = now + max(timeout, 0.001)
         try:
             async with asyncio.timeout(max(min(timeout, self.connect_timeout), 0.001)):
@@ -586,15 +337,18 @@ class DataConnector:
                         ssl=self._tls.client_context,
                         server_hostname=SERVER_HOSTNAME,
                     )
+            if not self._serves(protocol, peer_id):
+                found = protocol.peer_id.hex()[:12] if protocol.peer_id else "no peer id"
+                raise WrongPeerError(f"the server's credential names {found}")
             protocol.send(HELLO, (MAGIC,))
             # Not one byte of a part before the remote proved it is a data plane.
             wait = min(until - time.monotonic(), self.hello_timeout)
             async with asyncio.timeout(max(wait, 0.001)):
                 kind, body = await protocol.next_frame()
                 if kind != HELLO or bytes(body) != MAGIC:
-                    raise _ProtocolError(f"answered frame kind {kind}, not a data-plane HELLO")
+                    raise ProtocolError(f"answered frame kind {kind}, not a data-plane HELLO")
             self.opened += 1
-        except (OSError, TimeoutError, _ProtocolError) as e:
+        except (OSError, TimeoutError, ProtocolError) as e:
             log.info("data plane %s:%d unreachable (%r); using gRPC", host, port, e)
             if protocol is not None:
                 protocol.close(discard=True)
@@ -602,11 +356,17 @@ class DataConnector:
             return None
         return DataCall(protocol, self._release_to(target))
 
-    def _new_protocol(self) -> _FrameProtocol:
-        return _FrameProtocol(congestion_control=self._congestion_control)
+    def _serves(self, protocol: FrameProtocol, peer_id: bytes | None) -> bool:
+        """Whether ``protocol`` leads to ``peer_id`` (always so on plain TCP: a public
+        run's streams are signed, and a stranger that answers learns only what it could
+        have asked for)."""
+        return self._tls is None or (peer_id is not None and protocol.peer_id == peer_id)
 
-    def _release_to(self, key: tuple[str, int]) -> Callable[[_FrameProtocol], None]:
-        def release(protocol: _FrameProtocol) -> None:
+    def _new_protocol(self) -> FrameProtocol:
+        return FrameProtocol(congestion_control=self._congestion_control)
+
+    def _release_to(self, key: tuple[str, int]) -> Callable[[FrameProtocol], None]:
+        def release(protocol: FrameProtocol) -> None:
             idle = self._idle.setdefault(key, [])
             if self._closed or len(idle) >= _MAX_IDLE_PER_PEER:
                 protocol.close()
@@ -633,7 +393,7 @@ class _ServerStream:
 
     def __init__(
         self,
-        protocol: _FrameProtocol,
+        protocol: FrameProtocol,
         write_timeout: float,
         *,
         expect_peer: bytes | None = None,
@@ -660,6 +420,12 @@ class _ServerStream:
         name = transport.get_extra_info("peername") if transport is not None else None
         return str(name[0]) if isinstance(name, tuple) and name else ""
 
+    def admitted(self, peer_id: bytes) -> None:
+        """The service verified this stream's first message and found its sender
+        ``peer_id`` a member of a round here: the connection's next bytes count against
+        that member's budget, no longer the small pending allowance of its range."""
+        self._protocol.admitted(peer_id)
+
     async def requests(self) -> AsyncIterator[Request]:
         first = True
         while True:
@@ -668,7 +434,7 @@ class _ServerStream:
                 self.client_closed = True
                 return
             if kind != MSG:
-                raise _ProtocolError(f"unexpected frame kind {kind} in a stream")
+                raise ProtocolError(f"unexpected frame kind {kind} in a stream")
             request = deserialize_request(body)  # type: ignore[arg-type]  # scans any buffer
             if first and self._expect_peer is not None:
                 if self._expect_peer in self._revoked:
@@ -696,7 +462,7 @@ class _ServerStream:
         if not self.status_sent:
             self.status_sent = True
             with contextlib.suppress(OSError):
-                self._protocol.send(STATUS, (_status_body(code, details),))
+                self._protocol.send(STATUS, (status_body(code, details),))
 
 
 class ReduceHandler(Protocol):
@@ -719,8 +485,7 @@ class DataPlaneServer:
         service: ReduceHandler,
         max_connections: int = 256,
         max_connections_per_host: int = 64,
-        max_buffered_bytes: int = 256 << 20,
-        max_buffered_bytes_per_host: int = 64 << 20,
+        caps: BudgetCaps | None = None,
         tls: PeerTLS | None = None,
         congestion_control: str | None = None,
     ) -> None:
@@ -733,22 +498,23 @@ class DataPlaneServer:
         max_connections_per_host: open connections from one host group (an IPv4
             address, an IPv6 /64). An honest member holds one per concurrent stream to
             this peer; the cap keeps one host from taking every slot.
-        max_buffered_bytes: frame bodies being received or queued, in all; a body that
-            does not fit waits (its connection is not read) until others are consumed.
-        max_buffered_bytes_per_host: the same, per host group. An honest sender has
-            at most one queued stream's worth (4 MiB) plus one body in flight per
-            connection; a 16-peer group's senders together stay under 128 MiB.
+        caps: the byte budget's caps (:class:`~swarmavg.averaging.allreduce.admission.BudgetCaps`):
+            frame bodies being received or queued, in all, pending per range, and per
+            member and range of a round's members. A body that does not fit waits (its
+            connection is not read) until others are consumed; a pending one for at
+            most ``first_message_timeout``, then its stream is refused and its sender
+            uses gRPC.
         """
         self._service = service
-        self.budget = ByteBudget(max_buffered_bytes, max_buffered_bytes_per_host)
+        self.budget = ByteBudget(caps)
         """Bytes of frame bodies held now (see :mod:`~swarmavg.averaging.allreduce.admission`)."""
         self._max_connections = max_connections
         self._max_per_host = max_connections_per_host
         self._server: asyncio.Server | None = None
         self._tasks = TaskSet()  # one per served connection
-        self._protocols: set[_FrameProtocol] = set()
+        self._protocols: set[FrameProtocol] = set()
         self._per_host: collections.Counter[str] = collections.Counter()
-        self._refused: set[_FrameProtocol] = set()  # closing themselves (see reject)
+        self._refused: set[FrameProtocol] = set()  # closing themselves (see reject)
         self._tls = tls
         self._congestion_control = congestion_control
         self.port = 0
@@ -769,16 +535,29 @@ class DataPlaneServer:
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self.port
 
-    def _accept(self) -> _FrameProtocol:
-        return _FrameProtocol(
-            admit=self._admit, budget=self.budget, congestion_control=self._congestion_control
+    def _accept(self) -> FrameProtocol:
+        config = self._service.config
+        return FrameProtocol(
+            admit=self._admit,
+            budget=self.budget,
+            congestion_control=self._congestion_control,
+            make_room=self._make_room,
+            pending_wait=min(config.first_message_timeout, config.registration_wait),
         )
 
-    def _admit(self, protocol: _FrameProtocol, host: str) -> bool:
+    def _range_key(self, host: str) -> str:
+        """The address range whose budget a connection from ``host`` is charged to; an
+        exempt local host (``limit_local_ranges`` off) counts as its own range."""
+        found = limited_range(host, self._service.config.limit_local_ranges) if host else None
+        return found if found is not None else f"local {host_group(host)}"
+
+    def _admit(self, protocol: FrameProtocol, host: str) -> bool:
         """Serve a new connection from ``host``, or refuse it (at a limit)."""
+        group = host_group(host)
+        protocol.range_key = self._range_key(host)
         if (
             len(self._protocols) >= self._max_connections
-            or self._per_host[host] >= self._max_per_host
+            or self._per_host[group] >= self._max_per_host
             # A certificate of the run's authority that names no peer: never served.
             or (self._tls is not None and protocol.peer_id is None)
         ):
@@ -786,11 +565,42 @@ class DataPlaneServer:
             self._refused.add(protocol)
             return False
         self._protocols.add(protocol)
-        self._per_host[host] += 1
-        self._tasks.spawn(self._serve_connection(protocol, host), name=f"data-plane:{host}")
+        self._per_host[group] += 1
+        self._tasks.spawn(self._serve_connection(protocol, group), name=f"data-plane:{group}")
         return True
 
-    async def _serve_connection(self, protocol: _FrameProtocol, host: str) -> None:
+    def _make_room(self, protocol: FrameProtocol, nbytes: int) -> None:
+        """Evict pending bodies so that ``protocol``'s next ``nbytes`` fit: the oldest of
+        the range that holds most of the pending pool, as long as that range holds more
+        than ``protocol``'s would with its body (fair share: ranges that keep the pool
+        full cannot keep out one that holds little). A member's body may evict any
+        pending one. Evicted streams are refused before anything of theirs was
+        processed: their senders use gRPC."""
+        budget = self.budget
+        member = protocol.standing is Standing.MEMBER
+        mine = 0 if member else budget.pending_by_range().get(protocol.range_key, 0)
+        for _ in range(len(self._protocols)):
+            accounts = protocol.accounts()
+            if budget.blocking(accounts, nbytes) not in ("pending", "total"):
+                return
+            by_range = budget.pending_by_range()
+            if not by_range:
+                return
+            top = max(by_range, key=lambda k: by_range[k])
+            if not member and (top == protocol.range_key or by_range[top] < mine + nbytes):
+                return
+            victims = [
+                p
+                for p in self._protocols
+                if p.range_key == top and p is not protocol and p.pending_held() > 0
+            ]
+            if not victims:
+                return
+            victim = min(victims, key=lambda p: p.pending_since)
+            budget.evicted += 1
+            victim.refuse("data plane busy: evicted for a range that held less")
+
+    async def _serve_connection(self, protocol: FrameProtocol, host: str) -> None:
         config = self._service.config
         try:
             async with asyncio.timeout(config.registration_wait):
@@ -806,7 +616,7 @@ class DataPlaneServer:
                     return
                 if not await self._serve_stream(protocol):
                     return
-        except (OSError, TimeoutError, _ProtocolError):
+        except (OSError, TimeoutError, ProtocolError):
             return
         finally:
             protocol.close()
@@ -816,18 +626,19 @@ class DataPlaneServer:
             if self._per_host[host] <= 0:
                 del self._per_host[host]
 
-    async def _serve_stream(self, protocol: _FrameProtocol) -> bool:
+    async def _serve_stream(self, protocol: FrameProtocol) -> bool:
         """Run one stream; return whether the connection may carry another."""
         config = self._service.config
         tls = self._tls
         expect = protocol.peer_id if tls is not None else None
         revoked = tls.revocations if tls is not None else ()
+        protocol.begin_stream()
         stream = _ServerStream(protocol, config.write_timeout, expect_peer=expect, revoked=revoked)
         try:
             await self._service.rpc_reduce(stream.requests(), stream)
         except _StreamAborted:
             return False  # the client may still be writing: do not resync, close
-        except (OSError, TimeoutError, _ProtocolError) as e:
+        except (OSError, TimeoutError, ProtocolError) as e:
             stream.finish(grpc.StatusCode.UNAVAILABLE, f"stream failed: {e!r}")
             return False
         except Exception:

@@ -108,7 +108,7 @@ _T = TypeVar("_T")
 class ChannelSource(Protocol):
     """Where the runner gets channels (``swarmavg.dht.ChannelPool`` fits)."""
 
-    def channel(self, address: str) -> grpc.aio.Channel: ...
+    def channel(self, address: str, peer_id: bytes | None = None) -> grpc.aio.Channel: ...
 
 
 class AllReduceError(RuntimeError):
@@ -509,13 +509,17 @@ class _Exchange:
         connector = self.service.data_connector
         if data_port and connector is not None:
             remaining = self.deadline - time.monotonic()
-            call = await connector.open(split_host(address), data_port, remaining, address)
+            member = self.group.members[part]
+            call = await connector.open(
+                split_host(address), data_port, remaining, address, member.peer_id
+            )
             if call is not None:
                 return call
-        return self._grpc_call(address)
+        return self._grpc_call(part, address)
 
-    def _grpc_call(self, address: str) -> grpc.aio.StreamStreamCall:
-        method = reduce_method(self.channels.channel(address))
+    def _grpc_call(self, part: int, address: str) -> grpc.aio.StreamStreamCall:
+        # The reducer's own credential, in a private run: not any member on its address.
+        method = reduce_method(self.channels.channel(address, self.group.members[part].peer_id))
         return method(timeout=max(self.deadline - time.monotonic(), 0.001))
 
     def _reply_patience(self, started: float, replies: int) -> float:
@@ -555,7 +559,7 @@ class _Exchange:
                 connector = self.service.data_connector
                 if connector is not None:
                     connector.refused(split_host(address), self.group.members[part].data_port)
-                outcome = await self._exchange(part, address, self._grpc_call(address))
+                outcome = await self._exchange(part, address, self._grpc_call(part, address))
             if outcome is not _Outcome.NOT_STARTED:
                 return
             attempt += 1

@@ -416,4 +416,7 @@ class AllReduceService:
             await abort_stream(context, grpc.StatusCode.INVALID_ARGUMENT, "weight is not finite")
         # A sender of a round here: bounded by the group from now on, not by its range.
         pending.release()
+        admitted = getattr(context, "admitted", None)
+        if callable(admitted):  # the data plane: charge its bytes to this member now
+            admitted(peer_id)
         await round_.serve(sender, first, iterator, context)

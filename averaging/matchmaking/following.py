@@ -160,7 +160,7 @@ class Following(Declaring):
         request.header.CopyFrom(
             self.dht.signer.sign(target.peer_id, JOIN_GROUP, message_digest(request))
         )
-        call = join_group_method(self.channels.channel(target.address))(
+        call = join_group_method(self.channels.channel(target.address, target.peer_id))(
             request, timeout=max(0.1, me.give_up - time.time() + 1.0)
         )
         following = False

@@ -362,7 +362,7 @@ class StateSharer:
         return request
 
     def _download_call(self, donor: Advertisement) -> grpc.aio.UnaryStreamMultiCallable:
-        return download_state_method(self.channels.channel(donor.address))
+        return download_state_method(self.channels.channel(donor.address, donor.peer_id))
 
     async def _fetch_manifest(self, donor: Advertisement, root: bytes, cap: int) -> Manifest:
         request = self._signed(donor, averaging_pb2.StateRequest(root=root, want_manifest=True))

@@ -18,7 +18,8 @@ from swarmavg.averaging.allreduce.congestion import (
     get_congestion_control,
     set_congestion_control,
 )
-from swarmavg.averaging.allreduce.data_plane import DataPlaneServer, _FrameProtocol
+from swarmavg.averaging.allreduce.data_plane import DataPlaneServer
+from swarmavg.averaging.allreduce.framing import FrameProtocol
 from swarmavg.averaging.allreduce.reducer import weighted_mean
 from swarmavg.averaging.allreduce.service import AllReduceService
 from swarmavg.averaging.result import AveragingResult
@@ -119,7 +120,7 @@ def test_a_daemon_with_a_missing_algorithm_does_not_start(sock_dir: Path) -> Non
     assert not (sock_dir / "p.sock").exists()  # refused before binding anything
 
 
-def _algorithms(protocols: list[_FrameProtocol]) -> set[str]:
+def _algorithms(protocols: list[FrameProtocol]) -> set[str]:
     sockets = [p.transport.get_extra_info("socket") for p in protocols if p.transport is not None]
     return {get_congestion_control(s) for s in sockets}  # type: ignore[arg-type]
 
@@ -149,8 +150,8 @@ async def test_a_round_runs_on_sockets_with_the_chosen_algorithm(
             np.testing.assert_allclose(r.tensors[0], mean, rtol=1e-5, atol=1e-6)
         # Every connection of the round, both ends: the ones the senders opened (kept idle
         # for the next round) and the ones the reducers accepted.
-        opened: list[_FrameProtocol] = []
-        accepted: list[_FrameProtocol] = []
+        opened: list[FrameProtocol] = []
+        accepted: list[FrameProtocol] = []
         for p in peers:
             connector = p.service.data_connector
             assert connector is not None

@@ -23,10 +23,9 @@ from swarmavg.averaging.allreduce.data_plane import (
     DataConnector,
     DataPlaneServer,
     DataStreamError,
-    _parse_status,
-    _status_body,
     split_host,
 )
+from swarmavg.averaging.allreduce.framing import parse_status, status_body
 from swarmavg.averaging.allreduce.reducer import weighted_mean
 from swarmavg.averaging.group import GroupInfo, Member
 from swarmavg.averaging.result import AveragingResult
@@ -258,11 +257,11 @@ async def test_a_full_data_plane_refuses_with_a_status_and_senders_use_grpc(
 
 
 def test_status_frames_round_trip_and_reject_junk() -> None:
-    code, details = _parse_status(memoryview(_status_body(grpc.StatusCode.NOT_FOUND, "gone")))
+    code, details = parse_status(memoryview(status_body(grpc.StatusCode.NOT_FOUND, "gone")))
     assert (code, details) == (grpc.StatusCode.NOT_FOUND, "gone")
-    assert _parse_status(memoryview(b""))[0] is grpc.StatusCode.INTERNAL
-    assert _parse_status(memoryview(b"\xee"))[0] is grpc.StatusCode.INTERNAL
-    assert _parse_status(memoryview(b"\x00" + b"x" * 5000))[0] is grpc.StatusCode.INTERNAL
+    assert parse_status(memoryview(b""))[0] is grpc.StatusCode.INTERNAL
+    assert parse_status(memoryview(b"\xee"))[0] is grpc.StatusCode.INTERNAL
+    assert parse_status(memoryview(b"\x00" + b"x" * 5000))[0] is grpc.StatusCode.INTERNAL
     assert split_host("10.0.0.1:80") == "10.0.0.1"
     assert split_host("[::1]:80") == "::1"
 

@@ -220,8 +220,9 @@ async def test_frame_headers_from_many_connections_allocate_within_the_budget(
     """64 data-plane connections from one host (127.0.0.2, the per-host connection cap)
     each send a frame header declaring a 4 MiB body and nothing more. Without the budget each
     header allocated its body at once: 256 MiB traced for a few hundred bytes sent; now
-    the bodies are charged to the host's 64 MiB budget first and the rest wait unread. An
-    honest round from 127.0.0.1 still runs over the data plane meanwhile."""
+    the bodies are charged to the pending allowance of the host's range first (two
+    bodies) and the rest wait unread. An honest round from 127.0.0.1 still runs over the
+    data plane meanwhile."""
     peers = await start_peers(grpc_servers, HONEST, data_plane=True)
     target = peers[0]
     writers: list[asyncio.StreamWriter] = []
@@ -238,15 +239,16 @@ async def test_frame_headers_from_many_connections_allocate_within_the_budget(
             writers.append(writer)
         budget = target.service.data_plane_budget
         assert budget is not None
-        per_host = budget.per_host
-        # Every header has been read: 16 bodies admitted, the other 48 waiting.
+        allowance = budget.caps.pending_per_range
+        account = ("pending-range", "local 127.0.0.2")
+        # Every header has been read: 2 bodies admitted, the other 62 waiting.
         await asyncio.wait_for(
-            budget.wait_until(lambda b: b.held_by("127.0.0.2") == per_host and b.deferred >= 48),
+            budget.wait_until(lambda b: b.held_by(account) == 8 << 20 and b.deferred >= 62),
             30.0,
         )
         peak = tracemalloc.get_traced_memory()[1] - baseline
         tracemalloc.stop()
-        assert peak < per_host + (8 << 20), peak
+        assert peak < allowance + (8 << 20), peak
 
         rng = np.random.default_rng(17)
         inputs = [[rng.standard_normal(50_000).astype(np.float32)] for _ in peers]

@@ -45,7 +45,11 @@ def test_a_credential_names_the_peer_id_and_certifies_its_tls_key(tmp_path: Path
     certificate = x509.load_pem_x509_certificate(member.credential_path.read_bytes())
     assert peer_id_of_certificate(certificate) == member.identity.peer_id
     names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert names.get_values_for_type(x509.DNSName) == [TLS_SERVER_NAME]
+    # The shared name (for clients that do not know whom they dial) and the peer's own.
+    assert names.get_values_for_type(x509.DNSName) == [
+        TLS_SERVER_NAME,
+        f"{member.identity.peer_id_hex}.{TLS_SERVER_NAME}",
+    ]
     assert PEER_URI_PREFIX + member.identity.peer_id_hex in names.get_values_for_type(
         x509.UniformResourceIdentifier
     )
