@@ -20,29 +20,11 @@ import grpc
 import numpy as np
 import pytest
 
-from swarmavg.averaging.state.config import StateSharingConfig
 from swarmavg.averaging.state.slots import PEER_SHARE, UploadSlots, range_share
 from swarmavg.averaging.stubs import DOWNLOAD_STATE, download_state_method
-from swarmavg.dht.auth import RequestSigner
-from swarmavg.dht.identity import Identity
 from swarmavg.proto import averaging_pb2
-from tests.averaging.averager_swarm import RUN_ID, AveragerSwarm, Peer, fast_config
-
-PATIENT = StateSharingConfig(  # no deadline cuts a slow reader within the test
-    chunk_size=1 << 20, message_timeout=120.0, upload_timeout=300.0, max_uploads=8
-)
-CONFIG = fast_config(state=PATIENT)
-
-
-def outsider() -> RequestSigner:
-    """A fresh identity that is no peer of the swarm (it only signs requests)."""
-    return RequestSigner(Identity.generate(), RUN_ID, lambda: "")
-
-
-def everything(donor: Peer) -> averaging_pb2.StateRequest:
-    manifest = donor.averager.state_sharer.published
-    assert manifest is not None
-    return averaging_pb2.StateRequest(root=manifest.root, chunk_hashes=manifest.chunk_hashes)
+from tests.attacks.upload_scenarios import CONFIG, PATIENT, everything, outsider
+from tests.averaging.averager_swarm import AveragerSwarm, fast_config
 
 
 @pytest.mark.timeout(180)
