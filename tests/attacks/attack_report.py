@@ -23,10 +23,9 @@ import asyncio
 import contextlib
 import json
 import os
-import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,28 @@ async def timed(work: Awaitable[Any]) -> tuple[Any, float]:
     except Exception as exc:  # the report records what the honest side got
         result = exc
     return result, round(time.monotonic() - started, 2)
+
+
+@contextlib.asynccontextmanager
+async def relayed_calls(target: str) -> AsyncIterator[tuple[Any, list[Any]]]:
+    """A channel to ``target`` from 127.0.1.1 (another /24 than the honest peers'), through
+    a TCP relay, and a list for its calls: cancelled, then the channel closed, on exit."""
+    import grpc
+
+    from tests.attacks.test_reduce_slots import ATTACKER, OWN_CONNECTION, SourceRelay
+
+    relay = SourceRelay(target, ATTACKER)
+    calls: list[Any] = []
+    channel: grpc.aio.Channel | None = None
+    try:
+        channel = grpc.aio.insecure_channel(await relay.start(), options=[OWN_CONNECTION])
+        yield channel, calls
+    finally:
+        for call in calls:
+            call.cancel()
+        if channel is not None:
+            await channel.close()
+        await relay.close()
 
 
 # ---------------------------------------------------------------- #1 state hijack
@@ -181,11 +202,9 @@ async def replay_floor() -> Row:
 
 
 async def handler_pool() -> Row:
-    import grpc
-
     from swarmavg.dht import DHTConfig, DHTNode
     from tests.attacks.test_handler_pool import HANDLERS, Target, server_limits, settle
-    from tests.attacks.test_reduce_slots import ATTACKER, OWN_CONNECTION, SourceRelay, reduce_call
+    from tests.attacks.test_reduce_slots import reduce_call
     from tests.averaging.allreduce_peers import RUN_ID
 
     async def ping(pinger: Any, target: Any) -> dict[str, Any]:
@@ -203,24 +222,16 @@ async def handler_pool() -> Row:
     target = Target(limits)
     await target.start()
     pinger = await DHTNode.create(DHTConfig(run_id=RUN_ID))
-    relay = SourceRelay(target.address, ATTACKER)
-    attack_channel: grpc.aio.Channel | None = None
-    calls: list[Any] = []
     try:
         control = await ping(pinger, target)
-        attack_channel = grpc.aio.insecure_channel(await relay.start(), options=[OWN_CONNECTION])
-        calls = [reduce_call(attack_channel, 90.0) for _ in range(HANDLERS)]
-        ended = await settle(target.service, calls)
-        attack = await ping(pinger, target)
+        async with relayed_calls(target.address) as (channel, calls):
+            calls += [reduce_call(channel, 90.0) for _ in range(HANDLERS)]
+            ended = await settle(target.service, calls)
+            attack = await ping(pinger, target)
         attack["attacker_streams"] = HANDLERS
         attack["attacker_held"] = HANDLERS - len(ended)
         return {"attack": attack, "control": control}
     finally:
-        for call in calls:
-            call.cancel()
-        if attack_channel is not None:
-            await attack_channel.close()
-        await relay.close()
         await pinger.shutdown()
         await target.close()
 
@@ -277,11 +288,8 @@ async def reduce_slots() -> Row:
     from swarmavg.averaging.result import AveragingResult
     from swarmavg.dht import ChannelPool, Identity
     from tests.attacks.test_reduce_slots import (
-        ATTACKER,
         HONEST,
-        OWN_CONNECTION,
         STREAMS,
-        SourceRelay,
         Watched,
         allreduce_config,
         reduce_call,
@@ -329,36 +337,29 @@ async def reduce_slots() -> Row:
     watched = Watched(target.service.authenticator)
     target.service.authenticator = watched
     channels = ChannelPool()
-    relay = SourceRelay(target.address, ATTACKER)
-    attack_channel: grpc.aio.Channel | None = None
-    calls: list[Any] = []
     try:
         control = await honest_round(peers, watched, channels, seed=1)
-        attack_channel = grpc.aio.insecure_channel(await relay.start(), options=[OWN_CONNECTION])
-        ids = [Identity.generate() for _ in range(STREAMS)]
-        for identity in ids:
-            call = reduce_call(attack_channel, 60.0)
-            calls.append(call)
-            with contextlib.suppress(grpc.RpcError):
-                await call.write(signed_first(identity, target.identity.peer_id, os.urandom(16)))
-        # every attack stream verified (then waiting or refused) or ended
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(30.0):
-                while not all(c.done() or i.peer_id in watched.verified
-                              for c, i in zip(calls, ids, strict=True)):  # fmt: skip
-                    watched.changed.clear()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(watched.changed.wait(), 0.5)
-        attack = await honest_round(peers, watched, channels, seed=2)
+        async with relayed_calls(target.address) as (channel, calls):
+            ids = [Identity.generate() for _ in range(STREAMS)]
+            for identity in ids:
+                call = reduce_call(channel, 60.0)
+                calls.append(call)
+                first = signed_first(identity, target.identity.peer_id, os.urandom(16))
+                with contextlib.suppress(grpc.RpcError):
+                    await call.write(first)
+            # every attack stream verified (then waiting or refused) or ended
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(30.0):
+                    while not all(c.done() or i.peer_id in watched.verified
+                                  for c, i in zip(calls, ids, strict=True)):  # fmt: skip
+                        watched.changed.clear()
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(watched.changed.wait(), 0.5)
+            attack = await honest_round(peers, watched, channels, seed=2)
+            attack["attacker_held"] = sum(not c.done() for c in calls)
         attack["attacker_streams"] = STREAMS
-        attack["attacker_held"] = sum(not c.done() for c in calls)
         return {"attack": attack, "control": control}
     finally:
-        for call in calls:
-            call.cancel()
-        if attack_channel is not None:
-            await attack_channel.close()
-        await relay.close()
         await channels.close()
         await close_peers(peers)
         await pool.close()
@@ -401,11 +402,8 @@ async def eclipse_names() -> Row:
 
 
 async def state_upload_slots() -> Row:
-    import grpc
-
-    from swarmavg.averaging.stubs import DOWNLOAD_STATE, download_state_method
     from swarmavg.proto import averaging_pb2
-    from tests.attacks.upload_scenarios import CONFIG, everything, outsider
+    from tests.attacks.upload_scenarios import CONFIG, outsider, slow_readers
     from tests.averaging.averager_swarm import AveragerSwarm
 
     def loaded(got: Any, seconds: float, tensors: Any) -> dict[str, Any]:
@@ -414,8 +412,6 @@ async def state_upload_slots() -> Row:
         return {"loaded": got[1][0].tobytes() == tensors[0].tobytes(), "seconds": seconds}
 
     swarm = AveragerSwarm()
-    channels: list[Any] = []
-    calls: list[Any] = []
     try:
         donor = await swarm.add(CONFIG)
         control_joiner, joiner = await swarm.add(CONFIG), await swarm.add(CONFIG)
@@ -423,25 +419,12 @@ async def state_upload_slots() -> Row:
         await donor.averager.publish_state(tensors, b"step=7")  # 32 MiB
         control = loaded(*await timed(control_joiner.averager.load_state(timeout=60)), tensors)
         attacker = outsider()
-        codes = []
-        for _ in range(8):
-            channel = grpc.aio.insecure_channel(
-                donor.address, options=[("grpc.use_local_subchannel_pool", 1)]
-            )
-            channels.append(channel)
-            request = attacker.signed(everything(donor), donor.peer_id, DOWNLOAD_STATE)
-            call = download_state_method(channel)(request, timeout=170)
-            calls.append(call)
-            first = await asyncio.wait_for(call.read(), 60)
-            codes.append(averaging_pb2.StateCode.Name(first.code))
-        attack = loaded(*await timed(joiner.averager.load_state(timeout=60)), tensors)
+        async with slow_readers(donor, attacker, 8) as (_calls, firsts):
+            codes = [averaging_pb2.StateCode.Name(first.code) for first in firsts]
+            attack = loaded(*await timed(joiner.averager.load_state(timeout=60)), tensors)
         attack["attacker_streams"] = {c: codes.count(c) for c in sorted(set(codes))}
         return {"attack": attack, "control": control}
     finally:
-        for call in calls:
-            call.cancel()
-        for channel in channels:
-            await channel.close()
         await swarm.close()
 
 
@@ -449,11 +432,9 @@ async def state_upload_slots() -> Row:
 
 
 async def local_endpoint() -> Row:
-    import grpc
-
     from swarmavg.dht import Identity
     from swarmavg.peer import Peer, PeerConfig, connect_async
-    from tests.attacks.test_local_endpoint import DAEMON, Impostor
+    from tests.attacks.local_scenarios import impostor_on, tcp_daemon
 
     async def client_call(endpoint: str) -> str:
         try:
@@ -469,31 +450,20 @@ async def local_endpoint() -> Row:
         runtime = Path(d) / "runtime"
         runtime.mkdir(mode=0o700)
         old_runtime = os.environ.get("XDG_RUNTIME_DIR")
-        os.environ["XDG_RUNTIME_DIR"] = str(runtime)
-        log = (Path(d) / "daemon.log").open("wb")
-        daemon = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", DAEMON, stdout=asyncio.subprocess.PIPE, stderr=log
-        )
-        impostor_server: grpc.aio.Server | None = None
+        os.environ["XDG_RUNTIME_DIR"] = str(runtime)  # the daemon's token folder
         try:
-            assert daemon.stdout is not None
-            port = int(await asyncio.wait_for(daemon.stdout.readline(), timeout=120))
-            endpoint = f"127.0.0.1:{port}"
-            control = {"client": await client_call(endpoint)}
-            daemon.kill()
-            await daemon.wait()
-            impostor = Impostor()
-            impostor_server = grpc.aio.server()
-            impostor_server.add_generic_rpc_handlers((impostor,))
-            impostor_server.add_insecure_port(endpoint)
-            await impostor_server.start()
-            attack = {"client": await client_call(endpoint)}
-            attack["impostor_got_calls"] = len(impostor.calls)
-            attack["impostor_got_token"] = any(
-                key.lower() not in ("user-agent",) and "token" in key.lower()
-                for _, metadata in impostor.calls
-                for key, _value in metadata
-            )
+            async with tcp_daemon(Path(d) / "daemon.log") as (daemon, port):
+                endpoint = f"127.0.0.1:{port}"
+                control = {"client": await client_call(endpoint)}
+                daemon.kill()
+                await daemon.wait()
+                async with impostor_on(endpoint) as impostor:
+                    attack: Row = {"client": await client_call(endpoint)}
+                attack["impostor_got_calls"] = len(impostor.calls)
+                # the client sends its token as call metadata under a key naming it
+                attack["impostor_got_token"] = any(
+                    "token" in key.lower() for _, metadata in impostor.calls for key, _ in metadata
+                )
             outcome["control_endpoint"] = {"attack": attack, "control": control}
 
             # the key file: a private one loads; one that others may read
@@ -513,12 +483,6 @@ async def local_endpoint() -> Row:
                 "control": "loaded" if key_control else "other id",
             }
         finally:
-            if daemon.returncode is None:
-                daemon.kill()
-                await daemon.wait()
-            log.close()
-            if impostor_server is not None:
-                await impostor_server.stop(None)
             if old_runtime is None:
                 os.environ.pop("XDG_RUNTIME_DIR", None)
             else:

@@ -7,7 +7,15 @@ against older code too.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
 from swarmavg.averaging.state.config import StateSharingConfig
+from swarmavg.averaging.stubs import DOWNLOAD_STATE, download_state_method
 from swarmavg.dht.auth import RequestSigner
 from swarmavg.dht.identity import Identity
 from swarmavg.proto import averaging_pb2
@@ -28,3 +36,31 @@ def everything(donor: Peer) -> averaging_pb2.StateRequest:
     manifest = donor.averager.state_sharer.published
     assert manifest is not None
     return averaging_pb2.StateRequest(root=manifest.root, chunk_hashes=manifest.chunk_hashes)
+
+
+@contextlib.asynccontextmanager
+async def slow_readers(
+    donor: Peer, attacker: RequestSigner, count: int
+) -> AsyncIterator[tuple[list[Any], list[averaging_pb2.StateResponse]]]:
+    """``attacker`` opens ``count`` streams for every chunk, each on its own connection,
+    and reads one message of each: yields the calls and their first answers. On exit the
+    calls are cancelled and the channels closed."""
+    channels: list[grpc.aio.Channel] = []
+    calls: list[Any] = []
+    firsts = []
+    try:
+        for _ in range(count):
+            channel = grpc.aio.insecure_channel(
+                donor.address, options=[("grpc.use_local_subchannel_pool", 1)]
+            )
+            channels.append(channel)
+            request = attacker.signed(everything(donor), donor.peer_id, DOWNLOAD_STATE)
+            call = download_state_method(channel)(request, timeout=170)
+            calls.append(call)
+            firsts.append(await asyncio.wait_for(call.read(), 60))
+        yield calls, firsts
+    finally:
+        for call in calls:
+            call.cancel()
+        for channel in channels:
+            await channel.close()
