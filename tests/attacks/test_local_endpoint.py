@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import grpc
 import numpy as np
 import pytest
 
@@ -35,21 +32,9 @@ from swarmavg.peer.control_access import token_path
 from swarmavg.peer.daemon import StartupError
 from swarmavg.peer.endpoint import ControlEndpoint
 from swarmavg.peer.errors import SwarmError
+from tests.attacks.local_scenarios import impostor_on, tcp_daemon
 
 pytestmark = pytest.mark.timeout(180)
-
-DAEMON = """
-import asyncio
-from swarmavg.peer import Peer, PeerConfig
-
-async def main():
-    config = PeerConfig(listen="127.0.0.1:0", control="127.0.0.1:0", run_id="t40")
-    async with Peer(config) as peer:
-        print(peer.control.port, flush=True)
-        await asyncio.Event().wait()
-
-asyncio.run(main())
-"""
 
 
 @pytest.fixture
@@ -62,36 +47,12 @@ def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         yield folder
 
 
-class Impostor(grpc.GenericRpcHandler):
-    """A listener that answers every call and keeps what it was sent."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, tuple[Any, ...]]] = []
-
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
-        metadata = tuple(handler_call_details.invocation_metadata or ())
-        self.calls.append((handler_call_details.method, metadata))
-
-        async def answer(request: bytes, context: Any) -> bytes:
-            return b""  # an empty message of any type
-
-        return grpc.unary_unary_rpc_method_handler(answer)
-
-
 async def test_a_client_sends_nothing_to_a_listener_that_took_a_dead_daemons_port(
     runtime_dir: Path, tmp_path: Path
 ) -> None:
-    log = (tmp_path / "daemon.log").open("wb")
-    daemon = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", DAEMON, stdout=asyncio.subprocess.PIPE, stderr=log
-    )
-    impostor_server: grpc.aio.Server | None = None
-    try:
-        assert daemon.stdout is not None
-        line = await asyncio.wait_for(daemon.stdout.readline(), timeout=120)
-        assert line.strip().isdigit(), (tmp_path / "daemon.log").read_text()[-2000:]
-        endpoint = f"127.0.0.1:{int(line)}"
-        token_file = token_path(ControlEndpoint(host="127.0.0.1", port=int(line)))
+    async with tcp_daemon(tmp_path / "daemon.log") as (daemon, port):
+        endpoint = f"127.0.0.1:{port}"
+        token_file = token_path(ControlEndpoint(host="127.0.0.1", port=port))
 
         # control: the daemon's user is served by the live daemon
         async with await connect_async(endpoint) as client:
@@ -104,37 +65,25 @@ async def test_a_client_sends_nothing_to_a_listener_that_took_a_dead_daemons_por
         daemon.kill()
         await daemon.wait()
         assert token_file.exists()
-        impostor = Impostor()
-        impostor_server = grpc.aio.server()
-        impostor_server.add_generic_rpc_handlers((impostor,))
-        assert impostor_server.add_insecure_port(endpoint) == int(line)
-        await impostor_server.start()
+        async with impostor_on(endpoint) as impostor:
+            # honest outcome: both clients refuse to connect, and the listener got nothing
+            async def connect_asyncio() -> None:
+                async with await connect_async(endpoint, connect_timeout=10) as client:
+                    await client.average([np.ones(8, np.float32)], key="k", timeout=10)
 
-        # honest outcome: both clients refuse to connect, and the listener got nothing
-        async def connect_asyncio() -> None:
-            async with await connect_async(endpoint, connect_timeout=10) as client:
-                await client.average([np.ones(8, np.float32)], key="k", timeout=10)
+            def connect_blocking() -> None:
+                with connect(endpoint, connect_timeout=10) as sync_client:
+                    sync_client.average([np.ones(8, np.float32)], key="k", timeout=10)
 
-        def connect_blocking() -> None:
-            with connect(endpoint, connect_timeout=10) as sync_client:
-                sync_client.average([np.ones(8, np.float32)], key="k", timeout=10)
-
-        outcomes: list[SwarmError | None] = []
-        for attempt in (connect_asyncio(), asyncio.to_thread(connect_blocking)):
-            try:
-                await attempt
-                outcomes.append(None)
-            except SwarmError as e:
-                outcomes.append(e)
-        assert impostor.calls == [], "the clients sent the impostor their calls and token"
-        assert all(isinstance(o, DaemonUnavailableError) for o in outcomes), outcomes
-    finally:
-        if daemon.returncode is None:
-            daemon.kill()
-            await daemon.wait()
-        log.close()
-        if impostor_server is not None:
-            await impostor_server.stop(None)
+            outcomes: list[SwarmError | None] = []
+            for attempt in (connect_asyncio(), asyncio.to_thread(connect_blocking)):
+                try:
+                    await attempt
+                    outcomes.append(None)
+                except SwarmError as e:
+                    outcomes.append(e)
+            assert impostor.calls == [], "the clients sent the impostor their calls and token"
+            assert all(isinstance(o, DaemonUnavailableError) for o in outcomes), outcomes
 
 
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660], ids=lambda m: f"{m:o}")

@@ -14,42 +14,21 @@ longer than the test, so nothing but the slot limits can let the honest joiner i
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 
-from swarmavg.averaging.state.config import StateSharingConfig
 from swarmavg.averaging.state.slots import PEER_SHARE, UploadSlots, range_share
-from swarmavg.averaging.stubs import DOWNLOAD_STATE, download_state_method
-from swarmavg.dht.auth import RequestSigner
-from swarmavg.dht.identity import Identity
+from swarmavg.averaging.stubs import DOWNLOAD_STATE
 from swarmavg.proto import averaging_pb2
-from tests.averaging.averager_swarm import RUN_ID, AveragerSwarm, Peer, fast_config
-
-PATIENT = StateSharingConfig(  # no deadline cuts a slow reader within the test
-    chunk_size=1 << 20, message_timeout=120.0, upload_timeout=300.0, max_uploads=8
-)
-CONFIG = fast_config(state=PATIENT)
-
-
-def outsider() -> RequestSigner:
-    """A fresh identity that is no peer of the swarm (it only signs requests)."""
-    return RequestSigner(Identity.generate(), RUN_ID, lambda: "")
-
-
-def everything(donor: Peer) -> averaging_pb2.StateRequest:
-    manifest = donor.averager.state_sharer.published
-    assert manifest is not None
-    return averaging_pb2.StateRequest(root=manifest.root, chunk_hashes=manifest.chunk_hashes)
+from tests.attacks.upload_scenarios import CONFIG, PATIENT, everything, outsider, slow_readers
+from tests.averaging.averager_swarm import AveragerSwarm, fast_config
 
 
 @pytest.mark.timeout(180)
 async def test_one_identity_cannot_hold_every_upload_slot() -> None:
     swarm = AveragerSwarm()
-    channels: list[grpc.aio.Channel] = []
-    calls: list[Any] = []
     try:
         donor = await swarm.add(CONFIG)
         control, joiner = await swarm.add(CONFIG), await swarm.add(CONFIG)
@@ -63,33 +42,22 @@ async def test_one_identity_cannot_hold_every_upload_slot() -> None:
 
         # the attack: one identity opens 8 streams for every chunk and reads one message
         attacker = outsider()
-        firsts = []
-        for _ in range(8):
-            channel = grpc.aio.insecure_channel(
-                donor.address, options=[("grpc.use_local_subchannel_pool", 1)]
-            )
-            channels.append(channel)
-            request = attacker.signed(everything(donor), donor.peer_id, DOWNLOAD_STATE)
-            call = download_state_method(channel)(request, timeout=170)
-            calls.append(call)
-            firsts.append(await asyncio.wait_for(call.read(), 60))
-        held = [c for c, m in zip(calls, firsts, strict=True) if m.code == averaging_pb2.STATE_OK]
+        async with slow_readers(donor, attacker, 8) as (calls, firsts):
+            held = [
+                c for c, m in zip(calls, firsts, strict=True) if m.code == averaging_pb2.STATE_OK
+            ]
 
-        # the honest outcome: a fresh joiner loads everything while the attacker holds on
-        metadata, loaded = await joiner.averager.load_state(timeout=60)
-        assert metadata == b"step=7"
-        assert loaded[0].tobytes() == tensors[0].tobytes()
-        assert sharer.uploads_cut.value == 0  # no deadline let it in
-        assert not any(call.done() for call in held)  # the slow streams are still open
-        assert len(held) == PEER_SHARE == sharer.slots.holding(attacker.peer_id)
-        busy = [m for m in firsts if m.code == averaging_pb2.STATE_BUSY]
-        assert len(busy) == 8 - PEER_SHARE
-        assert all("this peer holds" in m.detail for m in busy)
+            # the honest outcome: a fresh joiner loads everything while the attacker holds on
+            metadata, loaded = await joiner.averager.load_state(timeout=60)
+            assert metadata == b"step=7"
+            assert loaded[0].tobytes() == tensors[0].tobytes()
+            assert sharer.uploads_cut.value == 0  # no deadline let it in
+            assert not any(call.done() for call in held)  # the slow streams are still open
+            assert len(held) == PEER_SHARE == sharer.slots.holding(attacker.peer_id)
+            busy = [m for m in firsts if m.code == averaging_pb2.STATE_BUSY]
+            assert len(busy) == 8 - PEER_SHARE
+            assert all("this peer holds" in m.detail for m in busy)
     finally:
-        for call in calls:
-            call.cancel()
-        for channel in channels:
-            await channel.close()
         await swarm.close()
 
 
