@@ -3,6 +3,7 @@
 The code lives in :mod:`swarmavg.averaging.training`; this module only names what users import.
 """
 
+from swarmavg.averaging.run_records.progress import GlobalProgress
 from swarmavg.averaging.training.collaborative import CollaborativeOptimizer
 from swarmavg.averaging.training.diloco import (
     DiLoCo,
@@ -12,7 +13,7 @@ from swarmavg.averaging.training.diloco import (
 )
 from swarmavg.averaging.training.pace import SwarmPace
 from swarmavg.averaging.training.powersgd import PowerSGDOptimizer
-from swarmavg.averaging.training.progress import GlobalProgress, ProgressTracker
+from swarmavg.averaging.training.progress import ProgressTracker
 from swarmavg.averaging.training.streaming import StreamingDiLoCo
 from swarmavg.averaging.training.swarm import RoundStats, SwarmRoundWarning
 

@@ -16,8 +16,8 @@ key                              written by                                  val
 ``{run}.{key}.0b{bits}``         matchmaking (matchmaking/keys.py)            a declaration
 ``{run}.state``                  state sharing (state/sharer.py)              an advert
 ``{run}.averagers``              matchmaking (matchmaking/roster.py)          a presence
-``{run}.trainers``               training wrappers (training/run_directory)   a trainer entry
-``<anything>.progress``          progress tracking (training/progress.py)     a progress
+``{run}.trainers``               training wrappers (run_records/trainers.py)  a trainer entry
+``<anything>.progress``          progress tracking (run_records/progress.py)  a progress
 ``{run}.rounds``                 the daemon, for monitors                     a round report
                                  (peer/monitor_rounds.py)
 ===============================  ==========================================  ===============
@@ -40,9 +40,9 @@ from typing import Any
 from swarmavg.averaging.matchmaking.declarations import decode_declaration
 from swarmavg.averaging.matchmaking.keys import MAX_GROUP_BITS
 from swarmavg.averaging.matchmaking.roster import PRESENCE_SUFFIX, decode_presence
+from swarmavg.averaging.run_records.progress import PeerProgress
+from swarmavg.averaging.run_records.trainers import TRAINERS_SUFFIX, TrainerEntry
 from swarmavg.averaging.state.adverts import parse_advertisement
-from swarmavg.averaging.training.progress import PeerProgress
-from swarmavg.averaging.training.run_directory import TRAINERS_SUFFIX, TrainerEntry
 from swarmavg.dht.records import Subkey
 from swarmavg.dht.validation import KeyClass
 

@@ -35,7 +35,7 @@ from swarmavg.averaging.matchmaking.matchmaker import MatchmakingEvent
 from swarmavg.averaging.protocol_keys import protocol_key_classes
 from swarmavg.averaging.request import RoundRequest
 from swarmavg.averaging.result import AveragingResult
-from swarmavg.averaging.training.run_directory import LocalTrainers, trainers_key
+from swarmavg.averaging.run_records.trainers import LocalTrainers, trainers_key
 from swarmavg.averaging.transfer_progress import TransferProgress
 from swarmavg.dht import (
     BootstrapError,

@@ -12,8 +12,8 @@ import asyncio
 import time
 from typing import Any
 
-from swarmavg.averaging.training.progress import PeerProgress, parse_records
-from swarmavg.averaging.training.run_directory import trainers_key, training_runs
+from swarmavg.averaging.run_records.progress import PeerProgress, parse_records
+from swarmavg.averaging.run_records.trainers import trainers_key, training_runs
 from swarmavg.dht import DHTNode, ValueWithExpiration
 from swarmavg.peer.run_view import (
     Neighbour,

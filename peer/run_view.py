@@ -17,8 +17,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from swarmavg.averaging.training.progress import PeerProgress, aggregate, swarm_epoch
-from swarmavg.averaging.training.run_directory import TrainingRun
+from swarmavg.averaging.run_records.progress import PeerProgress, aggregate, swarm_epoch
+from swarmavg.averaging.run_records.trainers import TrainingRun
 from swarmavg.proto import control_pb2
 
 METHODS = {"collaborative": ".progress", "diloco": ".diloco.progress"}
@@ -162,7 +162,7 @@ def build_view(
 
 def add_training_runs(view: control_pb2.PeersResponse, runs: Iterable[TrainingRun]) -> None:
     """List the training runs the trainer entries under the daemons' run name
-    (``run_directory.training_runs``) in ``view``."""
+    (``run_records.trainers.training_runs``) in ``view``."""
     view.training_runs.extend(
         control_pb2.TrainingRunView(run=r.run, method=r.method, trainers=r.trainers, alone=r.alone)
         for r in runs

@@ -166,3 +166,22 @@ def test_client_and_wrappers_load_no_engine() -> None:
     assert "swarmavg.peer.client" in loaded  # the check means nothing if the import failed early
     engine = [m for m in loaded if m.startswith(ENGINE_PREFIXES)]
     assert engine == []
+
+
+# The wrappers run in the training process, the daemon in its own: daemon code (and any
+# module outside the training package and its public entry, averaging/optim.py) reads a
+# run's records through averaging/run_records, never through the training package.
+TRAINING = "swarmavg.averaging.training"
+
+
+@pytest.mark.parametrize(
+    "module",
+    sorted(m for m in MODULES if not m.startswith(TRAINING) and m != "swarmavg.averaging.optim"),
+)
+def test_only_the_wrappers_import_the_training_package(module: str) -> None:
+    into_training = [
+        (target, line)
+        for target, _, line in _imports(module, MODULES[module])
+        if target == TRAINING or target.startswith(TRAINING + ".")
+    ]
+    assert into_training == []

@@ -40,6 +40,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
+from swarmavg.averaging.run_records.progress import STATE_ID_BYTES, GlobalProgress, PeerProgress
 from swarmavg.averaging.training.background import LatestWork
 from swarmavg.averaging.training.company import (
     DEFAULT_ALONE_AFTER,
@@ -56,12 +57,7 @@ from swarmavg.averaging.training.consensus import (
 )
 from swarmavg.averaging.training.digest import state_digest
 from swarmavg.averaging.training.local_group import LocalGroup, LocalGroupError, outcome_timeout
-from swarmavg.averaging.training.progress import (
-    STATE_ID_BYTES,
-    GlobalProgress,
-    PeerProgress,
-    ProgressTracker,
-)
+from swarmavg.averaging.training.progress import ProgressTracker
 from swarmavg.averaging.training.state import TrainingState, pack_state
 from swarmavg.averaging.training.swarm import (
     RoundResultLike,

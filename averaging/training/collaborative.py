@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from swarmavg.averaging.run_records.progress import GlobalProgress
 from swarmavg.averaging.training.base import SwarmOptimizer, resolve_run
 from swarmavg.averaging.training.company import DEFAULT_ALONE_AFTER, DEFAULT_STALLED_AFTER
 from swarmavg.averaging.training.company_link import DEFAULT_START_TIMEOUT
@@ -65,7 +66,6 @@ from swarmavg.averaging.training.local_group import (
     LocalGroupError,
     resolve_local_group,
 )
-from swarmavg.averaging.training.progress import GlobalProgress
 from swarmavg.averaging.training.state import TrainingState
 from swarmavg.averaging.training.swarm import RoundResultLike, SwarmClient, SwarmRoundWarning
 from swarmavg.averaging.training.tensors import copy_into, to_arrays

@@ -6,7 +6,7 @@ this module does the DHT reads and writes around it for a wrapper
 (:class:`~swarmavg.averaging.training.base.SwarmOptimizer` owns one):
 
 * **the trainer entry** under ``{daemon run}.trainers``
-  (:mod:`~swarmavg.averaging.training.run_directory`), written when the trainer joins and
+  (:mod:`~swarmavg.averaging.run_records.trainers`), written when the trainer joins and
   every third of the progress ``ttl``, which ``swarmavg peers`` lists and the daemon shows
   in ``swarmavg status``;
 * **the warnings**: alone (never met anyone, or the others left), company back, no global
@@ -22,9 +22,8 @@ import math
 import time
 from collections.abc import Mapping
 
-from swarmavg.averaging.training.company import CompanyWatch, Event
-from swarmavg.averaging.training.progress import GlobalProgress, ProgressTracker
-from swarmavg.averaging.training.run_directory import (
+from swarmavg.averaging.run_records.progress import GlobalProgress
+from swarmavg.averaging.run_records.trainers import (
     AVERAGERS_SUFFIX,
     TrainerEntry,
     describe_runs,
@@ -33,6 +32,8 @@ from swarmavg.averaging.training.run_directory import (
     trainers_key,
     training_runs,
 )
+from swarmavg.averaging.training.company import CompanyWatch, Event
+from swarmavg.averaging.training.progress import ProgressTracker
 from swarmavg.averaging.training.swarm import SwarmLink, swarm_errors
 from swarmavg.averaging.training.verbose import eta_text
 

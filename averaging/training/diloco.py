@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from swarmavg.averaging.run_records.progress import GlobalProgress
 from swarmavg.averaging.training.base import SwarmOptimizer, resolve_run
 from swarmavg.averaging.training.consensus import Role, Verdict
 from swarmavg.averaging.training.digest import state_digest
 from swarmavg.averaging.training.late_work import LateWork, late_work_fate, rebased
 from swarmavg.averaging.training.local_group import LocalGroup, resolve_local_group
 from swarmavg.averaging.training.pace import SwarmPace, planned_steps, swarm_rate
-from swarmavg.averaging.training.progress import GlobalProgress
 from swarmavg.averaging.training.schedule import (
     DEFAULT_BOUNDS,
     DEFAULT_OVERHEAD,

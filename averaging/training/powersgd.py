@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     import torch
     import torch.distributed
 
-    from swarmavg.averaging.training.progress import GlobalProgress
+    from swarmavg.averaging.run_records.progress import GlobalProgress
 
 
 def orthogonalize(p: np.ndarray) -> np.ndarray:

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
 
+from swarmavg.averaging.run_records.progress import GlobalProgress
 from swarmavg.averaging.training.consensus import Role, Verdict
 from swarmavg.averaging.training.diloco import DiLoCo, pseudo_gradient
 from swarmavg.averaging.training.fragments import (
@@ -41,7 +42,6 @@ from swarmavg.averaging.training.fragments import (
     fragment_outer_step,
     split_fragments,
 )
-from swarmavg.averaging.training.progress import GlobalProgress
 from swarmavg.averaging.training.schedule import (
     DEFAULT_BOUNDS,
     DEFAULT_MARGIN,

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from swarmavg.averaging.training.progress import GlobalProgress, ProgressTracker
+from swarmavg.averaging.run_records.progress import GlobalProgress
+from swarmavg.averaging.training.progress import ProgressTracker
 from swarmavg.averaging.training.swarm import RoundResultLike, SwarmLink
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ capped only at ``2**53`` and summed, so one record claiming ``2**53`` samples en
 epoch at once for every reader, and one claiming an absurd rate took the ETA to 0. Now each
 daemon's records are summed into one figure (many subkeys of one identity count once) and
 that figure counts for at most ``MAX_SHARE_RATIO`` times the lower median daemon's, or its
-fair share of the target (averaging/training/progress.py, ``credit``).
+fair share of the target (averaging/run_records/progress.py, ``credit``).
 
 Over real ``swarmavg peer`` daemons on 127.0.0.1 (the records signed by each daemon and
 read back through the DHT): two honest trackers, then an attacker's daemon that writes
@@ -19,14 +19,14 @@ from contextlib import ExitStack
 
 import pytest
 
-from swarmavg.averaging.training.progress import (
+from swarmavg.averaging.run_records.progress import (
     MAX_EPOCH,
     MAX_SHARE_RATIO,
     GlobalProgress,
     PeerProgress,
-    ProgressTracker,
     aggregate,
 )
+from swarmavg.averaging.training.progress import ProgressTracker
 from swarmavg.peer import Client, connect
 from tests.harness import ProcessPool
 from tests.run_daemons import clients, start_run

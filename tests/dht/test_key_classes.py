@@ -17,8 +17,8 @@ import pytest
 from swarmavg.averaging.group import Mode
 from swarmavg.averaging.matchmaking.declarations import Declaration
 from swarmavg.averaging.protocol_keys import protocol_key_classes
+from swarmavg.averaging.run_records.progress import PeerProgress
 from swarmavg.averaging.state.format import HASH_BYTES
-from swarmavg.averaging.training.progress import PeerProgress
 from swarmavg.dht import DHTNode, Identity, RequestSigner, owner_suffix
 from swarmavg.dht.identity import address_signature_payload
 from swarmavg.dht.ids import key_id

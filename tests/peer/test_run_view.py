@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarmavg.averaging.training.progress import PeerProgress
+from swarmavg.averaging.run_records.progress import PeerProgress
 from swarmavg.peer.peers_table import format_peers
 from swarmavg.peer.run_view import Neighbour, ThisPeer, build_view, progress_keys, view_to_dict
 

@@ -7,14 +7,14 @@ import math
 
 import pytest
 
-from swarmavg.averaging.training.company import CompanyWatch, Event
-from swarmavg.averaging.training.run_directory import (
+from swarmavg.averaging.run_records.trainers import (
     LocalTrainers,
     TrainerEntry,
     describe_runs,
     runs_by_daemon,
     training_runs,
 )
+from swarmavg.averaging.training.company import CompanyWatch, Event
 
 
 def test_a_trainer_that_never_met_anyone_says_so_once() -> None:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from swarmavg.averaging.run_records.progress import PeerProgress
 from swarmavg.averaging.training.no_shows import NoShows
-from swarmavg.averaging.training.progress import PeerProgress, ProgressTracker
+from swarmavg.averaging.training.progress import ProgressTracker
 from tests.training.memswarm import MemorySwarm
 
 

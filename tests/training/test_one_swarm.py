@@ -19,8 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from swarmavg.averaging.optim import CollaborativeOptimizer, DiLoCo  # noqa: E402
-from swarmavg.averaging.training.collaborative import _Action  # noqa: E402
-from swarmavg.averaging.training.progress import (  # noqa: E402
+from swarmavg.averaging.run_records.progress import (  # noqa: E402
     MAX_EPOCH_LEAD,
     STATE_ID_BYTES,
     PeerProgress,
@@ -28,6 +27,7 @@ from swarmavg.averaging.training.progress import (  # noqa: E402
     swarm_epoch,
     within_epoch_lead,
 )
+from swarmavg.averaging.training.collaborative import _Action  # noqa: E402
 from swarmavg.peer.errors import NoGroupError  # noqa: E402
 from swarmavg.peer.run_view import REJOINS_METRIC, ThisPeer, build_view  # noqa: E402
 from tests.training.helpers import (  # noqa: E402

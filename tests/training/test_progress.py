@@ -10,14 +10,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from swarmavg.averaging.training.progress import (
+from swarmavg.averaging.run_records.progress import (
     MAX_EPOCH_LEAD,
     PeerProgress,
-    ProgressTracker,
-    RateMeter,
     aggregate,
     within_epoch_lead,
 )
+from swarmavg.averaging.training.progress import ProgressTracker, RateMeter
 
 
 def rec(peer: str, epoch: int, samples: int, sps: float = 10.0) -> PeerProgress:

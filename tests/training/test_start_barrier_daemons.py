@@ -14,8 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from swarmavg.averaging.run_records.trainers import AVERAGERS_SUFFIX  # noqa: E402
 from swarmavg.averaging.training.base import SwarmOptimizer  # noqa: E402
-from swarmavg.averaging.training.run_directory import AVERAGERS_SUFFIX  # noqa: E402
 from swarmavg.peer import connect  # noqa: E402
 from tests.harness import ProcessPool  # noqa: E402
 from tests.run_daemons import clients, run_daemon  # noqa: E402

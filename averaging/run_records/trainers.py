@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-from swarmavg.averaging.training.progress import owner_of
+from swarmavg.averaging.run_records.progress import owner_of
 
 TRAINERS_SUFFIX = ".trainers"
 """``{daemon run}.trainers``: the training runs of a daemons' run, one entry per trainer."""
