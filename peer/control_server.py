@@ -9,6 +9,7 @@ user's folder) get through.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,15 @@ from swarmavg.peer.control_access import (
     new_token,
     write_token_file,
 )
-from swarmavg.peer.endpoint import ControlEndpoint, parse_control_endpoint, prepare_unix_socket
+from swarmavg.peer.endpoint import (
+    ControlEndpoint,
+    ControlSocketInUseError,
+    default_control_path,
+    parse_control_endpoint,
+    prepare_unix_socket,
+)
+
+log = logging.getLogger(__name__)
 
 SERVER_OPTIONS = [
     # The local control server's options (the public one uses dht.server_limits).
@@ -37,21 +46,64 @@ class ControlBindError(RuntimeError):
     """The endpoint cannot be used; the message is one line meant for the user."""
 
 
+MAX_SIBLING_SOCKETS = 64
+"""How many ``<run-id>-N.sock`` a daemon tries when its run's default socket is taken."""
+
+
 def prepare_endpoint(text: str | None, run_id: str) -> ControlEndpoint:
     """Parse ``text`` (None: the run's default socket) and check a socket's folder.
 
+    Without ``text``, a default socket that a running daemon holds (a second peer of the
+    same run on this machine, one per GPU) is not an error: the daemon takes the first free
+    ``<run-id>-2.sock``, ``<run-id>-3.sock``, ... next to it and says so; its banner prints
+    the ``SWARMAVG_CONTROL=...`` its trainers need. An endpoint given explicitly is used as
+    given or refused.
+
     Raises:
         ControlBindError: a public TCP address, an over-long path, a folder others can
-            write, or a socket in use by a live daemon.
+            write, or a socket in use by a live daemon (given explicitly, or all of the
+            default socket's siblings).
     """
     try:
         endpoint = parse_control_endpoint(text, run_id)
         if endpoint.path is not None:
-            prepare_unix_socket(endpoint.path)
-            check_private_folder(endpoint.path.parent)
+            check_private_folder_of(endpoint.path)
+            if text:
+                prepare_unix_socket(endpoint.path)
+            else:
+                endpoint = ControlEndpoint(path=_free_default_socket(endpoint.path, run_id))
     except (ValueError, OSError, RuntimeError) as exc:
         raise ControlBindError(str(exc)) from None
     return endpoint
+
+
+def check_private_folder_of(path: Path) -> None:
+    """Create ``path``'s folder (mode 700) when missing and check that it is private."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_private_folder(path.parent)
+
+
+def _free_default_socket(default: Path, run_id: str) -> Path:
+    """The run's default socket, or the first free sibling when a live daemon holds it."""
+    try:
+        prepare_unix_socket(default)
+        return default
+    except ControlSocketInUseError as taken:
+        first_error = taken
+    for number in range(2, MAX_SIBLING_SOCKETS + 1):
+        sibling = default_control_path(f"{run_id}-{number}")
+        try:
+            prepare_unix_socket(sibling)
+        except ControlSocketInUseError:
+            continue
+        log.info(
+            "another daemon of run %r on this machine holds %s; this one's control socket is %s",
+            run_id,
+            default,
+            sibling,
+        )
+        return sibling
+    raise first_error
 
 
 class ControlServer:
