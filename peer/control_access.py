@@ -21,9 +21,11 @@ it must take what only the daemon's user has:
   listen where the client would connect and refuses unless every one of them is a socket of
   that process (Linux: ``/proc/net/tcp``, ``/proc/net/tcp6`` and ``/proc/PID/fd``). An
   impostor's listener, another user's or this user's, is refused before the token or a
-  tensor leaves the client. What stays open: the check is made when the client connects; a
-  client whose daemon dies while it is connected reconnects to whoever listens next, and
-  on a system without ``/proc`` a TCP endpoint is refused (use the unix socket).
+  tensor leaves the client. What stays open: the check is made when the client connects and
+  again each time a call finds the daemon gone (peer/reconnect.py); a daemon replaced
+  between two calls without one failing is not noticed, so the client reconnects to whoever
+  listens next. On a system without ``/proc`` a TCP endpoint is refused (use the unix
+  socket).
 """
 
 from __future__ import annotations

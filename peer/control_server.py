@@ -9,6 +9,7 @@ user's folder) get through.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 from collections.abc import Callable
@@ -84,17 +85,33 @@ def check_private_folder_of(path: Path) -> None:
 
 
 def _free_default_socket(default: Path, run_id: str) -> Path:
-    """The run's default socket, or the first free sibling when a live daemon holds it."""
-    try:
-        prepare_unix_socket(default)
-        return default
-    except ControlSocketInUseError as taken:
-        first_error = taken
+    """The run's default socket, or the first free sibling when another daemon holds it.
+
+    A daemon claims a default socket's name with a lock on ``<socket>.lock`` that it holds
+    until it stops (:func:`release_claim`, or its exit), before it binds the socket at the
+    end of its start: daemons of one run started together (``swarmavg launch ... &``) would
+    otherwise all find the same name free, and gRPC replaces a socket file when it binds.
+    """
+    if _claim(default):
+        try:
+            prepare_unix_socket(default)
+            return default
+        except ControlSocketInUseError as taken:  # a daemon that takes no lock (older)
+            release_claim(default)
+            first_error: Exception = taken
+    else:
+        first_error = ControlSocketInUseError(
+            f"control socket {default} belongs to another swarmavg daemon that is starting "
+            "or running; give this one another endpoint with --control"
+        )
     for number in range(2, MAX_SIBLING_SOCKETS + 1):
         sibling = default_control_path(f"{run_id}-{number}")
+        if not _claim(sibling):
+            continue
         try:
             prepare_unix_socket(sibling)
         except ControlSocketInUseError:
+            release_claim(sibling)
             continue
         log.info(
             "another daemon of run %r on this machine holds %s; this one's control socket is %s",
@@ -104,6 +121,33 @@ def _free_default_socket(default: Path, run_id: str) -> Path:
         )
         return sibling
     raise first_error
+
+
+_claims: dict[Path, int] = {}
+"""Default socket path -> the descriptor of its lock file, held by this process."""
+
+
+def _claim(path: Path) -> bool:
+    """Take the lock that claims the default socket ``path``; False when another daemon
+    (of this process or another) holds it."""
+    if path in _claims:
+        return False
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    _claims[path] = fd
+    return True
+
+
+def release_claim(path: Path | None) -> None:
+    """Let go of this process's claim on the default socket ``path`` (idempotent). The lock
+    file stays: removing it could let two daemons lock two files of one name."""
+    fd = _claims.pop(path, None) if path is not None else None
+    if fd is not None:
+        os.close(fd)
 
 
 class ControlServer:
@@ -118,10 +162,12 @@ class ControlServer:
         await self.server.stop(grace)
 
     def remove_files(self) -> None:
-        """Unlink the socket and the token file (after the server stopped)."""
+        """Unlink the socket and the token file (after the server stopped); release the
+        socket's claim."""
         if self.endpoint.path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.endpoint.path)
+            release_claim(self.endpoint.path)
         if self.token_file is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.token_file.unlink()

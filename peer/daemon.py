@@ -60,6 +60,7 @@ from swarmavg.peer.control_server import (
     ControlBindError,
     ControlServer,
     prepare_endpoint,
+    release_claim,
     start_control_server,
 )
 from swarmavg.peer.daemon_log import narrate
@@ -702,6 +703,7 @@ class Peer:
             await asyncio.to_thread(self._metrics.stop)
         if self._control_server is not None:
             self._control_server.remove_files()
+        release_claim(self.control.path if self.control is not None else None)
         log.log(logging.DEBUG if self._failed_start else logging.INFO, "peer stopped")
 
     async def __aenter__(self) -> Peer:

@@ -13,10 +13,12 @@ import signal
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from swarmavg.peer import connect
 from tests.harness import ProcessPool
 
 pytestmark = pytest.mark.integration
@@ -106,6 +108,25 @@ def test_a_second_daemon_of_the_run_takes_a_sibling_socket_and_prints_the_line(
     assert second.stop() == 0  # its banner, printed after the ready line, is all written now
     assert f"SWARMAVG_CONTROL={second.control}" in second.stderr()
     assert f"swarmavg peers --control {second.control}" in second.stderr()
+
+
+@pytest.mark.timeout(120)
+def test_daemons_of_a_run_started_together_take_one_socket_each(
+    swarmavg_processes: ProcessPool, runtime_dir: Path
+) -> None:
+    args = ["peer", "--run-id", "gpus", "--listen", "127.0.0.1:0"]
+    env = {"XDG_RUNTIME_DIR": str(runtime_dir)}
+    with ThreadPoolExecutor(3) as pool:
+        daemons = list(pool.map(lambda _: swarmavg_processes.start(args, env=env), range(3)))
+    folder = runtime_dir / "swarmavg"
+    assert sorted(d.control for d in daemons) == [
+        str(folder / "gpus-2.sock"),
+        str(folder / "gpus-3.sock"),
+        str(folder / "gpus.sock"),
+    ]
+    for daemon in daemons:  # each socket is its own daemon's (none replaced another's)
+        with connect(daemon.control, connect_timeout=30) as client:
+            assert client.status()["peer_id"] == daemon.peer_id
 
 
 @pytest.mark.timeout(120)
