@@ -18,7 +18,7 @@ NOT_SWARMAVG = (
 SILENT = "no answer in time (is the host up, and is that port open in its firewall?)"
 UNRESOLVED = "the host name does not resolve"
 
-REFUSED_GRACE = 3.0
+REFUSED_GRACE = 2.0
 """Seconds an initial peer may refuse connections before the bootstrap stops asking it.
 Not zero: peers started together by a script may dial their initial peer a moment before
 it listens; a few seconds cover that, and a wrong port costs no more than that."""
