@@ -30,6 +30,7 @@ from swarmavg.peer.endpoint import (
     parse_control_endpoint,
     prepare_unix_socket,
 )
+from swarmavg.peer.netutil import bind_problem
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +183,10 @@ async def start_control_server(
         ControlBindError: the endpoint cannot be bound or the token file not written.
     """
     token = new_token() if endpoint.path is None else None
+    if endpoint.path is None:
+        problem = bind_problem(f"{endpoint.host}:{endpoint.port}")
+        if problem is not None:
+            raise ControlBindError(f"cannot bind the control endpoint {endpoint}: {problem}")
     server = grpc.aio.server(
         options=SERVER_OPTIONS,
         interceptors=[TokenInterceptor(token)] if token is not None else None,

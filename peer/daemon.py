@@ -68,7 +68,7 @@ from swarmavg.peer.endpoint import ControlEndpoint
 from swarmavg.peer.nat.agent import NatAgent
 from swarmavg.peer.nat.limits import MiB, RelayLimits
 from swarmavg.peer.nat.reservation import RelayedAddress
-from swarmavg.peer.netutil import announce_address, explain_bind_failure
+from swarmavg.peer.netutil import announce_address, bind_problem, explain_bind_failure
 from swarmavg.peer.run_gather import gather_view, read_value
 from swarmavg.peer.run_view import ThisPeer
 from swarmavg.peer.stats import PeerStats
@@ -194,16 +194,20 @@ async def start_public_server(
     Raises:
         StartupError: the address cannot be bound (the message says why and what to do).
     """
-    server = new_server(ServerLimits(), tls)
-    register(server)
-    try:
-        port = bind_port(server, listen, tls)
-    except RuntimeError:
-        port = 0
-    if port == 0:
-        await server.stop(None)
+    problem = bind_problem(listen)
+    if problem is None:
+        server = new_server(ServerLimits(), tls)
+        register(server)
+        try:
+            port = bind_port(server, listen, tls)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            await server.stop(None)
+            problem = explain_bind_failure(listen)
+    if problem is not None:
         raise StartupError(
-            f"cannot listen on {listen}: {explain_bind_failure(listen)}; "
+            f"cannot listen on {listen}: {problem}; "
             "choose another with --listen HOST:PORT (port 0 picks a free one)"
         )
     await server.start()

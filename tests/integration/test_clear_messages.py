@@ -80,3 +80,32 @@ def test_a_run_id_mismatch_says_the_run_ids_differ(swarmavg_processes: ProcessPo
     assert line.startswith("swarmavg peer: error: could not join the swarm: the run ids differ")
     assert "no initial peer answered" not in line
     assert "peer stopped" not in other.stderr
+
+
+@pytest.mark.timeout(90)
+def test_a_taken_port_is_one_line_without_grpcs_own(swarmavg_processes: ProcessPool) -> None:
+    first = swarmavg_processes.start(
+        ["peer", "--listen", "127.0.0.1:0", *control_args(swarmavg_processes, "t")]
+    )
+    second = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "swarmavg.peer.cli",
+            "peer",
+            "--listen",
+            first.address,
+            *control_args(swarmavg_processes, "u"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert second.returncode == 1
+    port = first.address.rsplit(":", 1)[1]
+    assert second.stderr.strip() == (
+        f"swarmavg peer: error: cannot listen on {first.address}: port {port} is already in "
+        "use (another swarmavg peer?); choose another with --listen HOST:PORT (port 0 picks a "
+        "free one)"
+    )
