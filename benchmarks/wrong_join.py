@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+PEER = [sys.executable, "-m", "swarmavg.peer.cli", "peer", "--listen", "127.0.0.1:0"]
+
 
 class _Quiet(http.server.BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: object) -> None:
@@ -32,23 +34,9 @@ class _Quiet(http.server.BaseHTTPRequestHandler):
 
 def run_peer(workdir: Path, join: str, timeout: float, run_id: str) -> tuple[float, str]:
     began = time.monotonic()
+    where = ["--control", str(workdir / "w.sock"), "--run-id", run_id, "--join", join]
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "swarmavg.peer.cli",
-            "peer",
-            "--listen",
-            "127.0.0.1:0",
-            "--control",
-            str(workdir / "w.sock"),
-            "--run-id",
-            run_id,
-            "--join",
-            join,
-            "--bootstrap-timeout",
-            str(timeout),
-        ],
+        [*PEER, *where, "--bootstrap-timeout", str(timeout)],
         capture_output=True,
         text=True,
         timeout=timeout * 3 + 60,
@@ -76,18 +64,7 @@ def main() -> None:
         web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Quiet)
         threading.Thread(target=web.serve_forever, daemon=True).start()
         other = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "swarmavg.peer.cli",
-                "peer",
-                "--listen",
-                "127.0.0.1:0",
-                "--control",
-                str(work / "o.sock"),
-                "--run-id",
-                "their-run",
-            ],
+            [*PEER, "--control", str(work / "o.sock"), "--run-id", "their-run"],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
         )

@@ -188,6 +188,21 @@ def _refreshed_metadata(
         return current
 
 
+_PROBE = control_pb2.StatusRequest()
+
+
+def _probe_options(metadata: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    """A look for a daemon that went away: a Status call that waits for the connection."""
+    return {"timeout": PROBE_TIMEOUT, "wait_for_ready": True, "metadata": metadata}
+
+
+def _probe_failure(exc: Exception) -> str:
+    """Why a look for the daemon found none."""
+    if isinstance(exc, grpc.RpcError):
+        return _away_reason(exc) or str(exc.code())
+    return str(exc)
+
+
 def _note_away(link: DaemonLink, exc: grpc.RpcError) -> None:
     """A failed round: when it did not reach the daemon, the daemon is away."""
     away = _away_reason(exc)
@@ -292,19 +307,11 @@ class Client:
         for pause in self._link.waits():
             try:
                 self._metadata = _access(self.endpoint)
-                status = self._stub.Status(
-                    control_pb2.StatusRequest(),
-                    timeout=PROBE_TIMEOUT,
-                    wait_for_ready=True,
-                    metadata=self._metadata,
-                )
-            except DaemonUnavailableError as exc:
-                reason = str(exc)
-            except grpc.RpcError as exc:
-                reason = _away_reason(exc) or str(exc.code())
+                status = self._stub.Status(_PROBE, **_probe_options(self._metadata))
+            except (DaemonUnavailableError, grpc.RpcError) as exc:
+                reason = _probe_failure(exc)
             else:
-                self._link.answered(status.peer_id)
-                return
+                return self._link.answered(status.peer_id)
             time.sleep(pause)
         raise self._link.gave_up(reason)
 
@@ -576,19 +583,11 @@ class AsyncClient:
         for pause in self._link.waits():
             try:
                 self._metadata = _access(self.endpoint)
-                status = await self._stub.Status(
-                    control_pb2.StatusRequest(),
-                    timeout=PROBE_TIMEOUT,
-                    wait_for_ready=True,
-                    metadata=self._metadata,
-                )
-            except DaemonUnavailableError as exc:
-                reason = str(exc)
-            except grpc.RpcError as exc:
-                reason = _away_reason(exc) or str(exc.code())
+                status = await self._stub.Status(_PROBE, **_probe_options(self._metadata))
+            except (DaemonUnavailableError, grpc.RpcError) as exc:
+                reason = _probe_failure(exc)
             else:
-                self._link.answered(status.peer_id)
-                return
+                return self._link.answered(status.peer_id)
             await asyncio.sleep(pause)
         raise self._link.gave_up(reason)
 

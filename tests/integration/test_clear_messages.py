@@ -7,15 +7,13 @@ peer answered"); ``status`` on a loopback peer says it is local only.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from swarmavg.peer import connect
 from swarmavg.peer.errors import DaemonUnavailableError
 from swarmavg.peer.status import format_status
 from tests.harness import ProcessPool
+from tests.integration.test_peer_processes import run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -56,24 +54,9 @@ def test_a_run_id_mismatch_says_the_run_ids_differ(swarmavg_processes: ProcessPo
             *control_args(swarmavg_processes, "r"),
         ]
     )
-    other = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "swarmavg.peer.cli",
-            "peer",
-            "--listen",
-            "127.0.0.1:0",
-            "--run-id",
-            "wrong",
-            "--join",
-            first.address,
-            *control_args(swarmavg_processes, "w"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+    other = run_cli(
+        *("peer", "--listen", "127.0.0.1:0", "--run-id", "wrong", "--join", first.address),
+        *control_args(swarmavg_processes, "w"),
     )
     assert other.returncode == 1
     [line] = [text for text in other.stderr.splitlines() if "error:" in text]
@@ -87,21 +70,7 @@ def test_a_taken_port_is_one_line_without_grpcs_own(swarmavg_processes: ProcessP
     first = swarmavg_processes.start(
         ["peer", "--listen", "127.0.0.1:0", *control_args(swarmavg_processes, "t")]
     )
-    second = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "swarmavg.peer.cli",
-            "peer",
-            "--listen",
-            first.address,
-            *control_args(swarmavg_processes, "u"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    second = run_cli("peer", "--listen", first.address, *control_args(swarmavg_processes, "u"))
     assert second.returncode == 1
     port = first.address.rsplit(":", 1)[1]
     assert second.stderr.strip() == (

@@ -11,12 +11,13 @@ from __future__ import annotations
 import http.server
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.integration.test_peer_processes import run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -30,25 +31,11 @@ def start_peer(
 ) -> subprocess.CompletedProcess[str]:
     folder = workdir / "control"
     folder.mkdir(mode=0o700, exist_ok=True)
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "swarmavg.peer.cli",
-            "peer",
-            "--listen",
-            "127.0.0.1:0",
-            "--control",
-            str(folder / "c.sock"),
-            "--join",
-            join,
-            "--bootstrap-timeout",
-            str(bootstrap_timeout),
-        ],
-        capture_output=True,
-        text=True,
+    control = str(folder / "c.sock")
+    return run_cli(  # type: ignore[no-any-return]
+        *("peer", "--listen", "127.0.0.1:0", "--control", control, "--join", join),
+        *("--bootstrap-timeout", str(bootstrap_timeout)),
         timeout=RUN_DEADLINE + bootstrap_timeout if bootstrap_timeout < 60 else RUN_DEADLINE,
-        check=False,
     )
 
 
