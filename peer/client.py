@@ -276,26 +276,28 @@ class Client:
             self._channel.close()
             raise
         self._use_shm = use_shm and shm_usable(status)
-        self._link.peer_id = status.peer_id
+        self._link.answered(status.peer_id, status.pid)
 
     def _unary(
         self, method: Any, request: Any, timeout: float = SHORT_CALL_TIMEOUT, stream: bool = False
     ) -> Any:
-        """One short call; when the daemon is away, it waits for it and runs once more.
+        """One short call; when the daemon is away, it waits for it and runs again, until
+        ``reconnect_timeout`` after the first failure.
         ``stream``: ``request`` is a list of messages sent as a request stream."""
-        for attempt in range(2):
+        give_up_at: float | None = None
+        while True:
             try:
                 sent = iter(request) if stream else request
                 response = method(sent, timeout=timeout, metadata=self._metadata)
             except grpc.RpcError as exc:
                 away = _away_reason(exc)
-                if away is None or attempt == 1:
+                give_up_at = self._link.retry_until(give_up_at)
+                if away is None or time.monotonic() >= give_up_at:
                     raise error_from_rpc(exc, str(self.endpoint)) from None
                 self._wait_for_daemon(away)
                 continue
             self._link.answered()
             return response
-        raise AssertionError("unreachable")
 
     def _wait_for_daemon(self, reason: str) -> None:
         """Look for the daemon with backoff until it answers (peer/reconnect.py).
@@ -311,7 +313,9 @@ class Client:
             except (DaemonUnavailableError, grpc.RpcError) as exc:
                 reason = _probe_failure(exc)
             else:
-                return self._link.answered(status.peer_id)
+                if not self._link.still_stopping(status.pid):
+                    return self._link.answered(status.peer_id, status.pid)
+                reason = "the daemon is shutting down"
             time.sleep(pause)
         raise self._link.gave_up(reason)
 
@@ -556,26 +560,27 @@ class AsyncClient:
             await self.close()
             raise
         self._use_shm = self._requested_shm and shm_usable(status)
-        self._link.peer_id = status.peer_id
+        self._link.answered(status.peer_id, status.pid)
         return self
 
     async def _unary(
         self, method: Any, request: Any, timeout: float = SHORT_CALL_TIMEOUT, stream: bool = False
     ) -> Any:
         """Same as :meth:`Client._unary`, as a coroutine."""
-        for attempt in range(2):
+        give_up_at: float | None = None
+        while True:
             try:
                 sent = iter(request) if stream else request
                 response = await method(sent, timeout=timeout, metadata=self._metadata)
             except grpc.RpcError as exc:
                 away = _away_reason(exc)
-                if away is None or attempt == 1:
+                give_up_at = self._link.retry_until(give_up_at)
+                if away is None or time.monotonic() >= give_up_at:
                     raise error_from_rpc(exc, str(self.endpoint)) from None
                 await self._wait_for_daemon(away)
                 continue
             self._link.answered()
             return response
-        raise AssertionError("unreachable")
 
     async def _wait_for_daemon(self, reason: str) -> None:
         """Same as :meth:`Client._wait_for_daemon`, as a coroutine."""
@@ -587,7 +592,9 @@ class AsyncClient:
             except (DaemonUnavailableError, grpc.RpcError) as exc:
                 reason = _probe_failure(exc)
             else:
-                return self._link.answered(status.peer_id)
+                if not self._link.still_stopping(status.pid):
+                    return self._link.answered(status.peer_id, status.pid)
+                reason = "the daemon is shutting down"
             await asyncio.sleep(pause)
         raise self._link.gave_up(reason)
 

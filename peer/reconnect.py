@@ -53,6 +53,9 @@ class DaemonLink:
         """How many times the daemon came back after going away."""
         self.peer_id = ""
         """The daemon's peer id when the client connected (hex; "" until known)."""
+        self.pid = 0
+        """The daemon's process id, from its last status (0 until known)."""
+        self._stopping = False  # the daemon said it is shutting down
 
     @property
     def gone(self) -> bool:
@@ -60,6 +63,7 @@ class DaemonLink:
 
     def lost(self, reason: str) -> None:
         """A call did not reach the daemon (logged once per absence)."""
+        self._stopping = self._stopping or "shutting down" in reason
         if self.gone_since is not None:
             return
         self.gone_since = time.monotonic()
@@ -71,11 +75,19 @@ class DaemonLink:
             self.reconnect_timeout,
         )
 
-    def answered(self, peer_id: str = "") -> None:
+    def still_stopping(self, pid: int) -> bool:
+        """Whether a status from process ``pid`` comes from the daemon that said it is
+        shutting down (it answers status calls to the end): not back yet."""
+        return self._stopping and pid == self.pid
+
+    def answered(self, peer_id: str = "", pid: int = 0) -> None:
         """A call reached the daemon (logs its return once, when it was away). ``peer_id``:
         the daemon's id, when the call tells it; a daemon that came back under another id
         (restarted without ``--identity``) is worth a warning: records the trainer signs
         under the old id are refused."""
+        self.pid = pid or self.pid
+        self.peer_id = self.peer_id or peer_id
+        self._stopping = False
         if self.gone_since is None:
             return
         away = time.monotonic() - self.gone_since
@@ -104,6 +116,12 @@ class DaemonLink:
                 return
             yield min(delay * random.uniform(0.5, 1.5), left)
             delay = min(delay * 2, MAX_DELAY)
+
+    def retry_until(self, deadline: float | None) -> float:
+        """When a failing call stops waiting: ``deadline`` once set, else
+        ``reconnect_timeout`` from its first failure (now). A bound on its retries, however
+        often the daemon seems back and fails it again."""
+        return deadline if deadline is not None else time.monotonic() + self.reconnect_timeout
 
     def gave_up(self, last_reason: str) -> DaemonUnavailableError:
         """The error of a call that waited ``reconnect_timeout`` in vain."""
