@@ -43,7 +43,7 @@ from swarmavg.peer.errors import (
     ValidationError,
     error_from_rpc,
 )
-from swarmavg.peer.reconnect import PROBE_TIMEOUT, RECONNECT_TIMEOUT, DaemonLink
+from swarmavg.peer.reconnect import PROBE_TIMEOUT, RECONNECT_TIMEOUT, STOPPING, DaemonLink
 from swarmavg.peer.run_view import view_to_dict
 from swarmavg.peer.shm import SegmentPool
 from swarmavg.peer.validation import validate_key
@@ -310,12 +310,11 @@ class Client:
             try:
                 self._metadata = _access(self.endpoint)
                 status = self._stub.Status(_PROBE, **_probe_options(self._metadata))
+                if self._link.back(status.peer_id, status.pid):
+                    return
+                reason = STOPPING
             except (DaemonUnavailableError, grpc.RpcError) as exc:
                 reason = _probe_failure(exc)
-            else:
-                if not self._link.still_stopping(status.pid):
-                    return self._link.answered(status.peer_id, status.pid)
-                reason = "the daemon is shutting down"
             time.sleep(pause)
         raise self._link.gave_up(reason)
 
@@ -589,12 +588,11 @@ class AsyncClient:
             try:
                 self._metadata = _access(self.endpoint)
                 status = await self._stub.Status(_PROBE, **_probe_options(self._metadata))
+                if self._link.back(status.peer_id, status.pid):
+                    return
+                reason = STOPPING
             except (DaemonUnavailableError, grpc.RpcError) as exc:
                 reason = _probe_failure(exc)
-            else:
-                if not self._link.still_stopping(status.pid):
-                    return self._link.answered(status.peer_id, status.pid)
-                reason = "the daemon is shutting down"
             await asyncio.sleep(pause)
         raise self._link.gave_up(reason)
 

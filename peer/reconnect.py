@@ -34,8 +34,8 @@ PROBE_TIMEOUT = 1.0
 FIRST_DELAY = 0.2
 MAX_DELAY = 2.0
 
-GONE_CODES = frozenset({"UNAVAILABLE"})
-"""gRPC codes of a call that did not reach a daemon, or reached one shutting down."""
+STOPPING = "the daemon is shutting down"
+"""Why a look found the daemon that went away still there (it answers status calls)."""
 
 
 class DaemonLink:
@@ -63,7 +63,7 @@ class DaemonLink:
 
     def lost(self, reason: str) -> None:
         """A call did not reach the daemon (logged once per absence)."""
-        self._stopping = self._stopping or "shutting down" in reason
+        self._stopping = self._stopping or STOPPING in reason
         if self.gone_since is not None:
             return
         self.gone_since = time.monotonic()
@@ -75,10 +75,14 @@ class DaemonLink:
             self.reconnect_timeout,
         )
 
-    def still_stopping(self, pid: int) -> bool:
-        """Whether a status from process ``pid`` comes from the daemon that said it is
-        shutting down (it answers status calls to the end): not back yet."""
-        return self._stopping and pid == self.pid
+    def back(self, peer_id: str, pid: int) -> bool:
+        """A look for the daemon got a status from process ``pid``: whether the daemon is
+        back (then :meth:`answered` ran). A status from the daemon that said it is shutting
+        down (it answers status calls to the end) is not."""
+        if self._stopping and pid == self.pid:
+            return False
+        self.answered(peer_id, pid)
+        return True
 
     def answered(self, peer_id: str = "", pid: int = 0) -> None:
         """A call reached the daemon (logs its return once, when it was away). ``peer_id``:

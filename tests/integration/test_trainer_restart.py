@@ -17,13 +17,7 @@ torch = pytest.importorskip("torch")
 
 from swarmavg.peer import connect  # noqa: E402
 from tests.harness import ProcessPool, SwarmavgProcess  # noqa: E402
-from tests.training.helpers import (  # noqa: E402
-    backward,
-    batch,
-    linear_model,
-    run_in_threads,
-    sgd_collaborative,
-)
+from tests.training import helpers  # noqa: E402
 
 pytestmark = pytest.mark.integration
 RUN = "restart-run"
@@ -43,9 +37,9 @@ def daemon_args(workdir: Path, name: str, listen: str) -> list[str]:
 
 def trainer(control: str, seed: int, reached: threading.Event) -> dict[str, Any]:
     """Train until the swarm's epoch TARGET_EPOCH; set ``reached`` at RESTART_AT_EPOCH."""
-    model = linear_model(0)
+    model = helpers.linear_model(0)
     with connect(control, reconnect_timeout=90) as client:
-        opt = sgd_collaborative(
+        opt = helpers.sgd_collaborative(
             model,
             client,
             run_id=RUN,
@@ -56,7 +50,7 @@ def trainer(control: str, seed: int, reached: threading.Event) -> dict[str, Any]
         )
         steps = 0
         while opt.epoch < TARGET_EPOCH and steps < STEP_LIMIT:
-            backward(model, batch(seed + steps))
+            helpers.backward(model, helpers.batch(seed + steps))
             opt.step()
             opt.zero_grad()
             steps += 1
@@ -86,7 +80,7 @@ def test_a_trainer_keeps_training_across_its_daemons_restart(
         again = [*daemon_args(workdir, "a", first.address), "--join", partner.address]
         restarted.append(swarmavg_processes.start(again))
 
-    results = run_in_threads(
+    results = helpers.run_in_threads(
         lambda: trainer(first.control, 100, reached),
         lambda: trainer(partner.control, 200, threading.Event()),
         restart_daemon_a,
