@@ -25,9 +25,8 @@ from swarmavg.dht.config import DHTConfig
 from swarmavg.dht.dial_failures import (
     NOT_SWARMAVG,
     REFUSED_GRACE,
-    is_not_grpc,
-    is_refused,
     plain_reason,
+    turns_away,
 )
 from swarmavg.dht.identity import Identity
 from swarmavg.dht.ids import id_to_int, int_to_id, key_id, key_to_bytes, random_id_in_range
@@ -305,12 +304,13 @@ class DHTNode:
                 else:
                     log.debug("initial peer %s: %s", address, answer)
                     failures[address] = plain_reason(answer)
-                    if is_refused(answer) and not is_not_grpc(answer):
+                    if turns_away(answer):
                         refused.add(address)
             # A peer that refused our header (another run, another protocol version), or a
             # server that does not speak gRPC, will refuse again: stop asking it, and give
             # up at once when nobody else is left (no 30 s of retries for a typo in
-            # --run-id). A closed port is asked again for REFUSED_GRACE seconds only.
+            # --run-id). A closed port, or a private run's peer that closes a plain
+            # connection at once, is asked again for REFUSED_GRACE seconds only.
             refused_long = loop.time() - started >= REFUSED_GRACE
             addresses = [
                 a
@@ -334,7 +334,7 @@ class DHTNode:
             log.log(level, "no initial peer answered yet; retrying for up to %.0f s", remaining)
             pause = min(delay * random.uniform(0.5, 1.5), remaining)
             if refused == set(addresses) and not refused_long:
-                # only closed ports left: ask them once more when their grace ends
+                # only addresses that turn us away left: ask once more when their grace ends
                 pause = min(pause, max(started + REFUSED_GRACE - loop.time(), 0.05))
             await asyncio.sleep(pause)
             delay = min(delay * 2, config.bootstrap_backoff_max)

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import ProcessPool
 from tests.integration.test_peer_processes import run_cli
+from tests.private_runs import Authority
 
 pytestmark = pytest.mark.integration
 
@@ -110,3 +112,29 @@ def test_a_silent_port_fails_at_the_bootstrap_timeout(tmp_path: Path, silent_por
     [line] = error_lines(result.stderr)
     assert "no answer in time" in line
     assert sum("retrying" in text for text in result.stderr.splitlines()) <= 1
+
+
+@pytest.mark.timeout(90)
+def test_a_private_runs_peer_is_named_and_the_private_flags_suggested(
+    swarmavg_processes: ProcessPool,
+) -> None:
+    """A public start (--run-id, no credential) joining a private run's peer: the peer
+    closes the plain connection at once; asked again for seconds, not the whole
+    --bootstrap-timeout (120 s here)."""
+    run = swarmavg_processes.workdir / "run"
+    run.mkdir(mode=0o700)
+    authority = Authority.create(run, "private-run")
+    member = authority.invite("first")
+    folder = swarmavg_processes.workdir / "private"
+    folder.mkdir(mode=0o700)
+    private = swarmavg_processes.start(
+        [
+            *("peer", "--listen", "127.0.0.1:0", "--control", str(folder / "p.sock")),
+            *authority.peer_flags(member),
+        ]
+    )
+    result = start_peer(swarmavg_processes.workdir, private.address, bootstrap_timeout=120)
+    assert result.returncode == 1
+    [line] = error_lines(result.stderr)
+    assert "it closed the connection at once (a private run's peer" in line
+    assert "start with --run-file, --credential and --identity" in line
