@@ -22,6 +22,12 @@ import grpc
 from swarmavg.dht.auth import Authenticator, RequestSigner
 from swarmavg.dht.channels import ChannelPool
 from swarmavg.dht.config import DHTConfig
+from swarmavg.dht.dial_failures import (
+    NOT_SWARMAVG,
+    REFUSED_GRACE,
+    plain_reason,
+    turns_away,
+)
 from swarmavg.dht.identity import Identity
 from swarmavg.dht.ids import id_to_int, int_to_id, key_id, key_to_bytes, random_id_in_range
 from swarmavg.dht.protocol import DHTProtocol, DHTRPCError, request_chunks
@@ -55,8 +61,12 @@ StoreItem = tuple[str | bytes, Any, float, Subkey | None]
 def permanent_failure(reason: str) -> bool:
     """Whether an initial peer's answer is one that retrying cannot change: it refused our
     request header (``FAILED_PRECONDITION``: another run id or protocol version), or its own
-    answer carried another run's header."""
-    return reason.startswith("FAILED_PRECONDITION:") or "run id differs" in reason
+    answer carried another run's header, or the address speaks another protocol."""
+    return (
+        reason.startswith("FAILED_PRECONDITION:")
+        or "run id differs" in reason
+        or reason == NOT_SWARMAVG
+    )
 
 
 class BootstrapError(ConnectionError):
@@ -188,11 +198,14 @@ class DHTNode:
             raise ValueError("a client-mode node does not serve the DHT")
         self.protocol.add_to_server(server)
 
-    async def start(self, announce_address: str | None) -> None:
+    async def start(self, announce_address: str | None, deadline: float | None = None) -> None:
         """Join the DHT through the initial peers (none: start a new DHT).
 
         Args:
             announce_address: our public HOST:PORT; ``None`` in client mode.
+            deadline: the event loop's time by which to give up (default:
+                ``bootstrap_timeout`` from now); a daemon that spent part of its
+                ``bootstrap_timeout`` on the initial peers already passes its own.
 
         Raises:
             BootstrapError: initial peers were given and none answered within
@@ -205,7 +218,7 @@ class DHTNode:
             raise ValueError("announce_address must be None exactly in client mode")
         self._state = "starting"
         self.protocol.set_address(announce_address or "")
-        await self._bootstrap()
+        await self._bootstrap(deadline)
         self._state = "running"
         self._tasks.spawn(self._maintain(), name="dht-maintenance")
 
@@ -263,14 +276,16 @@ class DHTNode:
 
     # ---- bootstrap and maintenance ----
 
-    async def _bootstrap(self) -> None:
+    async def _bootstrap(self, deadline: float | None) -> None:
         config = self.config
         own = self.protocol.address
         addresses = [a for a in dict.fromkeys(config.initial_peers) if a != own]
         if not addresses:
             return  # no initial peers: a new DHT
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + config.bootstrap_timeout
+        started = loop.time()
+        if deadline is None:
+            deadline = started + config.bootstrap_timeout
         failures = dict.fromkeys(addresses, "not tried")
         delay = config.bootstrap_backoff
         attempts = 0
@@ -279,6 +294,7 @@ class DHTNode:
             timeout = max(min(config.request_timeout, deadline - loop.time()), 0.05)
             answers = await asyncio.gather(*(self._ping_initial(a, timeout) for a in addresses))
             joined = []
+            refused = set()
             for address, answer in zip(addresses, answers, strict=True):
                 if isinstance(answer, Contact):
                     if answer.peer_id == self.peer_id:
@@ -286,11 +302,21 @@ class DHTNode:
                     else:
                         joined.append(address)
                 else:
-                    failures[address] = answer
-            # A peer that refused our header (another run, another protocol version) will
-            # refuse it again: stop asking it, and give up at once when nobody else is left
-            # (no 30 s of retries for a typo in --run-id).
-            addresses = [a for a in addresses if not permanent_failure(failures[a])]
+                    log.debug("initial peer %s: %s", address, answer)
+                    failures[address] = plain_reason(answer)
+                    if turns_away(answer):
+                        refused.add(address)
+            # A peer that refused our header (another run, another protocol version), or a
+            # server that does not speak gRPC, will refuse again: stop asking it, and give
+            # up at once when nobody else is left (no 30 s of retries for a typo in
+            # --run-id). A closed port, or a private run's peer that closes a plain
+            # connection at once, is asked again for REFUSED_GRACE seconds only.
+            refused_long = loop.time() - started >= REFUSED_GRACE
+            addresses = [
+                a
+                for a in addresses
+                if not permanent_failure(failures[a]) and not (refused_long and a in refused)
+            ]
             if joined:
                 # paper 2.3: a joining node looks up its own id through the contacts it has
                 join = await traverse(self.protocol, [self.peer_id], want_values=False)
@@ -303,8 +329,14 @@ class DHTNode:
             remaining = deadline - loop.time()
             if remaining <= 0 or not addresses:
                 raise BootstrapError(failures, attempts)
-            log.info("bootstrap attempt %d failed; retrying in about %.1f s", attempts, delay)
-            await asyncio.sleep(min(delay * random.uniform(0.5, 1.5), remaining))
+            # One line for the first failure; the retries that follow are routine.
+            level = logging.INFO if attempts == 1 else logging.DEBUG
+            log.log(level, "no initial peer answered yet; retrying for up to %.0f s", remaining)
+            pause = min(delay * random.uniform(0.5, 1.5), remaining)
+            if refused == set(addresses) and not refused_long:
+                # only addresses that turn us away left: ask once more when their grace ends
+                pause = min(pause, max(started + REFUSED_GRACE - loop.time(), 0.05))
+            await asyncio.sleep(pause)
             delay = min(delay * 2, config.bootstrap_backoff_max)
         await self.refresh(all_buckets=True)  # paper 2.3: then it refreshes all its buckets
 

@@ -4,7 +4,8 @@
 ``swarmavg status`` asks a running daemon for its figures, ``swarmavg peers`` for every peer of
 its run, ``swarmavg monitor`` records a run over time and plots it (``peer/monitor_cli.py``),
 ``swarmavg run`` creates a private run's authority and invites its peers
-(``peer/run_cli.py``). The daemon prints exactly one
+(``peer/run_cli.py``), ``swarmavg launch`` runs a training command beside a daemon of its
+own (``peer/launch.py``). The daemon prints exactly one
 JSON line on stdout once it is ready; everything else (logs, errors) goes to stderr.
 Heavy modules are imported only by the subcommand that needs them, so ``--help`` is fast
 and the daemon never loads torch.
@@ -13,6 +14,7 @@ and the daemon never loads torch.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
@@ -88,6 +90,19 @@ def build_parser() -> argparse.ArgumentParser:
         "Precedence: flag > env var > config file > default.",
     )
     _add_daemon_flags(peer, "peer")
+    launch = sub.add_parser(
+        "launch",
+        help="run a training command beside a daemon of its own (torchrun-style)",
+        usage="swarmavg launch [peer options] -- COMMAND [ARGS ...]",
+        description="Start a daemon with the peer options, run COMMAND with SWARMAVG_CONTROL "
+        "set to it, forward Ctrl+C/SIGTERM to COMMAND, stop the daemon when COMMAND ends "
+        "and exit with COMMAND's code. Several launches on one machine (one per GPU) "
+        "each get their own daemon, control socket and port.",
+    )
+    _add_daemon_flags(launch, "peer")
+    launch.add_argument(
+        "training_command", nargs="*", metavar="-- COMMAND", help="what to run, after --"
+    )
     dht = sub.add_parser(
         "dht",
         help="run a bare DHT node (a long-lived bootstrap peer)",
@@ -209,6 +224,67 @@ def cmd_peers(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_arguments(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, whose error for an unknown flag names the likely one."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = _subparser(parser, args.command) or parser
+        command.error(unknown_arguments_message(unknown, _option_strings(command)))
+    return args
+
+
+def unknown_arguments_message(unknown: Sequence[str], options: Sequence[str]) -> str:
+    """argparse's "unrecognized arguments" line, with the flag each unknown one most likely
+    meant (``--run_id`` -> ``--run-id``, ``--bootstrap-timout`` -> ``--bootstrap-timeout``)."""
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    hints = []
+    for arg in unknown:
+        if not arg.startswith("-"):
+            continue
+        flag = arg.split("=", 1)[0]
+        close = difflib.get_close_matches(flag.replace("_", "-"), options, n=1, cutoff=0.75)
+        if close:
+            hints.append(f"did you mean {close[0]} (not {flag})?")
+    return "; ".join([message, *hints])
+
+
+def _subparser(
+    parser: argparse.ArgumentParser, command: str | None
+) -> argparse.ArgumentParser | None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command is not None:
+            found = action.choices.get(command)
+            return found if isinstance(found, argparse.ArgumentParser) else None
+    return None
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    return [option for action in parser._actions for option in action.option_strings]
+
+
+def cmd_launch(parser: argparse.ArgumentParser, argv: Sequence[str]) -> int:
+    """``swarmavg launch [peer options] -- COMMAND``: the peer options are checked here as
+    ``swarmavg peer`` checks them (a typo fails before anything starts)."""
+    from swarmavg.peer.launch import LaunchError, launch, split_command
+
+    try:
+        peer_options, command = split_command(argv)
+    except ValueError as exc:
+        if "-h" in argv or "--help" in argv:
+            parser.parse_args(["launch", "--help"])
+        report_error("launch", str(exc))
+        return EXIT_USAGE
+    parse_arguments(parser, ["launch", *peer_options])  # exits 2 with argparse's message
+    try:
+        return launch(peer_options, command)
+    except LaunchError as exc:
+        report_error("launch", str(exc))
+        return EXIT_STARTUP
+    except OSError as exc:
+        report_error("launch", f"cannot run {command[0]}: {exc.strerror or exc}")
+        return EXIT_STARTUP
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The console script (``swarmavg``). Ctrl+C before a daemon's own signal handlers are
     installed (e.g. while importing) exits quietly with status 130."""
@@ -220,7 +296,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:
+        return cmd_launch(parser, argv[1:])
+    args = parse_arguments(parser, argv)
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE

@@ -8,8 +8,10 @@ Every failure is raised as a :class:`~swarmavg.peer.errors.SwarmError` subclass.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
+import time
 from collections.abc import Generator, Sequence
 from types import TracebackType
 from typing import Any
@@ -41,6 +43,7 @@ from swarmavg.peer.errors import (
     ValidationError,
     error_from_rpc,
 )
+from swarmavg.peer.reconnect import PROBE_TIMEOUT, RECONNECT_TIMEOUT, STOPPING, DaemonLink
 from swarmavg.peer.run_view import view_to_dict
 from swarmavg.peer.shm import SegmentPool
 from swarmavg.peer.validation import validate_key
@@ -51,7 +54,26 @@ SHORT_CALL_TIMEOUT = 30.0
 _OPTIONS = [
     ("grpc.max_receive_message_length", 8 << 20),
     ("grpc.max_send_message_length", 8 << 20),
+    # A restarted daemon is found within a second or two: gRPC's default backoff between
+    # connection attempts grows to 2 minutes.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
+_AWAY_CODES = frozenset({"UNAVAILABLE", "UNAUTHENTICATED"})
+"""Codes of a call that did not reach the daemon it connected to: gone, shutting down, or
+a restarted one that wrote a new token (peer/reconnect.py)."""
+
+
+def _away_reason(exc: grpc.RpcError) -> str | None:
+    """Why ``exc``'s call did not reach the daemon, or None when the daemon answered it."""
+    code = exc.code()
+    if code is None or code.name not in _AWAY_CODES:
+        return None
+    details = exc.details() or ""
+    if code.name == "UNAVAILABLE" and "failed to connect" in details:
+        return "nothing answers at the endpoint"  # gRPC's text names the socket again
+    return f"{code.name}: {details}" if details else code.name
 
 
 def resolve_endpoint(endpoint: str | None, run_id: str | None = None) -> ControlEndpoint:
@@ -155,6 +177,39 @@ def _access(endpoint: ControlEndpoint) -> tuple[tuple[str, str], ...]:
         raise DaemonUnavailableError(str(exc)) from None
 
 
+def _refreshed_metadata(
+    endpoint: ControlEndpoint, current: tuple[tuple[str, str], ...]
+) -> tuple[tuple[str, str], ...]:
+    """The endpoint's call metadata read anew, or ``current`` while the daemon is still away
+    (the call then fails as a round does while it is)."""
+    try:
+        return _access(endpoint)
+    except DaemonUnavailableError:
+        return current
+
+
+_PROBE = control_pb2.StatusRequest()
+
+
+def _probe_options(metadata: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    """A look for a daemon that went away: a Status call that waits for the connection."""
+    return {"timeout": PROBE_TIMEOUT, "wait_for_ready": True, "metadata": metadata}
+
+
+def _probe_failure(exc: Exception) -> str:
+    """Why a look for the daemon found none."""
+    if isinstance(exc, grpc.RpcError):
+        return _away_reason(exc) or str(exc.code())
+    return str(exc)
+
+
+def _note_away(link: DaemonLink, exc: grpc.RpcError) -> None:
+    """A failed round: when it did not reach the daemon, the daemon is away."""
+    away = _away_reason(exc)
+    if away is not None:
+        link.lost(away)
+
+
 def _connect_error(endpoint: ControlEndpoint, exc: grpc.RpcError) -> DaemonUnavailableError:
     code = exc.code()
     return _unavailable(endpoint, code.name if code is not None else exc)
@@ -188,14 +243,18 @@ class Client:
         *,
         use_shm: bool = True,
         connect_timeout: float = CONNECT_TIMEOUT,
+        reconnect_timeout: float = RECONNECT_TIMEOUT,
     ) -> None:
-        """Connect and check that a daemon answers.
+        """Connect and check that a daemon answers. When the daemon goes away later
+        (restarted), see peer/reconnect.py: rounds fail at once, other calls wait up to
+        ``reconnect_timeout`` seconds for it to come back on the same endpoint.
 
         Raises:
             DaemonUnavailableError: nothing answers at the endpoint within ``connect_timeout``.
             ValidationError: the endpoint is not a local one.
         """
         self.endpoint = resolve_endpoint(endpoint)
+        self._link = DaemonLink(str(self.endpoint), reconnect_timeout)
         self._metadata = _access(self.endpoint)
         self._channel = grpc.insecure_channel(self.endpoint.grpc_target(), options=_OPTIONS)
         self._stub = control_pb2_grpc.ControlStub(self._channel)  # type: ignore[no-untyped-call]
@@ -217,12 +276,52 @@ class Client:
             self._channel.close()
             raise
         self._use_shm = use_shm and shm_usable(status)
+        self._link.answered(status.peer_id, status.pid)
 
-    def _unary(self, method: Any, request: Any, timeout: float = SHORT_CALL_TIMEOUT) -> Any:
-        try:
-            return method(request, timeout=timeout, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, str(self.endpoint)) from None
+    def _unary(
+        self, method: Any, request: Any, timeout: float = SHORT_CALL_TIMEOUT, stream: bool = False
+    ) -> Any:
+        """One short call; when the daemon is away, it waits for it and runs again, until
+        ``reconnect_timeout`` after the first failure.
+        ``stream``: ``request`` is a list of messages sent as a request stream."""
+        give_up_at: float | None = None
+        while True:
+            try:
+                sent = iter(request) if stream else request
+                response = method(sent, timeout=timeout, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                away = _away_reason(exc)
+                give_up_at = self._link.retry_until(give_up_at)
+                if away is None or time.monotonic() >= give_up_at:
+                    raise error_from_rpc(exc, str(self.endpoint)) from None
+                self._wait_for_daemon(away)
+                continue
+            self._link.answered()
+            return response
+
+    def _wait_for_daemon(self, reason: str) -> None:
+        """Look for the daemon with backoff until it answers (peer/reconnect.py).
+
+        Raises:
+            DaemonUnavailableError: it did not come back within ``reconnect_timeout``.
+        """
+        self._link.lost(reason)
+        for pause in self._link.waits():
+            try:
+                self._metadata = _access(self.endpoint)
+                status = self._stub.Status(_PROBE, **_probe_options(self._metadata))
+                if self._link.back(status.peer_id, status.pid):
+                    return
+                reason = STOPPING
+            except (DaemonUnavailableError, grpc.RpcError) as exc:
+                reason = _probe_failure(exc)
+            time.sleep(pause)
+        raise self._link.gave_up(reason)
+
+    def _refresh_access(self) -> None:
+        """Before a round while the daemon is away: its token may be new (restarted)."""
+        if self._link.gone:
+            self._metadata = _refreshed_metadata(self.endpoint, self._metadata)
 
     def average(
         self,
@@ -269,14 +368,18 @@ class Client:
                 client_id=self._client_id,
                 write_during_declaration=self._early_writes.supported,
             )
+            self._refresh_access()
             try:
                 responses = self._stub.Average(
                     call.requests(), timeout=call.deadline, metadata=self._metadata
                 )
                 for response in responses:
                     call.feed(response)
-                return call.result()
+                result = call.result()
+                self._link.answered()
+                return result
             except grpc.RpcError as exc:
+                _note_away(self._link, exc)
                 error = _average_failure(
                     call, exc, self.endpoint, self._segments, self._early_writes, attempt
                 )
@@ -290,7 +393,7 @@ class Client:
     def publish_state(self, tensors: Sequence[Any], metadata: Any) -> None:
         """Serve ``tensors`` and ``metadata`` (msgpack-able) to peers that load state."""
         messages = list(state_messages(tensors, metadata))  # validates before sending
-        self._unary(self._stub.PublishState, iter(messages))
+        self._unary(self._stub.PublishState, messages, stream=True)
 
     def load_state(
         self, timeout: float = 60.0, max_bytes: int | None = None
@@ -355,7 +458,11 @@ class Client:
 
 
 def connect(
-    endpoint: str | None = None, *, use_shm: bool = True, connect_timeout: float = CONNECT_TIMEOUT
+    endpoint: str | None = None,
+    *,
+    use_shm: bool = True,
+    connect_timeout: float = CONNECT_TIMEOUT,
+    reconnect_timeout: float = RECONNECT_TIMEOUT,
 ) -> Client:
     """Connect to the local daemon; use as ``with connect() as client:``.
 
@@ -365,11 +472,19 @@ def connect(
             user on a default socket (:func:`resolve_endpoint`).
         use_shm: pass large tensors through shared memory when the daemon can map it.
         connect_timeout: seconds to wait for the daemon to answer.
+        reconnect_timeout: seconds a call other than ``average`` waits for a daemon that
+            went away to come back on the same endpoint (a restart); ``average`` fails at
+            once meanwhile (peer/reconnect.py).
 
     Raises:
         DaemonUnavailableError: no daemon answers at the endpoint.
     """
-    return Client(endpoint, use_shm=use_shm, connect_timeout=connect_timeout)
+    return Client(
+        endpoint,
+        use_shm=use_shm,
+        connect_timeout=connect_timeout,
+        reconnect_timeout=reconnect_timeout,
+    )
 
 
 class _AsyncDHT:
@@ -394,9 +509,17 @@ class _AsyncDHT:
 class AsyncClient:
     """An asyncio connection to the local daemon; create it with ``connect_async``."""
 
-    def __init__(self, endpoint: str | None = None, *, use_shm: bool = True) -> None:
-        """Set up the channel (no I/O; :meth:`open` checks the daemon)."""
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        use_shm: bool = True,
+        reconnect_timeout: float = RECONNECT_TIMEOUT,
+    ) -> None:
+        """Set up the channel (no I/O; :meth:`open` checks the daemon). A daemon that goes
+        away later is waited for as :class:`Client` does (``reconnect_timeout``)."""
         self.endpoint = resolve_endpoint(endpoint)
+        self._link = DaemonLink(str(self.endpoint), reconnect_timeout)
         self._requested_shm = use_shm
         self._use_shm = False
         self._channel: grpc.aio.Channel | None = None
@@ -436,13 +559,47 @@ class AsyncClient:
             await self.close()
             raise
         self._use_shm = self._requested_shm and shm_usable(status)
+        self._link.answered(status.peer_id, status.pid)
         return self
 
-    async def _unary(self, method: Any, request: Any, timeout: float = SHORT_CALL_TIMEOUT) -> Any:
-        try:
-            return await method(request, timeout=timeout, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, str(self.endpoint)) from None
+    async def _unary(
+        self, method: Any, request: Any, timeout: float = SHORT_CALL_TIMEOUT, stream: bool = False
+    ) -> Any:
+        """Same as :meth:`Client._unary`, as a coroutine."""
+        give_up_at: float | None = None
+        while True:
+            try:
+                sent = iter(request) if stream else request
+                response = await method(sent, timeout=timeout, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                away = _away_reason(exc)
+                give_up_at = self._link.retry_until(give_up_at)
+                if away is None or time.monotonic() >= give_up_at:
+                    raise error_from_rpc(exc, str(self.endpoint)) from None
+                await self._wait_for_daemon(away)
+                continue
+            self._link.answered()
+            return response
+
+    async def _wait_for_daemon(self, reason: str) -> None:
+        """Same as :meth:`Client._wait_for_daemon`, as a coroutine."""
+        self._link.lost(reason)
+        for pause in self._link.waits():
+            try:
+                self._metadata = _access(self.endpoint)
+                status = await self._stub.Status(_PROBE, **_probe_options(self._metadata))
+                if self._link.back(status.peer_id, status.pid):
+                    return
+                reason = STOPPING
+            except (DaemonUnavailableError, grpc.RpcError) as exc:
+                reason = _probe_failure(exc)
+            await asyncio.sleep(pause)
+        raise self._link.gave_up(reason)
+
+    def _refresh_access(self) -> None:
+        """Same as :meth:`Client._refresh_access`."""
+        if self._link.gone:
+            self._metadata = _refreshed_metadata(self.endpoint, self._metadata)
 
     async def average(
         self,
@@ -472,14 +629,18 @@ class AsyncClient:
                 client_id=self._client_id,
                 write_during_declaration=self._early_writes.supported,
             )
+            self._refresh_access()
             try:
                 stream = self._stub.Average(
                     call.requests(), timeout=call.deadline, metadata=self._metadata
                 )
                 async for response in stream:
                     call.feed(response)
-                return call.result()
+                result = call.result()
+                self._link.answered()
+                return result
             except grpc.RpcError as exc:
+                _note_away(self._link, exc)
                 error = _average_failure(
                     call, exc, self.endpoint, self._segments, self._early_writes, attempt
                 )
@@ -493,7 +654,7 @@ class AsyncClient:
     async def publish_state(self, tensors: Sequence[Any], metadata: Any) -> None:
         """Same as :meth:`Client.publish_state`, as a coroutine."""
         messages = list(state_messages(tensors, metadata))
-        await self._unary(self._stub.PublishState, iter(messages))
+        await self._unary(self._stub.PublishState, messages, stream=True)
 
     async def load_state(
         self, timeout: float = 60.0, max_bytes: int | None = None
@@ -568,14 +729,19 @@ class _AsyncConnect:
 
 
 def connect_async(
-    endpoint: str | None = None, *, use_shm: bool = True, connect_timeout: float = CONNECT_TIMEOUT
+    endpoint: str | None = None,
+    *,
+    use_shm: bool = True,
+    connect_timeout: float = CONNECT_TIMEOUT,
+    reconnect_timeout: float = RECONNECT_TIMEOUT,
 ) -> _AsyncConnect:
     """Connect an :class:`AsyncClient` to the local daemon (see :func:`connect`).
 
     Use as ``async with connect_async() as client:`` or ``client = await connect_async()``
     (then ``await client.close()``).
     """
-    return _AsyncConnect(AsyncClient(endpoint, use_shm=use_shm), connect_timeout)
+    client = AsyncClient(endpoint, use_shm=use_shm, reconnect_timeout=reconnect_timeout)
+    return _AsyncConnect(client, connect_timeout)
 
 
 __all__ = [

@@ -33,6 +33,7 @@ from swarmavg.peer.errors import (
     SwarmError,
     ValidationError,
 )
+from swarmavg.peer.reconnect import STOPPING
 from swarmavg.peer.tensors import TensorAssembler, iter_bytes, layout_from_specs, specs_of
 from swarmavg.peer.validation import validate_finite, validate_key
 from swarmavg.proto import control_pb2, control_pb2_grpc
@@ -173,7 +174,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
 
     def _check_accepting(self) -> None:
         if not self._accepting:
-            raise DaemonUnavailableError("the daemon is shutting down")
+            raise DaemonUnavailableError(STOPPING)
 
     # ---- generated servicer names -> rpc_<verb> ----
 

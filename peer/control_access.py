@@ -21,9 +21,11 @@ it must take what only the daemon's user has:
   listen where the client would connect and refuses unless every one of them is a socket of
   that process (Linux: ``/proc/net/tcp``, ``/proc/net/tcp6`` and ``/proc/PID/fd``). An
   impostor's listener, another user's or this user's, is refused before the token or a
-  tensor leaves the client. What stays open: the check is made when the client connects; a
-  client whose daemon dies while it is connected reconnects to whoever listens next, and
-  on a system without ``/proc`` a TCP endpoint is refused (use the unix socket).
+  tensor leaves the client. What stays open: the check is made when the client connects and
+  again each time a call finds the daemon gone (peer/reconnect.py); a daemon replaced
+  between two calls without one failing is not noticed, so the client reconnects to whoever
+  listens next. On a system without ``/proc`` a TCP endpoint is refused (use the unix
+  socket).
 """
 
 from __future__ import annotations
@@ -131,8 +133,7 @@ def read_token_file(endpoint: ControlEndpoint) -> tuple[str, int | None]:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise ControlAccessError(
-            f"no control token for {endpoint} in {path.parent}: the daemon there is not "
-            "yours (a TCP control endpoint serves only the user who started the daemon)"
+            f"no swarmavg control endpoint at {endpoint}: {what_listens(endpoint)}"
         ) from None
     with os.fdopen(fd, "rb") as file:
         info = os.fstat(file.fileno())
@@ -195,6 +196,57 @@ def _reaches(
         return True
     mapped = listener.ipv4_mapped if isinstance(listener, ipaddress.IPv6Address) else None
     return mapped is not None and mapped in targets
+
+
+def what_listens(endpoint: ControlEndpoint) -> str:
+    """What is at a TCP ``endpoint`` that has no control token of this user, in words:
+    nothing, a swarmavg peer's public port, or another program (read from the kernel's
+    socket tables; a process of another user is named as such)."""
+    where = f"{endpoint.host}:{endpoint.port}"
+    hint = (
+        'give connect() the "control" endpoint of the daemon\'s ready line (by default a '
+        "unix socket; `swarmavg status` finds it)"
+    )
+    try:
+        listening = _listening_sockets(endpoint.port)
+        reaching = {inode for address, inode in listening if _reaches(address, _targets(endpoint))}
+    except (OSError, ValueError):
+        return f"no control token of yours names it; {hint}"
+    if not reaching:
+        return f"nothing listens at {where}; {hint}"
+    owner = _owner_command(reaching)
+    if owner is None:
+        return (
+            f"another user's program listens at {where} (a TCP control endpoint serves only "
+            f"the user who started the daemon); {hint}"
+        )
+    if _is_swarmavg(owner):
+        return (
+            f"{where} is a port of a swarmavg peer (its public --listen port, say), not its "
+            f"control endpoint; {hint}"
+        )
+    shown = " ".join(owner)[:80]
+    return f"{where} belongs to another program ({shown}), not to a swarmavg daemon; {hint}"
+
+
+def _is_swarmavg(argv: list[str]) -> bool:
+    """Whether a command line runs the ``swarmavg`` console script or its CLI module."""
+    return any(Path(arg).name == "swarmavg" or arg.startswith("swarmavg.peer") for arg in argv[:3])
+
+
+def _owner_command(inodes: set[int]) -> list[str] | None:
+    """The command line of this user's process that holds one of the sockets ``inodes``,
+    or None when none of this user's processes does."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        if _socket_inodes(int(entry.name)) & inodes:
+            try:
+                raw = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            return raw.decode(errors="replace").split("\0")
+    return None
 
 
 def _socket_inodes(pid: int) -> set[int]:

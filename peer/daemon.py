@@ -45,6 +45,7 @@ from swarmavg.dht import (
     Identity,
 )
 from swarmavg.dht.credentials import CredentialError, RunFile, load_peer_credentials
+from swarmavg.dht.dial_failures import NOT_SWARMAVG, REFUSED
 from swarmavg.dht.ranges import split_host
 from swarmavg.dht.revocation import read_revocations
 from swarmavg.dht.revocation_keeper import RevocationKeeper
@@ -54,12 +55,13 @@ from swarmavg.dht.tls import REVOKED_DETAILS, PeerTLS, bind_port, new_server
 from swarmavg.peer import shm
 from swarmavg.peer.client import AsyncClient
 from swarmavg.peer.combiner import LocalCombiner
-from swarmavg.peer.config import PeerConfig
+from swarmavg.peer.config import DEFAULT_LISTEN, PeerConfig
 from swarmavg.peer.control import ControlService, classify
 from swarmavg.peer.control_server import (
     ControlBindError,
     ControlServer,
     prepare_endpoint,
+    release_claim,
     start_control_server,
 )
 from swarmavg.peer.daemon_log import narrate
@@ -68,7 +70,7 @@ from swarmavg.peer.monitor_rounds import RoundLog, publish_rounds
 from swarmavg.peer.nat.agent import NatAgent
 from swarmavg.peer.nat.limits import MiB, RelayLimits
 from swarmavg.peer.nat.reservation import RelayedAddress
-from swarmavg.peer.netutil import announce_address, explain_bind_failure
+from swarmavg.peer.netutil import announce_address, bind_problem, explain_bind_failure
 from swarmavg.peer.run_gather import gather_view, read_value
 from swarmavg.peer.run_view import ThisPeer
 from swarmavg.peer.stats import PeerStats
@@ -78,6 +80,8 @@ from swarmavg.proto import control_pb2
 log = logging.getLogger(__name__)
 
 SHM_SWEEP_INTERVAL = 5.0
+FREE_PORT_LISTEN = "0.0.0.0:0"
+"""What a daemon listens on when the default port is taken."""
 
 
 class StartupError(RuntimeError):
@@ -110,30 +114,42 @@ def revocation_keeper(
 
 
 def bootstrap_message(exc: BootstrapError, private: bool = False) -> str:
-    """One line naming every initial peer and why it did not answer, with a hint about
-    private runs (a TLS handshake refused looks like a connection failure)."""
+    """One line naming every initial peer and why it did not answer, headed by what the
+    user got wrong where the reasons tell it (another run id, a wrong address), with a hint
+    about private runs where a failed handshake could be one."""
     reasons = "; ".join(f"{address}: {reason}" for address, reason in exc.failures.items())
-    hint = (
-        " (a private run: are the initial peers of the same run, and is this credential "
-        "still valid?)"
-        if private
-        else " (if the run is private, start with --run-file, --credential and --identity: "
-        "see docs/private-runs.md)"
-    )
+    failures = list(exc.failures.values())
+    if any("run id differs" in reason for reason in failures):
+        return (
+            f"could not join the swarm: the run ids differ ({reasons}; after "
+            f"{exc.attempts} attempt(s)); every peer of a "
+            "run must use the same --run-id (SWARMAVG_RUN_ID): ask the run's organiser for it"
+        )
+    if any(REVOKED_DETAILS in reason for reason in failures):
+        return (
+            f"could not join the swarm ({reasons}); the run's organiser has revoked this "
+            "peer's credential"
+        )
+    if any("protocol version" in reason for reason in failures):
+        return (
+            f"could not join the swarm ({reasons}); the peers run another swarmavg version: "
+            "install the run's version"
+        )
     message = (
         f"could not join the swarm: no initial peer answered after {exc.attempts} "
-        f"attempt(s) ({reasons}){hint}"
+        f"attempt(s) ({reasons})"
     )
-    if any(REVOKED_DETAILS in reason for reason in exc.failures.values()):
-        message += "; the run's organiser has revoked this peer's credential"
-    elif any("run id differs" in reason for reason in exc.failures.values()):
-        message += (
-            "; every peer of a run must use the same --run-id (SWARMAVG_RUN_ID): ask the "
-            "run's organiser for it"
+    if all(reason in (REFUSED, NOT_SWARMAVG) for reason in failures):
+        return message + "; check the --join address (the HOST:PORT another peer's banner prints)"
+    if private:
+        return message + (
+            " (a private run: are the initial peers of the same run, and is this credential "
+            "still valid?)"
         )
-    elif any("protocol version" in reason for reason in exc.failures.values()):
-        message += "; the peers run another swarmavg version: install the run's version"
-    return message
+    return message + (
+        " (if the run is private, start with --run-file, --credential and --identity: "
+        "see docs/private-runs.md)"
+    )
 
 
 def load_tls(cfg: PeerConfig, identity: Identity) -> PeerTLS | None:
@@ -180,16 +196,20 @@ async def start_public_server(
     Raises:
         StartupError: the address cannot be bound (the message says why and what to do).
     """
-    server = new_server(ServerLimits(), tls)
-    register(server)
-    try:
-        port = bind_port(server, listen, tls)
-    except RuntimeError:
-        port = 0
-    if port == 0:
-        await server.stop(None)
+    problem = bind_problem(listen)
+    if problem is None:
+        server = new_server(ServerLimits(), tls)
+        register(server)
+        try:
+            port = bind_port(server, listen, tls)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            await server.stop(None)
+            problem = explain_bind_failure(listen)
+    if problem is not None:
         raise StartupError(
-            f"cannot listen on {listen}: {explain_bind_failure(listen)}; "
+            f"cannot listen on {listen}: {problem}; "
             "choose another with --listen HOST:PORT (port 0 picks a free one)"
         )
     await server.start()
@@ -228,6 +248,7 @@ class Peer:
         self._started_at = 0.0
         self.local_trainers = LocalTrainers()
         self._stopped = False
+        self._failed_start = False  # then the start's error is the user's last line
 
     @property
     def peer_id(self) -> str:
@@ -258,6 +279,7 @@ class Peer:
         try:
             await self._start(cfg)
         except BaseException:
+            self._failed_start = True
             await self.shutdown(grace=0.0)
             raise
 
@@ -281,12 +303,15 @@ class Peer:
         tls = self._tls = load_tls(cfg, self.identity)
         self._channels = ChannelPool(tls=tls)
         self._build_members(cfg)
+        # One budget for joining: the dial-back asks the initial peers too, and a --join
+        # that points at a silent port must cost the bootstrap timeout, not that plus more.
+        join_deadline = asyncio.get_running_loop().time() + cfg.dht.bootstrap_timeout
         if not cfg.client_mode:
             cfg = await self._serve_public(cfg, tls)
         assert self.dht is not None  # built above
         assert self.averager is not None
         try:
-            await self.dht.start(self.address)
+            await self.dht.start(self.address, deadline=join_deadline)
         except BootstrapError as exc:
             raise StartupError(bootstrap_message(exc, cfg.private)) from None
         self._report_unreachable(cfg.join)
@@ -353,7 +378,20 @@ class Peer:
             averager.add_to_server(server)
             nat.service.add_to_server(server)
 
-        self._public_server, port = await start_public_server(cfg.listen, register, tls)
+        try:
+            self._public_server, port = await start_public_server(cfg.listen, register, tls)
+        except StartupError:
+            if cfg.listen != DEFAULT_LISTEN:
+                raise
+            why = explain_bind_failure(cfg.listen)
+            # A second peer on this machine (one per GPU, or swarmavg launch): the default
+            # port is the first one's, and any free port serves as well, being announced.
+            cfg = dataclasses.replace(cfg, listen=FREE_PORT_LISTEN)
+            self.config = cfg
+            self._public_server, port = await start_public_server(cfg.listen, register, tls)
+            log.info(
+                "cannot listen on %s (%s): listening on port %d instead", DEFAULT_LISTEN, why, port
+            )
         settled = await nat.settle(
             port=port,
             announced=announce_address(cfg.listen, port, cfg.announce),
@@ -687,7 +725,8 @@ class Peer:
             await asyncio.to_thread(self._metrics.stop)
         if self._control_server is not None:
             self._control_server.remove_files()
-        log.info("peer stopped")
+        release_claim(self.control.path if self.control is not None else None)
+        log.log(logging.DEBUG if self._failed_start else logging.INFO, "peer stopped")
 
     async def __aenter__(self) -> Peer:
         await self.start()

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from swarmavg.peer.endpoint import default_control_path
 from swarmavg.peer.stats import PeerStats
 
 log = logging.getLogger("swarmavg.peer.daemon")
@@ -60,12 +61,14 @@ def address_warning(address: str) -> str | None:
     return f"the announced address {address} is {kind}"
 
 
-def join_banner(record: Mapping[str, Any], command: str) -> list[str]:
+def join_banner(record: Mapping[str, Any], command: str, run_file: str | None = None) -> list[str]:
     """The lines a daemon prints on stderr once it is ready (after its JSON ready line).
 
     Args:
         record: its ready record (``peer_id``, ``address``, ``control``, ``run_id``).
         command: ``peer``, ``dht`` or ``monitor``.
+        run_file: a private run's run file: the join command then carries the private-run
+            flags (each peer has its own credential and identity), not ``--run-id``.
     """
     run_id = str(record["run_id"])
     if command == "monitor":
@@ -77,16 +80,60 @@ def join_banner(record: Mapping[str, Any], command: str) -> list[str]:
     what = "bootstrap DHT node" if command == "dht" else "peer"
     lines = [f"swarmavg {command}: {what} {record['peer_id']} of run {run_id!r} is ready"]
     if address:
-        join = shlex.join(["swarmavg", "peer", "--join", str(address), "--run-id", run_id])
-        lines.append(f"  others join with:   {join}")
+        lines.append(f"  others join with:   {join_command(str(address), run_id, run_file)}")
+        if run_file is not None:
+            lines.append(
+                "    (each with the credential and identity of its invitation: "
+                "docs/private-runs.md)"
+            )
     else:
         lines.append("  client mode: accepts no incoming connections, so nobody joins through it")
     control = record.get("control")
     if control:
-        lines.append(f"  training processes: connect({str(control)!r}) in Python")
-        peers = shlex.join(["swarmavg", "peers", "--run-id", run_id])
-        lines.append(f"  the run's peers:    {peers}")
+        lines.extend(_control_lines(str(control), run_id))
     return lines
+
+
+def join_command(address: str, run_id: str, run_file: str | None = None) -> str:
+    """The command another peer runs to join through ``address``."""
+    if run_file is None:
+        return shlex.join(["swarmavg", "peer", "--join", address, "--run-id", run_id])
+    return shlex.join(
+        [
+            "swarmavg",
+            "peer",
+            "--join",
+            address,
+            "--run-file",
+            run_file,
+            "--credential",
+            "THEIR.cred.pem",
+            "--identity",
+            "THEIR.key",
+        ]
+    )
+
+
+def _control_lines(control: str, run_id: str) -> list[str]:
+    """How training processes and ``swarmavg peers`` find this daemon: by run id at the
+    run's default socket, else (a second daemon of the run on this machine) by the
+    environment line its trainers need."""
+    try:
+        default = str(default_control_path(run_id))
+    except ValueError:
+        default = ""
+    if control == default:
+        peers = shlex.join(["swarmavg", "peers", "--run-id", run_id])
+        return [
+            f"  training processes: connect({control!r}) in Python",
+            f"  the run's peers:    {peers}",
+        ]
+    peers = shlex.join(["swarmavg", "peers", "--control", control])
+    return [
+        "  training processes: run them with this in their environment (connect() reads it):",
+        f"    SWARMAVG_CONTROL={shlex.quote(control)}",
+        f"  the run's peers:    {peers}",
+    ]
 
 
 def announce_hint(warning: str) -> str:

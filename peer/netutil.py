@@ -43,10 +43,22 @@ def announce_address(listen: str, bound_port: int, announce: str | None) -> str:
 
 def explain_bind_failure(address: str) -> str:
     """Why ``address`` cannot be bound, in words (probes with a plain socket)."""
+    return bind_problem(address) or "the gRPC server could not bind it"
+
+
+def bind_problem(address: str) -> str | None:
+    """Why ``address`` cannot be bound, in words, or None when a plain socket binds it.
+
+    Asked before a gRPC server binds: gRPC's C core writes its own failure to stderr
+    (``add_port.cc:83] Failed to add port ...``) ahead of the daemon's one-line error.
+    """
     host, port = parse_host_port(address, "listen", allow_port_zero=True)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
+        # as gRPC binds: a port that only lingers in TIME_WAIT (a daemon just restarted)
+        # is free; one that a socket listens on is not
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
@@ -60,4 +72,4 @@ def explain_bind_failure(address: str) -> str:
         return f"cannot resolve {host}: {exc}"
     finally:
         sock.close()
-    return "the gRPC server could not bind it"
+    return None

@@ -26,14 +26,14 @@ class Daemon(Protocol):
     def ready_record(self) -> dict[str, Any]: ...
 
 
-def _announce_banner(record: dict[str, Any], command: str) -> None:
+def _announce_banner(record: dict[str, Any], command: str, run_file: str | None) -> None:
     """The human part of the start (stderr, after the JSON ready line on stdout): how
     others join, and a warning when they cannot reach the announced address."""
     from swarmavg.peer.daemon_log import address_warning, announce_hint, join_banner
 
     logger = logging.getLogger("swarmavg.peer.cli")
     if logger.isEnabledFor(logging.INFO):
-        for line in join_banner(record, command):
+        for line in join_banner(record, command, run_file):
             print(line, file=sys.stderr)
         sys.stderr.flush()
     warning = address_warning(str(record["address"])) if record.get("address") else None
@@ -105,13 +105,21 @@ async def serve(daemon: Daemon, command: str) -> int:
         record = daemon.ready_record()
         sys.stdout.write(json.dumps(record) + "\n")
         sys.stdout.flush()
-        _announce_banner(record, command)
+        _announce_banner(record, command, _run_file_of(daemon))
         await stop.wait()
         await daemon.shutdown()
         return 0
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
+
+
+def _run_file_of(daemon: Daemon) -> str | None:
+    """A private run's run file (the join command names it), None in a public run."""
+    config = getattr(daemon, "config", None)
+    run_file = getattr(config, "run_file", None)
+    credential = getattr(config, "credential", None)
+    return None if run_file is None or credential is None else str(run_file)
 
 
 def _cleanup_socket(daemon: Daemon) -> None:

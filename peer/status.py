@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
 
@@ -20,7 +21,7 @@ def _bandwidth(status: dict[str, Any]) -> str:
         return f"{value} (set)"
     samples = int(status["bandwidth_samples"])
     if samples == 0:
-        return f"{value} (measured; starting value until a round is measured)"
+        return f"not measured yet (starting value {value} until a round is measured)"
     return f"{value} (measured from {samples} round{'s' if samples != 1 else ''})"
 
 
@@ -54,6 +55,22 @@ def format_dht_status(status: dict[str, Any]) -> str:
     )
 
 
+def _address_scope(address: str) -> str:
+    """Who can dial ``address``: "public", or the narrower scope its host says."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return "local only: a loopback address, for peers on this machine"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return "public"  # a host name: taken as given
+    if ip.is_loopback:
+        return "local only: a loopback address, for peers on this machine"
+    if ip.is_private or ip.is_link_local:
+        return "on this network only: a private address"
+    return "public"
+
+
 def reachability(status: dict[str, Any]) -> str:
     """How others reach this peer, in words: "public", "relayed through HOST:PORT (...)"."""
     kind = status.get("reachability") or "unknown"
@@ -75,7 +92,8 @@ def reachability(status: dict[str, Any]) -> str:
             if relayed or status.get("relayed_bytes")
             else ""
         )
-        return f"public (dialled directly{seen}){relaying}"
+        scope = _address_scope(str(status.get("address") or ""))
+        return f"{scope} (dialled directly{seen}){relaying}"
     if kind == "client":
         return "client mode (no incoming connections)"
     return "not checked (no initial peer could dial back): announced as configured"

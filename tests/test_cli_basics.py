@@ -59,6 +59,7 @@ def test_help_lists_usage() -> None:
         ("dht", ["--listen", "--announce", "--join", "--identity", "--run-id"]),
         ("status", ["--control", "--json"]),
         ("peers", ["--run-id", "--control", "--json", "--training-run"]),
+        ("launch", ["--join", "--run-id", "--listen", "-- COMMAND", "SWARMAVG_CONTROL"]),
     ],
 )
 def test_subcommand_help(command: str, flags: list[str]) -> None:
@@ -94,3 +95,27 @@ def test_bad_settings_exit_with_usage_error(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "unknown top-level key colour" in result.stderr
     assert result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "suggestion"),
+    [
+        (["peer", "--run_id", "x"], "did you mean --run-id (not --run_id)?"),
+        (["peer", "--bootstrap-timout=3"], "did you mean --bootstrap-timeout"),
+        (["status", "--jsn"], "did you mean --json (not --jsn)?"),
+        (["launch", "--run_id", "x", "--", "true"], "did you mean --run-id (not --run_id)?"),
+    ],
+)
+def test_a_flag_typo_gets_the_flag_it_likely_meant(args: list[str], suggestion: str) -> None:
+    result = run_cli(*args)
+    assert result.returncode == 2
+    [line] = [text for text in result.stderr.splitlines() if "error:" in text]
+    assert "unrecognized arguments" in line
+    assert line.endswith(suggestion) or suggestion in line
+    assert result.stdout == ""
+
+
+def test_launch_without_a_command_says_where_it_goes() -> None:
+    result = run_cli("launch", "--run-id", "x")
+    assert result.returncode == 2
+    assert "give the training command after --" in result.stderr

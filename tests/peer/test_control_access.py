@@ -83,8 +83,19 @@ async def test_tcp_endpoint_serves_its_user_and_refuses_callers_without_the_toke
 def test_a_client_without_the_token_file_gets_a_clear_error(runtime_dir: Path) -> None:
     with socket.socket() as listener:  # some TCP listener that is not a daemon of ours
         listener.bind(("127.0.0.1", 0))
+        listener.listen()
         port = listener.getsockname()[1]
-        with pytest.raises(DaemonUnavailableError, match="not yours"):
+        with pytest.raises(DaemonUnavailableError, match="belongs to another program") as info:
+            connect(f"127.0.0.1:{port}", connect_timeout=2)
+    assert f"no swarmavg control endpoint at 127.0.0.1:{port}" in str(info.value)
+    assert "not yours" not in str(info.value)
+
+
+def test_a_closed_port_is_named_as_nothing_listening(runtime_dir: Path) -> None:
+    with socket.socket() as bound:  # bound, never listening: connections are refused
+        bound.bind(("127.0.0.1", 0))
+        port = bound.getsockname()[1]
+        with pytest.raises(DaemonUnavailableError, match=f"nothing listens at 127.0.0.1:{port}"):
             connect(f"127.0.0.1:{port}", connect_timeout=2)
 
 

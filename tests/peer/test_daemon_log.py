@@ -37,7 +37,7 @@ def test_banner_has_the_exact_join_command() -> None:
     record = {"peer_id": "ab" * 20, "address": "1.2.3.4:5", "control": "/s.sock", "run_id": "r"}
     lines = join_banner(record, "peer")
     assert "swarmavg peer --join 1.2.3.4:5 --run-id r" in "\n".join(lines)
-    assert "swarmavg peers --run-id r" in "\n".join(lines)
+    assert "swarmavg peers --control /s.sock" in "\n".join(lines)  # not the run's default
     odd = join_banner({**record, "run_id": "my run"}, "dht")
     assert "swarmavg peer --join 1.2.3.4:5 --run-id 'my run'" in "\n".join(odd)
     assert "bootstrap DHT node" in odd[0]

@@ -128,7 +128,7 @@ async def test_bandwidth_flag_is_advertised_and_unset_bandwidth_is_measured(
             assert before["bandwidth_measured"] is True
             assert before["bandwidth_samples"] == 0
             assert before["bandwidth"] == b.averager.bandwidth.value
-            assert "(measured; starting value" in format_status(before)
+            assert "not measured yet (starting value" in format_status(before)
             x = np.zeros(2_000_000, dtype=np.float32)  # 8 MB: 4 MB each way, well measurable
             ra, rb = await asyncio.gather(
                 ca.average([x], key="k", group_size=2, timeout=30),
@@ -150,7 +150,7 @@ async def test_bandwidth_flag_is_advertised_and_unset_bandwidth_is_measured(
     ("measured", "samples", "shown"),
     [
         (False, 0, "250.0 MB/s (set)"),
-        (True, 0, "250.0 MB/s (measured; starting value until a round"),
+        (True, 0, "not measured yet (starting value 250.0 MB/s until a round"),
         (True, 1, "250.0 MB/s (measured from 1 round)"),
         (True, 7, "250.0 MB/s (measured from 7 rounds)"),
     ],
