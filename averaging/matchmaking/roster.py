@@ -38,13 +38,15 @@ import grpc
 from swarmavg.averaging.dht_access import DHTAccess, dictionary_entries
 from swarmavg.averaging.group import Mode
 from swarmavg.averaging.matchmaking.declarations import MAX_ADDRESS_CHARS
+from swarmavg.averaging.run_records.trainers import AVERAGERS_SUFFIX
 from swarmavg.averaging.tasks import cancel_and_wait
 from swarmavg.dht.records import owner_suffix, subkey_owner
 
 log = logging.getLogger(__name__)
 
-PRESENCE_SUFFIX = ".averagers"
-"""``{run}.averagers``: the run's averaging daemons, one owner-signed entry each."""
+PRESENCE_SUFFIX = AVERAGERS_SUFFIX
+"""``{run}.averagers``: the run's averaging daemons, one owner-signed entry each (the name
+lives with the run's records, which the training side reads without loading matchmaking)."""
 PRESENCE_TTL = 90.0
 """Seconds a presence entry lives; refreshed every third of it."""
 PRESENCE_MAX_AGE = 15.0

@@ -26,8 +26,8 @@ TRAINERS_SUFFIX = ".trainers"
 """``{daemon run}.trainers``: the training runs of a daemons' run, one entry per trainer."""
 AVERAGERS_SUFFIX = ".averagers"
 """``{daemon run}.averagers``: the run's averaging daemons, one owner-signed presence entry
-each (written by the daemons' matchmaking, ``roster.PRESENCE_SUFFIX``; named here so that
-a training process reads it without importing the daemon's side)."""
+each, written by the daemons' matchmaking (``roster.PRESENCE_SUFFIX`` is this name) and
+read by trainers (the start barrier) without loading matchmaking."""
 MAX_RUN_CHARS = 128
 """Longest training run id an entry may name."""
 MAX_METHOD_CHARS = 32
