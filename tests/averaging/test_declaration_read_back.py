@@ -12,7 +12,7 @@ import pytest
 
 from swarmavg.averaging.matchmaking.matchmaker import MatchmakingEvent
 from swarmavg.averaging.result import AveragingResult
-from tests.averaging.averager_swarm import AveragerSwarm, Peer, averager_swarm
+from tests.averaging.averager_swarm import AveragerSwarm, Peer, averager_swarm, ranked
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -38,8 +38,11 @@ async def last_declarer_round(
     swarm: AveragerSwarm, key: str, **kwargs: Any
 ) -> tuple[list[AveragingResult], list[str]]:
     """Every peer averages under ``key``; the last one calls once the others declared.
-    Returns the results and the keys the last peer read."""
-    *early, last = swarm.peers
+    Returns the results and the keys the last peer read.
+
+    The last caller is the one that ranks last under ``key``: a newcomer that ranks first
+    leads, and a leader reads the declarations again for the askers it expects."""
+    *early, last = ranked(swarm.peers, key)
 
     def declared(peer: Peer) -> bool:
         return any(e is MatchmakingEvent.DECLARED and key in k for e, k, _ in peer.events)
