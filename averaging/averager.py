@@ -34,8 +34,13 @@ from swarmavg.averaging.allreduce.faults import FaultPlan
 from swarmavg.averaging.allreduce.runner import FiniteCheck, run_allreduce
 from swarmavg.averaging.allreduce.service import AllReduceService
 from swarmavg.averaging.allreduce.throughput import ThroughputEstimator
-from swarmavg.averaging.errors import AveragingError, InvalidRequestError, NoGroupError
-from swarmavg.averaging.group import MAX_GROUP_SIZE, Mode, schema_hash
+from swarmavg.averaging.errors import (
+    AveragingError,
+    InvalidRequestError,
+    NoGroupError,
+    SchemaMismatchError,
+)
+from swarmavg.averaging.group import MAX_GROUP_SIZE, Mode, describe_layout, schema_hash
 from swarmavg.averaging.matchmaking.closing import key_family
 from swarmavg.averaging.matchmaking.keys import GroupKeyManager, validate_bits
 from swarmavg.averaging.matchmaking.matchmaker import (
@@ -398,6 +403,10 @@ class Averager:
                     ),
                     out=out,
                 )
+        except SchemaMismatchError as error:
+            # The other side's error names its own layout: the two messages side by side
+            # show what differs (a declaration carries only the layout's hash).
+            raise SchemaMismatchError(f"{error}; ours: {describe_layout(arrays)}") from None
         except TimeoutError:
             if phase == "matchmaking":
                 raise NoGroupError(

@@ -149,6 +149,15 @@ class GroupInfo:
         return tuple(i for i, m in enumerate(self.members) if m.mode.sends)
 
 
+def describe_layout(tensors: Sequence[np.ndarray], most: int = 6) -> str:
+    """``2 tensors: float32[16, 4], float32[4]``: what :func:`schema_hash` digests, for a
+    message (the first ``most`` tensors)."""
+    shown = [f"{np.dtype(t.dtype).name}[{', '.join(map(str, t.shape))}]" for t in tensors[:most]]
+    more = f", and {len(tensors) - most} more" if len(tensors) > most else ""
+    count = f"{len(tensors)} tensor{'s' if len(tensors) != 1 else ''}"
+    return f"{count}: {', '.join(shown)}{more}" if tensors else "no tensors"
+
+
 def schema_hash(tensors: Sequence[np.ndarray]) -> bytes:
     """A 32-byte digest of the tensors' count, order, shapes and dtypes (not their values).
 

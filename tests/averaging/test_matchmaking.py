@@ -93,6 +93,9 @@ async def test_schema_mismatch_is_reported() -> None:
             return_exceptions=True,
         )
         assert all(isinstance(r, SchemaMismatchError) for r in results), results
+        # each side names its own layout, so the two messages show what differs
+        assert "ours: 1 tensor: float32[4]" in str(results[0]), results[0]
+        assert "ours: 1 tensor: float32[5]" in str(results[1]), results[1]
         assert "schema" in str(results[0])
 
 

@@ -98,6 +98,7 @@ async def test_state_digests_reach_every_member_and_schema_mismatch_is_told_apar
         )
         assert all(isinstance(o, SchemaMismatchError) for o in outcomes), outcomes
         assert all(isinstance(o, ValidationError) for o in outcomes)
+        assert "ours: 1 tensor: float32[5]" in str(outcomes[1]), outcomes[1]
         status = await clients[0].status()
         assert status["failures"] == {"schema_mismatch": 1}
         assert status["rounds_done"] == 1
