@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 
 from swarmavg.averaging.allreduce.config import AllReduceConfig
-from swarmavg.averaging.allreduce.data_plane import DataConnector, split_host
+from swarmavg.averaging.allreduce.data_plane import DataConnector
 from swarmavg.averaging.allreduce.faults import FaultPlan
 from swarmavg.averaging.allreduce.runner import FiniteCheck, run_allreduce
 from swarmavg.averaging.allreduce.service import AllReduceService
@@ -58,6 +58,7 @@ from swarmavg.averaging.state.sharer import StateSharer
 from swarmavg.averaging.transfer_progress import TransferProgress
 from swarmavg.compression import get_codec
 from swarmavg.dht.channels import ChannelPool
+from swarmavg.dht.ranges import split_host
 
 log = logging.getLogger(__name__)
 

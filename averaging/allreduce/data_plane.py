@@ -99,7 +99,6 @@ __all__ = [
     "DataPlaneServer",
     "DataStreamError",
     "ReduceHandler",
-    "split_host",
 ]
 
 _END_WAIT = 2.0  # seconds the server waits for a client's CLOSE after the stream ended
@@ -131,12 +130,6 @@ class WrongPeerError(ProtocolError):
 
 class _StreamAborted(Exception):
     """Raised by :meth:`_ServerStream.abort`, as ``context.abort`` does in gRPC."""
-
-
-def split_host(address: str) -> str:
-    """The host of ``HOST:PORT`` (brackets of an IPv6 literal removed)."""
-    host = address.rsplit(":", 1)[0]
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 def _connection_error(error: BaseException) -> DataStreamError:

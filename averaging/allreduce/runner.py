@@ -53,7 +53,7 @@ import numpy as np
 from numpy.lib.array_utils import byte_bounds
 
 from swarmavg.averaging.allreduce.chunking import link_chunk_bytes
-from swarmavg.averaging.allreduce.data_plane import DataCall, DataStreamError, split_host
+from swarmavg.averaging.allreduce.data_plane import DataCall, DataStreamError
 from swarmavg.averaging.allreduce.faults import FaultPlan, InjectedCrash
 from swarmavg.averaging.allreduce.load_balancing import part_sizes
 from swarmavg.averaging.allreduce.part_check import (
@@ -89,6 +89,7 @@ from swarmavg.compression.base import Encoded
 from swarmavg.compression.kernels import all_finite
 from swarmavg.compression.native import copy_finite
 from swarmavg.dht.auth import RequestSigner
+from swarmavg.dht.ranges import split_host
 from swarmavg.proto import averaging_pb2
 
 log = logging.getLogger(__name__)

@@ -23,13 +23,13 @@ from swarmavg.averaging.allreduce.data_plane import (
     DataConnector,
     DataPlaneServer,
     DataStreamError,
-    split_host,
 )
 from swarmavg.averaging.allreduce.framing import parse_status, status_body
 from swarmavg.averaging.allreduce.reducer import weighted_mean
 from swarmavg.averaging.group import GroupInfo, Member
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.dht import ChannelPool
+from swarmavg.dht.ranges import split_host
 from swarmavg.peer.nat.splice import splice
 from tests.averaging.allreduce_peers import (
     FAST,

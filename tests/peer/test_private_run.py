@@ -23,10 +23,11 @@ import numpy as np
 import pytest
 from google.protobuf.message import Message
 
-from swarmavg.averaging.allreduce.data_plane import MAGIC, split_host
+from swarmavg.averaging.allreduce.data_plane import MAGIC
 from swarmavg.averaging.allreduce.wire import reduce_digest
 from swarmavg.averaging.stubs import DOWNLOAD_STATE, JOIN_GROUP, REDUCE
 from swarmavg.dht import ChannelPool, Identity, RequestSigner
+from swarmavg.dht.ranges import split_host
 from swarmavg.dht.tls import SERVER_HOSTNAME, PeerTLS
 from swarmavg.peer import Peer, PeerConfig
 from swarmavg.peer.config import AllReduceSettings
