@@ -961,8 +961,11 @@ async def run_allreduce(
     if ex.refusal is not None:
         raise ex.refusal
 
-    ex.seal()
-    await offload(executor, ex.check_parts)
+    def settle() -> None:
+        ex.seal()  # waits for a decode still running in a thread: never on the loop
+        ex.check_parts()
+
+    await offload(executor, settle)
     failed = tuple(
         j
         for j in range(group.size)

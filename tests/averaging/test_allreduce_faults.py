@@ -194,13 +194,14 @@ class _StalledReplyDecoder(Float16Codec):
         super().__init__()
         self.release = threading.Event()
         self.done = threading.Event()
+        self.released = False
         self._first = threading.Lock()
 
     def decode_payload_into(self, header: Header, payload: Buffer, out: np.ndarray) -> None:
         if not self._first.acquire(blocking=False):
             super().decode_payload_into(header, payload, out)
             return
-        self.release.wait(30)
+        self.released = self.release.wait(30)
         super().decode_payload_into(header, payload, out)
         self.done.set()
 
@@ -229,6 +230,9 @@ async def test_a_reply_decoded_after_the_deadline_cannot_change_the_result(
         assert outcome.partial
         handed_out = outcome.tensors[0].copy()
         assert await asyncio.to_thread(stalled.done.wait, 10)
+        # The event loop's timer released it: ending the round never blocks the loop on a
+        # decode that is still running in a thread (it waited 30 s for it once).
+        assert stalled.released
         # The late decode finished before the round returned, or never wrote: either way
         # the tensors the caller holds do not change afterwards.
         np.testing.assert_array_equal(outcome.tensors[0], handed_out)
