@@ -25,7 +25,7 @@ bits) and the Gram matrix of ``x_i - median``, then one for the result
 (``compression/_native.c``, ``median_gram`` and ``combine``); the trimmed mean of equal
 weights is one pass with numpy's bits (``trimmed``), and so is the trimmed mean of unequal
 weights (``trimmed_weighted``: ranks by pairwise comparison, then the weighted sums). The
-numpy code below stays the reference (tests/averaging/test_robust_native.py) and the
+numpy code below stays the reference (tests/averaging/allreduce/test_robust_native.py) and the
 fallback: more senders, other layouts, builds without the kernels, and Gram matrices
 that overflow (float32 products beyond 3.4e38, which the numpy path rescales). Only the
 part's reducer combines and every member receives its encoded result, so members with and
@@ -314,7 +314,7 @@ def _compiled_start_and_gram(stack: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     The median has the bits of :func:`weighted_median` with equal weights (the same
     comparators); the Gram matrix sums the products in partial sums of 16 per coordinate
     in the copies' dtype, then in float64 (within 1e-6 of the exact one relative to its
-    entries' Cauchy-Schwarz bound, as tests/averaging/test_robust_native.py checks).
+    entries' Cauchy-Schwarz bound, as tests/averaging/allreduce/test_robust_native.py checks).
     """
     median_gram = _compiled(stack, "median_gram")
     if median_gram is None or _compiled(stack, "combine") is None:

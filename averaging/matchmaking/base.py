@@ -94,17 +94,18 @@ class MatchmakerBase:
             del table[next(iter(table))]
         remember(self.silent_leaders, family, table)
 
-    def _dht_budget(self, failures: int, give_up: float) -> float:
+    def _dht_budget(self, failures: int, give_up_by: float) -> float:
         """Deadline of one DHT store or read after ``failures`` that missed theirs in a row.
 
         It doubles with each miss (up to 8x ``dht_timeout``), within the give-up time: when
         a whole swarm starts a round at once, the burst of stores and reads can keep the
         DHT nodes busy for longer than ``dht_timeout``; a fixed deadline then cancels every
         operation before it completes, each retry adds to the same burst, and no peer ever
-        sees another (256 peers). A growing one lets the burst drain.
+        sees another (256 peers). A growing one lets the burst drain. ``give_up_by`` is a
+        ``time.monotonic()`` instant.
         """
         budget = self.config.dht_timeout * 2.0 ** min(failures, 3)
-        return min(budget, max(0.05, give_up - time.time()))
+        return min(budget, max(0.05, give_up_by - time.monotonic()))
 
     def _notify(self, event: MatchmakingEvent, key: str, peer_id: bytes) -> None:
         log.debug("%s %s %s", key, event.value, peer_id.hex()[:8])

@@ -86,7 +86,7 @@ class Declaring(MatchmakerBase):
         """Store our declaration; when the store misses its deadline, keep retrying it in
         the background (``rnd.declaring``) while we look for a leader: a peer nobody can
         see can never lead, and when every peer's first store failed, nobody would."""
-        budget = self._dht_budget(0, rnd.me.give_up)
+        budget = self._dht_budget(0, rnd.request.give_up_by)
         if not await self._store_declaration(rnd, budget, read_back=bool(rnd.previous_seen)):
             log.info(
                 "declaration of %s under %s not stored yet; retrying while joining others",
@@ -98,10 +98,11 @@ class Declaring(MatchmakerBase):
 
     async def _keep_declaring(self, rnd: Round) -> None:
         failures = 1
-        while time.time() < rnd.me.give_up and not rnd.closed:
+        while time.monotonic() < rnd.request.give_up_by and not rnd.closed:
             # jittered, so that a swarm's retries do not arrive as one burst again
             await asyncio.sleep(self.config.retry_after * random.uniform(0.5, 1.5))
-            if await self._store_declaration(rnd, self._dht_budget(failures, rnd.me.give_up)):
+            budget = self._dht_budget(failures, rnd.request.give_up_by)
+            if await self._store_declaration(rnd, budget):
                 log.info(
                     "declaration of %s under %s stored at try %d, %.1fs after the start",
                     self.peer_id.hex()[:12],
@@ -119,10 +120,11 @@ class Declaring(MatchmakerBase):
             )
 
     async def _read_declarations(
-        self, key: str, give_up: float, failures: int = 0
+        self, key: str, give_up_by: float, failures: int = 0
     ) -> list[Declaration] | None:
-        """The declarations under ``key``; ``None`` when the read failed (not: nobody)."""
-        budget = self._dht_budget(failures, give_up)
+        """The declarations under ``key``, read within ``give_up_by`` (``time.monotonic()``);
+        ``None`` when the read failed (not: nobody)."""
+        budget = self._dht_budget(failures, give_up_by)
         try:
             started = time.monotonic()
             async with asyncio.timeout(budget):
@@ -136,7 +138,9 @@ class Declaring(MatchmakerBase):
     async def _refresh_declarations(self, rnd: Round) -> None:
         """Read the declarations under our key; keep the live ones of our schema."""
         started = time.monotonic()
-        found = await self._read_declarations(rnd.request.key, rnd.me.give_up, rnd.read_failures)
+        found = await self._read_declarations(
+            rnd.request.key, rnd.request.give_up_by, rnd.read_failures
+        )
         if found is None:
             rnd.read_failures += 1
             return  # keep what we knew: a failed read must not look like an empty key

@@ -56,16 +56,17 @@ class Following(Declaring):
         """The leader to ask next: the one the balanced assignment gives us, else the best
         other candidate; ``None`` when we lead (or nobody can)."""
         me = rnd.me
-        now_wall = time.time()
+        now = time.monotonic()
         elsewhere = rnd.elsewhere()
         pool = [d for d in rnd.declarations if d.peer_id not in elsewhere] or [me]
         assignment = assign_leaders(pool, rnd.request.group_size)
         mine = assignment.get(self.peer_id)
-        excluded = {p for p, until in banned.items() if until > now_wall} | elsewhere
+        excluded = {p for p, until in banned.items() if until > now} | elsewhere
         if mine == self.peer_id:
             # We lead a group of the split; our followers come to us.
             return self._lonely_probe(rnd, excluded)
-        candidates = leader_candidates(rnd.declarations, me, now_wall, excluded)
+        # Declarations carry the declarers' wall-clock times: compared on the wall clock.
+        candidates = leader_candidates(rnd.declarations, me, time.time(), excluded)
         candidates.sort(key=lambda d: d.peer_id != mine)  # stable: our assigned leader first
         if not candidates:
             return self._lonely_probe(rnd, excluded)
@@ -141,7 +142,7 @@ class Following(Declaring):
         """Ask ``target`` to lead us; follow it when accepted until the group forms.
 
         Returns the formed group, a redirect, or ``None`` (try someone else); updates
-        ``banned`` with how long to skip ``target``.
+        ``banned`` with the ``time.monotonic()`` instant until which to skip ``target``.
         """
         req, me = rnd.request, rnd.me
         forever = math.inf
@@ -161,7 +162,7 @@ class Following(Declaring):
             self.dht.signer.sign(target.peer_id, JOIN_GROUP, message_digest(request))
         )
         call = join_group_method(self.channels.channel(target.address, target.peer_id))(
-            request, timeout=max(0.1, me.give_up - time.time() + 1.0)
+            request, timeout=max(0.1, req.give_up_by - time.monotonic() + 1.0)
         )
         following = False
         try:
@@ -170,11 +171,11 @@ class Following(Declaring):
                 first = await call.read()
             self.rpc_latency.observe(time.monotonic() - asked)
             if first is grpc.aio.EOF:
-                banned[target.peer_id] = time.time() + self.config.retry_after
+                banned[target.peer_id] = time.monotonic() + self.config.retry_after
                 return None
             code = first.code
             if code == averaging_pb2.JOIN_REDIRECT:
-                banned[target.peer_id] = time.time() + self.config.retry_after
+                banned[target.peer_id] = time.monotonic() + self.config.retry_after
                 if (
                     len(first.leader_id) == 20
                     and 0 < len(first.leader_address) <= MAX_ADDRESS_CHARS
@@ -196,7 +197,7 @@ class Following(Declaring):
             if code == averaging_pb2.JOIN_REJECT_BAD_REQUEST:
                 # Most often: the leader has not read our declaration yet. Ask again soon.
                 log.debug("%s refused our request: %s", target.peer_id.hex()[:8], first.detail)
-                banned[target.peer_id] = time.time() + self._backoff(rnd, target.peer_id)
+                banned[target.peer_id] = time.monotonic() + self._backoff(rnd, target.peer_id)
                 return None
             if code == averaging_pb2.JOIN_REJECT_NOT_LOOKING:
                 rnd.not_looking.add(target.peer_id)
@@ -222,30 +223,30 @@ class Following(Declaring):
                 ),
             )
             self._notify(MatchmakingEvent.JOINED_LEADER, req.key, target.peer_id)
-            leave_at = min(me.give_up, self._leave_at(rnd, target.peer_id))
+            leave_by = min(req.give_up_by, self._leave_by(rnd, target.peer_id))
             try:
-                async with asyncio.timeout(max(0.0, leave_at - time.time())):
+                async with asyncio.timeout(max(0.0, leave_by - time.monotonic())):
                     final = await call.read()
             except TimeoutError:
-                if leave_at >= me.give_up:
+                if leave_by >= req.give_up_by:
                     raise
                 self._left_silent_leader(rnd, target.peer_id)
                 banned[target.peer_id] = forever
                 return None
             if final is grpc.aio.EOF:
-                banned[target.peer_id] = time.time() + self._backoff(rnd, target.peer_id)
+                banned[target.peer_id] = time.monotonic() + self._backoff(rnd, target.peer_id)
                 return None
             if final.code == averaging_pb2.JOIN_GROUP_FORMED:
                 return await self._take_formed_group(rnd, final.group, target, banned)
             if final.code == averaging_pb2.JOIN_REDIRECT:
-                banned[target.peer_id] = time.time() + self.config.retry_after
+                banned[target.peer_id] = time.monotonic() + self.config.retry_after
                 if (
                     len(final.leader_id) == 20
                     and 0 < len(final.leader_address) <= MAX_ADDRESS_CHARS
                 ):
                     return Redirect(bytes(final.leader_id), final.leader_address)
                 return None
-            banned[target.peer_id] = time.time() + self.config.retry_after
+            banned[target.peer_id] = time.monotonic() + self.config.retry_after
             return None
         except (grpc.aio.AioRpcError, TimeoutError) as error:
             # Dead, or only slow (a loaded machine): retry later with a growing pause
@@ -261,7 +262,7 @@ class Following(Declaring):
                 )
             else:
                 log.debug("leader %s failed: %r", target.peer_id.hex()[:8], error)
-            banned[target.peer_id] = time.time() + self._backoff(rnd, target.peer_id)
+            banned[target.peer_id] = time.monotonic() + self._backoff(rnd, target.peer_id)
             if (
                 isinstance(error, grpc.aio.AioRpcError)
                 and error.code() == grpc.StatusCode.UNAVAILABLE
@@ -312,8 +313,9 @@ class Following(Declaring):
         if declared is not None and declared.order < rnd.me.order:
             rnd.shunned.add(peer_id)
 
-    def _leave_at(self, rnd: Round, leader_id: bytes) -> float:
-        """Wall time at which we leave ``leader_id`` if it has not closed our group.
+    def _leave_by(self, rnd: Round, leader_id: bytes) -> float:
+        """``time.monotonic()`` instant at which we leave ``leader_id`` if it has not closed
+        our group.
 
         An honest leader closes by its own close deadline (``matchmaking_time`` after it
         started, or the longer wait of a family's first round), which is ours when it
@@ -322,14 +324,17 @@ class Following(Declaring):
         honest peer, our own close window after the leader's start or after we first saw
         its declaration, whichever came first. Then the grace (``_leader_grace``).
         """
-        to_wall = time.time() - time.monotonic()
-        limit = rnd.close_by + to_wall
+        limit = rnd.close_by
         declared = rnd.signed.get(leader_id)
         if declared is not None:
-            seen = rnd.first_seen.get(leader_id, time.monotonic()) + to_wall
+            now = time.monotonic()
+            # The leader signed wall-clock times: moved onto our monotonic clock here.
+            to_mono = now - time.time()
+            seen = rnd.first_seen.get(leader_id, now)
             window = rnd.close_by - rnd.started
-            limit = max(limit, min(declared.deadline, min(declared.start, seen) + window))
-        return max(limit, rnd.regroup_by + to_wall) + self._leader_grace()
+            signed_close = declared.deadline + to_mono
+            limit = max(limit, min(signed_close, min(declared.start + to_mono, seen) + window))
+        return max(limit, rnd.regroup_by) + self._leader_grace()
 
     def _left_silent_leader(self, rnd: Round, leader_id: bytes) -> None:
         """Our leader accepted us and did not close by the deadline plus the grace: leave
@@ -352,13 +357,14 @@ class Following(Declaring):
         self.shun(family, leader_id)
         rnd.shunned.add(leader_id)
         now = time.monotonic()
+        # The declarers signed wall-clock times: moved onto our monotonic clock here.
         to_mono = now - time.time()
         grace = self._leader_grace()
         latest = now
         for d in rnd.declarations:
             if d.peer_id in rnd.shunned or d.peer_id == self.peer_id:
                 continue
-            leaves = min(d.give_up, max(d.deadline, now - to_mono) + grace) + to_mono
+            leaves = min(d.give_up + to_mono, max(d.deadline + to_mono, now) + grace)
             rnd.first_seen[d.peer_id] = max(rnd.first_seen.get(d.peer_id, now), leaves)
             latest = max(latest, leaves)
         last_close = rnd.request.give_up_by - self.config.join_timeout
@@ -400,7 +406,7 @@ class Following(Declaring):
         # runs). Failed reads go on, each under a longer deadline, until give-up.
         completed = 0
         while completed < MEMBER_READS:
-            if all(p in rnd.signed for p in members) or time.time() >= rnd.me.give_up:
+            if all(p in rnd.signed for p in members) or time.monotonic() >= req.give_up_by:
                 break
             last_read = rnd.last_read
             await self._refresh_once(rnd)

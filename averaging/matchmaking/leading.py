@@ -381,7 +381,8 @@ class Leading(Declaring):
                 code=averaging_pb2.JOIN_ACCEPTED, leader_id=self.peer_id, deadline=rnd.me.deadline
             )
             try:
-                async with asyncio.timeout(max(0.0, rnd.me.give_up - time.time()) + 1.0):
+                left = max(0.0, rnd.request.give_up_by - time.monotonic())
+                async with asyncio.timeout(left + 1.0):
                     final = await asyncio.shield(follower.outcome)
             except TimeoutError:
                 final = averaging_pb2.JoinResponse(

@@ -187,7 +187,7 @@ class Matchmaker(Following, Leading):
                 await inputs_ready
             group = await self._search(rnd)
             members = frozenset(m.peer_id for m in group.members)
-            expiry = rnd.started + give_up_seconds(me)
+            expiry = request.give_up_by
             closed = ClosedRound(expiry, members, led_group_of(rnd), family, request.schema_hash)
             remember(self._closed, request.key, closed)
             return group
@@ -227,7 +227,7 @@ class Matchmaker(Following, Leading):
 
     async def _search(self, rnd: Round) -> GroupInfo:
         me = rnd.me
-        banned: dict[bytes, float] = {}  # peer id -> unix time until which we skip it
+        banned: dict[bytes, float] = {}  # peer id -> time.monotonic() until which we skip it
         redirect: Redirect | None = None
         redirects = 0
         # time.monotonic() of the next read of the declarations: at once, unless the read

@@ -4,6 +4,12 @@ A :class:`Round` is the state of one peer's search under one key: its declaratio
 read of the others', its followers while it leads, its leader while it follows. The
 matchmaker's parts (declaring, following, leading) read and change it; nothing here does
 I/O.
+
+Two clocks, one per quantity: declarations (``Round.me``, ``declarations``, ``signed``) carry
+wall-clock times, because other peers read them and compare them with their own clocks;
+every local instant (the request's ``close_by`` and ``give_up_by``, and the round's own
+fields below) is a ``time.monotonic()`` one. Wall times move onto the monotonic clock only
+where a peer's signed time bounds a local wait.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from tests.attacks.leader_scenarios import (
     sybil_join,
 )
 from tests.averaging.averager_swarm import RUN_ID, Peer, averager_swarm
-from tests.averaging.test_bounded_leaders import hostile_server, inputs
+from tests.averaging.matchmaking.test_bounded_leaders import hostile_server, inputs
 
 try:
     from swarmavg.averaging.matchmaking.declarations import leader_order

@@ -19,7 +19,7 @@ import grpc
 from swarmavg.averaging.matchmaking.round import Round
 from swarmavg.proto import averaging_pb2
 from tests.averaging.averager_swarm import Peer
-from tests.averaging.test_bounded_leaders import (
+from tests.averaging.matchmaking.test_bounded_leaders import (
     follower_entry,
     formed,
     hostile_declaration,

@@ -3,7 +3,7 @@
     python -m tests.attacks.member_checks_report --mb 16 --pairs 5
 
 - ``honest``: the part check's rule on simulated honest rounds (2-8 members; layers whose
-  scales differ by e^4 either way; shapes as in tests/averaging/test_part_check.py): per
+  scales differ by e^4 either way; shapes as in tests/averaging/allreduce/test_part_check.py): per
   shape the largest ratio of an honest part to the median of the others (what
   ``part_deviation_factor`` must stay above), and the share of member-rounds refused.
 - ``detection``: the share of members that refuse a part forged as ``-c`` times the honest
@@ -44,6 +44,7 @@ from tests.attacks.test_slow_sender import (
     PacedCall,
     _round,
 )
+from tests.averaging.allreduce.test_part_check import SHAPES, _deviations, _honest_round, _refused
 from tests.averaging.allreduce_peers import (
     FAST,
     close_peers,
@@ -51,7 +52,6 @@ from tests.averaging.allreduce_peers import (
     run_group,
     start_peers,
 )
-from tests.averaging.test_part_check import SHAPES, _deviations, _honest_round, _refused
 from tests.harness import GrpcServerPool
 
 

@@ -21,7 +21,7 @@ from swarmavg.averaging.matchmaking.keys import matchmaking_key
 from swarmavg.averaging.result import AveragingResult
 from tests.attacks.leader_scenarios import silent_join, stage
 from tests.averaging.averager_swarm import RUN_ID, averager_swarm, name_where_first
-from tests.averaging.test_bounded_leaders import hostile_server, inputs
+from tests.averaging.matchmaking.test_bounded_leaders import hostile_server, inputs
 
 pytestmark = pytest.mark.timeout(120)
 

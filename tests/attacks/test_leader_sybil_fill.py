@@ -41,7 +41,7 @@ from tests.attacks.leader_scenarios import (
     sybil_join,
 )
 from tests.averaging.averager_swarm import RUN_ID, averager_swarm, name_where_first
-from tests.averaging.test_bounded_leaders import (
+from tests.averaging.matchmaking.test_bounded_leaders import (
     assert_honest_group,
     hostile_declaration,
     hostile_server,

@@ -24,7 +24,12 @@ from swarmavg.averaging.matchmaking.keys import matchmaking_key
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.proto import averaging_pb2
 from tests.averaging.averager_swarm import RUN_ID, averager_swarm, ranked
-from tests.averaging.test_bounded_leaders import hostile_declaration, hostile_server, inputs, sign
+from tests.averaging.matchmaking.test_bounded_leaders import (
+    hostile_declaration,
+    hostile_server,
+    inputs,
+    sign,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

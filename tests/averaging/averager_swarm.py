@@ -111,7 +111,7 @@ def fast_config(**changes: Any) -> AveragerConfig:
     All peers of a test share one event loop on two busy cores, so a member can lag by
     seconds; the all-reduce's stall patience is raised so that such lag is not taken for
     a dead sender (these tests are about matchmaking; stalls are tested in
-    test_allreduce*.py).
+    allreduce/test_allreduce*.py).
     """
     base: dict[str, Any] = {
         "matchmaking_time": 1.5,

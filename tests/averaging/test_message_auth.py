@@ -38,7 +38,7 @@ from tests.averaging.averager_swarm import (
     fast_config,
     ranked,
 )
-from tests.averaging.test_matchmaking import declarations
+from tests.averaging.matchmaking.test_matchmaking import declarations
 from tests.harness import GrpcServerPool
 
 pytestmark = pytest.mark.timeout(60)

@@ -26,7 +26,7 @@ from swarmavg.dht import ChannelPool
 from swarmavg.proto import averaging_pb2
 from tests.averaging.allreduce_peers import FAST, LocalPeer, close_peers, make_group, start_peers
 from tests.averaging.averager_swarm import RUN_ID, averager_swarm, fast_config, ranked
-from tests.averaging.test_matchmaking import declarations, declare
+from tests.averaging.matchmaking.test_matchmaking import declarations, declare
 from tests.averaging.test_message_auth import Outsider
 from tests.harness import GrpcServerPool
 

@@ -22,13 +22,24 @@ import numpy as np
 import pytest
 
 from swarmavg.averaging import Averager
-from swarmavg.averaging.matchmaking.declarations import decode_declaration
+from swarmavg.averaging.matchmaking.declarations import decode_declaration, leader_order
+from swarmavg.averaging.matchmaking.keys import matchmaking_key
 from swarmavg.averaging.matchmaking.matchmaker import MatchmakerConfig, MatchmakingEvent
 from swarmavg.dht import ChannelPool, DHTConfig, DHTNode
 from swarmavg.dht.records import ValueWithExpiration
 from tests.averaging.averager_swarm import RUN_ID, fast_config
 
 STALLED_READS = 3
+
+
+def ordered_name(ids: list[bytes]) -> str:
+    """A round name under whose key the peers rank in the order of ``ids``."""
+    for i in range(100_000):
+        key = matchmaking_key(RUN_ID, f"k{i}", "")
+        ranks = [leader_order(key, peer_id) for peer_id in ids]
+        if ranks == sorted(ranks):
+            return f"k{i}"
+    raise AssertionError("no such name in 100,000 tries")
 
 
 class LeaderHiddenThenSlow:
@@ -105,11 +116,16 @@ async def test_a_follower_whose_reads_fail_still_takes_its_group() -> None:
                     changed.clear()
                     await changed.wait()
 
+        # Leadership goes by rank under the round's key: a name under which the leader
+        # ranks first, the middle peer second and the follower last.
+        ids = [node.peer_id for _, _, node, _ in started]
+        name = ordered_name(ids)
+
         def average(i: int) -> asyncio.Future[Any]:
             return asyncio.ensure_future(
                 started[i][1].average(
                     [np.full(4, float(i), np.float32)],
-                    "k",
+                    name,
                     group_size=3,
                     min_group_size=3,
                     timeout=40,

@@ -33,8 +33,8 @@ from swarmavg.dht import ChannelPool, Identity
 from swarmavg.dht.auth import Authenticator
 from swarmavg.dht.server_limits import ServerLimits, make_server
 from swarmavg.proto import averaging_pb2, common_pb2
+from tests.averaging.allreduce.test_allreduce_hostile import CODEC, HONEST, Hostile
 from tests.averaging.allreduce_peers import FAST, close_peers, make_group, run_group, start_peers
-from tests.averaging.test_allreduce_hostile import CODEC, HONEST, Hostile
 from tests.harness import GrpcServerPool
 
 pytestmark = pytest.mark.timeout(90)

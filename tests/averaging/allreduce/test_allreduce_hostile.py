@@ -126,7 +126,7 @@ def _nan(h: Hostile, part: int) -> list[averaging_pb2.ReduceRequest]:
 def _nan_last(h: Hostile, part: int) -> list[averaging_pb2.ReduceRequest]:
     # Every chunk sent, the last with a NaN, after valid ones. Whether the reducer checks
     # it on arrival (while a weight is unknown) or in the mean's pass over the copies
-    # (the check deferred; tests/averaging/test_allreduce_finite_check.py gets there),
+    # (the check deferred; tests/averaging/allreduce/test_allreduce_finite_check.py gets there),
     # the sender is cut off and its copy left out.
     messages = h.valid(part)
     last = messages[-1]
