@@ -993,7 +993,7 @@ async def run_allreduce(
         raise ex.refusal
 
     ex.seal()
-    await offload(executor, ex.check_parts)
+    ex.check_parts()  # a few medians of the sums counted as replies came: no data pass
     failed = tuple(
         j
         for j in range(group.size)
