@@ -1218,7 +1218,224 @@ done:
     return result;
 }
 
+/* ---------------------------------------------------------------------------------
+ * The member's part check (averaging/allreduce/part_check.py): as an averaged chunk is
+ * copied where it goes, the sums that compare it with this member's own values of it, in
+ * the same pass, so the check reads no memory twice. In place `own` is `out` itself: each
+ * element is read before it is written. `backup`, when given, gets own's values (in
+ * place: what the average overwrites, for a part refused later).
+ *
+ * Sums, with d = result - own rounded in the values' dtype: sum d^2, sum own^2, sum |d|,
+ * sum |own| (float64), and the count of own's nonzero values. Element i adds to lane
+ * i % CHECK_LANES, each lane in element order, first into a partial sum in the dtype over
+ * the lane's CHECK_FLUSH elements of each group of CHECK_GROUP, which is then added to
+ * the lane's float64 total; at the end the lanes are added in lane order. Every lane
+ * does the same operations whatever the vector width (every path gives the same bits)
+ * and kernels.check_sums reproduces them with numpy. Partial sums of 16 terms stay
+ * within a few units in the last place of float32, and no term cancels another (the
+ * differences are squared themselves, not formed from r.r - 2 r.o + o.o). */
+
+#define CHECK_LANES 16
+#define CHECK_FLUSH 16
+#define CHECK_GROUP (CHECK_LANES * CHECK_FLUSH)
+#define CHECK_SUMS 5
+
+typedef struct {
+    double t[4][CHECK_LANES]; /* sq, osq, ab, oab */
+    int64_t nonzero[CHECK_LANES];
+} CheckLanes;
+
+/* Elements from..n-1 (from at a group's start). */
+#define CHECK_GENERIC(NAME, T, V, BITS_T, TO_BITS, INF)                                       \
+    static int NAME(const T *x, T *out, const T *own, T *backup, Py_ssize_t from,             \
+                    Py_ssize_t n, CheckLanes *l) {                                            \
+        BITS_T special = 0;                                                                   \
+        for (Py_ssize_t g = from; g < n; g += CHECK_GROUP) {                                  \
+            V p[4][CHECK_LANES] = {{0}};                                                      \
+            Py_ssize_t end = n - g < CHECK_GROUP ? n : g + CHECK_GROUP;                       \
+            for (Py_ssize_t i = g; i < end; i++) {                                            \
+                int k = (int)((i - g) % CHECK_LANES);                                         \
+                V r = x[i], o = own[i];                                                       \
+                special |= (BITS_T)((TO_BITS(r) & INF) == INF);                               \
+                V d = r - o;                                                                  \
+                p[0][k] = p[0][k] + d * d;                                                    \
+                p[1][k] = p[1][k] + o * o;                                                    \
+                p[2][k] = p[2][k] + (d < 0 ? -d : d);                                         \
+                p[3][k] = p[3][k] + (o < 0 ? -o : o);                                         \
+                l->nonzero[k] += o != 0;                                                      \
+                if (backup) backup[i] = o;                                                    \
+                if (out) out[i] = r; /* after own[i] was read: out may be own */              \
+            }                                                                                 \
+            for (int j = 0; j < 4; j++)                                                       \
+                for (int k = 0; k < CHECK_LANES; k++)                                         \
+                    l->t[j][k] = l->t[j][k] + (double)p[j][k];                                \
+        }                                                                                     \
+        return special != 0;                                                                  \
+    }
+
+static inline uint64_t d2u(double f) { uint64_t u; memcpy(&u, &f, 8); return u; }
+
+CHECK_GENERIC(check32_generic, f32, float, uint32_t, f2u, F32_INF)
+CHECK_GENERIC(check64_generic, f64, double, uint64_t, d2u, F64_INF)
+
+#ifdef STREAMING
+/* A lane's float32 partial sums (8 lanes) added to its float64 totals. */
+__attribute__((target("avx2"))) static inline void flush8(double *t, __m256 p) {
+    _mm256_storeu_pd(t, _mm256_add_pd(_mm256_loadu_pd(t), _mm256_cvtps_pd(_mm256_castps256_ps128(p))));
+    _mm256_storeu_pd(t + 4,
+                     _mm256_add_pd(_mm256_loadu_pd(t + 4), _mm256_cvtps_pd(_mm256_extractf128_ps(p, 1))));
+}
+
+/* How 16 floats may be streamed to `o` (and every 64 bytes after it): 32 bytes at a time
+ * where it is 32-byte aligned, 16 where it is 16-byte aligned (a large numpy array's
+ * memory from malloc), else not (0: cached stores). */
+static inline int stream_width(const char *o) {
+    return (uintptr_t)o % 32 == 0 ? 32 : (uintptr_t)o % 16 == 0 ? 16 : 0;
+}
+
+/* 16 floats to o, streamed `width` bytes at a time (stream_width) or cached. */
+__attribute__((target("avx2"))) static inline void store16(char *o, __m256 a, __m256 b,
+                                                           int width) {
+    if (width == 32) {
+        _mm256_stream_ps((float *)o, a);
+        _mm256_stream_ps((float *)(o + 32), b);
+    } else if (width == 16) {
+        _mm_stream_ps((float *)o, _mm256_castps256_ps128(a));
+        _mm_stream_ps((float *)(o + 16), _mm256_extractf128_ps(a, 1));
+        _mm_stream_ps((float *)(o + 32), _mm256_castps256_ps128(b));
+        _mm_stream_ps((float *)(o + 48), _mm256_extractf128_ps(b, 1));
+    } else {
+        _mm256_storeu_ps((float *)o, a);
+        _mm256_storeu_ps((float *)(o + 32), b);
+    }
+}
+
+/* The float32 lanes with AVX2, whole groups only: lanes 0-7 and 8-15 in two registers per
+ * sum. Stores to `out` where it is not `own`, and to `backup`, stream past the caches
+ * where they are aligned (stream_width), as copy_finite's do: nobody reads them soon (the result
+ * out of place is read next from memory, a backup only for a refused part), and a cached
+ * store would first read each line. In place `out` is written cached: its lines were just
+ * read as `own`. Returns the elements
+ * done; the generic loop does the rest. */
+__attribute__((target("avx2"))) static Py_ssize_t check32_avx2(const char *x, char *out,
+                                                                const char *own, char *backup,
+                                                                Py_ssize_t n, CheckLanes *l,
+                                                                int *special) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i inf = _mm256_set1_epi32((int)F32_INF);
+    const __m256i one = _mm256_set1_epi32(1);
+    __m256i count0 = _mm256_setzero_si256(), count1 = count0, hit = count0;
+    Py_ssize_t groups = n / CHECK_GROUP;
+    int stream = out != NULL && out != own ? stream_width(out) : 0;
+    int stream_backup = backup != NULL ? stream_width(backup) : 0;
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        __m256 p[8];
+        for (int j = 0; j < 8; j++) p[j] = _mm256_setzero_ps();
+        for (int b = 0; b < CHECK_FLUSH; b++) {
+            Py_ssize_t at = (g * CHECK_GROUP + b * CHECK_LANES) * 4;
+            __m256 r0 = _mm256_loadu_ps((const float *)(x + at));
+            __m256 r1 = _mm256_loadu_ps((const float *)(x + at + 32));
+            __m256 o0 = _mm256_loadu_ps((const float *)(own + at));
+            __m256 o1 = _mm256_loadu_ps((const float *)(own + at + 32));
+            if (backup) store16(backup + at, o0, o1, stream_backup);
+            if (out) store16(out + at, r0, r1, stream);
+            hit = _mm256_or_si256(
+                hit, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(r0), inf), inf));
+            hit = _mm256_or_si256(
+                hit, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(r1), inf), inf));
+            __m256 d0 = _mm256_sub_ps(r0, o0), d1 = _mm256_sub_ps(r1, o1);
+            p[0] = _mm256_add_ps(p[0], _mm256_mul_ps(d0, d0));
+            p[1] = _mm256_add_ps(p[1], _mm256_mul_ps(d1, d1));
+            p[2] = _mm256_add_ps(p[2], _mm256_mul_ps(o0, o0));
+            p[3] = _mm256_add_ps(p[3], _mm256_mul_ps(o1, o1));
+            p[4] = _mm256_add_ps(p[4], _mm256_and_ps(d0, abs_mask));
+            p[5] = _mm256_add_ps(p[5], _mm256_and_ps(d1, abs_mask));
+            p[6] = _mm256_add_ps(p[6], _mm256_and_ps(o0, abs_mask));
+            p[7] = _mm256_add_ps(p[7], _mm256_and_ps(o1, abs_mask));
+            __m256 z0 = _mm256_cmp_ps(o0, _mm256_setzero_ps(), _CMP_NEQ_UQ);
+            __m256 z1 = _mm256_cmp_ps(o1, _mm256_setzero_ps(), _CMP_NEQ_UQ);
+            count0 = _mm256_add_epi32(count0, _mm256_and_si256(_mm256_castps_si256(z0), one));
+            count1 = _mm256_add_epi32(count1, _mm256_and_si256(_mm256_castps_si256(z1), one));
+        }
+        for (int j = 0; j < 4; j++) {
+            flush8(l->t[j], p[2 * j]);
+            flush8(l->t[j] + 8, p[2 * j + 1]);
+        }
+    }
+    if (stream || stream_backup) _mm_sfence(); /* streamed lines visible before what follows */
+    int32_t counts[CHECK_LANES];
+    _mm256_storeu_si256((__m256i *)counts, count0);
+    _mm256_storeu_si256((__m256i *)(counts + 8), count1);
+    for (int k = 0; k < CHECK_LANES; k++) l->nonzero[k] += counts[k];
+    *special = !_mm256_testz_si256(hit, hit);
+    return groups * CHECK_GROUP;
+}
+#endif
+
+/* Elements per call of the AVX2 loop: its lane counts are 32-bit. */
+#define CHECK_AVX2_MAX ((Py_ssize_t)1 << 34)
+
+static PyObject *check_copy(PyObject *self, PyObject *args) {
+    PyObject *src_o, *out_o, *own_o, *backup_o, *sums_o;
+    int itemsize;
+    if (!PyArg_ParseTuple(args, "OOOOiO:check_copy", &src_o, &out_o, &own_o, &backup_o,
+                          &itemsize, &sums_o))
+        return NULL;
+    if (itemsize != 4 && itemsize != 8) {
+        PyErr_SetString(PyExc_ValueError, "check_copy: itemsize must be 4 or 8");
+        return NULL;
+    }
+    Buf src, out, own, backup, sums;
+    src.held = out.held = own.held = backup.held = sums.held = 0;
+    PyObject *result = NULL;
+    Py_ssize_t n = get(src_o, &src, 0, itemsize, 0, "src");
+    if (n < 0) goto done;
+    Py_ssize_t no = get(out_o, &out, 1, itemsize, 1, "out");
+    if (no < 0) goto done;
+    Py_ssize_t nown = get(own_o, &own, 0, itemsize, 0, "own");
+    if (nown < 0) goto done;
+    Py_ssize_t nb = get(backup_o, &backup, 1, itemsize, 1, "backup");
+    if (nb < 0) goto done;
+    Py_ssize_t ns = get(sums_o, &sums, 1, 8, 0, "sums");
+    if (ns < 0) goto done;
+    if (nown != n || (out.held && no != n) || (backup.held && nb != n) || ns != CHECK_SUMS) {
+        PyErr_SetString(PyExc_ValueError,
+                        "check_copy: own, out and backup need src's length, sums 5 float64");
+        goto done;
+    }
+    int special = 0;
+    char *o = out.held ? out.view.buf : NULL, *b = backup.held ? backup.view.buf : NULL;
+    Py_BEGIN_ALLOW_THREADS
+    CheckLanes l;
+    memset(&l, 0, sizeof l);
+    Py_ssize_t done = 0;
+#ifdef STREAMING
+    if (itemsize == 4 && n < CHECK_AVX2_MAX && __builtin_cpu_supports("avx2"))
+        done = check32_avx2(src.view.buf, o, own.view.buf, b, n, &l, &special);
+#endif
+    if (itemsize == 4)
+        special |= check32_generic(src.view.buf, (f32 *)o, own.view.buf, (f32 *)b, done, n, &l);
+    else
+        special |= check64_generic(src.view.buf, (f64 *)o, own.view.buf, (f64 *)b, done, n, &l);
+    double t[CHECK_SUMS] = {0};
+    for (int k = 0; k < CHECK_LANES; k++) {
+        for (int j = 0; j < 4; j++) t[j] = t[j] + l.t[j][k];
+        t[4] = t[4] + (double)l.nonzero[k];
+    }
+    memcpy(sums.view.buf, t, sizeof t);
+    Py_END_ALLOW_THREADS
+    result = PyBool_FromLong(!special);
+done:
+    release(&src); release(&out); release(&own); release(&backup); release(&sums);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"check_copy", check_copy, METH_VARARGS,
+     "check_copy(src, out, own, backup, itemsize, sums) -> bool: copy float32 (itemsize 4) "
+     "or float64 (8) src into out and own into backup (either None: no copy; own may be out "
+     "itself) and write into sums (5 float64) sum d^2, sum own^2, sum |d|, sum |own| and "
+     "own's nonzero count, d = src - own; False if src holds NaN/Inf."},
     {"all_finite", all_finite, METH_VARARGS,
      "all_finite(x, itemsize) -> bool: whether float32 (itemsize 4) or float64 (8) "
      "values hold no NaN/Inf."},

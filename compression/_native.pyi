@@ -24,6 +24,14 @@ def scaled16(
     x: np.ndarray, means: np.ndarray, k: np.ndarray, row: int, words: np.ndarray
 ) -> None: ...
 def copy_finite(src: np.ndarray, out: np.ndarray, itemsize: int) -> bool: ...
+def check_copy(
+    src: np.ndarray,
+    out: np.ndarray | None,
+    own: np.ndarray,
+    backup: np.ndarray | None,
+    itemsize: int,
+    sums: np.ndarray,
+) -> bool: ...
 def all_finite(x: np.ndarray, itemsize: int) -> bool: ...
 def weighted_sum(
     copies: Sequence[np.ndarray],

@@ -19,9 +19,13 @@ import numpy as np
 from swarmavg.compression import native
 
 __all__ = [
+    "CHECK_FLUSH",
+    "CHECK_LANES",
     "SLAB",
     "NearestLevel",
     "all_finite",
+    "check_copy",
+    "check_sums",
     "sample",
     "slabs",
 ]
@@ -62,6 +66,77 @@ def all_finite(x: np.ndarray) -> bool:
     with np.errstate(over="ignore", invalid="ignore"):
         s = np.add.reduce(x, axis=None, dtype=np.float64 if x.dtype == np.float64 else np.float32)
     return bool(np.isfinite(s)) or bool(np.isfinite(x).all())
+
+
+CHECK_LANES = 16
+"""Lanes of the part check's sums: element ``i`` adds to lane ``i % CHECK_LANES``."""
+
+CHECK_FLUSH = 16
+"""Terms a lane sums in the values' dtype before adding that to its float64 total."""
+
+
+def check_sums(result: np.ndarray, own: np.ndarray) -> np.ndarray:
+    """The part check's sums comparing 1-D ``result`` with ``own`` (one float dtype, one
+    length), as 5 float64: sum ``d**2``, sum ``own**2``, sum ``|d|``, sum ``|own|``, and
+    the count of nonzero values of ``own``, with ``d = result - own`` rounded in their
+    dtype.
+
+    The order of the additions is fixed, so that the compiled kernel
+    (:func:`~swarmavg.compression.native.check_copy`) gives the same bits: element ``i``
+    adds to lane ``i % CHECK_LANES``; each lane sums its terms of each group of
+    ``CHECK_LANES * CHECK_FLUSH`` elements in the dtype, in element order, and adds that to
+    its float64 total; then the lanes are added in lane order. (``cumsum`` adds in order;
+    a last partial group is padded with zeros, which add nothing.) A float32 square
+    overflows to Inf beyond 1.8e19, as float32 dot products did.
+    """
+    n = own.size
+    group = CHECK_LANES * CHECK_FLUSH
+    groups = -(-n // group)
+    sums = np.zeros(5, dtype=np.float64)
+    if not groups:
+        return sums
+    d = np.zeros(groups * group, dtype=own.dtype)
+    o = np.zeros(groups * group, dtype=own.dtype)
+    np.subtract(result, own, out=d[:n])
+    o[:n] = own
+    with np.errstate(over="ignore"):
+        terms = (d * d, o * o, np.abs(d), np.abs(o))
+    shape = (groups, CHECK_FLUSH, CHECK_LANES)
+    for i, term in enumerate(terms):
+        partials = np.cumsum(term.reshape(shape), axis=1)[:, -1, :]
+        lanes = np.cumsum(partials.astype(np.float64), axis=0)[-1]
+        total = 0.0
+        for lane in lanes.tolist():
+            total += lane
+        sums[i] = total
+    sums[4] = float(np.count_nonzero(own))
+    return sums
+
+
+def check_copy(
+    src: np.ndarray,
+    own: np.ndarray,
+    out: np.ndarray | None = None,
+    backup: np.ndarray | None = None,
+) -> tuple[bool, np.ndarray]:
+    """Copy ``src`` into ``out`` and ``own`` into ``backup`` (either ``None``: not copied;
+    ``own`` may be ``out`` itself) and compare ``src`` with ``own`` (:func:`check_sums`):
+    one compiled pass where the kernel applies, else numpy, with the same bits.
+
+    Returns:
+        Whether ``src`` is all finite, and the sums (everything is written either way).
+    """
+    sums = np.empty(5, dtype=np.float64)
+    finite = native.check_copy(src, own, out, backup, sums)
+    if finite is not None:
+        return finite, sums
+    # own is read before out is written: in place they are one array
+    sums = check_sums(src, own)
+    if backup is not None:
+        np.copyto(backup, own)
+    if out is not None:
+        np.copyto(out, src)
+    return all_finite(src), sums
 
 
 class NearestLevel:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FLOATS", "copy_finite", "kernels", "takes", "weighted_sum"]
+__all__ = ["FLOATS", "check_copy", "copy_finite", "kernels", "takes", "weighted_sum"]
 
 FLOATS: tuple[np.dtype[Any], ...] = (np.dtype(np.float32), np.dtype(np.float64))
 """The float dtypes the compiled finite scan and checked copy take (float16 and bfloat16
@@ -72,6 +72,38 @@ def copy_finite(src: np.ndarray, dst: np.ndarray) -> bool | None:
     ):
         return None
     return bool(copy(src.reshape(-1), dst.reshape(-1), src.dtype.itemsize))
+
+
+def check_copy(
+    src: np.ndarray,
+    own: np.ndarray,
+    out: np.ndarray | None,
+    backup: np.ndarray | None,
+    sums: np.ndarray,
+) -> bool | None:
+    """In one compiled pass: copy ``src`` into ``out`` and ``own`` into ``backup`` (either
+    ``None``: not copied; ``own`` may be ``out`` itself, read before it is written) and
+    write into ``sums`` the part check's sums comparing ``src`` with ``own``
+    (:func:`~swarmavg.compression.kernels.check_sums` gives the same bits with numpy).
+
+    Returns:
+        Whether every value of ``src`` is finite (everything written either way), or
+        ``None`` when the kernel does not apply (arrays of one length, one dimension and
+        one dtype of :data:`FLOATS`, ``sums`` 5 float64, and :func:`takes` them all):
+        nothing was written.
+    """
+    kernel = getattr(kernels, "check_copy", None)  # absent from an older build
+    arrays = [a for a in (src, own, out, backup) if a is not None]
+    if (
+        kernel is None
+        or src.dtype not in FLOATS
+        or any(a.dtype != src.dtype or a.shape != src.shape or a.ndim != 1 for a in arrays)
+        or sums.dtype != np.float64
+        or sums.shape != (5,)
+        or not takes(*arrays, sums)
+    ):
+        return None
+    return bool(kernel(src, out, own, backup, src.dtype.itemsize, sums))
 
 
 def weighted_sum(

@@ -15,13 +15,13 @@ For each part ``p`` whose averages came back, over the chunks that came back:
 - ``relative`` ``u_p = e_p / rms(own_p)``, the distance in units of this member's own
   values there: scale-free, so layers whose values differ by orders of magnitude compare.
 
-Both come from three dot products per chunk (``r.r``, ``r.o``, ``o.o``): about 0.4 ns per
-element in the caches, 1 ns from memory (where a chunk's averages are, written past the
-caches), where the mean absolute distance took 2.5 ns in the caches. The
-rms is ruled by a few values where they are heavy-tailed (Student-t with 2 degrees of
-freedom: honest parts 13x apart), the mean absolute distance is not (1.2x), so a part the
-rms refuses is refused only if the mean absolute distances, computed then for every part,
-refuse it too.
+Both, with the mean absolute distance and the share of zeros in this member's values, come
+from five sums per chunk (:func:`~swarmavg.compression.kernels.check_sums`) that the data
+path computes in the compiled pass that copies a chunk's averages where they go, reading
+this member's values there before they are written over: the check reads no memory of
+its own. The rms is ruled by a few values where they are heavy-tailed (Student-t with 2
+degrees of freedom: honest parts 13x apart), the mean absolute distance is not (1.2x), so a
+part the rms refuses is refused only if the mean absolute distances refuse it too.
 
 A part is refused when its ``relative`` is more than ``factor`` times the median of the
 other parts' (and more than :data:`RELATIVE_FLOOR`), in both measures. One honest case
@@ -58,6 +58,8 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
+
+from swarmavg.compression.kernels import check_copy
 
 __all__ = [
     "DEFAULT_FACTOR",
@@ -108,13 +110,13 @@ class PartDeviation:
 
 
 class DeviationTally:
-    """Dot products of one part, chunk by chunk (the chunks of a part come back in any
-    order and may be left out). Not thread-safe."""
+    """The sums of one part, chunk by chunk (the chunks of a part come back in any order
+    and may be left out): enough for its deviation in rms and in mean absolute values and
+    for the share of zeros in this member's values there, so the check reads no value
+    again after a chunk was counted. Not thread-safe."""
 
     def __init__(self) -> None:
-        self._result_result = 0.0
-        self._result_own = 0.0
-        self._own_own = 0.0
+        self._sums = np.zeros(5, dtype=np.float64)
         self.elements = 0
 
     def add(self, result: np.ndarray, own: np.ndarray) -> None:
@@ -122,40 +124,48 @@ class DeviationTally:
         length, finite)."""
         if result.shape != own.shape or result.ndim != 1:
             raise ValueError("result and own values must be 1-D arrays of one length")
-        # BLAS's dot sums float32 in float32: a relative error near 1e-6 per chunk, which
-        # the difference in result() turns into noise of about 1e-3 x rms(own) when the
-        # result nearly equals our values, far under RELATIVE_FLOOR. Three whole-chunk
-        # products: blocks small enough for the caches cost more in calls than they save
-        # in memory traffic.
-        self._result_result += float(np.dot(result, result))
-        self._result_own += float(np.dot(result, own))
-        self._own_own += float(np.dot(own, own))
-        self.elements += own.size
+        self.add_sums(check_copy(result, own)[1], own.size)
+
+    def add_sums(self, sums: np.ndarray, elements: int) -> None:
+        """Count one chunk of ``elements`` values by its sums
+        (:func:`~swarmavg.compression.kernels.check_sums`: the data path computes them as
+        it copies the chunk's averages where they go)."""
+        # float64 sums of exact float64 terms: where the result nearly equals our values
+        # the differences are summed themselves, so nothing cancels
+        self._sums += sums
+        self.elements += elements
 
     def result(self) -> PartDeviation | None:
-        """The part's deviation, ``None`` when no chunk was counted."""
+        """The part's deviation in rms, ``None`` when no chunk was counted."""
         if not self.elements:
             return None
-        squared = max(self._result_result - 2.0 * self._result_own + self._own_own, 0.0)
         return PartDeviation(
-            math.sqrt(squared / self.elements), math.sqrt(self._own_own / self.elements)
+            math.sqrt(self._sums[0] / self.elements), math.sqrt(self._sums[1] / self.elements)
         )
+
+    def mean_absolute(self) -> PartDeviation:
+        """The part's deviation in mean absolute values (``deviation`` = mean
+        ``|result - own|``, ``scale`` = mean ``|own|``); zeros when nothing was counted."""
+        if not self.elements:
+            return PartDeviation(0.0, 0.0)
+        return PartDeviation(
+            float(self._sums[2]) / self.elements, float(self._sums[3]) / self.elements
+        )
+
+    def zeros(self) -> float:
+        """The share of exact zeros in this member's values of the counted chunks."""
+        if not self.elements:
+            return 0.0
+        return 1.0 - float(self._sums[4]) / self.elements
 
 
 def mean_absolute_deviation(chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> PartDeviation:
     """A part's deviation in mean absolute values (``deviation`` = mean ``|result - own|``,
     ``scale`` = mean ``|own|``) over ``(result, own)`` chunk pairs; zeros when empty."""
-    deviation = own_sum = 0.0
-    elements = 0
+    tally = DeviationTally()
     for result, own in chunks:
-        diff = np.subtract(result, own, dtype=np.result_type(result, own, np.float32))
-        # numpy's pairwise summation: float32 sums of a chunk lose no order of magnitude
-        deviation += float(np.abs(diff, out=diff).sum())
-        own_sum += float(np.abs(own).sum())
-        elements += own.size
-    if not elements:
-        return PartDeviation(0.0, 0.0)
-    return PartDeviation(deviation / elements, own_sum / elements)
+        tally.add(result, own)
+    return tally.mean_absolute()
 
 
 def _outliers(

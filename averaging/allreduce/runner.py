@@ -45,23 +45,19 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 import grpc
 import numpy as np
 from numpy.lib.array_utils import byte_bounds
 
+from swarmavg.averaging.allreduce.buffers import BufferPool
 from swarmavg.averaging.allreduce.chunking import link_chunk_bytes
 from swarmavg.averaging.allreduce.data_plane import DataCall, DataStreamError
 from swarmavg.averaging.allreduce.faults import FaultPlan, InjectedCrash
 from swarmavg.averaging.allreduce.load_balancing import part_sizes
-from swarmavg.averaging.allreduce.part_check import (
-    DeviationTally,
-    PartDeviation,
-    forged_parts,
-    mean_absolute_deviation,
-)
+from swarmavg.averaging.allreduce.part_check import DeviationTally, forged_parts
 from swarmavg.averaging.allreduce.partition import (
     PartPlan,
     TensorLayout,
@@ -85,8 +81,8 @@ from swarmavg.averaging.group import GroupInfo, schema_hash
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.averaging.stubs import REDUCE, reduce_method
 from swarmavg.compression import Codec, CodecInfo
-from swarmavg.compression.base import Encoded
-from swarmavg.compression.kernels import all_finite
+from swarmavg.compression.base import Buffer, Encoded, Header
+from swarmavg.compression.kernels import all_finite, check_copy
 from swarmavg.compression.native import copy_finite
 from swarmavg.dht.auth import RequestSigner
 from swarmavg.dht.ranges import split_host
@@ -207,12 +203,14 @@ class _Exchange:
         # they are decoded; None: the check is off.
         self.deviation_factor = self.config.part_deviation_factor
         self.tallies = {j: DeviationTally() for j in range(group.size)}
-        self.backups: dict[tuple[int, int], np.ndarray] = {}
-        """In place with the check on: our values of (part, chunk), copied before its
-        average was written over them, until every part was checked: a refused part gets
-        them back (:meth:`fill_missing`). Copies, not the averages held back: the dot
-        products of the check run 7-14x slower on a payload's unaligned floats, and the
-        averages are written as they come, as without the check."""
+        self.backup: np.ndarray | None = None
+        """In place with the check on: where our values of each chunk of the other
+        members' parts are kept (at the chunk's own offset), written in the pass that
+        writes its average over them, until every part was checked: a refused part gets
+        them back (:meth:`fill_missing`). Our own part is never refused and keeps none.
+        Kept, not the averages held back: the averages are written as they come, as
+        without the check, and the pass that writes them reads our values anyway."""
+        self.backed_up: set[tuple[int, int]] = set()  # (part, chunk) held in `backup`
         self.crashed = asyncio.Event()
         # FiniteCheck.AS_ENCODED, and whether the codec checks our chunks (run_allreduce)
         self.check_as_encoded = False
@@ -225,7 +223,7 @@ class _Exchange:
         """``result`` is ``vector``'s memory: a chunk's local values are gone once its
         average is written, so a reply is checked whole before it is written."""
         self.keep_backups = False
-        """In place with the part check on: see :attr:`backups`."""
+        """In place with the part check on: see :attr:`backup`."""
         # Replies decode straight into `result` in executor threads, which outlive the
         # round's cancelled tasks: the lock lets fill_missing() wait for a decode in
         # flight, and `_sealed` keeps any later one from writing over the final result.
@@ -328,6 +326,9 @@ class _Exchange:
         base = self.plan.bounds[part][0]
         values = self.result[base + start : base + end]
         own = self.vector[base + start : base + end]
+        if self.deviation_factor is not None:
+            self._decode_checked(part, reply.chunk_index, header, reply.payload, values, own)
+            return
         if self.in_place and not self.codec.decodes_into_cleanly:
             # The local values live where the average goes: decode and check the whole
             # chunk first (codec none: a checked view of the payload, no copy), so that
@@ -338,10 +339,7 @@ class _Exchange:
             with self._result_lock:
                 if self._sealed:
                     raise ValueError("the round is over")
-                own = self._backup(part, reply.chunk_index, own)
                 _copy_into(values, decoded)
-                if self.deviation_factor is not None:
-                    self.tallies[part].add(values, own)
             return
         # Straight into the result: if this raises, the chunk stays unreceived and
         # fill_missing() puts the local values back over whatever was written (in place,
@@ -349,23 +347,59 @@ class _Exchange:
         with self._result_lock:
             if self._sealed:
                 raise ValueError("the round is over")
-            own = self._backup(part, reply.chunk_index, own)
             self.codec.decode_payload_into(header, reply.payload, values)
             if not self.codec.decodes_finite and not all_finite(values):
                 raise ValueError("reply holds NaN or Inf")
-            if self.deviation_factor is not None:
-                self.tallies[part].add(values, own)
 
-    def _backup(self, part: int, chunk: int, own: np.ndarray) -> np.ndarray:
-        """Where our values of ``chunk`` of ``part`` stay readable once its average is
-        written: ``own`` itself, or in place with the check on a copy kept in
-        :attr:`backups`."""
-        if not self.keep_backups:
-            return own
-        kept = self.backups.get((part, chunk))
-        if kept is None:
-            kept = self.backups[(part, chunk)] = own.copy()
-        return kept
+    def _decode_checked(
+        self,
+        part: int,
+        chunk: int,
+        header: Header,
+        payload: Buffer,
+        values: np.ndarray,
+        own: np.ndarray,
+    ) -> None:
+        """:meth:`_decode_reply` with the part check on: the averages are copied where
+        they go in the pass that counts the check's sums against our values there (and
+        in place keeps those in :attr:`backup`), so the check reads nothing twice."""
+        backup = None
+        if self.keep_backups and self.backup is not None:
+            base = self.plan.bounds[part][0]
+            start, end = self.plan.chunk_bounds(part, chunk)
+            backup = self.backup[base + start : base + end]
+        if self.in_place and self.codec.decodes_into_cleanly:
+            # The codec writes only a payload it checked whole: keep our values, decode
+            # over them, then count (a pass of its own; no codec of the data path does this
+            # unless chosen).
+            with self._result_lock:
+                if self._sealed:
+                    raise ValueError("the round is over")
+                if backup is None:
+                    raise ValueError("in place with the check on, but no backup")
+                self.backed_up.add((part, chunk))
+                _copy_into(backup, own)
+                self.codec.decode_payload_into(header, payload, values)
+                self.tallies[part].add(values, backup)
+            return
+        # Unchecked where the codec can (none: a view of the payload): the pass below
+        # checks every value as it copies it.
+        decoded, _ = self.codec.decode_payload_unchecked(header, payload)
+        decoded = decoded.reshape(-1)
+        if decoded.dtype != values.dtype:  # float16's words: decode them (checked)
+            decoded = self.codec.decode_payload(header, payload).reshape(-1)
+        with self._result_lock:
+            if self._sealed:
+                raise ValueError("the round is over")
+            if backup is not None:
+                self.backed_up.add((part, chunk))
+            finite, sums = check_copy(decoded, own, values, backup)
+            if not finite:
+                if backup is not None:  # in place: our values were written over
+                    _copy_into(values, backup)
+                # out of place fill_missing() puts them back: the chunk stays unreceived
+                raise ValueError("reply holds NaN or Inf")
+            self.tallies[part].add_sums(sums, own.size)
 
     def seal(self) -> None:
         """Refuse every later reply (decodes in executor threads may outlive the round's
@@ -389,45 +423,30 @@ class _Exchange:
             deviations,
             {self.my_index},
             self.deviation_factor,
-            self._own_zeros,
-            self._mean_absolute_deviations,
+            lambda part: self.tallies[part].zeros(),
+            lambda parts: {part: self.tallies[part].mean_absolute() for part in parts},
         )
         for part, reason in sorted(refused.items()):
             self._distrust(part, f"forged averages: {reason}")
 
-    def _returned(self, part: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """(averages, our values) of every chunk of ``part`` that came back; in place our
-        values are the copies in :attr:`backups`."""
-        base = self.plan.bounds[part][0]
-        for chunk in np.flatnonzero(self.received[part]):
-            start, end = self.plan.chunk_bounds(part, int(chunk))
-            own = self.vector[base + start : base + end]
-            yield self.result[base + start : base + end], self._backup(part, int(chunk), own)
-
-    def _mean_absolute_deviations(self, parts: Collection[int]) -> dict[int, PartDeviation]:
-        return {part: mean_absolute_deviation(self._returned(part)) for part in parts}
-
-    def _own_zeros(self, part: int) -> float:
-        """The share of exact zeros in our values of the chunks of ``part`` that came back."""
-        zeros = elements = 0
-        for _, own in self._returned(part):
-            zeros += own.size - int(np.count_nonzero(own))
-            elements += own.size
-        return zeros / elements if elements else 0.0
-
     def fill_missing(self) -> None:
         """Copy local values into every chunk that no reducer returned, once no reply is
         being decoded any more and none will be; in place, only into the chunks of a part
-        refused after its averages were written (from :attr:`backups`)."""
+        refused after its averages were written (from :attr:`backup`)."""
         self.seal()
         if self.in_place:
             # nothing else overwrote the chunks no reducer returned: they are local
-            for (part, index), own in self.backups.items():
-                if not self.received[part][index]:
-                    base = self.plan.bounds[part][0]
-                    start, end = self.plan.chunk_bounds(part, index)
-                    self.result[base + start : base + end] = own
-            self.backups.clear()
+            backup = self.backup
+            if backup is not None:
+                for part, index in sorted(self.backed_up):
+                    if not self.received[part][index]:
+                        base = self.plan.bounds[part][0]
+                        start, end = self.plan.chunk_bounds(part, index)
+                        span = slice(base + start, base + end)
+                        _copy_into(self.result[span], backup[span])
+                self.backup = None
+                self.backed_up.clear()
+                self.service.buffers.give(backup)
             return
         for part, received in self.received.items():
             base = self.plan.bounds[part][0]
@@ -441,10 +460,12 @@ class _Exchange:
         """Called by the local ReducerRound with the decoded average of one chunk."""
         base = self.plan.bounds[self.my_index][0]
         start, end = self.plan.chunk_bounds(self.my_index, chunk)
-        own = self._backup(self.my_index, chunk, self.vector[base + start : base + end])
-        _copy_into(self.result[base + start : base + end], values)
-        if self.deviation_factor is not None:  # our own part: a reference for the others
-            self.tallies[self.my_index].add(values, own)
+        own = self.vector[base + start : base + end]
+        if self.deviation_factor is None:
+            _copy_into(self.result[base + start : base + end], values)
+        else:  # our own part: a reference for the others, never refused (no backup)
+            _, sums = check_copy(values.reshape(-1), own, self.result[base + start : base + end])
+            self.tallies[self.my_index].add_sums(sums, own.size)
         self.received[self.my_index][chunk] = True
         if contributors == len(self.group.senders):
             self.full_chunks[self.my_index] += 1
@@ -640,7 +661,7 @@ class _Exchange:
         averages, each of which passed every check on its own, and only the rest of the
         part stays local. The part still counts as distrusted and not averaged, the result
         as partial. With the check on, their local values come back from
-        :attr:`backups`."""
+        :attr:`backup`."""
         log.warning(
             "part %d: reducer %s answered inconsistently (%s); keeping local values",
             part,
@@ -702,6 +723,19 @@ def _copy_into(out: np.ndarray, values: np.ndarray) -> None:
     says of finiteness is not needed here: the values were checked already."""
     if copy_finite(values, out) is None:
         np.copyto(out, values)
+
+
+def _aligned_like(buffers: BufferPool, vector: np.ndarray) -> np.ndarray:
+    """A buffer of ``vector``'s length and dtype from ``buffers``, at the same address
+    modulo 32 bytes: a chunk of it is 32-byte aligned where that chunk of ``vector`` is, so
+    the compiled pass that keeps our values there streams its stores (check_copy)."""
+    item = vector.dtype.itemsize
+    raw = buffers.take(vector.size + 32 // item, vector.dtype)
+    shift = (vector.ctypes.data - raw.ctypes.data) % 32
+    if shift % item:  # the vector is not aligned to its items: any place will do
+        return raw[: vector.size]
+    start = shift // item
+    return raw[start : start + vector.size]
 
 
 def _result_target(
@@ -881,6 +915,8 @@ async def run_allreduce(
         ex.result = target if target is not None else np.empty_like(ex.vector)
         ex.in_place = _same_vector(ex.result, ex.vector)
         ex.keep_backups = ex.in_place and ex.deviation_factor is not None
+        if ex.keep_backups:
+            ex.backup = _aligned_like(service.buffers, ex.vector)
 
     await offload(executor, prepare, elements=layout.total)
     t_prepared = time.monotonic()
@@ -963,7 +999,7 @@ async def run_allreduce(
 
     def settle() -> None:
         ex.seal()  # waits for a decode still running in a thread: never on the loop
-        ex.check_parts()
+        ex.check_parts()  # a few medians of the sums counted as replies came: no data pass
 
     await offload(executor, settle)
     failed = tuple(

@@ -156,6 +156,17 @@ async def rounds(mb: float, pairs: int) -> dict[str, Any]:
         "ratio_on_off": {
             m: round(medians[f"on-{m}"] / medians[f"off-{m}"], 3) for m in ("out", "in")
         },
+        # each pair's two rounds ran back to back: their ratio cancels the load that
+        # drifts over the run, which moves the medians of either column by more
+        "pair_ratio_median": {
+            m: round(
+                statistics.median(
+                    a / b for a, b in zip(times[f"on-{m}"], times[f"off-{m}"], strict=True)
+                ),
+                3,
+            )
+            for m in ("out", "in")
+        },
     }
 
 

@@ -504,3 +504,91 @@ def _decoded_into(words: np.ndarray) -> np.ndarray:
     out = np.empty(words.size, np.float32)
     halfconv.half_words_into(words, out, check_first=True)
     return out
+
+
+def _at_offset(values: np.ndarray, offset: int) -> np.ndarray:
+    """A copy of ``values`` ``offset`` bytes past an aligned address (a payload's floats)."""
+    raw = np.zeros(values.nbytes + 64, np.uint8)
+    start = (-raw.ctypes.data) % 32 + offset
+    out = raw[start : start + values.nbytes].view(values.dtype)
+    out[...] = values
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1003, 70_001])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_the_part_checks_pass_gives_numpys_sums_and_copies(
+    dtype: type, n: int, offset: int
+) -> None:
+    """The pass that copies an averaged chunk where it goes (_native.c, check_copy) gives
+    the part check's sums with the same bits as kernels.check_sums, copies every value
+    unchanged, keeps the old values in the backup when the destination is our own values
+    (in place), and finds NaN/Inf wherever they sit."""
+    from swarmavg.compression import kernels as numpy_kernels
+
+    rng = np.random.default_rng(n + offset)
+    own_values = (rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4, n)).astype(dtype)
+    own_values[::5] = 0.0
+    if n > 2:
+        own_values[1] = -0.0
+    result = _at_offset(own_values + rng.standard_normal(n).astype(dtype), offset)
+    reference = numpy_kernels.check_sums(result, own_values)
+    assert reference[4] == np.count_nonzero(own_values)
+
+    sums = np.full(5, np.nan)
+    out = np.zeros(n, dtype)
+    assert native.check_copy(result, own_values, out, None, sums) is True
+    assert_same_bits(sums, reference)
+    assert_same_bits(out, result)
+
+    in_place = _at_offset(own_values, offset)
+    backup = np.zeros(n, dtype)
+    assert native.check_copy(result, in_place, in_place, backup, sums) is True
+    assert_same_bits(sums, reference)
+    assert_same_bits(in_place, result)
+    assert_same_bits(backup, own_values)
+
+    assert native.check_copy(result, own_values, None, None, sums) is True  # sums alone
+    assert_same_bits(sums, reference)
+    for where in {0, n // 2, n - 1} if n else set():
+        spoiled = result.copy()
+        spoiled[where] = np.nan if where % 2 else np.inf
+        assert native.check_copy(spoiled, own_values, out, None, sums) is False, where
+
+
+def test_the_part_checks_pass_without_the_kernel_gives_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kernels.check_copy's numpy path: the kernel's sums, copies and backup, own values
+    read before they are written over in place."""
+    from swarmavg.compression import kernels as numpy_kernels
+
+    rng = np.random.default_rng(5)
+    own_values = rng.standard_normal(10_005).astype(np.float32)
+    result = own_values * 1.5
+    expected = np.empty(5)
+    out = np.empty_like(result)
+    assert native.check_copy(result, own_values, out, None, expected) is True
+    monkeypatch.setattr(native, "kernels", None)
+    in_place, backup = own_values.copy(), np.empty_like(own_values)
+    finite, sums = numpy_kernels.check_copy(result, in_place, in_place, backup)
+    assert finite
+    assert_same_bits(sums, expected)
+    assert_same_bits(in_place, result)
+    assert_same_bits(backup, own_values)
+    result[7] = np.inf
+    assert numpy_kernels.check_copy(result, own_values)[0] is False
+
+
+def test_the_part_checks_pass_applies_only_where_the_kernel_can_read_every_array() -> None:
+    x = np.arange(100, dtype=np.float32)
+    sums = np.zeros(5)
+    for src, own, sums_ in [
+        (x.astype(np.float16), x.astype(np.float16), sums),  # no kernel for float16
+        (x, x.astype(np.float64), sums),  # dtypes differ
+        (x[::2], x[:50], sums),  # strided
+        (x, x, np.zeros(5, np.float32)),  # sums not float64
+        (x, x, np.zeros(4)),  # not five sums
+    ]:
+        assert native.check_copy(src, own, None, None, sums_) is None

@@ -197,13 +197,28 @@ class _StalledReplyDecoder(Float16Codec):
         self.released = False
         self._first = threading.Lock()
 
-    def decode_payload_into(self, header: Header, payload: Buffer, out: np.ndarray) -> None:
+    def _stall_first(self) -> bool:
+        """Whether this is the first reply decode, after waiting for its release."""
         if not self._first.acquire(blocking=False):
-            super().decode_payload_into(header, payload, out)
-            return
+            return False
         self.released = self.release.wait(30)
+        return True
+
+    # A member decodes a reply straight into the result, or (the part check on) decodes it
+    # first and copies it under the result's lock: the first decode stalls either way.
+    def decode_payload_into(self, header: Header, payload: Buffer, out: np.ndarray) -> None:
+        first = self._stall_first()
         super().decode_payload_into(header, payload, out)
-        self.done.set()
+        if first:
+            self.done.set()
+
+    def decode_payload(self, header: Header, payload: Buffer) -> np.ndarray:
+        first = self._stall_first()
+        try:
+            return super().decode_payload(header, payload)
+        finally:
+            if first:
+                self.done.set()
 
 
 async def test_a_reply_decoded_after_the_deadline_cannot_change_the_result(

@@ -192,6 +192,37 @@ def test_tally_is_the_sum_of_its_chunks_in_any_order() -> None:
     assert DeviationTally().result() is None
 
 
+def test_tally_gives_the_mean_absolute_distance_and_the_share_of_zeros() -> None:
+    rng = np.random.default_rng(12)
+    own = rng.standard_normal(3001).astype(np.float32)
+    own[::3] = 0.0
+    result = (own + rng.standard_normal(3001)).astype(np.float32)
+    tally = DeviationTally()
+    tally.add(result[:1000], own[:1000])
+    tally.add(result[1000:], own[1000:])
+    absolute = tally.mean_absolute()
+    assert absolute.deviation == pytest.approx(np.mean(np.abs(result - own)), rel=1e-6)
+    assert absolute.scale == pytest.approx(np.mean(np.abs(own)), rel=1e-6)
+    assert tally.zeros() == pytest.approx(1001 / 3001)
+    assert DeviationTally().zeros() == 0.0
+    assert DeviationTally().mean_absolute() == PartDeviation(0.0, 0.0)
+
+
+def test_tally_measures_a_tiny_distance_from_large_values() -> None:
+    """Averages a millionth away from this member's values of about 1,000 (parameters
+    right after an average, a codec's rounding): the distance is summed itself, not
+    formed as r.r - 2 r.o + o.o, whose float32 rounding is a thousand times larger."""
+    rng = np.random.default_rng(13)
+    own = (1000.0 + rng.standard_normal(1 << 16)).astype(np.float32)
+    result = own + np.float32(1e-3) * rng.choice([-1, 1], own.size).astype(np.float32)
+    tally = DeviationTally()
+    tally.add(result, own)
+    deviation = tally.result()
+    assert deviation is not None
+    exact = np.sqrt(np.mean((result.astype(np.float64) - own) ** 2))
+    assert deviation.deviation == pytest.approx(exact, rel=1e-3)
+
+
 def test_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="factor"):
         forged_parts({}, factor=1.0)
