@@ -422,6 +422,11 @@ INTERNAL: Mapping[type, tuple[str, ...]] = MappingProxyType(
             # few streams; limit_local_ranges is for tests (127.x.y.z as networks).
             "max_waiting_per_range",
             "max_waiting_per_peer",
+            # A member's checks of the others (docs/security.md): a forged part, a sender
+            # that trickles. Factors against the round's own honest spread, the same on
+            # every peer; None turns the part check off (it runs under robust rules only).
+            "part_deviation_factor",
+            "slow_sender_factor",
             "max_pending_per_range",
             "first_message_timeout",
             "limit_local_ranges",

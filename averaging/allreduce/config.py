@@ -92,7 +92,9 @@ class AllReduceConfig:
             own values than this many times the median of the other parts, both in rms and
             in units of its own values' rms (:mod:`~swarmavg.averaging.allreduce.part_check`):
             the part keeps local values, as from a distrusted reducer. ``None`` turns the
-            check off. > 1.
+            check off. It runs in rounds of a robust rule only (``centered-clip``,
+            ``trimmed-mean``): under the mean every member bends every part by what it
+            sends anyway. > 1.
         slow_sender_factor: a sender still delivering its chunks of a part this many times
             as long after its first chunk as the part's median remote sender took (and at
             least ``min_stall``) is dropped, as a stalled one is

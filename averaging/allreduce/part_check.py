@@ -9,6 +9,11 @@ between what came back for a part and this member's own values of it, in units o
 own values there, is about the same for every honest part, and a forged part stands out
 against the others.
 
+The check runs in rounds of a robust aggregation rule only. Under the mean a member needs
+no reducer's part to do harm: what it sends moves every part of every member's result. A
+run that admits strangers chooses a robust rule, and the check carries that rule's bound
+to the reducers' answers; a run of the mean pays nothing for it.
+
 For each part ``p`` whose averages came back, over the chunks that came back:
 
 - ``deviation`` ``e_p = rms(result_p - own_p)``, the absolute distance,

@@ -52,6 +52,7 @@ import grpc
 import numpy as np
 from numpy.lib.array_utils import byte_bounds
 
+from swarmavg.averaging.aggregation import MEAN
 from swarmavg.averaging.allreduce.buffers import BufferPool
 from swarmavg.averaging.allreduce.chunking import link_chunk_bytes
 from swarmavg.averaging.allreduce.data_plane import DataCall, DataStreamError
@@ -200,8 +201,12 @@ class _Exchange:
         self.handed = dict.fromkeys(range(group.size), 0)  # chunks of part j given to its stream
         self.distrusted: dict[int, str] = {}  # part -> why its reducer's word is refused
         # How far each part's averages are from our own values (part_check), counted as
-        # they are decoded; None: the check is off.
-        self.deviation_factor = self.config.part_deviation_factor
+        # they are decoded; None: the check is off. Only under a robust rule: under the
+        # mean any member bends every part by what it sends, so a run that admits
+        # strangers chooses a robust rule, and the check completes it at the reducers.
+        self.deviation_factor = (
+            self.config.part_deviation_factor if group.aggregation != MEAN else None
+        )
         self.tallies = {j: DeviationTally() for j in range(group.size)}
         self.backup: np.ndarray | None = None
         """In place with the check on: where our values of each chunk of the other

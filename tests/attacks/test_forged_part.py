@@ -6,7 +6,9 @@ part under every rule: with ``centered-clip``, a quarter of every honest result 
 ``partial=False``. Now each member compares every part's averages with its own values of
 that part against the other parts (averaging/allreduce/part_check.py) and refuses a part
 that is far off in both measures: it keeps local values, the result is partial and the
-part is in ``distrusted`` and ``failed_parts``.
+part is in ``distrusted`` and ``failed_parts``. The check runs under the robust rules (the
+choice of a run that admits strangers); under the mean any member bends every part by what
+it sends, and the check is off.
 
 The attacker is a real member of the group: it sends its chunks honestly and reduces its
 part with the real reducer over real gRPC streams, and only the averages it returns are
@@ -81,7 +83,7 @@ def _inputs(seed: int) -> list[list[np.ndarray]]:
     ]
 
 
-@pytest.mark.parametrize("rule", ["mean", "centered-clip"])
+@pytest.mark.parametrize("rule", ["centered-clip", "trimmed-mean"])
 @pytest.mark.parametrize("forgery", list(FORGERIES))
 @pytest.mark.parametrize("in_place", [False, True], ids=["out-of-place", "in-place"])
 async def test_members_refuse_a_forged_part(
@@ -149,12 +151,36 @@ async def test_honest_rounds_of_lossy_codecs_refuse_nothing(
     try:
         for seed in range(8):
             inputs = _inputs(seed)
-            group = make_group(peers, inputs[0], codec=codec)
+            group = dataclasses.replace(
+                make_group(peers, inputs[0], codec=codec),
+                aggregation=canonical_aggregation("centered-clip"),
+            )
             results = await run_group(peers, group, inputs, [1.0] * MEMBERS, channels)
             for result in results:
                 assert isinstance(result, AveragingResult), result
                 assert result.distrusted == {}, result.distrusted
                 assert not result.partial
+    finally:
+        await channels.close()
+        await close_peers(peers)
+
+
+async def test_under_the_mean_the_check_is_off(
+    grpc_servers: GrpcServerPool, forge: dict[str, Forgery]
+) -> None:
+    """Under the mean a sender bends every part by what it sends; the check (and its cost)
+    is for the robust rules: a forged part is taken, as any member's values are."""
+    peers = await start_peers(grpc_servers, MEMBERS, data_plane=False)
+    channels = ChannelPool()
+    try:
+        forge["now"] = FORGERIES["1e6"]
+        group = make_group(peers, _inputs(seed=3)[0])
+        results = await run_group(peers, group, _inputs(seed=3), [1.0] * MEMBERS, channels)
+        for result in results[:ATTACKER]:
+            assert isinstance(result, AveragingResult), result
+            assert result.distrusted == {}
+            assert not result.partial
+            assert float(np.max(result.tensors[0])) == 1e6
     finally:
         await channels.close()
         await close_peers(peers)
