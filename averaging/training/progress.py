@@ -1,25 +1,15 @@
-"""Training progress of a swarm, shared through the DHT (usable on its own).
+"""A training process's side of the swarm's progress: its reports and its reads (usable on
+its own).
 
-Every training process reports how many samples it has accumulated towards the run's
-current global step ("epoch") under one DHT key, with its own subkey, so the records of
-all peers live side by side (dictionary values, docs/dht.md). Reading that key back gives
-the swarm's global progress: the swarm's epoch, how many samples the swarm has gathered
-towards it, how fast, and when it will reach ``target_batch_size``. The swarm's epoch is
-the one most daemons are at (:func:`swarm_epoch`), not the newest one: a trainer that ran
-ahead alone is the one that moves back, not the swarm that follows it.
-
-The records' format and the pure rules over them (:class:`PeerProgress`, :func:`aggregate`,
-:func:`swarm_epoch`) live in :mod:`swarmavg.averaging.run_records.progress`, which the daemon
-reads too; this module adds :class:`RateMeter` and :class:`ProgressTracker`, which makes
-the two DHT calls.
-Records come from other peers, so :meth:`PeerProgress.from_record` validates them and
-drops what is malformed instead of trusting it, and :func:`aggregate` ignores what is
-implausible (:func:`plausible`: a clock far ahead of the reader's, an absurd rate; and
-:func:`within_epoch_lead`: an epoch far ahead of the swarm's majority). No
+Each training process reports the samples it has accumulated towards the run's current
+global step under the run's progress key, and reads everyone's records back to learn the
+swarm's epoch, its samples towards ``target_batch_size`` and when it will be reached. The
+records' format and the pure rules over them (:class:`PeerProgress`, :func:`aggregate`,
+:func:`swarm_epoch`, what one daemon may count for) live in
+:mod:`swarmavg.averaging.run_records.progress`, which the daemon reads too; this module
+adds :class:`RateMeter` and :class:`ProgressTracker`, which makes the two DHT calls. No
 record can make a wrapper's call invalid: a swarm that reports more peers than a group
-holds is clamped where the round is asked for (``SwarmLink.average``). Records are signed
-by their daemon (the subkey names it; averaging/protocol_keys.py), and a record that names
-another daemon inside is ignored.
+holds is clamped where the round is asked for (``SwarmLink.average``).
 
 Example, without any optimizer wrapper::
 
