@@ -252,7 +252,7 @@ class Matchmaker(Following, Leading):
                     return self._close(rnd, reason)
                 if self._waits_for_a_fresh_read(rnd):
                     next_read = min(next_read, max(now, rnd.started + self.settle_time()))
-            if now >= rnd.request.give_up_by:
+            if now >= rnd.request.give_up_by or self._only_other_schemas(rnd, now):
                 raise self._no_group_error(rnd)
             if redirect is None and now >= next_read:
                 await self._refresh_declarations(rnd)
@@ -280,6 +280,17 @@ class Matchmaker(Following, Leading):
                     and outcome.peer_id not in rnd.shunned
                 ):
                     redirect = outcome
+
+    def _only_other_schemas(self, rnd: Round, now: float) -> bool:
+        """Past the round's close deadline, the only peers seen under our key average
+        another tensor layout and nobody else is expected: a configuration error, said
+        now (SchemaMismatchError) rather than at the give-up time."""
+        if not rnd.mismatched or now < rnd.request.close_by or rnd.leader is not None:
+            return False
+        if rnd.num_members > 1 or any(d.peer_id != rnd.me.peer_id for d in rnd.declarations):
+            return False
+        expected = expected_members(self._leader_view(rnd), now, self._patience())
+        return expected <= {rnd.me.peer_id}
 
     def _no_group_error(self, rnd: Round) -> Exception:
         req = rnd.request
