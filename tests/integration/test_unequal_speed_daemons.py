@@ -1,11 +1,11 @@
 """The unequal-speed benchmark (``python -m benchmarks.unequal_speed``) at a small size:
 four real daemons, four trainer processes of unequal (simulated) speed, ``DiLoCo`` with a
-fixed H against ``DiLoCo`` with a pace, and the slowest trainer's process stopped (SIGSTOP)
-and resumed mid-run.
+pace, and the slowest trainer's process stopped (SIGSTOP) and resumed mid-run.
 
-Bounded, and nothing is asserted about seconds: the ordering of the counts (with a pace the
-fast trainers run more inner steps than the slow one, and the swarm more outer steps than
-with a fixed H), identical anchors after every sync, and the stopped trainer's return.
+Bounded, and nothing is asserted about seconds: identical anchors after every sync, the
+others' syncs while one trainer is stopped, and its return. That a pace lets the fast
+members run more inner steps than a fixed H is shown without daemons, faster
+(tests/training/test_unequal_speed.py).
 """
 
 from __future__ import annotations
@@ -34,24 +34,6 @@ def run(*argv: str, timeout: float) -> dict[str, object]:
     assert lines, done.stderr[-4000:]
     figures: dict[str, object] = json.loads(lines[-1])
     return figures
-
-
-@pytest.mark.timeout(600)
-def test_a_paced_swarm_does_not_run_at_its_slowest_members_speed() -> None:
-    figures = run(
-        "--speeds", "1,1,1,0.25", "--modes", "fixed,pace", "--seconds", "8",
-        "--step-ms", "20", "--local-steps", "10", "--timeout", "20",
-        timeout=580,
-    )  # fmt: skip
-    fixed, paced = figures["runs"]  # type: ignore[misc]
-    for run_ in (fixed, paced):
-        assert run_["identical_anchors"], run_
-        assert run_["anchor_checks"] > 0, run_
-    # fixed H: every member runs the same inner steps per outer step, so the fast ones'
-    # totals are held to the slow one's pace; with a pace they run more than it does
-    assert min(paced["inner_steps"][:3]) > 2 * paced["inner_steps"][3], paced
-    assert min(paced["inner_steps"][:3]) > max(fixed["inner_steps"][:3]), (fixed, paced)
-    assert min(paced["outer_steps"]) >= 1, paced
 
 
 @pytest.mark.timeout(600)
