@@ -60,9 +60,10 @@ _OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
-_AWAY_CODES = frozenset({"UNAVAILABLE", "UNAUTHENTICATED"})
-"""Codes of a call that did not reach the daemon it connected to: gone, shutting down, or
-a restarted one that wrote a new token (peer/reconnect.py)."""
+_AWAY_CODES = frozenset({"UNAVAILABLE", "UNAUTHENTICATED", "CANCELLED"})
+"""Codes of a call that did not reach the daemon it connected to: gone, shutting down (a
+stopping server cancels the calls in flight: CANCELLED), or a restarted one that wrote a
+new token (peer/reconnect.py)."""
 
 
 def _away_reason(exc: grpc.RpcError) -> str | None:
