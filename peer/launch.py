@@ -132,8 +132,13 @@ def launch(peer_options: Sequence[str], command: Sequence[str]) -> int:
     """
     daemon = start_daemon(peer_options)
     trainer: subprocess.Popen[bytes] | None = None
+    starting = False  # the command is being started: a signal now is the command's
+    pending: list[int] = []
 
     def forward(signum: int, frame: FrameType | None) -> None:
+        if trainer is None and starting:
+            pending.append(signum)  # delivered once Popen returns
+            return
         target = trainer if trainer is not None else daemon
         if target.poll() is None:
             target.send_signal(signum)
@@ -147,9 +152,12 @@ def launch(peer_options: Sequence[str], command: Sequence[str]) -> int:
             file=sys.stderr,
             flush=True,
         )
+        starting = True
         trainer = subprocess.Popen(
             list(command), env=command_environment(record), start_new_session=True
         )
+        for signum in pending:
+            trainer.send_signal(signum)
         return exit_code(trainer.wait())
     finally:
         if trainer is not None and trainer.poll() is None:  # the launcher itself failed
