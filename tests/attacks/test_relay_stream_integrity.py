@@ -1,0 +1,202 @@
+"""A relay alters a public run's ``Reduce`` streams (low).
+
+A relay splices a dialer's bytes to a NATed peer (peer/nat/splice.py); in a public run
+nothing encrypts them, and only a stream's first message was signed, so a relay (like any
+attacker on the path) could alter the chunks a sender streams and the averages a reducer
+returns, and both ends used what it wrote. Streams are now keyed (averaging/allreduce/
+keyed_stream.py): every message after the handshake carries a MAC under a key only the two
+ends hold, and a message that fails it ends the stream and is not used.
+
+Three real members (reducers, gRPC servers and data planes on 127.0.0.1); the data plane of
+member 0 is reached through a relay that reads the frames it splices and, once armed,
+changes one thing in one stream. The control relays the same round unchanged: every result
+is the exact mean. Under attack every element of every result must be one the honest
+protocol can give (the mean over all senders, the mean without the sender whose stream was
+touched, or the member's own value for a part it kept): nothing the relay wrote is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import struct
+from typing import Any
+
+import numpy as np
+import pytest
+
+from swarmavg.averaging.allreduce.wire import deserialize_reply, deserialize_request
+from swarmavg.averaging.result import AveragingResult
+from swarmavg.dht import ChannelPool
+from tests.averaging import allreduce_peers
+from tests.averaging.allreduce_peers import FAST, LocalPeer
+from tests.harness import GrpcServerPool
+
+pytestmark = pytest.mark.timeout(90)
+
+MEMBERS = 3
+RELAYED = 0  # the member whose data plane the relay stands in front of
+SIZE = MEMBERS * 4 * 1024  # FAST's chunks are 4 KiB: 4 chunks of 1024 float32 per part
+HEAD = struct.Struct("<IB")
+MSG, CLOSE, STATUS = 1, 2, 3
+TAG_TRAILER = 18  # a keyed message's mac field (stream_mac.TRAILER_BYTES), absent on old peers
+
+
+class Tamper(enum.Enum):
+    """What the relay does to the second message of one stream."""
+
+    ALTER_CHUNK = "alter one byte of a chunk the sender streams"
+    ALTER_REPLY = "alter one byte of an average the reducer returns"
+    REPLAY_CHUNK = "send a chunk twice"
+    DROP_CHUNK = "drop a chunk, pass the rest"
+
+
+def _flip_payload_byte(body: bytes, upstream: bool) -> bytes:
+    """``body`` with the high byte of the first value of its payload changed (the value
+    becomes 4 times larger or smaller)."""
+    parsed: Any = deserialize_request(body) if upstream else deserialize_reply(body)
+    assert not parsed.error, parsed.error
+    assert parsed.payload is not None
+    trailer = TAG_TRAILER if getattr(parsed, "mac", b"") else 0
+    at = len(body) - trailer - len(parsed.payload) + 3
+    return body[:at] + bytes([body[at] ^ 0x01]) + body[at + 1 :]
+
+
+class FrameRelay:
+    """Splices connections to a data plane frame by frame; once :attr:`armed`, applies
+    :attr:`tamper` to the second ``MSG`` of the first stream that reaches one (in the
+    direction the tamper names), then relays everything unchanged again."""
+
+    def __init__(self, port: int, tamper: Tamper) -> None:
+        self._port = port
+        self.tamper = tamper
+        self.armed = False
+        self.done = False
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._port)
+        tasks = [
+            asyncio.ensure_future(self._pump(reader, up_writer, upstream=True)),
+            asyncio.ensure_future(self._pump(up_reader, writer, upstream=False)),
+        ]
+        self._tasks.update(tasks)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.difference_update(tasks)
+        for w in (writer, up_writer):
+            w.close()
+
+    def _targets(self, upstream: bool) -> bool:
+        wanted = self.tamper is not Tamper.ALTER_REPLY
+        return self.armed and not self.done and upstream == wanted
+
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, upstream: bool
+    ) -> None:
+        messages = 0  # MSG frames of the current stream in this direction
+        try:
+            while True:
+                head = await reader.readexactly(HEAD.size)
+                length, kind = HEAD.unpack(head)
+                body = await reader.readexactly(length)
+                frames = [(kind, body)]
+                if kind == MSG:
+                    messages += 1
+                    if messages == 2 and self._targets(upstream):
+                        self.done = True
+                        frames = self._tampered(body, upstream)
+                elif kind in (CLOSE, STATUS):
+                    messages = 0
+                for k, b in frames:
+                    writer.write(HEAD.pack(len(b), k) + b)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            with contextlib.suppress(OSError, RuntimeError):
+                writer.write_eof()
+
+    def _tampered(self, body: bytes, upstream: bool) -> list[tuple[int, bytes]]:
+        if self.tamper is Tamper.REPLAY_CHUNK:
+            return [(MSG, body), (MSG, body)]
+        if self.tamper is Tamper.DROP_CHUNK:
+            return []
+        return [(MSG, _flip_payload_byte(body, upstream))]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def _round(peers: list[LocalPeer], channels: ChannelPool, seed: int) -> list[Any]:
+    """One round; returns each member's (result, own input, exact mean, means without
+    each sender)."""
+    rng = np.random.default_rng(seed)
+    inputs = [[rng.standard_normal(SIZE).astype(np.float32)] for _ in range(MEMBERS)]
+    group = allreduce_peers.make_group(peers, inputs[0])
+    results = await allreduce_peers.run_group(
+        peers, group, inputs, [1.0] * MEMBERS, channels, timeout=30
+    )
+    values = np.stack([x[0] for x in inputs])
+    means = [values.mean(axis=0)] + [
+        np.delete(values, i, axis=0).mean(axis=0) for i in range(MEMBERS)
+    ]
+    out = []
+    for result, own in zip(results, inputs, strict=True):
+        assert isinstance(result, AveragingResult), result
+        out.append((result, own[0], means))
+    return out
+
+
+def _possible(result: AveragingResult, own: np.ndarray, means: list[np.ndarray]) -> np.ndarray:
+    """Which elements of ``result`` hold a value the honest protocol can give."""
+    got = result.tensors[0]
+    ok = np.isclose(got, own, rtol=1e-5, atol=1e-6)
+    for mean in means:
+        ok |= np.isclose(got, mean, rtol=1e-5, atol=1e-6)
+    return ok
+
+
+@pytest.mark.parametrize("tamper", list(Tamper), ids=[t.name.lower() for t in Tamper])
+async def test_a_relay_cannot_alter_a_public_run_stream(
+    grpc_servers: GrpcServerPool, tamper: Tamper
+) -> None:
+    peers = await allreduce_peers.start_peers(grpc_servers, MEMBERS, FAST, data_plane=True)
+    relay = FrameRelay(peers[RELAYED].data_port, tamper)
+    peers[RELAYED].data_port = await relay.start()  # what the group advertises
+    channels = ChannelPool()
+    try:
+        # Control: relayed unchanged, the round is whole and exact.
+        for result, _, means in await _round(peers, channels, seed=1):
+            assert not result.partial, (result.dropped, result.failed_parts)
+            np.testing.assert_allclose(result.tensors[0], means[0], rtol=1e-5, atol=1e-6)
+
+        relay.armed = True
+        outcome = await _round(peers, channels, seed=2)
+        assert relay.done, "the relay never saw the message it was to change"
+        for result, own, means in outcome:
+            ok = _possible(result, own, means)
+            assert ok.all(), (
+                f"{tamper.value}: {int((~ok).sum())} element(s) hold what the relay wrote",
+                result.partial,
+                result.dropped,
+            )
+        # What was touched was refused by its MAC check, and said so: the reducer dropped
+        # the sender (a chunk) or the sender distrusted the reducer's part (a reply).
+        reasons = [
+            reason
+            for result, _, _ in outcome
+            for reason in [*result.dropped.values(), *result.distrusted.values()]
+        ]
+        assert any("integrity check" in reason for reason in reasons), reasons
+        assert any(result.partial for result, _, _ in outcome)
+    finally:
+        await relay.close()
+        await allreduce_peers.close_peers(peers)
