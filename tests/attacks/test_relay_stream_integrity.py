@@ -19,18 +19,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
+import os
 import struct
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
-from swarmavg.averaging.allreduce.wire import deserialize_reply, deserialize_request
+from swarmavg.averaging.allreduce.wire import (
+    deserialize_reply,
+    deserialize_request,
+    reduce_digest,
+)
 from swarmavg.averaging.result import AveragingResult
+from swarmavg.averaging.stubs import REDUCE
+from swarmavg.compression import CodecInfo, get_codec
 from swarmavg.dht import ChannelPool
+from swarmavg.proto import averaging_pb2
+from tests.attacks.test_reduce_slots import SourceRelay
 from tests.averaging import allreduce_peers
 from tests.averaging.allreduce_peers import FAST, LocalPeer
+from tests.averaging.test_message_replay import opening, outcome
 from tests.harness import GrpcServerPool
 
 pytestmark = pytest.mark.timeout(90)
@@ -40,6 +52,8 @@ RELAYED = 0  # the member whose data plane the relay stands in front of
 SIZE = MEMBERS * 4 * 1024  # FAST's chunks are 4 KiB: 4 chunks of 1024 float32 per part
 HEAD = struct.Struct("<IB")
 MSG, CLOSE, STATUS = 1, 2, 3
+NOT_FOUND, UNAUTHENTICATED = grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED
+INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT
 TAG_TRAILER = 18  # a keyed message's mac field (stream_mac.TRAILER_BYTES), absent on old peers
 
 
@@ -63,24 +77,19 @@ def _flip_payload_byte(body: bytes, upstream: bool) -> bytes:
     return body[:at] + bytes([body[at] ^ 0x01]) + body[at + 1 :]
 
 
-class FrameRelay:
+class FrameRelay(SourceRelay):
     """Splices connections to a data plane frame by frame; once :attr:`armed`, applies
     :attr:`tamper` to the second ``MSG`` of the first stream that reaches one (in the
     direction the tamper names), then relays everything unchanged again."""
 
     def __init__(self, port: int, tamper: Tamper) -> None:
+        super().__init__(f"127.0.0.1:{port}", "127.0.0.1")
         self._port = port
         self.tamper = tamper
         self.armed = False
         self.done = False
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
 
-    async def start(self) -> int:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        return int(self._server.sockets[0].getsockname()[1])
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._port)
         tasks = [
             asyncio.ensure_future(self._pump(reader, up_writer, upstream=True)),
@@ -127,13 +136,6 @@ class FrameRelay:
             return []
         return [(MSG, _flip_payload_byte(body, upstream))]
 
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
 
 async def _round(peers: list[LocalPeer], channels: ChannelPool, seed: int) -> list[Any]:
     """One round; returns each member's (result, own input, exact mean, means without
@@ -170,7 +172,8 @@ async def test_a_relay_cannot_alter_a_public_run_stream(
 ) -> None:
     peers = await allreduce_peers.start_peers(grpc_servers, MEMBERS, FAST, data_plane=True)
     relay = FrameRelay(peers[RELAYED].data_port, tamper)
-    peers[RELAYED].data_port = await relay.start()  # what the group advertises
+    # What the group advertises for the reducer: the relay in front of its data plane.
+    peers[RELAYED].data_port = int((await relay.start()).rpartition(":")[2])
     channels = ChannelPool()
     try:
         # Control: relayed unchanged, the round is whole and exact.
@@ -200,3 +203,36 @@ async def test_a_relay_cannot_alter_a_public_run_stream(
     finally:
         await relay.close()
         await allreduce_peers.close_peers(peers)
+        await channels.close()
+
+
+async def test_unkeyed_streams_are_served_only_where_the_run_allows_them(
+    grpc_servers: GrpcServerPool,
+) -> None:
+    """An older sender's signed first message carries no stream key: served as before by
+    default, refused with ``keyed_streams_only``; a keyed first message carrying a chunk
+    (the one message nothing would cover) is refused either way."""
+    quick = dataclasses.replace(FAST, registration_wait=0.2)
+    strict = dataclasses.replace(quick, keyed_streams_only=True)
+    lenient_peers = await allreduce_peers.start_peers(grpc_servers, 2, quick)
+    strict_peers = await allreduce_peers.start_peers(grpc_servers, 2, strict)
+    channels = ChannelPool()
+    try:
+        for peers, expected in ((lenient_peers, NOT_FOUND), (strict_peers, UNAUTHENTICATED)):
+            sender, reducer = peers
+            unkeyed = opening(sender, reducer, os.urandom(16))
+            code, details = await outcome(channels, reducer, unkeyed)
+            assert code == expected, details  # NOT_FOUND: verified, no such round here
+
+            keyed = averaging_pb2.ReduceRequest(
+                group_id=os.urandom(16), part_index=0, weight=1.0, stream_key=bytes(32)
+            )
+            keyed.chunk.CopyFrom(get_codec("none").encode(np.ones(4, np.float32), CodecInfo()))
+            digest = reduce_digest(keyed.group_id, 0, 1.0, 0, keyed.stream_key)
+            keyed.header.CopyFrom(sender.signer.sign(reducer.identity.peer_id, REDUCE, digest))
+            code, details = await outcome(channels, reducer, keyed)
+            assert code == INVALID_ARGUMENT, details
+            assert "carries no chunk" in details
+    finally:
+        await allreduce_peers.close_peers(lenient_peers + strict_peers)
+        await channels.close()
