@@ -316,27 +316,22 @@ def _parse_reply(data: bytes) -> Reply:
             adjusted = a
         elif field == _RESPONSE_WEIGHTS_CLIPPED_FIELD and wire_type == _VARINT:
             weights_clipped = a
-    keyed = {"handshake": handshake, "stream_key": stream_key, "mac": mac, "covered": covered}
-    if chunk_range is None:
-        return Reply(
-            chunk_index,
-            num_senders,
-            nbytes=len(data),
-            num_adjusted=adjusted,
-            weights_clipped=weights_clipped,
-            **keyed,  # type: ignore[arg-type]
-        )
-    header, payload = _parse_chunk(view, *chunk_range)
+    header: Header | None = None
+    payload: memoryview | None = None
+    if chunk_range is not None:
+        header, payload = _parse_chunk(view, *chunk_range)
     return Reply(
         chunk_index,
         num_senders,
         header,
         payload,
-        len(data),
-        "",
-        adjusted,
-        weights_clipped,
-        **keyed,  # type: ignore[arg-type]
+        nbytes=len(data),
+        num_adjusted=adjusted,
+        weights_clipped=weights_clipped,
+        handshake=handshake,
+        stream_key=stream_key,
+        mac=mac,
+        covered=covered,
     )
 
 
