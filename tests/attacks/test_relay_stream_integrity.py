@@ -8,8 +8,9 @@ keyed_stream.py): every message after the handshake carries a MAC under a key on
 ends hold, and a message that fails it ends the stream and is not used.
 
 Three real members (reducers, gRPC servers and data planes on 127.0.0.1); the data plane of
-member 0 is reached through a relay that reads the frames it splices and, once armed,
-changes one thing in one stream. The control relays the same round unchanged: every result
+member 0 (or, over gRPC, its gRPC port) is reached through a relay that reads the frames it
+splices (data-plane frames, or HTTP/2 frames) and, once armed, changes one thing in one
+stream. The control relays the same round unchanged: every result
 is the exact mean. Under attack every element of every result must be one the honest
 protocol can give (the mean over all senders, the mean without the sender whose stream was
 touched, or the member's own value for a part it kept): nothing the relay wrote is used.
@@ -137,6 +138,60 @@ class FrameRelay(SourceRelay):
         return [(MSG, _flip_payload_byte(body, upstream))]
 
 
+class Http2Relay(SourceRelay):
+    """Splices connections to a gRPC server HTTP/2 frame by frame; once :attr:`armed`,
+    changes the low bit of 4 consecutive bytes in the middle of the first large ``DATA``
+    frame (a chunk's or an average's payload, not a stream's small first message) going the
+    way :attr:`tamper` names: one of them is the high byte of a value, which becomes 4 times
+    larger or smaller."""
+
+    PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    FRAME = struct.Struct(">3sB")  # length (24 bits), type; then flags and stream id
+    DATA = 0
+
+    def __init__(self, port: int, tamper: Tamper) -> None:
+        super().__init__(f"127.0.0.1:{port}", "127.0.0.1")
+        self._port = port
+        self.tamper = tamper
+        self.armed = False
+        self.done = False
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._port)
+        tasks = [
+            asyncio.ensure_future(self._pump(reader, up_writer, upstream=True)),
+            asyncio.ensure_future(self._pump(up_reader, writer, upstream=False)),
+        ]
+        self._tasks.update(tasks)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.difference_update(tasks)
+        for w in (writer, up_writer):
+            w.close()
+
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, upstream: bool
+    ) -> None:
+        try:
+            if upstream:
+                writer.write(await reader.readexactly(len(self.PREFACE)))
+            while True:
+                head = await reader.readexactly(9)
+                length, kind = self.FRAME.unpack(head[:4])
+                body = bytearray(await reader.readexactly(int.from_bytes(length)))
+                wanted = (self.tamper is Tamper.ALTER_CHUNK) == upstream
+                large = kind == self.DATA and len(body) > 2048
+                if large and wanted and self.armed and not self.done:
+                    self.done = True
+                    middle = len(body) // 2
+                    for at in range(middle, middle + 4):
+                        body[at] ^= 0x01
+                writer.write(head + body)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            with contextlib.suppress(OSError, RuntimeError):
+                writer.write_eof()
+
+
 async def _round(peers: list[LocalPeer], channels: ChannelPool, seed: int) -> list[Any]:
     """One round; returns each member's (result, own input, exact mean, means without
     each sender)."""
@@ -200,6 +255,43 @@ async def test_a_relay_cannot_alter_a_public_run_stream(
         ]
         assert any("integrity check" in reason for reason in reasons), reasons
         assert any(result.partial for result, _, _ in outcome)
+    finally:
+        await relay.close()
+        await allreduce_peers.close_peers(peers)
+        await channels.close()
+
+
+@pytest.mark.parametrize("tamper", [Tamper.ALTER_CHUNK, Tamper.ALTER_REPLY], ids=["chunk", "reply"])
+async def test_a_relay_cannot_alter_a_public_run_stream_over_grpc(
+    grpc_servers: GrpcServerPool, tamper: Tamper
+) -> None:
+    """The same over the gRPC ``Reduce`` method: a relay in front of the reducer's gRPC
+    port that alters the bytes of an HTTP/2 ``DATA`` frame."""
+    peers = await allreduce_peers.start_peers(grpc_servers, MEMBERS, FAST, data_plane=False)
+    relay = Http2Relay(int(peers[RELAYED].address.rpartition(":")[2]), tamper)
+    peers[RELAYED].address = await relay.start()  # what the group advertises
+    channels = ChannelPool()
+    try:
+        for result, _, means in await _round(peers, channels, seed=1):
+            assert not result.partial, (result.dropped, result.failed_parts)
+            np.testing.assert_allclose(result.tensors[0], means[0], rtol=1e-5, atol=1e-6)
+
+        relay.armed = True
+        outcome = await _round(peers, channels, seed=2)
+        assert relay.done, "the relay never saw the message it was to change"
+        for result, own, means in outcome:
+            ok = _possible(result, own, means)
+            assert ok.all(), (
+                f"{tamper.value}: {int((~ok).sum())} element(s) hold what the relay wrote",
+                result.partial,
+                result.dropped,
+            )
+        reasons = [
+            reason
+            for result, _, _ in outcome
+            for reason in [*result.dropped.values(), *result.distrusted.values()]
+        ]
+        assert any("integrity check" in reason for reason in reasons), reasons
     finally:
         await relay.close()
         await allreduce_peers.close_peers(peers)
