@@ -9,7 +9,7 @@ import pytest
 
 from swarmavg.averaging.errors import InvalidTensorsError
 from swarmavg.compression import native
-from swarmavg.peer.handoff import copy_checked
+from swarmavg.peer.client.handoff import copy_checked
 
 pytestmark = pytest.mark.timeout(60)
 
