@@ -1,4 +1,5 @@
-"""The swarmavg peer daemon, its local control service, the client library and the CLI.
+"""The swarmavg peer: the client library, the daemon with its control service, the monitor,
+the CLI and NAT traversal, each a subpackage (docs/architecture.md).
 
 Public API (docs/peer.md)::
 

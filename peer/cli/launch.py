@@ -5,7 +5,7 @@ given options), waits for its ready line, runs COMMAND with ``SWARMAVG_CONTROL``
 ``SWARMAVG_RUN_ID``) set to that daemon, and when COMMAND ends, stops the daemon and exits
 with COMMAND's code. Several launches on one machine (one per GPU) each get their own
 daemon: the control socket and, with the default ``--listen``, the port step aside for one
-another (peer/control_server.py, peer/daemon.py).
+another (peer/daemon/control_server.py, peer/daemon/daemon.py).
 
 Signals: both children run in sessions of their own, so a Ctrl+C in the terminal reaches
 the launcher only. It forwards SIGINT/SIGTERM/SIGHUP to COMMAND (which may finish its

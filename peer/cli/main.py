@@ -2,10 +2,10 @@
 
 ``swarmavg peer`` runs a daemon in the foreground, ``swarmavg dht`` a bare DHT node,
 ``swarmavg status`` asks a running daemon for its figures, ``swarmavg peers`` for every peer of
-its run, ``swarmavg monitor`` records a run over time and plots it (``peer/monitor_cli.py``),
+its run, ``swarmavg monitor`` records a run over time and plots it (``peer/cli/monitor.py``),
 ``swarmavg run`` creates a private run's authority and invites its peers
-(``peer/run_cli.py``), ``swarmavg launch`` runs a training command beside a daemon of its
-own (``peer/launch.py``). The daemon prints exactly one
+(``peer/cli/run.py``), ``swarmavg launch`` runs a training command beside a daemon of its
+own (``peer/cli/launch.py``). The daemon prints exactly one
 JSON line on stdout once it is ready; everything else (logs, errors) goes to stderr.
 Heavy modules are imported only by the subcommand that needs them, so ``--help`` is fast
 and the daemon never loads torch.

@@ -269,7 +269,7 @@ class PreparedAverage:
 
     def found_no_group(self) -> None:
         """The daemon answered that no group formed: its round never wrote into the
-        segment and it keeps its mapping (peer/control.py), so the pool may keep the
+        segment and it keeps its mapping (peer/daemon/control.py), so the pool may keep the
         segment as after a success. A fresh segment costs its page faults in the next
         call's copy (0.07-0.4 s for 64 MB), enough to make this peer late for that round
         too (docs/benchmarks-testbed.md, "First rounds of a key")."""

@@ -67,7 +67,7 @@ _OPTIONS = [
 _AWAY_CODES = frozenset({"UNAVAILABLE", "UNAUTHENTICATED", "CANCELLED"})
 """Codes of a call that did not reach the daemon it connected to: gone, shutting down (a
 stopping server cancels the calls in flight: CANCELLED), or a restarted one that wrote a
-new token (peer/reconnect.py)."""
+new token (peer/client/reconnect.py)."""
 
 
 def _away_reason(exc: grpc.RpcError) -> str | None:
@@ -170,7 +170,7 @@ def _access(endpoint: ControlEndpoint) -> tuple[tuple[str, str], ...]:
     """Check that the endpoint is this user's daemon; return the metadata every call carries.
 
     Fails at once, with a clear message, when the socket file is not there at all, belongs to
-    another user, or (TCP) this user holds no token for it (peer/control_access.py).
+    another user, or (TCP) this user holds no token for it (peer/client/control_access.py).
     """
     if endpoint.path is not None and not endpoint.path.exists():
         raise _unavailable(endpoint, "no socket file")
@@ -251,7 +251,7 @@ class Client:
         reconnect_timeout: float = RECONNECT_TIMEOUT,
     ) -> None:
         """Connect and check that a daemon answers. When the daemon goes away later
-        (restarted), see peer/reconnect.py: rounds fail at once, other calls wait up to
+        (restarted), see peer/client/reconnect.py: rounds fail at once, other calls wait up to
         ``reconnect_timeout`` seconds for it to come back on the same endpoint.
 
         Raises:
@@ -305,7 +305,7 @@ class Client:
             return response
 
     def _wait_for_daemon(self, reason: str) -> None:
-        """Look for the daemon with backoff until it answers (peer/reconnect.py).
+        """Look for the daemon with backoff until it answers (peer/client/reconnect.py).
 
         Raises:
             DaemonUnavailableError: it did not come back within ``reconnect_timeout``.
@@ -479,7 +479,7 @@ def connect(
         connect_timeout: seconds to wait for the daemon to answer.
         reconnect_timeout: seconds a call other than ``average`` waits for a daemon that
             went away to come back on the same endpoint (a restart); ``average`` fails at
-            once meanwhile (peer/reconnect.py).
+            once meanwhile (peer/client/reconnect.py).
 
     Raises:
         DaemonUnavailableError: no daemon answers at the endpoint.

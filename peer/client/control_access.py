@@ -22,7 +22,7 @@ it must take what only the daemon's user has:
   that process (Linux: ``/proc/net/tcp``, ``/proc/net/tcp6`` and ``/proc/PID/fd``). An
   impostor's listener, another user's or this user's, is refused before the token or a
   tensor leaves the client. What stays open: the check is made when the client connects and
-  again each time a call finds the daemon gone (peer/reconnect.py); a daemon replaced
+  again each time a call finds the daemon gone (peer/client/reconnect.py); a daemon replaced
   between two calls without one failing is not noticed, so the client reconnects to whoever
   listens next. On a system without ``/proc`` a TCP endpoint is refused (use the unix
   socket).

@@ -12,7 +12,7 @@ back on the same control endpoint. Its client does not die with it:
 - the daemon's absence and its return are logged once each, never per attempt.
 
 Each wait re-checks the endpoint's owner and re-reads its token (a restarted daemon writes
-a new one; peer/control_access.py), so a look-alike that took the endpoint meanwhile is
+a new one; peer/client/control_access.py), so a look-alike that took the endpoint meanwhile is
 refused as at connect time.
 """
 

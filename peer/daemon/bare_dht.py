@@ -3,7 +3,7 @@
 Same ``--listen/--announce/--join/--identity/--run-id`` flags and ready line as
 ``swarmavg peer``, without the averager. Two optional endpoints: ``--metrics HOST:PORT``
 (Prometheus: DHT size, routing table, stored records) and ``--control ENDPOINT``, which
-``swarmavg status`` and ``swarmavg peers`` ask (peer/dht_control.py). The control endpoint
+``swarmavg status`` and ``swarmavg peers`` ask (peer/daemon/dht_control.py). The control endpoint
 is off unless asked for (``"control": null`` in the ready line): a bootstrap node often
 shares a machine with a peer of the same run, whose default socket it must not take.
 """
@@ -185,7 +185,7 @@ class BareDHT:
             raise StartupError(f"cannot serve metrics on {address}: {exc.strerror}") from None
         self._metrics = metrics
 
-    # ---- what the control endpoint answers (peer/dht_control.py) ----
+    # ---- what the control endpoint answers (peer/daemon/dht_control.py) ----
 
     def status(self) -> control_pb2.StatusResponse:
         """The node's figures (``swarmavg status``): no rounds, no bytes of averaging."""

@@ -3,7 +3,7 @@
 The tree has one section per component, each a small frozen dataclass of the settings a
 user may need, mapping onto one component config:
 
-- ``[peer]``: ``PeerConfig``'s own fields: the daemon (``peer/daemon.py``), its run and
+- ``[peer]``: ``PeerConfig``'s own fields: the daemon (``peer/daemon/daemon.py``), its run and
   addresses;
 - ``[dht]``: ``config.dht`` -> :class:`~swarmavg.dht.config.DHTConfig`;
 - ``[averaging]``: ``config.averaging`` -> :class:`~swarmavg.averaging.averager.AveragerConfig`;
@@ -379,7 +379,7 @@ INTERNAL: Mapping[type, tuple[str, ...]] = MappingProxyType(
             "auth_max_nonces",
             "limits",
             "validators",
-            # The run's protocol keys, set by the daemon (peer/daemon.py, node_dht_config).
+            # The run's protocol keys, set by the daemon (peer/daemon/daemon.py, node_dht_config).
             "key_classes",
             # Guards against hostile sources (docs/dht.md "Quotas and rate
             # limits"): defaults far above what honest peers use, the same on every peer.

@@ -288,7 +288,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 segment = self._backend.segments.open(
                     start.shm_name, start.shm_size, start.shm_reuse
                 )
-                # The round averages in the segment itself (peer/handoff.py): the inputs
+                # The round averages in the segment itself (peer/client/handoff.py): the inputs
                 # are read where the client wrote them, the result written over them.
                 out = segment.inputs(dtypes, shapes)
                 arrays = out

@@ -1,7 +1,7 @@
 """Binding a local control endpoint (``swarmavg peer``'s, and ``swarmavg dht``'s when given
 ``--control``): the socket's folder checks, the TCP token, the cleanup on stop.
 
-A unix socket is private by its folder and mode (peer/control_access.py); a TCP endpoint is
+A unix socket is private by its folder and mode (peer/client/control_access.py); a TCP endpoint is
 reachable by every local user, so only callers that read the token file (mode 600, this
 user's folder) get through.
 """

@@ -77,7 +77,8 @@ from swarmavg.peer.nat.reservation import RelayedAddress
 from swarmavg.peer.version import installed_version
 from swarmavg.proto import control_pb2
 
-log = logging.getLogger(__name__)
+# The room's name, not the module's: a user reads "swarmavg.peer.daemon: ..." in the log.
+log = logging.getLogger("swarmavg.peer.daemon")
 
 SHM_SWEEP_INTERVAL = 5.0
 FREE_PORT_LISTEN = "0.0.0.0:0"
@@ -226,7 +227,7 @@ class Peer:
     def __init__(self, config: PeerConfig) -> None:
         self.config = config
         self.stats = PeerStats()
-        self.round_log = RoundLog()  # published for monitors: peer/monitor_rounds.py
+        self.round_log = RoundLog()  # published for monitors: peer/daemon/round_reports.py
         self.address: str | None = None
         self.control: ControlEndpoint | None = None
         self.identity: Identity | None = None

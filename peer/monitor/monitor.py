@@ -43,7 +43,8 @@ from swarmavg.peer.monitor.page import render_page
 from swarmavg.peer.monitor.series import DEFAULT_HISTORY, History, Sample, sample_from_view
 from swarmavg.peer.monitor.sinks import Sink, SinkUnavailable, close_sinks, open_sinks, write_all
 
-log = logging.getLogger(__name__)
+# The room's name, not the module's: a user reads "swarmavg.peer.monitor: ..." in the log.
+log = logging.getLogger("swarmavg.peer.monitor")
 
 DEFAULT_INTERVAL = 5.0
 """Seconds between polls: a poll costs three DHT lookups (docs/benchmarks.md, "Peer")."""
