@@ -57,6 +57,7 @@ from swarmavg.averaging.allreduce.buffers import BufferPool
 from swarmavg.averaging.allreduce.chunking import link_chunk_bytes
 from swarmavg.averaging.allreduce.data_plane import DataCall, DataStreamError
 from swarmavg.averaging.allreduce.faults import FaultPlan, InjectedCrash
+from swarmavg.averaging.allreduce.keyed_stream import SenderHandshake, StreamSeal
 from swarmavg.averaging.allreduce.load_balancing import part_sizes
 from swarmavg.averaging.allreduce.part_check import DeviationTally, forged_parts
 from swarmavg.averaging.allreduce.partition import (
@@ -70,24 +71,26 @@ from swarmavg.averaging.allreduce.partition import (
 )
 from swarmavg.averaging.allreduce.round import Abort, ReducerRound, offload
 from swarmavg.averaging.allreduce.service import AllReduceService
+from swarmavg.averaging.allreduce.stream_keys import KeyAgreementError
+from swarmavg.averaging.allreduce.stream_mac import IntegrityError, StreamMac
 from swarmavg.averaging.allreduce.wire import (
     OutgoingChunk,
     Reply,
     encode_request,
-    reduce_digest,
+    sealed,
     serialize_pieces,
 )
 from swarmavg.averaging.errors import InvalidTensorsError
 from swarmavg.averaging.group import GroupInfo, schema_hash
 from swarmavg.averaging.result import AveragingResult
-from swarmavg.averaging.stubs import REDUCE, reduce_method
+from swarmavg.averaging.stubs import reduce_method
 from swarmavg.compression import Codec, CodecInfo
 from swarmavg.compression.base import Buffer, Encoded, Header
 from swarmavg.compression.kernels import all_finite, check_copy
 from swarmavg.compression.native import copy_finite
 from swarmavg.dht.auth import RequestSigner
+from swarmavg.dht.identity import HeaderError
 from swarmavg.dht.ranges import split_host
-from swarmavg.proto import averaging_pb2
 
 log = logging.getLogger(__name__)
 
@@ -292,20 +295,11 @@ class _Exchange:
     def _encode(self, part: int, chunk: int) -> Encoded:
         return self._coded(self.codec.encode_payload, *self._chunk(part, chunk))
 
-    def _encode_request(self, part: int, chunk: int) -> OutgoingChunk:
-        """One chunk of ``part`` as the wire pieces of its ``ReduceRequest``."""
-        first = None
-        if chunk == 0:
-            first = averaging_pb2.ReduceRequest(
-                group_id=self.group.group_id, part_index=part, weight=self.weight
-            )
-            # Signed for part's reducer and this group: a captured first message opens no
-            # stream to another reducer, into another group, or twice (dht/auth.py).
-            digest = reduce_digest(self.group.group_id, part, self.weight, chunk)
-            first.header.CopyFrom(
-                self.signer.sign(self.group.members[part].peer_id, REDUCE, digest)
-            )
-        return encode_request(self._encode(part, chunk), chunk, first)
+    def _encode_request(self, part: int, chunk: int, mac: StreamMac) -> OutgoingChunk:
+        """One chunk of ``part`` as the wire pieces of its ``ReduceRequest``, sealed with
+        the stream's next tag (here, off the loop with the encoding; chunks are encoded
+        one at a time, in the order they are written)."""
+        return sealed(encode_request(self._encode(part, chunk), chunk), mac)
 
     def _round_trip_local(self, chunk: int) -> np.ndarray:
         """This member's own copy of one chunk of its part, through the codec and back."""
@@ -501,7 +495,19 @@ class _Exchange:
 
     # ---- one remote part ----
 
-    async def _send_part(self, part: int, call: grpc.aio.StreamStreamCall | DataCall) -> None:
+    async def _send_part(
+        self,
+        part: int,
+        call: grpc.aio.StreamStreamCall | DataCall,
+        handshake: SenderHandshake,
+        seal: asyncio.Future[StreamSeal],
+    ) -> None:
+        # Signed for part's reducer and this group: a captured first message opens no stream
+        # to another reducer, into another group, or twice (dht/auth.py). No chunk goes
+        # before the reducer's handshake: every chunk carries a tag under the stream's key.
+        opening = handshake.opening(self.signer, self.weight)
+        await self._write(call, opening)
+        mac = (await seal).outbound
         for chunk in range(self.plan.num_chunks(part)):
             if self.fault_plan is not None:
                 if self.fault_plan.crashes(chunk):
@@ -515,6 +521,7 @@ class _Exchange:
                     self._encode_request,
                     part,
                     chunk,
+                    mac,
                     elements=self._chunk_size(part, chunk),
                 )
             except InvalidTensorsError as e:
@@ -522,12 +529,17 @@ class _Exchange:
                 return  # the round ends now: run_allreduce cancels this stream
             # Counted before the write: a reply may come back before the write returns.
             self.handed[part] = chunk + 1
-            if isinstance(call, DataCall):
-                await call.write_pieces(request.pieces)  # no join: the socket takes pieces
-            else:
-                await call.write(serialize_pieces(request))
-            self.bytes_sent += request.nbytes
+            await self._write(call, request)
         await call.done_writing()
+
+    async def _write(
+        self, call: grpc.aio.StreamStreamCall | DataCall, request: OutgoingChunk
+    ) -> None:
+        if isinstance(call, DataCall):
+            await call.write_pieces(request.pieces)  # no join: the socket takes pieces
+        else:
+            await call.write(serialize_pieces(request))
+        self.bytes_sent += request.nbytes
 
     async def _open_call(self, part: int, address: str) -> grpc.aio.StreamStreamCall | DataCall:
         """A ``Reduce`` stream to the reducer of ``part``: over its data plane when it
@@ -609,7 +621,10 @@ class _Exchange:
         before starting it. Never raises (except CancelledError)."""
         loop = asyncio.get_running_loop()
         num_chunks = self.plan.num_chunks(part)
-        sender = loop.create_task(self._send_part(part, call))
+        reducer_id = self.group.members[part].peer_id
+        handshake = SenderHandshake(self.signer.peer_id, reducer_id, self.group.group_id, part)
+        seal: asyncio.Future[StreamSeal] = loop.create_future()
+        sender = loop.create_task(self._send_part(part, call, handshake, seal))
         started = time.monotonic()
         replies = 0
         try:
@@ -629,6 +644,19 @@ class _Exchange:
                     return _Outcome.DONE
                 if response is grpc.aio.EOF:
                     log.info("part %d: reducer %s ended the stream early", part, address)
+                    return _Outcome.DONE
+                if not seal.done():
+                    try:
+                        seal.set_result(handshake.accept(response, self.service.authenticator))
+                    except (HeaderError, IntegrityError, KeyAgreementError) as e:
+                        self._distrust(part, f"its handshake failed: {e}")
+                        return _Outcome.DONE
+                    continue
+                try:
+                    seal.result().inbound.check(response.covered, response.mac)
+                except IntegrityError as e:
+                    # Altered on the way or by the reducer: either way, not used.
+                    self._distrust(part, str(e))
                     return _Outcome.DONE
                 replies += 1
                 if not await self._accept_reply(part, response):
@@ -942,6 +970,7 @@ async def run_allreduce(
             fault_plan,
             buffers=service.buffers,
             combiner=service.combiner,
+            signer=signer,
         )
         service.register(round_)
         round_.start()

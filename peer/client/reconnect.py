@@ -87,8 +87,8 @@ class DaemonLink:
     def answered(self, peer_id: str = "", pid: int = 0) -> None:
         """A call reached the daemon (logs its return once, when it was away). ``peer_id``:
         the daemon's id, when the call tells it; a daemon that came back under another id
-        (restarted without ``--identity``) is worth a warning: records the trainer signs
-        under the old id are refused."""
+        (restarted without ``--identity``) is worth a warning: the swarm sees a new member, and
+        the trainer's progress records move to the new id (averaging/training/progress.py)."""
         self.pid = pid or self.pid
         self.peer_id = self.peer_id or peer_id
         self._stopping = False
@@ -101,8 +101,8 @@ class DaemonLink:
         if peer_id and self.peer_id and peer_id != self.peer_id:
             log.warning(
                 "the daemon came back as another peer (%s, was %s): start it with --identity "
-                "FILE to keep its id across restarts; a training wrapper made before the "
-                "restart reports under the old id",
+                "FILE to keep its id across restarts (the swarm sees a new member; a training "
+                "wrapper reports under the new id from its next report)",
                 peer_id[:12],
                 self.peer_id[:12],
             )

@@ -430,6 +430,9 @@ INTERNAL: Mapping[type, tuple[str, ...]] = MappingProxyType(
             "max_pending_per_range",
             "first_message_timeout",
             "limit_local_ranges",
+            # Whether older peers' unkeyed streams are served: a rule of the run, for the
+            # Python API until every peer of a run keys its streams.
+            "keyed_streams_only",
             "write_timeout",
             "max_reply_backlog",
             "max_codec_instances",
