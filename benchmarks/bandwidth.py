@@ -370,7 +370,8 @@ def tcp_summary(done: Sequence[Round]) -> dict[str, float]:
     """What TCP did to carry these rounds, all hosts together (deploy/testbed/tcpstats.py):
     the share of segments sent that were retransmissions, and per round the tail loss
     probes and retransmission timeouts (each of which holds a chunk back a round trip or
-    more while its reducer waits for it)."""
+    more while its reducer waits for it), and CUBIC's slow starts that HyStart ended
+    early."""
     totals: dict[str, int] = {}
     for r in done:
         for name, value in (r.tcp or {}).items():
@@ -382,6 +383,11 @@ def tcp_summary(done: Sequence[Round]) -> dict[str, float]:
         "loss_probes_per_round": round(totals.get("TCPLossProbes", 0) / len(done), 1),
         "timeouts_per_round": round(totals.get("TCPTimeouts", 0) / len(done), 1),
         "fast_retransmits_per_round": round(totals.get("TCPFastRetrans", 0) / len(done), 1),
+        "hystart_exits_per_round": round(
+            (totals.get("TCPHystartTrainDetect", 0) + totals.get("TCPHystartDelayDetect", 0))
+            / len(done),
+            1,
+        ),
     }
 
 
