@@ -22,12 +22,12 @@ import statistics
 import sys
 from typing import Any
 
-from deploy.testbed import TestBed, missing_requirements
+from deploy.testbed import TestBed
 from deploy.testbed.goodput import all_to_all
 from deploy.testbed.tcpstats import counter_delta, read_counters
 from deploy.testbed.wan import add_link_arguments, link_figures, uniform_hosts
 
-from .link_ceiling import fraction
+from .link_ceiling import fraction, parse_bed_arguments
 
 
 def log(message: str) -> None:
@@ -43,12 +43,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--connections", default="1,2,4", help="per pair, comma-separated")
     parser.add_argument("--congestion-controls", default="cubic,bbr")
-    args = parser.parse_args()
-    if args.hosts < 2:
-        parser.error("--hosts must be at least 2")
-    reason = missing_requirements()
-    if reason is not None:
-        parser.error(f"the test bed cannot run here: {reason}")
+    args = parse_bed_arguments(parser)
     n, rate = args.hosts, args.rate_mbit
     per_pair = 2 * int(args.mb * 1e6) // n
     settings = [
