@@ -20,6 +20,7 @@ import grpc
 
 from swarmavg.averaging.errors import NoGroupError
 from swarmavg.averaging.group import MAX_GROUP_SIZE, GroupInfo
+from swarmavg.averaging.matchmaking.calling import Calling
 from swarmavg.averaging.matchmaking.closing import assign_leaders, short_ids
 from swarmavg.averaging.matchmaking.config import MatchmakingEvent
 from swarmavg.averaging.matchmaking.declarations import (
@@ -28,7 +29,6 @@ from swarmavg.averaging.matchmaking.declarations import (
     check_formed_group,
     leader_candidates,
 )
-from swarmavg.averaging.matchmaking.declaring import Declaring
 from swarmavg.averaging.matchmaking.round import (
     FINAL_CODES_TEXT,
     MEMBER_READS,
@@ -36,9 +36,8 @@ from swarmavg.averaging.matchmaking.round import (
     Round,
     peer_ids,
 )
-from swarmavg.averaging.stubs import JOIN_GROUP, join_group_method
+from swarmavg.averaging.stubs import join_group_method
 from swarmavg.averaging.tasks import cancel_and_wait
-from swarmavg.dht.auth import message_digest
 from swarmavg.proto import averaging_pb2
 
 log = logging.getLogger(__name__)
@@ -49,7 +48,7 @@ DEAD_AFTER = 2
 """Refused connections in a row after which a leader is out of this round's split."""
 
 
-class Following(Declaring):
+class Following(Calling):
     """The follower side of a matchmaker."""
 
     def _pick_leader(self, rnd: Round, banned: dict[bytes, float]) -> Redirect | None:
@@ -144,23 +143,9 @@ class Following(Declaring):
         Returns the formed group, a redirect, or ``None`` (try someone else); updates
         ``banned`` with the ``time.monotonic()`` instant until which to skip ``target``.
         """
-        req, me = rnd.request, rnd.me
+        req = rnd.request
         forever = math.inf
-        request = averaging_pb2.JoinRequest(
-            key=req.key,
-            schema_hash=req.schema_hash,
-            mode=int(req.mode),
-            bandwidth=req.bandwidth,
-            user_data=req.user_data,
-            declared_start=me.start,
-            data_port=req.data_port,
-            aggregation=req.aggregation,
-        )
-        # Signed for the leader we dial (its id is in its declaration): nobody else can
-        # replay this request, and nobody can send one in our name.
-        request.header.CopyFrom(
-            self.dht.signer.sign(target.peer_id, JOIN_GROUP, message_digest(request))
-        )
+        request = self._join_request(rnd, target.peer_id)
         call = join_group_method(self.channels.channel(target.address, target.peer_id))(
             request, timeout=max(0.1, req.give_up_by - time.monotonic() + 1.0)
         )
