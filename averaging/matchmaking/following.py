@@ -28,6 +28,7 @@ from swarmavg.averaging.matchmaking.declarations import (
     FollowerAsk,
     check_formed_group,
     leader_candidates,
+    leader_order,
 )
 from swarmavg.averaging.matchmaking.round import (
     FINAL_CODES_TEXT,
@@ -50,6 +51,27 @@ DEAD_AFTER = 2
 
 class Following(Calling):
     """The follower side of a matchmaker."""
+
+    def _roster_leader(self, rnd: Round) -> Redirect | None:
+        """The leader a steady-state round will have, asked before any read of the
+        declarations: the first in leader order among this peer and the family's roster
+        (the peers of its last round there), when they fit one group. Leader order is a
+        hash of the key and the id, so every member computes the same one without the
+        DHT; the read runs meanwhile, and the group is checked against it as always.
+        ``None`` when we lead, the roster is unproven (presence entries), or a read
+        stood already."""
+        if not rnd.proven_roster or rnd.last_read > -math.inf or not rnd.previous:
+            return None
+        if len(rnd.previous | {self.peer_id}) > rnd.request.group_size:
+            return None  # a split: which group is ours needs the declarations
+        key = rnd.request.key
+        candidates = {p: a for p, a in rnd.previous_addresses.items() if a and p not in rnd.shunned}
+        best = min(candidates, key=lambda p: leader_order(key, p), default=None)
+        if best is None or best == self.peer_id:
+            return None
+        if rnd.me.can_lead and leader_order(key, self.peer_id) < leader_order(key, best):
+            return None
+        return Redirect(best, candidates[best])
 
     def _pick_leader(self, rnd: Round, banned: dict[bytes, float]) -> Redirect | None:
         """The leader to ask next: the one the balanced assignment gives us, else the best
@@ -145,6 +167,7 @@ class Following(Calling):
         """
         req = rnd.request
         forever = math.inf
+        predicted, rnd.predicted = rnd.predicted == target.peer_id, None
         request = self._join_request(rnd, target.peer_id)
         call = join_group_method(self.channels.channel(target.address, target.peer_id))(
             request, timeout=max(0.1, req.give_up_by - time.monotonic() + 1.0)
@@ -152,7 +175,10 @@ class Following(Calling):
         following = False
         try:
             asked = time.monotonic()
-            async with asyncio.timeout(self.config.join_timeout):
+            # A roster leader may be gone without a trace (a host that stopped answering):
+            # it gets a settle time, not a join timeout, before the read decides.
+            answer_in = self.settle_time() if predicted else self.config.join_timeout
+            async with asyncio.timeout(answer_in):
                 first = await call.read()
             self.rpc_latency.observe(time.monotonic() - asked)
             if first is grpc.aio.EOF:
@@ -183,6 +209,10 @@ class Following(Calling):
                 # Most often: the leader has not read our declaration yet. Ask again soon.
                 log.debug("%s refused our request: %s", target.peer_id.hex()[:8], first.detail)
                 banned[target.peer_id] = time.monotonic() + self._backoff(rnd, target.peer_id)
+                return None
+            if code == averaging_pb2.JOIN_REJECT_NOT_LOOKING and predicted:
+                # The roster's leader has not called yet: it calls us when it does (we
+                # declared first), or our reads find where everyone went. Not "elsewhere".
                 return None
             if code == averaging_pb2.JOIN_REJECT_NOT_LOOKING:
                 rnd.not_looking.add(target.peer_id)
@@ -234,6 +264,8 @@ class Following(Calling):
             banned[target.peer_id] = time.monotonic() + self.config.retry_after
             return None
         except (grpc.aio.AioRpcError, TimeoutError) as error:
+            if predicted and not following:
+                return None  # asked on a guess: no ban; the read decides as for anyone
             # Dead, or only slow (a loaded machine): retry later with a growing pause
             # rather than writing it off; a dead peer fails fast, a slow one may answer.
             if (

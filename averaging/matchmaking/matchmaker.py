@@ -253,6 +253,13 @@ class Matchmaker(Following, Leading):
         next_read = 0.0
         if rnd.last_read > -math.inf and self._pick_leader(rnd, banned) is not None:
             next_read = rnd.last_read + self._read_interval(rnd)
+        else:
+            # The steady state: ask the roster's leader at once, the read running meanwhile.
+            redirect = self._roster_leader(rnd)
+            if redirect is not None:
+                rnd.predicted = redirect.peer_id
+                if rnd.reading is None or rnd.reading.done():
+                    rnd.reading = asyncio.ensure_future(self._refresh_declarations(rnd))
         while True:
             if rnd.result.done():
                 return rnd.result.result()

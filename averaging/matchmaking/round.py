@@ -116,6 +116,9 @@ class Round:
     """Retries of a declaration whose first store did not finish in time (see ``_declare``)."""
     read_failures: int = 0
     reads: int = 0
+    predicted: bytes | None = None
+    """The roster's leader this peer asked before reading the declarations
+    (``Following._roster_leader``), until it answered."""
     callers: dict[bytes, str] = field(default_factory=dict)
     """Open peers that rank before this one and asked it to take them while it led alone
     (a leader calling the declarers that came before it: ``Leading._call_earlier``), by

@@ -28,6 +28,14 @@ CONFIG = fast_config(
 )
 
 
+def assert_one_group_of_two(results: list[Any]) -> None:
+    """Both calls came back from one group of 2 with the mean of 1 and 3."""
+    for result in results:
+        assert not isinstance(result, BaseException), result
+        assert result.group_size == 2
+        np.testing.assert_array_equal(result.tensors[0], np.full(4, 2.0, np.float32))
+
+
 class ReadsHeldAfterTheFirst:
     """The real DHT node, except that each read after the first waits for ``release``."""
 
@@ -83,7 +91,87 @@ async def test_a_follower_that_declared_first_joins_its_leader_when_called() -> 
         finally:
             held.release.set()
             results = await asyncio.gather(*calls, return_exceptions=True)
-        for result in results:
-            assert not isinstance(result, BaseException), result
-            assert result.group_size == 2
-            np.testing.assert_array_equal(result.tensors[0], np.full(4, 2.0, np.float32))
+        assert_one_group_of_two(results)
+
+
+class ReadBackMissesAndReadsHeld:
+    """The real DHT node; once ``hold`` is set, the read that comes with a store sees
+    nothing (a store made at the same moment elsewhere is missed) and every read waits
+    for ``release``."""
+
+    def __init__(self, node: DHTNode) -> None:
+        self._node = node
+        self.hold = False
+        self.held = 0
+        self.release = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._node, name)
+
+    async def store_and_get(self, *args: Any, **kwargs: Any) -> Any:
+        stored, record = await self._node.store_and_get(*args, **kwargs)
+        return stored, None if self.hold else record
+
+    async def get(self, *args: Any, **kwargs: Any) -> Any:
+        if self.hold:
+            self.held += 1
+            await self.release.wait()
+        return await self._node.get(*args, **kwargs)
+
+
+# A patience (2 poll intervals and the settle time) past the test's waits: the leader's
+# probe of a declarer that has not come (``_lonely_probe``) would also bring it.
+PATIENT = fast_config(
+    matchmaking_time=20.0,
+    matchmaker=MatchmakerConfig(poll_interval=30.0, retry_after=0.3, expect_run_members=False),
+)
+
+
+@pytest.mark.timeout(120)
+async def test_a_steady_state_follower_asks_the_rosters_leader_before_reading() -> None:
+    async with averager_swarm(2, PATIENT) as swarm:
+        leader, follower = swarm.peers
+        name = name_where_first(leader.peer_id, [follower.peer_id])  # family "k"
+        matchmaker = follower.averager._require()[0]
+        dht = ReadBackMissesAndReadsHeld(matchmaker.dht)  # type: ignore[arg-type]
+        matchmaker.dht = dht  # type: ignore[assignment]
+        # The family's first round: each knows the other afterwards (its roster).
+        first = await asyncio.gather(
+            *(
+                p.averager.average([np.ones(4, np.float32)], "k999999", timeout=60)
+                for p in swarm.peers
+            )
+        )
+        assert [r.group_size for r in first] == [2, 2]
+        dht.hold = True
+        calls = [
+            asyncio.ensure_future(
+                leader.averager.average([np.full(4, 3.0, np.float32)], name, timeout=60)
+            )
+        ]
+        try:
+            await swarm.wait_for(
+                lambda: any(
+                    e == MatchmakingEvent.DECLARED and k.endswith(f".{name}.0b")
+                    for e, k, _ in leader.events
+                ),
+                timeout=30,
+            )
+            calls.append(
+                asyncio.ensure_future(
+                    follower.averager.average([np.ones(4, np.float32)], name, timeout=60)
+                )
+            )
+            # The follower's read-back missed the leader and its reads are held: only
+            # the roster's leader, asked before any read, brings it there.
+            await swarm.wait_for(
+                lambda: any(
+                    e == MatchmakingEvent.FOLLOWER_ACCEPTED and k.endswith(f".{name}.0b")
+                    for e, k, _ in leader.events
+                ),
+                timeout=30,
+            )
+        finally:
+            dht.release.set()
+            results = await asyncio.gather(*calls, return_exceptions=True)
+        assert_one_group_of_two(results)
