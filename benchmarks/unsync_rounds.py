@@ -23,7 +23,11 @@ processes (rounds.py's reference). Prints ONE JSON line on stdout (progress on s
 (peer count, codec) how many rounds were one group of N (every worker's call succeeded with
 group size N and one group id), the rounds' shapes (``"4+3+1"``), the histogram of group
 sizes over calls, NoGroupError and other errors, partial results, bit-identity within
-groups, the median and p90 call time, the gloo median and the ratio of the two.
+groups, the median and p90 call time, the gloo median and the ratio of the two; and
+where the time goes: the medians of the result's phase timings over all calls and over
+each round's last caller (``phases_median_s``, ``last_caller_phases_median_s``), the
+round once its last caller is there (``last_caller_median_s``) and the spread of the
+calls' ends (``call_end_spread_median_s``).
 
     python -m benchmarks.unsync_rounds --peers 4,8 --rounds 20 --mb 16 --codecs none \
         --compute 2 --seed 1
