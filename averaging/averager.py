@@ -375,9 +375,10 @@ class Averager:
         if task is not None:
             self._rounds.add(task)
         phase = "matchmaking"
+        phases: dict[str, float] = {}
         try:
             async with asyncio.timeout(request.remaining() + self.config.timeout_grace):
-                group = await matchmaker.find_group(match, inputs_ready)
+                group = await matchmaker.find_group(match, inputs_ready, phases)
                 matched = time.monotonic()
                 index = group.index_of(self.dht.peer_id)
                 if index is None:  # find_group checks this; keep mypy and -O honest
@@ -424,6 +425,7 @@ class Averager:
             "matchmaking": matched - started,
             "allreduce": done - matched,
             "total": done - started,
+            **{f"matchmaking.{name}": seconds for name, seconds in phases.items()},
             **result.timings,
         }
         return dataclasses.replace(result, timings=timings)

@@ -23,7 +23,11 @@ processes (rounds.py's reference). Prints ONE JSON line on stdout (progress on s
 (peer count, codec) how many rounds were one group of N (every worker's call succeeded with
 group size N and one group id), the rounds' shapes (``"4+3+1"``), the histogram of group
 sizes over calls, NoGroupError and other errors, partial results, bit-identity within
-groups, the median and p90 call time, the gloo median and the ratio of the two.
+groups, the median and p90 call time, the gloo median and the ratio of the two; and
+where the time goes: the medians of the result's phase timings over all calls and over
+each round's last caller (``phases_median_s``, ``last_caller_phases_median_s``), the
+round once its last caller is there (``last_caller_median_s``) and the spread of the
+calls' ends (``call_end_spread_median_s``).
 
     python -m benchmarks.unsync_rounds --peers 4,8 --rounds 20 --mb 16 --codecs none \
         --compute 2 --seed 1
@@ -107,6 +111,7 @@ def worker_main(spec: dict[str, Any]) -> int:
                 except Exception as exc:  # every failure is a figure, reported to the parent
                     record.update(error=rounds._error_kind(exc), message=str(exc)[:500])
                 record["seconds"] = time.perf_counter() - started
+                record["wall_end"] = time.time()
                 if result is not None:
                     ranks = [ranks_of.get(p, -1) for p in result.peers]
                     record.update(
@@ -116,6 +121,7 @@ def worker_main(spec: dict[str, Any]) -> int:
                         partial=result.partial,
                         codec_used=result.codec,
                         matchmaking_s=result.timings.get("matchmaking"),
+                        timings=dict(result.timings),
                     )
                     if -1 not in ranks:  # outside the timed call, like a training step
                         checked = time.perf_counter()
@@ -225,6 +231,8 @@ def summarize(
     shapes: Counter[str] = Counter()
     in_order: list[str] = []
     spreads = []
+    end_spreads = []
+    last_callers = []
     slowest = []
     for r in range(rounds_n):
         calls = by_round.get(r, [])
@@ -240,6 +248,10 @@ def summarize(
         if calls:
             starts = [c["wall_start"] for c in calls]
             spreads.append(max(starts) - min(starts))
+            ends = [c["wall_end"] for c in calls]
+            end_spreads.append(max(ends) - min(ends))
+            if good:
+                last_callers.append(max(good, key=lambda c: c["wall_start"]))
             slowest.append(max(c["seconds"] for c in calls))
     groups: dict[str, set[str]] = defaultdict(set)
     for r in ok:
@@ -293,9 +305,40 @@ def summarize(
             [r["matchmaking_s"] for r in ok if r.get("matchmaking_s") is not None], 90
         ),
         "call_start_spread_median_s": rounds._med(spreads),
+        "call_end_spread_median_s": rounds._med(end_spreads),
+        "phases_median_s": phase_medians(ok),
+        # The round once its last caller is there: what is not waiting for a peer.
+        "last_caller_median_s": rounds._med([c["seconds"] for c in last_callers]),
+        "last_caller_phases_median_s": phase_medians(last_callers),
         "compute_median_s": rounds._med([r["compute_s"] for r in mine]),
         "check_median_s": rounds._med([r["check_s"] for r in ok if "check_s" in r]),
     }
+
+
+def phase_medians(calls: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Median seconds of each phase the result's timings name, over ``calls``; the
+    matchmaking search also by role (``.led``, ``.followed``); ``client.handover``: the
+    call as the client timed it less the daemon's round (``total``): the hand-over of
+    the inputs and the result through shared memory and the control stream."""
+    timed = [c for c in calls if c.get("timings")]
+    names = sorted({name for c in timed for name in c["timings"]})
+    out = {
+        name: rounds._med([c["timings"][name] for c in timed if name in c["timings"]])
+        for name in names
+    }
+    for role, flag in (("led", 1.0), ("followed", 0.0)):
+        out[f"matchmaking.search.{role}"] = rounds._med(
+            [
+                c["timings"]["matchmaking.search"]
+                for c in timed
+                if c["timings"].get("matchmaking.led") == flag
+                and "matchmaking.search" in c["timings"]
+            ]
+        )
+    out["client.handover"] = rounds._med(
+        [c["seconds"] - c["timings"]["total"] for c in timed if "total" in c["timings"]]
+    )
+    return out
 
 
 def close_summary(lines: list[tuple[str, int, str, float]], codec: str) -> dict[str, Any] | None:

@@ -138,6 +138,7 @@ class Declaring(MatchmakerBase):
     async def _refresh_declarations(self, rnd: Round) -> None:
         """Read the declarations under our key; keep the live ones of our schema."""
         started = time.monotonic()
+        rnd.reads += 1
         found = await self._read_declarations(
             rnd.request.key, rnd.request.give_up_by, rnd.read_failures
         )

@@ -20,6 +20,7 @@ import grpc
 
 from swarmavg.averaging.errors import NoGroupError
 from swarmavg.averaging.group import MAX_GROUP_SIZE, GroupInfo
+from swarmavg.averaging.matchmaking.calling import Calling
 from swarmavg.averaging.matchmaking.closing import assign_leaders, short_ids
 from swarmavg.averaging.matchmaking.config import MatchmakingEvent
 from swarmavg.averaging.matchmaking.declarations import (
@@ -27,8 +28,8 @@ from swarmavg.averaging.matchmaking.declarations import (
     FollowerAsk,
     check_formed_group,
     leader_candidates,
+    leader_order,
 )
-from swarmavg.averaging.matchmaking.declaring import Declaring
 from swarmavg.averaging.matchmaking.round import (
     FINAL_CODES_TEXT,
     MEMBER_READS,
@@ -36,9 +37,8 @@ from swarmavg.averaging.matchmaking.round import (
     Round,
     peer_ids,
 )
-from swarmavg.averaging.stubs import JOIN_GROUP, join_group_method
+from swarmavg.averaging.stubs import join_group_method
 from swarmavg.averaging.tasks import cancel_and_wait
-from swarmavg.dht.auth import message_digest
 from swarmavg.proto import averaging_pb2
 
 log = logging.getLogger(__name__)
@@ -49,8 +49,29 @@ DEAD_AFTER = 2
 """Refused connections in a row after which a leader is out of this round's split."""
 
 
-class Following(Declaring):
+class Following(Calling):
     """The follower side of a matchmaker."""
+
+    def _roster_leader(self, rnd: Round) -> Redirect | None:
+        """The leader a steady-state round will have, asked before any read of the
+        declarations: the first in leader order among this peer and the family's roster
+        (the peers of its last round there), when they fit one group. Leader order is a
+        hash of the key and the id, so every member computes the same one without the
+        DHT; the read runs meanwhile, and the group is checked against it as always.
+        ``None`` when we lead, the roster is unproven (presence entries), or a read
+        stood already."""
+        if not rnd.proven_roster or rnd.last_read > -math.inf or not rnd.previous:
+            return None
+        if len(rnd.previous | {self.peer_id}) > rnd.request.group_size:
+            return None  # a split: which group is ours needs the declarations
+        key = rnd.request.key
+        candidates = {p: a for p, a in rnd.previous_addresses.items() if a and p not in rnd.shunned}
+        best = min(candidates, key=lambda p: leader_order(key, p), default=None)
+        if best is None or best == self.peer_id:
+            return None
+        if rnd.me.can_lead and leader_order(key, self.peer_id) < leader_order(key, best):
+            return None
+        return Redirect(best, candidates[best])
 
     def _pick_leader(self, rnd: Round, banned: dict[bytes, float]) -> Redirect | None:
         """The leader to ask next: the one the balanced assignment gives us, else the best
@@ -144,30 +165,20 @@ class Following(Declaring):
         Returns the formed group, a redirect, or ``None`` (try someone else); updates
         ``banned`` with the ``time.monotonic()`` instant until which to skip ``target``.
         """
-        req, me = rnd.request, rnd.me
+        req = rnd.request
         forever = math.inf
-        request = averaging_pb2.JoinRequest(
-            key=req.key,
-            schema_hash=req.schema_hash,
-            mode=int(req.mode),
-            bandwidth=req.bandwidth,
-            user_data=req.user_data,
-            declared_start=me.start,
-            data_port=req.data_port,
-            aggregation=req.aggregation,
-        )
-        # Signed for the leader we dial (its id is in its declaration): nobody else can
-        # replay this request, and nobody can send one in our name.
-        request.header.CopyFrom(
-            self.dht.signer.sign(target.peer_id, JOIN_GROUP, message_digest(request))
-        )
+        predicted, rnd.predicted = rnd.predicted == target.peer_id, None
+        request = self._join_request(rnd, target.peer_id)
         call = join_group_method(self.channels.channel(target.address, target.peer_id))(
             request, timeout=max(0.1, req.give_up_by - time.monotonic() + 1.0)
         )
         following = False
         try:
             asked = time.monotonic()
-            async with asyncio.timeout(self.config.join_timeout):
+            # A roster leader may be gone without a trace (a host that stopped answering):
+            # it gets a settle time, not a join timeout, before the read decides.
+            answer_in = self.settle_time() if predicted else self.config.join_timeout
+            async with asyncio.timeout(answer_in):
                 first = await call.read()
             self.rpc_latency.observe(time.monotonic() - asked)
             if first is grpc.aio.EOF:
@@ -198,6 +209,10 @@ class Following(Declaring):
                 # Most often: the leader has not read our declaration yet. Ask again soon.
                 log.debug("%s refused our request: %s", target.peer_id.hex()[:8], first.detail)
                 banned[target.peer_id] = time.monotonic() + self._backoff(rnd, target.peer_id)
+                return None
+            if code == averaging_pb2.JOIN_REJECT_NOT_LOOKING and predicted:
+                # The roster's leader has not called yet: it calls us when it does (we
+                # declared first), or our reads find where everyone went. Not "elsewhere".
                 return None
             if code == averaging_pb2.JOIN_REJECT_NOT_LOOKING:
                 rnd.not_looking.add(target.peer_id)
@@ -249,6 +264,8 @@ class Following(Declaring):
             banned[target.peer_id] = time.monotonic() + self.config.retry_after
             return None
         except (grpc.aio.AioRpcError, TimeoutError) as error:
+            if predicted and not following:
+                return None  # asked on a guess: no ban; the read decides as for anyone
             # Dead, or only slow (a loaded machine): retry later with a growing pause
             # rather than writing it off; a dead peer fails fast, a slow one may answer.
             if (

@@ -22,6 +22,7 @@ import grpc
 
 from swarmavg.averaging.errors import MatchmakingError
 from swarmavg.averaging.group import GroupInfo, Member, Mode
+from swarmavg.averaging.matchmaking.calling import Calling
 from swarmavg.averaging.matchmaking.closing import (
     LeaderView,
     close_reason,
@@ -39,7 +40,6 @@ from swarmavg.averaging.matchmaking.declarations import (
     member_from_join_request,
     requested_aggregation,
 )
-from swarmavg.averaging.matchmaking.declaring import Declaring
 from swarmavg.averaging.matchmaking.group_ranges import (
     admits,
     public_range_of_address,
@@ -62,7 +62,7 @@ from swarmavg.proto import averaging_pb2
 log = logging.getLogger(__name__)
 
 
-class Leading(Declaring):
+class Leading(Calling):
     """The leader side of a matchmaker, and the ``JoinGroup`` RPC it serves."""
 
     def _leader_view(self, rnd: Round) -> LeaderView:
@@ -353,6 +353,8 @@ class Leading(Declaring):
             )
             return
         if code != averaging_pb2.JOIN_ACCEPTED:
+            if code == averaging_pb2.JOIN_REJECT_NOT_LEADER:
+                self._note_caller(rnd, peer_id, member)
             detail = FINAL_CODES_TEXT.get(code, "")
             if code == averaging_pb2.JOIN_REJECT_SCHEMA_MISMATCH:
                 rnd.mismatched[peer_id] = bytes(request.schema_hash)
@@ -410,9 +412,16 @@ class Leading(Declaring):
     ) -> str | None:
         """Why a would-be follower's request differs from its signed declaration, or
         ``None``: a leader lists only members whose entries their owners signed."""
+        asked = time.monotonic()
         declaration = rnd.signed.get(member.peer_id)
         if declaration_mismatch(member, declaration) is not None:
             await self._refresh_once(rnd)  # it may have declared after our last read
+            declaration = rnd.signed.get(member.peer_id)
+        if declaration_mismatch(member, declaration) is not None and rnd.last_read < asked:
+            # The read we shared began before the request came, maybe before the
+            # follower's store (it stores, then asks): one that began after it cannot
+            # miss the declaration. Refused, the follower would wait out a backoff.
+            await self._refresh_once(rnd)
             declaration = rnd.signed.get(member.peer_id)
         reason = declaration_mismatch(member, declaration)
         if reason is None and declaration is not None:

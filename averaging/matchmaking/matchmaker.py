@@ -121,7 +121,10 @@ class Matchmaker(Following, Leading):
         remember(self._last, next_family, roster)
 
     async def find_group(
-        self, request: MatchRequest, inputs_ready: Awaitable[object] | None = None
+        self,
+        request: MatchRequest,
+        inputs_ready: Awaitable[object] | None = None,
+        timings: dict[str, float] | None = None,
     ) -> GroupInfo:
         """Find or lead a group under ``request.key``; return it once it is formed.
 
@@ -132,16 +135,23 @@ class Matchmaker(Following, Leading):
         caller's tensors runs meanwhile, and a failure of that check (NaN in
         the caller's own tensors) ends the search before any group counts this peer.
 
+        ``timings``, when given, receives the seconds of each phase (``roster``,
+        ``declare``, ``inputs``, ``search``), ``reads``, the reads of the declarations the
+        search made, and ``led`` (1.0 when this peer led the group): where a round's
+        matchmaking goes, for the result's timings.
+
         Raises:
             NoGroupError: fewer than ``min_group_size`` peers before the give-up time.
             SchemaMismatchError: no group formed, and peers with another schema were seen.
             ValueError: a round under this key is already in progress here.
         """
+        phases = timings if timings is not None else {}
         if request.key in self._rounds:
             raise ValueError(f"already matchmaking under {request.key!r}")
         family = request.family or request.key
         started = time.monotonic()
         roster = await self._roster_for(family, request.give_up_by)
+        phases["roster"] = time.monotonic() - started
         close_by = request.close_by
         if roster.peers and not roster.proven and request.latest_close_by:
             # A family's first round: the run's averagers it expects are processes that
@@ -182,10 +192,16 @@ class Matchmaker(Following, Leading):
         )
         self._rounds[request.key] = rnd
         try:
+            mark = time.monotonic()
             await self._declare(rnd)
+            phases["declare"], mark = time.monotonic() - mark, time.monotonic()
             if inputs_ready is not None:
                 await inputs_ready
+            phases["inputs"], mark = time.monotonic() - mark, time.monotonic()
             group = await self._search(rnd)
+            phases["search"] = time.monotonic() - mark
+            phases["reads"] = float(rnd.reads)
+            phases["led"] = 1.0 if rnd.leader is None else 0.0
             members = frozenset(m.peer_id for m in group.members)
             expiry = request.give_up_by
             closed = ClosedRound(expiry, members, led_group_of(rnd), family, request.schema_hash)
@@ -206,6 +222,8 @@ class Matchmaker(Following, Leading):
                 await cancel_and_wait(rnd.probing)
             if rnd.declaring is not None:
                 await cancel_and_wait(rnd.declaring)
+            for call in list(rnd.calling):
+                await cancel_and_wait(call)
 
     async def _roster_for(self, family: str, give_up_by: float) -> FamilyRoster:
         """Whom a round under ``family`` expects besides its declarers: everyone seen in
@@ -235,6 +253,13 @@ class Matchmaker(Following, Leading):
         next_read = 0.0
         if rnd.last_read > -math.inf and self._pick_leader(rnd, banned) is not None:
             next_read = rnd.last_read + self._read_interval(rnd)
+        else:
+            # The steady state: ask the roster's leader at once, the read running meanwhile.
+            redirect = self._roster_leader(rnd)
+            if redirect is not None:
+                rnd.predicted = redirect.peer_id
+                if rnd.reading is None or rnd.reading.done():
+                    rnd.reading = asyncio.ensure_future(self._refresh_declarations(rnd))
         while True:
             if rnd.result.done():
                 return rnd.result.result()
@@ -254,8 +279,10 @@ class Matchmaker(Following, Leading):
                     next_read = min(next_read, max(now, rnd.started + self.settle_time()))
             if now >= rnd.request.give_up_by or self._only_other_schemas(rnd, now):
                 raise self._no_group_error(rnd)
+            if redirect is None and rnd.callers:
+                redirect = self._answer_caller(rnd, banned)
             if redirect is None and now >= next_read:
-                await self._refresh_declarations(rnd)
+                await self._read_unless_called(rnd)
                 next_read = time.monotonic() + self._read_interval(rnd)
                 continue  # decide again on what we just read
             late = self._round_is_gone(rnd)
@@ -267,6 +294,7 @@ class Matchmaker(Following, Leading):
                 target = self._pick_leader(rnd, banned)
                 redirects = 0
             if target is None:
+                self._call_earlier(rnd)
                 await self._wait_as_leader(rnd, next_read)
                 continue
             outcome = await self._race_with_result(rnd, self._try_leader(rnd, target, banned))

@@ -115,6 +115,23 @@ class Round:
     declaring: asyncio.Task[None] | None = None
     """Retries of a declaration whose first store did not finish in time (see ``_declare``)."""
     read_failures: int = 0
+    reads: int = 0
+    predicted: bytes | None = None
+    """The roster's leader this peer asked before reading the declarations
+    (``Following._roster_leader``), until it answered."""
+    callers: dict[bytes, str] = field(default_factory=dict)
+    """Open peers that rank before this one and asked it to take them while it led alone
+    (a leader calling the declarers that came before it: ``Leading._call_earlier``), by
+    peer id, with where they listen: the search joins them at once instead of at its next
+    read of the declarations."""
+    caller_came: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when a caller is added to ``callers``: a read of the declarations in progress
+    stops holding up the search (``Calling._read_unless_called``)."""
+    called: set[bytes] = field(default_factory=set)
+    """Declarers this peer called as their leader (each once a round)."""
+    calling: set[asyncio.Task[None]] = field(default_factory=set)
+    """Those calls in flight."""
+    """Reads of the declarations this round made (its store's read-back aside)."""
     """Reads of the declarations in a row that missed their deadline (see ``_dht_budget``)."""
 
     @property

@@ -1,0 +1,158 @@
+"""Calling: a leader that declared after some of its followers tells them it is there.
+
+A peer that declares before its leader (leadership goes by a hash rank, not by arrival)
+reads the declarations, finds only itself and the others that came before, and leads
+alone until its next read shows the leader: a poll, whose interval grows while the
+peer is alone. In the steady state of a training loop that wait is the whole
+matchmaking of the peers that finish the previous round first. So a leader calls,
+once a round, every declarer the split gives it that declared before it: a signed
+``JoinGroup`` to that declarer, which answers ``JOIN_REJECT_NOT_LEADER`` at once (the
+caller ranks before it) and, as an event rather than at its next read, joins the
+caller. The call carries nothing new on the wire: the declarer trusts nothing of it but
+the caller's signed identity and rank; the group it is then given is checked against
+the members' signed declarations as every group is (a read starts with the join).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+import grpc
+
+from swarmavg.averaging.group import Member, Mode
+from swarmavg.averaging.matchmaking.closing import assign_leaders
+from swarmavg.averaging.matchmaking.declarations import MAX_ADDRESS_CHARS, leader_order
+from swarmavg.averaging.matchmaking.declaring import Declaring
+from swarmavg.averaging.matchmaking.round import Redirect, Round
+from swarmavg.averaging.stubs import JOIN_GROUP, join_group_method
+from swarmavg.averaging.tasks import cancel_and_wait
+from swarmavg.dht.auth import message_digest
+from swarmavg.proto import averaging_pb2
+
+log = logging.getLogger(__name__)
+
+MAX_CALLERS = 16
+"""Callers a round remembers at once: the best-ranked one is joined, the rest forgotten."""
+
+
+class Calling(Declaring):
+    """Calls from a leader to the declarers that came before it, and their answer."""
+
+    def _join_request(self, rnd: Round, target_id: bytes) -> averaging_pb2.JoinRequest:
+        """This round's ``JoinGroup`` request, signed for ``target_id`` alone: nobody
+        else can replay it, and nobody can send one in our name."""
+        req, me = rnd.request, rnd.me
+        request = averaging_pb2.JoinRequest(
+            key=req.key,
+            schema_hash=req.schema_hash,
+            mode=int(req.mode),
+            bandwidth=req.bandwidth,
+            user_data=req.user_data,
+            declared_start=me.start,
+            data_port=req.data_port,
+            aggregation=req.aggregation,
+        )
+        request.header.CopyFrom(
+            self.dht.signer.sign(target_id, JOIN_GROUP, message_digest(request))
+        )
+        return request
+
+    def _call_earlier(self, rnd: Round) -> None:
+        """As a leader: call each declarer the split gives us that declared before us and
+        has not joined (once a round each; the calls run as the round's tasks)."""
+        me = rnd.me
+        if rnd.leader is not None or rnd.closed or not me.can_lead:
+            return
+        elsewhere = rnd.elsewhere()
+        pool = [d for d in rnd.declarations if d.peer_id not in elsewhere] or [me]
+        assignment = assign_leaders(pool, rnd.request.group_size)
+        for d in pool:
+            if (
+                d.peer_id == self.peer_id
+                or d.peer_id in rnd.followers
+                or d.peer_id in rnd.called
+                or not d.can_lead  # a client has no address: it reads, as before
+                or d.start >= me.start  # it declared after us: its read finds us
+                or assignment.get(d.peer_id) != self.peer_id
+            ):
+                continue
+            rnd.called.add(d.peer_id)
+            task = asyncio.ensure_future(self._call(rnd, Redirect(d.peer_id, d.address)))
+            rnd.calling.add(task)
+            task.add_done_callback(rnd.calling.discard)
+
+    async def _call(self, rnd: Round, target: Redirect) -> None:
+        """Ask ``target`` to take us, read its first answer, and hang up: an open peer
+        that ranks after us answers ``JOIN_REJECT_NOT_LEADER`` and comes to us. Any other
+        answer changes nothing here (we do not follow a peer we called)."""
+        method = join_group_method(self.channels.channel(target.address, target.peer_id))
+        call = method(self._join_request(rnd, target.peer_id), timeout=self.config.join_timeout)
+        try:
+            async with asyncio.timeout(self.config.join_timeout):
+                answer = await call.read()
+            if answer is not grpc.aio.EOF:
+                log.debug(
+                    "%s: called %s, answered %d",
+                    rnd.request.key,
+                    target.peer_id.hex()[:8],
+                    answer.code,
+                )
+        except (grpc.aio.AioRpcError, TimeoutError) as error:
+            log.debug("%s: calling %s failed: %r", rnd.request.key, target.peer_id.hex()[:8], error)
+        finally:
+            call.cancel()
+
+    def _note_caller(self, rnd: Round, peer_id: bytes, member: Member) -> None:
+        """A peer that ranks before us asked us to take it while we lead alone: remember
+        it and wake the search, which joins it (``_answer_caller``)."""
+        if (
+            rnd.leader is not None
+            or rnd.closed
+            or member.mode is Mode.CLIENT
+            or not member.address
+            or len(member.address) > MAX_ADDRESS_CHARS
+            or len(rnd.callers) >= MAX_CALLERS
+            or leader_order(rnd.request.key, peer_id) >= rnd.me.order
+        ):
+            return
+        rnd.callers.setdefault(peer_id, member.address)
+        rnd.caller_came.set()
+        rnd.changed.set()
+
+    def _answer_caller(self, rnd: Round, banned: dict[bytes, float]) -> Redirect | None:
+        """The best-ranked caller to join now, if any (the others are forgotten); a read
+        of the declarations starts with it, so that the group it forms can be checked
+        against its members' signed declarations without a read after the close."""
+        callers, rnd.callers = rnd.callers, {}
+        if rnd.leader is not None or rnd.closed:
+            return None
+        now = time.monotonic()
+        skip = rnd.elsewhere() | {p for p, until in banned.items() if until > now}
+        usable = [p for p in callers if p not in skip and banned.get(p, -math.inf) <= now]
+        if not usable:
+            return None
+        best = min(usable, key=lambda p: leader_order(rnd.request.key, p))
+        if rnd.reading is None or rnd.reading.done():
+            rnd.reading = asyncio.ensure_future(self._refresh_declarations(rnd))
+        return Redirect(best, callers[best])
+
+    async def _read_unless_called(self, rnd: Round) -> None:
+        """Read the declarations (or wait for the read in flight); a call that comes
+        meanwhile ends the wait at once: the read goes on as the round's shared read
+        (``rnd.reading``), and the search answers the caller without waiting for the DHT."""
+        if rnd.reading is None or rnd.reading.done():
+            rnd.reading = asyncio.ensure_future(self._refresh_declarations(rnd))
+        reading = rnd.reading
+        rnd.caller_came.clear()
+        if rnd.callers:
+            return
+        called = asyncio.ensure_future(rnd.caller_came.wait())
+        try:
+            await asyncio.wait({reading, called}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await cancel_and_wait(called)
+        if reading.done():
+            reading.result()  # a failure other than the DHT's own ends the search
