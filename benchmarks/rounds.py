@@ -136,7 +136,12 @@ def _error_kind(exc: BaseException) -> str:
     return "NoGroupError" if isinstance(exc, NoGroupError) else type(exc).__name__
 
 
-def _gloo(rank: int, n: int, data: np.ndarray, port: int, rounds: int) -> list[float]:
+def _gloo(
+    rank: int, n: int, data: np.ndarray, port: int, rounds: int, barrier: bool = True
+) -> list[float]:
+    """Seconds of each of ``rounds`` ``all_reduce`` calls of ``data``; ``barrier``: every
+    call starts at one instant (the synchronised reference), else back to back, each call
+    absorbing what the ranks' ends differ by, as a loop of calls does."""
     import torch
     import torch.distributed as dist
 
@@ -146,7 +151,8 @@ def _gloo(rank: int, n: int, data: np.ndarray, port: int, rounds: int) -> list[f
         tensor = torch.from_numpy(data.copy())
         times = []
         for _ in range(rounds + 1):
-            dist.barrier()
+            if barrier:
+                dist.barrier()
             start = time.perf_counter()
             dist.all_reduce(tensor)
             times.append(time.perf_counter() - start)
@@ -207,7 +213,14 @@ def worker_main(args: argparse.Namespace) -> int:
             elif op == "stability":
                 _stability_loop(client, tensors, base, command)
             elif op == "gloo":
-                seconds = _gloo(rank, command["n"], data, command["port"], command["rounds"])
+                seconds = _gloo(
+                    rank,
+                    command["n"],
+                    data,
+                    command["port"],
+                    command["rounds"],
+                    command.get("barrier", True),
+                )
                 _emit({"seconds": seconds})
             else:
                 _emit({"error": f"unknown op {op!r}"})
@@ -567,10 +580,10 @@ def _free_port() -> int:
         return port
 
 
-def gloo(swarm: Swarm, rounds: int) -> dict[str, float]:
+def gloo(swarm: Swarm, rounds: int, barrier: bool = True) -> dict[str, float]:
     port = _free_port()
     for w in swarm.workers:
-        w.send({"op": "gloo", "n": swarm.n, "port": port, "rounds": rounds})
+        w.send({"op": "gloo", "n": swarm.n, "port": port, "rounds": rounds, "barrier": barrier})
     deadline = time.monotonic() + 300
     runs = [w.read(deadline)["seconds"] for w in swarm.workers]
     per_round = list(zip(*runs, strict=True))

@@ -19,7 +19,12 @@ call's duration and the result's check (rounds.py's member data and check: max e
 bias relative to the exact mean of the members the result names, and its sha256, which the
 members of one group must share). Workers stream their records to the parent; after the
 loops, ``--gloo`` runs torch gloo's ``all_reduce`` of the same size in the same worker
-processes (rounds.py's reference). Prints ONE JSON line on stdout (progress on stderr): per
+processes, twice: behind a barrier before every call (rounds.py's synchronised reference,
+``gloo``) and back to back (``gloo_back_to_back``: a loop of calls, each absorbing what the
+ranks' ends differ by, as ours do). The result's check takes time between two calls (0.4-2 s
+for 64 MB on a loaded machine): ``--check-every K`` checks every K-th round and the last, so
+that ``--compute 0`` means no work between calls. Prints ONE JSON line on stdout (progress
+on stderr): per
 (peer count, codec) how many rounds were one group of N (every worker's call succeeded with
 group size N and one group id), the rounds' shapes (``"4+3+1"``), the histogram of group
 sizes over calls, NoGroupError and other errors, partial results, bit-identity within
@@ -123,7 +128,10 @@ def worker_main(spec: dict[str, Any]) -> int:
                         matchmaking_s=result.timings.get("matchmaking"),
                         timings=dict(result.timings),
                     )
-                    if -1 not in ranks:  # outside the timed call, like a training step
+                    checks = -1 not in ranks and (
+                        (r + 1) % spec["check_every"] == 0 or r == spec["rounds"] - 1
+                    )
+                    if checks:  # outside the timed call, like a training step
                         checked = time.perf_counter()
                         record.update(rounds.check_result(result.tensors[0], base, ranks))
                         record["check_s"] = time.perf_counter() - checked
@@ -133,7 +141,14 @@ def worker_main(spec: dict[str, Any]) -> int:
         for line in sys.stdin:
             command = json.loads(line)
             if command.get("op") == "gloo":
-                seconds = rounds._gloo(rank, command["n"], data, command["port"], command["rounds"])
+                seconds = rounds._gloo(
+                    rank,
+                    command["n"],
+                    data,
+                    command["port"],
+                    command["rounds"],
+                    command.get("barrier", True),
+                )
                 rounds._emit({"seconds": seconds})
             else:
                 rounds._emit({"error": f"unknown op {command!r}"})
@@ -372,6 +387,7 @@ def bench_peers(
             "compute": args.compute,
             "codecs": codecs,
             "timeout": args.timeout,
+            "check_every": args.check_every,
             "ranks_of": swarm.ranks_of,
         }
         log(f"N={n}: starting workers, staggers {[round(s, 2) for s in staggers]} s")
@@ -382,8 +398,9 @@ def bench_peers(
         records = collect(swarm, per_line, args.rounds * len(codecs))
         wall = time.monotonic() - started
         reference = rounds.gloo(swarm, args.rounds) if args.gloo else None
+        back_to_back = rounds.gloo(swarm, args.rounds, barrier=False) if args.gloo else None
         if reference is not None:
-            log(f"N={n} gloo: {reference}")
+            log(f"N={n} gloo: {reference}, back to back: {back_to_back}")
         closes, rejections = swarm.log_lines()
         for codec in codecs:
             record = summarize(n, codec, args.rounds, records)
@@ -392,6 +409,10 @@ def bench_peers(
             record["gloo"] = reference
             record["median_over_gloo"] = rounds._ratio(
                 record["median_s"], (reference or {}).get("median_s")
+            )
+            record["gloo_back_to_back"] = back_to_back
+            record["median_over_gloo_back_to_back"] = rounds._ratio(
+                record["median_s"], (back_to_back or {}).get("median_s")
             )
             record["daemon_closes"] = close_summary(closes, codec)
             record["daemon_rejections"] = dict(rejections.most_common()) or None  # all codecs
@@ -422,6 +443,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="average timeout")
     parser.add_argument("--gloo", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument(
+        "--check-every",
+        type=int,
+        default=1,
+        help="check every K-th round's result (and the last); the check of 64 MB (its sha256 "
+        "and error) takes 0.4-2 s, which with --compute 0 acts as compute between calls",
+    )
     parser.add_argument("--daemon-log-level", default="WARNING")
     parser.add_argument(
         "--log-dir", default=None, help="keep the daemons' logs here (default: discarded)"
