@@ -115,6 +115,12 @@ class CompanyLink:
         except swarm_errors() as exc:
             log.debug("could not write or read the trainer entries: %s", exc)
 
+    @property
+    def start_pending(self) -> bool:
+        """Whether :meth:`await_start` would still wait (it has not run, and this trainer
+        has not met another one): lets a wrapper skip the progress read it needs."""
+        return not self._start_waited and not self.watch.met and self.start_timeout > 0
+
     def await_start(self, progress: GlobalProgress) -> GlobalProgress:
         """The start barrier: before this trainer's first global step, wait for the other
         trainers of its run, so that it does not take the run's first steps alone.
