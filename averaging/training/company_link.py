@@ -11,7 +11,8 @@ this module does the DHT reads and writes around it for a wrapper
   in ``swarmavg status``;
 * **the warnings**: alone (never met anyone, or the others left), company back, no global
   step for long, each naming what to check;
-* **the start barrier** (:meth:`CompanyLink.await_start`): before the first global step,
+* **the start barrier** (:meth:`CompanyLink.await_start`): before the first global step
+  (``CollaborativeOptimizer``) or the first inner step (``DiLoCo``, ``StreamingDiLoCo``),
   wait for the run's other trainers.
 """
 
