@@ -595,7 +595,7 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
 
     def _start_together(self) -> None:
         """The start barrier before this wrapper's first local step, for the wrappers whose
-        members each run a fixed share of work between two global steps (DiLoCo and its
+        members each run their own share of the work between two syncs (DiLoCo and its
         streaming form): a trainer that started first would otherwise take the run's first
         outer steps alone, or wait at its first round for members still starting, up to
         the round's timeout. Waiting before the inner steps instead lets every member
@@ -611,7 +611,7 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
 
     def _await_start_here(self) -> None:
         if not self._follower and self.company.start_pending:
-            self.company.await_start(self.tracker.refresh())
+            self.company.await_start(self.tracker.refresh(), before="inner step")
 
     def _verbose_figures(self) -> tuple[int, int, float, int, float]:
         """``(samples, target, swarm samples/s, peers, eta)`` towards the next global step.
