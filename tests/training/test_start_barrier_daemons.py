@@ -5,9 +5,6 @@ waits (an event, not a sleep)."""
 
 from __future__ import annotations
 
-import logging
-import threading
-from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
@@ -21,6 +18,8 @@ from swarmavg.peer import connect  # noqa: E402
 from tests.harness import ProcessPool  # noqa: E402
 from tests.run_daemons import clients, run_daemon  # noqa: E402
 from tests.training.helpers import (  # noqa: E402
+    Said,
+    first_waits,
     linear_model,
     run_in_threads,
     sgd_collaborative,
@@ -29,34 +28,7 @@ from tests.training.helpers import (  # noqa: E402
 
 pytestmark = pytest.mark.integration
 RUN = "start-barrier"
-__all__ = ["clients"]  # the fixture
-
-
-class Said(logging.Handler):
-    """Sets an event when a log line contains ``text``."""
-
-    def __init__(self, text: str) -> None:
-        super().__init__()
-        self.text = text
-        self.event = threading.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.text in record.getMessage():
-            self.event.set()
-
-
-@pytest.fixture
-def first_waits() -> Iterator[Said]:
-    said = Said("waiting up to")
-    logger = logging.getLogger("swarmavg.averaging.training.base")
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(said)
-    try:
-        yield said
-    finally:
-        logger.removeHandler(said)
-        logger.setLevel(level)
+__all__ = ["clients", "first_waits"]  # the fixtures
 
 
 def trainer(client: Any, **options: Any) -> tuple[Any, SwarmOptimizer]:

@@ -10,9 +10,7 @@ every sync. The barrier's waiting rule itself is ``CompanyLink.await_start``'s, 
 
 from __future__ import annotations
 
-import logging
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,44 +18,25 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from swarmavg.averaging.optim import DiLoCo, StreamingDiLoCo  # noqa: E402
-from tests.training.helpers import backward, batch, linear_model, run_in_threads  # noqa: E402
+from tests.training.helpers import (  # noqa: E402
+    Said,
+    backward,
+    batch,
+    first_waits,
+    linear_model,
+    run_in_threads,
+)
 from tests.training.memswarm import MemorySwarm  # noqa: E402
 from tests.training.test_unequal_speed import Record  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
+__all__ = ["first_waits"]  # the fixture
 
 SYNCS = 4
 FAMILIES = {
     "diloco": (DiLoCo, {"local_steps": 4}),
     "streaming": (StreamingDiLoCo, {"local_steps": 8, "fragments": 2, "overlap_steps": 1}),
 }
-
-
-class Said(logging.Handler):
-    """Sets an event when a log line contains ``text``."""
-
-    def __init__(self, text: str) -> None:
-        super().__init__()
-        self.text = text
-        self.event = threading.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.text in record.getMessage():
-            self.event.set()
-
-
-@pytest.fixture
-def first_waits() -> Iterator[Said]:
-    said = Said("waiting up to")
-    logger = logging.getLogger("swarmavg.averaging.training.base")
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(said)
-    try:
-        yield said
-    finally:
-        logger.removeHandler(said)
-        logger.setLevel(level)
 
 
 def trainer(swarm: MemorySwarm, name: str, family: str, **options: Any) -> tuple[Any, Any]:
