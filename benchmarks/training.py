@@ -233,7 +233,8 @@ class Scenario:
     disable_repair: bool = False
     """A control: every member steps whatever the digests say (no shared-state repair)."""
     min_peers: int = 1
-    """The start barrier's ``min_peers`` (``CollaborativeOptimizer``; grad scenarios)."""
+    """The start barrier's ``min_peers`` (``CollaborativeOptimizer``, ``DiLoCo``,
+    ``StreamingDiLoCo``; not PowerSGD)."""
     start_timeout: float = 60.0
     """The start barrier's ``start_timeout`` (0: no barrier, the control)."""
 
@@ -330,6 +331,8 @@ def _train_peer(scenario: Scenario) -> dict[str, Any]:
                 codec=scenario.codec,
                 averaging_timeout=scenario.timeout,
                 progress_ttl=scenario.ttl,
+                min_peers=scenario.min_peers,
+                start_timeout=scenario.start_timeout,
                 **extra,
             )
             # Inner steps per "outer step" (per fragment sync for streaming).

@@ -34,7 +34,11 @@ slowest trainer's process (SIGSTOP, a laptop's lid closing) for S seconds, then 
 it (SIGCONT). ``stall`` then gives the other trainers' utilisation over those S seconds,
 whether the stopped one merged or discarded its work (``late_merges``), and whether it
 rejoined: it reached the swarm's last outer step and took part in a round of all four
-after it came back (``rejoined``).
+after it came back (``rejoined``). Each such run is preceded by its all-running control
+(same speeds, same daemons, nobody stopped), whose ``stall_control`` gives the others'
+utilisation over the same window of the run: on a loaded machine the figure to compare
+with. Both give ``others_seconds_in_step``, the seconds the others spent inside
+``opt.step()`` in the window (rounds, waits for a missing member, downloads).
 
 Prints ONE JSON line on stdout (progress on stderr)::
 
@@ -163,6 +167,7 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
         deadline = float(go["deadline"])
         started = time.time()
         compute = 0.0
+        in_step = 0.0  # seconds inside opt.step(): its rounds, waits and downloads
         inner_steps = 0
         while time.time() < deadline:
             t0 = time.monotonic()
@@ -171,10 +176,20 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
             torch.nn.functional.cross_entropy(model(xt[idx]), yt[idx]).backward()
             compute += time.monotonic() - t0
             epoch, rejoins = opt.epoch, opt.stats.rejoins
+            t1 = time.monotonic()
             opt.step()
             opt.zero_grad()
+            in_step += time.monotonic() - t1
             inner_steps += 1
-            emit({"event": "step", "t": time.time(), "compute": compute, "epoch": opt.epoch})
+            emit(
+                {
+                    "event": "step",
+                    "t": time.time(),
+                    "compute": compute,
+                    "in_step": in_step,
+                    "epoch": opt.epoch,
+                }
+            )
             if opt.epoch != epoch:
                 # a catch-up (the step found the swarm ahead) loads the newest state there
                 # is, which may be one outer step older than the epoch it continues at:
@@ -205,6 +220,7 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
         "group_sizes": stats.group_sizes,
         "failed": stats.failed,
         "repairs": stats.repairs,
+        "partial": stats.partial,
         "rejoins": stats.rejoins,
         "late_merges": stats.late_merges,
         "late_discards": stats.late_discards,
@@ -222,10 +238,28 @@ def worker() -> None:
 # ---------------------------------------------------------------- the parent
 
 
-def compute_at(steps: list[dict[str, Any]], t: float) -> float:
-    """A trainer's cumulative compute at wall time ``t`` (its last step record before)."""
-    before = [s["compute"] for s in steps if s["t"] <= t]
+def compute_at(steps: list[dict[str, Any]], t: float, field: str = "compute") -> float:
+    """A trainer's cumulative ``field`` (compute, or seconds inside ``opt.step()``) at wall
+    time ``t`` (its last step record before)."""
+    before = [s.get(field, 0.0) for s in steps if s["t"] <= t]
     return before[-1] if before else 0.0
+
+
+def window_figures(
+    lines: list[list[dict[str, Any]]], victim: int, start: float, end: float
+) -> dict[str, list[float]]:
+    """The other trainers' utilisation over ``[start, end]`` and the seconds they spent
+    inside ``opt.step()`` there (rounds, the waits for a missing member, downloads)."""
+    utilisation, in_step = [], []
+    for i, member in enumerate(lines):
+        if i == victim:
+            continue
+        steps = [r for r in member if r.get("event") == "step"]
+        spent = compute_at(steps, end) - compute_at(steps, start)
+        utilisation.append(round(spent / (end - start), 3))
+        waited = compute_at(steps, end, "in_step") - compute_at(steps, start, "in_step")
+        in_step.append(round(waited, 2))
+    return {"others_utilisation": utilisation, "others_seconds_in_step": in_step}
 
 
 def run_one(
@@ -235,7 +269,10 @@ def run_one(
     mode: str,
     args: argparse.Namespace,
     index: int,
+    stop: bool = True,
 ) -> dict[str, Any]:
+    """One run; with ``--stall`` in mode pace, ``stop`` says whether the slowest trainer
+    is stopped (False: the all-running control, measured over the same window)."""
     run_id = f"unequal-{index}-{mode}-{os.getpid()}"
     marks = []
     for i, (w, speed) in enumerate(zip(workers, speeds, strict=True)):
@@ -262,9 +299,11 @@ def run_one(
     if args.stall > 0 and mode == "pace":
         time.sleep(max(go + args.seconds / 3 - time.time(), 0.0))
         stopped_at = time.time()
-        workers[victim].signal(signal.SIGSTOP)
+        if stop:
+            workers[victim].signal(signal.SIGSTOP)
         time.sleep(args.stall)
-        workers[victim].signal(signal.SIGCONT)
+        if stop:
+            workers[victim].signal(signal.SIGCONT)
         resumed_at = time.time()
         stall = {"victim": victim, "from": stopped_at, "to": resumed_at}
     done = [
@@ -295,6 +334,8 @@ def run_one(
         "failed_rounds": sum(d["failed"] for d in done),
         "repairs": sum(d["repairs"] for d in done),
         "identical_anchors": all(len(h) == 1 for h in by_epoch.values()),
+        "anchor_mismatches": sorted(e for e, h in by_epoch.items() if len(h) > 1),
+        "partial_rounds": sum(d["partial"] for d in done),
         "anchor_checks": checks,
         "catch_ups": len(catch_ups),
         "catch_ups_at_the_swarms_state": sum(
@@ -303,15 +344,13 @@ def run_one(
         "val_loss": round(statistics.median(d["val_loss"] for d in done), 4),
         "val_accuracy": round(statistics.median(d["val_accuracy"] for d in done), 2),
     }
-    if stall is not None:
+    if stall is not None and not stop:
+        figures["stall_control"] = {
+            "seconds": round(stall["to"] - stall["from"], 2),
+            **window_figures(lines, victim, stall["from"], stall["to"]),
+        }
+    elif stall is not None:
         window = stall["to"] - stall["from"]
-        others = []
-        for i, member in enumerate(lines):
-            if i == stall["victim"]:
-                continue
-            steps = [r for r in member if r.get("event") == "step"]
-            spent = compute_at(steps, stall["to"]) - compute_at(steps, stall["from"])
-            others.append(spent / window)
         back = done[stall["victim"]]
         after = [
             r["epoch"]
@@ -321,7 +360,7 @@ def run_one(
         last_epoch = max(d["outer_steps"] for d in done)
         figures["stall"] = {
             "seconds": round(window, 2),
-            "others_utilisation": [round(u, 3) for u in others],
+            **window_figures(lines, victim, stall["from"], stall["to"]),
             "late_merges": back["late_merges"],
             "late_discards": back["late_discards"],
             "rejoins": back["rejoins"],
@@ -331,7 +370,9 @@ def run_one(
             "rejoined": back["outer_steps"] >= last_epoch - 1 and PEERS in back["group_sizes"][-3:],
         }
     shown = {
-        k: figures[k] for k in ("utilisation", "outer_steps", "val_loss", "stall") if k in figures
+        k: figures[k]
+        for k in ("utilisation", "outer_steps", "val_loss", "stall", "stall_control")
+        if k in figures
     }
     log(f"{mode} {speeds}: {json.dumps(shown)}")
     return figures
@@ -378,6 +419,11 @@ def main(argv: list[str] | None = None) -> int:
             index = 0
             for speeds in speed_sets:
                 for mode in modes:
+                    if args.stall > 0 and mode == "pace":
+                        # the all-running control first, over the same window, on the
+                        # same daemons: the loaded machine's own figure to compare with
+                        runs.append(run_one(workers, daemons, speeds, mode, args, index, False))
+                        index += 1
                     runs.append(run_one(workers, daemons, speeds, mode, args, index))
                     index += 1
         finally:
@@ -386,7 +432,11 @@ def main(argv: list[str] | None = None) -> int:
             for d, _ in daemons:
                 d.close()
             daemon_log.close()
-    reference = {r["mode"]: r["fast_utilisation"] for r in runs if len(set(r["speeds"])) == 1}
+    reference = {
+        r["mode"]: r["fast_utilisation"]
+        for r in runs
+        if len(set(r["speeds"])) == 1 and "stall" not in r
+    }
     for r in runs:
         ref = reference.get(r["mode"])
         r["fast_vs_all_fastest"] = round(r["fast_utilisation"] / ref, 3) if ref else None

@@ -255,8 +255,12 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         # the followers of a local group wait for the leader's final agreement too: its
         # wait for the others' final records, then its round (each final_timeout at most)
         self._outcome_timeout = max(self._outcome_timeout, 2 * self.final_timeout + 30.0)
+        # ... and for the leader's start barrier (:meth:`_start_together`)
+        self._outcome_timeout = max(self._outcome_timeout, start_timeout + 30.0)
         self._joined = False
         """Set once the process joined the swarm: a later catch-up is a rejoin."""
+        self._start_checked = False
+        """Set at the first local step of a wrapper that waits there (:meth:`_start_together`)."""
         self._exact_for: Provenance | None = None
         """Set to :attr:`_provenance` when the current state is exactly the post-step state
         it names (a complete round's step, or a state loaded from such a holder), so any
@@ -588,6 +592,26 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         """The start barrier before the first global step (:meth:`CompanyLink.await_start`;
         a follower rank never waits: its leader does)."""
         return progress if self._follower else self.company.await_start(progress)
+
+    def _start_together(self) -> None:
+        """The start barrier before this wrapper's first local step, for the wrappers whose
+        members each run their own share of the work between two syncs (DiLoCo and its
+        streaming form): a trainer that started first would otherwise take the run's first
+        outer steps alone, or wait at its first round for members still starting, up to
+        the round's timeout. Waiting before the inner steps instead lets every member
+        arrive at the first sync together. Once per wrapper; in the hierarchical mode the
+        leader waits and every rank waits with it (its outcome is the leader's)."""
+        if self._start_checked:
+            return
+        self._start_checked = True
+        if self.local_group is None:
+            self._await_start_here()
+        else:  # every rank calls this at its first step: one broadcast, as at the join
+            self._as_machine(self._await_start_here)
+
+    def _await_start_here(self) -> None:
+        if not self._follower and self.company.start_pending:
+            self.company.await_start(self.tracker.refresh(), before="inner step")
 
     def _verbose_figures(self) -> tuple[int, int, float, int, float]:
         """``(samples, target, swarm samples/s, peers, eta)`` towards the next global step.

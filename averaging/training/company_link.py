@@ -11,7 +11,8 @@ this module does the DHT reads and writes around it for a wrapper
   in ``swarmavg status``;
 * **the warnings**: alone (never met anyone, or the others left), company back, no global
   step for long, each naming what to check;
-* **the start barrier** (:meth:`CompanyLink.await_start`): before the first global step,
+* **the start barrier** (:meth:`CompanyLink.await_start`): before the first global step
+  (``CollaborativeOptimizer``) or the first inner step (``DiLoCo``, ``StreamingDiLoCo``),
   wait for the run's other trainers.
 """
 
@@ -115,9 +116,17 @@ class CompanyLink:
         except swarm_errors() as exc:
             log.debug("could not write or read the trainer entries: %s", exc)
 
-    def await_start(self, progress: GlobalProgress) -> GlobalProgress:
+    @property
+    def start_pending(self) -> bool:
+        """Whether :meth:`await_start` would still wait (it has not run, and this trainer
+        has not met another one): lets a wrapper skip the progress read it needs."""
+        return not self._start_waited and not self.watch.met and self.start_timeout > 0
+
+    def await_start(self, progress: GlobalProgress, before: str = "global step") -> GlobalProgress:
         """The start barrier: before this trainer's first global step, wait for the other
-        trainers of its run, so that it does not take the run's first steps alone.
+        trainers of its run, so that it does not take the run's first steps alone
+        (``before`` names that step in the log lines: DiLoCo waits before its first inner
+        step).
 
         It waits (at most ``start_timeout`` seconds, once per wrapper) while fewer than
         ``min_peers`` daemons report progress in the run, and, whatever ``min_peers``
@@ -146,29 +155,32 @@ class CompanyLink:
             if len(reporting) >= needed:
                 if waited:
                     log.info(
-                        "run %r: %d other trainer(s) in; first global step",
+                        "run %r: %d other trainer(s) in; first %s",
                         self.link.run_id,
                         len(reporting),
+                        before,
                     )
                 return progress
             if now >= deadline:
                 log.warning(
                     "run %r: %d of %d other trainer(s) reported within start_timeout=%.0f s; "
-                    "taking the first global step without the rest",
+                    "taking the first %s without the rest",
                     self.link.run_id,
                     len(reporting),
                     needed,
                     self.start_timeout,
+                    before,
                 )
                 return progress
             if not waited:
                 waited = True
                 log.info(
                     "run %r: waiting up to %.0f s for %d other trainer(s) before the first "
-                    "global step (min_peers=%d, %d other daemon(s) of the run present)",
+                    "%s (min_peers=%d, %d other daemon(s) of the run present)",
                     self.link.run_id,
                     self.start_timeout,
                     needed,
+                    before,
                     self.min_peers,
                     len(present),
                 )

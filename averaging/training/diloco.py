@@ -25,6 +25,7 @@ import numpy as np
 
 from swarmavg.averaging.run_records.progress import GlobalProgress
 from swarmavg.averaging.training.base import SwarmOptimizer, resolve_run
+from swarmavg.averaging.training.company_link import DEFAULT_START_TIMEOUT
 from swarmavg.averaging.training.consensus import Role, Verdict
 from swarmavg.averaging.training.digest import state_digest
 from swarmavg.averaging.training.late_work import LateWork, late_work_fate, rebased
@@ -165,6 +166,10 @@ class DiLoCo(SwarmOptimizer):
             measured. A member that missed outer steps merges or discards its work by
             :mod:`~swarmavg.averaging.training.late_work`. Not with ``"auto"`` nor a
             ``process_group``.
+        min_peers, start_timeout: the start barrier, as for ``CollaborativeOptimizer``,
+            but before the first *inner* step (docs/training.md, "Starting together"):
+            members started apart then run their first inner steps together and take
+            the first outer step as one group, from one anchor.
 
     ``epoch`` counts outer steps. A late joiner loads the last synchronised parameters, the
     outer optimizer's state and the epoch, then runs only the inner steps the swarm has left
@@ -200,6 +205,8 @@ class DiLoCo(SwarmOptimizer):
         final_round: bool = True,
         final_timeout: float | None = None,
         pace: SwarmPace | None = None,
+        min_peers: int = 1,
+        start_timeout: float = DEFAULT_START_TIMEOUT,
     ) -> None:
         self.auto = local_steps == "auto"
         if pace is not None and (self.auto or process_group is not None):
@@ -249,6 +256,8 @@ class DiLoCo(SwarmOptimizer):
             local_group=local_group,
             final_round=final_round,
             final_timeout=final_timeout,
+            min_peers=min_peers,
+            start_timeout=start_timeout,
         )
         self.inner_optimizer = inner_optimizer
         self.local_steps = local_steps
@@ -270,6 +279,7 @@ class DiLoCo(SwarmOptimizer):
         Returns:
             The closure's loss, or None.
         """
+        self._start_together()
         loss = self._run_closure(closure)
         samples = self._samples(batch_size)
         self.inner_optimizer.step()

@@ -183,6 +183,7 @@ class StreamingDiLoCo(DiLoCo):
         Returns:
             The closure's loss, or None.
         """
+        self._start_together()
         loss = self._run_closure(closure)
         samples = self._samples(batch_size)
         self.inner_optimizer.step()

@@ -43,7 +43,8 @@ def test_a_stopped_trainer_does_not_stop_the_others_and_comes_back() -> None:
         "--local-steps", "10", "--timeout", "6", "--stall", "5",
         timeout=580,
     )  # fmt: skip
-    (paced,) = figures["runs"]  # type: ignore[misc]
+    control, paced = figures["runs"]  # type: ignore[misc]
+    assert "stall_control" in control, control  # the all-running run, same window
     stall = paced["stall"]
     assert paced["identical_anchors"], paced
     # the others kept computing while it was stopped: more outer steps than it took

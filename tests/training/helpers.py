@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
 import torch
 
 
@@ -95,3 +97,31 @@ def train_until(model: torch.nn.Module, opt: Any, seed: int, epoch: int, limit: 
         opt.step()
         opt.zero_grad()
     raise AssertionError(f"epoch {epoch} not reached in {limit} steps (at {opt.epoch})")
+
+
+class Said(logging.Handler):
+    """Sets an event when a log line contains ``text``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+        self.event = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
+@pytest.fixture
+def first_waits() -> Iterator[Said]:
+    """Set once a trainer logs that its start barrier waits."""
+    said = Said("waiting up to")
+    logger = logging.getLogger("swarmavg.averaging.training.base")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(said)
+    try:
+        yield said
+    finally:
+        logger.removeHandler(said)
+        logger.setLevel(level)

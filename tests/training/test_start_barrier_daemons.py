@@ -1,12 +1,10 @@
-"""The start barrier: a trainer's first global step waits for the other trainers of its run
-instead of taking the run's first steps alone. Real ``swarmavg peer`` processes; the second
-trainer starts only once the first one says it waits (an event, not a sleep)."""
+"""The start barrier: a trainer's first global step (DiLoCo: its first inner step) waits for
+the other trainers of its run instead of taking the run's first steps alone. Real
+``swarmavg peer`` processes; the second trainer starts only once the first one says it
+waits (an event, not a sleep)."""
 
 from __future__ import annotations
 
-import logging
-import threading
-from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
@@ -20,6 +18,8 @@ from swarmavg.peer import connect  # noqa: E402
 from tests.harness import ProcessPool  # noqa: E402
 from tests.run_daemons import clients, run_daemon  # noqa: E402
 from tests.training.helpers import (  # noqa: E402
+    Said,
+    first_waits,
     linear_model,
     run_in_threads,
     sgd_collaborative,
@@ -28,34 +28,7 @@ from tests.training.helpers import (  # noqa: E402
 
 pytestmark = pytest.mark.integration
 RUN = "start-barrier"
-__all__ = ["clients"]  # the fixture
-
-
-class Said(logging.Handler):
-    """Sets an event when a log line contains ``text``."""
-
-    def __init__(self, text: str) -> None:
-        super().__init__()
-        self.text = text
-        self.event = threading.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.text in record.getMessage():
-            self.event.set()
-
-
-@pytest.fixture
-def first_waits() -> Iterator[Said]:
-    said = Said("waiting up to")
-    logger = logging.getLogger("swarmavg.averaging.training.base")
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(said)
-    try:
-        yield said
-    finally:
-        logger.removeHandler(said)
-        logger.setLevel(level)
+__all__ = ["clients", "first_waits"]  # the fixtures
 
 
 def trainer(client: Any, **options: Any) -> tuple[Any, SwarmOptimizer]:
@@ -74,28 +47,58 @@ def trainer(client: Any, **options: Any) -> tuple[Any, SwarmOptimizer]:
     return model, opt
 
 
+def diloco_trainer(client: Any, **options: Any) -> tuple[Any, SwarmOptimizer]:
+    from swarmavg.averaging.optim import DiLoCo
+
+    model = linear_model()
+    opt = DiLoCo(
+        model.parameters(),
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        client,
+        run_id=None,
+        local_steps=3,
+        batch_size_per_step=4,
+        averaging_timeout=20.0,
+        final_timeout=2.0,
+        codec="none",
+        start_timeout=90.0,
+        **options,
+    )
+    return model, opt
+
+
 def first_then_second(
     first: tuple[Any, SwarmOptimizer], first_waits: Said, make_second: Any
 ) -> None:
     """Train ``first`` to epoch 2; once it says it waits, make the second trainer and train
-    it to epoch 2 too; both must have taken every global step together (no step alone)."""
+    it to epoch 2 too; both must have taken every global step together (no step alone),
+    from one shared state (digests equal after each)."""
     seconds: list[tuple[Any, SwarmOptimizer]] = []
+    digests: dict[str, list[bytes]] = {"a": [], "b": []}
+
+    def train(name: str, model: Any, opt: SwarmOptimizer, seed: int) -> None:
+        for epoch in (1, 2):
+            train_until(model, opt, seed, epoch)
+            digests[name].append(opt._shared_digest())
 
     def second() -> None:
         assert first_waits.event.wait(60), "the first trainer never waited"
         seconds.append(make_second())
-        train_until(*seconds[0], 20, 2)
+        train("b", *seconds[0], 20)
 
-    run_in_threads(lambda: train_until(*first, 10, 2), second, timeout=100)
+    run_in_threads(lambda: train("a", *first, 10), second, timeout=100)
     a, b = first[1], seconds[0][1]
     assert a.stats.group_sizes == b.stats.group_sizes == [2, 2]
+    assert digests["a"] == digests["b"]
+    assert a.stats.states_loaded == b.stats.states_loaded == 0
     a.close()
     b.close()
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("make", [trainer, diloco_trainer], ids=["collaborative", "diloco"])
 def test_the_first_global_step_waits_for_the_trainer_of_a_daemon_already_up(
-    swarmavg_processes: ProcessPool, clients: ExitStack, first_waits: Said
+    swarmavg_processes: ProcessPool, clients: ExitStack, first_waits: Said, make: Any
 ) -> None:
     first_daemon = run_daemon(swarmavg_processes, RUN, 0)
     second_daemon = run_daemon(swarmavg_processes, RUN, 1, first_daemon)
@@ -105,8 +108,8 @@ def test_the_first_global_step_waits_for_the_trainer_of_a_daemon_already_up(
     for _ in range(200):
         if len(ca.dht.get(f"{RUN}{AVERAGERS_SUFFIX}") or {}) >= 2:
             break
-    ma, a = trainer(ca)
-    first_then_second((ma, a), first_waits, lambda: trainer(cb))
+    ma, a = make(ca)
+    first_then_second((ma, a), first_waits, lambda: make(cb))
 
 
 @pytest.mark.timeout(120)
