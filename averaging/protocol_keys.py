@@ -19,7 +19,7 @@ key                              written by                                  val
 ``{run}.trainers``               training wrappers (run_records/trainers.py)  a trainer entry
 ``<anything>.progress``          progress tracking (run_records/progress.py)  a progress
 ``{run}.rounds``                 the daemon, for monitors                     a round report
-                                 (peer/monitor_rounds.py)
+                                 (peer/daemon/round_reports.py)
 ===============================  ==========================================  ===============
 
 Every class caps its records' lifetime at :data:`PROTOCOL_KEY_MAX_TTL` (an hour): the
@@ -78,7 +78,7 @@ def _is_progress(subkey: Subkey, owner: bytes, value: Any) -> bool:
 
 def _is_round_report(subkey: Subkey, owner: bytes, value: Any) -> bool:
     # Only the owner's claim is checked here: the report's schema belongs to the peer layer
-    # above (peer/monitor_rounds.py), whose reader checks every field again.
+    # above (peer/daemon/round_reports.py), whose reader checks every field again.
     return isinstance(value, dict) and value.get("peer") == owner.hex()
 
 

@@ -68,6 +68,7 @@ import numpy as np
 
 from deploy.testbed import Host, TestBed, missing_requirements
 from deploy.testbed.goodput import all_to_all
+from deploy.testbed.tcpstats import counter_delta, read_counters
 from deploy.testbed.wan import add_link_arguments, link_figures, uniform_hosts
 from swarmavg.peer import connect_async
 
@@ -278,6 +279,7 @@ class Round:
     start_spread: float = 0.0  # seconds between the first and the last worker's call
     group_sizes: tuple[int, ...] = ()  # each worker's group (a split shows as 2, 2, 2, 2)
     slowest_prepare: float = 0.0  # the longest ``client.prepare`` among the workers
+    tcp: dict[str, int] | None = None  # the hosts' TCP counters over the round, summed
 
 
 def cpu_seconds(daemon: Daemon) -> float:
@@ -323,6 +325,7 @@ def one_round(
     """Every host's worker averages at once; raises RuntimeError when any call failed."""
     hosts = list(bed.hosts.values())
     before = [host.link_bytes()[0] for host in hosts]
+    tcp_before = [read_counters(host) for host in hosts]
     cpu_before = [cpu_seconds(d) for d in daemons]
     for worker in workers:
         worker.request(
@@ -330,6 +333,10 @@ def one_round(
         )
     records = [worker.result() for worker in workers]
     after = [host.link_bytes()[0] for host in hosts]
+    tcp: dict[str, int] = {}
+    for host, old in zip(hosts, tcp_before, strict=True):
+        for name, value in counter_delta(read_counters(host), old).items():
+            tcp[name] = tcp.get(name, 0) + value
     errors = [r["error"] for r in records if "error" in r]
     if errors:
         first = min(r["started_at"] for r in records)
@@ -355,7 +362,33 @@ def one_round(
         group_sizes=tuple(int(r["group_size"]) for r in records),
         start_spread=max(r["started_at"] for r in records) - min(r["started_at"] for r in records),
         slowest_prepare=max(float(r["timings"].get("client.prepare", 0.0)) for r in records),
+        tcp=tcp,
     )
+
+
+def tcp_summary(done: Sequence[Round]) -> dict[str, float]:
+    """What TCP did to carry these rounds, all hosts together (deploy/testbed/tcpstats.py):
+    the share of segments sent that were retransmissions, and per round the tail loss
+    probes and retransmission timeouts (each of which holds a chunk back a round trip or
+    more while its reducer waits for it), and CUBIC's slow starts that HyStart ended
+    early."""
+    totals: dict[str, int] = {}
+    for r in done:
+        for name, value in (r.tcp or {}).items():
+            totals[name] = totals.get(name, 0) + value
+    if not totals.get("OutSegs"):
+        return {}
+    return {
+        "retransmitted_fraction": round(totals.get("RetransSegs", 0) / totals["OutSegs"], 4),
+        "loss_probes_per_round": round(totals.get("TCPLossProbes", 0) / len(done), 1),
+        "timeouts_per_round": round(totals.get("TCPTimeouts", 0) / len(done), 1),
+        "fast_retransmits_per_round": round(totals.get("TCPFastRetrans", 0) / len(done), 1),
+        "hystart_exits_per_round": round(
+            (totals.get("TCPHystartTrainDetect", 0) + totals.get("TCPHystartDelayDetect", 0))
+            / len(done),
+            1,
+        ),
+    }
 
 
 def raw_tcp(
@@ -364,13 +397,23 @@ def raw_tcp(
     """The butterfly's traffic pattern over plain TCP: each host sends 2*S/N to each other."""
     hosts = list(bed.hosts.values())
     per_pair = 2 * nbytes // len(hosts)
+    tcp_before = [read_counters(host) for host in hosts]
     times = [
         all_to_all(hosts, per_pair, timeout=300, congestion_control=congestion_control).seconds
         for _ in range(repeats)
     ]
+    sent = retransmitted = 0
+    for host, old in zip(hosts, tcp_before, strict=True):
+        delta = counter_delta(read_counters(host), old)
+        sent += delta.get("OutSegs", 0)
+        retransmitted += delta.get("RetransSegs", 0)
     seconds = statistics.median(times)
     egress = per_pair * (len(hosts) - 1)
-    return {"seconds": round(seconds, 3), "per_host_egress_mbit_s": egress * 8 / seconds / 1e6}
+    return {
+        "seconds": round(seconds, 3),
+        "per_host_egress_mbit_s": egress * 8 / seconds / 1e6,
+        "retransmitted_fraction": round(retransmitted / sent, 4) if sent else 0.0,
+    }
 
 
 def summarize(done: list[Round], failed: list[str]) -> dict[str, Any]:
@@ -392,6 +435,7 @@ def summarize(done: list[Round], failed: list[str]) -> dict[str, Any]:
         "bit_identical": all(r.bit_identical for r in done),
         # The daemon's phases in the median round (one member's view).
         "timings": {k: round(v, 3) for k, v in sorted(done[len(done) // 2].timings.items())},
+        "tcp": tcp_summary(done),
         "failed_rounds": failed,
     }
 

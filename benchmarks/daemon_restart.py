@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from swarmavg.peer import connect
-from swarmavg.peer.errors import SwarmError
+from swarmavg.peer.client.errors import SwarmError
 
 
 @dataclass

@@ -62,6 +62,18 @@ def measure(mtu: int, args: argparse.Namespace) -> dict[str, float]:
     return {name: round(statistics.median(values), 3) for name, values in samples.items()}
 
 
+def parse_bed_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """``parser``'s arguments (with ``--hosts``), or exit with the reason when there are
+    fewer than 2 hosts or this machine cannot build a test bed."""
+    args = parser.parse_args()
+    if args.hosts < 2:
+        parser.error("--hosts must be at least 2")
+    reason = missing_requirements()
+    if reason is not None:
+        parser.error(f"the test bed cannot run here: {reason}")
+    return args
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mtu", default="1500", help="comma-separated MTUs, one bed each")
@@ -70,12 +82,7 @@ def main() -> int:
     parser.add_argument("--mb", type=float, default=64.0, help="the all-reduce's tensor, MB")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--congestion-controls", default="cubic,bbr")
-    args = parser.parse_args()
-    if args.hosts < 2:
-        parser.error("--hosts must be at least 2")
-    reason = missing_requirements()
-    if reason is not None:
-        parser.error(f"the test bed cannot run here: {reason}")
+    args = parse_bed_arguments(parser)
     figures: dict[str, object] = {
         "benchmark": "link_ceiling",
         "path": "raw TCP (deploy/testbed/tcpprobe.py) between test-bed hosts, tc tbf links",

@@ -4,7 +4,7 @@ one JSON line.
 16 ``swarmavg peer`` processes on 127.0.0.1 and one writer process reporting a progress
 record (with metrics) for every daemon every 2 s, as trainers do. Windows of ``--window``
 seconds alternate (A/B/C interleaved): idle (nobody watches); monitor (a
-:class:`~swarmavg.peer.monitor.Monitor` in this process, polling every ``--interval`` s, as
+:class:`~swarmavg.peer.monitor.monitor.Monitor` in this process, polling every ``--interval`` s, as
 ``swarmavg monitor`` does, its dashboard off); peers (``client.peers()`` on one daemon every
 ``--every`` s, what ``swarmavg peers`` calls). Per window: CPU seconds of the 16 daemons
 together (``/proc/PID/stat``), CPU seconds of this process (in monitor windows: the
@@ -59,7 +59,7 @@ while True:
 async def monitor_window(
     address: str, run: str, args: argparse.Namespace, pids: list[int]
 ) -> tuple[float, float, int, int, dict[str, Any]]:
-    from swarmavg.peer.monitor import Monitor, MonitorSettings
+    from swarmavg.peer.monitor.monitor import Monitor, MonitorSettings
 
     monitor = Monitor(
         MonitorSettings(run_id=run, join=[address], interval=args.interval, http=None)

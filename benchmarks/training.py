@@ -54,7 +54,8 @@ rejoins (``stats.rejoins``: times it adopted the swarm's epoch), its final agree
 first trainer was when each next one started. ``--min-peers N`` gives the grad scenarios'
 trainers the start barrier's ``min_peers`` (the first trainer's first global step waits for
 N daemons' trainers, ``--start-timeout`` seconds at most); ``--start-timeout 0`` is the
-control without any barrier.
+control without any barrier. ``--last-late S`` starts the last trainer S seconds after the
+one before it, into a run in progress.
 
 Prints one JSON line: per scenario the final test accuracy (mean over the peers alive at
 the end), its distance to the reference, bytes sent per peer (from the daemons' status),
@@ -456,12 +457,14 @@ def start_unsync(
     workdir: Path,
     log: Any,
     seed: int,
+    last_late: float = 0.0,
 ) -> tuple[list[int], dict[str, Any]]:
     """``--unsync``: the trainers start one by one, as real ones do. Trainer 0 starts on the
     first daemon at once; then, for each next trainer, a seeded pause of up to
     ``UNSYNC_STAGGER`` seconds, a fresh daemon that joins the first, and the trainer once
     that daemon is up. Nobody waits for a go: the first trainer trains alone meanwhile.
-    ``daemons`` (holding the first) gets the new daemons appended.
+    ``last_late`` > 0: the last trainer's pause is that many seconds instead (a trainer that
+    joins a run in progress). ``daemons`` (holding the first) gets the new daemons appended.
 
     Returns:
         each trainer's output mark, and the figures of the start: the pauses, and the
@@ -469,6 +472,8 @@ def start_unsync(
     """
     rng = np.random.default_rng(7 + SEED_STRIDE * seed)
     pauses = [round(float(rng.uniform(0.0, UNSYNC_STAGGER)), 3) for _ in workers[1:]]
+    if last_late > 0:
+        pauses[-1] = last_late
     marks = [workers[0].send(scenario(0, daemons[0][1], wait_for_go=False))]
     workers[0].wait_for(lambda r: r.get("event") == "started", 120, marks[0])
     first_at = []
@@ -561,7 +566,9 @@ def run_scenario(
             plans[3] = {"fail_rounds": fail_rounds}
         extra: dict[str, Any] = {}
         if unsync:
-            marks, extra["unsync"] = start_unsync(active, daemons, scenario, workdir, log, seed)
+            marks, extra["unsync"] = start_unsync(
+                active, daemons, scenario, workdir, log, seed, opts.last_late
+            )
         else:
             marks = [
                 send(w, scenario(i, control, **plans[i]))
@@ -750,6 +757,13 @@ def main() -> None:
         "(not for churn and chaos)",
     )
     parser.add_argument(
+        "--last-late",
+        type=float,
+        default=0.0,
+        help="with --unsync: the last trainer starts this many seconds after the one before "
+        "it (a trainer joining a run in progress; give --min-peers one less than the swarm)",
+    )
+    parser.add_argument(
         "--min-peers",
         type=int,
         default=1,
@@ -833,6 +847,7 @@ def run_all(
     if opts.unsync:
         figures["unsync"] = True
     figures["min_peers"] = opts.min_peers
+    figures["last_late"] = opts.last_late
     figures["start_timeout"] = opts.start_timeout
     for name in names:
         mode, codec, extra = SCENARIOS[name]

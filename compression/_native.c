@@ -434,7 +434,7 @@ done:
 
 /* ---------------------------------------------------------------------------------
  * Copy and check: the daemon's and the client's one pass over a call's inputs
- * (peer/handoff.py). A value is NaN or Inf exactly when its exponent bits are all ones;
+ * (peer/client/handoff.py). A value is NaN or Inf exactly when its exponent bits are all ones;
  * the copy moves bits, so it is exact for every value. */
 
 CLONES static uint32_t copy_bits32_loop(const u32 *x, u32 *o, Py_ssize_t n) {

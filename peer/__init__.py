@@ -1,4 +1,5 @@
-"""The swarmavg peer daemon, its local control service, the client library and the CLI.
+"""The swarmavg peer: the client library, the daemon with its control service, the monitor,
+the CLI and NAT traversal, each a subpackage (docs/architecture.md).
 
 Public API (docs/peer.md)::
 
@@ -16,9 +17,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from swarmavg.peer.calls import AverageResult
-from swarmavg.peer.client import AsyncClient, Client, connect, connect_async
-from swarmavg.peer.errors import (
+from swarmavg.peer.client.calls import AverageResult
+from swarmavg.peer.client.client import AsyncClient, Client, connect, connect_async
+from swarmavg.peer.client.errors import (
     AveragingError,
     DaemonUnavailableError,
     NoGroupError,
@@ -31,9 +32,9 @@ from swarmavg.peer.errors import (
 from swarmavg.peer.logs import enable_logging
 
 if TYPE_CHECKING:
-    from swarmavg.peer.background import BackgroundPeer, start_peer
-    from swarmavg.peer.config import PeerConfig
-    from swarmavg.peer.daemon import Peer
+    from swarmavg.peer.daemon.background import BackgroundPeer, start_peer
+    from swarmavg.peer.daemon.config import PeerConfig
+    from swarmavg.peer.daemon.daemon import Peer
 
     __version__: str
 
@@ -44,15 +45,15 @@ def __getattr__(name: str) -> Any:
 
         return installed_version()
     if name == "Peer":
-        from swarmavg.peer.daemon import Peer
+        from swarmavg.peer.daemon.daemon import Peer
 
         return Peer
     if name == "PeerConfig":  # the daemon's whole config tree: the client never needs it
-        from swarmavg.peer.config import PeerConfig
+        from swarmavg.peer.daemon.config import PeerConfig
 
         return PeerConfig
     if name in ("start_peer", "BackgroundPeer"):
-        from swarmavg.peer import background
+        from swarmavg.peer.daemon import background
 
         return getattr(background, name)
     raise AttributeError(f"module 'swarmavg.peer' has no attribute {name!r}")

@@ -4,6 +4,8 @@
   functions: a cycle hidden from the interpreter still ties two modules together.
 - Packages import only downward: proto <- compression <- dht <- averaging <- peer.
 - No module imports another module's private (underscore) names.
+- Inside ``peer``, each room (client, daemon, monitor, cli, nat) imports only the rooms it
+  builds on: the client none, the daemon never the monitor or the CLI.
 """
 
 from __future__ import annotations
@@ -100,8 +102,8 @@ def test_no_import_cycle() -> None:
 def test_sources_found() -> None:
     # The checks below mean nothing if the walk found nothing.
     assert "swarmavg.averaging.allreduce.runner" in MODULES
-    assert "swarmavg.peer.daemon" in MODULES
-    assert GRAPH["swarmavg.peer.daemon"]
+    assert "swarmavg.peer.daemon.daemon" in MODULES
+    assert GRAPH["swarmavg.peer.daemon.daemon"]
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -139,7 +141,6 @@ ENGINE_PREFIXES = (
     "swarmavg.averaging.service",
     "swarmavg.dht",
     "swarmavg.peer.daemon",
-    "swarmavg.peer.config",
     "nacl",
     "cryptography",
 )
@@ -163,7 +164,7 @@ def test_client_and_wrappers_load_no_engine() -> None:
     )
     assert out.returncode == 0, out.stderr
     loaded = out.stdout.split()
-    assert "swarmavg.peer.client" in loaded  # the check means nothing if the import failed early
+    assert "swarmavg.peer.client.client" in loaded  # else the import failed early
     engine = [m for m in loaded if m.startswith(ENGINE_PREFIXES)]
     assert engine == []
 
@@ -185,3 +186,51 @@ def test_only_the_wrappers_import_the_training_package(module: str) -> None:
         if target == TRAINING or target.startswith(TRAINING + ".")
     ]
     assert into_training == []
+
+
+# peer/'s rooms and the rooms each may import besides its own (docs/architecture.md). The
+# client is what every training process loads: it imports no other room, so a trainer never
+# loads the daemon, the monitor or the CLI. The daemon imports the client's framing (shared
+# memory, tensors, endpoints), never the monitor or the CLI; the monitor reads what daemons
+# publish; the CLI sits on top. Every room may import the package's shared modules
+# (version, logs), which import no room; the facade ``swarmavg.peer`` (peer/__init__.py)
+# re-exports the rooms and is imported by none of them.
+PEER_ROOMS: dict[str, set[str]] = {
+    "client": set(),
+    "nat": set(),
+    "daemon": {"client", "nat"},
+    "monitor": {"client", "daemon"},
+    "cli": {"client", "daemon", "monitor"},
+}
+PEER_SHARED = ("swarmavg.peer.logs", "swarmavg.peer.version")
+
+
+def _room(module: str) -> str | None:
+    """A ``swarmavg.peer`` module's room, "shared" or "facade"; None outside the package."""
+    parts = module.split(".")
+    if parts[:2] != ["swarmavg", "peer"]:
+        return None
+    if len(parts) == 2:
+        return "facade"
+    return parts[2] if parts[2] in PEER_ROOMS else "shared"
+
+
+def test_every_peer_module_is_in_a_room_or_shared() -> None:
+    # The room rule below means nothing if a room is empty, and a module beside the rooms
+    # escapes it unless it is one of the few shared ones.
+    for room in PEER_ROOMS:
+        assert f"swarmavg.peer.{room}" in MODULES
+        assert [m for m in MODULES if m.startswith(f"swarmavg.peer.{room}.")]
+    assert sorted(m for m in MODULES if _room(m) == "shared") == sorted(PEER_SHARED)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _room(m) not in (None, "facade")))
+def test_peer_rooms_import_only_the_rooms_they_build_on(module: str) -> None:
+    own = _room(module)
+    allowed = {own, "shared", *PEER_ROOMS.get(own or "", set())}
+    crossing = [
+        (target, line)
+        for target, _, line in _imports(module, MODULES[module])
+        if _room(target) is not None and _room(target) not in allowed
+    ]
+    assert crossing == []

@@ -57,6 +57,11 @@ class AllReduceConfig:
             sources too (off: a LAN cluster or a test swarm shares one range; tests turn it
             on to stand for distinct networks on 127.x.y.z), as
             ``DHTConfig.limit_local_ranges``.
+        keyed_streams_only: refuse a ``Reduce`` stream whose signed first message carries no
+            stream key (an older sender's): every stream served is then MACed end to end
+            (docs/security.md). Off, such a stream is served as before keys existed, its
+            later messages covered by nothing but the transport. A key cannot be stripped
+            on the way (the signature covers it), so this only decides about older peers.
         write_timeout: a reply (gRPC message or data-plane frame) that the transport has
             not taken within this long means its sender stopped reading: the stream is cut
             (``DEADLINE_EXCEEDED``) and the sender dropped, so it pins nothing longer.
@@ -114,6 +119,7 @@ class AllReduceConfig:
     max_pending_per_range: int = 32
     first_message_timeout: float = 2.0
     limit_local_ranges: bool = False
+    keyed_streams_only: bool = False
     write_timeout: float = 10.0
     max_reply_backlog: int = 32 << 20
     max_codec_instances: int = 4

@@ -1,11 +1,12 @@
 """What this member sends in a round: its values, chunk by chunk, through the codec.
 
 A :class:`Contribution` codes each chunk of the flattened tensors for the reducer of its
-part: the chunks of another member's part as the signed wire pieces of a ``Reduce``
-stream (:meth:`Contribution.request`), the chunks of our own part through the codec and
-back into our own reducer (:meth:`Contribution.contribute_local`). The coding runs in the
-service's executor; a chunk of our own values that holds NaN/Inf ends the round
-(:attr:`Contribution.non_finite`).
+part: the chunks of another member's part as the wire pieces of a keyed ``Reduce``
+stream, each sealed with the stream's tag (:meth:`Contribution.request`) after the
+stream's signed opening (:meth:`Contribution.opening`), the chunks of our own part
+through the codec and back into our own reducer (:meth:`Contribution.contribute_local`).
+The coding runs in the service's executor; a chunk of our own values that holds NaN/Inf
+ends the round (:attr:`Contribution.non_finite`).
 """
 
 from __future__ import annotations
@@ -16,15 +17,15 @@ from typing import TypeVar
 
 import numpy as np
 
+from swarmavg.averaging.allreduce.keyed_stream import SenderHandshake
 from swarmavg.averaging.allreduce.member_side import MemberSide
 from swarmavg.averaging.allreduce.round import ReducerRound, offload
-from swarmavg.averaging.allreduce.wire import OutgoingChunk, encode_request, reduce_digest
+from swarmavg.averaging.allreduce.stream_mac import StreamMac
+from swarmavg.averaging.allreduce.wire import OutgoingChunk, encode_request, sealed
 from swarmavg.averaging.errors import InvalidTensorsError
-from swarmavg.averaging.stubs import REDUCE
 from swarmavg.compression import CodecInfo
 from swarmavg.compression.kernels import all_finite
 from swarmavg.dht.auth import RequestSigner
-from swarmavg.proto import averaging_pb2
 
 __all__ = ["Contribution"]
 
@@ -36,8 +37,8 @@ class Contribution:
 
     Args:
         side: this member's side of the round.
-        weight: this member's weight, sent in the first message of every stream.
-        signer: signs each stream's first message for the reducer it goes to.
+        weight: this member's weight, sent in the opening of every stream.
+        signer: signs each stream's opening for the reducer it goes to.
         codec_checks: the codec checks our values for NaN/Inf as it codes them (the
             runner's ``FiniteCheck.AS_ENCODED``, where nothing else checks them).
     """
@@ -54,15 +55,31 @@ class Contribution:
         self.non_finite_error: InvalidTensorsError | None = None
         """Which chunk, once :attr:`non_finite` is set."""
 
-    async def request(self, part: int, chunk: int) -> OutgoingChunk | None:
+    def handshake(self, part: int) -> SenderHandshake:
+        """A fresh handshake for one stream to the reducer of ``part`` (one per stream: a
+        stream asked again gets a new key)."""
+        group = self.side.group
+        return SenderHandshake(
+            self.signer.peer_id, group.members[part].peer_id, group.group_id, part
+        )
+
+    def opening(self, handshake: SenderHandshake) -> OutgoingChunk:
+        """The stream's first message: our weight and the stream's key, no chunk."""
+        # Signed for part's reducer and this group: a captured first message opens no
+        # stream to another reducer, into another group, or twice (dht/auth.py).
+        return handshake.opening(self.signer, self.weight)
+
+    async def request(self, part: int, chunk: int, mac: StreamMac) -> OutgoingChunk | None:
         """``chunk`` of ``part`` as the wire pieces of its ``ReduceRequest``, coded in the
-        executor; ``None`` when our values refused coding (the round ends)."""
+        executor and sealed with ``mac``'s next tag; ``None`` when our values refused
+        coding (the round ends)."""
         try:
             return await offload(
                 self.side.executor,
                 self._encode_request,
                 part,
                 chunk,
+                mac,
                 elements=self.side.plan.chunk_size(part, chunk),
             )
         except InvalidTensorsError as e:
@@ -125,21 +142,12 @@ class Contribution:
             where = info.key.rpartition("/")[2]  # the chunk's place in the flattened tensors
             raise InvalidTensorsError(f"the tensors hold NaN or Inf (in elements {where})") from e
 
-    def _encode_request(self, part: int, chunk: int) -> OutgoingChunk:
-        """One chunk of ``part`` as the wire pieces of its ``ReduceRequest``."""
-        first = None
-        if chunk == 0:
-            first = averaging_pb2.ReduceRequest(
-                group_id=self.side.group.group_id, part_index=part, weight=self.weight
-            )
-            # Signed for part's reducer and this group: a captured first message opens no
-            # stream to another reducer, into another group, or twice (dht/auth.py).
-            digest = reduce_digest(self.side.group.group_id, part, self.weight, chunk)
-            first.header.CopyFrom(
-                self.signer.sign(self.side.group.members[part].peer_id, REDUCE, digest)
-            )
+    def _encode_request(self, part: int, chunk: int, mac: StreamMac) -> OutgoingChunk:
+        """One chunk of ``part`` as the wire pieces of its ``ReduceRequest``, sealed with
+        the stream's next tag (here, off the loop with the encoding; a stream's chunks are
+        encoded one at a time, in the order they are written)."""
         encoded = self._coded(self.side.codec.encode_payload, *self._chunk(part, chunk))
-        return encode_request(encoded, chunk, first)
+        return sealed(encode_request(encoded, chunk), mac)
 
     def _round_trip_local(self, chunk: int) -> np.ndarray:
         """This member's own copy of one chunk of its part, through the codec and back."""

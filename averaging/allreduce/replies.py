@@ -7,7 +7,8 @@ can have heard from: ``num_senders`` counting this member for a chunk it had not
 a chunk out of range, twice, of the wrong size or codec) is refused for its whole part,
 which keeps this member's local values. Under a robust rule, the part check
 (:mod:`~swarmavg.averaging.allreduce.part_check`) refuses the parts whose averages lie too
-far from our values against the others. What the result reports comes from what this
+far from our values against the others. A reducer whose stream fails its handshake or a
+reply's tag (streams.py) is distrusted the same way. What the result reports comes from what this
 member observed itself, not from the reducers' word.
 
 Replies decode straight into the result in executor threads: see :meth:`ResultAssembly.seal`.
@@ -108,14 +109,14 @@ class ResultAssembly:
             log.warning("part %d: %s", part, reply.error)
             return False
         if chunk >= self.side.plan.num_chunks(part) or self.received[part][chunk]:
-            return self._distrust(part, f"chunk {chunk} out of range or twice")
+            return self.distrust(part, f"chunk {chunk} out of range or twice")
         self.bytes_received += reply.nbytes
         # The most senders an honest reducer can have averaged the chunk over: every
         # sender of the group, less this member if it had not sent that chunk yet.
         senders = len(self.side.group.senders)
         bound = senders if handed > chunk else senders - 1
         if reply.num_senders > bound:
-            return self._distrust(
+            return self.distrust(
                 part, f"chunk {chunk} claims {reply.num_senders} senders, at most {bound} possible"
             )
         if reply.num_senders == 0:
@@ -129,7 +130,7 @@ class ResultAssembly:
                 elements=self.side.plan.chunk_size(part, chunk),
             )
         except ValueError as e:  # CodecError included
-            return self._distrust(part, f"invalid chunk {chunk}: {e}")
+            return self.distrust(part, f"invalid chunk {chunk}: {e}")
         self.received[part][chunk] = True
         if reply.num_senders >= senders:
             self.full_chunks[part] += 1
@@ -137,7 +138,7 @@ class ResultAssembly:
         self.weights_clipped[part] = max(self.weights_clipped[part], reply.weights_clipped)
         return True
 
-    def _distrust(self, part: int, reason: str) -> bool:
+    def distrust(self, part: int, reason: str) -> bool:
         """Refuse everything the reducer of ``part`` returned: the whole part keeps local
         values (``fill_missing``) and counts as not averaged. Returns ``False``.
 
@@ -287,7 +288,7 @@ class ResultAssembly:
             lambda parts: {part: self.tallies[part].mean_absolute() for part in parts},
         )
         for part, reason in sorted(refused.items()):
-            self._distrust(part, f"forged averages: {reason}")
+            self.distrust(part, f"forged averages: {reason}")
 
     def fill_missing(self) -> None:
         """Copy local values into every chunk that no reducer returned, once no reply is

@@ -32,6 +32,7 @@ from swarmavg.averaging.allreduce.wire import OutgoingChunk, Request, encode_res
 from swarmavg.averaging.group import GroupInfo
 from swarmavg.averaging.stalled import abort_stalled
 from swarmavg.compression import Codec, CodecInfo
+from swarmavg.dht.auth import RequestSigner
 from swarmavg.dht.tasks import TaskSet
 
 log = logging.getLogger(__name__)
@@ -183,8 +184,12 @@ class ReducerRound:
         fault_plan: FaultPlan | None = None,
         buffers: BufferPool | None = None,
         combiner: ThreadPoolExecutor | None = None,
+        signer: RequestSigner | None = None,
     ) -> None:
         self.group = group
+        self.signer = signer
+        """Signs this reducer's handshakes of keyed streams (``None``: only unkeyed
+        streams can be served)."""
         self.my_index = my_index
         self.plan = plan
         self.codec = codec

@@ -148,7 +148,7 @@ async def run_allreduce(
             ``out`` may also be ``tensors`` themselves (the same memory): the round then
             averages in place, and a chunk no reducer returned keeps its values. (With the
             part check off, a reducer distrusted mid-part leaves the chunks it returned
-            before averaged, see ``ResultAssembly._distrust``.) ``None``: the result goes into
+            before averaged, see ``ResultAssembly.distrust``.) ``None``: the result goes into
             new arrays.
 
     Returns:
@@ -221,6 +221,7 @@ async def run_allreduce(
             fault_plan,
             buffers=service.buffers,
             combiner=service.combiner,
+            signer=signer,
         )
         service.register(round_)
         round_.start()

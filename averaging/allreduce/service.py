@@ -20,6 +20,11 @@ group to start here, a waiting slot; neither is free for the sender to hold:
   counted against ``max_waiting_streams`` in all, ``max_waiting_per_range`` per address
   range and ``max_waiting_per_peer`` per verified sender: identities are free, networks
   are not, so one network at its limit leaves the other slots to honest members.
+
+A keyed stream (its signed first message carries the sender's stream key) is answered with
+the reducer's signed handshake once the sender is known to be a member, and from there every
+chunk must carry a valid MAC and every reply carries one (keyed_stream.py): nothing on the
+path can alter, replay, reorder or drop a message unnoticed.
 """
 
 from __future__ import annotations
@@ -41,10 +46,13 @@ from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.allreduce.congestion import check_congestion_control
 from swarmavg.averaging.allreduce.data_connector import DataConnector
 from swarmavg.averaging.allreduce.data_server import DataPlaneServer
+from swarmavg.averaging.allreduce.keyed_stream import SealingContext, answer, checked_requests
 from swarmavg.averaging.allreduce.round import Abort, ReduceContext, ReducerRound, abort_stream
+from swarmavg.averaging.allreduce.stream_keys import KeyAgreementError
 from swarmavg.averaging.allreduce.wire import Request, reduce_digest
 from swarmavg.averaging.errors import DataPlaneBindError
 from swarmavg.averaging.gauge import Gauge
+from swarmavg.averaging.stalled import abort_stalled
 from swarmavg.averaging.stubs import REDUCE
 from swarmavg.compression import Codec, canonical_name, get_codec
 from swarmavg.dht.auth import Authenticator
@@ -295,7 +303,9 @@ class AllReduceService:
         Raises:
             HeaderError: unsigned, copied, replayed, stale, for another reducer or group.
         """
-        digest = reduce_digest(first.group_id, first.part_index, first.weight, first.chunk_index)
+        digest = reduce_digest(
+            first.group_id, first.part_index, first.weight, first.chunk_index, first.stream_key
+        )
         return self.authenticator.check(first.header or common_pb2.RequestHeader(), REDUCE, digest)
 
     async def rpc_reduce(
@@ -373,6 +383,20 @@ class AllReduceService:
             peer_id = self._authenticate(first)
         except HeaderError as e:
             await abort_stream(context, grpc.StatusCode.UNAUTHENTICATED, str(e))
+        if first.stream_key and first.chunk is not None:
+            # Only its naming fields are signed and it carries no tag: a chunk in it would
+            # be the one message of the stream nothing covers.
+            await abort_stream(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a keyed stream's first message carries no chunk",
+            )
+        if not first.stream_key and self.config.keyed_streams_only:
+            await abort_stream(
+                context,
+                grpc.StatusCode.UNAUTHENTICATED,
+                "this peer serves keyed streams only: the first message carries no stream key",
+            )
         round_ = self._rounds.get(first.group_id)
         if round_ is None and first.group_id not in self._recent and not self._closed:
             # Only a stream that passed the header check waits for its round, in a slot of
@@ -420,4 +444,33 @@ class AllReduceService:
         admitted = getattr(context, "admitted", None)
         if callable(admitted):  # the data plane: charge its bytes to this member now
             admitted(peer_id)
+        if first.stream_key:
+            iterator, context = await self._open_keyed(first, peer_id, round_, iterator, context)
         await round_.serve(sender, first, iterator, context)
+
+    async def _open_keyed(
+        self,
+        first: Request,
+        peer_id: bytes,
+        round_: ReducerRound,
+        iterator: AsyncIterator[Request],
+        context: ReduceContext,
+    ) -> tuple[AsyncIterator[Request], ReduceContext]:
+        """Answer a keyed stream's first message with this reducer's handshake; return the
+        stream's requests, each checked against its tag, and a context that seals every
+        reply."""
+        if round_.signer is None:
+            await abort_stream(
+                context, grpc.StatusCode.FAILED_PRECONDITION, "this round answers no keyed streams"
+            )
+        try:
+            handshake, seal = answer(first, peer_id, round_.signer)
+        except KeyAgreementError as e:
+            await abort_stream(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            async with asyncio.timeout(self.config.write_timeout):
+                await context.write(handshake)
+        except TimeoutError:
+            reason = f"sender read no handshake for {self.config.write_timeout:.1f}s"
+            await abort_stalled(context, grpc.StatusCode.DEADLINE_EXCEEDED, reason)
+        return checked_requests(iterator, seal.inbound), SealingContext(context, seal.outbound)

@@ -2,7 +2,9 @@
 
 For every other member's part, :meth:`PartStreams.exchange_part` opens a stream to its
 reducer (over the reducer's data plane when it serves one and we can reach it, else over
-gRPC), writes our chunks from one task while it reads the averaged chunks as they come
+gRPC) and keys it (keyed_stream.py: a signed opening, the reducer's signed handshake
+reply, then a tag on every message either way). It writes our chunks from one task while
+it reads the averaged chunks as they come, checks each one's tag, and hands it on
 (:class:`~swarmavg.averaging.allreduce.replies.ResultAssembly` checks and stores them), and
 ends by the round's deadline or when the reducer stalls: every read waits at most a
 patience derived from the progress observed so far. A failure leaves the missing chunks
@@ -22,11 +24,15 @@ import grpc
 
 from swarmavg.averaging.allreduce.data_connector import DataCall, DataStreamError
 from swarmavg.averaging.allreduce.faults import FaultPlan
+from swarmavg.averaging.allreduce.keyed_stream import SenderHandshake, StreamSeal
 from swarmavg.averaging.allreduce.outgoing import Contribution
 from swarmavg.averaging.allreduce.replies import ResultAssembly
 from swarmavg.averaging.allreduce.service import AllReduceService
-from swarmavg.averaging.allreduce.wire import serialize_pieces
+from swarmavg.averaging.allreduce.stream_keys import KeyAgreementError
+from swarmavg.averaging.allreduce.stream_mac import IntegrityError
+from swarmavg.averaging.allreduce.wire import OutgoingChunk, serialize_pieces
 from swarmavg.averaging.stubs import reduce_method
+from swarmavg.dht.identity import HeaderError
 from swarmavg.dht.ranges import split_host
 
 log = logging.getLogger(__name__)
@@ -168,7 +174,17 @@ class PartStreams:
         floor = max(3 * self.config.min_stall, self.config.registration_wait)
         return max(floor, self.config.stall_factor * mean)
 
-    async def _send_part(self, part: int, call: grpc.aio.StreamStreamCall | DataCall) -> None:
+    async def _send_part(
+        self,
+        part: int,
+        call: grpc.aio.StreamStreamCall | DataCall,
+        handshake: SenderHandshake,
+        seal: asyncio.Future[StreamSeal],
+    ) -> None:
+        await self._write(call, self.contribution.opening(handshake))
+        # No chunk goes before the reducer's handshake: every chunk carries a tag under
+        # the stream's key.
+        mac = (await seal).outbound
         for chunk in range(self.plan.num_chunks(part)):
             if self.fault_plan is not None:
                 if self.fault_plan.crashes(chunk):
@@ -176,17 +192,22 @@ class PartStreams:
                     await asyncio.Event().wait()
                 if self.fault_plan.stops_sending(chunk):
                     await asyncio.Event().wait()  # a stalled sender: the stream stays open
-            request = await self.contribution.request(part, chunk)
+            request = await self.contribution.request(part, chunk, mac)
             if request is None:
                 return  # our values refused coding: the round ends and cancels this stream
             # Counted before the write: a reply may come back before the write returns.
             self.handed[part] = chunk + 1
-            if isinstance(call, DataCall):
-                await call.write_pieces(request.pieces)  # no join: the socket takes pieces
-            else:
-                await call.write(serialize_pieces(request))
-            self.bytes_sent += request.nbytes
+            await self._write(call, request)
         await call.done_writing()
+
+    async def _write(
+        self, call: grpc.aio.StreamStreamCall | DataCall, request: OutgoingChunk
+    ) -> None:
+        if isinstance(call, DataCall):
+            await call.write_pieces(request.pieces)  # no join: the socket takes pieces
+        else:
+            await call.write(serialize_pieces(request))
+        self.bytes_sent += request.nbytes
 
     async def _exchange(
         self, part: int, address: str, call: grpc.aio.StreamStreamCall | DataCall
@@ -195,7 +216,9 @@ class PartStreams:
         before starting it. Never raises (except CancelledError)."""
         loop = asyncio.get_running_loop()
         num_chunks = self.plan.num_chunks(part)
-        sender = loop.create_task(self._send_part(part, call))
+        handshake = self.contribution.handshake(part)
+        seal: asyncio.Future[StreamSeal] = loop.create_future()
+        sender = loop.create_task(self._send_part(part, call, handshake, seal))
         started = time.monotonic()
         replies = 0
         try:
@@ -215,6 +238,19 @@ class PartStreams:
                     return _Outcome.DONE
                 if response is grpc.aio.EOF:
                     log.info("part %d: reducer %s ended the stream early", part, address)
+                    return _Outcome.DONE
+                if not seal.done():
+                    try:
+                        seal.set_result(handshake.accept(response, self.service.authenticator))
+                    except (HeaderError, IntegrityError, KeyAgreementError) as e:
+                        self.assembly.distrust(part, f"its handshake failed: {e}")
+                        return _Outcome.DONE
+                    continue
+                try:
+                    seal.result().inbound.check(response.covered, response.mac)
+                except IntegrityError as e:
+                    # Altered on the way or by the reducer: either way, not used.
+                    self.assembly.distrust(part, str(e))
                     return _Outcome.DONE
                 replies += 1
                 if not await self.assembly.accept_reply(part, response, self.handed[part]):

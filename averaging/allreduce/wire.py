@@ -13,6 +13,10 @@ The bytes on the wire are ordinary ``ReduceRequest``/``ReduceResponse`` messages
 (fields may appear in any order in protobuf), so any protobuf implementation talks to
 these functions. Inbound messages come from a possibly hostile peer: the scanners bound
 every length, never raise, and report malformed input in an ``error`` field.
+
+A keyed stream's messages end with a ``mac`` field (:mod:`stream_mac`): :func:`sealed` adds
+it as one more piece, and the scanners hand back the bytes it covers (a view) and the tag,
+for the stream's :class:`~swarmavg.averaging.allreduce.stream_mac.StreamMac` to check.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
+from swarmavg.averaging.allreduce.stream_mac import TRAILER_BYTES, TRAILER_HEAD, StreamMac
 from swarmavg.compression.base import Encoded, Header, parse_header
 from swarmavg.compression.dtypes import dtype_to_proto
 from swarmavg.proto import averaging_pb2, common_pb2, tensor_pb2
@@ -34,11 +39,14 @@ _REQUEST_GROUP_FIELD = 3  # ReduceRequest.group_id
 _REQUEST_PART_FIELD = 4  # ReduceRequest.part_index
 _REQUEST_WEIGHT_FIELD = 5  # ReduceRequest.weight
 _REQUEST_INDEX_FIELD = 6  # ReduceRequest.chunk_index
+_STREAM_KEY_FIELD = 7  # ReduceRequest.stream_key and ReduceResponse.stream_key
+_MAC_FIELD = 8  # ReduceRequest.mac and ReduceResponse.mac
 _RESPONSE_CHUNK_FIELD = 1  # ReduceResponse.chunk
 _RESPONSE_INDEX_FIELD = 2  # ReduceResponse.chunk_index
 _RESPONSE_SENDERS_FIELD = 3  # ReduceResponse.num_senders
 _RESPONSE_ADJUSTED_FIELD = 4  # ReduceResponse.num_adjusted
 _RESPONSE_WEIGHTS_CLIPPED_FIELD = 5  # ReduceResponse.weights_clipped
+_RESPONSE_HEADER_FIELD = 6  # ReduceResponse.header
 _CHUNK_BUFFER_FIELD = 4  # TensorChunk.buffer
 _CHUNK_TOTAL_BYTES_FIELD = 9  # TensorChunk.total_bytes
 _MAX_FIELDS = 64
@@ -144,6 +152,24 @@ def encode_response(
     return OutgoingChunk((head, payload), len(head) + len(payload))
 
 
+def encode_opening(first: averaging_pb2.ReduceRequest) -> OutgoingChunk:
+    """A keyed stream's first message: its naming fields and key, no chunk."""
+    head = first.SerializeToString()
+    return OutgoingChunk((head,), len(head))
+
+
+def encode_handshake(header: common_pb2.RequestHeader, stream_key: bytes) -> OutgoingChunk:
+    """The reducer's answer to a keyed first message: its signed header and key."""
+    head = averaging_pb2.ReduceResponse(header=header, stream_key=stream_key).SerializeToString()
+    return OutgoingChunk((head,), len(head))
+
+
+def sealed(message: OutgoingChunk, mac: StreamMac) -> OutgoingChunk:
+    """``message`` with its ``mac`` field appended (the next tag of ``mac``'s direction)."""
+    trailer = mac.seal(message.pieces)
+    return OutgoingChunk((*message.pieces, trailer), message.nbytes + len(trailer))
+
+
 def serialize_pieces(message: OutgoingChunk) -> bytes:
     """gRPC serializer for :class:`OutgoingChunk` (one copy of the payload)."""
     return b"".join(message.pieces)
@@ -200,6 +226,21 @@ def _fields(data: memoryview, start: int, end: int) -> list[tuple[int, int, int,
     return out
 
 
+def _trailer(view: memoryview, field: tuple[int, int, int, int]) -> tuple[memoryview, bytes]:
+    """The bytes a top-level ``mac`` field covers and its tag; it must be the message's
+    last field, in the one encoding :func:`sealed` writes."""
+    _, wire_type, a, b = field
+    start = a - len(TRAILER_HEAD)
+    if (
+        wire_type != _LEN
+        or b != len(view)
+        or b - start != TRAILER_BYTES
+        or bytes(view[start:a]) != TRAILER_HEAD
+    ):
+        raise _Malformed("the mac field is not the message's last 18 bytes")
+    return view[:start], bytes(view[a:b])
+
+
 def _parse_chunk(view: memoryview, start: int, end: int) -> tuple[Header, memoryview]:
     """The header and the payload (a view of ``view``) of the TensorChunk at ``start:end``."""
     # Keep every chunk field except buffer and total_bytes for the header parser; the
@@ -234,6 +275,12 @@ class Reply:
     error: str = ""
     num_adjusted: int = 0
     weights_clipped: int = 0
+    handshake: common_pb2.RequestHeader | None = None
+    """The reducer's signed answer to a keyed first message (its handshake only)."""
+    stream_key: bytes = b""
+    mac: bytes = b""
+    covered: memoryview | None = None
+    """The bytes ``mac`` covers (``None``: the message carries no ``mac``)."""
 
 
 def deserialize_reply(data: bytes) -> Reply:
@@ -248,8 +295,18 @@ def _parse_reply(data: bytes) -> Reply:
     view = memoryview(data)
     chunk_range: tuple[int, int] | None = None
     chunk_index = num_senders = adjusted = weights_clipped = 0
-    for field, wire_type, a, b in _fields(view, 0, len(view)):
-        if field == _RESPONSE_CHUNK_FIELD and wire_type == _LEN:
+    handshake: common_pb2.RequestHeader | None = None
+    stream_key = mac = b""
+    covered: memoryview | None = None
+    for found in _fields(view, 0, len(view)):
+        field, wire_type, a, b = found
+        if field == _MAC_FIELD:
+            covered, mac = _trailer(view, found)
+        elif field == _RESPONSE_HEADER_FIELD and wire_type == _LEN:
+            handshake = common_pb2.RequestHeader.FromString(bytes(view[a:b]))
+        elif field == _STREAM_KEY_FIELD and wire_type == _LEN:
+            stream_key = bytes(view[a:b])
+        elif field == _RESPONSE_CHUNK_FIELD and wire_type == _LEN:
             chunk_range = (a, b)
         elif field == _RESPONSE_INDEX_FIELD and wire_type == _VARINT:
             chunk_index = a
@@ -259,17 +316,22 @@ def _parse_reply(data: bytes) -> Reply:
             adjusted = a
         elif field == _RESPONSE_WEIGHTS_CLIPPED_FIELD and wire_type == _VARINT:
             weights_clipped = a
-    if chunk_range is None:
-        return Reply(
-            chunk_index,
-            num_senders,
-            nbytes=len(data),
-            num_adjusted=adjusted,
-            weights_clipped=weights_clipped,
-        )
-    header, payload = _parse_chunk(view, *chunk_range)
+    header: Header | None = None
+    payload: memoryview | None = None
+    if chunk_range is not None:
+        header, payload = _parse_chunk(view, *chunk_range)
     return Reply(
-        chunk_index, num_senders, header, payload, len(data), "", adjusted, weights_clipped
+        chunk_index,
+        num_senders,
+        header,
+        payload,
+        nbytes=len(data),
+        num_adjusted=adjusted,
+        weights_clipped=weights_clipped,
+        handshake=handshake,
+        stream_key=stream_key,
+        mac=mac,
+        covered=covered,
     )
 
 
@@ -284,6 +346,9 @@ class Request:
         chunk: the chunk's codec header, ``None`` when the message carries no chunk.
         payload: the chunk's payload, a view of the received bytes.
         nbytes: size of the whole message.
+        stream_key: the sender's ephemeral public key of a keyed stream (first message).
+        mac / covered: the tag of a keyed stream's message and the bytes it covers
+            (``None``: the message carries no tag).
     """
 
     header: common_pb2.RequestHeader | None = None
@@ -295,11 +360,14 @@ class Request:
     payload: memoryview | None = None
     nbytes: int = 0
     error: str = ""
+    stream_key: bytes = b""
+    mac: bytes = b""
+    covered: memoryview | None = None
 
     @property
     def names_round(self) -> bool:
         """Whether it carries fields only the first message of a stream may carry."""
-        return self.header is not None or bool(self.group_id)
+        return self.header is not None or bool(self.group_id) or bool(self.stream_key)
 
 
 def deserialize_request(data: bytes) -> Request:
@@ -315,11 +383,17 @@ def _parse_request(data: bytes) -> Request:
     header: common_pb2.RequestHeader | None = None
     chunk: Header | None = None
     payload: memoryview | None = None
-    group_id = b""
+    group_id = stream_key = mac = b""
+    covered: memoryview | None = None
     part_index = chunk_index = 0
     weight = 0.0
-    for field, wire_type, a, b in _fields(view, 0, len(view)):
-        if field == _REQUEST_HEADER_FIELD and wire_type == _LEN:
+    for found in _fields(view, 0, len(view)):
+        field, wire_type, a, b = found
+        if field == _MAC_FIELD:
+            covered, mac = _trailer(view, found)
+        elif field == _STREAM_KEY_FIELD and wire_type == _LEN:
+            stream_key = bytes(view[a:b])
+        elif field == _REQUEST_HEADER_FIELD and wire_type == _LEN:
             header = common_pb2.RequestHeader.FromString(bytes(view[a:b]))
         elif field == _REQUEST_CHUNK_FIELD and wire_type == _LEN:
             chunk, payload = _parse_chunk(view, a, b)
@@ -331,20 +405,44 @@ def _parse_request(data: bytes) -> Request:
             (weight,) = struct.unpack("<d", view[a:b])
         elif field == _REQUEST_INDEX_FIELD and wire_type == _VARINT:
             chunk_index = a
-    return Request(header, group_id, part_index, weight, chunk_index, chunk, payload, len(data))
+    return Request(
+        header,
+        group_id,
+        part_index,
+        weight,
+        chunk_index,
+        chunk,
+        payload,
+        len(data),
+        "",
+        stream_key,
+        mac,
+        covered,
+    )
 
 
-def reduce_digest(group_id: bytes, part_index: int, weight: float, chunk_index: int) -> bytes:
+def reduce_digest(
+    group_id: bytes, part_index: int, weight: float, chunk_index: int, stream_key: bytes = b""
+) -> bytes:
     """What a ``Reduce`` stream's first message is signed over (:mod:`swarmavg.dht.auth`).
 
     The first message without its header and its chunk: the group, the part (whose reducer
-    is the receiver) and the weight. Chunks are not covered one by one: the stream is
-    authenticated once, at its start, and its later messages ride on the same HTTP/2 stream
-    or data-plane connection (docs/security.md). Both ends build the same small message, so
+    is the receiver) and the weight. Chunks are not signed one by one: the stream is
+    authenticated once, at its start, and a keyed stream's later messages carry MACs under
+    the key its first message and the reducer's handshake agree (:mod:`stream_keys`,
+    docs/security.md). Both ends build the same small message, so
     the sender signs what the receiver scans without either copying the payload.
+
+    A keyed stream's ``stream_key`` is covered too (nobody on the path can strip or swap it);
+    an unkeyed one's digest is the same as before keys existed (an empty field is not
+    serialised), so older senders' first messages still verify.
     """
     naming = averaging_pb2.ReduceRequest(
-        group_id=group_id, part_index=part_index, weight=weight, chunk_index=chunk_index
+        group_id=group_id,
+        part_index=part_index,
+        weight=weight,
+        chunk_index=chunk_index,
+        stream_key=stream_key,
     )
     return hashlib.sha256(naming.SerializeToString(deterministic=True)).digest()
 

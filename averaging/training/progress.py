@@ -30,6 +30,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any, Protocol
 
 from swarmavg.averaging.run_records.metrics import Metrics, check_metrics
@@ -230,11 +231,7 @@ class ProgressTracker:
     def report(self) -> bool:
         """Store this process's record in the DHT; return the DHT's answer."""
         self._settle()
-        return bool(
-            self.client.dht.store(
-                self.key, self.local.to_record(), ttl=self.ttl, subkey=self.subkey
-            )
-        )
+        return self._store(self.local)
 
     def leave(self) -> bool:
         """Tell the swarm this process stopped training (idempotent).
@@ -245,10 +242,7 @@ class ProgressTracker:
         """
         self._reporter.close(timeout=SETTLE_TIMEOUT)
         self._reporter = LatestWork("progress report")  # its thread is only made on use
-        record = PeerProgress(self.peer_id, self.epoch, 0, 0.0, time.time(), left=True)
-        return bool(
-            self.client.dht.store(self.key, record.to_record(), ttl=self.ttl, subkey=self.subkey)
-        )
+        return self._store(PeerProgress(self.peer_id, self.epoch, 0, 0.0, time.time(), left=True))
 
     def report_soon(self, *, latest: bool = False) -> Future[Any] | None:
         """Store this process's record without waiting for the DHT's answer.
@@ -276,10 +270,46 @@ class ProgressTracker:
         if not latest and (now - self._last_soon < self.soon_interval or self._reporter.busy()):
             return None
         self._last_soon = now
-        record = self.local.to_record()
-        return self._reporter.submit(
-            self.client.dht.store, self.key, record, ttl=self.ttl, subkey=self.subkey
+        return self._reporter.submit(self._store, self.local)
+
+    def _store(self, record: PeerProgress) -> bool:
+        """Store ``record`` under this process's subkey; return the DHT's answer.
+
+        The subkey names the daemon that signs it. A daemon restarted without
+        ``--identity`` comes back as another peer and refuses to sign for its old id
+        (``ValueError``), so a refused store checks the daemon's id once and, when it
+        changed, goes on under the new one (the old id's record expires with its ttl).
+        """
+        try:
+            return self._store_once(record)
+        except ValueError:
+            if not self._follow_daemon():
+                raise
+        return self._store_once(replace(record, peer_id=self.peer_id))
+
+    def _store_once(self, record: PeerProgress) -> bool:
+        return bool(
+            self.client.dht.store(self.key, record.to_record(), ttl=self.ttl, subkey=self.subkey)
         )
+
+    def _follow_daemon(self) -> bool:
+        """Take the daemon's current peer id when it is not the one this tracker reports
+        under; return whether it changed."""
+        try:
+            peer_id = _peer_id_of(self.client)
+        except (ValueError, ConnectionError, TimeoutError) as error:
+            log.debug("could not read the daemon's peer id: %s", error)
+            return False
+        if peer_id == self.peer_id:
+            return False
+        log.warning(
+            "the daemon now runs as peer %s (was %s): progress is reported under the new id",
+            peer_id[:12],
+            self.peer_id[:12],
+        )
+        self.peer_id = peer_id
+        self.subkey = f"{self.subkey.split('[', 1)[0]}[owner:{peer_id}]"
+        return True
 
     def _settle(self) -> None:
         """Wait for :meth:`report_soon`'s stores in flight (failures are logged there)."""

@@ -179,30 +179,35 @@ def all_to_all(
     nbytes: int,
     timeout: float = 120.0,
     congestion_control: str | None = None,
+    connections_per_pair: int = 1,
 ) -> Exchange:
     """Every host sends ``nbytes`` to every other host at once (the traffic pattern of a
-    butterfly all-reduce); one sender process per host, one connection per pair, both
-    ends with TCP congestion control ``congestion_control`` (None: the kernel's default).
+    butterfly all-reduce); one sender process per host, ``connections_per_pair``
+    connections per pair carrying an equal share each, both ends with TCP congestion
+    control ``congestion_control`` (None: the kernel's default).
 
     Raises:
         TestBedError: a transfer failed.
     """
-    sinks = [
-        Sink(host, len(hosts) - 1, timeout, congestion_control=congestion_control) for host in hosts
-    ]
+    if connections_per_pair < 1:
+        raise ValueError(f"connections_per_pair must be >= 1, got {connections_per_pair}")
+    per_host = connections_per_pair * (len(hosts) - 1)
+    sinks = [Sink(host, per_host, timeout, congestion_control=congestion_control) for host in hosts]
     senders: list[subprocess.Popen[str]] = []
     try:
         for i, host in enumerate(hosts):
             targets = [sink.endpoint for j, sink in enumerate(sinks) if j != i]
+            targets *= connections_per_pair
+            share = nbytes // connections_per_pair
             senders.append(
                 subprocess.Popen(
-                    send_command(host, targets, nbytes, timeout, congestion_control),
+                    send_command(host, targets, share, timeout, congestion_control),
                     stdout=subprocess.PIPE,
                     stdin=subprocess.DEVNULL,
                     text=True,
                 )
             )
-        transfers = [sink.wait_received() for sink in sinks for _ in range(len(hosts) - 1)]
+        transfers = [sink.wait_received() for sink in sinks for _ in range(per_host)]
         for proc in senders:
             out, _ = proc.communicate(timeout=timeout)
             record = json.loads(out.strip().splitlines()[-1])

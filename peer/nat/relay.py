@@ -9,9 +9,11 @@ the relay joins the two connections byte for byte (:mod:`splice`). The splice po
 a peer that sends :data:`OBSERVE_MAGIC` the address it sees that connection come from (a
 NATed peer's mapping, for hole punching). What passes is the peers' own traffic. In a
 private run it is TLS bound to the peers' ids, which the relay can neither read nor alter.
-In a public run only the first message of a stream (and every DHT request) is signed: the
-relay reads everything, and can alter the rest of a stream (tensor chunks and replies)
-without the receiver noticing, like any attacker on the path (docs/security.md).
+In a public run the relay reads everything, like any attacker on the path; what it alters
+is noticed where the ends check it: requests and DHT answers are signed, every message of a
+``Reduce`` stream after its signed handshake carries a MAC under a key only the two ends
+hold, and state chunks are checked against the donor's signed root (docs/security.md,
+"Relays alter public-run streams"). It can drop or delay anything it carries.
 
 Bounded by :class:`~swarmavg.peer.nat.limits.RelayLimits`: reservations, connections per
 dialer range and per reserved peer, bytes per second per dialer range and in all. A dialer

@@ -28,10 +28,10 @@ import pytest
 
 from swarmavg.dht import Identity
 from swarmavg.peer import DaemonUnavailableError, Peer, PeerConfig, connect, connect_async
-from swarmavg.peer.control_access import token_path
-from swarmavg.peer.daemon import StartupError
-from swarmavg.peer.endpoint import ControlEndpoint
-from swarmavg.peer.errors import SwarmError
+from swarmavg.peer.client.control_access import token_path
+from swarmavg.peer.client.endpoint import ControlEndpoint
+from swarmavg.peer.client.errors import SwarmError
+from swarmavg.peer.daemon.daemon import StartupError
 from tests.attacks.local_scenarios import impostor_on, tcp_daemon
 
 pytestmark = pytest.mark.timeout(180)

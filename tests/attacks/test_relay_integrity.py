@@ -1,8 +1,8 @@
 """A relay alters what it carries (low).
 
 A relay joins a dialer's connection to a NATed peer's byte for byte (peer/nat/splice.py). In a
-public run only the first message of a stream is signed, so a relay can alter the rest:
-that is documented (peer/nat/relay.py, docs/security.md), not bounded. In a private run the
+public run a relay reads everything, and what it alters in a ``Reduce`` stream fails the
+stream's MACs (test_relay_stream_integrity.py). In a private run the
 claim is that a relay can neither read nor alter: TLS runs end to end through it, and the
 dialer checks that the certificate is the peer it dialled. These tests check that claim on a
 real data-plane stream through a splicing relay: the relay sees no plaintext, and a record it

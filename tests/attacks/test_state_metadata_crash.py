@@ -5,7 +5,7 @@ whichever donor published it. ``client.load_state`` decoded them without error h
 so a donor that publishes, say, ``b"\\xc1"`` made it raise ``msgpack.FormatError``: not a
 ``SwarmError``, not an ``AveragingError``, so the training wrappers (``SwarmLink.load``
 catches ``AveragingError``) let it out and the training process died. Now every decode of
-donor bytes on the load path raises :class:`~swarmavg.peer.errors.MalformedStateError`
+donor bytes on the load path raises :class:`~swarmavg.peer.client.errors.MalformedStateError`
 (a ``SwarmError`` and the layer's ``StateDownloadError``) naming what was malformed, and
 the daemon keeps serving.
 
@@ -41,8 +41,8 @@ from swarmavg.averaging.state.format import (
 )
 from swarmavg.averaging.training.swarm import SwarmLink, swarm_errors
 from swarmavg.peer import Peer, PeerConfig, connect
-from swarmavg.peer.calls import StateReceiver, unpack_state_metadata
-from swarmavg.peer.errors import MalformedStateError, SwarmError
+from swarmavg.peer.client.calls import StateReceiver, unpack_state_metadata
+from swarmavg.peer.client.errors import MalformedStateError, SwarmError
 from swarmavg.proto import control_pb2
 
 MALFORMED = {

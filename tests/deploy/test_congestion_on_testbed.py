@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from deploy.testbed import Host, HostSpec
-from swarmavg.peer.calls import AverageResult
+from swarmavg.peer.client.calls import AverageResult
 from tests.deploy.conftest import MakeTestBed
 from tests.deploy.test_swarm_on_testbed import PORT, average_all, check_exact_mean, make_inputs
 from tests.harness import ProcessPool, SwarmavgProcess

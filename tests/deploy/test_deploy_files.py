@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from swarmavg.peer import settings as peer_settings
-from swarmavg.peer.settings import CONFIG_ENV, ENV_PREFIX
+from swarmavg.peer.daemon import settings as peer_settings
+from swarmavg.peer.daemon.settings import CONFIG_ENV, ENV_PREFIX
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -18,7 +18,7 @@ import pytest
 
 from deploy.testbed import Host, HostSpec, TestBed
 from swarmavg.peer import connect_async
-from swarmavg.peer.calls import AverageResult
+from swarmavg.peer.client.calls import AverageResult
 from tests.deploy.conftest import MakeTestBed
 from tests.deploy.test_swarm_on_testbed import (
     PORT,

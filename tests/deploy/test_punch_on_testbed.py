@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from deploy.testbed import HostSpec, TestBed
-from swarmavg.peer.calls import AverageResult
+from swarmavg.peer.client.calls import AverageResult
 from tests.deploy.conftest import MakeTestBed
 from tests.deploy.test_nat_on_testbed import start_daemon, status_of
 from tests.deploy.test_swarm_on_testbed import average_all, check_exact_mean, make_inputs

@@ -21,7 +21,7 @@ import pytest
 
 from deploy.testbed import Host, HostSpec
 from swarmavg.peer import connect_async
-from swarmavg.peer.calls import AverageResult
+from swarmavg.peer.client.calls import AverageResult
 from tests.deploy.conftest import MakeTestBed
 from tests.harness import ProcessPool, SwarmavgProcess
 

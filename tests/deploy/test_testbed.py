@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 from deploy.testbed import HostSpec, TestBed, TestBedError, _system, list_namespaces, sweep_stale
-from deploy.testbed.goodput import Sink, send, send_command, transfer
+from deploy.testbed.goodput import Sink, all_to_all, send, send_command, transfer
 from tests.deploy.conftest import MakeTestBed
 
 pytestmark = pytest.mark.timeout(60)
@@ -269,3 +269,19 @@ def test_mtu_sets_both_ends_and_carries_jumbo_frames_unfragmented(
 def test_an_mtu_out_of_range_is_refused_before_anything_is_built(mtu: int) -> None:
     with pytest.raises(ValueError, match="mtu must be in"):
         TestBed([HostSpec("a", mtu=mtu)])
+
+
+def test_all_to_all_splits_each_pairs_bytes_over_its_connections(
+    make_testbed: MakeTestBed,
+) -> None:
+    bed = make_testbed([HostSpec("a"), HostSpec("b"), HostSpec("c")])
+    hosts = list(bed.hosts.values())
+    exchange = all_to_all(hosts, 300_000, connections_per_pair=3)
+    # 3 hosts, 2 peers each, 3 connections per pair: 18 connections of a third each.
+    assert len(exchange.transfers) == 18
+    assert all(t.nbytes == 100_000 for t in exchange.transfers)
+    by_source: dict[str, int] = {}
+    for t in exchange.transfers:
+        source = t.peer.rpartition(":")[0]
+        by_source[source] = by_source.get(source, 0) + t.nbytes
+    assert by_source == {host.address: 600_000 for host in hosts}

@@ -24,7 +24,7 @@ from swarmavg.dht.identity import address_signature_payload
 from swarmavg.dht.ids import key_id
 from swarmavg.dht.records import StoredRecord, pack, pack_subkey, signing_payload
 from swarmavg.dht.routing import Contact
-from swarmavg.peer.monitor_rounds import RoundLog
+from swarmavg.peer.daemon.round_reports import RoundLog
 from swarmavg.proto import dht_pb2
 from tests.dht.swarm import swarm
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from swarmavg.peer import connect
-from swarmavg.peer.errors import SwarmError
+from swarmavg.peer.client.errors import SwarmError
 from tests.harness import ProcessPool
 
 pytestmark = pytest.mark.integration

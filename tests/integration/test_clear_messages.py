@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from swarmavg.peer import connect
-from swarmavg.peer.errors import DaemonUnavailableError
-from swarmavg.peer.status import format_status
+from swarmavg.peer.cli.status import format_status
+from swarmavg.peer.client.errors import DaemonUnavailableError
 from tests.harness import ProcessPool
 from tests.integration.test_peer_processes import run_cli
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from swarmavg.peer import connect
-from swarmavg.peer.errors import DaemonUnavailableError, SwarmError
+from swarmavg.peer.client.errors import DaemonUnavailableError, SwarmError
 from tests.harness import ProcessPool
 
 pytestmark = pytest.mark.integration

@@ -25,7 +25,7 @@ import pytest
 
 from swarmavg.averaging.training.progress import ProgressTracker
 from swarmavg.peer import connect
-from swarmavg.peer.errors import NoGroupError
+from swarmavg.peer.client.errors import NoGroupError
 from tests.browser import Browser, chromium_or_skip
 from tests.harness import ProcessPool, SwarmavgProcess
 from tests.integration.test_monitor_dashboard import get_json, start_peers, wait_until

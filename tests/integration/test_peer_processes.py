@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from swarmavg.peer.shm import NAME_RE, SHM_DIR
+from swarmavg.peer.client.shm import NAME_RE, SHM_DIR
 from tests.harness import ProcessPool, SwarmavgProcess
 from tests.integration.client_worker import make_tensors
 

@@ -1,8 +1,8 @@
 """A training wrapper survives its daemon's restart: two real daemons, two
 ``CollaborativeOptimizer`` trainers; one daemon gets Ctrl+C and is started again with the
-same command while its trainer keeps stepping. The trainer goes on (the gap is failed
-rounds: their warnings are expected here), and both trainers reach the target epoch
-afterwards."""
+same command but a new identity (its key file lost) while its trainer keeps stepping. The
+trainer goes on (the gap is failed rounds: their warnings are expected here) under the
+daemon's new id, and both trainers reach the target epoch afterwards."""
 
 from __future__ import annotations
 
@@ -26,12 +26,12 @@ RESTART_AT_EPOCH = 1
 STEP_LIMIT = 400
 
 
-def daemon_args(workdir: Path, name: str, listen: str) -> list[str]:
+def daemon_args(workdir: Path, name: str, listen: str, key: str = "") -> list[str]:
     folder = workdir / "control"
     folder.mkdir(mode=0o700, exist_ok=True)
     return [
         *("peer", "--listen", listen, "--run-id", RUN, "--control", str(folder / f"{name}.sock")),
-        *("--identity", str(workdir / f"{name}.key")),
+        *("--identity", str(workdir / f"{key or name}.key")),
     ]
 
 
@@ -56,8 +56,9 @@ def trainer(control: str, seed: int, reached: threading.Event) -> dict[str, Any]
             steps += 1
             if opt.epoch >= RESTART_AT_EPOCH:
                 reached.set()
+        seen = {p.peer_id for p in opt.tracker.last.peers}
         opt.close()
-        return {"epoch": opt.epoch, "steps": steps}
+        return {"epoch": opt.epoch, "steps": steps, "own": opt.tracker.peer_id, "seen": seen}
 
 
 @pytest.mark.timeout(300)
@@ -81,7 +82,8 @@ def test_a_trainer_keeps_training_across_its_daemons_restart(
         assert reached.wait(120), "the trainers took no global step"
         first.signal(signal.SIGINT)  # Ctrl+C under a running trainer
         assert first.wait(timeout=30) == 0
-        again = [*daemon_args(workdir, "a", first.address), "--join", partner.address]
+        # Restarted without its identity file (a new key): it comes back as another peer.
+        again = [*daemon_args(workdir, "a", first.address, key="a-new"), "--join", partner.address]
         restarted.append(swarmavg_processes.start(again))
 
     results = helpers.run_in_threads(
@@ -91,6 +93,9 @@ def test_a_trainer_keeps_training_across_its_daemons_restart(
         timeout=260,
     )
     assert restarted
-    assert restarted[0].peer_id == first.peer_id
+    assert restarted[0].peer_id != first.peer_id
     assert results[0]["epoch"] >= TARGET_EPOCH, results  # it survived and caught up
     assert results[1]["epoch"] >= TARGET_EPOCH, results
+    # The trainer reports under its daemon's new id, and its partner counts it there.
+    assert results[0]["own"] == restarted[0].peer_id, results
+    assert restarted[0].peer_id in results[1]["seen"], results

@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 
-from swarmavg.peer import shm
+from swarmavg.peer.client import shm
 from swarmavg.proto import control_pb2, control_pb2_grpc, tensor_pb2
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from swarmavg.peer import PeerConfig, start_peer
-from swarmavg.peer.daemon import StartupError
+from swarmavg.peer.daemon.daemon import StartupError
 
 pytestmark = pytest.mark.timeout(120)
 

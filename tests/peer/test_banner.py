@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from swarmavg.peer.config import PeerConfig
-from swarmavg.peer.daemon_log import join_banner
-from swarmavg.peer.process import _run_file_of
+from swarmavg.peer.cli.process import _run_file_of
+from swarmavg.peer.daemon.config import PeerConfig
+from swarmavg.peer.daemon.narration import join_banner
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ import numpy as np
 
 from swarmavg.averaging.request import STATE_DIGEST_TAG
 from swarmavg.averaging.result import AveragingResult
-from swarmavg.peer.calls import PreparedAverage
-from swarmavg.peer.control import _done_message
-from swarmavg.peer.tensors import iter_bytes
+from swarmavg.peer.client.calls import PreparedAverage
+from swarmavg.peer.client.tensors import iter_bytes
+from swarmavg.peer.daemon.control import _done_message
 from swarmavg.proto import control_pb2
 
 

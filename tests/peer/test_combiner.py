@@ -9,8 +9,8 @@ import pytest
 
 from swarmavg.averaging.request import RoundRequest
 from swarmavg.averaging.result import AveragingResult
-from swarmavg.peer.combiner import LocalCombiner, combine
-from swarmavg.peer.errors import DaemonUnavailableError, ValidationError
+from swarmavg.peer.client.errors import DaemonUnavailableError, ValidationError
+from swarmavg.peer.daemon.combiner import LocalCombiner, combine
 
 pytestmark = pytest.mark.timeout(20)
 

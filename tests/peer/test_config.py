@@ -16,9 +16,9 @@ from swarmavg.averaging.group import Mode
 from swarmavg.averaging.matchmaking.config import MatchmakerConfig
 from swarmavg.averaging.state.config import StateSharingConfig
 from swarmavg.dht.config import DHTConfig
-from swarmavg.peer.cli import build_parser
-from swarmavg.peer.config import INTERNAL, PeerConfig
-from swarmavg.peer.settings import (
+from swarmavg.peer.cli.main import build_parser
+from swarmavg.peer.daemon.config import INTERNAL, PeerConfig
+from swarmavg.peer.daemon.settings import (
     BY_NAME,
     MOVED_FROM_PEER,
     SECTIONS,

@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 
 from swarmavg.peer import DaemonUnavailableError, Peer, PeerConfig, connect, connect_async
-from swarmavg.peer.control_access import (
+from swarmavg.peer.client.control_access import (
     TOKEN_METADATA_KEY,
     ControlAccessError,
     check_private_folder,
     read_token,
     token_path,
 )
-from swarmavg.peer.daemon import StartupError
-from swarmavg.peer.endpoint import ControlEndpoint
+from swarmavg.peer.client.endpoint import ControlEndpoint
+from swarmavg.peer.daemon.daemon import StartupError
 from swarmavg.proto import control_pb2, control_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)

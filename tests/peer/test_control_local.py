@@ -28,10 +28,10 @@ from swarmavg.peer import (
     connect,
     connect_async,
 )
-from swarmavg.peer.combiner import LocalCombiner
-from swarmavg.peer.control import ControlService
-from swarmavg.peer.errors import NoGroupError, SwarmError
-from swarmavg.peer.shm import NAME_RE, SHM_DIR, DaemonSegmentCache
+from swarmavg.peer.client.errors import NoGroupError, SwarmError
+from swarmavg.peer.client.shm import NAME_RE, SHM_DIR, DaemonSegmentCache
+from swarmavg.peer.daemon.combiner import LocalCombiner
+from swarmavg.peer.daemon.control import ControlService
 from swarmavg.proto import control_pb2
 from tests.peer.raw_calls import unchecked_shm_call
 
@@ -460,9 +460,9 @@ async def test_a_caller_in_a_batch_whose_client_lied_about_its_check_is_left_out
 
 @pytest.mark.parametrize("during_declaration", [False, True])
 def test_the_client_checks_while_it_copies_into_shared_memory(during_declaration: bool) -> None:
-    from swarmavg.peer.calls import PreparedAverage
-    from swarmavg.peer.errors import ValidationError
-    from swarmavg.peer.shm import SegmentPool
+    from swarmavg.peer.client.calls import PreparedAverage
+    from swarmavg.peer.client.errors import ValidationError
+    from swarmavg.peer.client.shm import SegmentPool
 
     x = np.ones(1 << 20, np.float32)
     x[-1] = np.nan  # in the last block
@@ -519,7 +519,7 @@ async def test_the_daemon_declares_before_the_client_has_written_its_inputs(
     (here the backend's ``average``) starts at once and waits for the inputs."""
     import grpc
 
-    from swarmavg.peer.shm import ClientSegment, segment_layout
+    from swarmavg.peer.client.shm import ClientSegment, segment_layout
     from swarmavg.proto import control_pb2_grpc, tensor_pb2
 
     x = np.arange(300_000, dtype=np.float32)
@@ -565,7 +565,7 @@ async def test_a_daemon_older_than_early_writes_gets_the_inputs_before_the_start
 ) -> None:
     """A daemon that predates ``start_before_inputs`` refuses it as a first message; the
     client retries with the inputs written first, and sends only that from then on."""
-    from swarmavg.peer import control
+    from swarmavg.peer.daemon import control
 
     monkeypatch.setattr(control, "START_KINDS", ("start",))
     x = [np.random.default_rng(5).standard_normal(400_000).astype(np.float32)]

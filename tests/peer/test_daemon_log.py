@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from swarmavg.peer.daemon_log import RoutingDiff, SummaryWindow, address_warning, join_banner
-from swarmavg.peer.stats import PeerStats
+from swarmavg.peer.daemon.narration import RoutingDiff, SummaryWindow, address_warning, join_banner
+from swarmavg.peer.daemon.stats import PeerStats
 
 
 @pytest.mark.parametrize(

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from swarmavg.peer.client import resolve_endpoint
-from swarmavg.peer.endpoint import (
+from swarmavg.peer.client.client import resolve_endpoint
+from swarmavg.peer.client.endpoint import (
     ControlSocketInUseError,
     default_control_path,
     parse_control_endpoint,
     prepare_unix_socket,
     running_daemons,
 )
-from swarmavg.peer.errors import ValidationError
+from swarmavg.peer.client.errors import ValidationError
 
 
 @pytest.fixture

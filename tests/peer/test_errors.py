@@ -6,8 +6,8 @@ import grpc
 import pytest
 
 from swarmavg.averaging import errors as averaging_errors
-from swarmavg.peer import errors
-from swarmavg.peer.control import classify
+from swarmavg.peer.client import errors
+from swarmavg.peer.daemon.control import classify
 
 
 @pytest.mark.parametrize(

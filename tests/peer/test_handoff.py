@@ -1,4 +1,4 @@
-"""The daemon's and the client's checked copy of a call's inputs (peer/handoff.py): the
+"""The daemon's and the client's checked copy of a call's inputs (peer/client/handoff.py): the
 compiled one-pass kernel and the numpy blocks copy the same bits and refuse the same
 NaN/Inf, wherever it sits."""
 
@@ -9,7 +9,7 @@ import pytest
 
 from swarmavg.averaging.errors import InvalidTensorsError
 from swarmavg.compression import native
-from swarmavg.peer.handoff import copy_checked
+from swarmavg.peer.client.handoff import copy_checked
 
 pytestmark = pytest.mark.timeout(60)
 

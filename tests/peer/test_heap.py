@@ -1,4 +1,4 @@
-"""The daemon's allocator keeps what a round frees (swarmavg.peer.heap)."""
+"""The daemon's allocator keeps what a round frees (swarmavg.peer.daemon.heap)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from swarmavg.peer.heap import USER_SETTINGS, glibc_version, keep_freed_memory
+from swarmavg.peer.daemon.heap import USER_SETTINGS, glibc_version, keep_freed_memory
 
 needs_glibc = pytest.mark.skipif(glibc_version() is None, reason="not glibc")
 
@@ -19,7 +19,7 @@ _ROUNDS = textwrap.dedent(
     """
     import json, resource, sys
     import numpy as np
-    from swarmavg.peer.heap import keep_freed_memory
+    from swarmavg.peer.daemon.heap import keep_freed_memory
 
     applied = keep_freed_memory() if sys.argv[1] == "on" else False
 

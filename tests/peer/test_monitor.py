@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from swarmavg.peer.monitor import MonitorSettings
-from swarmavg.peer.monitor_http import MAX_HEAD_BYTES, DashboardServer
-from swarmavg.peer.monitor_page import render_page
-from swarmavg.peer.monitor_series import History, Sample, sample_from_view
-from swarmavg.peer.monitor_sinks import CsvSink, SinkUnavailable, open_sinks
+from swarmavg.peer.monitor.http_server import MAX_HEAD_BYTES, DashboardServer
+from swarmavg.peer.monitor.monitor import MonitorSettings
+from swarmavg.peer.monitor.page import render_page
+from swarmavg.peer.monitor.series import History, Sample, sample_from_view
+from swarmavg.peer.monitor.sinks import CsvSink, SinkUnavailable, open_sinks
 
 pytestmark = pytest.mark.timeout(60)
 

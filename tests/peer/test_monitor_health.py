@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 
-from swarmavg.peer.monitor_health import alerts, health_json, peer_rows, round_health
-from swarmavg.peer.monitor_rounds import (
+from swarmavg.peer.daemon.round_reports import (
     RECENT_ROUNDS,
     RoundEntry,
     RoundLog,
@@ -19,7 +18,8 @@ from swarmavg.peer.monitor_rounds import (
     publish_rounds,
     rounds_key,
 )
-from swarmavg.peer.monitor_series import History, Sample, sample_from_view
+from swarmavg.peer.monitor.health import alerts, health_json, peer_rows, round_health
+from swarmavg.peer.monitor.series import History, Sample, sample_from_view
 
 pytestmark = pytest.mark.timeout(60)
 

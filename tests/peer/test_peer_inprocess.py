@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from swarmavg.peer import NoGroupError, Peer, PeerConfig, SchemaMismatchError, ValidationError
-from swarmavg.peer.cli import build_parser
-from swarmavg.peer.settings import flags_from_args, resolve_config
-from swarmavg.peer.status import format_status
+from swarmavg.peer.cli.main import build_parser
+from swarmavg.peer.cli.status import format_status
+from swarmavg.peer.daemon.settings import flags_from_args, resolve_config
 from tests.peer.raw_calls import unchecked_shm_call
 
 pytestmark = pytest.mark.timeout(60)
@@ -184,7 +184,7 @@ def test_status_shows_the_bandwidth_and_where_it_comes_from(
 
 def test_daemon_never_imports_torch() -> None:
     code = (
-        "import sys, swarmavg.peer.daemon, swarmavg.peer.cli, swarmavg.peer.bare_dht;"
+        "import sys, swarmavg.peer.daemon, swarmavg.peer.cli, swarmavg.peer.daemon.bare_dht;"
         "print('torch' in sys.modules)"
     )
     result = subprocess.run(
@@ -224,8 +224,8 @@ async def test_result_and_stats_name_the_codec_the_group_used(sock_dir: Path) ->
 
 def test_rounds_are_counted_by_outcome_in_status_and_metrics() -> None:
     pytest.importorskip("prometheus_client")
-    from swarmavg.peer.metrics import MetricsServer
-    from swarmavg.peer.stats import PeerStats
+    from swarmavg.peer.daemon.metrics import MetricsServer
+    from swarmavg.peer.daemon.stats import PeerStats
 
     stats = PeerStats()
     stats.record_round("none", 1.0, 10, 10, {}, partial=False)

@@ -30,7 +30,7 @@ from swarmavg.dht import ChannelPool, Identity, RequestSigner
 from swarmavg.dht.ranges import split_host
 from swarmavg.dht.tls import SERVER_HOSTNAME, PeerTLS
 from swarmavg.peer import Peer, PeerConfig
-from swarmavg.peer.config import AllReduceSettings
+from swarmavg.peer.daemon.config import AllReduceSettings
 from swarmavg.proto import averaging_pb2, dht_pb2
 from tests.private_runs import Authority, Member
 
@@ -310,7 +310,7 @@ async def test_a_credential_cannot_speak_as_another_peer(
 
 
 def test_settings_of_a_private_run(authority: Authority) -> None:
-    from swarmavg.peer.settings import resolve_config
+    from swarmavg.peer.daemon.settings import resolve_config
 
     member = authority.invite("a")
     flags = {

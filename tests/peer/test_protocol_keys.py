@@ -19,7 +19,7 @@ import pytest
 
 from swarmavg.averaging.training.progress import ProgressTracker
 from swarmavg.peer import Peer, PeerConfig, connect
-from swarmavg.peer.errors import ValidationError
+from swarmavg.peer.client.errors import ValidationError
 
 pytestmark = pytest.mark.timeout(90)
 

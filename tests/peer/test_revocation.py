@@ -29,8 +29,8 @@ from swarmavg.dht.records import owner_suffix, pack_subkey
 from swarmavg.dht.revocation import RevocationList, Revocations, revocation_key, revoke
 from swarmavg.dht.revocation_keeper import RevocationKeeper
 from swarmavg.peer import Peer, PeerConfig
-from swarmavg.peer.config import DHTSettings
-from swarmavg.peer.daemon import StartupError
+from swarmavg.peer.daemon.config import DHTSettings
+from swarmavg.peer.daemon.daemon import StartupError
 from swarmavg.proto import dht_pb2
 from tests.dht.swarm import swarm
 from tests.peer.test_private_run import (
@@ -240,7 +240,7 @@ async def test_a_bad_list_stops_the_daemon_at_start(
 
 
 def test_settings_of_a_revocation_list(authority: Authority, tmp_path: Path) -> None:
-    from swarmavg.peer.settings import resolve_config
+    from swarmavg.peer.daemon.settings import resolve_config
 
     member = authority.invite("a")
     flags = {

@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 
 from swarmavg.averaging.run_records.progress import PeerProgress
-from swarmavg.peer.peers_table import format_peers
-from swarmavg.peer.run_view import Neighbour, ThisPeer, build_view, progress_keys, view_to_dict
+from swarmavg.peer.cli.peers_table import format_peers
+from swarmavg.peer.client.run_view import (
+    Neighbour,
+    ThisPeer,
+    build_view,
+    progress_keys,
+    view_to_dict,
+)
 
 NOW = 10_000.0
 

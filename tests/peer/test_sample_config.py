@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from swarmavg.peer.sample_config import sample_toml
-from swarmavg.peer.settings import SETTINGS, resolve_config
+from swarmavg.peer.daemon.sample_config import sample_toml
+from swarmavg.peer.daemon.settings import SETTINGS, resolve_config
 
 SAMPLE = Path(__file__).resolve().parents[2] / "docs" / "swarmavg.toml"
 KEY_LINE = re.compile(r"^# (\w+) = (.+)$")
@@ -14,7 +14,7 @@ KEY_LINE = re.compile(r"^# (\w+) = (.+)$")
 
 def test_the_committed_sample_is_the_generated_one() -> None:
     assert SAMPLE.read_text() == sample_toml(), (
-        "regenerate: python -m swarmavg.peer.sample_config > docs/swarmavg.toml"
+        "regenerate: python -m swarmavg.peer.daemon.sample_config > docs/swarmavg.toml"
     )
 
 

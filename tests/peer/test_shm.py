@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from swarmavg.peer import shm
-from swarmavg.peer.errors import ValidationError
+from swarmavg.peer.client import shm
+from swarmavg.peer.client.errors import ValidationError
 
 
 @pytest.fixture

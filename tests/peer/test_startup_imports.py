@@ -46,10 +46,10 @@ def test_the_cli_client_and_a_daemons_objects_load_no_module_they_can_do_without
     loaded = run_fresh(
         f"""
         import json, sys
-        import swarmavg.peer.cli as cli
+        import swarmavg.peer.cli.main as cli
         import swarmavg.peer
         from swarmavg.compression import CodecInfo, decode_chunk, get_codec, known_codecs
-        from swarmavg.peer.daemon import Peer
+        from swarmavg.peer.daemon.daemon import Peer
 
         args = cli.build_parser().parse_args(["peer", "--listen", "127.0.0.1:0"])
         peer = Peer(swarmavg.peer.PeerConfig(listen=args.listen))

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from swarmavg.averaging.request import RoundRequest
-from swarmavg.peer.calls import PreparedAverage
-from swarmavg.peer.errors import SwarmError, ValidationError
-from swarmavg.peer.validation import (
+from swarmavg.peer.client.calls import PreparedAverage
+from swarmavg.peer.client.errors import SwarmError, ValidationError
+from swarmavg.peer.client.validation import (
     MAX_KEY_BYTES,
     same_layout,
     validate_arrays,

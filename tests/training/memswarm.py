@@ -21,7 +21,7 @@ import numpy as np
 
 from swarmavg.averaging.errors import InvalidRequestError
 from swarmavg.averaging.request import RoundRequest, check_finite
-from swarmavg.peer.errors import NoGroupError, NoStateError, ValidationError
+from swarmavg.peer.client.errors import NoGroupError, NoStateError, ValidationError
 
 
 @dataclass

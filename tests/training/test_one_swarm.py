@@ -28,8 +28,8 @@ from swarmavg.averaging.run_records.progress import (  # noqa: E402
     within_epoch_lead,
 )
 from swarmavg.averaging.training.collaborative import _Action  # noqa: E402
-from swarmavg.peer.errors import NoGroupError  # noqa: E402
-from swarmavg.peer.run_view import REJOINS_METRIC, ThisPeer, build_view  # noqa: E402
+from swarmavg.peer.client.errors import NoGroupError  # noqa: E402
+from swarmavg.peer.client.run_view import REJOINS_METRIC, ThisPeer, build_view  # noqa: E402
 from tests.training.helpers import (  # noqa: E402
     backward,
     batch,

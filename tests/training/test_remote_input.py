@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 from swarmavg.averaging.group import MAX_GROUP_SIZE  # noqa: E402
 from swarmavg.averaging.optim import CollaborativeOptimizer, DiLoCo, SwarmRoundWarning  # noqa: E402
 from swarmavg.averaging.run_records.progress import PeerProgress, aggregate  # noqa: E402
-from swarmavg.peer.errors import AveragingError, SchemaMismatchError  # noqa: E402
+from swarmavg.peer.client.errors import AveragingError, SchemaMismatchError  # noqa: E402
 from tests.training.helpers import backward, batch, linear_model, run_in_threads  # noqa: E402
 from tests.training.memswarm import MemorySwarm  # noqa: E402
 

@@ -12,8 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from swarmavg.peer import Client, connect  # noqa: E402
-from swarmavg.peer.peers_table import format_peers  # noqa: E402
-from swarmavg.peer.status import format_status  # noqa: E402
+from swarmavg.peer.cli.peers_table import format_peers  # noqa: E402
+from swarmavg.peer.cli.status import format_status  # noqa: E402
 from tests.harness import ProcessPool  # noqa: E402
 from tests.run_daemons import clients, start_run  # noqa: E402
 from tests.training.helpers import (  # noqa: E402

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 from swarmavg.averaging.optim import CollaborativeOptimizer, DiLoCo, SwarmRoundWarning  # noqa: E402
 from swarmavg.averaging.training.consensus import Provenance  # noqa: E402
-from swarmavg.peer.errors import NoGroupError  # noqa: E402
+from swarmavg.peer.client.errors import NoGroupError  # noqa: E402
 from tests.training.helpers import (  # noqa: E402
     linear_model,
     run_in_threads,

@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 from swarmavg.averaging.training.background import LatestWork  # noqa: E402
 from swarmavg.averaging.training.state import unpack_state  # noqa: E402
 from swarmavg.averaging.training.streaming import StreamingDiLoCo  # noqa: E402
-from swarmavg.peer.errors import NoGroupError  # noqa: E402
+from swarmavg.peer.client.errors import NoGroupError  # noqa: E402
 from tests.training.helpers import linear_model, run_in_threads, train_until  # noqa: E402
 from tests.training.memswarm import MemoryClient, MemorySwarm  # noqa: E402
 

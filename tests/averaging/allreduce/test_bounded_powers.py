@@ -18,15 +18,23 @@ import grpc
 import numpy as np
 import pytest
 
+from swarmavg.averaging.allreduce.keyed_stream import answer
 from swarmavg.averaging.allreduce.load_balancing import MAX_SHARE_RATIO
 from swarmavg.averaging.allreduce.reducer import weighted_mean
-from swarmavg.averaging.allreduce.wire import Request, encode_response
+from swarmavg.averaging.allreduce.wire import Request, encode_response, sealed
 from swarmavg.averaging.group import GroupInfo, Member, Mode
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.averaging.service import reduce_method_handler
 from swarmavg.compression import CodecInfo, get_codec
 from swarmavg.dht import ChannelPool, Identity
-from tests.averaging.allreduce_peers import close_peers, make_group, run_group, start_peers
+from swarmavg.dht.auth import RequestSigner
+from tests.averaging.allreduce_peers import (
+    RUN_ID,
+    close_peers,
+    make_group,
+    run_group,
+    start_peers,
+)
 from tests.harness import GrpcServerPool
 
 pytestmark = pytest.mark.timeout(60)
@@ -37,18 +45,27 @@ FORGED = 1e6
 CODEC = get_codec("none")
 
 
-def _forging_reducer(num_senders: int) -> Any:
-    """Answers every chunk at once with FORGED values, claiming ``num_senders`` senders."""
+def _forging_reducer(identity: Identity, num_senders: int) -> Any:
+    """Answers every chunk at once with FORGED values, claiming ``num_senders`` senders.
+    It is a member, so it keys each stream as an honest reducer does (its replies carry
+    valid tags): what bounds it is the check of what it claims, not the MAC."""
 
     async def reduce(
         requests: AsyncIterator[Request], context: grpc.aio.ServicerContext[Any, Any]
     ) -> None:
+        seal = None
+        signer = RequestSigner(identity, RUN_ID, lambda: "")
         async for request in requests:
-            if request.chunk is None:
+            if request.header is not None and request.stream_key:
+                sender = bytes(request.header.peer_id)
+                handshake, seal = answer(request, sender, signer)
+                await context.write(handshake)
+            if request.chunk is None or seal is None:
                 continue
             values = np.full(request.chunk.size, FORGED, np.float32)
             payload = CODEC.encode_payload(values, CodecInfo())
-            await context.write(encode_response(payload, request.chunk_index, num_senders))
+            reply = encode_response(payload, request.chunk_index, num_senders)
+            await context.write(sealed(reply, seal.outbound))
 
     return reduce
 
@@ -57,8 +74,11 @@ def _forging_reducer(num_senders: int) -> Any:
 async def test_inflated_bandwidth_then_a_forged_average_is_bounded_and_not_counted(
     grpc_servers: GrpcServerPool, channels: ChannelPool, claimed_senders: int
 ) -> None:
+    claimant_identity = Identity.generate()
+
     def register(server: grpc.aio.Server, _: int) -> None:
-        handlers = {"Reduce": reduce_method_handler(_forging_reducer(claimed_senders))}
+        forger = _forging_reducer(claimant_identity, claimed_senders)
+        handlers = {"Reduce": reduce_method_handler(forger)}
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler("swarmavg.v1.Averaging", handlers),)
         )
@@ -70,7 +90,7 @@ async def test_inflated_bandwidth_then_a_forged_average_is_bounded_and_not_count
         inputs = [[rng.standard_normal(SIZE).astype(np.float32)] for _ in range(HONEST + 1)]
         weights = [1.0, 2.0, 0.5, 1.0]
         honest_group = make_group(peers, inputs[0])
-        claimant = Member(Identity.generate().peer_id, claimant_address, Mode.NODE, 1e9)
+        claimant = Member(claimant_identity.peer_id, claimant_address, Mode.NODE, 1e9)
         group = GroupInfo(
             honest_group.group_id,
             (*honest_group.members, claimant),

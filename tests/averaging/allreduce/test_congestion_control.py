@@ -27,9 +27,9 @@ from swarmavg.dht import ChannelPool
 from swarmavg.dht.auth import Authenticator
 from swarmavg.dht.identity import Identity
 from swarmavg.peer import PeerConfig, start_peer
-from swarmavg.peer.config import AllReduceSettings
-from swarmavg.peer.daemon import StartupError
-from swarmavg.peer.settings import resolve_config
+from swarmavg.peer.daemon.config import AllReduceSettings
+from swarmavg.peer.daemon.daemon import StartupError
+from swarmavg.peer.daemon.settings import resolve_config
 from tests.averaging.allreduce_peers import FAST, close_peers, make_group, run_group, start_peers
 from tests.harness import GrpcServerPool
 

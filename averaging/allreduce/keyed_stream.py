@@ -1,0 +1,193 @@
+"""The handshake of a keyed ``Reduce`` stream and its MACs in flight, at both ends.
+
+A sender opens a keyed stream with a signed first message that carries its ephemeral public
+key and no chunk (:meth:`SenderHandshake.opening`). The reducer checks that message as every
+first message (service.py), then answers it with a handshake reply, signed as the answer to
+that message and carrying its own ephemeral public key (:func:`answer`); only then does the
+sender send chunks. From there on every message either way ends with a MAC under the stream's key
+(:mod:`stream_keys`, :mod:`stream_mac`): the reducer checks each chunk before the round sees
+it (:func:`checked_requests`) and seals each averaged chunk it writes to this sender
+(:class:`SealingContext`); the sender seals each chunk and checks each reply
+(:class:`SenderHandshake`; outgoing.py builds the opening and seals the chunks, streams.py
+takes the handshake reply and checks each reply's tag). The handshake costs the stream one
+round trip before its first chunk; the signatures are one more per stream at each end.
+
+A message that fails its check ends the stream and what came in it is not used: the
+reducer drops the sender from the part (the round goes on without it), the sender distrusts
+the reducer's part (it keeps its local values): what either does with a faulty peer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import NoReturn
+
+import grpc
+
+from swarmavg.averaging.allreduce.round import ReduceContext
+from swarmavg.averaging.allreduce.stream_keys import EphemeralKey, handshake_digest, transcript
+from swarmavg.averaging.allreduce.stream_mac import Direction, IntegrityError, StreamMac
+from swarmavg.averaging.allreduce.wire import (
+    OutgoingChunk,
+    Reply,
+    Request,
+    encode_handshake,
+    encode_opening,
+    reduce_digest,
+    sealed,
+)
+from swarmavg.averaging.stubs import REDUCE
+from swarmavg.dht.auth import Authenticator, RequestSigner
+from swarmavg.proto import averaging_pb2, common_pb2
+
+__all__ = [
+    "SealingContext",
+    "SenderHandshake",
+    "StreamSeal",
+    "answer",
+    "checked_requests",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSeal:
+    """One end's MACs of a keyed stream: what it sends, what it receives."""
+
+    outbound: StreamMac
+    inbound: StreamMac
+
+
+def _seal_for(key: bytes, outbound: Direction) -> StreamSeal:
+    inbound = Direction.TO_SENDER if outbound is Direction.TO_REDUCER else Direction.TO_REDUCER
+    return StreamSeal(StreamMac(key, outbound), StreamMac(key, inbound))
+
+
+# ---- sender side ----
+
+
+class SenderHandshake:
+    """A sender's half of one keyed stream's handshake (one per stream, never reused)."""
+
+    def __init__(self, sender_id: bytes, reducer_id: bytes, group_id: bytes, part: int) -> None:
+        self._ephemeral = EphemeralKey()
+        self._sender_id = sender_id
+        self._reducer_id = reducer_id
+        self._group_id = group_id
+        self._part = part
+        self.first_header: common_pb2.RequestHeader | None = None
+        """The signed header of the first message, once :meth:`opening` built it."""
+
+    @property
+    def public_key(self) -> bytes:
+        return self._ephemeral.public
+
+    def opening(self, signer: RequestSigner, weight: float) -> OutgoingChunk:
+        """The stream's signed first message: the round, the weight and this end's key,
+        signed for the reducer (the signature covers the key: nobody on the path can strip
+        or swap it)."""
+        first = averaging_pb2.ReduceRequest(
+            group_id=self._group_id,
+            part_index=self._part,
+            weight=weight,
+            stream_key=self._ephemeral.public,
+        )
+        digest = reduce_digest(self._group_id, self._part, weight, 0, self._ephemeral.public)
+        first.header.CopyFrom(signer.sign(self._reducer_id, REDUCE, digest))
+        self.first_header = first.header
+        return encode_opening(first)
+
+    def accept(self, reply: Reply, authenticator: Authenticator) -> StreamSeal:
+        """The stream's MACs, from the reducer's handshake reply.
+
+        Raises:
+            IntegrityError: the reply is not a handshake (it carries a chunk or a tag, no
+                key, or the stream was not opened yet).
+            HeaderError: its signature does not verify as the reducer's answer to our
+                first message (``AuthenticationError`` included).
+            KeyAgreementError: its key is unusable.
+        """
+        if reply.error:
+            raise IntegrityError(reply.error)
+        first = self.first_header
+        if first is None or reply.handshake is None or not reply.stream_key:
+            raise IntegrityError("the reducer's first reply is not a handshake")
+        if reply.header is not None or reply.payload is not None or reply.covered is not None:
+            raise IntegrityError("the reducer's handshake carries a chunk or a tag")
+        digest = handshake_digest(bytes(first.nonce), reply.stream_key)
+        authenticator.check_response(reply.handshake, REDUCE, digest, self._reducer_id)
+        key = self._ephemeral.agree(
+            reply.stream_key,
+            transcript(
+                self._sender_id,
+                self._reducer_id,
+                self._group_id,
+                self._part,
+                self._ephemeral.public,
+                reply.stream_key,
+            ),
+        )
+        return _seal_for(key, Direction.TO_REDUCER)
+
+
+# ---- reducer side ----
+
+
+def answer(
+    first: Request, sender_id: bytes, signer: RequestSigner
+) -> tuple[OutgoingChunk, StreamSeal]:
+    """The handshake reply to a verified keyed first message from ``sender_id``, and the
+    stream's MACs at the reducer.
+
+    Raises:
+        KeyAgreementError: the sender's key is unusable.
+    """
+    if first.header is None:
+        raise ValueError("a keyed first message is answered after its header verified")
+    ephemeral = EphemeralKey()
+    key = ephemeral.agree(
+        first.stream_key,
+        transcript(
+            sender_id,
+            signer.peer_id,
+            first.group_id,
+            first.part_index,
+            first.stream_key,
+            ephemeral.public,
+        ),
+    )
+    digest = handshake_digest(bytes(first.header.nonce), ephemeral.public)
+    header = signer.sign_response(first.header, REDUCE, digest)
+    return encode_handshake(header, ephemeral.public), _seal_for(key, Direction.TO_SENDER)
+
+
+async def checked_requests(
+    requests: AsyncIterator[Request], mac: StreamMac
+) -> AsyncIterator[Request]:
+    """``requests`` with each one's tag checked: one that fails comes out with its
+    ``error`` set (the round then drops its sender) and ends the stream."""
+    async for request in requests:
+        if not request.error:
+            try:
+                mac.check(request.covered, request.mac)
+            except IntegrityError as e:
+                request = dataclasses.replace(request, error=str(e))
+        yield request
+        if request.error:
+            return
+
+
+class SealingContext:
+    """A reducer's stream context that appends this stream's tag to every reply."""
+
+    def __init__(self, context: ReduceContext, mac: StreamMac) -> None:
+        self._context = context
+        self._mac = mac
+
+    async def write(self, message: OutgoingChunk) -> None:
+        # Sealed at the moment of writing: tags follow the order replies take on the wire.
+        await self._context.write(sealed(message, self._mac))
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
+        await self._context.abort(code, details)
+        raise RuntimeError("context.abort returned")
