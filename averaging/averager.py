@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 
 from swarmavg.averaging.allreduce.config import AllReduceConfig
-from swarmavg.averaging.allreduce.data_plane import DataConnector
+from swarmavg.averaging.allreduce.data_connector import DataConnector
 from swarmavg.averaging.allreduce.faults import FaultPlan
 from swarmavg.averaging.allreduce.runner import FiniteCheck, run_allreduce
 from swarmavg.averaging.allreduce.service import AllReduceService

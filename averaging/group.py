@@ -64,7 +64,7 @@ class Member:
             sized in proportion to it. 0 means "reduces nothing".
         user_data: opaque bytes the member attached when joining (not used here).
         data_port: TCP port of its data plane on the host of ``address``
-            (:mod:`~swarmavg.averaging.allreduce.data_plane`); 0 when it serves ``Reduce``
+            (:mod:`~swarmavg.averaging.allreduce.data_server`); 0 when it serves ``Reduce``
             over gRPC only.
     """
 

@@ -2,7 +2,10 @@
 
 A :class:`RoundRequest` is built where a call enters (the client before it sends, the
 daemon's control service when the call arrives, :meth:`Averager.average` for in-process
-callers) and handed as it is to the local combiner, matchmaking and the all-reduce. Nothing
+callers), once per process, and handed as it is to the local combiner, matchmaking and the
+all-reduce. Between the client and the daemon it travels as the ``AverageStart`` fields of
+:meth:`RoundRequest.wire_fields`, which the daemon checks again (:meth:`RoundRequest.from_wire`):
+what arrives from another process is not trusted. Nothing
 below the boundary checks it again, and its ``deadline`` is an instant on
 ``time.monotonic()``: the relative timeout a caller gives is turned into it exactly once.
 
@@ -18,7 +21,7 @@ import numbers
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -141,6 +144,46 @@ class RoundRequest:
             codec=codec,
             state_digest=digest,
             aggregation=rule,
+        )
+
+    def wire_fields(self, timeout: float) -> dict[str, Any]:
+        """This request as the control protocol's ``AverageStart`` fields of the same names,
+        ``None`` sent as the field's zero value; :meth:`from_wire` reads them back.
+
+        Args:
+            timeout: the caller's timeout in seconds: the daemon fixes the deadline on its
+                own clock when the call arrives.
+        """
+        return {
+            "key": self.key,
+            "weight": self.weight,
+            "timeout": timeout,
+            "group_size": self.group_size or 0,
+            "min_group_size": self.min_group_size,
+            "codec": self.codec or "",
+            "state_digest": self.state_digest,
+            "aggregation": self.aggregation,
+        }
+
+    @classmethod
+    def from_wire(cls, message: Any, now: float) -> RoundRequest:
+        """Check a request that arrived as :meth:`wire_fields` (an ``AverageStart``): its
+        sender is another process, so every field is checked as :meth:`build` checks a
+        caller's arguments, and the deadline is ``now + timeout`` on this process's clock.
+
+        Raises:
+            InvalidRequestError: as :meth:`build`.
+        """
+        return cls.build(
+            key=message.key,
+            weight=message.weight,
+            timeout=message.timeout,
+            group_size=message.group_size or None,
+            min_group_size=message.min_group_size,
+            codec=message.codec or None,
+            state_digest=message.state_digest or None,
+            aggregation=message.aggregation or None,
+            now=now,
         )
 
     def user_data(self, default: bytes) -> bytes:

@@ -13,7 +13,7 @@ One :class:`PeerTLS` per daemon, built from its checked
   (:data:`~swarmavg.dht.credentials.TLS_SERVER_NAME`);
 - the data plane (asyncio streams): ``ssl.SSLContext`` objects from the same files, TLS 1.3
   only, client certificates required; a client checks that the server's certificate names
-  the peer it dials before it sends anything (averaging/allreduce/data_plane.py).
+  the peer it dials before it sends anything (averaging/allreduce/data_connector.py).
 
 The handshake proves that a peer holds *a* credential of the run; :class:`PeerBindingInterceptor`
 (gRPC) and :func:`peer_id_of_der` (the data plane) then check that the request header names the

@@ -17,7 +17,7 @@ the pending pool, never the bytes of members.
 Waiting bodies are admitted in fair-share order, the one whose range holds least first,
 so a range at its cap, or many ranges that keep the pool full, do not hold up a range that
 holds nothing (the server also evicts the most-represented range's oldest pending body
-for it: ``data_plane.DataPlaneServer``).
+for it: ``data_server.DataPlaneServer``).
 
 Hosts are grouped as an attacker's addresses are: IPv4 per address, IPv6 per /64 prefix
 (one customer's allocation, which anyone with one IPv6 host holds a whole of), and an

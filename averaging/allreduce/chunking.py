@@ -21,6 +21,9 @@ by each peer from its rounds, :mod:`~swarmavg.averaging.allreduce.throughput`, o
 its user). A member that under-claims makes chunks smaller (down to the floor: more CPU per
 byte, nothing worse); over-claims cannot make them larger than the slowest honest claim.
 
+The chunk's size in elements also depends on the codec: :func:`bytes_per_element` measures
+it the same way on every member.
+
 Pure: no clock, no I/O.
 """
 
@@ -29,15 +32,21 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from swarmavg.averaging.allreduce.throughput import MB
 from swarmavg.averaging.group import Member
+from swarmavg.compression import Codec, CodecInfo
 
 __all__ = [
     "CHUNK_SECONDS",
     "MAX_LINK_CHUNK_BYTES",
     "MIN_LINK_CHUNK_BYTES",
+    "bytes_per_element",
     "link_chunk_bytes",
 ]
+
+_PROBE_ELEMENTS = 65536
 
 CHUNK_SECONDS = 0.1
 """Link time one chunk may take at the slowest member's advertised bandwidth: 512 KiB at
@@ -74,3 +83,14 @@ def link_chunk_bytes(members: Sequence[Member]) -> int:
         return MIN_LINK_CHUNK_BYTES
     power = 1 << int(math.log2(target))  # round down: a slow link's chunk errs small
     return min(max(power, MIN_LINK_CHUNK_BYTES), MAX_LINK_CHUNK_BYTES)
+
+
+def bytes_per_element(codec: Codec, dtype: np.dtype) -> float:
+    """Encoded bytes per element of ``codec`` on a fixed pseudo-random probe.
+
+    Deterministic (same codec code -> same answer), so every member derives the same
+    chunk size without negotiating it.
+    """
+    probe = np.random.default_rng(0).standard_normal(_PROBE_ELEMENTS).astype(dtype)
+    message = codec.encode(probe, CodecInfo(key="swarmavg.chunk-size-probe"))
+    return max(message.ByteSize(), 1) / _PROBE_ELEMENTS

@@ -77,7 +77,7 @@ class AllReduceConfig:
             thread pool cost 10-30% more CPU per round than inline work
             (docs/benchmarks-data-path.md), else 2.
         data_plane: also serve and use ``Reduce`` over framed TCP
-            (:mod:`~swarmavg.averaging.allreduce.data_plane`), which costs less than half the CPU
+            (:mod:`~swarmavg.averaging.allreduce.data_server`), which costs less than half the CPU
             per byte of gRPC; members that cannot reach it fall back to gRPC.
         data_host: host the data plane listens on; ``None``: the host of the peer's
             announced address.

@@ -1,7 +1,7 @@
 """Frames of the data plane over one connection: reading, writing, flow control, and (on a
 server) the admission of every frame body against the byte budget.
 
-Wire (see :mod:`~swarmavg.averaging.allreduce.data_plane` for the exchange)::
+Wire (see :mod:`~swarmavg.averaging.allreduce.data_server` for the exchange)::
 
     <u32 little-endian body length> <u8 kind> <body>
 

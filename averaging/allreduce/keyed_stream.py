@@ -8,8 +8,9 @@ sender send chunks. From there on every message either way ends with a MAC under
 (:mod:`stream_keys`, :mod:`stream_mac`): the reducer checks each chunk before the round sees
 it (:func:`checked_requests`) and seals each averaged chunk it writes to this sender
 (:class:`SealingContext`); the sender seals each chunk and checks each reply
-(:class:`SenderHandshake`, runner.py). The handshake costs the stream one round trip before
-its first chunk; the signatures are one more per stream at each end.
+(:class:`SenderHandshake`; outgoing.py builds the opening and seals the chunks, streams.py
+takes the handshake reply and checks each reply's tag). The handshake costs the stream one
+round trip before its first chunk; the signatures are one more per stream at each end.
 
 A message that fails its check ends the stream and what came in it is not used: the
 reducer drops the sender from the part (the round goes on without it), the sender distrusts

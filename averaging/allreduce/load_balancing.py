@@ -35,7 +35,7 @@ faster than its group still takes more work, a liar no more than that."""
 MAX_SHARE_RATIO = 1.5
 """No reducer reduces more than 1.5x an equal share (3/4 of the vector in a group of two
 reducers, 3/8 in one of four), whatever the claims: the part a lying reducer can forge is
-bounded, and honest members' observation then marks it (see ``runner.py``)."""
+bounded, and honest members' observation then marks it (see ``replies.py``)."""
 
 
 def effective_bandwidths(members: Sequence[Member]) -> list[float]:

@@ -220,6 +220,17 @@ class PartPlan:
         start = chunk * self.chunk_elements
         return start, min(start + self.chunk_elements, self.part_size(part))
 
+    def chunk_span(self, part: int, chunk: int) -> slice:
+        """Where ``chunk`` of ``part`` lies in the flat vector."""
+        start, end = self.chunk_bounds(part, chunk)
+        base = self.bounds[part][0]
+        return slice(base + start, base + end)
+
+    def chunk_size(self, part: int, chunk: int) -> int:
+        """Elements of ``chunk`` of ``part`` (how much work its coding is)."""
+        start, end = self.chunk_bounds(part, chunk)
+        return end - start
+
 
 def chunk_elements_for(bytes_per_element: float, target_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     """Elements per chunk so that an encoded chunk is about ``target_bytes`` on the wire.

@@ -85,7 +85,7 @@ class _Stream:
 
 class ReduceContext(Protocol):
     """What a ``Reduce`` handler needs of its stream: gRPC's servicer context, or the
-    data plane's stream (:mod:`~swarmavg.averaging.allreduce.data_plane`)."""
+    data plane's stream (:mod:`~swarmavg.averaging.allreduce.data_server`)."""
 
     async def write(self, message: OutgoingChunk) -> None: ...
 

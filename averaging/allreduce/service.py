@@ -44,7 +44,8 @@ from swarmavg.averaging.allreduce.admission import ByteBudget
 from swarmavg.averaging.allreduce.buffers import BufferPool
 from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.allreduce.congestion import check_congestion_control
-from swarmavg.averaging.allreduce.data_plane import DataConnector, DataPlaneServer
+from swarmavg.averaging.allreduce.data_connector import DataConnector
+from swarmavg.averaging.allreduce.data_server import DataPlaneServer
 from swarmavg.averaging.allreduce.keyed_stream import SealingContext, answer, checked_requests
 from swarmavg.averaging.allreduce.round import Abort, ReduceContext, ReducerRound, abort_stream
 from swarmavg.averaging.allreduce.stream_keys import KeyAgreementError
@@ -419,7 +420,7 @@ class AllReduceService:
             await abort_stream(context, grpc.StatusCode.UNAVAILABLE, "this peer is shutting down")
         if round_ is None and first.group_id in self._recent:
             # Distinct from NOT_FOUND, which a sender takes for "not started yet" and asks
-            # again (runner.py): a round that is over here will not start.
+            # again (streams.py): a round that is over here will not start.
             await abort_stream(
                 context, grpc.StatusCode.FAILED_PRECONDITION, "that round is over here"
             )

@@ -20,6 +20,7 @@ import numpy as np
 
 from swarmavg.averaging.errors import InvalidRequestError, InvalidTensorsError
 from swarmavg.averaging.request import RoundRequest
+from swarmavg.averaging.result import RoundSummary
 from swarmavg.peer.client import shm
 from swarmavg.peer.client.errors import MalformedStateError, SwarmError, ValidationError
 from swarmavg.peer.client.tensors import (
@@ -40,51 +41,20 @@ CALL_MARGIN = 10.0
 """Seconds the transport deadline adds to a call's timeout, so the daemon reports first."""
 
 
-@dataclass
-class AverageResult:
-    """What ``client.average`` returns (docs/peer.md, "The client").
+@dataclass(frozen=True, kw_only=True)
+class AverageResult(RoundSummary):
+    """What ``client.average`` returns (docs/peer.md, "The client"): the round's
+    :class:`~swarmavg.averaging.result.RoundSummary`, with the caller's tensors.
 
     Attributes:
         tensors: the averaged tensors: same type, shape, dtype, device and order as the input.
-        group_size: peers that contributed.
-        peers: their peer ids (hex).
-        group_id: the group's id.
-        partial: some parts were averaged without a peer that failed mid-round.
-        codec: the codec the group actually used (every member asked for it).
-        timings: seconds per phase, as the daemon measured them (``matchmaking``,
-            ``allreduce``, ``allreduce.*``, the handoff's ``daemon.accept``,
-            ``daemon.check``, ``daemon.write_back``), and the client's own
-            ``client.prepare`` (checks and the copy into shared memory) and
-            ``client.call`` (from then until the result was read).
-        local_callers: training processes on this machine combined into the round.
         state_digests: the state digest each member of the group attached
             (``average(..., state_digest=...)``), peer id hex -> bytes; members that
             attached none are absent. Every member of the group sees the same map.
-        aggregation: the canonical aggregation rule the group ran
-            (``"centered-clip:tau=1.0,iters=5,reject=3.0"``, ...).
-        num_adjusted: inputs that rule rejected or clipped (centered-clip: senders' copies of a
-            chunk) or trimmed (trimmed-mean: values), summed over the parts this member
-            received; 0 for the mean.
-        weights_clipped: senders' weights the reducers bounded to ``weight_bound``
-            times the median weight, summed over the same parts.
-        local_fraction: share (0..1) of the elements that kept this caller's own values:
-            no trusted average came back for them (a member failed, or its reducer
-            answered inconsistently), as this daemon observed it. 0 when not ``partial``.
     """
 
     tensors: list[Any]
-    group_size: int
-    peers: list[str]
-    group_id: str
-    partial: bool
-    codec: str = ""
-    timings: dict[str, float] = field(default_factory=dict)
-    local_callers: int = 1
     state_digests: dict[str, bytes] = field(default_factory=dict)
-    aggregation: str = "mean"
-    num_adjusted: int = 0
-    weights_clipped: int = 0
-    local_fraction: float = 0.0
 
 
 class PreparedAverage:
@@ -160,19 +130,12 @@ class PreparedAverage:
         else:
             validate_finite(arrays)
         self.start = control_pb2.AverageStart(
-            key=request.key,
-            weight=request.weight,
-            group_size=request.group_size or 0,
-            min_group_size=request.min_group_size,
-            timeout=self.timeout,
-            codec=request.codec or "",
+            **request.wire_fields(self.timeout),
             tensors=specs_of(arrays),
             shm_name=self.segment.name if self.segment is not None else "",
             shm_size=self.segment.size if self.segment is not None else 0,
             client_id=client_id,
             shm_reuse=self.segment is not None and self.segment.daemon_mapped,
-            state_digest=request.state_digest,
-            aggregation=request.aggregation,
             # acquire() checked the tensors as it copied them in (copy_checked)
             inputs_checked=self.segment is not None,
         )
@@ -182,7 +145,7 @@ class PreparedAverage:
         self._prepare_s = self._prepared_at - began
 
     @property
-    def deadline(self) -> float:
+    def transport_timeout(self) -> float:
         """Seconds the transport waits for the whole call."""
         return self.timeout + CALL_MARGIN
 
@@ -241,25 +204,16 @@ class PreparedAverage:
         self._ok = True
         # The client's own share: conversion, checks and the copy into shared memory
         # (prepare), then everything until the daemon's answer was read (call).
-        timings = dict(done.timings)
+        summary = RoundSummary.fields_from(done)
+        timings = summary["timings"]
         timings["client.prepare"] = self._prepare_s
         timings["client.call"] = time.monotonic() - self._prepared_at
         if self._write_s is not None:  # within client.call, while the daemon declared
             timings["client.write"] = self._write_s
         return AverageResult(
             tensors=from_numpy(arrays, self.origins),
-            group_size=done.group_size,
-            peers=list(done.peers),
-            group_id=done.group_id,
-            partial=done.partial,
-            codec=done.codec,
-            timings=timings,
-            local_callers=done.local_callers,
             state_digests={str(peer): bytes(digest) for peer, digest in done.state_digests.items()},
-            aggregation=done.aggregation or "mean",
-            num_adjusted=done.num_adjusted,
-            weights_clipped=done.weights_clipped,
-            local_fraction=done.local_fraction,
+            **summary,
         )
 
     @property

@@ -376,7 +376,7 @@ class Client:
             self._refresh_access()
             try:
                 responses = self._stub.Average(
-                    call.requests(), timeout=call.deadline, metadata=self._metadata
+                    call.requests(), timeout=call.transport_timeout, metadata=self._metadata
                 )
                 for response in responses:
                     call.feed(response)
@@ -637,7 +637,7 @@ class AsyncClient:
             self._refresh_access()
             try:
                 stream = self._stub.Average(
-                    call.requests(), timeout=call.deadline, metadata=self._metadata
+                    call.requests(), timeout=call.transport_timeout, metadata=self._metadata
                 )
                 async for response in stream:
                     call.feed(response)

@@ -271,17 +271,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
             shm_name = start.shm_name
             # The one place a call's parameters are checked and its timeout becomes a
             # deadline; the combiner, matchmaking and the all-reduce take them as they are.
-            request = RoundRequest.build(
-                key=start.key,
-                weight=start.weight,
-                timeout=start.timeout,
-                group_size=start.group_size or None,
-                min_group_size=start.min_group_size,
-                codec=start.codec or None,
-                state_digest=start.state_digest or None,
-                aggregation=start.aggregation or None,
-                now=started,
-            )
+            request = RoundRequest.from_wire(start, now=started)
             dtypes, shapes, _ = layout_from_specs(start.tensors)
             out: list[np.ndarray] | None = None
             if start.shm_name:
@@ -479,19 +469,4 @@ def _unpack(data: bytes, what: str) -> Any:
 
 
 def _done_message(outcome: AveragingResult) -> control_pb2.AverageDone:
-    return control_pb2.AverageDone(
-        group_size=outcome.group_size,
-        peers=outcome.peers,
-        group_id=outcome.group_id,
-        partial=outcome.partial,
-        codec=outcome.codec,
-        timings=outcome.timings,
-        bytes_sent=outcome.bytes_sent,
-        bytes_received=outcome.bytes_received,
-        local_callers=outcome.local_callers,
-        state_digests=outcome.state_digests,
-        aggregation=outcome.aggregation,
-        num_adjusted=outcome.num_adjusted,
-        weights_clipped=outcome.weights_clipped,
-        local_fraction=outcome.local_fraction,
-    )
+    return control_pb2.AverageDone(**outcome.summary_fields(), state_digests=outcome.state_digests)

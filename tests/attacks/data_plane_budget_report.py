@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from swarmavg.averaging.allreduce.config import AllReduceConfig
-from swarmavg.averaging.allreduce.data_plane import MAGIC
+from swarmavg.averaging.allreduce.framing import MAGIC
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.dht import ChannelPool
 from tests.averaging.allreduce_peers import FAST, close_peers, make_group, run_group, start_peers

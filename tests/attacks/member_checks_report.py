@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from swarmavg.averaging.aggregation import canonical_aggregation
-from swarmavg.averaging.allreduce import runner
+from swarmavg.averaging.allreduce import streams
 from swarmavg.averaging.allreduce.part_check import (
     DEFAULT_FACTOR,
     DeviationTally,
@@ -192,7 +192,7 @@ async def slow_sender() -> dict[str, Any]:
     channels = ChannelPool()
     peers = await start_peers(servers, MEMBERS, FAST, data_plane=False)
     written = [0]
-    open_call = runner._Exchange._open_call
+    open_call = streams.PartStreams._open_call
     pacing: dict[int, float] = {}
 
     async def paced_open_call(self: Any, part: int, address: str) -> Any:
@@ -201,14 +201,14 @@ async def slow_sender() -> dict[str, Any]:
             return call
         return PacedCall(call, pacing[self.my_index], written)
 
-    runner._Exchange._open_call = paced_open_call  # type: ignore[method-assign]
+    streams.PartStreams._open_call = paced_open_call  # type: ignore[method-assign]
     out: dict[str, Any] = {"chunks_of_attacker": (MEMBERS - 1) * CHUNKS_PER_PART}
     try:
         out["control"] = await _timed_round(peers, channels, written)
         pacing[ATTACKER] = TRICKLE
         out["attack"] = await _timed_round(peers, channels, written)
     finally:
-        runner._Exchange._open_call = open_call  # type: ignore[method-assign]
+        streams.PartStreams._open_call = open_call  # type: ignore[method-assign]
         await close_peers(peers)
         await channels.close()
         await servers.close()

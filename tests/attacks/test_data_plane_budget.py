@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 from swarmavg.averaging.allreduce.config import AllReduceConfig
-from swarmavg.averaging.allreduce.data_plane import MAGIC
+from swarmavg.averaging.allreduce.framing import MAGIC
 from swarmavg.averaging.allreduce.reducer import weighted_mean
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.dht import ChannelPool

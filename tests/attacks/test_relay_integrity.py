@@ -19,7 +19,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from swarmavg.averaging.allreduce.data_plane import MAGIC, DataConnector, DataStreamError
+from swarmavg.averaging.allreduce.data_connector import DataConnector, DataStreamError
+from swarmavg.averaging.allreduce.framing import MAGIC
 from swarmavg.averaging.allreduce.service import AllReduceService
 from swarmavg.dht.auth import Authenticator
 from swarmavg.peer.nat.splice import pump

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from swarmavg.averaging.allreduce import runner
+from swarmavg.averaging.allreduce import streams
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.dht import ChannelPool
 from tests.averaging import allreduce_peers
@@ -63,7 +63,7 @@ def pace(monkeypatch: pytest.MonkeyPatch) -> tuple[dict[int, float], list[int]]:
     """Member index -> seconds between its chunks; and the attacker's chunks written."""
     intervals: dict[int, float] = {}
     written = [0]
-    open_call = runner._Exchange._open_call
+    open_call = streams.PartStreams._open_call
 
     async def paced_open_call(self: Any, part: int, address: str) -> Any:
         call = await open_call(self, part, address)
@@ -73,7 +73,7 @@ def pace(monkeypatch: pytest.MonkeyPatch) -> tuple[dict[int, float], list[int]]:
         counter = written if self.my_index == ATTACKER else [0]
         return PacedCall(call, interval, counter)
 
-    monkeypatch.setattr(runner._Exchange, "_open_call", paced_open_call)
+    monkeypatch.setattr(streams.PartStreams, "_open_call", paced_open_call)
     return intervals, written
 
 

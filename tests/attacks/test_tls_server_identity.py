@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from swarmavg.averaging.allreduce.data_plane import DataConnector
+from swarmavg.averaging.allreduce.data_connector import DataConnector
 from swarmavg.averaging.allreduce.service import AllReduceService
 from swarmavg.dht import ChannelPool
 from swarmavg.dht.auth import Authenticator

@@ -15,11 +15,11 @@ import grpc
 import numpy as np
 import pytest
 
-from swarmavg.averaging.allreduce.data_plane import DataConnector, DataStreamError
+from swarmavg.averaging.allreduce.chunking import bytes_per_element
+from swarmavg.averaging.allreduce.data_connector import DataConnector, DataStreamError
 from swarmavg.averaging.allreduce.load_balancing import part_sizes
 from swarmavg.averaging.allreduce.partition import PartPlan, chunk_elements_for
 from swarmavg.averaging.allreduce.reducer import weighted_mean
-from swarmavg.averaging.allreduce.runner import _bytes_per_element
 from swarmavg.averaging.group import GroupInfo
 from swarmavg.averaging.matchmaking.config import MatchmakingEvent
 from swarmavg.averaging.matchmaking.keys import matchmaking_key
@@ -202,7 +202,7 @@ def part_messages(
 ) -> list[averaging_pb2.ReduceRequest]:
     """Every message of a sender's stream of ``part`` carrying ``values`` (the whole
     flattened vector), under ``header``."""
-    per_element = _bytes_per_element(CODEC, np.dtype(np.float32))
+    per_element = bytes_per_element(CODEC, np.dtype(np.float32))
     plan = PartPlan.build(
         part_sizes(group.members, values.size),
         chunk_elements_for(per_element, allreduce_peers.FAST.chunk_bytes),

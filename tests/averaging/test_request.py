@@ -115,3 +115,38 @@ def test_check_finite_names_the_tensor() -> None:
     check_finite([np.array([1, 2], np.int64), np.zeros(2, np.float16)])
     with pytest.raises(InvalidTensorsError, match="tensor 1 holds 2 NaN/Inf"):
         check_finite([np.zeros(2), np.array([np.nan, np.inf, 0], ml_dtypes.bfloat16)])
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {"key": "k"},
+        {
+            "key": "step-7",
+            "weight": 2.5,
+            "group_size": 8,
+            "min_group_size": 3,
+            "codec": "topk:fraction=0.05",
+            "state_digest": b"d" * 32,
+            "aggregation": "trimmed-mean",
+        },
+    ],
+)
+def test_request_crosses_the_control_protocol_unchanged(arguments: dict[str, object]) -> None:
+    # The daemon rebuilds the client's request from AverageStart: every field must arrive,
+    # the ones left to the daemon's default (None) included, and the deadline is fixed on
+    # the daemon's clock from the caller's timeout.
+    from swarmavg.proto import control_pb2
+
+    request = RoundRequest.build(timeout=12.5, now=100.0, **arguments)  # type: ignore[arg-type]
+    start = control_pb2.AverageStart(**request.wire_fields(12.5))
+    assert RoundRequest.from_wire(start, now=100.0) == request
+
+
+def test_request_from_the_wire_is_checked() -> None:
+    from swarmavg.proto import control_pb2
+
+    with pytest.raises(InvalidRequestError, match="weight"):
+        RoundRequest.from_wire(control_pb2.AverageStart(key="k", weight=-1.0, timeout=5), 0.0)
+    with pytest.raises(InvalidRequestError, match="timeout"):
+        RoundRequest.from_wire(control_pb2.AverageStart(key="k", weight=1.0), 0.0)

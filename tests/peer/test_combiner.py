@@ -36,7 +36,9 @@ class Recorder:
             await self.release.wait()
         if self.fail is not None:
             raise self.fail
-        return AveragingResult(arrays, 1, ["me"], "g", "none", False)
+        return AveragingResult(
+            tensors=arrays, group_size=1, peers=["me"], group_id="g", codec="none", partial=False
+        )
 
 
 def test_combine_is_the_weighted_mean_in_the_input_dtype() -> None:
@@ -230,7 +232,9 @@ async def test_a_lone_caller_hands_its_clients_check_on_to_the_round() -> None:
         checked_by_client: bool = False,
     ) -> AveragingResult:
         seen.append(checked_by_client)
-        return AveragingResult(arrays, 1, ["me"], "g", "none", False)
+        return AveragingResult(
+            tensors=arrays, group_size=1, peers=["me"], group_id="g", codec="none", partial=False
+        )
 
     combiner = LocalCombiner(average, window=0.0)
     x = [np.array([np.nan], np.float32)]  # not checked here: the round checks it

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from google.protobuf.message import Message
 
-from swarmavg.averaging.allreduce.data_plane import MAGIC
+from swarmavg.averaging.allreduce.framing import MAGIC
 from swarmavg.averaging.allreduce.wire import reduce_digest
 from swarmavg.averaging.stubs import DOWNLOAD_STATE, JOIN_GROUP, REDUCE
 from swarmavg.dht import ChannelPool, Identity, RequestSigner

@@ -17,11 +17,11 @@ import grpc
 import numpy as np
 import pytest
 
-from swarmavg.averaging.allreduce.data_plane import DataConnector, DataStreamError
+from swarmavg.averaging.allreduce.chunking import bytes_per_element
+from swarmavg.averaging.allreduce.data_connector import DataConnector, DataStreamError
 from swarmavg.averaging.allreduce.load_balancing import part_sizes
 from swarmavg.averaging.allreduce.partition import PartPlan, chunk_elements_for
 from swarmavg.averaging.allreduce.reducer import weighted_mean
-from swarmavg.averaging.allreduce.runner import _bytes_per_element
 from swarmavg.averaging.allreduce.wire import reduce_digest
 from swarmavg.averaging.group import GroupInfo, Mode
 from swarmavg.averaging.result import AveragingResult
@@ -52,7 +52,7 @@ class Hostile:
         self.group = group
         self.identity = identity
         self.mean = mean.astype(np.float32)
-        per_element = _bytes_per_element(CODEC, np.dtype(np.float32))
+        per_element = bytes_per_element(CODEC, np.dtype(np.float32))
         self.plan = PartPlan.build(
             part_sizes(group.members, mean.size), chunk_elements_for(per_element, FAST.chunk_bytes)
         )

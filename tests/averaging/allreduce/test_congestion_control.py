@@ -18,7 +18,7 @@ from swarmavg.averaging.allreduce.congestion import (
     get_congestion_control,
     set_congestion_control,
 )
-from swarmavg.averaging.allreduce.data_plane import DataPlaneServer
+from swarmavg.averaging.allreduce.data_server import DataPlaneServer
 from swarmavg.averaging.allreduce.framing import FrameProtocol
 from swarmavg.averaging.allreduce.reducer import weighted_mean
 from swarmavg.averaging.allreduce.service import AllReduceService

@@ -17,14 +17,9 @@ import numpy as np
 import pytest
 
 from swarmavg.averaging.allreduce.config import AllReduceConfig
-from swarmavg.averaging.allreduce.data_plane import (
-    MAGIC,
-    MAX_BODY,
-    DataConnector,
-    DataPlaneServer,
-    DataStreamError,
-)
-from swarmavg.averaging.allreduce.framing import parse_status, status_body
+from swarmavg.averaging.allreduce.data_connector import DataConnector, DataStreamError
+from swarmavg.averaging.allreduce.data_server import DataPlaneServer
+from swarmavg.averaging.allreduce.framing import MAGIC, MAX_BODY, parse_status, status_body
 from swarmavg.averaging.allreduce.reducer import weighted_mean
 from swarmavg.averaging.group import GroupInfo, Member
 from swarmavg.averaging.result import AveragingResult

@@ -57,10 +57,10 @@ async def test_a_member_that_starts_late_still_gets_and_gives_its_part(
     group = make_group(peers, inputs[0])
     refused = asyncio.Event()
     handler = _Refused(peers[LATE].address, refused)
-    runner_log = logging.getLogger("swarmavg.averaging.allreduce.runner")
-    level = runner_log.level
-    runner_log.setLevel(logging.INFO)
-    runner_log.addHandler(handler)
+    streams_log = logging.getLogger("swarmavg.averaging.allreduce.streams")
+    level = streams_log.level
+    streams_log.setLevel(logging.INFO)
+    streams_log.addHandler(handler)
     deadline = time.monotonic() + 30.0
 
     async def one(i: int) -> AveragingResult:
@@ -83,8 +83,8 @@ async def test_a_member_that_starts_late_still_gets_and_gives_its_part(
     try:
         results = await asyncio.gather(*(one(i) for i in range(N)))
     finally:
-        runner_log.removeHandler(handler)
-        runner_log.setLevel(level)
+        streams_log.removeHandler(handler)
+        streams_log.setLevel(level)
         await close_peers(peers)
     expected = np.full(SIZE, 2.0, np.float32)  # (1 + 2 + 3) / 3
     for result in results:

@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 
 from swarmavg.averaging.allreduce.admission import host_group
-from swarmavg.averaging.allreduce.data_plane import MAGIC, DataConnector
+from swarmavg.averaging.allreduce.chunking import bytes_per_element
+from swarmavg.averaging.allreduce.data_connector import DataConnector
 from swarmavg.averaging.allreduce.faults import Fault, FaultPlan
+from swarmavg.averaging.allreduce.framing import MAGIC
 from swarmavg.averaging.allreduce.load_balancing import part_sizes
 from swarmavg.averaging.allreduce.partition import PartPlan, chunk_elements_for
 from swarmavg.averaging.allreduce.reducer import weighted_mean
-from swarmavg.averaging.allreduce.runner import _bytes_per_element
 from swarmavg.averaging.allreduce.service import AllReduceService
 from swarmavg.averaging.group import Mode
 from swarmavg.averaging.result import AveragingResult
@@ -106,7 +107,7 @@ async def test_a_member_that_stops_reading_is_cut_and_pins_nothing(
         mean = weighted_mean([x[0] for x in inputs[:HONEST]], weights[:HONEST])
         group = make_group(peers, inputs[0], [Mode.NODE] * HONEST + [Mode.CLIENT])
         hostile = Hostile(group, peers[HONEST].identity, mean)
-        per_element = _bytes_per_element(CODEC, np.dtype(np.float32))
+        per_element = bytes_per_element(CODEC, np.dtype(np.float32))
         hostile.plan = PartPlan.build(
             part_sizes(group.members, mean.size),
             chunk_elements_for(per_element, config.chunk_bytes),
