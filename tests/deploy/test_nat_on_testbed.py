@@ -7,6 +7,7 @@ reach it, and the NATed ones reserve at a public relay and announce the relayed 
 from __future__ import annotations
 
 import asyncio
+import functools
 import signal
 import sys
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from tests.deploy.test_swarm_on_testbed import (
     average_all,
     check_exact_mean,
     make_inputs,
+    start_together,
 )
 from tests.harness import ProcessPool, SwarmavgProcess
 
@@ -73,12 +75,14 @@ def nat_bed(make_testbed: MakeTestBed, rate_mbit: float | None = 100) -> TestBed
 
 def start_swarm(pool: ProcessPool, bed: TestBed, workdir: Path) -> list[SwarmavgProcess]:
     """One daemon per host, each as its owner would start it: listening on all its
-    interfaces and joining the first public host. Nothing says which hosts are NATed."""
+    interfaces and joining the first public host (the joiners together). Nothing says which
+    hosts are NATed."""
     first = start_daemon(pool, bed[PUBLIC[0]], workdir)
-    daemons = [first]
-    for name in (*PUBLIC[1:], *NATED):
-        daemons.append(start_daemon(pool, bed[name], workdir, join=first.address))
-    return daemons
+    joiners = [
+        functools.partial(start_daemon, pool, bed[name], workdir, join=first.address)
+        for name in (*PUBLIC[1:], *NATED)
+    ]
+    return [first, *start_together(joiners)]
 
 
 @pytest.mark.timeout(360)
