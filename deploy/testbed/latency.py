@@ -45,7 +45,8 @@ def echo(
     prober: Host, responder: Host, count: int, interval: float, linger: float = 2.0
 ) -> EchoRun:
     """Send ``count`` UDP probes from ``prober`` to ``responder``, one every ``interval``
-    seconds, and collect their echoes until ``linger`` seconds after the last one.
+    seconds, and collect their echoes until ``linger`` seconds after the last one (or until
+    every probe is answered).
 
     Raises:
         TestBedError: a probe process failed.

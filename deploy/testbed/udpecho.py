@@ -5,8 +5,9 @@
         until nothing came for ``--idle`` seconds.
     python udpecho.py probe --to HOST:PORT --count N --interval S [--linger S]
         sends N numbered datagrams, one every S seconds, collects the echoes until
-        ``--linger`` seconds after the last one left, and prints {"event": "done",
-        "rtt_ms": [...]} with one round-trip time per probe (null: no echo came).
+        ``--linger`` seconds after the last one left or until every probe is answered, and
+        prints {"event": "done", "rtt_ms": [...]} with one round-trip time per probe
+        (null: no echo came).
 
 The test bed's own tests measure a link's delay, jitter and loss with it: a ping that needs
 no ICMP tools on the machine and that can send many probes cheaply.
@@ -96,7 +97,9 @@ def probe(target: str, count: int, interval: float, linger: float) -> int:
 
     def receive() -> None:
         deadline: float | None = None
-        while deadline is None or time.monotonic() < deadline:
+        # Every probe answered: nothing is left to wait for, so the linger (the time
+        # allowed for late echoes) only runs while some echo is missing.
+        while len(arrival_order) < count and (deadline is None or time.monotonic() < deadline):
             if deadline is None and sending_done.is_set():
                 deadline = time.monotonic() + linger
             try:

@@ -2,11 +2,16 @@
 and 3 hosts behind 3 separate MASQUERADE routers that can only dial out. Daemons are started
 through the CLI with no NAT-specific flag: each finds out by dial-back whether others can
 reach it, and the NATed ones reserve at a public relay and announce the relayed address.
+The swarms whose relayed bytes are counted run with ``--no-hole-punching``: a punch between
+two NATed members, made in the background once one dialled the other through the relay,
+would move part of a round off the relay while it runs (tests/deploy/test_punch_on_testbed.py
+tests that path).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import signal
 import sys
 from collections.abc import Sequence
@@ -25,6 +30,7 @@ from tests.deploy.test_swarm_on_testbed import (
     average_all,
     check_exact_mean,
     make_inputs,
+    start_together,
 )
 from tests.harness import ProcessPool, SwarmavgProcess
 
@@ -73,12 +79,19 @@ def nat_bed(make_testbed: MakeTestBed, rate_mbit: float | None = 100) -> TestBed
 
 def start_swarm(pool: ProcessPool, bed: TestBed, workdir: Path) -> list[SwarmavgProcess]:
     """One daemon per host, each as its owner would start it: listening on all its
-    interfaces and joining the first public host. Nothing says which hosts are NATed."""
-    first = start_daemon(pool, bed[PUBLIC[0]], workdir)
-    daemons = [first]
-    for name in (*PUBLIC[1:], *NATED):
-        daemons.append(start_daemon(pool, bed[name], workdir, join=first.address))
-    return daemons
+    interfaces and joining the first public host (the joiners together). Nothing says which
+    hosts are NATed. No hole punching: every byte of a NATed member stays on its relay, so
+    that the relay's counters are the round's (a punch that lands mid-round takes the
+    NATed members' exchanges with each other off the relay, an uncounted share)."""
+    keep_on_relay = ["--no-hole-punching"]
+    first = start_daemon(pool, bed[PUBLIC[0]], workdir, extra=keep_on_relay)
+    joiners = [
+        functools.partial(
+            start_daemon, pool, bed[name], workdir, join=first.address, extra=keep_on_relay
+        )
+        for name in (*PUBLIC[1:], *NATED)
+    ]
+    return [first, *start_together(joiners)]
 
 
 @pytest.mark.timeout(360)

@@ -9,6 +9,7 @@ no NAT-specific flag.
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,12 @@ from deploy.testbed import HostSpec, TestBed
 from swarmavg.peer.client.calls import AverageResult
 from tests.deploy.conftest import MakeTestBed
 from tests.deploy.test_nat_on_testbed import start_daemon, status_of
-from tests.deploy.test_swarm_on_testbed import average_all, check_exact_mean, make_inputs
+from tests.deploy.test_swarm_on_testbed import (
+    average_all,
+    check_exact_mean,
+    make_inputs,
+    start_together,
+)
 from tests.harness import ProcessPool, SwarmavgProcess
 from tests.private_runs import Authority
 
@@ -69,13 +75,15 @@ async def test_two_nated_hosts_punch_and_their_round_goes_direct(
     bed = punch_bed(make_testbed, random_ports=False)
     authority = Authority.create(tmp_path / "run", "testbed") if run == "private" else None
     relay = start_daemon(peer_pool, bed["pub0"], tmp_path, extra=private_args(authority, "pub0"))
-    homes = [
-        start_daemon(
-            peer_pool, bed[name], tmp_path, join=relay.address,
-            extra=private_args(authority, name),
-        )
-        for name in HOMES
-    ]  # fmt: skip
+    homes = start_together(
+        [
+            functools.partial(
+                start_daemon, peer_pool, bed[name], tmp_path, join=relay.address,
+                extra=private_args(authority, name),
+            )
+            for name in HOMES
+        ]
+    )  # fmt: skip
     for home in homes:
         assert (await status_of(home))["reachability"] == "relayed"
 
@@ -124,7 +132,12 @@ async def test_behind_port_randomising_routers_the_punch_fails_and_the_relay_car
 ) -> None:
     bed = punch_bed(make_testbed, random_ports=True)
     relay = start_daemon(peer_pool, bed["pub0"], tmp_path)
-    homes = [start_daemon(peer_pool, bed[name], tmp_path, join=relay.address) for name in HOMES]
+    homes = start_together(
+        [
+            functools.partial(start_daemon, peer_pool, bed[n], tmp_path, join=relay.address)
+            for n in HOMES
+        ]
+    )
     warm = make_inputs(2, [100_000], seed=9)
     first = await average_all(homes, warm, key="nopunch-warm", timeout=60)
     assert all(isinstance(r, AverageResult) for r in first), first
