@@ -33,6 +33,9 @@ DAEMON_STOP_TIMEOUT = 15.0
 """Seconds the daemon gets to shut down after SIGTERM (its own bound is a few seconds)
 before it is killed."""
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+WAIT_SLICE = 0.2
+"""Seconds between two looks at the command while waiting for it: the longest a forwarded
+signal can wait for the launcher's main thread."""
 
 
 class LaunchError(RuntimeError):
@@ -118,6 +121,18 @@ def stop_daemon(daemon: subprocess.Popen[bytes]) -> None:
         daemon.stdout.close()
 
 
+def wait_interruptibly(child: subprocess.Popen[bytes]) -> int:
+    """``child.wait()`` in short slices. The kernel may deliver a Ctrl+C to any of this
+    process's threads (an imported library may have started one), and Python runs the
+    handler only when the main thread executes again: a plain ``wait()`` blocked in
+    ``waitpid`` would hold the forward until the child exits on its own."""
+    while True:
+        try:
+            return child.wait(timeout=WAIT_SLICE)
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def exit_code(returncode: int) -> int:
     """A child's code as a shell reports it: 128 + N for death by signal N."""
     return 128 - returncode if returncode < 0 else returncode
@@ -158,7 +173,7 @@ def launch(peer_options: Sequence[str], command: Sequence[str]) -> int:
         )
         for signum in pending:
             trainer.send_signal(signum)
-        return exit_code(trainer.wait())
+        return exit_code(wait_interruptibly(trainer))
     finally:
         if trainer is not None and trainer.poll() is None:  # the launcher itself failed
             trainer.kill()

@@ -34,7 +34,12 @@ TRAINER = textwrap.dedent(
         stopped = threading.Event()
         signal.signal(signal.SIGINT, lambda *_: stopped.set())
         print("waiting", flush=True)
-        stopped.wait(100)
+        # Short waits: the kernel may deliver SIGINT to the client's other thread, and
+        # Python runs the handler only once the main thread executes again (a long
+        # Event.wait is not interrupted then).
+        for _ in range(1000):
+            if stopped.wait(0.1):
+                break
         sys.exit(3 if stopped.is_set() else 4)
     sys.exit(int(sys.argv[1]))
     """
