@@ -37,8 +37,9 @@ rejoined: it reached the swarm's last outer step and took part in a round of all
 after it came back (``rejoined``). Each such run is preceded by its all-running control
 (same speeds, same daemons, nobody stopped), whose ``stall_control`` gives the others'
 utilisation over the same window of the run: on a loaded machine the figure to compare
-with. Both give ``others_seconds_in_step``, the seconds the others spent inside
-``opt.step()`` in the window (rounds, waits for a missing member, downloads).
+with (``--no-stall-control`` leaves it out). Both give ``others_seconds_in_step``, the
+seconds the others spent inside ``opt.step()`` in the window (rounds, waits for a missing
+member, downloads).
 
 Prints ONE JSON line on stdout (progress on stderr)::
 
@@ -389,6 +390,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=30.0, help="averaging_timeout")
     parser.add_argument("--collab-div", type=int, default=4, help="collaborative target divisor")
     parser.add_argument("--stall", type=float, default=0.0, help="SIGSTOP seconds (mode pace)")
+    parser.add_argument(
+        "--stall-control",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --stall: run the all-running control over the same window first",
+    )
     return parser.parse_args(argv)
 
 
@@ -419,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
             index = 0
             for speeds in speed_sets:
                 for mode in modes:
-                    if args.stall > 0 and mode == "pace":
+                    if args.stall > 0 and mode == "pace" and args.stall_control:
                         # the all-running control first, over the same window, on the
                         # same daemons: the loaded machine's own figure to compare with
                         runs.append(run_one(workers, daemons, speeds, mode, args, index, False))
