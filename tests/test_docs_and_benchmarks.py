@@ -111,3 +111,31 @@ def test_no_comment_or_docstring_cites_a_work_period_or_tracker_number() -> None
             if token.type in (tokenize.COMMENT, tokenize.STRING) and HISTORY.search(token.string):
                 found.append(f"{path.relative_to(ROOT)}:{token.start[0]}")
     assert found == []
+
+
+OTHER_SOURCES = (
+    "*.proto",
+    "*.c",
+    "*.pyi",
+    "*.toml",
+    "*.yaml",
+    "*.service",
+    "Dockerfile",
+    "Makefile",
+)
+"""Text files beside the Python ones that carry comments: protobuf schemas, the C kernels,
+deployment files, the build."""
+
+
+def test_no_other_source_file_cites_a_work_period_or_tracker_number() -> None:
+    folders = [ROOT / f for f in (*SOURCE_FOLDERS, "deploy", "examples", ".ci")]
+    paths = [p for f in folders for pattern in OTHER_SOURCES for p in f.rglob(pattern)]
+    paths += [ROOT / "Makefile", ROOT / "pyproject.toml", ROOT / "setup.py", ROOT / ".ci" / "run"]
+    paths += [p for f in ("deploy", "examples") for p in (ROOT / f).rglob("*.py")]
+    found = [
+        f"{path.relative_to(ROOT)}:{i}"
+        for path in sorted(set(paths))
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if HISTORY.search(line)
+    ]
+    assert found == []
