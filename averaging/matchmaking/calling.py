@@ -54,6 +54,7 @@ class Calling(Declaring):
             declared_start=me.start,
             data_port=req.data_port,
             aggregation=req.aggregation,
+            signed_answers=True,
         )
         request.header.CopyFrom(
             self.dht.signer.sign(target_id, JOIN_GROUP, message_digest(request))

@@ -88,6 +88,8 @@ class Declaration:
         user_data_digest: :func:`user_data_digest` of the user data it joins with.
         key: the round key it was declared under (not encoded: the DHT key carries it);
             with the peer id it ranks the declarer for leadership.
+        signs_answers: it signs its ``JoinGroup`` answers (``answers``): a follower takes
+            no unsigned answer from it (one stripped on the path).
     """
 
     peer_id: bytes
@@ -104,6 +106,7 @@ class Declaration:
     data_port: int = 0
     user_data_digest: bytes = b""
     key: str = ""
+    signs_answers: bool = False
 
     @property
     def order(self) -> tuple[bytes, bytes]:
@@ -131,6 +134,7 @@ class Declaration:
             "codec": self.codec,
             "dp": self.data_port,
             "ud": self.user_data_digest,
+            "sa": self.signs_answers,
         }
 
     def within_window(self, now: float, window: tuple[float, float] = DEFAULT_START_WINDOW) -> bool:
@@ -181,6 +185,7 @@ def decode_declaration(subkey: object, value: object, key: str = "") -> Declarat
     codec = value.get("codec", "")
     data_port = value.get("dp", 0)
     digest = value.get("ud", b"")
+    signs_answers = value.get("sa", False)
     if (
         not isinstance(address, str)
         or len(address) > MAX_ADDRESS_CHARS
@@ -205,6 +210,7 @@ def decode_declaration(subkey: object, value: object, key: str = "") -> Declarat
         or not 0 <= data_port <= 65535
         or not isinstance(digest, bytes)
         or len(digest) not in (0, USER_DATA_DIGEST_BYTES)
+        or not isinstance(signs_answers, bool)
     ):
         return None
     return Declaration(
@@ -222,6 +228,7 @@ def decode_declaration(subkey: object, value: object, key: str = "") -> Declarat
         data_port=data_port,
         user_data_digest=digest,
         key=key,
+        signs_answers=signs_answers,
     )
 
 

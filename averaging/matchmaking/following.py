@@ -20,6 +20,7 @@ import grpc
 
 from swarmavg.averaging.errors import NoGroupError
 from swarmavg.averaging.group import MAX_GROUP_SIZE, GroupInfo
+from swarmavg.averaging.matchmaking.answers import FINAL, FIRST, answer_fault
 from swarmavg.averaging.matchmaking.calling import Calling
 from swarmavg.averaging.matchmaking.closing import assign_leaders, short_ids
 from swarmavg.averaging.matchmaking.config import MatchmakingEvent
@@ -181,7 +182,7 @@ class Following(Calling):
             async with asyncio.timeout(answer_in):
                 first = await call.read()
             self.rpc_latency.observe(time.monotonic() - asked)
-            if first is grpc.aio.EOF:
+            if first is grpc.aio.EOF or self._forged(request, first, FIRST, target):
                 banned[target.peer_id] = time.monotonic() + self.config.retry_after
                 return None
             code = first.code
@@ -248,7 +249,7 @@ class Following(Calling):
                 self._left_silent_leader(rnd, target.peer_id)
                 banned[target.peer_id] = forever
                 return None
-            if final is grpc.aio.EOF:
+            if final is grpc.aio.EOF or self._forged(request, final, FINAL, target):
                 banned[target.peer_id] = time.monotonic() + self._backoff(rnd, target.peer_id)
                 return None
             if final.code == averaging_pb2.JOIN_GROUP_FORMED:
@@ -294,6 +295,31 @@ class Following(Calling):
                 rnd.leader = None
                 self._notify(MatchmakingEvent.LEFT_LEADER, req.key, target.peer_id)
             call.cancel()
+
+    def _forged(
+        self,
+        request: averaging_pb2.JoinRequest,
+        answer: averaging_pb2.JoinResponse,
+        position: int,
+        leader: Redirect,
+    ) -> bool:
+        """Whether ``answer`` is not the leader's own (``answers``): then it is no answer,
+        as if the stream had ended; the leader is asked again after a pause. An unsigned
+        answer is taken only from a leader not known to sign (an older peer)."""
+        if not answer.HasField("header") and leader.peer_id not in self.answer_signers:
+            return False
+        fault = answer_fault(
+            self.dht.authenticator, request.header, answer, position, leader.peer_id
+        )
+        if fault is None:
+            return False
+        log.warning(
+            "an answer from leader %s failed its check (%s): ignored; an attacker on the "
+            "path, or a relay, may have altered it",
+            leader.peer_id.hex()[:12],
+            fault,
+        )
+        return True
 
     async def _take_formed_group(
         self,

@@ -15,13 +15,14 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
 import grpc
 
 from swarmavg.averaging.errors import MatchmakingError
 from swarmavg.averaging.group import GroupInfo, Member, Mode
+from swarmavg.averaging.matchmaking.answers import FINAL, FIRST, sign_answer
 from swarmavg.averaging.matchmaking.calling import Calling
 from swarmavg.averaging.matchmaking.closing import (
     LeaderView,
@@ -219,12 +220,33 @@ class Leading(Calling):
             # A copied or replayed header: refused before it can displace anyone's join.
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
         except HeaderError as error:
+            # Unsigned: a header that did not verify binds nothing (signed, this answer
+            # could be replayed onto the stream of the peer the header names).
             yield averaging_pb2.JoinResponse(
                 code=averaging_pb2.JOIN_REJECT_BAD_REQUEST,
                 leader_id=self.peer_id,
                 detail=str(error),
             )
             return
+        position = FIRST
+        async with contextlib.aclosing(self._answer_join(request, peer_id, context)) as answers:
+            async for answer in answers:
+                if request.signed_answers:
+                    # A copy: one final answer object is shared by every follower's stream.
+                    copy = averaging_pb2.JoinResponse()
+                    copy.CopyFrom(answer)
+                    answer = sign_answer(self.dht.signer, request.header, copy, position)
+                position = FINAL
+                yield answer
+
+    async def _answer_join(
+        self,
+        request: averaging_pb2.JoinRequest,
+        peer_id: bytes,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncGenerator[averaging_pb2.JoinResponse]:
+        """The answers to a verified request from ``peer_id``: one final answer, or
+        ``JOIN_ACCEPTED`` and then the final one."""
         try:
             member = member_from_join_request(peer_id, request)
             aggregation = requested_aggregation(request)
