@@ -22,7 +22,12 @@ import grpc
 
 from swarmavg.averaging.errors import MatchmakingError
 from swarmavg.averaging.group import GroupInfo, Member, Mode
-from swarmavg.averaging.matchmaking.answers import FINAL, FIRST, sign_answer
+from swarmavg.averaging.matchmaking.answers import (
+    FINAL,
+    FIRST,
+    forwarded_requests,
+    sign_answer,
+)
 from swarmavg.averaging.matchmaking.calling import Calling
 from swarmavg.averaging.matchmaking.closing import (
     LeaderView,
@@ -35,6 +40,7 @@ from swarmavg.averaging.matchmaking.config import MatchmakingEvent
 from swarmavg.averaging.matchmaking.declarations import (
     JoinState,
     decide_join,
+    declaration_from_join_request,
     declaration_mismatch,
     group_to_proto,
     leader_order,
@@ -197,11 +203,13 @@ class Leading(Calling):
             raise MatchmakingError(f"cannot form a group: {error}") from None
         rnd.closed = True
         self.closes[reason] += 1
+        carried = [f.request for f in rnd.followers.values() if f.request is not None]
         rnd.release_followers(
             averaging_pb2.JoinResponse(
                 code=averaging_pb2.JOIN_GROUP_FORMED,
                 leader_id=self.peer_id,
                 group=group_to_proto(group),
+                member_requests=forwarded_requests(carried),
             ),
         )
         rnd.result.set_result(group)
@@ -337,7 +345,7 @@ class Leading(Calling):
             )
             return
         if code == averaging_pb2.JOIN_ACCEPTED:
-            reason = await self._verify_follower(rnd, member, request.declared_start)
+            reason = await self._verify_follower(rnd, member, request)
             if reason is not None:
                 yield averaging_pb2.JoinResponse(
                     code=averaging_pb2.JOIN_REJECT_BAD_REQUEST,
@@ -391,7 +399,11 @@ class Leading(Calling):
             yield averaging_pb2.JoinResponse(code=code, leader_id=self.peer_id, detail=detail)
             return
         follower = Follower(
-            member, asyncio.get_running_loop().create_future(), request.declared_start, ranges
+            member,
+            asyncio.get_running_loop().create_future(),
+            request.declared_start,
+            ranges,
+            request if declaration_from_join_request(member, request) is not None else None,
         )
         rnd.followers[peer_id] = follower
         rnd.last_change = time.monotonic()
@@ -430,12 +442,29 @@ class Leading(Calling):
         return [frozenset({mine} if mine else ()), *(f.ranges for f in rnd.followers.values())]
 
     async def _verify_follower(
-        self, rnd: Round, member: Member, declared_start: float
+        self, rnd: Round, member: Member, request: averaging_pb2.JoinRequest
     ) -> str | None:
         """Why a would-be follower's request differs from its signed declaration, or
-        ``None``: a leader lists only members whose entries their owners signed."""
+        ``None``: a leader lists only members whose entries their owners signed.
+
+        A request that repeats the declaration stands for it (the follower signed both)
+        when its sender is of the family's proven roster (it came through the DHT's checks
+        in an earlier round; ``Following._carried_declarations``): no read of the DHT.
+        Anyone else's, and an older peer's, is checked against the declaration read."""
+        declared_start = request.declared_start
         asked = time.monotonic()
         declaration = rnd.signed.get(member.peer_id)
+        carried = declaration_from_join_request(member, request)
+        now = time.time()
+        if (
+            carried is not None
+            and rnd.proven_roster
+            and member.peer_id in rnd.previous
+            and carried.key == rnd.request.key
+            and carried.give_up > now
+            and carried.within_window(now, self.config.start_window)
+        ):
+            declaration = carried
         if declaration_mismatch(member, declaration) is not None:
             await self._refresh_once(rnd)  # it may have declared after our last read
             declaration = rnd.signed.get(member.peer_id)

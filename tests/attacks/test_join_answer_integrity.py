@@ -27,7 +27,7 @@ import pytest
 from swarmavg.averaging.matchmaking.config import MatchmakingEvent
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.proto import averaging_pb2
-from tests.attacks.test_reduce_slots import SourceRelay
+from tests.attacks.test_relay_stream_integrity import FrameRelay, Tamper
 from tests.averaging.averager_swarm import averager_swarm, fast_config, ranked
 
 pytestmark = pytest.mark.timeout(90)
@@ -43,29 +43,16 @@ class Forgery(enum.Enum):
     UNSIGNED_REJECTION = "replace the answer with an unsigned JOIN_REJECT_SCHEMA_MISMATCH"
 
 
-class AnswerRelay(SourceRelay):
-    """Splices connections to a gRPC server HTTP/2 frame by frame; forges the first
-    ``JOIN_ACCEPTED`` answer of ``leader_id`` that goes back to a dialer."""
+class AnswerRelay(FrameRelay):
+    """Splices connections to a gRPC server HTTP/2 frame by frame (the frame relay's
+    splicing, with its own pump); forges the first ``JOIN_ACCEPTED`` answer of
+    ``leader_id`` that goes back to a dialer."""
 
     def __init__(self, port: int, leader_id: bytes, forgery: Forgery) -> None:
-        super().__init__(f"127.0.0.1:{port}", "127.0.0.1")
-        self._port = port
+        super().__init__(port, Tamper.ALTER_REPLY)  # the tamper is ours: ``forgery``
         self.forgery = forgery
         # A gRPC message's prefix (uncompressed, 4-byte length), then code 1 and the id.
         self._accepted = b"\x08\x01\x12\x14" + leader_id
-        self.done = False
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._port)
-        tasks = [
-            asyncio.ensure_future(self._pump(reader, up_writer, upstream=True)),
-            asyncio.ensure_future(self._pump(up_reader, writer, upstream=False)),
-        ]
-        self._tasks.update(tasks)
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._tasks.difference_update(tasks)
-        for w in (writer, up_writer):
-            w.close()
 
     def _forged(self, body: bytes) -> bytes:
         if self.forgery is Forgery.ALTER_CODE:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import time
 
-from swarmavg.averaging.group import Mode
 from swarmavg.averaging.matchmaking.answers import FINAL, FIRST, answer_fault, sign_answer
-from swarmavg.averaging.matchmaking.declarations import Declaration, decode_declaration
+from swarmavg.averaging.matchmaking.declarations import decode_declaration
 from swarmavg.averaging.stubs import JOIN_GROUP
 from swarmavg.dht.auth import Authenticator, RequestSigner, message_digest
 from swarmavg.dht.identity import Identity
 from swarmavg.dht.records import owner_suffix
 from swarmavg.proto import averaging_pb2
+from tests.dht.test_key_classes import declaration
 
 RUN = "test"
 
@@ -72,25 +72,13 @@ def test_a_declaration_says_whether_its_peer_signs_answers() -> None:
     """Decoded as encoded; an older peer's declaration (no field) does not sign; a field
     of another type makes the declaration malformed."""
     peer_id = Identity.generate().peer_id
-    now = time.time()
-    declaration = Declaration(
-        peer_id=peer_id,
-        address="127.0.0.1:1",
-        start=now,
-        deadline=now + 1,
-        give_up=now + 2,
-        mode=Mode.NODE,
-        bandwidth=1.0,
-        schema_hash=bytes(32),
-        group_size=4,
-        signs_answers=True,
-    )
     subkey = owner_suffix(peer_id)
-    decoded = decode_declaration(subkey, declaration.encode())
-    assert decoded is not None
-    assert decoded.signs_answers
-    older = {k: v for k, v in declaration.encode().items() if k != "sa"}
-    decoded = decode_declaration(subkey, older)
-    assert decoded is not None
-    assert not decoded.signs_answers
-    assert decode_declaration(subkey, {**older, "sa": 1}) is None
+    encoded = declaration(peer_id)
+    assert encoded["sa"] is False
+    signing = decode_declaration(subkey, {**encoded, "sa": True})
+    assert signing is not None
+    assert signing.signs_answers
+    older = decode_declaration(subkey, {k: v for k, v in encoded.items() if k != "sa"})
+    assert older is not None
+    assert not older.signs_answers
+    assert decode_declaration(subkey, {**encoded, "sa": 1}) is None
