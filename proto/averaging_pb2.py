@@ -26,35 +26,35 @@ from swarmavg.proto import common_pb2 as swarmavg_dot_proto_dot_common__pb2
 from swarmavg.proto import tensor_pb2 as swarmavg_dot_proto_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eswarmavg/proto/averaging.proto\x12\x0bswarmavg.v1\x1a\x1bswarmavg/proto/common.proto\x1a\x1bswarmavg/proto/tensor.proto\"\xcf\x01\n\x0bJoinRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x13\n\x0bschema_hash\x18\x03 \x01(\x0c\x12\x0c\n\x04mode\x18\x04 \x01(\r\x12\x11\n\tbandwidth\x18\x05 \x01(\x01\x12\x11\n\tuser_data\x18\x06 \x01(\x0c\x12\x16\n\x0e\x64\x65\x63lared_start\x18\x07 \x01(\x01\x12\x11\n\tdata_port\x18\x08 \x01(\r\x12\x13\n\x0b\x61ggregation\x18\t \x01(\t\"v\n\x0bGroupMember\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\r\x12\x11\n\tbandwidth\x18\x04 \x01(\x01\x12\x11\n\tuser_data\x18\x05 \x01(\x0c\x12\x11\n\tdata_port\x18\x06 \x01(\r\"\x88\x01\n\x10GroupDescription\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12)\n\x07members\x18\x02 \x03(\x0b\x32\x18.swarmavg.v1.GroupMember\x12\x13\n\x0bschema_hash\x18\x03 \x01(\x0c\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x13\n\x0b\x61ggregation\x18\x05 \x01(\t\"\xbd\x01\n\x0cJoinResponse\x12#\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x15.swarmavg.v1.JoinCode\x12\x11\n\tleader_id\x18\x02 \x01(\x0c\x12\x16\n\x0eleader_address\x18\x03 \x01(\t\x12\x10\n\x08\x64\x65\x61\x64line\x18\x04 \x01(\x01\x12,\n\x05group\x18\x05 \x01(\x0b\x32\x1d.swarmavg.v1.GroupDescription\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\x12\r\n\x05taken\x18\x07 \x03(\x0c\"\xd0\x01\n\rReduceRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.swarmavg.v1.TensorChunk\x12\x10\n\x08group_id\x18\x03 \x01(\x0c\x12\x12\n\npart_index\x18\x04 \x01(\r\x12\x0e\n\x06weight\x18\x05 \x01(\x01\x12\x13\n\x0b\x63hunk_index\x18\x06 \x01(\r\x12\x12\n\nstream_key\x18\x07 \x01(\x0c\x12\x0b\n\x03mac\x18\x08 \x01(\x0c\"\xdf\x01\n\x0eReduceResponse\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.swarmavg.v1.TensorChunk\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x13\n\x0bnum_senders\x18\x03 \x01(\r\x12\x14\n\x0cnum_adjusted\x18\x04 \x01(\x04\x12\x17\n\x0fweights_clipped\x18\x05 \x01(\r\x12*\n\x06header\x18\x06 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12\x12\n\nstream_key\x18\x07 \x01(\x0c\x12\x0b\n\x03mac\x18\x08 \x01(\x0c\"\x84\x01\n\rStateManifest\x12\x0c\n\x04root\x18\x01 \x01(\x0c\x12\x0f\n\x07version\x18\x02 \x01(\x01\x12\x12\n\nchunk_size\x18\x03 \x01(\r\x12\x15\n\rheader_chunks\x18\x04 \x01(\r\x12\x14\n\x0c\x63hunk_hashes\x18\x05 \x03(\x0c\x12\x13\n\x0b\x63hunk_sizes\x18\x06 \x03(\x04\"u\n\x0cStateRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12\x0c\n\x04root\x18\x02 \x01(\x0c\x12\x15\n\rwant_manifest\x18\x03 \x01(\x08\x12\x14\n\x0c\x63hunk_hashes\x18\x04 \x03(\x0c\"\x9b\x01\n\rStateResponse\x12$\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x16.swarmavg.v1.StateCode\x12,\n\x08manifest\x18\x02 \x01(\x0b\x32\x1a.swarmavg.v1.StateManifest\x12\x12\n\nchunk_hash\x18\x03 \x01(\x0c\x12\x12\n\nchunk_data\x18\x04 \x01(\x0c\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t*\xa9\x02\n\x08JoinCode\x12\x19\n\x15JOIN_CODE_UNSPECIFIED\x10\x00\x12\x11\n\rJOIN_ACCEPTED\x10\x01\x12\x15\n\x11JOIN_GROUP_FORMED\x10\x02\x12\x11\n\rJOIN_REDIRECT\x10\x03\x12\x12\n\x0eJOIN_DISBANDED\x10\x04\x12\x1b\n\x17JOIN_REJECT_NOT_LOOKING\x10\x05\x12\x1a\n\x16JOIN_REJECT_NOT_LEADER\x10\x06\x12\x14\n\x10JOIN_REJECT_FULL\x10\x07\x12\x1f\n\x1bJOIN_REJECT_SCHEMA_MISMATCH\x10\x08\x12\x1b\n\x17JOIN_REJECT_BAD_REQUEST\x10\t\x12$\n JOIN_REJECT_AGGREGATION_MISMATCH\x10\n*q\n\tStateCode\x12\x1a\n\x16STATE_CODE_UNSPECIFIED\x10\x00\x12\x0c\n\x08STATE_OK\x10\x01\x12\x13\n\x0fSTATE_NOT_FOUND\x10\x02\x12\x15\n\x11STATE_BAD_REQUEST\x10\x03\x12\x0e\n\nSTATE_BUSY\x10\x04\x32\xe0\x01\n\tAveraging\x12\x42\n\tJoinGroup\x12\x18.swarmavg.v1.JoinRequest\x1a\x19.swarmavg.v1.JoinResponse0\x01\x12\x45\n\x06Reduce\x12\x1a.swarmavg.v1.ReduceRequest\x1a\x1b.swarmavg.v1.ReduceResponse(\x01\x30\x01\x12H\n\rDownloadState\x12\x19.swarmavg.v1.StateRequest\x1a\x1a.swarmavg.v1.StateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eswarmavg/proto/averaging.proto\x12\x0bswarmavg.v1\x1a\x1bswarmavg/proto/common.proto\x1a\x1bswarmavg/proto/tensor.proto\"\xad\x02\n\x0bJoinRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x13\n\x0bschema_hash\x18\x03 \x01(\x0c\x12\x0c\n\x04mode\x18\x04 \x01(\r\x12\x11\n\tbandwidth\x18\x05 \x01(\x01\x12\x11\n\tuser_data\x18\x06 \x01(\x0c\x12\x16\n\x0e\x64\x65\x63lared_start\x18\x07 \x01(\x01\x12\x11\n\tdata_port\x18\x08 \x01(\r\x12\x13\n\x0b\x61ggregation\x18\t \x01(\t\x12\x16\n\x0esigned_answers\x18\n \x01(\x08\x12\x10\n\x08\x64\x65\x61\x64line\x18\x0b \x01(\x01\x12\x0f\n\x07give_up\x18\x0c \x01(\x01\x12\x12\n\ngroup_size\x18\r \x01(\r\x12\r\n\x05\x63odec\x18\x0e \x01(\t\"v\n\x0bGroupMember\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\r\x12\x11\n\tbandwidth\x18\x04 \x01(\x01\x12\x11\n\tuser_data\x18\x05 \x01(\x0c\x12\x11\n\tdata_port\x18\x06 \x01(\r\"\x88\x01\n\x10GroupDescription\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12)\n\x07members\x18\x02 \x03(\x0b\x32\x18.swarmavg.v1.GroupMember\x12\x13\n\x0bschema_hash\x18\x03 \x01(\x0c\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x13\n\x0b\x61ggregation\x18\x05 \x01(\t\"\x9c\x02\n\x0cJoinResponse\x12#\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x15.swarmavg.v1.JoinCode\x12\x11\n\tleader_id\x18\x02 \x01(\x0c\x12\x16\n\x0eleader_address\x18\x03 \x01(\t\x12\x10\n\x08\x64\x65\x61\x64line\x18\x04 \x01(\x01\x12,\n\x05group\x18\x05 \x01(\x0b\x32\x1d.swarmavg.v1.GroupDescription\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\x12\r\n\x05taken\x18\x07 \x03(\x0c\x12*\n\x06header\x18\x08 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12\x31\n\x0fmember_requests\x18\t \x03(\x0b\x32\x18.swarmavg.v1.JoinRequest\"\xd0\x01\n\rReduceRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.swarmavg.v1.TensorChunk\x12\x10\n\x08group_id\x18\x03 \x01(\x0c\x12\x12\n\npart_index\x18\x04 \x01(\r\x12\x0e\n\x06weight\x18\x05 \x01(\x01\x12\x13\n\x0b\x63hunk_index\x18\x06 \x01(\r\x12\x12\n\nstream_key\x18\x07 \x01(\x0c\x12\x0b\n\x03mac\x18\x08 \x01(\x0c\"\xdf\x01\n\x0eReduceResponse\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.swarmavg.v1.TensorChunk\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x13\n\x0bnum_senders\x18\x03 \x01(\r\x12\x14\n\x0cnum_adjusted\x18\x04 \x01(\x04\x12\x17\n\x0fweights_clipped\x18\x05 \x01(\r\x12*\n\x06header\x18\x06 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12\x12\n\nstream_key\x18\x07 \x01(\x0c\x12\x0b\n\x03mac\x18\x08 \x01(\x0c\"\x84\x01\n\rStateManifest\x12\x0c\n\x04root\x18\x01 \x01(\x0c\x12\x0f\n\x07version\x18\x02 \x01(\x01\x12\x12\n\nchunk_size\x18\x03 \x01(\r\x12\x15\n\rheader_chunks\x18\x04 \x01(\r\x12\x14\n\x0c\x63hunk_hashes\x18\x05 \x03(\x0c\x12\x13\n\x0b\x63hunk_sizes\x18\x06 \x03(\x04\"u\n\x0cStateRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.swarmavg.v1.RequestHeader\x12\x0c\n\x04root\x18\x02 \x01(\x0c\x12\x15\n\rwant_manifest\x18\x03 \x01(\x08\x12\x14\n\x0c\x63hunk_hashes\x18\x04 \x03(\x0c\"\x9b\x01\n\rStateResponse\x12$\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x16.swarmavg.v1.StateCode\x12,\n\x08manifest\x18\x02 \x01(\x0b\x32\x1a.swarmavg.v1.StateManifest\x12\x12\n\nchunk_hash\x18\x03 \x01(\x0c\x12\x12\n\nchunk_data\x18\x04 \x01(\x0c\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t*\xa9\x02\n\x08JoinCode\x12\x19\n\x15JOIN_CODE_UNSPECIFIED\x10\x00\x12\x11\n\rJOIN_ACCEPTED\x10\x01\x12\x15\n\x11JOIN_GROUP_FORMED\x10\x02\x12\x11\n\rJOIN_REDIRECT\x10\x03\x12\x12\n\x0eJOIN_DISBANDED\x10\x04\x12\x1b\n\x17JOIN_REJECT_NOT_LOOKING\x10\x05\x12\x1a\n\x16JOIN_REJECT_NOT_LEADER\x10\x06\x12\x14\n\x10JOIN_REJECT_FULL\x10\x07\x12\x1f\n\x1bJOIN_REJECT_SCHEMA_MISMATCH\x10\x08\x12\x1b\n\x17JOIN_REJECT_BAD_REQUEST\x10\t\x12$\n JOIN_REJECT_AGGREGATION_MISMATCH\x10\n*q\n\tStateCode\x12\x1a\n\x16STATE_CODE_UNSPECIFIED\x10\x00\x12\x0c\n\x08STATE_OK\x10\x01\x12\x13\n\x0fSTATE_NOT_FOUND\x10\x02\x12\x15\n\x11STATE_BAD_REQUEST\x10\x03\x12\x0e\n\nSTATE_BUSY\x10\x04\x32\xe0\x01\n\tAveraging\x12\x42\n\tJoinGroup\x12\x18.swarmavg.v1.JoinRequest\x1a\x19.swarmavg.v1.JoinResponse0\x01\x12\x45\n\x06Reduce\x12\x1a.swarmavg.v1.ReduceRequest\x1a\x1b.swarmavg.v1.ReduceResponse(\x01\x30\x01\x12H\n\rDownloadState\x12\x19.swarmavg.v1.StateRequest\x1a\x1a.swarmavg.v1.StateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarmavg.proto.averaging_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOINCODE']._serialized_start=1616
-  _globals['_JOINCODE']._serialized_end=1913
-  _globals['_STATECODE']._serialized_start=1915
-  _globals['_STATECODE']._serialized_end=2028
+  _globals['_JOINCODE']._serialized_start=1805
+  _globals['_JOINCODE']._serialized_end=2102
+  _globals['_STATECODE']._serialized_start=2104
+  _globals['_STATECODE']._serialized_end=2217
   _globals['_JOINREQUEST']._serialized_start=106
-  _globals['_JOINREQUEST']._serialized_end=313
-  _globals['_GROUPMEMBER']._serialized_start=315
-  _globals['_GROUPMEMBER']._serialized_end=433
-  _globals['_GROUPDESCRIPTION']._serialized_start=436
-  _globals['_GROUPDESCRIPTION']._serialized_end=572
-  _globals['_JOINRESPONSE']._serialized_start=575
-  _globals['_JOINRESPONSE']._serialized_end=764
-  _globals['_REDUCEREQUEST']._serialized_start=767
-  _globals['_REDUCEREQUEST']._serialized_end=975
-  _globals['_REDUCERESPONSE']._serialized_start=978
-  _globals['_REDUCERESPONSE']._serialized_end=1201
-  _globals['_STATEMANIFEST']._serialized_start=1204
-  _globals['_STATEMANIFEST']._serialized_end=1336
-  _globals['_STATEREQUEST']._serialized_start=1338
-  _globals['_STATEREQUEST']._serialized_end=1455
-  _globals['_STATERESPONSE']._serialized_start=1458
-  _globals['_STATERESPONSE']._serialized_end=1613
-  _globals['_AVERAGING']._serialized_start=2031
-  _globals['_AVERAGING']._serialized_end=2255
+  _globals['_JOINREQUEST']._serialized_end=407
+  _globals['_GROUPMEMBER']._serialized_start=409
+  _globals['_GROUPMEMBER']._serialized_end=527
+  _globals['_GROUPDESCRIPTION']._serialized_start=530
+  _globals['_GROUPDESCRIPTION']._serialized_end=666
+  _globals['_JOINRESPONSE']._serialized_start=669
+  _globals['_JOINRESPONSE']._serialized_end=953
+  _globals['_REDUCEREQUEST']._serialized_start=956
+  _globals['_REDUCEREQUEST']._serialized_end=1164
+  _globals['_REDUCERESPONSE']._serialized_start=1167
+  _globals['_REDUCERESPONSE']._serialized_end=1390
+  _globals['_STATEMANIFEST']._serialized_start=1393
+  _globals['_STATEMANIFEST']._serialized_end=1525
+  _globals['_STATEREQUEST']._serialized_start=1527
+  _globals['_STATEREQUEST']._serialized_end=1644
+  _globals['_STATERESPONSE']._serialized_start=1647
+  _globals['_STATERESPONSE']._serialized_end=1802
+  _globals['_AVERAGING']._serialized_start=2220
+  _globals['_AVERAGING']._serialized_end=2444
 # @@protoc_insertion_point(module_scope)

@@ -48,7 +48,7 @@ STATE_BAD_REQUEST: StateCode
 STATE_BUSY: StateCode
 
 class JoinRequest(_message.Message):
-    __slots__ = ("header", "key", "schema_hash", "mode", "bandwidth", "user_data", "declared_start", "data_port", "aggregation")
+    __slots__ = ("header", "key", "schema_hash", "mode", "bandwidth", "user_data", "declared_start", "data_port", "aggregation", "signed_answers", "deadline", "give_up", "group_size", "codec")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,11 @@ class JoinRequest(_message.Message):
     DECLARED_START_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    SIGNED_ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    GIVE_UP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     header: _common_pb2.RequestHeader
     key: str
     schema_hash: bytes
@@ -67,7 +72,12 @@ class JoinRequest(_message.Message):
     declared_start: float
     data_port: int
     aggregation: str
-    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., key: _Optional[str] = ..., schema_hash: _Optional[bytes] = ..., mode: _Optional[int] = ..., bandwidth: _Optional[float] = ..., user_data: _Optional[bytes] = ..., declared_start: _Optional[float] = ..., data_port: _Optional[int] = ..., aggregation: _Optional[str] = ...) -> None: ...
+    signed_answers: bool
+    deadline: float
+    give_up: float
+    group_size: int
+    codec: str
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., key: _Optional[str] = ..., schema_hash: _Optional[bytes] = ..., mode: _Optional[int] = ..., bandwidth: _Optional[float] = ..., user_data: _Optional[bytes] = ..., declared_start: _Optional[float] = ..., data_port: _Optional[int] = ..., aggregation: _Optional[str] = ..., signed_answers: _Optional[bool] = ..., deadline: _Optional[float] = ..., give_up: _Optional[float] = ..., group_size: _Optional[int] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class GroupMember(_message.Message):
     __slots__ = ("peer_id", "address", "mode", "bandwidth", "user_data", "data_port")
@@ -100,7 +110,7 @@ class GroupDescription(_message.Message):
     def __init__(self, group_id: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ..., schema_hash: _Optional[bytes] = ..., codec: _Optional[str] = ..., aggregation: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("code", "leader_id", "leader_address", "deadline", "group", "detail", "taken")
+    __slots__ = ("code", "leader_id", "leader_address", "deadline", "group", "detail", "taken", "header", "member_requests")
     CODE_FIELD_NUMBER: _ClassVar[int]
     LEADER_ID_FIELD_NUMBER: _ClassVar[int]
     LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +118,8 @@ class JoinResponse(_message.Message):
     GROUP_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     TAKEN_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     code: JoinCode
     leader_id: bytes
     leader_address: str
@@ -115,7 +127,9 @@ class JoinResponse(_message.Message):
     group: GroupDescription
     detail: str
     taken: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, code: _Optional[_Union[JoinCode, str]] = ..., leader_id: _Optional[bytes] = ..., leader_address: _Optional[str] = ..., deadline: _Optional[float] = ..., group: _Optional[_Union[GroupDescription, _Mapping]] = ..., detail: _Optional[str] = ..., taken: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    header: _common_pb2.RequestHeader
+    member_requests: _containers.RepeatedCompositeFieldContainer[JoinRequest]
+    def __init__(self, code: _Optional[_Union[JoinCode, str]] = ..., leader_id: _Optional[bytes] = ..., leader_address: _Optional[str] = ..., deadline: _Optional[float] = ..., group: _Optional[_Union[GroupDescription, _Mapping]] = ..., detail: _Optional[str] = ..., taken: _Optional[_Iterable[bytes]] = ..., header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., member_requests: _Optional[_Iterable[_Union[JoinRequest, _Mapping]]] = ...) -> None: ...
 
 class ReduceRequest(_message.Message):
     __slots__ = ("header", "chunk", "group_id", "part_index", "weight", "chunk_index", "stream_key", "mac")

@@ -25,6 +25,10 @@ MAX_SHUNNED = 256
 """Leaders remembered as silent per family (each one is an identity that stalled a round)."""
 
 
+MAX_ANSWER_SIGNERS = 4096
+"""Peers remembered as signing their ``JoinGroup`` answers."""
+
+
 class MatchmakerBase:
     """The state the declaring, following and leading parts of a
     :class:`~swarmavg.averaging.matchmaking.matchmaker.Matchmaker` share."""
@@ -62,6 +66,10 @@ class MatchmakerBase:
         )
         self.presence: RunPresence | None = None
         """This averager's entry among the run's averagers (see :meth:`announce`)."""
+        self.answer_signers: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        """Peers whose signed declarations said they sign their ``JoinGroup`` answers
+        (the most recent :data:`MAX_ANSWER_SIGNERS`): an unsigned answer from one is
+        refused, also in a round that asks it before reading the declarations."""
 
     def settle_time(self) -> float:
         """How long a new leader waits before its first close (from measured latency)."""
@@ -93,6 +101,13 @@ class MatchmakerBase:
         while len(table) > MAX_SHUNNED:  # the oldest go first: insertion order
             del table[next(iter(table))]
         remember(self.silent_leaders, family, table)
+
+    def note_answer_signer(self, peer_id: bytes) -> None:
+        """Remember that ``peer_id`` signs its answers (its signed declaration said so)."""
+        self.answer_signers.pop(peer_id, None)
+        self.answer_signers[peer_id] = None
+        while len(self.answer_signers) > MAX_ANSWER_SIGNERS:  # the oldest go first
+            self.answer_signers.popitem(last=False)
 
     def _dht_budget(self, failures: int, give_up_by: float) -> float:
         """Deadline of one DHT store or read after ``failures`` that missed theirs in a row.

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import math
 import time
+from typing import Any
 
 import grpc
 
@@ -43,7 +44,8 @@ class Calling(Declaring):
 
     def _join_request(self, rnd: Round, target_id: bytes) -> averaging_pb2.JoinRequest:
         """This round's ``JoinGroup`` request, signed for ``target_id`` alone: nobody
-        else can replay it, and nobody can send one in our name."""
+        else can replay it, and nobody can send one in our name. It repeats our whole
+        declaration, so that it stands for it where the DHT has not shown it yet."""
         req, me = rnd.request, rnd.me
         request = averaging_pb2.JoinRequest(
             key=req.key,
@@ -54,6 +56,11 @@ class Calling(Declaring):
             declared_start=me.start,
             data_port=req.data_port,
             aggregation=req.aggregation,
+            signed_answers=True,
+            deadline=me.deadline,
+            give_up=me.give_up,
+            group_size=me.group_size,
+            codec=me.codec,
         )
         request.header.CopyFrom(
             self.dht.signer.sign(target_id, JOIN_GROUP, message_digest(request))
@@ -142,17 +149,27 @@ class Calling(Declaring):
     async def _read_unless_called(self, rnd: Round) -> None:
         """Read the declarations (or wait for the read in flight); a call that comes
         meanwhile ends the wait at once: the read goes on as the round's shared read
-        (``rnd.reading``), and the search answers the caller without waiting for the DHT."""
+        (``rnd.reading``), and the search answers the caller without waiting for the DHT.
+        A steady state's leader (``_declares_beside``) stops waiting as well when a
+        follower comes or leaves: its close needs the roster, not the read, and the read's
+        end wakes it again."""
         if rnd.reading is None or rnd.reading.done():
             rnd.reading = asyncio.ensure_future(self._refresh_declarations(rnd))
         reading = rnd.reading
         rnd.caller_came.clear()
         if rnd.callers:
             return
+        waits: set[asyncio.Future[Any]] = {reading}
         called = asyncio.ensure_future(rnd.caller_came.wait())
+        waits.add(called)
+        if rnd.leader is None and self._declares_beside(rnd):
+            rnd.changed.clear()
+            waits.add(asyncio.ensure_future(rnd.changed.wait()))
+            reading.add_done_callback(lambda _: rnd.changed.set())
         try:
-            await asyncio.wait({reading, called}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            await cancel_and_wait(called)
+            for waiting in waits - {reading}:
+                await cancel_and_wait(waiting)
         if reading.done():
             reading.result()  # a failure other than the DHT's own ends the search

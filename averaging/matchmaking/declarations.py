@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmavg.averaging.aggregation import MAX_AGGREGATION_CHARS, MEAN, canonical_aggregation
-from swarmavg.averaging.group import GroupInfo, Member, Mode
+from swarmavg.averaging.group import MAX_GROUP_SIZE, GroupInfo, Member, Mode
 from swarmavg.averaging.matchmaking.group_ranges import (
     crowded_range,
     max_members_per_range,
@@ -88,6 +88,8 @@ class Declaration:
         user_data_digest: :func:`user_data_digest` of the user data it joins with.
         key: the round key it was declared under (not encoded: the DHT key carries it);
             with the peer id it ranks the declarer for leadership.
+        signs_answers: it signs its ``JoinGroup`` answers (``answers``): a follower takes
+            no unsigned answer from it (one stripped on the path).
     """
 
     peer_id: bytes
@@ -104,6 +106,7 @@ class Declaration:
     data_port: int = 0
     user_data_digest: bytes = b""
     key: str = ""
+    signs_answers: bool = False
 
     @property
     def order(self) -> tuple[bytes, bytes]:
@@ -131,6 +134,7 @@ class Declaration:
             "codec": self.codec,
             "dp": self.data_port,
             "ud": self.user_data_digest,
+            "sa": self.signs_answers,
         }
 
     def within_window(self, now: float, window: tuple[float, float] = DEFAULT_START_WINDOW) -> bool:
@@ -181,6 +185,7 @@ def decode_declaration(subkey: object, value: object, key: str = "") -> Declarat
     codec = value.get("codec", "")
     data_port = value.get("dp", 0)
     digest = value.get("ud", b"")
+    signs_answers = value.get("sa", False)
     if (
         not isinstance(address, str)
         or len(address) > MAX_ADDRESS_CHARS
@@ -205,6 +210,7 @@ def decode_declaration(subkey: object, value: object, key: str = "") -> Declarat
         or not 0 <= data_port <= 65535
         or not isinstance(digest, bytes)
         or len(digest) not in (0, USER_DATA_DIGEST_BYTES)
+        or not isinstance(signs_answers, bool)
     ):
         return None
     return Declaration(
@@ -222,6 +228,7 @@ def decode_declaration(subkey: object, value: object, key: str = "") -> Declarat
         data_port=data_port,
         user_data_digest=digest,
         key=key,
+        signs_answers=signs_answers,
     )
 
 
@@ -432,6 +439,71 @@ def member_from_join_request(peer_id: bytes, request: averaging_pb2.JoinRequest)
         user_data=bytes(request.user_data),
         data_port=request.data_port if mode is not Mode.CLIENT else 0,
     )
+
+
+def declaration_from_join_request(
+    member: Member, request: averaging_pb2.JoinRequest
+) -> Declaration | None:
+    """The declaration a verified join request from ``member`` stands for: the request
+    repeats every field its sender declares, under its own signature, so the leader and
+    the members check the sender's entry against it without reading the DHT. ``None``
+    when it carries none (an older peer: give-up 0) or a field is out of range."""
+    start, deadline, give_up = (
+        _finite(v) for v in (request.declared_start, request.deadline, request.give_up)
+    )
+    aggregation = _aggregation_or_none(request.aggregation)
+    if (
+        start is None
+        or deadline is None
+        or give_up is None
+        or not 0 < start <= deadline <= give_up
+        or not 0 < request.group_size <= MAX_GROUP_SIZE
+        or not 0 < len(request.codec) <= MAX_CODEC_CHARS
+        or aggregation is None
+        or len(request.schema_hash) != SCHEMA_HASH_BYTES
+        or not 0 < len(request.key) <= MAX_KEY_CHARS
+    ):
+        return None
+    return Declaration(
+        **_member_fields(member),
+        start=start,
+        deadline=deadline,
+        give_up=give_up,
+        schema_hash=bytes(request.schema_hash),
+        group_size=request.group_size,
+        aggregation=aggregation,
+        codec=request.codec,
+        key=request.key,
+        signs_answers=request.signed_answers,
+    )
+
+
+def leader_entry_declaration(member: Member, key: str, now: float) -> Declaration:
+    """What a leader's entry in a group it signed says of it: its own word, as its
+    declaration is, for the checks of the fields a member signs
+    (:func:`declaration_mismatch`); the times are ``now`` (they are not checked)."""
+    return Declaration(
+        **_member_fields(member),
+        start=now,
+        deadline=now,
+        give_up=now,
+        schema_hash=bytes(SCHEMA_HASH_BYTES),
+        group_size=1,
+        key=key,
+    )
+
+
+def _member_fields(member: Member) -> dict[str, Any]:
+    """The declaration's fields a group member's entry gives (those
+    :func:`declaration_mismatch` compares)."""
+    return {
+        "peer_id": member.peer_id,
+        "address": member.address or "",
+        "mode": member.mode,
+        "bandwidth": member.bandwidth,
+        "data_port": member.data_port,
+        "user_data_digest": user_data_digest(member.user_data),
+    }
 
 
 def declaration_mismatch(member: Member, declaration: Declaration | None) -> str | None:

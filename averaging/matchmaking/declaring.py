@@ -82,6 +82,23 @@ class Declaring(MatchmakerBase):
         current[self.peer_id] = rnd.me
         return current
 
+    def _declares_beside(self, rnd: Round) -> bool:
+        """Whether the round is a steady state, whose store of our declaration runs beside
+        the search rather than before it, and whose leader closes without waiting for a
+        read: the family's roster comes from a round of the family and fits one group, so
+        its leader is known without the DHT (``Following._roster_leader``) and closes as
+        soon as the roster is in (``closing``, ``"quorum"``); every join request carries
+        its sender's signed declaration, and the formed group's answer carries them all,
+        so nobody's check waits for the DHT either. A first round, a split, or a roster of
+        presence entries stores first, as every peer must be visible to the reads that
+        decide who leads. A newcomer the roster lacks finds the group closed and is
+        expected in the family's next round (``Leading._note_late_asker``)."""
+        return (
+            rnd.proven_roster
+            and bool(rnd.previous)
+            and len(rnd.previous | {self.peer_id}) <= rnd.request.group_size
+        )
+
     async def _declare(self, rnd: Round) -> None:
         """Store our declaration; when the store misses its deadline, keep retrying it in
         the background (``rnd.declaring``) while we look for a leader: a peer nobody can
@@ -162,6 +179,9 @@ class Declaring(MatchmakerBase):
             rnd.mismatched[other.peer_id] = other.schema_hash
         signed = self._current(rnd, found, now_wall)
         rnd.signed = signed
+        for other in signed.values():
+            if other.signs_answers and other.peer_id != self.peer_id:
+                self.note_answer_signer(other.peer_id)
         for other in signed.values():
             if other.schema_hash == rnd.me.schema_hash and other.codec != rnd.me.codec:
                 rnd.other_codecs[other.peer_id] = other.codec

@@ -20,15 +20,26 @@ import grpc
 
 from swarmavg.averaging.errors import NoGroupError
 from swarmavg.averaging.group import MAX_GROUP_SIZE, GroupInfo
+from swarmavg.averaging.matchmaking.answers import (
+    FINAL,
+    FIRST,
+    answer_fault,
+    forwarded_sender,
+)
 from swarmavg.averaging.matchmaking.calling import Calling
 from swarmavg.averaging.matchmaking.closing import assign_leaders, short_ids
 from swarmavg.averaging.matchmaking.config import MatchmakingEvent
 from swarmavg.averaging.matchmaking.declarations import (
     MAX_ADDRESS_CHARS,
+    Declaration,
     FollowerAsk,
     check_formed_group,
+    declaration_from_join_request,
+    group_from_proto,
     leader_candidates,
+    leader_entry_declaration,
     leader_order,
+    member_from_join_request,
 )
 from swarmavg.averaging.matchmaking.round import (
     FINAL_CODES_TEXT,
@@ -39,6 +50,7 @@ from swarmavg.averaging.matchmaking.round import (
 )
 from swarmavg.averaging.stubs import join_group_method
 from swarmavg.averaging.tasks import cancel_and_wait
+from swarmavg.dht.identity import HeaderError
 from swarmavg.proto import averaging_pb2
 
 log = logging.getLogger(__name__)
@@ -181,7 +193,7 @@ class Following(Calling):
             async with asyncio.timeout(answer_in):
                 first = await call.read()
             self.rpc_latency.observe(time.monotonic() - asked)
-            if first is grpc.aio.EOF:
+            if first is grpc.aio.EOF or self._forged(request, first, FIRST, target):
                 banned[target.peer_id] = time.monotonic() + self.config.retry_after
                 return None
             code = first.code
@@ -195,7 +207,7 @@ class Following(Calling):
                 return None
             if code == averaging_pb2.JOIN_GROUP_FORMED:
                 # We hold a seat in the group it closed (we had left its stream): take it.
-                return await self._take_formed_group(rnd, first.group, target, banned)
+                return await self._take_formed_group(rnd, first, target, banned)
             if code == averaging_pb2.JOIN_REJECT_SCHEMA_MISMATCH:
                 rnd.mismatched[target.peer_id] = b""
                 banned[target.peer_id] = forever
@@ -248,11 +260,11 @@ class Following(Calling):
                 self._left_silent_leader(rnd, target.peer_id)
                 banned[target.peer_id] = forever
                 return None
-            if final is grpc.aio.EOF:
+            if final is grpc.aio.EOF or self._forged(request, final, FINAL, target):
                 banned[target.peer_id] = time.monotonic() + self._backoff(rnd, target.peer_id)
                 return None
             if final.code == averaging_pb2.JOIN_GROUP_FORMED:
-                return await self._take_formed_group(rnd, final.group, target, banned)
+                return await self._take_formed_group(rnd, final, target, banned)
             if final.code == averaging_pb2.JOIN_REDIRECT:
                 banned[target.peer_id] = time.monotonic() + self.config.retry_after
                 if (
@@ -295,15 +307,41 @@ class Following(Calling):
                 self._notify(MatchmakingEvent.LEFT_LEADER, req.key, target.peer_id)
             call.cancel()
 
+    def _forged(
+        self,
+        request: averaging_pb2.JoinRequest,
+        answer: averaging_pb2.JoinResponse,
+        position: int,
+        leader: Redirect,
+    ) -> bool:
+        """Whether ``answer`` is not the leader's own (``answers``): then it is no answer,
+        as if the stream had ended; the leader is asked again after a pause. An unsigned
+        answer is taken only from a leader not known to sign (an older peer)."""
+        if not answer.HasField("header") and leader.peer_id not in self.answer_signers:
+            return False
+        fault = answer_fault(
+            self.dht.authenticator, request.header, answer, position, leader.peer_id
+        )
+        if fault is None:
+            return False
+        log.warning(
+            "an answer from leader %s failed its check (%s): ignored; an attacker on the "
+            "path, or a relay, may have altered it",
+            leader.peer_id.hex()[:12],
+            fault,
+        )
+        return True
+
     async def _take_formed_group(
         self,
         rnd: Round,
-        message: averaging_pb2.GroupDescription,
+        answer: averaging_pb2.JoinResponse,
         leader: Redirect,
         banned: dict[bytes, float],
     ) -> GroupInfo | None:
-        """Join the group a leader formed with us, once it passed our checks."""
-        group = await self._check_group(rnd, message, leader.peer_id)
+        """Join the group a leader formed with us (``answer``, which passed
+        :meth:`_forged`), once it passed our checks."""
+        group = await self._check_group(rnd, answer, leader.peer_id)
         if group is None or rnd.result.done():
             banned[leader.peer_id] = math.inf
             return None
@@ -393,11 +431,56 @@ class Following(Calling):
         rnd.failures[peer_id] = failures = rnd.failures.get(peer_id, 0) + 1
         return float(min(self.config.retry_after * 2 ** (failures - 1), MAX_BACKOFF))
 
+    def _carried_declarations(
+        self, rnd: Round, answer: averaging_pb2.JoinResponse, leader_id: bytes
+    ) -> dict[bytes, Declaration]:
+        """What the members signed, as a formed group's answer carries it: each forwarded
+        request that verifies as its sender's, under our key and live; and the leader's own
+        entry when the leader signed the answer (its word, as its declaration is).
+
+        Only for peers of the family's roster (a proven one): they came through the DHT's
+        checks in an earlier round. Anyone else's entry is checked against the DHT as
+        before: a declaration stored there counts against its storer's address range
+        (``dht/quotas.py``), which bounds the identities a hostile leader can list; signed
+        requests cost it nothing but keys."""
+        found: dict[bytes, Declaration] = {}
+        if not rnd.proven_roster:
+            return found
+        now = time.time()
+        auth = self.dht.authenticator
+        key = rnd.request.key
+        for request in answer.member_requests[:MAX_GROUP_SIZE]:
+            sender = forwarded_sender(request, leader_id, auth.run_id, now, auth.window)
+            if sender is None or sender not in rnd.previous or request.key != key:
+                continue
+            try:
+                member = member_from_join_request(sender, request)
+            except (HeaderError, ValueError):
+                continue
+            declared = declaration_from_join_request(member, request)
+            if (
+                declared is not None
+                and declared.give_up > now
+                and declared.within_window(now, self.config.start_window)
+            ):
+                found[sender] = declared
+        if answer.HasField("header"):  # verified in _forged: the leader signed the group
+            try:
+                group = group_from_proto(answer.group)
+            except ValueError:
+                return found
+            index = group.index_of(leader_id)
+            if index is not None and leader_id in rnd.previous:
+                found[leader_id] = leader_entry_declaration(group.members[index], key, now)
+        return found
+
     async def _check_group(
-        self, rnd: Round, message: averaging_pb2.GroupDescription, leader_id: bytes
+        self, rnd: Round, answer: averaging_pb2.JoinResponse, leader_id: bytes
     ) -> GroupInfo | None:
         """The group a leader formed, if it is what we asked for and what its members
         signed; ``None`` (logged, remembered for the NoGroupError) when we refuse it."""
+        message = answer.group
+        carried = self._carried_declarations(rnd, answer, leader_id)
         req = rnd.request
         ask = FollowerAsk(
             peer_id=self.peer_id,
@@ -423,7 +506,8 @@ class Following(Calling):
         # runs). Failed reads go on, each under a longer deadline, until give-up.
         completed = 0
         while completed < MEMBER_READS:
-            if all(p in rnd.signed for p in members) or time.monotonic() >= req.give_up_by:
+            known = carried.keys() | rnd.signed.keys() | {self.peer_id}  # ours: our ask
+            if all(p in known for p in members) or time.monotonic() >= req.give_up_by:
                 break
             last_read = rnd.last_read
             await self._refresh_once(rnd)
@@ -432,7 +516,7 @@ class Following(Calling):
             else:  # failed (a failure can be quick): pause, as a store retry does
                 await asyncio.sleep(self.config.retry_after * random.uniform(0.5, 1.5))
         try:
-            return check_formed_group(message, ask, leader_id, rnd.signed)
+            return check_formed_group(message, ask, leader_id, {**carried, **rnd.signed})
         except ValueError as error:
             reason = f"leader {leader_id.hex()[:12]} formed a group this peer refused: {error}"
             log.warning("%s: %s", req.key, reason)

@@ -15,13 +15,19 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
 import grpc
 
 from swarmavg.averaging.errors import MatchmakingError
 from swarmavg.averaging.group import GroupInfo, Member, Mode
+from swarmavg.averaging.matchmaking.answers import (
+    FINAL,
+    FIRST,
+    forwarded_requests,
+    sign_answer,
+)
 from swarmavg.averaging.matchmaking.calling import Calling
 from swarmavg.averaging.matchmaking.closing import (
     LeaderView,
@@ -34,6 +40,7 @@ from swarmavg.averaging.matchmaking.config import MatchmakingEvent
 from swarmavg.averaging.matchmaking.declarations import (
     JoinState,
     decide_join,
+    declaration_from_join_request,
     declaration_mismatch,
     group_to_proto,
     leader_order,
@@ -196,11 +203,13 @@ class Leading(Calling):
             raise MatchmakingError(f"cannot form a group: {error}") from None
         rnd.closed = True
         self.closes[reason] += 1
+        carried = [f.request for f in rnd.followers.values() if f.request is not None]
         rnd.release_followers(
             averaging_pb2.JoinResponse(
                 code=averaging_pb2.JOIN_GROUP_FORMED,
                 leader_id=self.peer_id,
                 group=group_to_proto(group),
+                member_requests=forwarded_requests(carried),
             ),
         )
         rnd.result.set_result(group)
@@ -219,12 +228,33 @@ class Leading(Calling):
             # A copied or replayed header: refused before it can displace anyone's join.
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
         except HeaderError as error:
+            # Unsigned: a header that did not verify binds nothing (signed, this answer
+            # could be replayed onto the stream of the peer the header names).
             yield averaging_pb2.JoinResponse(
                 code=averaging_pb2.JOIN_REJECT_BAD_REQUEST,
                 leader_id=self.peer_id,
                 detail=str(error),
             )
             return
+        position = FIRST
+        async with contextlib.aclosing(self._answer_join(request, peer_id, context)) as answers:
+            async for answer in answers:
+                if request.signed_answers:
+                    # A copy: one final answer object is shared by every follower's stream.
+                    copy = averaging_pb2.JoinResponse()
+                    copy.CopyFrom(answer)
+                    answer = sign_answer(self.dht.signer, request.header, copy, position)
+                position = FINAL
+                yield answer
+
+    async def _answer_join(
+        self,
+        request: averaging_pb2.JoinRequest,
+        peer_id: bytes,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncGenerator[averaging_pb2.JoinResponse]:
+        """The answers to a verified request from ``peer_id``: one final answer, or
+        ``JOIN_ACCEPTED`` and then the final one."""
         try:
             member = member_from_join_request(peer_id, request)
             aggregation = requested_aggregation(request)
@@ -315,7 +345,7 @@ class Leading(Calling):
             )
             return
         if code == averaging_pb2.JOIN_ACCEPTED:
-            reason = await self._verify_follower(rnd, member, request.declared_start)
+            reason = await self._verify_follower(rnd, member, request)
             if reason is not None:
                 yield averaging_pb2.JoinResponse(
                     code=averaging_pb2.JOIN_REJECT_BAD_REQUEST,
@@ -369,7 +399,11 @@ class Leading(Calling):
             yield averaging_pb2.JoinResponse(code=code, leader_id=self.peer_id, detail=detail)
             return
         follower = Follower(
-            member, asyncio.get_running_loop().create_future(), request.declared_start, ranges
+            member,
+            asyncio.get_running_loop().create_future(),
+            request.declared_start,
+            ranges,
+            request if declaration_from_join_request(member, request) is not None else None,
         )
         rnd.followers[peer_id] = follower
         rnd.last_change = time.monotonic()
@@ -408,12 +442,29 @@ class Leading(Calling):
         return [frozenset({mine} if mine else ()), *(f.ranges for f in rnd.followers.values())]
 
     async def _verify_follower(
-        self, rnd: Round, member: Member, declared_start: float
+        self, rnd: Round, member: Member, request: averaging_pb2.JoinRequest
     ) -> str | None:
         """Why a would-be follower's request differs from its signed declaration, or
-        ``None``: a leader lists only members whose entries their owners signed."""
+        ``None``: a leader lists only members whose entries their owners signed.
+
+        A request that repeats the declaration stands for it (the follower signed both)
+        when its sender is of the family's proven roster (it came through the DHT's checks
+        in an earlier round; ``Following._carried_declarations``): no read of the DHT.
+        Anyone else's, and an older peer's, is checked against the declaration read."""
+        declared_start = request.declared_start
         asked = time.monotonic()
         declaration = rnd.signed.get(member.peer_id)
+        carried = declaration_from_join_request(member, request)
+        now = time.time()
+        if (
+            carried is not None
+            and rnd.proven_roster
+            and member.peer_id in rnd.previous
+            and carried.key == rnd.request.key
+            and carried.give_up > now
+            and carried.within_window(now, self.config.start_window)
+        ):
+            declaration = carried
         if declaration_mismatch(member, declaration) is not None:
             await self._refresh_once(rnd)  # it may have declared after our last read
             declaration = rnd.signed.get(member.peer_id)

@@ -177,6 +177,7 @@ class Matchmaker(Following, Leading):
             data_port=request.data_port if request.mode is not Mode.CLIENT and self.address else 0,
             user_data_digest=user_data_digest(request.user_data),
             key=request.key,
+            signs_answers=True,
         )
         rnd = Round(
             request,
@@ -193,7 +194,10 @@ class Matchmaker(Following, Leading):
         self._rounds[request.key] = rnd
         try:
             mark = time.monotonic()
-            await self._declare(rnd)
+            if self._declares_beside(rnd):
+                rnd.storing = asyncio.ensure_future(self._declare(rnd))
+            else:
+                await self._declare(rnd)
             phases["declare"], mark = time.monotonic() - mark, time.monotonic()
             if inputs_ready is not None:
                 await inputs_ready
@@ -220,6 +224,8 @@ class Matchmaker(Following, Leading):
                 await cancel_and_wait(rnd.reading)
             if rnd.probing is not None:
                 await cancel_and_wait(rnd.probing)
+            if rnd.storing is not None:
+                await cancel_and_wait(rnd.storing)
             if rnd.declaring is not None:
                 await cancel_and_wait(rnd.declaring)
             for call in list(rnd.calling):
@@ -256,9 +262,12 @@ class Matchmaker(Following, Leading):
         else:
             # The steady state: ask the roster's leader at once, the read running meanwhile.
             redirect = self._roster_leader(rnd)
+            # A store beside the search reads the key with it (``store_and_get``): that read
+            # is the round's view when it stands, and no second lookup is made meanwhile.
+            read_beside = rnd.storing is not None and rnd.previous_seen > 0
             if redirect is not None:
                 rnd.predicted = redirect.peer_id
-                if rnd.reading is None or rnd.reading.done():
+                if not read_beside and (rnd.reading is None or rnd.reading.done()):
                     rnd.reading = asyncio.ensure_future(self._refresh_declarations(rnd))
         while True:
             if rnd.result.done():

@@ -50,6 +50,9 @@ class Follower:
     """The start it signed, which its request repeated (checked before it was accepted)."""
     ranges: frozenset[str] = frozenset()
     """The public address ranges it counts against (``group_ranges``)."""
+    request: averaging_pb2.JoinRequest | None = None
+    """Its signed request, when it stands for its declaration: forwarded with the formed
+    group, so the members check its entry without reading the DHT."""
 
 
 @dataclass
@@ -131,6 +134,9 @@ class Round:
     """Declarers this peer called as their leader (each once a round)."""
     calling: set[asyncio.Task[None]] = field(default_factory=set)
     """Those calls in flight."""
+    storing: asyncio.Task[None] | None = None
+    """The store of our declaration when it runs beside the search (a steady state:
+    ``Declaring._declares_beside``)."""
     """Reads of the declarations this round made (its store's read-back aside)."""
     """Reads of the declarations in a row that missed their deadline (see ``_dht_budget``)."""
 
