@@ -93,14 +93,6 @@ class AllReduceConfig:
             both the connections this peer opens and the ones it accepts (``cubic``,
             ``bbr``, ...; :mod:`~swarmavg.averaging.allreduce.congestion`). ``None``: the
             kernel's default. The service checks at start that the kernel accepts it.
-        data_rto_min_ms: floor of the TCP retransmission timeout of the data plane's
-            sockets, in ms, both ends; in (0, 200]. ``None``: 10 ms on a connection whose
-            RTT at its HELLO is under 10 ms, else the kernel's
-            (:func:`~swarmavg.averaging.allreduce.rto_floor.floor_for_rtt`).
-        data_notsent_lowat: ``TCP_NOTSENT_LOWAT`` of the data plane's sockets, bytes
-            (``None``: the kernel's, unlimited).
-            Never above the floor a socket already has; where the kernel does not take it
-            (before Linux 6.15), the socket keeps the kernel's (200 ms by default).
         part_deviation_factor: a member refuses a part whose averages are farther from its
             own values than this many times the median of the other parts, both in rms and
             in units of its own values' rms (:mod:`~swarmavg.averaging.allreduce.part_check`):
@@ -139,8 +131,6 @@ class AllReduceConfig:
     data_retry_after: float = 300.0
     weight_bound: float = DEFAULT_WEIGHT_BOUND
     congestion_control: str | None = None
-    data_rto_min_ms: float | None = None
-    data_notsent_lowat: int | None = None
     part_deviation_factor: float | None = PART_DEVIATION_FACTOR
     slow_sender_factor: float = SLOW_SENDER_FACTOR
 
@@ -177,10 +167,6 @@ class AllReduceConfig:
             raise ValueError("max_codec_instances must be >= 1")
         if self.congestion_control is not None:
             check_name(self.congestion_control)
-        if self.data_rto_min_ms is not None and not 0 < self.data_rto_min_ms <= 200:
-            raise ValueError("data_rto_min_ms must be within (0, 200] ms, or None")
-        if self.data_notsent_lowat is not None and self.data_notsent_lowat < 1:
-            raise ValueError("data_notsent_lowat must be >= 1 byte, or None")
         if self.max_waiting_streams < 1 or self.executor_threads < 0:
             raise ValueError("max_waiting_streams must be >= 1 and executor_threads >= 0")
         for name in ("max_waiting_per_range", "max_waiting_per_peer", "max_pending_per_range"):

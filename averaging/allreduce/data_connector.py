@@ -27,7 +27,6 @@ from swarmavg.averaging.allreduce.framing import (
     ProtocolError,
     parse_status,
 )
-from swarmavg.averaging.allreduce.rto_floor import apply_notsent_lowat, apply_rto_floor
 from swarmavg.averaging.allreduce.wire import deserialize_reply
 from swarmavg.dht.tls import SERVER_HOSTNAME, PeerTLS
 
@@ -155,8 +154,6 @@ class DataConnector:
         tls: PeerTLS | None = None,
         hello_timeout: float = 5.0,
         congestion_control: str | None = None,
-        rto_min_ms: float | None = None,
-        notsent_lowat: int | None = None,
     ) -> None:
         """Args:
         connect_timeout: at most this long to open a connection (TLS handshake included).
@@ -167,13 +164,8 @@ class DataConnector:
             the server gives a client as long, ``registration_wait``, for its HELLO).
         congestion_control: TCP congestion control algorithm of every connection opened
             (``None``: the kernel's default).
-        rto_min_ms: retransmission timeout floor of every connection opened, in ms
-            (``None``: derived from each connection's RTT;
-            :mod:`~swarmavg.averaging.allreduce.rto_floor`).
         """
         self._congestion_control = congestion_control
-        self._rto_min_ms = rto_min_ms
-        self._notsent_lowat = notsent_lowat
         self.connect_timeout = connect_timeout
         self.hello_timeout = hello_timeout
         self.retry_after = retry_after
@@ -272,9 +264,6 @@ class DataConnector:
                 kind, body = await protocol.next_frame()
                 if kind != HELLO or bytes(body) != MAGIC:
                     raise ProtocolError(f"answered frame kind {kind}, not a data-plane HELLO")
-            # After the HELLO's round trip, which the floor's derivation measures.
-            apply_rto_floor(protocol.transport, self._rto_min_ms)
-            apply_notsent_lowat(protocol.transport, self._notsent_lowat)
             self.opened += 1
         except (OSError, TimeoutError, ProtocolError) as e:
             log.info("data plane %s:%d unreachable (%r); using gRPC", host, port, e)

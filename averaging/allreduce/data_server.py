@@ -72,7 +72,6 @@ from swarmavg.averaging.allreduce.framing import (
     status_body,
 )
 from swarmavg.averaging.allreduce.round import ReduceContext
-from swarmavg.averaging.allreduce.rto_floor import apply_notsent_lowat, apply_rto_floor
 from swarmavg.averaging.allreduce.wire import OutgoingChunk, Request, deserialize_request
 from swarmavg.dht.ranges import limited_range
 from swarmavg.dht.tasks import TaskSet
@@ -191,18 +190,12 @@ class DataPlaneServer:
         caps: BudgetCaps | None = None,
         tls: PeerTLS | None = None,
         congestion_control: str | None = None,
-        rto_min_ms: float | None = None,
-        notsent_lowat: int | None = None,
     ) -> None:
         """Args:
         tls: this peer's TLS setup in a private run (None: plain TCP): only clients with a
             credential of the run complete the handshake.
         congestion_control: TCP congestion control algorithm of every accepted connection
             (``None``: the kernel's default).
-        rto_min_ms: retransmission timeout floor of every accepted connection, in ms
-            (``None``: derived from each connection's RTT;
-            :mod:`~swarmavg.averaging.allreduce.rto_floor`). Both ends set it: each side's
-            floor times what that side sends.
         max_connections: open connections in all; more are refused.
         max_connections_per_host: open connections from one host group (an IPv4
             address, an IPv6 /64). An honest member holds one per concurrent stream to
@@ -226,8 +219,6 @@ class DataPlaneServer:
         self._refused: set[FrameProtocol] = set()  # closing themselves (see reject)
         self._tls = tls
         self._congestion_control = congestion_control
-        self._rto_min_ms = rto_min_ms
-        self._notsent_lowat = notsent_lowat
         self.port = 0
 
     async def start(self, host: str, port: int = 0) -> int:
@@ -318,8 +309,6 @@ class DataPlaneServer:
                 kind, body = await protocol.next_frame()
             if kind != HELLO or bytes(body) != MAGIC:
                 return
-            apply_rto_floor(protocol.transport, self._rto_min_ms)
-            apply_notsent_lowat(protocol.transport, self._notsent_lowat)
             protocol.send(HELLO, (MAGIC,))  # the client streams only after this answer
             while True:
                 try:

@@ -171,8 +171,6 @@ class AllReduceService:
                 tls,
                 hello_timeout=self.config.registration_wait,
                 congestion_control=self.config.congestion_control,
-                rto_min_ms=self.config.data_rto_min_ms,
-                notsent_lowat=self.config.data_notsent_lowat,
             )
         self._data_server: DataPlaneServer | None = None
         self.data_port = 0
@@ -191,11 +189,7 @@ class AllReduceService:
         if not self.config.data_plane or self._closed or self._data_server is not None:
             return self.data_port
         server = DataPlaneServer(
-            self,
-            tls=self._tls,
-            congestion_control=self.config.congestion_control,
-            rto_min_ms=self.config.data_rto_min_ms,
-            notsent_lowat=self.config.data_notsent_lowat,
+            self, tls=self._tls, congestion_control=self.config.congestion_control
         )
         try:
             self.data_port = await server.start(host, self.config.data_port)

@@ -140,9 +140,6 @@ class AllReduceSettings:
         congestion_control: TCP congestion control algorithm of the data plane's
             connections (``cubic``, ``bbr``, ...); ``None``: the kernel's default. The
             daemon refuses to start with a name the kernel does not let it use.
-        data_rto_min_ms: floor of the data plane's TCP retransmission timeout, in ms
-            (``AllReduceConfig.data_rto_min_ms``); ``None``: 10 ms on short paths.
-        data_notsent_lowat: ``AllReduceConfig.data_notsent_lowat``.
     """
 
     data_port: int = AllReduceConfig.data_port
@@ -150,8 +147,6 @@ class AllReduceSettings:
     min_stall: float = AllReduceConfig.min_stall
     weight_bound: float = AllReduceConfig.weight_bound
     congestion_control: str | None = None
-    data_rto_min_ms: float | None = AllReduceConfig.data_rto_min_ms
-    data_notsent_lowat: int | None = None
 
     def __post_init__(self) -> None:
         _check(
@@ -171,13 +166,6 @@ class AllReduceSettings:
         _check(1 <= self.weight_bound <= 1e6, "weight_bound", self.weight_bound, "in [1, 1e6]")
         if self.congestion_control is not None:
             check_name(self.congestion_control)  # the kernel is asked when the daemon starts
-        if self.data_rto_min_ms is not None:
-            _check(
-                0 < self.data_rto_min_ms <= 200,
-                "data_rto_min_ms",
-                self.data_rto_min_ms,
-                "(0, 200] ms",
-            )
 
 
 @dataclass(frozen=True)
@@ -343,8 +331,6 @@ class PeerConfig:
             min_stall=allreduce.min_stall,
             weight_bound=allreduce.weight_bound,
             congestion_control=allreduce.congestion_control,
-            data_rto_min_ms=allreduce.data_rto_min_ms,
-            data_notsent_lowat=allreduce.data_notsent_lowat,
             data_plane=allreduce.data_port >= 0,
             data_host=listen_host,
             data_port=max(allreduce.data_port, 0),

@@ -27,8 +27,6 @@ EXAMPLES: dict[str, Any] = {
     "bandwidth": 50.0,
     "executor_threads": 2,
     "congestion_control": "cubic",
-    "data_rto_min_ms": 50.0,
-    "data_notsent_lowat": 131072,
     "run_file": "/etc/swarmavg/my-run.run",
     "credential": "/var/lib/swarmavg/identity.key.cred",
     "revocations": "/var/lib/swarmavg/my-run.revoked",

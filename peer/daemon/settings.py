@@ -294,19 +294,6 @@ SETTINGS: tuple[Setting, ...] = (
         "NAME",
     ),
     Setting(
-        "allreduce",
-        "data_rto_min_ms",
-        "floor of the data plane's TCP retransmission timeout in ms, at most 200 "
-        "(default: 10 on a connection whose RTT is under 10 ms, else the kernel's 200)",
-        "MS",
-    ),
-    Setting(
-        "allreduce",
-        "data_notsent_lowat",
-        "TCP_NOTSENT_LOWAT of the data plane's sockets in bytes (default: the kernel's)",
-        "BYTES",
-    ),
-    Setting(
         "state",
         "max_state_bytes",
         "largest state load_state accepts (default 16 GiB)",

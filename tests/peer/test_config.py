@@ -65,8 +65,6 @@ SAMPLES: dict[str, str] = {
     "min_stall": "9.0",
     "weight_bound": "5.0",
     "congestion_control": '"cubic"',
-    "data_rto_min_ms": "40.0",
-    "data_notsent_lowat": "131072",
     "max_state_bytes": "1024",
     "max_uploads": "2",
     "keep_loaded_chunks": "false",
