@@ -138,7 +138,7 @@ class ReduceRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., group_id: _Optional[bytes] = ..., part_index: _Optional[int] = ..., weight: _Optional[float] = ..., chunk_index: _Optional[int] = ..., stream_key: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class ReduceResponse(_message.Message):
-    __slots__ = ("chunk", "chunk_index", "num_senders", "num_adjusted", "weights_clipped", "header", "stream_key", "mac")
+    __slots__ = ("chunk", "chunk_index", "num_senders", "num_adjusted", "weights_clipped", "header", "stream_key", "mac", "end")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SENDERS_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,7 @@ class ReduceResponse(_message.Message):
     HEADER_FIELD_NUMBER: _ClassVar[int]
     STREAM_KEY_FIELD_NUMBER: _ClassVar[int]
     MAC_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
     chunk: _tensor_pb2.TensorChunk
     chunk_index: int
     num_senders: int
@@ -155,7 +156,8 @@ class ReduceResponse(_message.Message):
     header: _common_pb2.RequestHeader
     stream_key: bytes
     mac: bytes
-    def __init__(self, chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., chunk_index: _Optional[int] = ..., num_senders: _Optional[int] = ..., num_adjusted: _Optional[int] = ..., weights_clipped: _Optional[int] = ..., header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., stream_key: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
+    end: str
+    def __init__(self, chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., chunk_index: _Optional[int] = ..., num_senders: _Optional[int] = ..., num_adjusted: _Optional[int] = ..., weights_clipped: _Optional[int] = ..., header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., stream_key: _Optional[bytes] = ..., mac: _Optional[bytes] = ..., end: _Optional[str] = ...) -> None: ...
 
 class StateManifest(_message.Message):
     __slots__ = ("root", "version", "chunk_size", "header_chunks", "chunk_hashes", "chunk_sizes")

@@ -19,6 +19,8 @@ the reducer's part (it keeps its local values): what either does with a faulty p
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 from typing import NoReturn
@@ -32,11 +34,13 @@ from swarmavg.averaging.allreduce.wire import (
     OutgoingChunk,
     Reply,
     Request,
+    encode_end,
     encode_handshake,
     encode_opening,
     reduce_digest,
     sealed,
 )
+from swarmavg.averaging.stalled import STATUS_WAIT
 from swarmavg.averaging.stubs import REDUCE
 from swarmavg.dht.auth import Authenticator, RequestSigner
 from swarmavg.proto import averaging_pb2, common_pb2
@@ -178,16 +182,32 @@ async def checked_requests(
 
 
 class SealingContext:
-    """A reducer's stream context that appends this stream's tag to every reply."""
+    """A reducer's stream context that appends this stream's tag to every reply, and
+    marks an end before the stream's last average with a tagged ``end`` message."""
 
     def __init__(self, context: ReduceContext, mac: StreamMac) -> None:
         self._context = context
         self._mac = mac
 
+    @property
+    def replies(self) -> int:
+        """Replies sealed so far (the ``end`` marker included, once written)."""
+        return self._mac.sequence
+
     async def write(self, message: OutgoingChunk) -> None:
         # Sealed at the moment of writing: tags follow the order replies take on the wire.
         await self._context.write(sealed(message, self._mac))
 
+    async def end(self, reason: str) -> None:
+        """Tell the sender, under the stream's tag, that this reducer ends the stream before
+        its last average and why. Best effort, within :data:`STATUS_WAIT`: the status that
+        follows is not authenticated, so without the marker the sender takes the end for one
+        forged on the path or a cut connection (streams.py) and reports it as such."""
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(STATUS_WAIT):
+                await self.write(encode_end(reason))
+
     async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
+        await self.end(f"{code.name}: {details}")
         await self._context.abort(code, details)
         raise RuntimeError("context.abort returned")

@@ -444,9 +444,15 @@ class AllReduceService:
         admitted = getattr(context, "admitted", None)
         if callable(admitted):  # the data plane: charge its bytes to this member now
             admitted(peer_id)
-        if first.stream_key:
-            iterator, context = await self._open_keyed(first, peer_id, round_, iterator, context)
-        await round_.serve(sender, first, iterator, context)
+        if not first.stream_key:
+            await round_.serve(sender, first, iterator, context)
+            return
+        requests, sealing = await self._open_keyed(first, peer_id, round_, iterator, context)
+        await round_.serve(sender, first, requests, sealing)
+        if sealing.replies < round_.reducer.num_chunks:
+            # Ended with OK before the last average (the round closed): said under the
+            # stream's tag, like any end the reducer chooses.
+            await sealing.end("the round ended before this stream's last average")
 
     async def _open_keyed(
         self,
@@ -455,10 +461,10 @@ class AllReduceService:
         round_: ReducerRound,
         iterator: AsyncIterator[Request],
         context: ReduceContext,
-    ) -> tuple[AsyncIterator[Request], ReduceContext]:
+    ) -> tuple[AsyncIterator[Request], SealingContext]:
         """Answer a keyed stream's first message with this reducer's handshake; return the
         stream's requests, each checked against its tag, and a context that seals every
-        reply."""
+        reply and marks an early end."""
         if round_.signer is None:
             await abort_stream(
                 context, grpc.StatusCode.FAILED_PRECONDITION, "this round answers no keyed streams"

@@ -209,6 +209,23 @@ class PartStreams:
             await call.write(serialize_pieces(request))
         self.bytes_sent += request.nbytes
 
+    def _ended_early(
+        self, part: int, address: str, seal: asyncio.Future[StreamSeal], how: str
+    ) -> None:
+        """The stream to the reducer of ``part`` ended before its last average, with no
+        ``end`` marker under its tag: the missing chunks stay local. Before the handshake
+        nothing is tagged yet (a refusal, a reducer not started, a failed connection);
+        after it, an end the reducer chose comes tagged, so this one was forged on the path
+        or the connection was cut, and the result says so."""
+        if not seal.done() or seal.cancelled() or seal.exception() is not None:
+            log.info("part %d: stream to %s ended before its handshake: %s", part, address, how)
+            return
+        self.assembly.end_unconfirmed(
+            part,
+            f"the stream ended before its last average with no end under its tag ({how}): "
+            "forged on the path, or the connection was cut",
+        )
+
     async def _exchange(
         self, part: int, address: str, call: grpc.aio.StreamStreamCall | DataCall
     ) -> _Outcome:
@@ -237,7 +254,9 @@ class PartStreams:
                     )
                     return _Outcome.DONE
                 if response is grpc.aio.EOF:
-                    log.info("part %d: reducer %s ended the stream early", part, address)
+                    self._ended_early(part, address, seal, "it ended with OK")
+                    if isinstance(call, DataCall):
+                        call.discard()  # the reducer's replies may still be on their way
                     return _Outcome.DONE
                 if not seal.done():
                     try:
@@ -252,6 +271,11 @@ class PartStreams:
                     # Altered on the way or by the reducer: either way, not used.
                     self.assembly.distrust(part, str(e))
                     return _Outcome.DONE
+                if response.end:
+                    log.info(
+                        "part %d: reducer %s ended the stream: %s", part, address, response.end
+                    )
+                    return _Outcome.DONE
                 replies += 1
                 if not await self.assembly.accept_reply(part, response, self.handed[part]):
                     return _Outcome.DONE
@@ -260,12 +284,15 @@ class PartStreams:
         except grpc.RpcError as e:
             known = isinstance(e, grpc.aio.AioRpcError | DataStreamError)
             code = e.code() if known else None
-            if code is grpc.StatusCode.RESOURCE_EXHAUSTED and replies == 0:
+            # Only before the handshake: after it, the reducer has taken the stream, and a
+            # status that says otherwise is not its word (nothing after the handshake is
+            # believed untagged).
+            if code is grpc.StatusCode.RESOURCE_EXHAUSTED and not seal.done():
                 return _Outcome.REFUSED
-            if code is grpc.StatusCode.NOT_FOUND and replies == 0:
+            if code is grpc.StatusCode.NOT_FOUND and not seal.done():
                 return _Outcome.NOT_STARTED
             details = e.details() if known else str(e)
-            log.info("part %d: stream to %s failed: %s %s", part, address, code, details)
+            self._ended_early(part, address, seal, f"it failed: {code} {details}")
         finally:
             sender.cancel()
             try:

@@ -47,8 +47,11 @@ _RESPONSE_SENDERS_FIELD = 3  # ReduceResponse.num_senders
 _RESPONSE_ADJUSTED_FIELD = 4  # ReduceResponse.num_adjusted
 _RESPONSE_WEIGHTS_CLIPPED_FIELD = 5  # ReduceResponse.weights_clipped
 _RESPONSE_HEADER_FIELD = 6  # ReduceResponse.header
+_RESPONSE_END_FIELD = 9  # ReduceResponse.end
 _CHUNK_BUFFER_FIELD = 4  # TensorChunk.buffer
 _CHUNK_TOTAL_BYTES_FIELD = 9  # TensorChunk.total_bytes
+MAX_END_BYTES = 1024
+"""Longest ``end`` reason kept (UTF-8 bytes): it is the reducer's word, for logs and results."""
 _MAX_FIELDS = 64
 """Fields scanned per message level at most: ours carry fewer than 10, and a hostile peer
 must not make the scanner walk millions of one-byte fields."""
@@ -161,6 +164,14 @@ def encode_opening(first: averaging_pb2.ReduceRequest) -> OutgoingChunk:
 def encode_handshake(header: common_pb2.RequestHeader, stream_key: bytes) -> OutgoingChunk:
     """The reducer's answer to a keyed first message: its signed header and key."""
     head = averaging_pb2.ReduceResponse(header=header, stream_key=stream_key).SerializeToString()
+    return OutgoingChunk((head,), len(head))
+
+
+def encode_end(reason: str) -> OutgoingChunk:
+    """A keyed stream's end before its last average: why the reducer ends it (sealed like
+    every message after the handshake, so that an end forged on the path is told apart)."""
+    text = reason.encode("utf-8", "replace")[:MAX_END_BYTES].decode("utf-8", "ignore")
+    head = averaging_pb2.ReduceResponse(end=text or "ended").SerializeToString()
     return OutgoingChunk((head,), len(head))
 
 
@@ -281,6 +292,8 @@ class Reply:
     mac: bytes = b""
     covered: memoryview | None = None
     """The bytes ``mac`` covers (``None``: the message carries no ``mac``)."""
+    end: str = ""
+    """The reducer ends a keyed stream before its last average, and why (its end marker)."""
 
 
 def deserialize_reply(data: bytes) -> Reply:
@@ -297,11 +310,16 @@ def _parse_reply(data: bytes) -> Reply:
     chunk_index = num_senders = adjusted = weights_clipped = 0
     handshake: common_pb2.RequestHeader | None = None
     stream_key = mac = b""
+    end = ""
     covered: memoryview | None = None
     for found in _fields(view, 0, len(view)):
         field, wire_type, a, b = found
         if field == _MAC_FIELD:
             covered, mac = _trailer(view, found)
+        elif field == _RESPONSE_END_FIELD and wire_type == _LEN:
+            if b - a > MAX_END_BYTES:
+                raise _Malformed(f"an end reason of {b - a} bytes")
+            end = bytes(view[a:b]).decode("utf-8", "replace") or "ended"
         elif field == _RESPONSE_HEADER_FIELD and wire_type == _LEN:
             handshake = common_pb2.RequestHeader.FromString(bytes(view[a:b]))
         elif field == _STREAM_KEY_FIELD and wire_type == _LEN:
@@ -332,6 +350,7 @@ def _parse_reply(data: bytes) -> Reply:
         stream_key=stream_key,
         mac=mac,
         covered=covered,
+        end=end,
     )
 
 
