@@ -152,7 +152,7 @@ class ResultAssembly:
         log.warning(
             "part %d: reducer %s answered inconsistently (%s); keeping local values",
             part,
-            self.side.group.members[part].peer_id.hex()[:12],
+            self._reducer(part),
             reason,
         )
         self.distrusted.setdefault(part, reason)
@@ -168,10 +168,14 @@ class ResultAssembly:
         log.warning(
             "part %d: reducer %s: %s; keeping local values for the rest",
             part,
-            self.side.group.members[part].peer_id.hex()[:12],
+            self._reducer(part),
             reason,
         )
         self.unconfirmed_ends.setdefault(part, reason)
+
+    def _reducer(self, part: int) -> str:
+        """The reducer of ``part``, for logs (its id's first 12 hex digits)."""
+        return self.side.group.members[part].peer_id.hex()[:12]
 
     def _decode_reply(self, part: int, reply: Reply) -> None:
         """Decode one averaged chunk of ``part`` into the result; ``ValueError`` if bad."""

@@ -223,10 +223,12 @@ class PartStreams:
         self, part: int, address: str, seal: asyncio.Future[StreamSeal], how: str
     ) -> None:
         """The stream to the reducer of ``part`` ended before its last average, with no
-        ``end`` marker under its tag: the missing chunks stay local. Before the handshake
-        nothing is tagged yet (a refusal, a reducer not started, a failed connection);
-        after it, an end the reducer chose comes tagged, so this one was forged on the path
-        or the connection was cut, and the result says so."""
+        ``end`` marker under its tag: the missing chunks stay local. Before a full
+        handshake nothing is tagged yet (a refusal, a reducer not started, a failed
+        connection): logged. Once the stream's key is known (the handshake, or at once for a
+        resumed stream), an end the reducer chooses comes tagged, so this one was forged on
+        the path, the connection was cut, or the reducer refused a resumed stream before
+        taking it (its refusals are not tagged): the result says so."""
         if not seal.done() or seal.cancelled() or seal.exception() is not None:
             log.info("part %d: stream to %s ended before its handshake: %s", part, address, how)
             return
