@@ -220,7 +220,7 @@ class PartStreams:
         self.bytes_sent += request.nbytes
 
     def _ended_early(
-        self, part: int, address: str, seal: asyncio.Future[StreamSeal], how: str
+        self, part: int, address: str, seal: asyncio.Future[StreamSeal], answered: bool, how: str
     ) -> None:
         """The stream to the reducer of ``part`` ended before its last average, with no
         ``end`` marker under its tag: the missing chunks stay local. Before a full
@@ -232,10 +232,12 @@ class PartStreams:
         if not seal.done() or seal.cancelled() or seal.exception() is not None:
             log.info("part %d: stream to %s ended before its handshake: %s", part, address, how)
             return
+        why = "forged on the path, or the connection was cut"
+        if not answered:  # a resumed stream the reducer may have refused before taking it
+            why += ", or the reducer refused the stream"
         self.assembly.end_unconfirmed(
             part,
-            f"the stream ended before its last average with no end under its tag ({how}): "
-            "forged on the path, or the connection was cut",
+            f"the stream ended before its last average with no end under its tag ({how}): {why}",
         )
 
     async def _exchange(
@@ -270,7 +272,7 @@ class PartStreams:
                     )
                     return _Outcome.DONE
                 if response is grpc.aio.EOF:
-                    self._ended_early(part, address, seal, "it ended with OK")
+                    self._ended_early(part, address, seal, answered, "it ended with OK")
                     if isinstance(call, DataCall):
                         call.discard()  # the reducer's replies may still be on their way
                     return _Outcome.DONE
@@ -317,7 +319,7 @@ class PartStreams:
                     resumptions.forget_reducer(reducer_id, handshake.resumption.ticket)
                 return _Outcome.RESUME_REFUSED
             details = e.details() if known else str(e)
-            self._ended_early(part, address, seal, f"it failed: {code} {details}")
+            self._ended_early(part, address, seal, answered, f"it failed: {code} {details}")
         finally:
             sender.cancel()
             try:
