@@ -113,6 +113,10 @@ class AveragingResult(RoundSummary):
             (also logged); a round with any is ``partial``.
         distrusted: parts whose reducer answered inconsistently, with the reason: they
             keep local values and are in ``failed_parts``.
+        unconfirmed_ends: parts whose keyed stream ended before its last average with no
+            end its reducer tagged (a status forged on the path, or a cut connection), with
+            how it ended: the averages received before it are kept, the rest of the part
+            keeps local values and the part is in ``failed_parts``.
     """
 
     tensors: list[np.ndarray]
@@ -121,6 +125,7 @@ class AveragingResult(RoundSummary):
     dropped: dict[int, str] = field(default_factory=dict)
     errors: tuple[str, ...] = ()
     distrusted: dict[int, str] = field(default_factory=dict)
+    unconfirmed_ends: dict[int, str] = field(default_factory=dict)
 
     @property
     def state_digests(self) -> dict[str, bytes]:

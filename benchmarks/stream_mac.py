@@ -2,12 +2,12 @@
 
 Times, in thread CPU time (other processes' load does not count), tagging ``--mb`` MiB in
 messages of ``--chunk-kib`` KiB (a chunk's size on the wire) with: keyed BLAKE2b (hashlib),
-HMAC-SHA256 (hashlib/OpenSSL) and ChaCha20-Poly1305 with the message as associated data only
-(``cryptography``/OpenSSL), alone and through
+HMAC-SHA256 (hashlib/OpenSSL), ChaCha20-Poly1305 and AES-256-GCM (GMAC, the one used), each
+with the message as associated data only (``cryptography``/OpenSSL) in one buffer, and through
 :class:`~swarmavg.averaging.allreduce.stream_mac.StreamMac` as a stream seals a message of two
-pieces (its head and its payload, joined into one buffer). Also the handshake's CPU per
-stream at each end (X25519, HKDF, a signature, a verification). Prints ONE JSON line: MB/s
-per MAC (median of ``--repeats``), handshake microseconds (medians).
+pieces (its head and its payload, fed to GMAC in turn). Also the
+handshake's CPU per stream at each end (X25519, HKDF, a signature, a verification). Prints ONE
+JSON line: MB/s per MAC (median of ``--repeats``), handshake microseconds (medians).
 
     python -m benchmarks.stream_mac --mb 64 --chunk-kib 1024 --repeats 7
 """
@@ -22,7 +22,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
 from benchmarks.common import emit
 from swarmavg.averaging.allreduce.keyed_stream import SenderHandshake, answer
@@ -90,6 +90,7 @@ def main() -> None:
     key = os.urandom(32)
     mac = StreamMac(key, Direction.TO_REDUCER)
     aead = ChaCha20Poly1305(key)
+    gcm = AESGCM(key)
     nonce = bytes(12)
     head = bytes(48)  # a chunk message's small fields, before its payload
 
@@ -102,6 +103,9 @@ def main() -> None:
     def poly1305(chunk: memoryview) -> object:
         return aead.encrypt(nonce, b"", bytes(chunk))  # one buffer: the pieces joined
 
+    def gmac(chunk: memoryview) -> object:
+        return gcm.encrypt(nonce, b"", chunk)
+
     emit(
         {
             "bench": "stream_mac",
@@ -109,6 +113,7 @@ def main() -> None:
             "chunk_kib": args.chunk_kib,
             "mb_per_s": {
                 "stream_mac_seal": _mb_per_s(lambda c: mac.seal((head, c)), chunks, args.repeats),
+                "aes256gcm_aad": _mb_per_s(gmac, chunks, args.repeats),
                 "blake2b": _mb_per_s(blake2b, chunks, args.repeats),
                 "hmac_sha256": _mb_per_s(hmac_sha256, chunks, args.repeats),
                 "chacha20poly1305_aad": _mb_per_s(poly1305, chunks, args.repeats),

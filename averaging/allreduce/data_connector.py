@@ -133,6 +133,12 @@ class DataCall:
             return False
         return True
 
+    def discard(self) -> None:
+        """End the call and close its connection even after an ``OK`` status: one that came
+        before the stream's last reply was not the reducer's (it may still be sending)."""
+        self._finished_ok = False
+        self.cancel()
+
     def cancel(self) -> None:
         """End the call: reuse the connection if the stream finished cleanly, else close it."""
         if self._done:

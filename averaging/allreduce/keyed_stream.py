@@ -10,7 +10,10 @@ it (:func:`checked_requests`) and seals each averaged chunk it writes to this se
 (:class:`SealingContext`); the sender seals each chunk and checks each reply
 (:class:`SenderHandshake`; outgoing.py builds the opening and seals the chunks, streams.py
 takes the handshake reply and checks each reply's tag). The handshake costs the stream one
-round trip before its first chunk; the signatures are one more per stream at each end.
+round trip before its first chunk; the signatures are one more per stream at each end. A
+full handshake also leaves both ends a resumption secret: the sender's next stream to that
+reducer names it in its signed first message and sends its chunks at once, no handshake
+(:mod:`stream_resume`; :meth:`SenderHandshake.resumed_seal`, :func:`resume`).
 
 A message that fails its check ends the stream and what came in it is not used: the
 reducer drops the sender from the part (the round goes on without it), the sender distrusts
@@ -19,6 +22,8 @@ the reducer's part (it keeps its local values): what either does with a faulty p
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 from typing import NoReturn
@@ -28,15 +33,18 @@ import grpc
 from swarmavg.averaging.allreduce.round import ReduceContext
 from swarmavg.averaging.allreduce.stream_keys import EphemeralKey, handshake_digest, transcript
 from swarmavg.averaging.allreduce.stream_mac import Direction, IntegrityError, StreamMac
+from swarmavg.averaging.allreduce.stream_resume import Resumption, resumed_key
 from swarmavg.averaging.allreduce.wire import (
     OutgoingChunk,
     Reply,
     Request,
+    encode_end,
     encode_handshake,
     encode_opening,
     reduce_digest,
     sealed,
 )
+from swarmavg.averaging.stalled import STATUS_WAIT
 from swarmavg.averaging.stubs import REDUCE
 from swarmavg.dht.auth import Authenticator, RequestSigner
 from swarmavg.proto import averaging_pb2, common_pb2
@@ -47,6 +55,7 @@ __all__ = [
     "StreamSeal",
     "answer",
     "checked_requests",
+    "resume",
 ]
 
 
@@ -56,11 +65,14 @@ class StreamSeal:
 
     outbound: StreamMac
     inbound: StreamMac
+    resumption: Resumption | None = None
+    """What a full handshake leaves both ends for later streams (``None``: a resumed one)."""
 
 
-def _seal_for(key: bytes, outbound: Direction) -> StreamSeal:
+def _seal_for(key: bytes, outbound: Direction, full_handshake: bool = True) -> StreamSeal:
     inbound = Direction.TO_SENDER if outbound is Direction.TO_REDUCER else Direction.TO_REDUCER
-    return StreamSeal(StreamMac(key, outbound), StreamMac(key, inbound))
+    resumption = Resumption.from_stream_key(key) if full_handshake else None
+    return StreamSeal(StreamMac(key, outbound), StreamMac(key, inbound), resumption)
 
 
 # ---- sender side ----
@@ -69,12 +81,21 @@ def _seal_for(key: bytes, outbound: Direction) -> StreamSeal:
 class SenderHandshake:
     """A sender's half of one keyed stream's handshake (one per stream, never reused)."""
 
-    def __init__(self, sender_id: bytes, reducer_id: bytes, group_id: bytes, part: int) -> None:
+    def __init__(
+        self,
+        sender_id: bytes,
+        reducer_id: bytes,
+        group_id: bytes,
+        part: int,
+        resumption: Resumption | None = None,
+    ) -> None:
         self._ephemeral = EphemeralKey()
         self._sender_id = sender_id
         self._reducer_id = reducer_id
         self._group_id = group_id
         self._part = part
+        self.resumption = resumption
+        """The secret this stream resumes with (``None``: a full handshake)."""
         self.first_header: common_pb2.RequestHeader | None = None
         """The signed header of the first message, once :meth:`opening` built it."""
 
@@ -92,10 +113,33 @@ class SenderHandshake:
             weight=weight,
             stream_key=self._ephemeral.public,
         )
-        digest = reduce_digest(self._group_id, self._part, weight, 0, self._ephemeral.public)
+        ticket = self.resumption.ticket if self.resumption is not None else b""
+        first.resume = ticket
+        digest = reduce_digest(self._group_id, self._part, weight, 0, first.stream_key, ticket)
         first.header.CopyFrom(signer.sign(self._reducer_id, REDUCE, digest))
         self.first_header = first.header
         return encode_opening(first)
+
+    def resumed_seal(self) -> StreamSeal:
+        """A resumed stream's MACs, known before any reply (no handshake), once
+        :meth:`opening` signed the first message.
+
+        Raises:
+            ValueError: this stream does not resume.
+        """
+        if self.resumption is None or self.first_header is None:
+            raise ValueError("a stream without a resumption secret needs the handshake")
+        key = resumed_key(
+            self.resumption.secret,
+            self._sender_id,
+            self._reducer_id,
+            self._group_id,
+            self._part,
+            # the signed header's nonce too: unique per accepted stream (the replay cache)
+            self._ephemeral.public + bytes(self.first_header.nonce),
+            self.resumption.ticket,
+        )
+        return _seal_for(key, Direction.TO_REDUCER, full_handshake=False)
 
     def accept(self, reply: Reply, authenticator: Authenticator) -> StreamSeal:
         """The stream's MACs, from the reducer's handshake reply.
@@ -161,6 +205,25 @@ def answer(
     return encode_handshake(header, ephemeral.public), _seal_for(key, Direction.TO_SENDER)
 
 
+def resume(
+    first: Request, sender_id: bytes, reducer_id: bytes, resumption: Resumption
+) -> StreamSeal:
+    """The MACs at the reducer of a resumed stream from ``sender_id`` whose verified first
+    message names ``resumption``'s ticket: no handshake is written."""
+    if first.header is None:
+        raise ValueError("a resumed first message is answered after its header verified")
+    key = resumed_key(
+        resumption.secret,
+        sender_id,
+        reducer_id,
+        first.group_id,
+        first.part_index,
+        first.stream_key + bytes(first.header.nonce),
+        resumption.ticket,
+    )
+    return _seal_for(key, Direction.TO_SENDER, full_handshake=False)
+
+
 async def checked_requests(
     requests: AsyncIterator[Request], mac: StreamMac
 ) -> AsyncIterator[Request]:
@@ -178,16 +241,32 @@ async def checked_requests(
 
 
 class SealingContext:
-    """A reducer's stream context that appends this stream's tag to every reply."""
+    """A reducer's stream context that appends this stream's tag to every reply, and
+    marks an end before the stream's last average with a tagged ``end`` message."""
 
     def __init__(self, context: ReduceContext, mac: StreamMac) -> None:
         self._context = context
         self._mac = mac
 
+    @property
+    def replies(self) -> int:
+        """Replies sealed so far (the ``end`` marker included, once written)."""
+        return self._mac.sequence
+
     async def write(self, message: OutgoingChunk) -> None:
         # Sealed at the moment of writing: tags follow the order replies take on the wire.
         await self._context.write(sealed(message, self._mac))
 
+    async def end(self, reason: str) -> None:
+        """Tell the sender, under the stream's tag, that this reducer ends the stream before
+        its last average and why. Best effort, within :data:`STATUS_WAIT`: the status that
+        follows is not authenticated, so without the marker the sender takes the end for one
+        forged on the path or a cut connection (streams.py) and reports it as such."""
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(STATUS_WAIT):
+                await self.write(encode_end(reason))
+
     async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
+        await self.end(f"{code.name}: {details}")
         await self._context.abort(code, details)
         raise RuntimeError("context.abort returned")

@@ -21,6 +21,7 @@ from swarmavg.averaging.allreduce.keyed_stream import SenderHandshake
 from swarmavg.averaging.allreduce.member_side import MemberSide
 from swarmavg.averaging.allreduce.round import ReducerRound, offload
 from swarmavg.averaging.allreduce.stream_mac import StreamMac
+from swarmavg.averaging.allreduce.stream_resume import Resumption
 from swarmavg.averaging.allreduce.wire import OutgoingChunk, encode_request, sealed
 from swarmavg.averaging.errors import InvalidTensorsError
 from swarmavg.compression import CodecInfo
@@ -55,12 +56,12 @@ class Contribution:
         self.non_finite_error: InvalidTensorsError | None = None
         """Which chunk, once :attr:`non_finite` is set."""
 
-    def handshake(self, part: int) -> SenderHandshake:
+    def handshake(self, part: int, resumption: Resumption | None) -> SenderHandshake:
         """A fresh handshake for one stream to the reducer of ``part`` (one per stream: a
-        stream asked again gets a new key)."""
+        stream asked again gets a new key), resuming with ``resumption`` when given."""
         group = self.side.group
         return SenderHandshake(
-            self.signer.peer_id, group.members[part].peer_id, group.group_id, part
+            self.signer.peer_id, group.members[part].peer_id, group.group_id, part, resumption
         )
 
     def opening(self, handshake: SenderHandshake) -> OutgoingChunk:

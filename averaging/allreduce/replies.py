@@ -66,6 +66,7 @@ class ResultAssembly:
         self.adjusted = {j: 0 for j in range(group.size)}  # inputs clipped/trimmed, per part
         self.weights_clipped = {j: 0 for j in range(group.size)}  # as each reducer said
         self.distrusted: dict[int, str] = {}  # part -> why its reducer's word is refused
+        self.unconfirmed_ends: dict[int, str] = {}  # part -> how its stream ended untagged
         self.bytes_received = 0
         # How far each part's averages are from our own values (part_check), counted as
         # they are decoded; None: the check is off. Only under a robust rule: under the
@@ -151,7 +152,7 @@ class ResultAssembly:
         log.warning(
             "part %d: reducer %s answered inconsistently (%s); keeping local values",
             part,
-            self.side.group.members[part].peer_id.hex()[:12],
+            self._reducer(part),
             reason,
         )
         self.distrusted.setdefault(part, reason)
@@ -159,6 +160,22 @@ class ResultAssembly:
             self.received[part][:] = False
         self.full_chunks[part] = 0
         return False
+
+    def end_unconfirmed(self, part: int, reason: str) -> None:
+        """Record that the stream of ``part`` ended early with no end its reducer tagged.
+        The averages that came before it each passed their tag and are kept; the rest of
+        the part stays local (``fill_missing``), and the part counts as not averaged."""
+        log.warning(
+            "part %d: reducer %s: %s; keeping local values for the rest",
+            part,
+            self._reducer(part),
+            reason,
+        )
+        self.unconfirmed_ends.setdefault(part, reason)
+
+    def _reducer(self, part: int) -> str:
+        """The reducer of ``part``, for logs (its id's first 12 hex digits)."""
+        return self.side.group.members[part].peer_id.hex()[:12]
 
     def _decode_reply(self, part: int, reply: Reply) -> None:
         """Decode one averaged chunk of ``part`` into the result; ``ValueError`` if bad."""

@@ -274,6 +274,7 @@ async def run_allreduce(
         num_adjusted=sum(assembly.adjusted.values()),
         weights_clipped=sum(assembly.weights_clipped.values()),
         distrusted=dict(assembly.distrusted),
+        unconfirmed_ends=dict(assembly.unconfirmed_ends),
         local_fraction=local_fraction,
     )
 

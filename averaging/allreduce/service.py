@@ -46,9 +46,16 @@ from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.allreduce.congestion import check_congestion_control
 from swarmavg.averaging.allreduce.data_connector import DataConnector
 from swarmavg.averaging.allreduce.data_server import DataPlaneServer
-from swarmavg.averaging.allreduce.keyed_stream import SealingContext, answer, checked_requests
+from swarmavg.averaging.allreduce.keyed_stream import (
+    SealingContext,
+    StreamSeal,
+    answer,
+    checked_requests,
+    resume,
+)
 from swarmavg.averaging.allreduce.round import Abort, ReduceContext, ReducerRound, abort_stream
 from swarmavg.averaging.allreduce.stream_keys import KeyAgreementError
+from swarmavg.averaging.allreduce.stream_resume import ResumptionCache
 from swarmavg.averaging.allreduce.wire import Request, reduce_digest
 from swarmavg.averaging.errors import DataPlaneBindError
 from swarmavg.averaging.gauge import Gauge
@@ -162,6 +169,9 @@ class AllReduceService:
         self.buffers = BufferPool()
         """Reducers' accumulators, reused round after round (no page faults per round)."""
         self._codecs: collections.OrderedDict[str, Codec] = collections.OrderedDict()
+        self.resumptions = ResumptionCache()
+        """Secrets of keyed streams' full handshakes, for later streams between the same
+        peers without one (stream_resume.py): this daemon's as a sender and as a reducer."""
         self._tls = tls
         self.data_connector: DataConnector | None = None
         if self.config.data_plane:
@@ -304,7 +314,12 @@ class AllReduceService:
             HeaderError: unsigned, copied, replayed, stale, for another reducer or group.
         """
         digest = reduce_digest(
-            first.group_id, first.part_index, first.weight, first.chunk_index, first.stream_key
+            first.group_id,
+            first.part_index,
+            first.weight,
+            first.chunk_index,
+            first.stream_key,
+            first.resume,
         )
         return self.authenticator.check(first.header or common_pb2.RequestHeader(), REDUCE, digest)
 
@@ -383,6 +398,10 @@ class AllReduceService:
             peer_id = self._authenticate(first)
         except HeaderError as e:
             await abort_stream(context, grpc.StatusCode.UNAUTHENTICATED, str(e))
+        if first.resume and not first.stream_key:
+            await abort_stream(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "a resumed stream carries a stream key"
+            )
         if first.stream_key and first.chunk is not None:
             # Only its naming fields are signed and it carries no tag: a chunk in it would
             # be the one message of the stream nothing covers.
@@ -444,9 +463,15 @@ class AllReduceService:
         admitted = getattr(context, "admitted", None)
         if callable(admitted):  # the data plane: charge its bytes to this member now
             admitted(peer_id)
-        if first.stream_key:
-            iterator, context = await self._open_keyed(first, peer_id, round_, iterator, context)
-        await round_.serve(sender, first, iterator, context)
+        if not first.stream_key:
+            await round_.serve(sender, first, iterator, context)
+            return
+        requests, sealing = await self._open_keyed(first, peer_id, round_, iterator, context)
+        await round_.serve(sender, first, requests, sealing)
+        if sealing.replies < round_.reducer.num_chunks:
+            # Ended with OK before the last average (the round closed): said under the
+            # stream's tag, like any end the reducer chooses.
+            await sealing.end("the round ended before this stream's last average")
 
     async def _open_keyed(
         self,
@@ -455,22 +480,38 @@ class AllReduceService:
         round_: ReducerRound,
         iterator: AsyncIterator[Request],
         context: ReduceContext,
-    ) -> tuple[AsyncIterator[Request], ReduceContext]:
-        """Answer a keyed stream's first message with this reducer's handshake; return the
-        stream's requests, each checked against its tag, and a context that seals every
-        reply."""
+    ) -> tuple[AsyncIterator[Request], SealingContext]:
+        """Answer a keyed stream's first message with this reducer's handshake (none for a
+        resumed stream whose ticket is held here); return the stream's requests, each
+        checked against its tag, and a context that seals every reply and marks an early
+        end."""
         if round_.signer is None:
             await abort_stream(
                 context, grpc.StatusCode.FAILED_PRECONDITION, "this round answers no keyed streams"
             )
-        try:
-            handshake, seal = answer(first, peer_id, round_.signer)
-        except KeyAgreementError as e:
-            await abort_stream(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        try:
-            async with asyncio.timeout(self.config.write_timeout):
-                await context.write(handshake)
-        except TimeoutError:
-            reason = f"sender read no handshake for {self.config.write_timeout:.1f}s"
-            await abort_stalled(context, grpc.StatusCode.DEADLINE_EXCEEDED, reason)
+        seal: StreamSeal
+        if first.resume:
+            resumption = self.resumptions.for_sender(peer_id, first.resume)
+            if resumption is None:
+                # Before any chunk is read: the sender opens the stream again with a full
+                # handshake (streams.py).
+                await abort_stream(
+                    context,
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "unknown or expired resumption ticket: a full handshake is needed",
+                )
+            seal = resume(first, peer_id, round_.signer.peer_id, resumption)
+        else:
+            try:
+                handshake, seal = answer(first, peer_id, round_.signer)
+            except KeyAgreementError as e:
+                await abort_stream(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            try:
+                async with asyncio.timeout(self.config.write_timeout):
+                    await context.write(handshake)
+            except TimeoutError:
+                reason = f"sender read no handshake for {self.config.write_timeout:.1f}s"
+                await abort_stalled(context, grpc.StatusCode.DEADLINE_EXCEEDED, reason)
+            if seal.resumption is not None:
+                self.resumptions.remember_sender(peer_id, seal.resumption)
         return checked_requests(iterator, seal.inbound), SealingContext(context, seal.outbound)

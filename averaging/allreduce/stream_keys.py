@@ -32,7 +32,7 @@ __all__ = [
 
 PUBLIC_KEY_BYTES = 32
 MAC_KEY_BYTES = 32
-_HKDF_INFO = b"swarmavg/v1 reduce stream mac key\x00"
+_HKDF_INFO = b"swarmavg/v2 reduce stream gmac key\x00"
 _HANDSHAKE_DOMAIN = b"swarmavg/v1 reduce stream handshake\x00"
 
 

@@ -55,6 +55,9 @@ class _Outcome(enum.Enum):
     """``RESOURCE_EXHAUSTED`` before any reply: the reducer's data plane is full."""
     NOT_STARTED = "not started"
     """``NOT_FOUND`` before any reply: the reducer has no round of this group (yet)."""
+    RESUME_REFUSED = "resumption refused"
+    """``UNAUTHENTICATED`` before any reply to a resumed stream: the reducer holds no such
+    secret (restarted, evicted, expired); nothing was processed."""
 
 
 def _not_started_pause(attempt: int, registration_wait: float) -> float:
@@ -126,6 +129,10 @@ class PartStreams:
         while True:
             call = await self._open_call(part, address)
             outcome = await self._exchange(part, address, call)
+            if outcome is _Outcome.RESUME_REFUSED:
+                # Its secret is forgotten here too: the same stream with a full handshake.
+                call = await self._open_call(part, address)
+                outcome = await self._exchange(part, address, call)
             if outcome is _Outcome.REFUSED and isinstance(call, DataCall):
                 # Refused before the stream started (the reducer's data plane is full):
                 # nothing we sent was processed, so the same stream over gRPC is not a
@@ -181,9 +188,12 @@ class PartStreams:
         handshake: SenderHandshake,
         seal: asyncio.Future[StreamSeal],
     ) -> None:
-        await self._write(call, self.contribution.opening(handshake))
-        # No chunk goes before the reducer's handshake: every chunk carries a tag under
-        # the stream's key.
+        opening = self.contribution.opening(handshake)
+        if handshake.resumption is not None and not seal.done():
+            seal.set_result(handshake.resumed_seal())  # resumed: no handshake to wait for
+        await self._write(call, opening)
+        # No chunk goes before the stream's key is known (the reducer's handshake, or the
+        # resumed secret): every chunk carries a tag under it.
         mac = (await seal).outbound
         for chunk in range(self.plan.num_chunks(part)):
             if self.fault_plan is not None:
@@ -209,6 +219,27 @@ class PartStreams:
             await call.write(serialize_pieces(request))
         self.bytes_sent += request.nbytes
 
+    def _ended_early(
+        self, part: int, address: str, seal: asyncio.Future[StreamSeal], answered: bool, how: str
+    ) -> None:
+        """The stream to the reducer of ``part`` ended before its last average, with no
+        ``end`` marker under its tag: the missing chunks stay local. Before a full
+        handshake nothing is tagged yet (a refusal, a reducer not started, a failed
+        connection): logged. Once the stream's key is known (the handshake, or at once for a
+        resumed stream), an end the reducer chooses comes tagged, so this one was forged on
+        the path, the connection was cut, or the reducer refused a resumed stream before
+        taking it (its refusals are not tagged): the result says so."""
+        if not seal.done() or seal.cancelled() or seal.exception() is not None:
+            log.info("part %d: stream to %s ended before its handshake: %s", part, address, how)
+            return
+        why = "forged on the path, or the connection was cut"
+        if not answered:  # a resumed stream the reducer may have refused before taking it
+            why += ", or the reducer refused the stream"
+        self.assembly.end_unconfirmed(
+            part,
+            f"the stream ended before its last average with no end under its tag ({how}): {why}",
+        )
+
     async def _exchange(
         self, part: int, address: str, call: grpc.aio.StreamStreamCall | DataCall
     ) -> _Outcome:
@@ -216,11 +247,15 @@ class PartStreams:
         before starting it. Never raises (except CancelledError)."""
         loop = asyncio.get_running_loop()
         num_chunks = self.plan.num_chunks(part)
-        handshake = self.contribution.handshake(part)
+        reducer_id = self.group.members[part].peer_id
+        resumptions = self.service.resumptions
+        handshake = self.contribution.handshake(part, resumptions.for_reducer(reducer_id))
+        resumed = handshake.resumption is not None
         seal: asyncio.Future[StreamSeal] = loop.create_future()
         sender = loop.create_task(self._send_part(part, call, handshake, seal))
         started = time.monotonic()
         replies = 0
+        answered = False  # the reducer's handshake, or a resumed stream's first tagged reply
         try:
             while replies < num_chunks:
                 patience = self._reply_patience(started, replies)
@@ -237,20 +272,32 @@ class PartStreams:
                     )
                     return _Outcome.DONE
                 if response is grpc.aio.EOF:
-                    log.info("part %d: reducer %s ended the stream early", part, address)
+                    self._ended_early(part, address, seal, answered, "it ended with OK")
+                    if isinstance(call, DataCall):
+                        call.discard()  # the reducer's replies may still be on their way
                     return _Outcome.DONE
-                if not seal.done():
+                if not resumed and not answered:
                     try:
-                        seal.set_result(handshake.accept(response, self.service.authenticator))
+                        keys = handshake.accept(response, self.service.authenticator)
                     except (HeaderError, IntegrityError, KeyAgreementError) as e:
                         self.assembly.distrust(part, f"its handshake failed: {e}")
                         return _Outcome.DONE
+                    if keys.resumption is not None:
+                        resumptions.remember_reducer(reducer_id, keys.resumption)
+                    seal.set_result(keys)
+                    answered = True
                     continue
                 try:
                     seal.result().inbound.check(response.covered, response.mac)
                 except IntegrityError as e:
                     # Altered on the way or by the reducer: either way, not used.
                     self.assembly.distrust(part, str(e))
+                    return _Outcome.DONE
+                answered = True
+                if response.end:
+                    log.info(
+                        "part %d: reducer %s ended the stream: %s", part, address, response.end
+                    )
                     return _Outcome.DONE
                 replies += 1
                 if not await self.assembly.accept_reply(part, response, self.handed[part]):
@@ -260,12 +307,19 @@ class PartStreams:
         except grpc.RpcError as e:
             known = isinstance(e, grpc.aio.AioRpcError | DataStreamError)
             code = e.code() if known else None
-            if code is grpc.StatusCode.RESOURCE_EXHAUSTED and replies == 0:
+            # Only before the reducer answered (its handshake, or a resumed stream's first
+            # tagged reply): after that, it has taken the stream, and a status that says
+            # otherwise is not its word (nothing is believed untagged).
+            if code is grpc.StatusCode.RESOURCE_EXHAUSTED and not answered:
                 return _Outcome.REFUSED
-            if code is grpc.StatusCode.NOT_FOUND and replies == 0:
+            if code is grpc.StatusCode.NOT_FOUND and not answered:
                 return _Outcome.NOT_STARTED
+            if code is grpc.StatusCode.UNAUTHENTICATED and resumed and not answered:
+                if handshake.resumption is not None:  # always, when resumed (for mypy)
+                    resumptions.forget_reducer(reducer_id, handshake.resumption.ticket)
+                return _Outcome.RESUME_REFUSED
             details = e.details() if known else str(e)
-            log.info("part %d: stream to %s failed: %s %s", part, address, code, details)
+            self._ended_early(part, address, seal, answered, f"it failed: {code} {details}")
         finally:
             sender.cancel()
             try:

@@ -41,14 +41,18 @@ _REQUEST_WEIGHT_FIELD = 5  # ReduceRequest.weight
 _REQUEST_INDEX_FIELD = 6  # ReduceRequest.chunk_index
 _STREAM_KEY_FIELD = 7  # ReduceRequest.stream_key and ReduceResponse.stream_key
 _MAC_FIELD = 8  # ReduceRequest.mac and ReduceResponse.mac
+_REQUEST_RESUME_FIELD = 9  # ReduceRequest.resume
 _RESPONSE_CHUNK_FIELD = 1  # ReduceResponse.chunk
 _RESPONSE_INDEX_FIELD = 2  # ReduceResponse.chunk_index
 _RESPONSE_SENDERS_FIELD = 3  # ReduceResponse.num_senders
 _RESPONSE_ADJUSTED_FIELD = 4  # ReduceResponse.num_adjusted
 _RESPONSE_WEIGHTS_CLIPPED_FIELD = 5  # ReduceResponse.weights_clipped
 _RESPONSE_HEADER_FIELD = 6  # ReduceResponse.header
+_RESPONSE_END_FIELD = 9  # ReduceResponse.end
 _CHUNK_BUFFER_FIELD = 4  # TensorChunk.buffer
 _CHUNK_TOTAL_BYTES_FIELD = 9  # TensorChunk.total_bytes
+MAX_END_BYTES = 1024
+"""Longest ``end`` reason kept (UTF-8 bytes): it is the reducer's word, for logs and results."""
 _MAX_FIELDS = 64
 """Fields scanned per message level at most: ours carry fewer than 10, and a hostile peer
 must not make the scanner walk millions of one-byte fields."""
@@ -161,6 +165,14 @@ def encode_opening(first: averaging_pb2.ReduceRequest) -> OutgoingChunk:
 def encode_handshake(header: common_pb2.RequestHeader, stream_key: bytes) -> OutgoingChunk:
     """The reducer's answer to a keyed first message: its signed header and key."""
     head = averaging_pb2.ReduceResponse(header=header, stream_key=stream_key).SerializeToString()
+    return OutgoingChunk((head,), len(head))
+
+
+def encode_end(reason: str) -> OutgoingChunk:
+    """A keyed stream's end before its last average: why the reducer ends it (sealed like
+    every message after the handshake, so that an end forged on the path is told apart)."""
+    text = reason.encode("utf-8", "replace")[:MAX_END_BYTES].decode("utf-8", "ignore")
+    head = averaging_pb2.ReduceResponse(end=text or "ended").SerializeToString()
     return OutgoingChunk((head,), len(head))
 
 
@@ -281,6 +293,8 @@ class Reply:
     mac: bytes = b""
     covered: memoryview | None = None
     """The bytes ``mac`` covers (``None``: the message carries no ``mac``)."""
+    end: str = ""
+    """The reducer ends a keyed stream before its last average, and why (its end marker)."""
 
 
 def deserialize_reply(data: bytes) -> Reply:
@@ -297,11 +311,16 @@ def _parse_reply(data: bytes) -> Reply:
     chunk_index = num_senders = adjusted = weights_clipped = 0
     handshake: common_pb2.RequestHeader | None = None
     stream_key = mac = b""
+    end = ""
     covered: memoryview | None = None
     for found in _fields(view, 0, len(view)):
         field, wire_type, a, b = found
         if field == _MAC_FIELD:
             covered, mac = _trailer(view, found)
+        elif field == _RESPONSE_END_FIELD and wire_type == _LEN:
+            if b - a > MAX_END_BYTES:
+                raise _Malformed(f"an end reason of {b - a} bytes")
+            end = bytes(view[a:b]).decode("utf-8", "replace") or "ended"
         elif field == _RESPONSE_HEADER_FIELD and wire_type == _LEN:
             handshake = common_pb2.RequestHeader.FromString(bytes(view[a:b]))
         elif field == _STREAM_KEY_FIELD and wire_type == _LEN:
@@ -332,6 +351,7 @@ def _parse_reply(data: bytes) -> Reply:
         stream_key=stream_key,
         mac=mac,
         covered=covered,
+        end=end,
     )
 
 
@@ -347,6 +367,7 @@ class Request:
         payload: the chunk's payload, a view of the received bytes.
         nbytes: size of the whole message.
         stream_key: the sender's ephemeral public key of a keyed stream (first message).
+        resume: the ticket of a resumed keyed stream (first message; stream_resume.py).
         mac / covered: the tag of a keyed stream's message and the bytes it covers
             (``None``: the message carries no tag).
     """
@@ -363,11 +384,17 @@ class Request:
     stream_key: bytes = b""
     mac: bytes = b""
     covered: memoryview | None = None
+    resume: bytes = b""
 
     @property
     def names_round(self) -> bool:
         """Whether it carries fields only the first message of a stream may carry."""
-        return self.header is not None or bool(self.group_id) or bool(self.stream_key)
+        return (
+            self.header is not None
+            or bool(self.group_id)
+            or bool(self.stream_key)
+            or bool(self.resume)
+        )
 
 
 def deserialize_request(data: bytes) -> Request:
@@ -383,7 +410,7 @@ def _parse_request(data: bytes) -> Request:
     header: common_pb2.RequestHeader | None = None
     chunk: Header | None = None
     payload: memoryview | None = None
-    group_id = stream_key = mac = b""
+    group_id = stream_key = mac = resume = b""
     covered: memoryview | None = None
     part_index = chunk_index = 0
     weight = 0.0
@@ -393,6 +420,8 @@ def _parse_request(data: bytes) -> Request:
             covered, mac = _trailer(view, found)
         elif field == _STREAM_KEY_FIELD and wire_type == _LEN:
             stream_key = bytes(view[a:b])
+        elif field == _REQUEST_RESUME_FIELD and wire_type == _LEN:
+            resume = bytes(view[a:b])
         elif field == _REQUEST_HEADER_FIELD and wire_type == _LEN:
             header = common_pb2.RequestHeader.FromString(bytes(view[a:b]))
         elif field == _REQUEST_CHUNK_FIELD and wire_type == _LEN:
@@ -418,11 +447,17 @@ def _parse_request(data: bytes) -> Request:
         stream_key,
         mac,
         covered,
+        resume,
     )
 
 
 def reduce_digest(
-    group_id: bytes, part_index: int, weight: float, chunk_index: int, stream_key: bytes = b""
+    group_id: bytes,
+    part_index: int,
+    weight: float,
+    chunk_index: int,
+    stream_key: bytes = b"",
+    resume: bytes = b"",
 ) -> bytes:
     """What a ``Reduce`` stream's first message is signed over (:mod:`swarmavg.dht.auth`).
 
@@ -433,7 +468,8 @@ def reduce_digest(
     docs/security.md). Both ends build the same small message, so
     the sender signs what the receiver scans without either copying the payload.
 
-    A keyed stream's ``stream_key`` is covered too (nobody on the path can strip or swap it);
+    A keyed stream's ``stream_key`` and a resumed one's ``resume`` ticket are covered too
+    (nobody on the path can strip or swap them);
     an unkeyed one's digest is the same as before keys existed (an empty field is not
     serialised), so older senders' first messages still verify.
     """
@@ -443,6 +479,7 @@ def reduce_digest(
         weight=weight,
         chunk_index=chunk_index,
         stream_key=stream_key,
+        resume=resume,
     )
     return hashlib.sha256(naming.SerializeToString(deterministic=True)).digest()
 

@@ -65,6 +65,7 @@ class Tamper(enum.Enum):
     ALTER_REPLY = "alter one byte of an average the reducer returns"
     REPLAY_CHUNK = "send a chunk twice"
     DROP_CHUNK = "drop a chunk, pass the rest"
+    FORGE_END = "end the stream with a forged OK status instead of its first average"
 
 
 def _flip_payload_byte(body: bytes, upstream: bool) -> bytes:
@@ -103,24 +104,29 @@ class FrameRelay(SourceRelay):
             w.close()
 
     def _targets(self, upstream: bool) -> bool:
-        wanted = self.tamper is not Tamper.ALTER_REPLY
+        wanted = self.tamper not in (Tamper.ALTER_REPLY, Tamper.FORGE_END)
         return self.armed and not self.done and upstream == wanted
 
     async def _pump(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, upstream: bool
     ) -> None:
         messages = 0  # MSG frames of the current stream in this direction
+        swallowing = False  # the rest of a stream whose end was forged: never delivered
         try:
             while True:
                 head = await reader.readexactly(HEAD.size)
                 length, kind = HEAD.unpack(head)
                 body = await reader.readexactly(length)
                 frames = [(kind, body)]
-                if kind == MSG:
+                if swallowing:
+                    frames = []
+                    swallowing = kind not in (CLOSE, STATUS)
+                elif kind == MSG:
                     messages += 1
                     if messages == 2 and self._targets(upstream):
                         self.done = True
                         frames = self._tampered(body, upstream)
+                        swallowing = self.tamper is Tamper.FORGE_END
                 elif kind in (CLOSE, STATUS):
                     messages = 0
                 for k, b in frames:
@@ -135,6 +141,8 @@ class FrameRelay(SourceRelay):
             return [(MSG, body), (MSG, body)]
         if self.tamper is Tamper.DROP_CHUNK:
             return []
+        if self.tamper is Tamper.FORGE_END:
+            return [(STATUS, bytes((grpc.StatusCode.OK.value[0],)))]
         return [(MSG, _flip_payload_byte(body, upstream))]
 
 
@@ -234,7 +242,10 @@ async def _control_then_attack(peers: list[LocalPeer], relay: FrameRelay, tamper
         await channels.close()
 
 
-@pytest.mark.parametrize("tamper", list(Tamper), ids=[t.name.lower() for t in Tamper])
+ALTERATIONS = [t for t in Tamper if t is not Tamper.FORGE_END]
+
+
+@pytest.mark.parametrize("tamper", ALTERATIONS, ids=[t.name.lower() for t in ALTERATIONS])
 async def test_a_relay_cannot_alter_a_public_run_stream(
     grpc_servers: GrpcServerPool, tamper: Tamper
 ) -> None:
@@ -245,6 +256,47 @@ async def test_a_relay_cannot_alter_a_public_run_stream(
     try:
         await _control_then_attack(peers, relay, tamper)
     finally:
+        await relay.close()
+        await allreduce_peers.close_peers(peers)
+
+
+async def test_a_forged_end_is_a_stream_failure_reported_as_such(
+    grpc_servers: GrpcServerPool,
+) -> None:
+    """The relay answers a sender with an ``OK`` status in place of the reducer's first
+    average and swallows the rest of that stream. Nothing after the handshake is believed
+    without its tag: the sender keeps its local values for the missing chunks and its result
+    says that the stream ended with no end under its tag (before, the end was taken as the
+    reducer's: a partial result that said nothing of why)."""
+    peers = await allreduce_peers.start_peers(grpc_servers, MEMBERS, FAST, data_plane=True)
+    relay = FrameRelay(peers[RELAYED].data_port, Tamper.FORGE_END)
+    peers[RELAYED].data_port = int((await relay.start()).rpartition(":")[2])
+    channels = ChannelPool()
+    try:
+        for result, _, _ in await _round(peers, channels, seed=1):
+            assert not result.partial, (result.dropped, result.failed_parts)
+            assert not getattr(result, "unconfirmed_ends", {})
+
+        relay.armed = True
+        outcome = await _round(peers, channels, seed=2)
+        assert relay.done, "the relay never forged an end"
+        for result, own, means in outcome:
+            assert _possible(result, own, means).all()
+        forged = [
+            (index, result)
+            for index, (result, _, _) in enumerate(outcome)
+            if getattr(result, "unconfirmed_ends", {})
+        ]
+        assert len(forged) == 1, [getattr(r, "unconfirmed_ends", None) for r, _, _ in outcome]
+        index, result = forged[0]
+        assert index != RELAYED  # a sender to the relayed reducer
+        assert list(result.unconfirmed_ends) == [RELAYED]
+        assert "no end under its tag" in result.unconfirmed_ends[RELAYED]
+        assert result.partial
+        assert RELAYED in result.failed_parts
+        assert not result.distrusted  # the averages it had are authentic: not refused
+    finally:
+        await channels.close()
         await relay.close()
         await allreduce_peers.close_peers(peers)
 

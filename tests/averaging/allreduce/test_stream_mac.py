@@ -1,6 +1,6 @@
 """Keyed ``Reduce`` streams, without a network: the key agreement, the handshake's
 signature, and the MAC framing of messages on the wire (bad tag, wrong sequence, wrong
-direction, another stream's key, a missing or misplaced tag)."""
+direction, another stream's key, a missing or misplaced tag, the reducer's end marker)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from swarmavg.averaging.allreduce.wire import (
     OutgoingChunk,
     deserialize_reply,
     deserialize_request,
+    encode_end,
     encode_request,
     encode_response,
     reduce_digest,
@@ -78,6 +79,37 @@ def test_both_ends_agree_and_a_sealed_chunk_and_reply_verify() -> None:
         assert not reply.error
         assert reply.chunk_index == index
         sender.inbound.check(reply.covered, reply.mac)
+
+
+def test_a_sealed_piecewise_tag_is_the_tag_of_the_joined_message() -> None:
+    """A sender's message is tagged piece by piece (no join): the reducer checks the joined
+    bytes it receives against the same tag."""
+    key = bytes(range(32))
+    pieces = (b"head" * 10, memoryview(np.arange(4096, dtype=np.float32)).cast("B"))
+    trailer = StreamMac(key, Direction.TO_REDUCER).seal(pieces)
+    assert trailer == StreamMac(key, Direction.TO_REDUCER).seal([b"".join(pieces)])
+    StreamMac(key, Direction.TO_REDUCER).check(b"".join(pieces), trailer[2:])
+
+
+def test_the_reducers_end_marker_verifies_and_a_forged_one_fails() -> None:
+    """An end before the last average comes under the stream's tag: the sender reads it
+    as the reducer's; one written on the path (no key) fails like any altered message."""
+    _, _, sender, reducer = _ends()
+    reply = deserialize_reply(serialize_pieces(sealed(_reply(0, 0.5), reducer.outbound)))
+    sender.inbound.check(reply.covered, reply.mac)
+    end = deserialize_reply(
+        serialize_pieces(sealed(encode_end("FAILED_PRECONDITION: round is over"), reducer.outbound))
+    )
+    assert not end.error
+    assert end.end == "FAILED_PRECONDITION: round is over"
+    assert end.payload is None
+    sender.inbound.check(end.covered, end.mac)
+
+    _, _, sender, _ = _ends()
+    forged = StreamMac(bytes(32), Direction.TO_SENDER)
+    end = deserialize_reply(serialize_pieces(sealed(encode_end("forged"), forged)))
+    with pytest.raises(IntegrityError):
+        sender.inbound.check(end.covered, end.mac)
 
 
 def test_an_altered_byte_fails() -> None:
