@@ -33,7 +33,7 @@ from swarmavg.peer.daemon.config import DHTSettings
 from swarmavg.peer.daemon.daemon import StartupError
 from swarmavg.proto import dht_pb2
 from tests.dht.swarm import swarm
-from tests.peer.test_private_run import (
+from tests.peer.daemon.test_private_run import (
     REFUSED,
     pool,
     private_config,
