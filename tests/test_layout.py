@@ -234,3 +234,48 @@ def test_peer_rooms_import_only_the_rooms_they_build_on(module: str) -> None:
         if _room(target) is not None and _room(target) not in allowed
     ]
     assert crossing == []
+
+
+# tests/ mirrors the source: a folder of tests is named after the subpackage it tests, so a
+# reader finds a module's tests where the module is. tests/training holds the tests of the
+# training package (averaging/training).
+TEST_TREES = {
+    "tests/averaging": "averaging",
+    "tests/training": "averaging/training",
+    "tests/peer": "peer",
+    "tests/dht": "dht",
+    "tests/compression": "compression",
+}
+
+
+def _subfolders(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+
+
+@pytest.mark.parametrize("tests", sorted(TEST_TREES))
+def test_every_test_folder_is_named_after_a_subpackage(tests: str) -> None:
+    source = _subfolders(ROOT / TEST_TREES[tests])
+    assert _subfolders(ROOT / tests) - source == set()
+
+
+def test_peer_tests_sit_in_the_room_they_test() -> None:
+    # Beside the rooms sit only the tests of the package's shared modules (test_logs.py for
+    # peer/logs.py) and helpers; a test of a room's module goes in that room's folder.
+    peer_tests = ROOT / "tests" / "peer"
+    assert _subfolders(peer_tests) <= set(PEER_ROOMS)
+    shared = {f"test_{m.rpartition('.')[2]}.py" for m in PEER_SHARED}
+    assert {p.name for p in peer_tests.glob("test_*.py")} <= shared
+    # A room's folder holds its tests, so the walk above is not vacuous.
+    assert list((peer_tests / "daemon").glob("test_*.py"))
+
+
+def test_the_framework_integrations_are_tested_in_their_folder() -> None:
+    integrations = f"{TRAINING}.integrations"
+    outside = [
+        path.name
+        for path in sorted((ROOT / "tests" / "training").glob("*.py"))
+        if integrations in path.read_text()
+        or "averaging.training import integrations" in path.read_text()
+    ]
+    assert outside == []
+    assert list((ROOT / "tests" / "training" / "integrations").glob("test_*.py"))

@@ -2,7 +2,7 @@
 
 Every setting of :data:`swarmavg.peer.daemon.settings.SETTINGS` appears once, commented out, with
 its help text, flag and env var and its default (or, for settings without one, an example
-value), so the file cannot go stale: tests/peer/test_sample_config.py checks that the
+value), so the file cannot go stale: tests/peer/daemon/test_sample_config.py checks that the
 committed file equals this output and that uncommenting every line gives a valid config.
 
 Regenerate with ``python -m swarmavg.peer.daemon.sample_config > docs/swarmavg.toml``.

@@ -7,6 +7,7 @@ a flood of tiny fields) and never sends anything itself, so the honest reducers 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -29,13 +30,24 @@ from swarmavg.averaging.service import reduce_method_handler
 from swarmavg.compression import CodecInfo, get_codec
 from swarmavg.dht import ChannelPool, Identity
 from swarmavg.proto import averaging_pb2
-from tests.averaging.allreduce_peers import close_peers, make_group, run_group, start_peers
+from tests.averaging.allreduce_peers import (
+    FAST,
+    close_peers,
+    make_group,
+    run_group,
+    start_peers,
+)
 from tests.harness import GrpcServerPool
 
 pytestmark = pytest.mark.timeout(60)
 
 HONEST = 3
 CODEC = get_codec("none")
+# The honest senders wait max(3 x min_stall, registration_wait) for a reply of the hostile
+# reducer they can use before they keep its part local, the path under test: 1.5 s here
+# rather than FAST's 3 s. A reducer waits 2 x min_stall (1 s) for an honest sender's first
+# chunk, far longer than the senders of this one process take.
+QUICK = dataclasses.replace(FAST, min_stall=0.5, registration_wait=1.5)
 
 
 def _encoded(values: np.ndarray, index: int, senders: int = HONEST) -> bytes:
@@ -116,7 +128,7 @@ async def test_hostile_reducer_leaves_its_part_local(
 ) -> None:
     """In place (the daemon's shared memory), a forged reply must not clobber the local
     values it would have replaced: they are checked whole before anything is written."""
-    peers = await start_peers(grpc_servers, HONEST)
+    peers = await start_peers(grpc_servers, HONEST, QUICK)
     [hostile_address] = await grpc_servers.start(1, _registering(FORGERIES[forgery]))
     try:
         rng = np.random.default_rng(11)
@@ -175,7 +187,7 @@ async def test_a_codec_that_decodes_cleanly_into_the_result_keeps_local_values(
     whole payload before writing): a damaged reply leaves this member's values as they
     were, bit for bit."""
     assert get_codec("uint8-blockwise").decodes_into_cleanly
-    peers = await start_peers(grpc_servers, HONEST)
+    peers = await start_peers(grpc_servers, HONEST, QUICK)
     forge = _registering(lambda r, n: _blockwise_reply(r, n, damage))
     [hostile_address] = await grpc_servers.start(1, forge)
     try:

@@ -8,7 +8,7 @@ from pathlib import Path
 from swarmavg.peer.daemon.sample_config import sample_toml
 from swarmavg.peer.daemon.settings import SETTINGS, resolve_config
 
-SAMPLE = Path(__file__).resolve().parents[2] / "docs" / "swarmavg.toml"
+SAMPLE = Path(__file__).resolve().parents[3] / "docs" / "swarmavg.toml"
 KEY_LINE = re.compile(r"^# (\w+) = (.+)$")
 
 

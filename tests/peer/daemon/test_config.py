@@ -31,7 +31,7 @@ from swarmavg.peer.daemon.settings import (
     unknown_env,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # A value other than the default for every setting, as TOML writes it.
 SAMPLES: dict[str, str] = {

@@ -33,7 +33,7 @@ from swarmavg.peer.client.shm import NAME_RE, SHM_DIR, DaemonSegmentCache
 from swarmavg.peer.daemon.combiner import LocalCombiner
 from swarmavg.peer.daemon.control import ControlService
 from swarmavg.proto import control_pb2
-from tests.peer.raw_calls import unchecked_shm_call
+from tests.peer.daemon.raw_calls import unchecked_shm_call
 
 
 class SoloBackend:

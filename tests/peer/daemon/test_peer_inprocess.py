@@ -18,7 +18,7 @@ from swarmavg.peer import NoGroupError, Peer, PeerConfig, SchemaMismatchError, V
 from swarmavg.peer.cli.main import build_parser
 from swarmavg.peer.cli.status import format_status
 from swarmavg.peer.daemon.settings import flags_from_args, resolve_config
-from tests.peer.raw_calls import unchecked_shm_call
+from tests.peer.daemon.raw_calls import unchecked_shm_call
 
 pytestmark = pytest.mark.timeout(60)
 

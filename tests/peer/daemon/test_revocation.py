@@ -33,11 +33,12 @@ from swarmavg.peer.daemon.config import DHTSettings
 from swarmavg.peer.daemon.daemon import StartupError
 from swarmavg.proto import dht_pb2
 from tests.dht.swarm import swarm
-from tests.peer.test_private_run import (
+from tests.peer.daemon.test_private_run import (
     REFUSED,
     pool,
     private_config,
     probe_all,
+    probed,
     signer_of,
     target,
 )
@@ -111,7 +112,7 @@ async def test_a_revoked_peer_is_refused_everywhere_while_the_others_average(
     path = authority.folder / f"{RUN}.revoked"
     revoke(authority.authority_path, authority.run_path, [NOBODY.hex()], path)  # list #1
     c_tls = authority.tls(c)
-    first = with_list(private_config(authority, a, sock_dir), path)
+    first = probed(with_list(private_config(authority, a, sock_dir), path))
     async with Peer(first) as peer_a, pool(c_tls) as channels:
         assert peer_a.address is not None
         async with (
@@ -164,7 +165,7 @@ async def test_the_list_given_to_one_peer_reaches_the_others_through_the_dht(
     revoke(authority.authority_path, authority.run_path, [c.identity.peer_id_hex], path)
     c_tls = authority.tls(c)
     async with (
-        Peer(private_config(authority, b, sock_dir)) as peer_b,
+        Peer(probed(private_config(authority, b, sock_dir))) as peer_b,
         pool(c_tls) as channels,
     ):
         assert peer_b.address is not None

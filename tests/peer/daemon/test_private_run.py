@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ssl
 import struct
 import tempfile
@@ -25,6 +26,7 @@ from google.protobuf.message import Message
 
 from swarmavg.averaging.allreduce.framing import MAGIC
 from swarmavg.averaging.allreduce.wire import reduce_digest
+from swarmavg.averaging.averager import AveragerConfig
 from swarmavg.averaging.stubs import DOWNLOAD_STATE, JOIN_GROUP, REDUCE
 from swarmavg.dht import ChannelPool, Identity, RequestSigner
 from swarmavg.dht.ranges import split_host
@@ -73,6 +75,27 @@ def private_config(
         run_file=str(authority.run_path),
         credential=str(member.credential_path),
     )
+
+
+class ProbedPeerConfig(PeerConfig):
+    """A daemon's config whose streams for an unknown group are answered sooner.
+
+    A ``Reduce`` for a group not started here is held ``registration_wait`` (5 s by
+    default), in case its round is about to start, before the answer NOT_FOUND: a control
+    probe that reaches the handlers waits it out twice (over gRPC and over the data plane).
+    The answer is the same after a shorter hold, so the probed daemons hold 1 s.
+    """
+
+    def averager_config(self) -> AveragerConfig:
+        config = super().averager_config()
+        allreduce = dataclasses.replace(config.allreduce, registration_wait=1.0)
+        return dataclasses.replace(config, allreduce=allreduce)
+
+
+def probed(config: PeerConfig) -> PeerConfig:
+    """``config`` for a daemon that control probes reach (:class:`ProbedPeerConfig`)."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return ProbedPeerConfig(**fields)
 
 
 @dataclass(frozen=True)
@@ -262,7 +285,9 @@ async def test_a_peer_without_a_credential_of_the_run_is_refused_at_the_first_me
         foreign = Authority.create(tmp_path / "foreign", RUN)  # same run name, its own authority
         stranger = foreign.invite("mallory")
         identity, tls = stranger.identity, foreign.tls(stranger)
-    public = PeerConfig(listen="127.0.0.1:0", control=str(sock_dir / "pub.sock"), run_id=RUN)
+    public = probed(
+        PeerConfig(listen="127.0.0.1:0", control=str(sock_dir / "pub.sock"), run_id=RUN)
+    )
     async with (
         Peer(private_config(authority, member, sock_dir)) as private_peer,
         Peer(public) as public_peer,
@@ -296,7 +321,8 @@ async def test_a_credential_cannot_speak_as_another_peer(
 ) -> None:
     alice, bob, carol = (authority.invite(name) for name in ("alice", "bob", "carol"))
     bob_tls = authority.tls(bob)
-    async with Peer(private_config(authority, alice, sock_dir)) as peer, pool(bob_tls) as channels:
+    alice_config = probed(private_config(authority, alice, sock_dir))
+    async with Peer(alice_config) as peer, pool(bob_tls) as channels:
         where = target(peer)
         # Bob's connection, Carol's header (her public key is no secret): denied everywhere.
         as_carol = await probe_all(where, channels, bob_tls.client_context, carol.identity)
