@@ -283,10 +283,6 @@ def test_a_member_off_repairs_from_the_holders_whose_states_are_published_behind
             overlap_steps=1,
             batch_size_per_step=4,
             averaging_timeout=10.0,
-            # The repair is what makes c one with a and b again, so the final round is
-            # left out: it could average a difference away, and, closed one after another,
-            # a and b would each wait out its final_timeout for the ones still open.
-            final_round=False,
         )
         peers.append((model, opt))
 
