@@ -30,12 +30,13 @@ A roster peer that has not declared is waited for only for the family's *roster 
 (:func:`roster_grace`), not for the whole upper bound: a trainer whose process stopped (a
 laptop's lid closed) leaves its daemon alive, so no probe finds it dead, and every
 member of the next round would otherwise stand idle for ``matchmaking_time``. The grace
-follows how late the family's members arrived in its recent rounds (:func:`arrival_lateness`,
-a high mark times :data:`GRACE_FACTOR` plus a floor), so a member that is always a little
-late (a slower machine, a loaded one) is still waited for; a family's first rounds, with
-nothing observed yet, wait the whole upper bound. A peer that missed the grace is not
-counted in ``wanted`` either, and it stays in the roster: the next round waits its grace
-for it again, and it joins whichever round it reaches.
+follows how late the family's members arrived in its recent rounds
+(:func:`arrival_lateness`; a high percentile times :data:`GRACE_FACTOR`, plus a floor),
+so a member that is always a little late (a slower machine, a loaded one) is still
+waited for; a family's first rounds, with nothing observed yet, wait the whole upper
+bound. A peer that missed the grace is not counted in ``wanted`` either, and it stays in
+the roster: the next round waits its grace for it again, it joins whichever round it
+reaches, and how late it asked a closed leader counts toward that leader's grace.
 """
 
 from __future__ import annotations
@@ -52,12 +53,16 @@ MIN_SETTLE = 0.02
 MAX_SETTLE = 1.0
 """Seconds: nor above this, however slow: a slower swarm relies on the fast quorum."""
 GRACE_FACTOR = 2.0
-"""The roster grace is this many times the latest arrival the family's recent rounds saw."""
+"""The roster grace is this many times how late the last member arrived in the family's
+recent rounds (their :data:`LATENESS_PERCENTILE`)."""
 MIN_GRACE = 0.25
 """Seconds: the roster grace's floor (with the settle time), for rounds whose members all
 arrived at once: a member's declaration still takes a DHT write and a read to be seen."""
 LATENESS_KEPT = 16
-"""Rounds of a family whose arrivals its roster remembers (the grace takes their maximum)."""
+"""Rounds of a family whose arrivals its roster remembers."""
+LATENESS_PERCENTILE = 0.9
+"""Which of the remembered rounds' lateness the grace follows (nearest rank: with 16
+rounds the second latest, with fewer than 10 the latest)."""
 MIN_LATENESS_ROUNDS = 3
 """Rounds of a family observed before its roster grace applies: until then, the full wait."""
 _FAMILY_TAIL = re.compile(r"\d+$")
@@ -116,16 +121,20 @@ def arrival_lateness(starts: Collection[float], seen_after: Collection[float]) -
 def roster_grace(lateness: Sequence[float], settle: float, upper: float) -> float:
     """Seconds after its start that a leader waits for roster peers that have not declared.
 
-    ``GRACE_FACTOR`` times the latest arrival of the family's last :data:`LATENESS_KEPT`
-    rounds (``lateness``, oldest first), plus a floor of ``max(MIN_GRACE, settle)``,
+    ``GRACE_FACTOR`` times the :data:`LATENESS_PERCENTILE` of how late the last member
+    arrived in the family's last :data:`LATENESS_KEPT` rounds (``lateness``, oldest
+    first), plus a floor of ``max(MIN_GRACE, settle)``,
     never more than ``upper`` (the round's ``matchmaking_time``). With fewer than
     :data:`MIN_LATENESS_ROUNDS` rounds observed: ``upper`` (a family's first rounds,
     where trainers still start apart).
     """
-    recent = [x for x in lateness[-LATENESS_KEPT:] if x >= 0 and math.isfinite(x)]
+    recent = sorted(x for x in lateness[-LATENESS_KEPT:] if x >= 0 and math.isfinite(x))
     if len(recent) < MIN_LATENESS_ROUNDS:
         return upper
-    return min(upper, GRACE_FACTOR * max(recent) + max(MIN_GRACE, settle))
+    # The nearest-rank LATENESS_PERCENTILE: one outlier among 16 rounds (a member that
+    # was itself held up that once) does not make every later round wait the window.
+    high = recent[math.ceil(LATENESS_PERCENTILE * len(recent)) - 1]
+    return min(upper, GRACE_FACTOR * high + max(MIN_GRACE, settle))
 
 
 def key_family(key: str) -> str:

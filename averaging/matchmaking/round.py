@@ -169,14 +169,23 @@ class Round:
 
     def lateness(self) -> float | None:
         """How late the last member of the group this round formed arrived, as this peer
-        saw it (``closing.arrival_lateness``); None when no group of two or more formed."""
+        saw it (``closing.arrival_lateness``); None when no group of two or more formed,
+        or when the round was a family's first (its roster came from the run's presence
+        entries): processes that start seconds apart say nothing of a training loop's
+        rounds. Only a leader's own view counts beside the signed starts: it reads a
+        follower's declaration as it joins, where a follower reads the others' at its
+        polls, seconds late when it was redirected."""
+        if not self.proven_roster or not self.previous:
+            return None
         if not self.result.done() or self.result.cancelled():
             return None
         others = [m.peer_id for m in self.result.result().members if m.peer_id != self.me.peer_id]
         if not others:
             return None
         starts = [self.me.start, *(self.signed[p].start for p in others if p in self.signed)]
-        seen = [self.first_seen[p] - self.started for p in others if p in self.first_seen]
+        seen = []
+        if self.leader is None:
+            seen = [self.first_seen[p] - self.started for p in others if p in self.first_seen]
         return arrival_lateness(starts, seen)
 
     def roster(self) -> FamilyRoster:

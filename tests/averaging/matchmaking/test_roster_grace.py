@@ -50,6 +50,15 @@ def test_the_grace_follows_the_latest_arrival_of_recent_rounds() -> None:
     assert roster_grace(observed, settle=0.9, upper=5.0) == pytest.approx(GRACE_FACTOR * 0.3 + 0.9)
     # Never past the window.
     assert roster_grace([4.0] * 3, settle=0.05, upper=5.0) == 5.0
+    # One outlier among many rounds is not followed (the percentile), two are.
+    many = [0.1] * (LATENESS_KEPT - 1) + [3.0]
+    assert roster_grace(many, settle=0.05, upper=5.0) == pytest.approx(
+        GRACE_FACTOR * 0.1 + MIN_GRACE
+    )
+    many[0] = 1.0
+    assert roster_grace(many, settle=0.05, upper=5.0) == pytest.approx(
+        GRACE_FACTOR * 1.0 + MIN_GRACE
+    )
     # Only the newest LATENESS_KEPT rounds count: an old outlier is forgotten.
     old = [3.0] + [0.1] * LATENESS_KEPT
     assert roster_grace(old, settle=0.05, upper=5.0) == pytest.approx(
@@ -98,8 +107,17 @@ def test_a_formed_round_adds_its_lateness_to_the_roster() -> None:
         assert rnd.lateness() is None  # no group yet
         members = tuple(Member(pid(i), f"127.0.0.1:{1000 + i}", Mode.NODE) for i in (0, 1, 2))
         rnd.result.set_result(GroupInfo(b"g" * 16, members, SCHEMA))
+        rnd.leader = (pid(1), "127.0.0.1:1001")  # a follower: its reads are not arrivals
         assert rnd.lateness() == pytest.approx(0.3)  # signed starts 100.0 .. 100.3
         assert rnd.roster().lateness == pytest.approx((0.4, 0.3))
+        rnd.first_seen[pid(2)] = 50.6  # it led: it read 2's declaration as 2 joined
+        rnd.leader = None
+        assert rnd.lateness() == pytest.approx(0.6)
+        # A family's first round (its roster from presence entries) is not observed:
+        # processes start seconds apart there.
+        rnd.proven_roster = False
+        assert rnd.lateness() is None
+        assert rnd.roster().lateness == pytest.approx((0.4,))
 
     asyncio.run(check())
 
