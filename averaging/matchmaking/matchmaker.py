@@ -223,7 +223,7 @@ class Matchmaker(Following, Leading):
         finally:
             # Also after a failure: a peer stranded in this round expects, in its next
             # one, every peer it saw here (its next round heals the split).
-            seen = rnd.roster()
+            seen = rnd.roster(time.monotonic())
             if seen.peers:
                 remember(self._last, family, seen)
             if self._rounds.get(request.key) is rnd:

@@ -188,13 +188,17 @@ class Round:
             seen = [self.first_seen[p] - self.started for p in others if p in self.first_seen]
         return arrival_lateness(starts, seen)
 
-    def roster(self) -> FamilyRoster:
+    def roster(self, now: float) -> FamilyRoster:
         """Every peer this round saw under its family (the next round's expectation):
         declarers of our schema and codec, our group, groups that closed elsewhere; and
-        the family's lateness, this round's added."""
+        the family's lateness, this round's added. Roster peers that were still late at
+        ``now`` (the round's end) are left out: a stopped trainer is not waited for again
+        round after round, and a late one that asks a member of the closed group is
+        noted there again (``Leading._note_late_asker``)."""
         peers: dict[bytes, str | None] = {d.peer_id: d.address or None for d in self.declarations}
+        left_out = self.away() | self.gone | self.late(now)
         for peer_id in (*self.followers, *self.taken, *self.previous):
-            if peer_id in self.away() or peer_id in self.gone:
+            if peer_id in left_out:
                 continue
             declared = self.signed.get(peer_id)
             peers.setdefault(

@@ -93,6 +93,9 @@ def test_a_round_names_its_late_roster_peers_only_after_the_grace() -> None:
         assert rnd.late(10.0) == {pid(2), pid(3)}
         rnd.declarations = (decl(0), decl(1), decl(2))  # 2 declared after all
         assert rnd.late(10.0) == {pid(3)}
+        # The next round's roster leaves out those still late when the round ended.
+        assert set(rnd.roster(now=9.0).peers) == {pid(1), pid(2), pid(3)}
+        assert set(rnd.roster(now=10.0).peers) == {pid(1), pid(2)}
         # Without a grace (a family's first rounds), nobody is ever late.
         assert _round(previous={1, 2}, grace_by=math.inf).late(1e9) == frozenset()
 
@@ -109,7 +112,7 @@ def test_a_formed_round_adds_its_lateness_to_the_roster() -> None:
         rnd.result.set_result(GroupInfo(b"g" * 16, members, SCHEMA))
         rnd.leader = (pid(1), "127.0.0.1:1001")  # a follower: its reads are not arrivals
         assert rnd.lateness() == pytest.approx(0.3)  # signed starts 100.0 .. 100.3
-        assert rnd.roster().lateness == pytest.approx((0.4, 0.3))
+        assert rnd.roster(now=55.0).lateness == pytest.approx((0.4, 0.3))
         rnd.first_seen[pid(2)] = 50.6  # it led: it read 2's declaration as 2 joined
         rnd.leader = None
         assert rnd.lateness() == pytest.approx(0.6)
@@ -117,7 +120,7 @@ def test_a_formed_round_adds_its_lateness_to_the_roster() -> None:
         # processes start seconds apart there.
         rnd.proven_roster = False
         assert rnd.lateness() is None
-        assert rnd.roster().lateness == pytest.approx((0.4,))
+        assert rnd.roster(now=55.0).lateness == pytest.approx((0.4,))
 
     asyncio.run(check())
 
