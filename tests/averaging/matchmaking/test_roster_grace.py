@@ -47,7 +47,10 @@ def test_the_grace_follows_the_latest_arrival_of_recent_rounds() -> None:
     expected = GRACE_FACTOR * 0.3 + MIN_GRACE
     assert roster_grace(observed, settle=0.05, upper=5.0) == pytest.approx(expected)
     # The floor follows a slow DHT (the settle time) when that is above MIN_GRACE.
-    assert roster_grace(observed, settle=0.9, upper=5.0) == pytest.approx(GRACE_FACTOR * 0.3 + 0.9)
+    slow = MIN_GRACE + 0.5
+    assert roster_grace(observed, settle=slow, upper=5.0) == pytest.approx(
+        GRACE_FACTOR * 0.3 + slow
+    )
     # Never past the window.
     assert roster_grace([4.0] * 3, settle=0.05, upper=5.0) == 5.0
     # One outlier among many rounds is not followed (the percentile), two are.
