@@ -25,13 +25,25 @@ have declared; the settle time is derived from the DHT and RPC latencies this pe
 measured (:class:`Latency`), not a constant. And a declared peer outside the roster that
 does not join within its *patience* (it went to another leader, or died) stops being
 expected, so one lost peer cannot hold a group until the upper bound, ``matchmaking_time``.
+
+A roster peer that has not declared is waited for only for the family's *roster grace*
+(:func:`roster_grace`), not for the whole upper bound: a trainer whose process stopped (a
+laptop's lid closed) leaves its daemon alive, so no probe finds it dead, and every
+member of the next round would otherwise stand idle for ``matchmaking_time``. The grace
+follows how late the family's members arrived in its recent rounds
+(:func:`arrival_lateness`; a high percentile times :data:`GRACE_FACTOR`, plus a floor),
+so a member that is always a little late (a slower machine, a loaded one) is still
+waited for; a family's first rounds, with nothing observed yet, wait the whole upper
+bound. A peer that missed the grace is not counted in ``wanted`` either, and it stays in
+the roster: the next round waits its grace for it again, it joins whichever round it
+reaches, and how late it asked a closed leader counts toward that leader's grace.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from swarmavg.averaging.matchmaking.declarations import Declaration
@@ -40,6 +52,22 @@ MIN_SETTLE = 0.02
 """Seconds: the settle time never goes below this, however fast the DHT answered."""
 MAX_SETTLE = 1.0
 """Seconds: nor above this, however slow: a slower swarm relies on the fast quorum."""
+GRACE_FACTOR = 2.0
+"""The roster grace is this many times how late the last member arrived in the family's
+recent rounds (their :data:`LATENESS_PERCENTILE`)."""
+MIN_GRACE = 1.0
+"""Seconds: the roster grace's floor (with the settle time), for rounds whose members all
+arrived at once: a member's declaration still takes a DHT write and a read to be seen, and
+a member that restarted (a new client, a checkpoint loaded) comes a little later than its
+usual arrival: with a floor of 0.5 s, three trainers on one loaded machine, one restarted
+from a checkpoint, missed its first round one time in three."""
+LATENESS_KEPT = 16
+"""Rounds of a family whose arrivals its roster remembers."""
+LATENESS_PERCENTILE = 0.9
+"""Which of the remembered rounds' lateness the grace follows (nearest rank: with 16
+rounds the second latest, with fewer than 10 the latest)."""
+MIN_LATENESS_ROUNDS = 3
+"""Rounds of a family observed before its roster grace applies: until then, the full wait."""
 _FAMILY_TAIL = re.compile(r"\d+$")
 
 
@@ -74,6 +102,42 @@ def settle_time(dht_latency: float, rpc_latency: float) -> float:
     covers the jitter of a loaded machine.
     """
     return min(MAX_SETTLE, max(MIN_SETTLE, 2.0 * (2.0 * dht_latency + rpc_latency)))
+
+
+def arrival_lateness(starts: Collection[float], seen_after: Collection[float]) -> float:
+    """How late the last member of a formed group arrived, as one member saw it (seconds).
+
+    The larger of two views: the spread of the members' signed declared starts (wall-clock
+    times, the same for every member; a member's forged start can only widen it), and how
+    long after its own start this member first read each other member's declaration (its
+    own clock: it includes the DHT's write and read, and does not depend on the members'
+    clocks agreeing). Non-finite values are ignored; never negative.
+    """
+    spread = 0.0
+    finite = [s for s in starts if math.isfinite(s)]
+    if finite:
+        spread = max(finite) - min(finite)
+    seen = max((x for x in seen_after if math.isfinite(x)), default=0.0)
+    return max(0.0, spread, seen)
+
+
+def roster_grace(lateness: Sequence[float], settle: float, upper: float) -> float:
+    """Seconds after its start that a leader waits for roster peers that have not declared.
+
+    ``GRACE_FACTOR`` times the :data:`LATENESS_PERCENTILE` of how late the last member
+    arrived in the family's last :data:`LATENESS_KEPT` rounds (``lateness``, oldest
+    first), plus a floor of ``max(MIN_GRACE, settle)``,
+    never more than ``upper`` (the round's ``matchmaking_time``). With fewer than
+    :data:`MIN_LATENESS_ROUNDS` rounds observed: ``upper`` (a family's first rounds,
+    where trainers still start apart).
+    """
+    recent = sorted(x for x in lateness[-LATENESS_KEPT:] if x >= 0 and math.isfinite(x))
+    if len(recent) < MIN_LATENESS_ROUNDS:
+        return upper
+    # The nearest-rank LATENESS_PERCENTILE: one outlier among 16 rounds (a member that
+    # was itself held up that once) does not make every later round wait the window.
+    high = recent[math.ceil(LATENESS_PERCENTILE * len(recent)) - 1]
+    return min(upper, GRACE_FACTOR * high + max(MIN_GRACE, settle))
 
 
 def key_family(key: str) -> str:
@@ -135,6 +199,9 @@ class LeaderView:
         proven_roster: ``previous`` comes from a round of the family (its peers averaged
             under it), not from the run's presence entries (peers that may average under
             other keys): only such a roster closes a group at once (``"quorum"``).
+        late: roster peers that had not declared when the roster grace ran out
+            (:func:`roster_grace`): neither expected nor counted in ``wanted`` while
+            they have not declared.
     """
 
     me: Declaration
@@ -149,26 +216,27 @@ class LeaderView:
     gone: frozenset[bytes] = frozenset()
     away: frozenset[bytes] = frozenset()
     proven_roster: bool = True
+    late: frozenset[bytes] = frozenset()
 
     @property
     def awaited_previous(self) -> frozenset[bytes]:
-        """Roster peers that are neither elsewhere, nor dead, nor away."""
-        return self.previous - self.taken - self.gone - self.away
+        """Roster peers that are neither elsewhere, nor dead, nor away, nor late."""
+        return self.previous - self.taken - self.gone - self.away - self.late
 
 
 def wanted_here(view: LeaderView) -> int:
     """How many of the peers the caller expects this leader's group must hold.
 
     The caller's ``wanted`` counts the swarm (the training wrappers count its progress
-    records), less the previous members found dead. While those peers fit in one group,
-    the leader waits for all of them. Once more peers are known than one group holds, the
-    balanced split (:func:`assign_leaders`) gives each leader only its share, at least the
-    smallest group of the split: waiting for the whole count there could never be met
-    (5 peers with a given group size of 4 form 2 + 3), and every group of the split
-    would wait out ``matchmaking_time``. Which peers the leader still waits for is then
-    the expected set's to decide.
+    records), less the previous members found dead or late (past the roster grace). While
+    those peers fit in one group, the leader waits for all of them. Once more peers are
+    known than one group holds, the balanced split (:func:`assign_leaders`) gives each
+    leader only its share, at least the smallest group of the split: waiting for the
+    whole count there could never be met (5 peers with a given group size of 4 form
+    2 + 3), and every group of the split would wait out ``matchmaking_time``. Which
+    peers the leader still waits for is then the expected set's to decide.
     """
-    wanted = view.wanted - len(view.gone - view.members)
+    wanted = view.wanted - len((view.gone | view.late) - view.members)
     if wanted <= 0:
         return wanted
     # Peers in groups that closed elsewhere count: they are part of the same split.

@@ -30,6 +30,7 @@ from swarmavg.averaging.matchmaking.answers import (
 )
 from swarmavg.averaging.matchmaking.calling import Calling
 from swarmavg.averaging.matchmaking.closing import (
+    LATENESS_KEPT,
     LeaderView,
     close_reason,
     expected_members,
@@ -86,6 +87,7 @@ class Leading(Calling):
             gone=frozenset(rnd.gone),
             away=rnd.away(),
             proven_roster=rnd.proven_roster,
+            late=rnd.late(time.monotonic()),
         )
 
     def _close_reason(self, rnd: Round, now: float) -> str | None:
@@ -159,6 +161,8 @@ class Leading(Calling):
         wake = min(next_read, rnd.request.give_up_by)
         if rnd.close_by > now:
             wake = min(wake, rnd.close_by)
+        if rnd.roster_grace_by > now:
+            wake = min(wake, rnd.roster_grace_by)  # the late roster peers stop counting
         rnd.changed.clear()
         changed: asyncio.Future[Any] = asyncio.ensure_future(rnd.changed.wait())
         waits: set[asyncio.Future[Any]] = {changed, rnd.result}
@@ -503,6 +507,8 @@ class Leading(Calling):
         roster = self._last.get(entry.family)
         if roster is not None:
             roster.add(peer_id, member.address)
+            # How late it came counts toward the family's grace: next time it is waited for.
+            roster.observe_lateness(time.monotonic() - entry.started, LATENESS_KEPT)
 
     def _led_group(self, key: str, rnd: Round | None) -> LedGroup | None:
         """The group we led and closed under ``key``, while late joiners may ask."""

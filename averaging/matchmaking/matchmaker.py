@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Collection
 from swarmavg.averaging.dht_access import DHTAccess, dictionary_entries
 from swarmavg.averaging.errors import NoGroupError, SchemaMismatchError
 from swarmavg.averaging.group import GroupInfo, Mode
-from swarmavg.averaging.matchmaking.closing import expected_members, short_ids
+from swarmavg.averaging.matchmaking.closing import expected_members, roster_grace, short_ids
 from swarmavg.averaging.matchmaking.config import (
     MatchmakerConfig,
     MatchmakingEvent,
@@ -117,7 +117,9 @@ class Matchmaker(Following, Leading):
             # probe drops them) would hold the group until matchmaking_time. What the round
             # saw says nothing of another family's declarations.
             peers = {p: a for p, a in roster.peers.items() if p in companions}
-            roster = FamilyRoster(peers, roster.seen if next_family == family else 0)
+            roster = FamilyRoster(
+                peers, roster.seen if next_family == family else 0, lateness=roster.lateness
+            )
         remember(self._last, next_family, roster)
 
     async def find_group(
@@ -158,6 +160,13 @@ class Matchmaker(Following, Leading):
             # start seconds apart (a trainer imports torch, loads its data): they are
             # waited for as long as the call allows, not only for matchmaking_time.
             close_by = max(close_by, request.latest_close_by)
+        grace_by = math.inf
+        if roster.peers and roster.proven:
+            # Roster peers that have not declared are waited for as long as the family's
+            # members have been late lately, not for the whole window (``roster_grace``).
+            grace = roster_grace(roster.lateness, self.settle_time(), close_by - started)
+            if grace < close_by - started:  # else the window's deadline says it
+                grace_by = started + grace
         # Declarations are read by other peers, so they carry wall-clock times: the one
         # place where the round's monotonic instants move onto the DHT's clock.
         now = time.time()
@@ -188,6 +197,8 @@ class Matchmaker(Following, Leading):
             previous=frozenset(roster.peers),
             previous_addresses=roster_addresses(roster.peers),
             previous_seen=roster.seen,
+            previous_lateness=roster.lateness,
+            roster_grace_by=grace_by,
             proven_roster=roster.proven,
             shunned=self.shunned_in(family),
         )
@@ -208,13 +219,15 @@ class Matchmaker(Following, Leading):
             phases["led"] = 1.0 if rnd.leader is None else 0.0
             members = frozenset(m.peer_id for m in group.members)
             expiry = request.give_up_by
-            closed = ClosedRound(expiry, members, led_group_of(rnd), family, request.schema_hash)
+            closed = ClosedRound(
+                expiry, members, led_group_of(rnd), family, request.schema_hash, started
+            )
             remember(self._closed, request.key, closed)
             return group
         finally:
             # Also after a failure: a peer stranded in this round expects, in its next
             # one, every peer it saw here (its next round heals the split).
-            seen = rnd.roster()
+            seen = rnd.roster(time.monotonic())
             if seen.peers:
                 remember(self._last, family, seen)
             if self._rounds.get(request.key) is rnd:

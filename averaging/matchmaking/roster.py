@@ -105,11 +105,15 @@ class FamilyRoster:
             (0: unknown), for :func:`~.closing.read_back_suffices`.
         proven: the peers averaged under the family (False: they are the run's presence
             entries, read for a family's first round).
+        lateness: how late the last member arrived in each of the family's recent rounds
+            that this peer took part in, or that a late asker came to (seconds, oldest
+            first; :func:`~.closing.arrival_lateness`): what the roster grace follows.
     """
 
     peers: dict[bytes, str | None] = field(default_factory=dict)
     seen: int = 0
     proven: bool = True
+    lateness: tuple[float, ...] = ()
 
     def add(self, peer_id: bytes, address: str | None) -> None:
         """Remember one more peer of the family (a late asker), within :data:`MAX_ROSTER`."""
@@ -118,6 +122,11 @@ class FamilyRoster:
                 self.peers[peer_id] = address
         elif len(self.peers) < MAX_ROSTER:
             self.peers[peer_id] = address or None
+
+    def observe_lateness(self, seconds: float, keep: int) -> None:
+        """Remember one more round's lateness (the newest ``keep`` are kept)."""
+        if seconds >= 0 and math.isfinite(seconds):
+            self.lateness = (*self.lateness, seconds)[-keep:]
 
 
 class RunPresence:

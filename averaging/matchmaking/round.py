@@ -23,6 +23,7 @@ from typing import Any
 
 from swarmavg.averaging.dht_access import dictionary_entries
 from swarmavg.averaging.group import MAX_GROUP_SIZE, GroupInfo, Member
+from swarmavg.averaging.matchmaking.closing import LATENESS_KEPT, arrival_lateness
 from swarmavg.averaging.matchmaking.config import MatchRequest
 from swarmavg.averaging.matchmaking.declarations import Declaration, decode_declaration
 from swarmavg.averaging.matchmaking.roster import FamilyRoster
@@ -74,6 +75,11 @@ class Round:
     """``previous`` comes from a round of the family, not from presence entries."""
     previous_seen: int = 0
     """Declarations of our schema and codec the previous round saw in the end (0: none)."""
+    previous_lateness: tuple[float, ...] = ()
+    """The roster's lateness of the family's recent rounds (``FamilyRoster.lateness``)."""
+    roster_grace_by: float = math.inf
+    """``time.monotonic()`` after which, as a leader, it stops waiting for roster peers
+    that have not declared (``closing.roster_grace``; never in a family's first rounds)."""
     gone: set[bytes] = field(default_factory=set)
     """Previous members whose address refused a connection: dead, not merely late."""
     probing: asyncio.Task[None] | None = None
@@ -159,12 +165,46 @@ class Round:
         foreign = {p for p in self.signed if p not in ours}
         return frozenset(foreign | self.not_looking | set(self.mismatched) | set(self.other_codecs))
 
-    def roster(self) -> FamilyRoster:
+    def late(self, now: float) -> frozenset[bytes]:
+        """Roster peers not waited for any more: the roster grace ran out (at ``now``)
+        before they declared or joined."""
+        if now < self.roster_grace_by:
+            return frozenset()
+        declared = {d.peer_id for d in self.declarations}
+        return frozenset(self.previous - declared - self.member_ids())
+
+    def lateness(self) -> float | None:
+        """How late the last member of the group this round formed arrived, as this peer
+        saw it (``closing.arrival_lateness``); None when no group of two or more formed,
+        or when the round was a family's first (its roster came from the run's presence
+        entries): processes that start seconds apart say nothing of a training loop's
+        rounds. Only a leader's own view counts beside the signed starts: it reads a
+        follower's declaration as it joins, where a follower reads the others' at its
+        polls, seconds late when it was redirected."""
+        if not self.proven_roster or not self.previous:
+            return None
+        if not self.result.done() or self.result.cancelled():
+            return None
+        others = [m.peer_id for m in self.result.result().members if m.peer_id != self.me.peer_id]
+        if not others:
+            return None
+        starts = [self.me.start, *(self.signed[p].start for p in others if p in self.signed)]
+        seen = []
+        if self.leader is None:
+            seen = [self.first_seen[p] - self.started for p in others if p in self.first_seen]
+        return arrival_lateness(starts, seen)
+
+    def roster(self, now: float) -> FamilyRoster:
         """Every peer this round saw under its family (the next round's expectation):
-        declarers of our schema and codec, our group, groups that closed elsewhere."""
+        declarers of our schema and codec, our group, groups that closed elsewhere; and
+        the family's lateness, this round's added. Roster peers that were still late at
+        ``now`` (the round's end) are left out: a stopped trainer is not waited for again
+        round after round, and a late one that asks a member of the closed group is
+        noted there again (``Leading._note_late_asker``)."""
         peers: dict[bytes, str | None] = {d.peer_id: d.address or None for d in self.declarations}
+        left_out = self.away() | self.gone | self.late(now)
         for peer_id in (*self.followers, *self.taken, *self.previous):
-            if peer_id in self.away() or peer_id in self.gone:
+            if peer_id in left_out:
                 continue
             declared = self.signed.get(peer_id)
             peers.setdefault(
@@ -174,7 +214,11 @@ class Round:
             for member in self.result.result().members:
                 peers.setdefault(member.peer_id, member.address)
         peers.pop(self.me.peer_id, None)
-        return FamilyRoster(peers, len(self.declarations))
+        roster = FamilyRoster(peers, len(self.declarations), lateness=self.previous_lateness)
+        lateness = self.lateness()
+        if lateness is not None:
+            roster.observe_lateness(lateness, LATENESS_KEPT)
+        return roster
 
     def release_followers(self, final: averaging_pb2.JoinResponse) -> None:
         """Answer every follower waiting on this round with ``final``; unless the group
@@ -223,6 +267,9 @@ class ClosedRound:
     """The group, if we led it."""
     family: str
     schema_hash: bytes
+    started: float = math.nan
+    """``time.monotonic()`` when this peer started the round: a late asker's lateness is
+    measured from it."""
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,7 @@ def view(
     min_group_size: int = 2,
     away: set[int] = frozenset(),  # type: ignore[assignment]
     proven_roster: bool = True,
+    late: set[int] = frozenset(),  # type: ignore[assignment]
 ) -> LeaderView:
     return LeaderView(
         me=decl(0),
@@ -74,6 +75,7 @@ def view(
         gone=frozenset(pid(i) for i in gone),
         away=frozenset(pid(i) for i in away),
         proven_roster=proven_roster,
+        late=frozenset(pid(i) for i in late),
     )
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import numpy as np
 import pytest
 
 from swarmavg.averaging.errors import NoGroupError
 from swarmavg.averaging.group import Mode
+from swarmavg.averaging.matchmaking.closing import MIN_LATENESS_ROUNDS
 from swarmavg.averaging.matchmaking.config import MatchmakingEvent
 from swarmavg.averaging.matchmaking.declarations import MAX_ADDRESS_CHARS
 from swarmavg.averaging.matchmaking.keys import matchmaking_key
@@ -106,8 +108,14 @@ async def test_a_late_peer_is_expected_in_the_next_round_and_the_swarm_is_one_ag
         assert len({r.group_id for r in results}) == 1
 
 
-async def _average(peer: Peer, key: str, tensors: list[np.ndarray]) -> AveragingResult:
-    return await peer.averager.average(tensors, key, timeout=20.0)
+async def _average(
+    peer: Peer,
+    key: str,
+    tensors: list[np.ndarray],
+    group_size: int | None = None,
+    timeout: float = 20.0,
+) -> AveragingResult:
+    return await peer.averager.average(tensors, key, group_size=group_size, timeout=timeout)
 
 
 @pytest.mark.timeout(120)
@@ -132,3 +140,35 @@ async def test_a_familys_first_round_waits_past_matchmaking_time_for_the_runs_av
         assert "deadline" in {
             reason for p in (first, second) for reason in p.averager.matchmaker.closes
         }
+
+
+@pytest.mark.timeout(120)
+async def test_a_member_that_stops_calling_costs_the_others_the_grace_not_the_window() -> None:
+    # Three peers average a few rounds of a family together; then one's trainer stops (its
+    # daemon lives on: no probe finds it dead) while the others' records still name it
+    # (group_size=3). They close on their quorum once the family's grace has passed, not
+    # at the end of the window; then it calls again and the three are one group.
+    config = fast_config(matchmaking_time=30.0)
+    async with averager_swarm(3, config) as swarm:
+        tensors = [np.ones(8, dtype=np.float32)]
+        everyone = swarm.peers
+        # The family's first round has no roster yet: it is not observed.
+        rounds = MIN_LATENESS_ROUNDS + 1
+        for i in range(rounds):
+            results = await asyncio.gather(
+                *(_average(p, f"grace-{i}", tensors, group_size=3) for p in everyone)
+            )
+            assert [r.group_size for r in results] == [3, 3, 3]
+        awake = everyone[:2]
+        before = sum((p.averager.matchmaker.closes for p in awake), Counter[str]())
+        results = await asyncio.gather(
+            *(_average(p, f"grace-{rounds}", tensors, group_size=3, timeout=45.0) for p in awake)
+        )
+        assert [r.group_size for r in results] == [2, 2]
+        after = sum((p.averager.matchmaker.closes for p in awake), Counter[str]())
+        assert after - before == Counter({"quorum": 1}), after - before
+        results = await asyncio.gather(
+            *(_average(p, f"grace-{rounds + 1}", tensors, group_size=3) for p in everyone)
+        )
+        assert [r.group_size for r in results] == [3, 3, 3]
+        assert len({r.group_id for r in results}) == 1
