@@ -1,10 +1,14 @@
 """One rank of a "machine" in the hierarchical-mode tests (and the benchmark).
 
-Run as ``python hier_worker.py '<json spec>'``. The rank joins its machine's gloo group
-(a FileStore per machine), builds a wrapper with ``process_group="world"`` (or, with
-``spec["flat"]``, as a process of its own with its own daemon), trains a tiny linear model
-on one fixed batch and writes ``spec["out"]``: a ``.pt`` file with the final parameters
-and a ``.json`` file with what the test checks (or the exception's class and message).
+Run as ``python hier_worker.py '<json spec>'`` for one scenario, or as
+``python hier_worker.py --serve`` to run one scenario per JSON line of stdin until it ends
+(starting Python and torch costs far more than a scenario's training, so tests run several
+scenarios on one set of ranks). In a scenario the rank joins its machine's gloo group (a
+FileStore per machine and scenario), builds a wrapper with ``process_group="world"`` (or,
+with ``spec["flat"]``, as a process of its own with its own daemon), trains a tiny linear
+model on one fixed batch and writes ``spec["out"]``: a ``.pt`` file with the final
+parameters and a ``.json`` file with what the test checks (or the exception's class and
+message).
 """
 
 from __future__ import annotations
@@ -125,10 +129,11 @@ def start_barrier(out: Path, go: Path, deadline: float = 120.0) -> None:
         time.sleep(0.01)
 
 
-def main(spec: dict[str, Any]) -> int:
+def run_scenario(spec: dict[str, Any], *, served: bool) -> None:
+    """One scenario: train, then write its record. ``served``: more scenarios follow in
+    this process, so the gloo group goes also after a failure (the next scenario makes a
+    group of its own, on a store of its own)."""
     from swarmavg.peer import connect
-
-    faulthandler.register(signal.SIGUSR1)  # a stuck rank shows where, when the test asks
 
     out = Path(spec["out"])
     record: dict[str, Any] = {"rank": spec["rank"]}
@@ -204,10 +209,19 @@ def main(spec: dict[str, Any]) -> int:
     out.with_suffix(".json").write_text(json.dumps(record))
     if client is not None:
         client.close()
-    if not flat and record["ok"]:
+    if not flat and (record["ok"] or served):
         dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> int:
+    faulthandler.register(signal.SIGUSR1)  # a stuck rank shows where, when the test asks
+    if argv == ["--serve"]:
+        for line in sys.stdin:
+            run_scenario(json.loads(line), served=True)
+        return 0
+    run_scenario(json.loads(argv[0]), served=False)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(json.loads(sys.argv[1])))
+    sys.exit(main(sys.argv[1:]))

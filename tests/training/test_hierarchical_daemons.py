@@ -2,7 +2,9 @@
 
 Each machine is a real ``swarmavg peer`` daemon and two trainer processes
 (tests/training/hier_worker.py) in one gloo group (a FileStore of its own); only each
-group's rank 0 talks to its daemon. The tests check what a user of a DDP job expects:
+group's rank 0 talks to its daemon. The tests that kill nothing share the daemons and
+the four trainer processes, each test running its own scenario (run id, gloo groups,
+records) on them. The tests check what a user of a DDP job expects:
 every rank ends with the same parameters, equal to the swarm's step on the mean of all
 four ranks' contributions weighted by their samples; the swarm sees one process per
 machine; and a leader that vanishes makes its follower fail, not hang.
@@ -50,6 +52,8 @@ class Machines:
     Attributes:
         daemons: the daemons, shared by the tests of this module that kill none of them
             (starting two daemons costs more than most of these tests' training).
+        ranks: the trainer ranks on them, shared likewise (starting four torch processes
+            costs about ten times a scenario's training).
         run_id: the trainers' run id (their key prefix), this test's own, so that no
             progress record, round or state of an earlier test is seen.
         before: each daemon's status when the test began: the rounds it counts are
@@ -57,8 +61,15 @@ class Machines:
     """
 
     daemons: list[SwarmavgProcess]
+    ranks: hier_machines.ServedRanks
     run_id: str
     before: list[dict[str, Any]]
+
+    def run(self, workdir: Path, timeout: float, **spec: Any) -> hier_machines.Records:
+        """This test's scenario on the shared ranks (two per machine), in ``workdir``."""
+        return self.ranks.run(
+            workdir, timeout, run_id=self.run_id, batch_of=lambda m, r: BATCHES[(m, r)], **spec
+        )
 
     def rounds(self, m: int, field: str) -> int:
         """Rounds of ``field`` (``rounds_done``, ``rounds_failed``) daemon ``m`` counted
@@ -75,12 +86,26 @@ def shared_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Sw
         pool.close()
 
 
+@pytest.fixture(scope="module")
+def shared_ranks(
+    shared_daemons: list[SwarmavgProcess], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[hier_machines.ServedRanks]:
+    ranks = hier_machines.ServedRanks(tmp_path_factory.mktemp("hier-ranks"), shared_daemons, 2)
+    try:
+        yield ranks
+    finally:
+        ranks.close()
+
+
 @pytest.fixture
-def machines(shared_daemons: list[SwarmavgProcess]) -> Machines:
+def machines(
+    shared_daemons: list[SwarmavgProcess], shared_ranks: hier_machines.ServedRanks
+) -> Machines:
     for daemon in shared_daemons:  # an earlier test must not have lost one
         assert daemon.proc.poll() is None, daemon.stderr()
     return Machines(
         shared_daemons,
+        shared_ranks,
         f"{RUN}-{next(_TEST_RUNS)}",
         [status_of(daemon) for daemon in shared_daemons],
     )
@@ -148,17 +173,13 @@ def assert_one_machine_per_peer(
 def test_two_machines_of_two_ranks_average_gradients_once_per_machine(
     machines: Machines, tmp_path: Path
 ) -> None:
-    daemons = machines.daemons
     epochs = 2
-    records = run_machines(
+    records = machines.run(
         tmp_path,
-        daemons,
-        2,
         timeout=240,
         wrapper="collaborative",
         target=48,
         epochs=epochs,
-        run_id=machines.run_id,
     )
     assert_one_machine_per_peer(records, machines, epochs)
     for m in range(2):  # ranks of one machine step in lockstep
@@ -175,17 +196,13 @@ def test_two_machines_of_two_ranks_average_gradients_once_per_machine(
 def test_two_machines_of_two_ranks_diloco_takes_the_weighted_mean_of_all_replicas(
     machines: Machines, tmp_path: Path
 ) -> None:
-    daemons = machines.daemons
     local_steps = 3
-    records = run_machines(
+    records = machines.run(
         tmp_path,
-        daemons,
-        2,
         timeout=240,
         wrapper="diloco",
         local_steps=local_steps,
         epochs=1,
-        run_id=machines.run_id,
     )
     assert_one_machine_per_peer(records, machines, 1)
     # With outer SGD at lr 1 the outer step lands on the mean of the replicas after H
@@ -244,11 +261,8 @@ def test_a_failure_of_the_leaders_round_reaches_every_rank_the_same_way(
     error, re-raised there) and its follower raises the same failure as LocalGroupError.
     Machine 1 then has no partner: its round fails and both its ranks step locally, each
     with the leader's SwarmRoundWarning, and end identical."""
-    daemons = machines.daemons
-    records = run_machines(
+    records = machines.run(
         tmp_path,
-        daemons,
-        2,
         timeout=240,
         wrapper="collaborative",
         target=48,
@@ -259,7 +273,6 @@ def test_a_failure_of_the_leaders_round_reaches_every_rank_the_same_way(
         # checks, so both are short; the failure's way to every rank is unchanged.
         max_wait=1.0,
         averaging_timeout=5.0,
-        run_id=machines.run_id,
     )
     leader, follower = records[(0, 0)], records[(0, 1)]
     assert leader["ok"] is False, leader
@@ -283,16 +296,12 @@ def test_two_machines_of_two_ranks_powersgd_compresses_each_machines_gradient_on
 ) -> None:
     from swarmavg.averaging.training.powersgd import PowerSGDState, orthogonalize
 
-    daemons = machines.daemons
-    records = run_machines(
+    records = machines.run(
         tmp_path,
-        daemons,
-        2,
         timeout=240,
         wrapper="powersgd",
         target=48,
         epochs=1,
-        run_id=machines.run_id,
     )
     for key, record in records.items():
         assert record.get("ok"), (key, record)
@@ -345,19 +354,15 @@ def test_two_machines_of_two_ranks_with_delayed_updates_land_each_round_on_every
     parameters minus LR times every epoch's samples-weighted mean gradient."""
     from tests.training.hier_worker import linear_backward
 
-    daemons = machines.daemons
     epochs = 2
-    records = run_machines(
+    records = machines.run(
         tmp_path,
-        daemons,
-        2,
         timeout=240,
         wrapper="collaborative",
         target=48,
         epochs=epochs,
         delay_updates=True,
         linear_loss=True,
-        run_id=machines.run_id,
     )
     assert_one_machine_per_peer(records, machines, epochs)
     final = records[(0, 0)]["params"]
@@ -392,17 +397,13 @@ def test_two_machines_of_two_ranks_streaming_diloco_syncs_each_fragment_once_per
     train on, and lands on both one step later; every rank of both machines ends with the
     same anchor, and each rank keeps its own progress on top of it (no final round on
     close, which would average that progress away: test_one_swarm.py covers it)."""
-    daemons = machines.daemons
     syncs = 4  # two of each fragment
-    records = run_machines(
+    records = machines.run(
         tmp_path,
-        daemons,
-        2,
         timeout=240,
         wrapper="streaming",
         local_steps=4,
         epochs=syncs,
-        run_id=machines.run_id,
         final_round=False,
     )
     assert_one_machine_per_peer(records, machines, syncs)
