@@ -32,6 +32,17 @@ class NoGroupError(AveragingError):
     """Fewer than ``min_group_size`` peers could be gathered before the deadline."""
 
 
+class RoundClosedError(NoGroupError):
+    """No group for this peer because the round under its key already closed without it:
+    the group it belonged to averaged before it joined, and nobody else is looking.
+
+    A :class:`NoGroupError` (code that catches that one is unchanged), told apart so that a
+    training wrapper knows the others *are* stepping this round: it waits for their step
+    and adopts it rather than stepping alone (docs/training.md, "when a member is waited
+    for").
+    """
+
+
 class SchemaMismatchError(AveragingError, ValueError):
     """Peers averaging under the same key hold tensors of different shapes or dtypes.
 
@@ -64,6 +75,7 @@ __all__ = [
     "InvalidTensorsError",
     "MatchmakingError",
     "NoGroupError",
+    "RoundClosedError",
     "SchemaMismatchError",
     "StateDownloadError",
     "StateNotFoundError",

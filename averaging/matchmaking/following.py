@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from swarmavg.averaging.errors import NoGroupError
+from swarmavg.averaging.errors import NoGroupError, RoundClosedError
 from swarmavg.averaging.group import MAX_GROUP_SIZE, GroupInfo
 from swarmavg.averaging.matchmaking.answers import (
     FINAL,
@@ -149,7 +149,7 @@ class Following(Calling):
         ]
         if 1 + len(others) >= rnd.request.min_group_size:
             return None
-        return NoGroupError(
+        return RoundClosedError(
             f"the round under {rnd.request.key!r} closed before this peer joined: "
             f"{len(rnd.taken)} peer(s) ({short_ids(rnd.taken)}) averaged without it and no "
             f"other peer is looking; min_group_size is {rnd.request.min_group_size}"

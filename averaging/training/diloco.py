@@ -29,6 +29,7 @@ from swarmavg.averaging.training.company_link import DEFAULT_START_TIMEOUT
 from swarmavg.averaging.training.consensus import Role, Verdict
 from swarmavg.averaging.training.digest import state_digest
 from swarmavg.averaging.training.late_work import LateWork, late_work_fate, rebased
+from swarmavg.averaging.training.left_out import await_swarm_step
 from swarmavg.averaging.training.local_group import LocalGroup, resolve_local_group
 from swarmavg.averaging.training.pace import SwarmPace, planned_steps, swarm_rate
 from swarmavg.averaging.training.schedule import (
@@ -411,6 +412,7 @@ class DiLoCo(SwarmOptimizer):
         verdict: Verdict | None = None
         expected = progress.round_members(self.tracker.peer_id)
         if len(expected) > 1:
+            left_out = self.link.stats.left_out
             started = time.monotonic()
             result = self.link.average(
                 self._with_schedule(delta),
@@ -426,6 +428,9 @@ class DiLoCo(SwarmOptimizer):
                 self.link.no_shows.note(expected, [self.tracker.peer_id])
             if result is None:
                 after = self.tracker.refresh()
+                if after.epoch == epoch and self.link.stats.left_out > left_out:
+                    # their round closed without us and is still running (left_out)
+                    after = await_swarm_step(self.tracker, epoch, self.link.timeout)
                 if after.epoch != epoch:  # they stepped without us: take their state
                     self._catch_up(after)
                     return

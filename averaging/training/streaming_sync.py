@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from swarmavg.averaging.run_records.progress import GlobalProgress
+from swarmavg.averaging.training.left_out import await_swarm_step
 from swarmavg.averaging.training.progress import ProgressTracker
 from swarmavg.averaging.training.swarm import RoundResultLike, SwarmLink
 
@@ -41,7 +42,8 @@ class SyncOutcome:
     Attributes:
         progress: the swarm's progress read when the sync started.
         behind: the swarm is not at this sync's epoch (it passed it, or this member is
-            ahead of its majority): no round ran (catch up instead).
+            ahead of its majority): no round ran, or it closed without this member and the
+            swarm stepped meanwhile (catch up instead).
         local: this member's pseudo-gradient of the fragment (empty when ``behind``).
         digest: the shared state's digest attached to the round (empty when ``behind``).
         result: the round's result; None when it failed, or ran alone (one member).
@@ -120,7 +122,7 @@ def run_sync(
     expected = progress.round_members(tracker.peer_id)
     if len(expected) <= 1:
         return SyncOutcome(progress, False, arrays, mine, None, "", 0.0)
-    failed = link.stats.failed
+    failed, left_out = link.stats.failed, link.stats.left_out
     started = time.monotonic()
     result = link.average(
         with_schedule(arrays),
@@ -135,7 +137,14 @@ def run_sync(
         # it waited for processes catching up that did not come (round_members)
         link.no_shows.note(expected, [tracker.peer_id])
     error = link.stats.last_error if link.stats.failed > failed else ""
-    return SyncOutcome(progress, False, arrays, mine, result, error, time.monotonic() - started)
+    seconds = time.monotonic() - started
+    if result is None and link.stats.left_out > left_out:
+        # Their round closed without us and is still running: wait here, off the training
+        # thread, for their step, which the sync's outcome then catches up with (left_out).
+        after = await_swarm_step(tracker, epoch, link.timeout)
+        if after.epoch != epoch:
+            return SyncOutcome(after, True, [], b"", None, error, seconds)
+    return SyncOutcome(progress, False, arrays, mine, result, error, seconds)
 
 
 __all__ = ["PendingSync", "RankSync", "SyncOutcome", "run_sync"]

@@ -23,6 +23,7 @@ from swarmavg.averaging.aggregation import MEAN, canonical_aggregation
 from swarmavg.averaging.errors import (
     AveragingError,
     InvalidTensorsError,
+    RoundClosedError,
     SchemaMismatchError,
     StateNotFoundError,
 )
@@ -154,6 +155,9 @@ class RoundStats:
             step its inner work was for and carried that work onto the swarm's anchor
             (:mod:`~swarmavg.averaging.training.late_work`).
         late_discards: times it dropped such work instead (too stale, or ahead alone).
+        left_out: of the failed rounds, those that closed without this process: its group
+            averaged before it joined (``RoundClosedError``), so the others are stepping
+            (:mod:`~swarmavg.averaging.training.left_out`).
     """
 
     rounds: int = 0
@@ -176,6 +180,7 @@ class RoundStats:
     final_group_size: int = 0
     late_merges: int = 0
     late_discards: int = 0
+    left_out: int = 0
 
 
 def swarm_errors() -> tuple[type[Exception], ...]:
@@ -296,6 +301,8 @@ class SwarmLink:
         except _validation_errors():
             raise
         except swarm_errors() as exc:
+            if isinstance(exc, RoundClosedError):
+                self.stats.left_out += 1
             self._failed(key, exc, warn, stacklevel=4)
             return None
         finally:

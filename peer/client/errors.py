@@ -38,6 +38,11 @@ class NoGroupError(SwarmError, layer.NoGroupError):
     """Fewer than ``min_group_size`` peers were found before the call's timeout."""
 
 
+class RoundClosedError(NoGroupError, layer.RoundClosedError):
+    """No group because the round under the key closed (its group averaged) before this
+    peer joined, and nobody else is looking: the others did step this round."""
+
+
 class AveragingError(SwarmError):
     """A round failed for another reason than matchmaking (reported by the daemon)."""
 
@@ -78,6 +83,7 @@ _ERROR_FOR_STATUS: dict[str, type[SwarmError]] = {
 STATUS_FOR_ERROR: dict[type[SwarmError], str] = {
     **{cls: code for code, cls in _ERROR_FOR_STATUS.items()},
     SchemaMismatchError: "INVALID_ARGUMENT",
+    RoundClosedError: "FAILED_PRECONDITION",
 }
 """Exception class -> gRPC status code name used by the daemon."""
 
@@ -88,6 +94,7 @@ refines the status code where one code covers several causes."""
 
 _ERROR_FOR_REASON: dict[tuple[str, str], type[SwarmError]] = {
     ("INVALID_ARGUMENT", "schema_mismatch"): SchemaMismatchError,
+    ("FAILED_PRECONDITION", "round_closed"): RoundClosedError,
 }
 
 

@@ -76,6 +76,8 @@ def classify(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode[code], reason
     if isinstance(exc, averaging_errors.InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, "invalid_input"
+    if isinstance(exc, averaging_errors.RoundClosedError):
+        return grpc.StatusCode.FAILED_PRECONDITION, "round_closed"
     if isinstance(exc, averaging_errors.NoGroupError):
         return grpc.StatusCode.FAILED_PRECONDITION, "no_group"
     if isinstance(exc, averaging_errors.StateNotFoundError):

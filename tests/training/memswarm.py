@@ -21,7 +21,12 @@ import numpy as np
 
 from swarmavg.averaging.errors import InvalidRequestError
 from swarmavg.averaging.request import RoundRequest, check_finite
-from swarmavg.peer.client.errors import NoGroupError, NoStateError, ValidationError
+from swarmavg.peer.client.errors import (
+    NoGroupError,
+    NoStateError,
+    RoundClosedError,
+    ValidationError,
+)
 
 
 @dataclass
@@ -148,7 +153,7 @@ class MemoryClient:
         with swarm.cond:
             rnd = swarm.rounds.setdefault(key, _Round(group_size or 16))
             if rnd.closed:
-                raise NoGroupError(f"round {key} closed before {self.peer_id} arrived")
+                raise RoundClosedError(f"round {key} closed before {self.peer_id} arrived")
             rnd.members[self.peer_id] = (arrays, weight)
             if request.state_digest:
                 rnd.digests[self.peer_id] = request.state_digest

@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from swarmavg.averaging.errors import NoGroupError
+from swarmavg.averaging.errors import RoundClosedError
 from swarmavg.averaging.group import Mode
 from swarmavg.averaging.matchmaking.closing import MIN_LATENESS_ROUNDS
 from swarmavg.averaging.matchmaking.config import MatchmakingEvent
@@ -88,7 +88,7 @@ async def test_a_late_peer_is_expected_in_the_next_round_and_the_swarm_is_one_ag
         tensors = [np.ones(8, dtype=np.float32)]
         first = await asyncio.gather(*(_average(p, "step-0", tensors) for p in (early, other)))
         assert [r.group_size for r in first] == [2, 2]
-        with pytest.raises(NoGroupError, match="closed before this peer joined"):
+        with pytest.raises(RoundClosedError, match="closed before this peer joined"):
             await _average(late, "step-0", tensors)
         family = matchmaking_key(RUN_ID, "step-", early.averager.group_bits)
         rosters = [p.averager.matchmaker._last[family].peers for p in (early, other)]

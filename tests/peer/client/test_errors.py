@@ -40,13 +40,35 @@ def test_unavailable_without_details_names_the_endpoint() -> None:
     assert "swarmavg peer" in str(mapped)
 
 
-def test_the_reason_label_tells_a_schema_mismatch_from_bad_input() -> None:
-    code, reason = classify(averaging_errors.SchemaMismatchError("x"))
+@pytest.mark.parametrize(
+    ("refined", "client_class", "plain", "sibling"),
+    [
+        (
+            averaging_errors.SchemaMismatchError("x"),
+            errors.SchemaMismatchError,
+            errors.ValidationError,
+            averaging_errors.InvalidTensorsError("nan"),
+        ),
+        (
+            averaging_errors.RoundClosedError("x"),
+            errors.RoundClosedError,
+            errors.NoGroupError,
+            averaging_errors.NoGroupError("nobody came"),
+        ),
+    ],
+)
+def test_the_reason_label_tells_a_refined_failure_from_its_plain_class(
+    refined: Exception,
+    client_class: type[errors.SwarmError],
+    plain: type[errors.SwarmError],
+    sibling: Exception,
+) -> None:
+    code, reason = classify(refined)
     mapped = errors.error_from_status(code.name, "why", "/tmp/x.sock", reason)
-    assert type(mapped) is errors.SchemaMismatchError
-    assert isinstance(mapped, errors.ValidationError)  # what callers caught before
-    assert isinstance(mapped, averaging_errors.SchemaMismatchError)
+    assert type(mapped) is client_class
+    assert isinstance(mapped, plain)  # what callers caught before
+    assert isinstance(mapped, type(refined))
     # without the label (an older daemon), or with another one: the plain class
-    assert type(errors.error_from_status(code.name, "why", "x", "")) is errors.ValidationError
-    code, reason = classify(averaging_errors.InvalidTensorsError("nan"))
-    assert type(errors.error_from_status(code.name, "why", "x", reason)) is errors.ValidationError
+    assert type(errors.error_from_status(code.name, "why", "x", "")) is plain
+    code, reason = classify(sibling)
+    assert type(errors.error_from_status(code.name, "why", "x", reason)) is plain

@@ -7,14 +7,22 @@ import contextlib
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 
-from swarmavg.peer import NoGroupError, Peer, PeerConfig, SchemaMismatchError, ValidationError
+from swarmavg.peer import (
+    AsyncClient,
+    NoGroupError,
+    Peer,
+    PeerConfig,
+    RoundClosedError,
+    SchemaMismatchError,
+    ValidationError,
+)
 from swarmavg.peer.cli.main import build_parser
 from swarmavg.peer.cli.status import format_status
 from swarmavg.peer.daemon.settings import flags_from_args, resolve_config
@@ -72,13 +80,21 @@ async def _joined(
     return peers
 
 
+@contextlib.asynccontextmanager
+async def _three_peers(
+    sock_dir: Path, run_id: str
+) -> AsyncIterator[tuple[list[Peer], list[AsyncClient]]]:
+    """Three in-process peers of ``run_id`` joined through the first, and a client of each."""
+    first = PeerConfig(listen="127.0.0.1:0", control=str(sock_dir / "a.sock"), run_id=run_id)
+    async with Peer(first) as a, contextlib.AsyncExitStack() as stack:
+        peers = await _joined(stack, sock_dir, a, "bc", run_id)
+        yield peers, [await stack.enter_async_context(p.client()) for p in peers]
+
+
 async def test_state_digests_reach_every_member_and_schema_mismatch_is_told_apart(
     sock_dir: Path,
 ) -> None:
-    first = PeerConfig(listen="127.0.0.1:0", control=str(sock_dir / "a.sock"), run_id="sd")
-    async with Peer(first) as a, contextlib.AsyncExitStack() as stack:
-        peers = await _joined(stack, sock_dir, a, "bc", "sd")
-        clients = [await stack.enter_async_context(p.client()) for p in peers]
+    async with _three_peers(sock_dir, "sd") as (peers, clients):
         x = np.ones(10, dtype=np.float32)
         results = await asyncio.gather(
             clients[0].average([x], key="k", group_size=3, timeout=20, state_digest=b"A"),
@@ -103,6 +119,21 @@ async def test_state_digests_reach_every_member_and_schema_mismatch_is_told_apar
         assert status["failures"] == {"schema_mismatch": 1}
         assert status["rounds_done"] == 1
         assert status["rounds_partial"] == 0
+
+
+async def test_a_peer_that_comes_after_its_round_closed_is_told_so(sock_dir: Path) -> None:
+    """Over the control socket too, a late peer's failure says the others did average
+    (``RoundClosedError``, a ``NoGroupError``), and the daemon counts it under its label."""
+    async with _three_peers(sock_dir, "rc") as (_, clients):
+        x = np.ones(10, dtype=np.float32)
+        done = await asyncio.gather(
+            *(c.average([x], key="k", group_size=2, timeout=20) for c in clients[:2])
+        )
+        assert [r.group_size for r in done] == [2, 2]
+        with pytest.raises(RoundClosedError, match="closed before this peer joined") as late:
+            await clients[2].average([x], key="k", group_size=2, timeout=20)
+        assert isinstance(late.value, NoGroupError)
+        assert (await clients[2].status())["failures"] == {"round_closed": 1}
 
 
 def peer_config(*argv: str) -> PeerConfig:
