@@ -24,7 +24,7 @@ from swarmavg.averaging.matchmaking.declarations import (
     declaration_subkey,
     mismatched_schemas,
 )
-from swarmavg.averaging.matchmaking.round import Round, decode_declarations
+from swarmavg.averaging.matchmaking.round import Round, decode_declarations, has_group_bits
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +92,14 @@ class Declaring(MatchmakerBase):
         so nobody's check waits for the DHT either. A first round, a split, or a roster of
         presence entries stores first, as every peer must be visible to the reads that
         decide who leads. A newcomer the roster lacks finds the group closed and is
-        expected in the family's next round (``Leading._note_late_asker``)."""
+        expected in the family's next round (``Leading._note_late_asker``).
+
+        Never under Moshpit's group bits: there the roster holds only the companions
+        that moved to our bits with us, while members of other groups whose bits came
+        out the same declare under our key too; only the read finds them."""
         return (
-            rnd.proven_roster
+            not has_group_bits(rnd.request.key)
+            and rnd.proven_roster
             and bool(rnd.previous)
             and len(rnd.previous | {self.peer_id}) <= rnd.request.group_size
         )

@@ -46,6 +46,7 @@ from swarmavg.averaging.matchmaking.round import (
     MEMBER_READS,
     Redirect,
     Round,
+    has_group_bits,
     peer_ids,
 )
 from swarmavg.averaging.stubs import join_group_method
@@ -444,8 +445,8 @@ class Following(Calling):
         (``dht/quotas.py``), which bounds the identities a hostile leader can list; signed
         requests cost it nothing but keys."""
         found: dict[bytes, Declaration] = {}
-        if not rnd.proven_roster:
-            return found
+        if not rnd.proven_roster or has_group_bits(rnd.request.key):
+            return found  # under group bits the roster holds only our companions
         now = time.time()
         auth = self.dht.authenticator
         key = rnd.request.key

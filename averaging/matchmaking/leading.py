@@ -58,6 +58,7 @@ from swarmavg.averaging.matchmaking.round import (
     Follower,
     LedGroup,
     Round,
+    has_group_bits,
     led_group_of,
 )
 from swarmavg.averaging.stubs import JOIN_GROUP
@@ -454,7 +455,9 @@ class Leading(Calling):
         A request that repeats the declaration stands for it (the follower signed both)
         when its sender is of the family's proven roster (it came through the DHT's checks
         in an earlier round; ``Following._carried_declarations``): no read of the DHT.
-        Anyone else's, and an older peer's, is checked against the declaration read."""
+        Anyone else's, and an older peer's, is checked against the declaration read; so is
+        every request under Moshpit's group bits, whose roster holds only our companions
+        (the read is what finds the other groups' members that came to our bits)."""
         declared_start = request.declared_start
         asked = time.monotonic()
         declaration = rnd.signed.get(member.peer_id)
@@ -463,6 +466,7 @@ class Leading(Calling):
         if (
             carried is not None
             and rnd.proven_roster
+            and not has_group_bits(rnd.request.key)
             and member.peer_id in rnd.previous
             and carried.key == rnd.request.key
             and carried.give_up > now

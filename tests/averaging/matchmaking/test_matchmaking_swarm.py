@@ -31,7 +31,7 @@ async def round_of(swarm: AveragerSwarm, key: str, **kwargs: object) -> list[Ave
         return_exceptions=True,
     )
     ok = [r for r in results if isinstance(r, AveragingResult)]
-    assert len(ok) == len(results), results
+    assert len(ok) == len(results), [repr(r) for r in results if not isinstance(r, AveragingResult)]
     return ok
 
 
