@@ -24,10 +24,11 @@ from typing import Any
 import grpc
 
 from swarmavg.averaging.group import Member, Mode
+from swarmavg.averaging.matchmaking.answers import FIRST, answer_fault
 from swarmavg.averaging.matchmaking.closing import assign_leaders
 from swarmavg.averaging.matchmaking.declarations import MAX_ADDRESS_CHARS, leader_order
 from swarmavg.averaging.matchmaking.declaring import Declaring
-from swarmavg.averaging.matchmaking.round import Redirect, Round
+from swarmavg.averaging.matchmaking.round import Redirect, Round, peer_ids
 from swarmavg.averaging.stubs import JOIN_GROUP, join_group_method
 from swarmavg.averaging.tasks import cancel_and_wait
 from swarmavg.dht.auth import message_digest
@@ -91,12 +92,44 @@ class Calling(Declaring):
             rnd.calling.add(task)
             task.add_done_callback(rnd.calling.discard)
 
+    def _note_closed(
+        self, rnd: Round, answer: averaging_pb2.JoinResponse, target_id: bytes
+    ) -> None:
+        """``target_id`` answered, in its own checked words, that it is in a group that
+        closed under our key: it is out of our split. The members it names are asked at
+        once, all together, each of which confirms in its own words (``_call``): only a
+        peer's own word counts, as a hostile leader's list of every honest peer used to
+        end all their rounds. Asked in turn instead, as the split happened to send us to
+        them, two peers left out of a split each led a split that still counted the
+        closed group, waited for followers who had averaged already, and both failed
+        where they were a group of two."""
+        if target_id in rnd.taken:
+            return
+        rnd.taken.add(target_id)
+        rnd.taken_since = min(rnd.taken_since, time.monotonic())
+        rnd.changed.set()  # a leader's wait recomputes its split now
+        named = peer_ids(answer.taken)
+        for d in rnd.declarations:
+            if (
+                d.peer_id in named
+                and d.peer_id != self.peer_id
+                and d.peer_id not in rnd.called
+                and d.peer_id not in rnd.elsewhere()
+                and d.can_lead  # a client has no address to ask
+            ):
+                rnd.called.add(d.peer_id)
+                task = asyncio.ensure_future(self._call(rnd, Redirect(d.peer_id, d.address)))
+                rnd.calling.add(task)
+                task.add_done_callback(rnd.calling.discard)
+
     async def _call(self, rnd: Round, target: Redirect) -> None:
         """Ask ``target`` to take us, read its first answer, and hang up: an open peer
-        that ranks after us answers ``JOIN_REJECT_NOT_LEADER`` and comes to us. Any other
-        answer changes nothing here (we do not follow a peer we called)."""
+        that ranks after us answers ``JOIN_REJECT_NOT_LEADER`` and comes to us; a peer in
+        a group that closed without us says so (``_note_closed``). Any other answer
+        changes nothing here (we do not follow a peer we called)."""
         method = join_group_method(self.channels.channel(target.address, target.peer_id))
-        call = method(self._join_request(rnd, target.peer_id), timeout=self.config.join_timeout)
+        request = self._join_request(rnd, target.peer_id)
+        call = method(request, timeout=self.config.join_timeout)
         try:
             async with asyncio.timeout(self.config.join_timeout):
                 answer = await call.read()
@@ -107,10 +140,41 @@ class Calling(Declaring):
                     target.peer_id.hex()[:8],
                     answer.code,
                 )
+                if (
+                    answer.code == averaging_pb2.JOIN_REJECT_FULL
+                    and target.peer_id in peer_ids(answer.taken)
+                    and not self._forged(request, answer, FIRST, target)
+                ):
+                    self._note_closed(rnd, answer, target.peer_id)
         except (grpc.aio.AioRpcError, TimeoutError) as error:
             log.debug("%s: calling %s failed: %r", rnd.request.key, target.peer_id.hex()[:8], error)
         finally:
             call.cancel()
+
+    def _forged(
+        self,
+        request: averaging_pb2.JoinRequest,
+        answer: averaging_pb2.JoinResponse,
+        position: int,
+        leader: Redirect,
+    ) -> bool:
+        """Whether ``answer`` is not the asked peer's own (``answers``): then it is no
+        answer, as if the stream had ended; a leader is asked again after a pause. An
+        unsigned answer is taken only from a peer not known to sign (an older peer)."""
+        if not answer.HasField("header") and leader.peer_id not in self.answer_signers:
+            return False
+        fault = answer_fault(
+            self.dht.authenticator, request.header, answer, position, leader.peer_id
+        )
+        if fault is None:
+            return False
+        log.warning(
+            "an answer from peer %s failed its check (%s): ignored; an attacker on the "
+            "path, or a relay, may have altered it",
+            leader.peer_id.hex()[:12],
+            fault,
+        )
+        return True
 
     def _note_caller(self, rnd: Round, peer_id: bytes, member: Member) -> None:
         """A peer that ranks before us asked us to take it while we lead alone: remember

@@ -20,12 +20,7 @@ import grpc
 
 from swarmavg.averaging.errors import NoGroupError, RoundClosedError
 from swarmavg.averaging.group import MAX_GROUP_SIZE, GroupInfo
-from swarmavg.averaging.matchmaking.answers import (
-    FINAL,
-    FIRST,
-    answer_fault,
-    forwarded_sender,
-)
+from swarmavg.averaging.matchmaking.answers import FINAL, FIRST, forwarded_sender
 from swarmavg.averaging.matchmaking.calling import Calling
 from swarmavg.averaging.matchmaking.closing import assign_leaders, short_ids
 from swarmavg.averaging.matchmaking.config import MatchmakingEvent
@@ -131,10 +126,13 @@ class Following(Calling):
         to average with (a late peer must not sit out its whole timeout alone).
 
         Left to average with: a declarer that is neither in the closed group nor known to
-        have stopped looking, and that was first seen less than the patience ago. After
-        that a declarer that has not joined us, nor taken us, is not coming (the closing
-        rule's own test): most often a peer as late as we are that already failed this
-        way, whose declaration lives on until it expires.
+        have stopped looking, and that was first seen less than the patience ago, or
+        since we learned that our group closed. After that a declarer that has not joined
+        us, nor taken us, is not coming (the closing rule's own test): most often a peer
+        as late as we are that already failed this way, whose declaration lives on until
+        it expires. Counted from our first sighting alone, two peers that both asked the
+        closed leader (on a loaded machine, longer than the patience) each wrote the
+        other off and both failed, where they were a group of two.
         """
         if not rnd.taken or rnd.followers or rnd.leader is not None:
             return None
@@ -146,7 +144,7 @@ class Following(Calling):
             for d in rnd.declarations
             if d.peer_id != self.peer_id
             and d.peer_id not in elsewhere
-            and now - rnd.first_seen.get(d.peer_id, now) <= patience
+            and now - max(rnd.first_seen.get(d.peer_id, now), rnd.taken_since) <= patience
         ]
         if 1 + len(others) >= rnd.request.min_group_size:
             return None
@@ -214,10 +212,7 @@ class Following(Calling):
                 banned[target.peer_id] = forever
                 return None
             if code == averaging_pb2.JOIN_REJECT_FULL and target.peer_id in peer_ids(first.taken):
-                # Only a peer's own word that it is in a closed group counts. The others it
-                # names are asked in turn (each answers from local state, at once): a
-                # hostile leader's list of every honest peer used to end all their rounds.
-                rnd.taken.add(target.peer_id)
+                self._note_closed(rnd, first, target.peer_id)
             if code == averaging_pb2.JOIN_REJECT_BAD_REQUEST:
                 # Most often: the leader has not read our declaration yet. Ask again soon.
                 log.debug("%s refused our request: %s", target.peer_id.hex()[:8], first.detail)
@@ -307,31 +302,6 @@ class Following(Calling):
                 rnd.leader = None
                 self._notify(MatchmakingEvent.LEFT_LEADER, req.key, target.peer_id)
             call.cancel()
-
-    def _forged(
-        self,
-        request: averaging_pb2.JoinRequest,
-        answer: averaging_pb2.JoinResponse,
-        position: int,
-        leader: Redirect,
-    ) -> bool:
-        """Whether ``answer`` is not the leader's own (``answers``): then it is no answer,
-        as if the stream had ended; the leader is asked again after a pause. An unsigned
-        answer is taken only from a leader not known to sign (an older peer)."""
-        if not answer.HasField("header") and leader.peer_id not in self.answer_signers:
-            return False
-        fault = answer_fault(
-            self.dht.authenticator, request.header, answer, position, leader.peer_id
-        )
-        if fault is None:
-            return False
-        log.warning(
-            "an answer from leader %s failed its check (%s): ignored; an attacker on the "
-            "path, or a relay, may have altered it",
-            leader.peer_id.hex()[:12],
-            fault,
-        )
-        return True
 
     async def _take_formed_group(
         self,

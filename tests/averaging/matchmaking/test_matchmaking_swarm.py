@@ -110,6 +110,35 @@ async def test_a_late_peer_learns_at_once_that_the_round_is_gone() -> None:
             await late.averager.average(inputs(2), "gone", group_size=2, timeout=60.0)
 
 
+@pytest.mark.timeout(120)
+async def test_two_peers_left_out_of_a_closed_group_average_together() -> None:
+    # The first two close a group of two; the other two then call under the same key.
+    # Every declaration is still live, so the split the late two compute counts the
+    # closed group's members until each of those says, in its own words, that it is
+    # taken: the late two must find each other rather than lead a split apart, wait for
+    # followers who averaged already, and both fail.
+    async with averager_swarm(4, SLOW_WINDOW) as swarm:
+        for step in range(3):
+            key = f"left-{step}"
+            first, late = swarm.peers[:2], swarm.peers[2:]
+            early = await asyncio.gather(
+                *(
+                    p.averager.average(inputs(i), key, group_size=2, timeout=60.0)
+                    for i, p in enumerate(first)
+                )
+            )
+            assert [len(g) for g in groups_of(list(early))] == [2]
+            results = await asyncio.gather(
+                *(
+                    p.averager.average(inputs(i), key, group_size=2, timeout=60.0)
+                    for i, p in enumerate(late)
+                ),
+                return_exceptions=True,
+            )
+            assert all(isinstance(r, AveragingResult) for r in results), results
+            assert groups_of(list(results)) == [frozenset(p.peer_id.hex() for p in late)]
+
+
 @pytest.mark.parametrize("third_stops", [False, True])
 @pytest.mark.timeout(90)
 async def test_the_last_of_two_late_peers_also_learns_that_the_round_is_gone(
