@@ -4,10 +4,10 @@ benchmarks/rounds.py starts every call of every
 worker at one shared instant, which hides what users see: real training processes start
 seconds apart and compute for their own time between calls. For each peer count N this
 starts N ``swarmavg peer`` daemons through the CLI on loopback (each joins the first;
-default configuration, no ``group_size`` anywhere), then N client processes (this script
-with ``--worker``), each on its own: worker i starts a seeded random ``[0, --stagger]``
-seconds after worker i-1, connects to its daemon and runs its own loop with no shared
-start instant and no parent in between::
+default configuration, no ``group_size`` unless ``--group-size`` gives one), then N
+client processes (this script with ``--worker``), each on its own: worker i starts a
+seeded random ``[0, --stagger]`` seconds after worker i-1, connects to its daemon and
+runs its own loop with no shared start instant and no parent in between::
 
     for codec in codecs:
         for r in range(rounds):
@@ -111,7 +111,11 @@ def worker_main(spec: dict[str, Any]) -> int:
                 started = time.perf_counter()
                 try:
                     result = client.average(
-                        tensors, key=f"{codec}-{r}", timeout=spec["timeout"], codec=codec
+                        tensors,
+                        key=f"{codec}-{r}",
+                        timeout=spec["timeout"],
+                        codec=codec,
+                        **({"group_size": spec["group_size"]} if spec["group_size"] else {}),
                     )
                 except Exception as exc:  # every failure is a figure, reported to the parent
                     record.update(error=rounds._error_kind(exc), message=str(exc)[:500])
@@ -235,14 +239,23 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def summarize(
-    n: int, codec: str, rounds_n: int, records: list[list[dict[str, Any]]]
+    n: int,
+    codec: str,
+    rounds_n: int,
+    records: list[list[dict[str, Any]]],
+    group_size: int | None = None,
 ) -> dict[str, Any]:
+    """Per round: one group of ``n``, or (``group_size`` below ``n``) the balanced split:
+    every call in a group, ``ceil(n / group_size)`` groups whose sizes differ by one."""
     mine = [r for recs in records for r in recs if r["codec"] == codec]
     ok = [r for r in mine if "error" not in r]
     by_round: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for r in mine:
         by_round[r["round"]].append(r)
     one_group: list[int] = []
+    balanced: list[int] = []
+    cap = min(group_size or n, n)
+    groups_wanted = -(-n // cap)
     shapes: Counter[str] = Counter()
     in_order: list[str] = []
     spreads = []
@@ -260,6 +273,14 @@ def summarize(
         in_order.append(shape)
         if len(good) == n and len(sizes) == 1 and all(c["group_size"] == n for c in good):
             one_group.append(r)
+        counted = list(sizes.values())
+        if (
+            len(good) == n
+            and len(counted) == groups_wanted
+            and max(counted) <= cap
+            and max(counted) - min(counted) <= 1
+        ):
+            balanced.append(r)
         if calls:
             starts = [c["wall_start"] for c in calls]
             spreads.append(max(starts) - min(starts))
@@ -286,6 +307,8 @@ def summarize(
         "one_group_rounds": len(one_group),
         "one_group_rounds_after_first": sum(r > 0 for r in one_group),
         "not_one_group": [r for r in range(rounds_n) if r not in one_group],
+        "group_size_given": group_size,
+        "balanced_rounds": len(balanced),
         "round_shapes": dict(shapes.most_common()),
         "shape_by_round": in_order,
         "group_sizes": {str(k): v for k, v in sorted(Counter(r["group_size"] for r in ok).items())},
@@ -389,6 +412,7 @@ def bench_peers(
             "timeout": args.timeout,
             "check_every": args.check_every,
             "ranks_of": swarm.ranks_of,
+            "group_size": args.group_size,
         }
         log(f"N={n}: starting workers, staggers {[round(s, 2) for s in staggers]} s")
         started = time.monotonic()
@@ -403,7 +427,7 @@ def bench_peers(
             log(f"N={n} gloo: {reference}, back to back: {back_to_back}")
         closes, rejections = swarm.log_lines()
         for codec in codecs:
-            record = summarize(n, codec, args.rounds, records)
+            record = summarize(n, codec, args.rounds, records, args.group_size)
             record["staggers_s"] = [round(s, 3) for s in staggers]
             record["wall_s"] = round(wall, 1)
             record["gloo"] = reference
@@ -419,7 +443,8 @@ def bench_peers(
             record["daemon_warning_lines"] = swarm.daemon_warnings()
             log(
                 f"N={n} {codec}: one group of {n} in {record['one_group_rounds']} of "
-                f"{args.rounds} rounds, shapes {record['round_shapes']}, "
+                f"{args.rounds} rounds, balanced {record['balanced_rounds']}, "
+                f"shapes {record['round_shapes']}, "
                 f"NoGroupError {record['no_group_errors']}, other {record['other_errors']}, "
                 f"median {record['median_s']} s"
             )
@@ -442,6 +467,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="average timeout")
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="the calls' group_size (default: not given); below the peer count, a round is "
+        "counted balanced when every call is in one of ceil(N / group_size) groups whose "
+        "sizes differ by at most one",
+    )
     parser.add_argument("--gloo", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument(
         "--check-every",

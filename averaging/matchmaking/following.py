@@ -122,30 +122,42 @@ class Following(Calling):
         return None
 
     def _round_is_gone(self, rnd: Round) -> NoGroupError | None:
-        """Fail at once when the group we belonged to closed without us and nobody is left
+        """Fail soon when the group we belonged to closed without us and nobody is left
         to average with (a late peer must not sit out its whole timeout alone).
 
         Left to average with: a declarer that is neither in the closed group nor known to
         have stopped looking, and that was first seen less than the patience ago, or
-        since we learned that our group closed. After that a declarer that has not joined
-        us, nor taken us, is not coming (the closing rule's own test): most often a peer
-        as late as we are that already failed this way, whose declaration lives on until
-        it expires. Counted from our first sighting alone, two peers that both asked the
-        closed leader (on a loaded machine, longer than the patience) each wrote the
-        other off and both failed, where they were a group of two.
+        since we learned that our group closed; and a peer of the family's last round
+        (a proven roster) that the roster grace still waits for, declared or not. After
+        that a declarer that has not joined us, nor taken us, is not coming (the closing
+        rule's own test): most often a peer as late as we are that already failed this
+        way, whose declaration lives on until it expires.
+
+        Nobody is written off within the patience after we learned that our group
+        closed: the peers of the split's other group may not have declared yet. Failing
+        at once, a peer left out of a split of four into two and two failed 24 ms after
+        it declared, and its partner, 115 ms behind it, then found nobody either.
+        Counted from our first sighting alone, two peers that both asked the closed
+        leader (on a loaded machine, longer than the patience) each wrote the other off.
         """
         if not rnd.taken or rnd.followers or rnd.leader is not None:
             return None
         now = time.monotonic()
         patience = self._patience()
+        if now - rnd.taken_since <= patience:
+            return None
         elsewhere = rnd.elsewhere()
-        others = [
-            d
+        others = {
+            d.peer_id
             for d in rnd.declarations
             if d.peer_id != self.peer_id
             and d.peer_id not in elsewhere
             and now - max(rnd.first_seen.get(d.peer_id, now), rnd.taken_since) <= patience
-        ]
+        }
+        if rnd.proven_roster:  # peers of the family's last round, not the run's presence
+            # still awaited, as a leader counts them (LeaderView.awaited_previous)
+            others |= rnd.previous - elsewhere - rnd.gone - rnd.away() - rnd.late(now)
+            others.discard(self.peer_id)
         if 1 + len(others) >= rnd.request.min_group_size:
             return None
         return RoundClosedError(

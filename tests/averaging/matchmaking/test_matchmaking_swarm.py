@@ -139,6 +139,27 @@ async def test_two_peers_left_out_of_a_closed_group_average_together() -> None:
             assert groups_of(list(results)) == [frozenset(p.peer_id.hex() for p in late)]
 
 
+@pytest.mark.timeout(120)
+async def test_a_split_into_pairs_holds_when_calls_come_apart() -> None:
+    # Four peers, groups of at most two, each call a little after the one before (as
+    # training processes finish their steps): every round two pairs, nobody left out.
+    # A peer whose usual pair had not declared yet when the other pair closed used to
+    # fail at once, and its pair, a moment later, found nobody either.
+    async with averager_swarm(4, SLOW_WINDOW) as swarm:
+
+        async def call(i: int, key: str) -> AveragingResult:
+            await asyncio.sleep(0.05 * i)  # the arrival order under test, not a readiness wait
+            peer = swarm.peers[i]
+            return await peer.averager.average(inputs(i), key, group_size=2, timeout=60.0)
+
+        for step in range(6):
+            results = await asyncio.gather(
+                *(call(i, f"pairs-{step}") for i in range(4)), return_exceptions=True
+            )
+            assert all(isinstance(r, AveragingResult) for r in results), (step, results)
+            assert [len(g) for g in groups_of(list(results))] == [2, 2], step
+
+
 @pytest.mark.parametrize("third_stops", [False, True])
 @pytest.mark.timeout(90)
 async def test_the_last_of_two_late_peers_also_learns_that_the_round_is_gone(
