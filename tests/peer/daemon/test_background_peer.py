@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import subprocess
@@ -60,7 +61,8 @@ def test_a_startup_error_is_raised_in_the_calling_thread(sock_dir: Path) -> None
 
 
 SCRIPT = """
-import signal, sys, threading
+import faulthandler, signal, sys, threading
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it hangs, if it ever does
 # What Python installs itself when it starts with SIGINT at its default; a test run
 # started in the background of a shell inherits SIGINT ignored, and Python then leaves it so.
 signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -75,6 +77,24 @@ except KeyboardInterrupt:
 """
 
 
+def _thread_signal_states(pid: int) -> str:
+    """Each thread's name, state and signal masks (blocked, pending to it, pending to the
+    process): which thread took a signal that the main thread never saw."""
+    lines = []
+    for task in sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda p: int(p.name)):
+        try:
+            status = dict(
+                line.split(":\t", 1) for line in (task / "status").read_text().splitlines()
+            )
+        except (OSError, ValueError):
+            continue
+        fields = ("Name", "State", "SigBlk", "SigPnd", "ShdPnd")
+        lines.append(
+            task.name + " " + " ".join(f"{f}={status.get(f, '?').strip()}" for f in fields)
+        )
+    return "\n".join(lines)
+
+
 def test_ctrl_c_in_the_script_is_one_graceful_shutdown(sock_dir: Path) -> None:
     sock = sock_dir / "s.sock"
     proc = subprocess.Popen(
@@ -87,7 +107,16 @@ def test_ctrl_c_in_the_script_is_one_graceful_shutdown(sock_dir: Path) -> None:
         assert proc.stdout is not None
         assert proc.stdout.readline().startswith("ready 127.0.0.1:")
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            threads = _thread_signal_states(proc.pid)
+            proc.send_signal(signal.SIGUSR1)  # every thread's stack, on its stderr
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)  # not an exit: the time to write the stacks
+            proc.kill()
+            _, err = proc.communicate()
+            pytest.fail(f"no exit within 60 s of SIGINT; threads:\n{threads}\nstderr:\n{err}")
     finally:  # a script that missed its Ctrl+C must not outlive the test
         if proc.poll() is None:
             proc.kill()
