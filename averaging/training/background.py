@@ -26,6 +26,8 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from swarmavg.averaging.signal_mask import leave_signals_to_main_thread
+
 log = logging.getLogger(__name__)
 
 
@@ -66,7 +68,9 @@ class LatestWork:
                 raise RuntimeError(f"{self.name}: submitted after close()")
             if self._executor is None:
                 prefix = "swarmavg-" + self.name.replace(" ", "-")
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix=prefix)
+                self._executor = ThreadPoolExecutor(
+                    1, thread_name_prefix=prefix, initializer=leave_signals_to_main_thread
+                )
             # One thread: every job before the newest has started (it cannot be
             # cancelled) or waits (it can); only the newest can be waiting.
             self._drop_waiting()

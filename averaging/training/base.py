@@ -776,7 +776,15 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
             where = f"epoch {old}, ahead of the swarm's epoch {progress.epoch}"
         else:
             where = f"epoch {old}, missed by the swarm's round"
-        state = self._load_swarm_state(like, where)
+        # Behind a swarm at an epoch whose state its members publish, that state is due:
+        # its publisher advertised the epoch first (StreamingDiLoCo publishes in the
+        # background after it reports), so "nobody published" may only mean "not yet".
+        due = (
+            progress.epoch > old
+            and self.publish_state_every > 0
+            and progress.epoch % self.publish_state_every == 0
+        )
+        state = self._load_swarm_state(like, where, expect_published=due)
         if state is not None and state.epoch > progress.epoch + 1:
             warnings.warn(
                 f"{where}: the swarm's newest state is of epoch {state.epoch}, ahead of the "
@@ -795,7 +803,9 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         self._note_rejoin(old, epoch)
         return state, epoch
 
-    def _load_swarm_state(self, params: list[torch.Tensor], behind: str) -> TrainingState | None:
+    def _load_swarm_state(
+        self, params: list[torch.Tensor], behind: str, *, expect_published: bool = False
+    ) -> TrainingState | None:
         """The swarm's newest state of this wrapper's kind, shaped like ``params``; None,
         with a :class:`SwarmRoundWarning`, when none could be loaded.
 
@@ -803,8 +813,10 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
             params: the tensors the state's parameters must match.
             behind: how far behind this process is, for the warning (e.g.
                 ``"epoch 3 < 5"``).
+            expect_published: a state is due: wait for one within ``state_timeout``
+                (:meth:`SwarmLink.load`).
         """
-        state = self.link.load(self.KIND, params)
+        state = self.link.load(self.KIND, params, expect_published=expect_published)
         if state is None:
             warnings.warn(
                 f"off the swarm's epoch ({behind}) and no state could be loaded; "

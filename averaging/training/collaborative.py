@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from swarmavg.averaging.run_records.progress import GlobalProgress
+from swarmavg.averaging.signal_mask import leave_signals_to_main_thread
 from swarmavg.averaging.training.base import SwarmOptimizer, resolve_run
 from swarmavg.averaging.training.company import DEFAULT_ALONE_AFTER, DEFAULT_STALLED_AFTER
 from swarmavg.averaging.training.company_link import DEFAULT_START_TIMEOUT
@@ -253,7 +254,11 @@ class CollaborativeOptimizer(SwarmOptimizer):
             import torch
 
             self._grads = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
-        self._executor = ThreadPoolExecutor(1, "swarmavg-round") if delay_updates else None
+        self._executor = (
+            ThreadPoolExecutor(1, "swarmavg-round", initializer=leave_signals_to_main_thread)
+            if delay_updates
+            else None
+        )
         self._pending: _PendingRound | None = None
         self._landed_alone = False
         """Hierarchical mode: the leader applied a background round outside the ranks'

@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
 
 from swarmavg.averaging.run_records.progress import GlobalProgress
+from swarmavg.averaging.signal_mask import leave_signals_to_main_thread
 from swarmavg.averaging.training.consensus import Role, Verdict
 from swarmavg.averaging.training.diloco import DiLoCo, pseudo_gradient
 from swarmavg.averaging.training.fragments import (
@@ -156,7 +157,9 @@ class StreamingDiLoCo(DiLoCo):
         start, a catch-up, a repair), not only the synced fragment's."""
         self._sync_weight = 0
         """Hierarchical mode: this rank's samples since the last sync started."""
-        self._executor = ThreadPoolExecutor(1, "swarmavg-stream")
+        self._executor = ThreadPoolExecutor(
+            1, "swarmavg-stream", initializer=leave_signals_to_main_thread
+        )
         try:
             # DiLoCo's bookkeeping counts one "outer step" per sync: H / F inner steps.
             super().__init__(

@@ -86,8 +86,9 @@ class SwarmClient(Protocol):
 
 LOAD_ATTEMPTS = 3
 REPAIR_RETRY_FIRST = 0.02
-"""Seconds before the first retry of a repair download (the holders publish right after
-their step, usually within milliseconds of the round's end)."""
+"""Seconds before the first retry of a download that waits for a state about to be
+published (a repair's, a catch-up's): the holders publish right after their step, usually
+within milliseconds of the round's end."""
 REPAIR_RETRY_MAX = 1.0
 
 
@@ -418,24 +419,41 @@ class SwarmLink:
         self.stats.states_published += 1
         return True
 
-    def load(self, kind: str, like: Sequence[torch.Tensor]) -> TrainingState | None:
+    def load(
+        self, kind: str, like: Sequence[torch.Tensor], *, expect_published: bool = False
+    ) -> TrainingState | None:
         """The newest state in the run; None when nobody has one or it does not fit.
 
         A download can fail because its donor published a newer version meanwhile (its
         old chunks are gone); it is retried a few times, within ``state_timeout`` in all.
+
+        Args:
+            expect_published: the swarm is past an epoch whose state its members publish,
+                so "nobody published state" means the first one is still on its way (a
+                member reports its new epoch while its publish runs in the background):
+                that answer is retried after a capped, jittered pause until
+                ``state_timeout`` instead of ending the load at once.
         """
         deadline = time.monotonic() + self.state_timeout
-        for attempt in range(1, LOAD_ATTEMPTS + 1):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
+        failures = 0
+        pause = REPAIR_RETRY_FIRST
+        while (left := deadline - time.monotonic()) > 0:
             try:
                 metadata, arrays = self.client.load_state(timeout=left)
                 break
             except swarm_errors() as exc:
-                log.warning("could not load state from the swarm (try %d): %s", attempt, exc)
-                if attempt == LOAD_ATTEMPTS or _is_no_state(exc):
+                if expect_published and _is_no_state(exc):
+                    log.debug("no state published yet (%s); retrying", exc)
+                    time.sleep(min(pause * random.uniform(0.5, 1.0), max(0.0, left)))
+                    pause = min(pause * 2, REPAIR_RETRY_MAX)
+                    continue
+                failures += 1
+                log.warning("could not load state from the swarm (try %d): %s", failures, exc)
+                if failures == LOAD_ATTEMPTS or _is_no_state(exc):
                     return None
+        else:
+            log.warning("could not load state from the swarm within %.0f s", self.state_timeout)
+            return None
         try:
             state = unpack_state(metadata, [np.asarray(a) for a in arrays], kind=kind, like=like)
         except StateFormatError as exc:

@@ -19,17 +19,14 @@ shutdown, never two signals to a daemon.
 from __future__ import annotations
 
 import asyncio
-import signal
 import threading
 from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from swarmavg.averaging.signal_mask import leave_signals_to_main_thread
 from swarmavg.peer.client.client import Client, connect
 from swarmavg.peer.daemon.config import PeerConfig
-
-_SCRIPT_SIGNALS = {signal.SIGINT, signal.SIGTERM}
-"""Signals the daemon's threads leave to the script's main thread."""
 
 if TYPE_CHECKING:
     from swarmavg.peer.daemon.daemon import Peer
@@ -108,13 +105,10 @@ class BackgroundPeer:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        # The kernel hands a process-directed signal to any thread that does not block it.
-        # Taken by this thread (or by gRPC's, which inherit its mask), a Ctrl+C only sets
-        # Python's flag, and a main thread blocked in a wait (``Event().wait()``) never
-        # wakes up to raise KeyboardInterrupt: 1 in 20-40 Ctrl+Cs under load did nothing.
-        # Blocked here, they always reach the script's main thread.
-        if hasattr(signal, "pthread_sigmask"):
-            signal.pthread_sigmask(signal.SIG_BLOCK, _SCRIPT_SIGNALS)
+        # Taken by this thread (or by gRPC's, which inherit its mask), a Ctrl+C would only
+        # set Python's flag, and a main thread blocked in a wait (``Event().wait()``) would
+        # never raise KeyboardInterrupt: 1 in 20-40 Ctrl+Cs under load did nothing.
+        leave_signals_to_main_thread()
         asyncio.run(self._main())
 
     async def _main(self) -> None:

@@ -77,6 +77,11 @@ class MemorySwarm:
         """Called with (caller, result) before a round's result is handed out: a hostile
         leader's answer."""
         self.publish_counter = 0
+        self.publish_gate: threading.Event | None = None
+        """When an event, every publish waits for it: a state still on its way to the
+        daemon while its publisher's new epoch is already reported."""
+        self.on_no_state: Callable[[str], None] | None = None
+        """Called (outside the lock) with the caller of a load that found no state."""
         self.calls: list[tuple[str, str, float, int | None]] = []
 
     def client(self, peer_id: str) -> MemoryClient:
@@ -182,6 +187,9 @@ class MemoryClient:
         return result if swarm.forge is None else swarm.forge(self.peer_id, result)
 
     def publish_state(self, tensors: Sequence[Any], metadata: Any) -> None:
+        gate = self.swarm.publish_gate
+        if gate is not None:
+            assert gate.wait(60), "the publish was never let through"
         with self.swarm.cond:
             self.swarm.publish_counter += 1
             self.swarm.states[self.peer_id] = (
@@ -193,7 +201,9 @@ class MemoryClient:
     def load_state(self, timeout: float = 60.0) -> tuple[Any, list[np.ndarray]]:
         with self.swarm.cond:
             donors = [s for p, s in self.swarm.states.items() if p != self.peer_id]
-            if not donors:
-                raise NoStateError("nobody published state")
-            metadata, arrays, _ = max(donors, key=lambda s: s[2])
-            return metadata, [a.copy() for a in arrays]
+            if donors:
+                metadata, arrays, _ = max(donors, key=lambda s: s[2])
+                return metadata, [a.copy() for a in arrays]
+        if self.swarm.on_no_state is not None:
+            self.swarm.on_no_state(self.peer_id)
+        raise NoStateError("nobody published state")

@@ -74,7 +74,10 @@ def first_then_second(
         with opt:
             while opt.epoch < SYNCS:
                 if name == "first" and opt.epoch >= 1 and not built.is_set():
-                    second_may_start.set()  # the control: it stepped alone; now the second
+                    # the control: it stepped alone; once the swarm's progress says so (the
+                    # new epoch's record is stored in the background), the second starts
+                    opt.tracker.report()
+                    second_may_start.set()
                     assert built.wait(60)
                 backward(model, batch(opt.epoch * 100 + len(name)))
                 record.step(name, opt, 0.002)
@@ -114,3 +117,27 @@ def test_without_the_barrier_the_first_trainer_steps_alone(family: str) -> None:
     assert record.digests[1].keys() == {"first"}  # the first sync was the first's alone
     assert len(first.stats.group_sizes) < first.epoch
     assert second.stats.states_loaded >= 1
+
+
+def test_a_joiner_behind_waits_for_the_state_its_leader_is_still_publishing() -> None:
+    """StreamingDiLoCo reports its new epoch while its state is still being published in
+    the background: a trainer built in that window sees the swarm ahead and nothing
+    published yet. It waits for the state due (within ``state_timeout``) instead of
+    going on alone from its own initial parameters."""
+    swarm = MemorySwarm()
+    gate = swarm.publish_gate = threading.Event()  # the leader's publish of epoch 1 is held
+    model, first = trainer(swarm, "first", "streaming", start_timeout=0.0)
+    with first:
+        while first.epoch < 1:
+            backward(model, batch(first.epoch))
+            first.step()
+        first.tracker.report()  # the swarm's progress says epoch 1 ...
+        assert not swarm.states  # ... and nothing is published yet
+        swarm.on_no_state = lambda _caller: gate.set()  # let it land once a load missed it
+        _, second = trainer(swarm, "second", "streaming", start_timeout=0.0)
+        with second:
+            assert gate.is_set()  # the joiner found nothing at first
+            assert second.epoch == 1
+            assert second.stats.states_loaded == 1
+            for mine, theirs in zip(second.anchor, first.anchor, strict=True):
+                assert torch.equal(mine, theirs)  # the leader's anchor, not its own start

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import gc
 import logging
+import signal
 import threading
 import weakref
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -311,3 +313,31 @@ def test_a_member_off_repairs_from_the_holders_whose_states_are_published_behind
             assert torch.equal(entry["momentum_buffer"], mine["state"][index]["momentum_buffer"])
     assert [o.stats.repairs for _, o in peers] == [0, 0, 1]
     assert [o.stats.served for _, o in peers] == [1, 1, 0]
+
+
+def _blocked_signals(native_id: int) -> set[int]:
+    """The signals a thread of this process blocks (its ``SigBlk`` mask)."""
+    status = Path(f"/proc/self/task/{native_id}/status").read_text()
+    mask = int(
+        next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16
+    )
+    return {sig for sig in range(1, 65) if mask >> (sig - 1) & 1}
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.timeout(60)
+def test_the_background_threads_leave_ctrl_c_to_the_main_thread() -> None:
+    """A Ctrl+C taken by one of the wrapper's threads would only set Python's flag, and a
+    main thread blocked in a wait would never raise its KeyboardInterrupt: the threads
+    block SIGINT and SIGTERM (and so do the threads they start, gRPC's among them)."""
+    model, opt = _alone(MemorySwarm().client("a"))
+    with opt:
+        while opt.epoch < 1:  # the sync's thread, the publisher's and the progress reporter's
+            _step(model, opt)
+        ours = [t for t in threading.enumerate() if t.name.startswith("swarmavg-")]
+        names = {t.name.rsplit("_", 1)[0] for t in ours}
+        assert {"swarmavg-stream", "swarmavg-state-publish", "swarmavg-progress-report"} <= names
+        for thread in ours:
+            assert thread.native_id is not None
+            assert {signal.SIGINT, signal.SIGTERM} <= _blocked_signals(thread.native_id), thread
+    assert signal.SIGINT not in _blocked_signals(threading.get_native_id())
