@@ -38,11 +38,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def shared_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[SwarmavgProcess]]:
-    pool = ProcessPool(tmp_path_factory.mktemp("stream-daemons"))
-    try:
+    with ProcessPool(tmp_path_factory.mktemp("stream-daemons")) as pool:
         yield start_daemons(pool, 3)
-    finally:
-        pool.close()
 
 
 @pytest.fixture
