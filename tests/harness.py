@@ -172,3 +172,9 @@ class ProcessPool:
         for handle in self.processes:
             handle.stop(timeout=10)
         self.processes.clear()
+
+    def __enter__(self) -> ProcessPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

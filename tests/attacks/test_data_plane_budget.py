@@ -64,18 +64,22 @@ def allreduce_config(**settings: Any) -> AllReduceConfig:
 CONFIG = allreduce_config(chunk_bytes=1 << 20, limit_local_ranges=True)
 
 
+async def hold_header(port: int, source: str) -> asyncio.StreamWriter:
+    """One connection from ``source``, past the HELLO exchange and then one 4 MiB frame
+    header whose body never comes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+    writer.write(HELLO)
+    with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+        await asyncio.wait_for(reader.readexactly(len(HELLO)), 10.0)
+    writer.write(STALLED_HEADER)
+    return writer
+
+
 async def hold_headers(port: int, source: str, count: int) -> list[asyncio.StreamWriter]:
-    """``count`` connections from ``source``, each past the HELLO exchange and then one
-    4 MiB frame header whose body never comes."""
-    writers: list[asyncio.StreamWriter] = []
-    for _ in range(count):
-        reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
-        writers.append(writer)
-        writer.write(HELLO)
-        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
-            await asyncio.wait_for(reader.readexactly(len(HELLO)), 10.0)
-        writer.write(STALLED_HEADER)
-    return writers
+    """``count`` connections from ``source`` at once, each holding a stalled header. At
+    once, as an attacker would: one after another, those the server leaves unanswered
+    while its pending pool is full wait out its pending deadline each in turn."""
+    return list(await asyncio.gather(*(hold_header(port, source) for _ in range(count))))
 
 
 async def honest_round(

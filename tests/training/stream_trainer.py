@@ -1,8 +1,9 @@
 """A Streaming DiLoCo trainer in its own process, for tests that kill one.
 
-``python -m tests.training.stream_trainer CONTROL SEED PEERS``: connects to the daemon at
-``CONTROL``, builds the same model and :class:`StreamingDiLoCo` as the tests
-(``streaming_setup.make_streaming``), prints the JSON ready line the test harness waits
+``python -m tests.training.stream_trainer CONTROL SEED PEERS [RUN]``: connects to the daemon
+at ``CONTROL``, builds the same model and :class:`StreamingDiLoCo` as the tests
+(``streaming_setup.make_streaming``, trainers' run ``RUN``, default ``streaming_setup.RUN``),
+prints the JSON ready line the test harness waits
 for, waits until the swarm's progress names ``PEERS`` members (alone it would race ahead
 through local syncs), then trains until it is killed, one line per sync applied.
 """
@@ -17,7 +18,7 @@ import torch
 
 from swarmavg.peer import connect
 from tests.training.helpers import batch
-from tests.training.streaming_setup import make_model, make_streaming
+from tests.training.streaming_setup import RUN, make_model, make_streaming
 
 JOIN_DEADLINE = 240.0
 """Seconds to wait for the other members (a deadline for a loaded machine)."""
@@ -25,9 +26,10 @@ JOIN_DEADLINE = 240.0
 
 def main() -> None:
     control, seed, peers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    run_id = sys.argv[4] if len(sys.argv) > 4 else RUN
     model = make_model()
     with connect(control) as client:
-        opt = make_streaming(model, client)
+        opt = make_streaming(model, client, run_id)
         print(json.dumps({"event": "ready", "epoch": opt.epoch}), flush=True)
         deadline = time.monotonic() + JOIN_DEADLINE
         while opt.tracker.refresh().num_peers < peers:

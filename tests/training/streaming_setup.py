@@ -24,12 +24,13 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Linear(8, 2))
 
 
-def make_streaming(model: torch.nn.Module, client: Any) -> StreamingDiLoCo:
+def make_streaming(model: torch.nn.Module, client: Any, run_id: str = RUN) -> StreamingDiLoCo:
+    """``run_id``: the trainers' run (one per test where tests share daemons)."""
     return StreamingDiLoCo(
         model.parameters(),
         torch.optim.SGD(model.parameters(), lr=0.05),
         client=client,
-        run_id=RUN,
+        run_id=run_id,
         local_steps=4,
         fragments=2,
         overlap_steps=1,

@@ -73,7 +73,7 @@ def test_diloco_auto_picks_one_h_on_every_member_from_the_measured_times(
             auto_overhead=0.5,
             batch_size_per_step=4,
             averaging_timeout=20.0,
-            final_timeout=2.0,  # closers that stop one after another wait this
+            final_timeout=0.5,  # closers that stop one after another wait this
         )
         for m, d in zip(models, daemons, strict=True)
     ]
@@ -115,7 +115,7 @@ def _streaming(model: torch.nn.Module, client: Any) -> StreamingDiLoCo:
         fragments=2,
         batch_size_per_step=4,
         averaging_timeout=20.0,
-        final_timeout=2.0,  # closers that stop one after another wait this
+        final_timeout=0.5,  # closers that stop one after another wait this
     )
 
 

@@ -79,11 +79,8 @@ class Machines:
 
 @pytest.fixture(scope="module")
 def shared_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[SwarmavgProcess]]:
-    pool = ProcessPool(tmp_path_factory.mktemp("hier-daemons"))
-    try:
+    with ProcessPool(tmp_path_factory.mktemp("hier-daemons")) as pool:
         yield start_daemons(pool, 2)
-    finally:
-        pool.close()
 
 
 @pytest.fixture(scope="module")

@@ -56,7 +56,7 @@ def test_diloco_with_sparseloco_across_two_daemons_ends_bit_identical(
             outer_optimizer=sgd_outer_optimizer,
             codec="sparseloco:fraction=0.05,block=64",
             averaging_timeout=20.0,
-            final_timeout=2.0,  # closers that stop one after another wait this
+            final_timeout=0.5,  # closers that stop one after another wait this
         )
         for m, d in zip(models, daemons, strict=True)
     ]
@@ -90,7 +90,7 @@ def _streaming(model: torch.nn.Module, client: object, **kwargs: object) -> Stre
         "overlap_steps": 1,
         "codec": "uint4-blockwise",
         "averaging_timeout": 20.0,
-        "final_timeout": 2.0,
+        "final_timeout": 0.5,
         **kwargs,
     }
     return StreamingDiLoCo(
@@ -180,7 +180,7 @@ def test_powersgd_across_two_daemons_steps_on_the_factors_of_the_mean_gradient(
             codec="none",
             rank=1,
             averaging_timeout=20.0,
-            final_timeout=2.0,  # closers that stop one after another wait this
+            final_timeout=0.5,  # closers that stop one after another wait this
             max_wait=10.0,
         )
         for m, d in zip(models, daemons, strict=True)

@@ -285,6 +285,7 @@ def test_a_member_off_repairs_from_the_holders_whose_states_are_published_behind
             overlap_steps=1,
             batch_size_per_step=4,
             averaging_timeout=10.0,
+            final_timeout=0.5,  # closers that stop one after another wait this
         )
         peers.append((model, opt))
 

@@ -1,7 +1,11 @@
 """Streaming DiLoCo through faults in the middle of its fragment schedule, with real
 ``swarmavg peer`` daemons: a member killed (SIGKILL, its own process) and a member that
 joins while the others train. Every member that is left ends on the swarm's parameters
-(the anchor), bit for bit."""
+(the anchor), bit for bit.
+
+The tests share the module's three daemons (each test its own trainers' run id): neither
+fault is a daemon's, and a daemon's start is most of what each test would otherwise wait
+for."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ torch = pytest.importorskip("torch")
 
 from swarmavg.averaging.optim import StreamingDiLoCo  # noqa: E402
 from swarmavg.peer import connect  # noqa: E402
-from tests.harness import ProcessPool  # noqa: E402
+from tests.harness import ProcessPool, SwarmavgProcess  # noqa: E402
 from tests.training.helpers import batch, run_in_threads  # noqa: E402
 from tests.training.streaming_setup import (  # noqa: E402
     DAEMON_READY,
@@ -30,6 +34,19 @@ from tests.training.streaming_setup import (  # noqa: E402
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def shared_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[SwarmavgProcess]]:
+    with ProcessPool(tmp_path_factory.mktemp("stream-daemons")) as pool:
+        yield start_daemons(pool, 3)
+
+
+@pytest.fixture
+def daemons(shared_daemons: list[SwarmavgProcess]) -> list[SwarmavgProcess]:
+    for daemon in shared_daemons:  # an earlier test must not have lost one
+        assert daemon.proc.poll() is None, daemon.stderr()
+    return shared_daemons
 
 
 @pytest.fixture
@@ -70,20 +87,20 @@ def _same_anchor(opts: list[StreamingDiLoCo]) -> bool:
 
 @pytest.mark.timeout(600)
 def test_a_trainer_killed_mid_schedule_leaves_the_others_on_one_anchor_and_its_restart_rejoins(
-    swarmavg_processes: ProcessPool, clients: ExitStack
+    swarmavg_processes: ProcessPool, daemons: list[SwarmavgProcess], clients: ExitStack
 ) -> None:
-    daemons = start_daemons(swarmavg_processes, 3)
+    run_id = "stream-killed"
     # Member 2 trains in its own process, so that it can be killed outright; it starts
     # training once the two members below have announced themselves.
     doomed = swarmavg_processes.start(
-        [daemons[2].control, "200", "3"],
+        [daemons[2].control, "200", "3", run_id],
         executable=[sys.executable, "-m", "tests.training.stream_trainer"],
         env={"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
         ready_timeout=DAEMON_READY,  # it imports torch: a deadline for a loaded machine
     )
     models = [make_model() for _ in range(2)]
     opts = [
-        make_streaming(m, clients.enter_context(connect(d.control)))
+        make_streaming(m, clients.enter_context(connect(d.control)), run_id)
         for m, d in zip(models, daemons[:2], strict=True)
     ]
     # Sync 5 is the second fragment's third: killed there, member 2 leaves in the middle
@@ -101,7 +118,9 @@ def test_a_trainer_killed_mid_schedule_leaves_the_others_on_one_anchor_and_its_r
     assert opts[0].stats.group_sizes[-1] == 2
     # Its restart (same daemon, fresh process state) takes the swarm's anchor and trains on.
     models.append(make_model())
-    opts.append(make_streaming(models[2], clients.enter_context(connect(daemons[2].control))))
+    opts.append(
+        make_streaming(models[2], clients.enter_context(connect(daemons[2].control)), run_id)
+    )
     assert opts[2].epoch == 12
     assert opts[2].stats.states_loaded == 1
     assert _same_anchor(opts)
@@ -118,12 +137,12 @@ def test_a_trainer_killed_mid_schedule_leaves_the_others_on_one_anchor_and_its_r
 
 @pytest.mark.timeout(600)
 def test_a_member_joining_while_the_others_train_ends_on_their_anchor(
-    swarmavg_processes: ProcessPool, clients: ExitStack
+    daemons: list[SwarmavgProcess], clients: ExitStack
 ) -> None:
-    daemons = start_daemons(swarmavg_processes, 3)
+    run_id = "stream-joining"
     models = [make_model() for _ in range(3)]
     opts: list[StreamingDiLoCo] = [
-        make_streaming(m, clients.enter_context(connect(d.control)))
+        make_streaming(m, clients.enter_context(connect(d.control)), run_id)
         for m, d in zip(models[:2], daemons[:2], strict=True)
     ]
     joined = threading.Event()
@@ -133,7 +152,8 @@ def test_a_member_joining_while_the_others_train_ends_on_their_anchor(
         # Sync 3 is the middle of the second cycle (fragment 0's turn next): the other two
         # keep training while this member loads the anchor and catches up.
         assert join_at.wait(200)
-        opts.append(make_streaming(models[2], clients.enter_context(connect(daemons[2].control))))
+        client = clients.enter_context(connect(daemons[2].control))
+        opts.append(make_streaming(models[2], client, run_id))
         joined.set()
         _train_to(models[2], opts[2], 200, 10)
 

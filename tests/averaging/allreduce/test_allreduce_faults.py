@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("allreduce_transp
 N = 4
 FAULTY = 1
 SIZE = 9000  # 4 parts of 2250 elements: chunks of 1024, 1024, 202
-TIMEOUT = 4.0  # a silent reducer is waited out to it: ample for 9000 floats in one process
+TIMEOUT = 2.0  # a silent reducer is waited out to it: ample for 9000 floats in one process
 GRACE = 3.0
 WEIGHTS = [1.0, 2.0, 0.5, 1.5]
 

@@ -116,7 +116,7 @@ async def test_a_partial_round_keeps_local_values_in_out(
         # the round's timeout out for it).
         faults = {2: FaultPlan(Fault.STOP_REDUCING, 0)}
         results = await run_group(
-            peers, group, inputs, [1.0] * n, channels, timeout=4.0, faults=faults, outs=outs
+            peers, group, inputs, [1.0] * n, channels, timeout=2.0, faults=faults, outs=outs
         )
         first = results[0]
         assert isinstance(first, AveragingResult)

@@ -106,8 +106,9 @@ def assert_answers(probed: dict[str, str]) -> None:
 
 
 async def test_a_revoked_peer_is_refused_everywhere_while_the_others_average(
-    authority: Authority, sock_dir: Path
+    authority: Authority, sock_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(RevocationKeeper, "file_interval", 0.2)  # the default is 2 s
     a, b, c = (authority.invite(name) for name in ("a", "b", "c"))
     path = authority.folder / f"{RUN}.revoked"
     revoke(authority.authority_path, authority.run_path, [NOBODY.hex()], path)  # list #1
