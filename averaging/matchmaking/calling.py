@@ -25,8 +25,12 @@ import grpc
 
 from swarmavg.averaging.group import Member, Mode
 from swarmavg.averaging.matchmaking.answers import FIRST, answer_fault
-from swarmavg.averaging.matchmaking.closing import assign_leaders
-from swarmavg.averaging.matchmaking.declarations import MAX_ADDRESS_CHARS, leader_order
+from swarmavg.averaging.matchmaking.closing import LeaderView, assign_leaders
+from swarmavg.averaging.matchmaking.declarations import (
+    MAX_ADDRESS_CHARS,
+    Declaration,
+    leader_order,
+)
 from swarmavg.averaging.matchmaking.declaring import Declaring
 from swarmavg.averaging.matchmaking.round import Redirect, Round, peer_ids
 from swarmavg.averaging.stubs import JOIN_GROUP, join_group_method
@@ -87,10 +91,14 @@ class Calling(Declaring):
                 or assignment.get(d.peer_id) != self.peer_id
             ):
                 continue
-            rnd.called.add(d.peer_id)
-            task = asyncio.ensure_future(self._call(rnd, Redirect(d.peer_id, d.address)))
-            rnd.calling.add(task)
-            task.add_done_callback(rnd.calling.discard)
+            self._start_call(rnd, d)
+
+    def _start_call(self, rnd: Round, declared: Declaration) -> None:
+        """Call ``declared`` once this round (``_call``), as one of the round's tasks."""
+        rnd.called.add(declared.peer_id)
+        task = asyncio.ensure_future(self._call(rnd, Redirect(declared.peer_id, declared.address)))
+        rnd.calling.add(task)
+        task.add_done_callback(rnd.calling.discard)
 
     def _note_closed(
         self, rnd: Round, answer: averaging_pb2.JoinResponse, target_id: bytes
@@ -117,10 +125,7 @@ class Calling(Declaring):
                 and d.peer_id not in rnd.elsewhere()
                 and d.can_lead  # a client has no address to ask
             ):
-                rnd.called.add(d.peer_id)
-                task = asyncio.ensure_future(self._call(rnd, Redirect(d.peer_id, d.address)))
-                rnd.calling.add(task)
-                task.add_done_callback(rnd.calling.discard)
+                self._start_call(rnd, d)
 
     async def _call(self, rnd: Round, target: Redirect) -> None:
         """Ask ``target`` to take us, read its first answer, and hang up: an open peer
@@ -175,6 +180,25 @@ class Calling(Declaring):
             fault,
         )
         return True
+
+    def _leader_view(self, rnd: Round) -> LeaderView:
+        """The round as the closing rules see it (``closing``): a leader's, and a
+        follower's when it asks who is still awaited."""
+        return LeaderView(
+            me=rnd.me,
+            members=rnd.member_ids(),
+            declarations=rnd.declarations or (rnd.me,),
+            first_seen=rnd.first_seen,
+            previous=rnd.previous,
+            taken=frozenset(rnd.taken | rnd.shunned),
+            group_size=rnd.request.group_size,
+            min_group_size=rnd.request.min_group_size,
+            wanted=rnd.request.wanted,
+            gone=frozenset(rnd.gone),
+            away=rnd.away(),
+            proven_roster=rnd.proven_roster,
+            late=rnd.late(time.monotonic()),
+        )
 
     def _note_caller(self, rnd: Round, peer_id: bytes, member: Member) -> None:
         """A peer that ranks before us asked us to take it while we lead alone: remember

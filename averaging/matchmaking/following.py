@@ -126,12 +126,12 @@ class Following(Calling):
         to average with (a late peer must not sit out its whole timeout alone).
 
         Left to average with: a declarer that is neither in the closed group nor known to
-        have stopped looking, and that was first seen less than the patience ago, or
-        since we learned that our group closed; and a peer of the family's last round
-        (a proven roster) that the roster grace still waits for, declared or not. After
-        that a declarer that has not joined us, nor taken us, is not coming (the closing
-        rule's own test): most often a peer as late as we are that already failed this
-        way, whose declaration lives on until it expires.
+        have stopped looking, and that was first seen less than the patience ago; and a
+        peer of the family's last round (a proven roster) that the roster grace still
+        waits for, declared or not. After that a declarer that has not joined us, nor
+        taken us, is not coming (the closing rule's own test): most often a peer as late
+        as we are that already failed this way, whose declaration lives on until it
+        expires.
 
         Nobody is written off within the patience after we learned that our group
         closed: the peers of the split's other group may not have declared yet. Failing
@@ -152,12 +152,10 @@ class Following(Calling):
             for d in rnd.declarations
             if d.peer_id != self.peer_id
             and d.peer_id not in elsewhere
-            and now - max(rnd.first_seen.get(d.peer_id, now), rnd.taken_since) <= patience
+            and now - rnd.first_seen.get(d.peer_id, now) <= patience
         }
         if rnd.proven_roster:  # peers of the family's last round, not the run's presence
-            # still awaited, as a leader counts them (LeaderView.awaited_previous)
-            others |= rnd.previous - elsewhere - rnd.gone - rnd.away() - rnd.late(now)
-            others.discard(self.peer_id)
+            others |= self._leader_view(rnd).awaited_previous - {self.peer_id}
         if 1 + len(others) >= rnd.request.min_group_size:
             return None
         return RoundClosedError(

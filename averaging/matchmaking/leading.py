@@ -31,7 +31,6 @@ from swarmavg.averaging.matchmaking.answers import (
 from swarmavg.averaging.matchmaking.calling import Calling
 from swarmavg.averaging.matchmaking.closing import (
     LATENESS_KEPT,
-    LeaderView,
     close_reason,
     expected_members,
     leads_in_split,
@@ -73,23 +72,6 @@ log = logging.getLogger(__name__)
 
 class Leading(Calling):
     """The leader side of a matchmaker, and the ``JoinGroup`` RPC it serves."""
-
-    def _leader_view(self, rnd: Round) -> LeaderView:
-        return LeaderView(
-            me=rnd.me,
-            members=rnd.member_ids(),
-            declarations=rnd.declarations or (rnd.me,),
-            first_seen=rnd.first_seen,
-            previous=rnd.previous,
-            taken=frozenset(rnd.taken | rnd.shunned),
-            group_size=rnd.request.group_size,
-            min_group_size=rnd.request.min_group_size,
-            wanted=rnd.request.wanted,
-            gone=frozenset(rnd.gone),
-            away=rnd.away(),
-            proven_roster=rnd.proven_roster,
-            late=rnd.late(time.monotonic()),
-        )
 
     def _close_reason(self, rnd: Round, now: float) -> str | None:
         fresh = rnd.last_read >= max(rnd.last_change, rnd.started + self.settle_time())
