@@ -15,6 +15,17 @@ progress goes to stderr.
         # long links: every host's link delays a quarter of the RTT each way (deploy/testbed/wan.py)
     sudo .venv/bin/python -m benchmarks.bandwidth --congestion-control default,cubic
         # A/B in one run: one swarm of daemons per variant, rounds interleaved
+    sudo .venv/bin/python -m benchmarks.bandwidth --mb 16 --codecs none --rtt-ms 50 --gloo
+        # torch gloo's all_reduce of the same elements on the same hosts, round by round
+
+``--gloo``: one torch gloo rank per host, in the host's namespace (benchmarks/testbed_gloo.py),
+all in one process group for the whole run. After the codecs' warm-ups, gloo does one
+untimed round; then every round of the codecs and variants is followed by one gloo round
+(a barrier, then ``all_reduce`` of ``--mb`` MB of float32; the slowest rank's time), so
+both meet the same links and the same drifting load. Its connections idle while our rounds
+run, as a trainer's do through its compute. Figures: ``gloo.seconds`` (median),
+``gloo.rounds_seconds``, ``gloo.goodput_fraction``, ``gloo.sum_ok`` (every rank's sum
+checked against the exact one) and ``none_vs_gloo`` (our median ``none`` round over gloo's).
 
 ``--congestion-control``: comma-separated variants, each the daemons'
 ``--congestion-control`` (``default``: unset, the kernel's choice); raw TCP is measured
@@ -72,7 +83,7 @@ from deploy.testbed.tcpstats import counter_delta, read_counters
 from deploy.testbed.wan import add_link_arguments, link_figures, uniform_hosts
 from swarmavg.peer import connect_async
 
-from . import unsync_rounds
+from . import testbed_gloo, unsync_rounds
 from .common import Daemon, DaemonPool, module_command, worker_env
 from .common import cpu_seconds as common_cpu_seconds
 
@@ -535,6 +546,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             log(f"raw TCP, butterfly pattern, {variant}: {raws[variant]}")
         pool = DaemonPool(workdir)
         swarms: list[Swarm] = []
+        gloo: testbed_gloo.GlooRanks | None = None
+        gloo_rounds: list[testbed_gloo.GlooRound] = []
+        gloo_failed: list[str] = []
         try:
             elements = nbytes // 4
             expected = np.zeros(len(range(0, elements, SAMPLE_STRIDE)))
@@ -565,6 +579,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     except Exception as exc:  # a codec that is missing or fails is reported
                         results[swarm.name][codec] = {"error": f"{type(exc).__name__}: {exc}"}
                         log(f"{swarm.name} {codec}: {exc!r}")
+            if args.gloo:
+                try:
+                    gloo = testbed_gloo.GlooRanks(
+                        list(bed.hosts.values()), elements, workdir, args.timeout
+                    )
+                    gloo.round()  # untimed: gloo's connections and first-use costs
+                except Exception as exc:  # reported with the figures, never hidden
+                    gloo_failed.append(f"{type(exc).__name__}: {exc}")
+                    log(f"gloo: {exc!r}")
+                    gloo = None
             # Codecs and variants take turns round by round, so that the load of the shared
             # machine drifting during the run weighs on all of them alike.
             failed: dict[tuple[str, str], list[str]] = {key: [] for key in rounds}
@@ -585,28 +609,56 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             continue
                         log(f"{swarm.name} {codec} round {r}: {result}")
                         rounds[swarm.name, codec].append(result)
+                if gloo is not None:
+                    try:
+                        gloo_rounds.append(gloo.round())
+                        log(f"gloo round {r}: {gloo_rounds[-1]}")
+                    except Exception as exc:  # a rank that failed leaves the group broken
+                        gloo_failed.append(f"{type(exc).__name__}: {exc}")
+                        log(f"gloo round {r} failed: {exc!r}")
+                        gloo.close()
+                        gloo = None
             for (name, codec), done in rounds.items():
                 results[name][codec] = summarize(done, failed[name, codec])
         finally:
+            if gloo is not None:
+                gloo.close()
             for swarm in swarms:
                 for worker in swarm.workers:
                     worker.close()
             pool.close()
     figures["load_average_at_end"] = round(os.getloadavg()[0], 1)
+    reference: dict[str, Any] | None = None
+    if args.gloo:
+        payload = 2 * (n - 1) * nbytes / n  # a ring moves what a butterfly moves
+        link_bound = payload * 8 / (rate * 1e6)
+        reference = testbed_gloo.summarize(gloo_rounds, gloo_failed, link_bound)
+        figures["gloo"] = reference
     if list(variants) == ["default"]:  # the single-variant layout of earlier runs
         figures["raw_tcp"] = raws["default"]
         figures["codecs"] = results["default"]
         figures.update(goodput(results["default"], raws["default"], n, nbytes, rate))
+        figures.update(over_gloo(results["default"], reference))
         return figures
     figures["variants"] = {
         name: {
             "raw_tcp": raws[name],
             "codecs": per_codec,
             **goodput(per_codec, raws[name], n, nbytes, rate),
+            **over_gloo(per_codec, reference),
         }
         for name, per_codec in results.items()
     }
     return figures
+
+
+def over_gloo(per_codec: dict[str, Any], reference: dict[str, Any] | None) -> dict[str, Any]:
+    """``none_vs_gloo``: our median ``none`` round over gloo's median, when both ran."""
+    ours = per_codec.get("none", {}).get("seconds")
+    theirs = (reference or {}).get("seconds")
+    if not ours or not theirs:
+        return {}
+    return {"none_vs_gloo": round(ours / theirs, 3)}
 
 
 # -- --unsync: every host's training process on its own clock ----------------------------
@@ -928,9 +980,17 @@ def main() -> int:
     parser.add_argument(
         "--log-dir", default=None, help="--unsync: keep the daemons' logs here (per variant)"
     )
+    parser.add_argument(
+        "--gloo",
+        action="store_true",
+        help="also torch gloo's all_reduce of the same elements, one rank per host, a gloo "
+        "round after each round of ours (benchmarks/testbed_gloo.py)",
+    )
     args = parser.parse_args()
     if args.unsync and args.group_size == "given":
         parser.error("--unsync runs the default configuration: no --group-size given")
+    if args.unsync and args.gloo:
+        parser.error("--gloo takes turns with the synchronised rounds, not with --unsync")
     args.group_size = args.group_size or ("default" if args.unsync else "given")
     reason = missing_requirements()
     if reason is not None:
