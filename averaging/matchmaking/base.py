@@ -70,6 +70,14 @@ class MatchmakerBase:
         """Peers whose signed declarations said they sign their ``JoinGroup`` answers
         (the most recent :data:`MAX_ANSWER_SIGNERS`): an unsigned answer from one is
         refused, also in a round that asks it before reading the declarations."""
+        self._legacy_join = False
+        """Join as a peer from before the signed answers and the one-round-trip join
+        (private: tests set it to put such a peer beside new ones, no part of the API).
+        Its ``JoinGroup`` requests carry neither ``signed_answers`` nor the repeated
+        declaration, its declaration has no ``"sa"`` flag, it stores that declaration
+        before its search in every round, it ignores the header and the members'
+        requests of an answer, and as a leader it signs no answer, forwards no request
+        and checks every follower against the declaration it reads."""
 
     def settle_time(self) -> float:
         """How long a new leader waits before its first close (from measured latency)."""
