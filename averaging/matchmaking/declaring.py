@@ -189,8 +189,8 @@ class Declaring(MatchmakerBase):
         signed = self._current(rnd, found, now_wall)
         rnd.signed = signed
         for other in signed.values():
-            if other.signs_answers and other.peer_id != self.peer_id:
-                self.note_answer_signer(other.peer_id)
+            if other.peer_id != self.peer_id:
+                self.note_answer_signer(other.peer_id, other.signs_answers)
         for other in signed.values():
             if other.schema_hash == rnd.me.schema_hash and other.codec != rnd.me.codec:
                 rnd.other_codecs[other.peer_id] = other.codec

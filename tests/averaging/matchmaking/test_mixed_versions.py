@@ -17,6 +17,7 @@ the all-reduce. Each test runs with an all-new swarm as its control.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -212,14 +213,22 @@ def rounds_led_and_followed(peers: list[Peer], older: Peer, each: int) -> list[s
     return sorted(names, key=lambda n: int(n.rpartition("-")[2]))
 
 
-@pytest.mark.parametrize("older", [False, True], ids=["all-new", "one-older"])
-async def test_steady_rounds_with_an_older_peer_form_one_group_each(older: bool) -> None:
+class Older(enum.Enum):
+    NEVER = "all-new"
+    FROM_THE_START = "one-older"
+    AFTER_THE_FIRST_ROUND = "one-rolled-back"
+
+
+@pytest.mark.parametrize("older", list(Older), ids=[o.value for o in Older])
+async def test_steady_rounds_with_an_older_peer_form_one_group_each(older: Older) -> None:
     """Four peers average round after round under one key family; one of them joins
-    the older way (the control: none). It leads some rounds and follows in the others;
-    every round is one group of all four, none partial."""
+    the older way (the control: none), from the start or only after a first round as a
+    new peer (a peer rolled back to an older version, under the same identity: the others
+    saw its declaration say it signs its answers). It leads some rounds and follows in
+    the others; every round is one group of all four, none partial."""
     async with averager_swarm(4, fast_config(matchmaking_time=8.0)) as swarm:
         odd = swarm.peers[-1]
-        if older:
+        if older is Older.FROM_THE_START:
             make_older(odd)
         names = ["step-0", *rounds_led_and_followed(swarm.peers, odd, each=3)]
         led = 0
@@ -227,4 +236,6 @@ async def test_steady_rounds_with_an_older_peer_form_one_group_each(older: bool)
             results = await round_of(swarm.peers, name)
             assert_one_group(results, 4)
             led += int(results[swarm.peers.index(odd)].timings["matchmaking.led"])
+            if older is Older.AFTER_THE_FIRST_ROUND:
+                make_older(odd)
         assert led >= 3  # the rounds it was to lead (and maybe step-0)
