@@ -33,6 +33,7 @@ from tests.averaging.averager_swarm import (
     fast_config,
     ranked,
 )
+from tests.harness import logged_to
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -116,16 +117,9 @@ class Refusals(logging.Handler):
 @pytest.fixture
 def refusals() -> Iterator[Refusals]:
     """A :class:`Refusals` that the following module's debug lines reach meanwhile."""
-    logger = logging.getLogger("swarmavg.averaging.matchmaking.following")
-    level = logger.level
     handler = Refusals()
-    logger.setLevel(logging.DEBUG)
-    logger.addHandler(handler)
-    try:
+    with logged_to(handler, "swarmavg.averaging.matchmaking.following", logging.DEBUG):
         yield handler
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 @pytest.mark.parametrize("older", [False, True], ids=["new-follower", "older-follower"])
