@@ -11,7 +11,9 @@ must fall back to the DHT where the wire no longer stands for it.
 
 The older peer is a real averager whose matchmaker joins the older way (the private
 ``MatchmakerBase._legacy_join``); the rest is real: DHT nodes, gRPC servers on 127.0.0.1,
-the all-reduce. Each test runs with an all-new swarm as its control.
+the all-reduce. Each test runs with an all-new swarm as its control. The wire itself is
+checked across versions as well: an older peer parses a new request with a schema that
+lacks the new fields (a descriptor of them dropped), and must verify its signature.
 """
 
 from __future__ import annotations
@@ -24,9 +26,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from swarmavg.averaging.matchmaking.config import MatchmakingEvent
 from swarmavg.averaging.result import AveragingResult
+from swarmavg.averaging.stubs import JOIN_GROUP
+from swarmavg.dht.auth import Authenticator, RequestSigner, message_digest
+from swarmavg.dht.identity import Identity
+from swarmavg.proto import averaging_pb2, common_pb2, tensor_pb2
 from tests.averaging.averager_swarm import (
     Peer,
     averager_swarm,
@@ -233,3 +240,57 @@ async def test_steady_rounds_with_an_older_peer_form_one_group_each(older: Older
             if older is Older.AFTER_THE_FIRST_ROUND:
                 make_older(odd)
         assert led >= 3  # the rounds it was to lead (and maybe step-0)
+
+
+OLDER_JOIN_REQUEST_FIELDS = 9
+"""``JoinRequest`` fields an older peer knows: none of the signed answers' and the
+repeated declaration's (10-14)."""
+
+
+def older_join_request_class() -> Any:
+    """``JoinRequest`` as an older peer's code declares it: today's descriptor without the
+    fields it lacks, in a pool of its own."""
+    pool = descriptor_pool.DescriptorPool()
+    for module in (common_pb2, tensor_pb2, averaging_pb2):
+        proto = descriptor_pb2.FileDescriptorProto()
+        module.DESCRIPTOR.CopyToProto(proto)
+        for message in proto.message_type:
+            if message.name == "JoinRequest":
+                kept = [f for f in message.field if f.number <= OLDER_JOIN_REQUEST_FIELDS]
+                del message.field[:]
+                message.field.extend(kept)
+        pool.Add(proto)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("swarmavg.v1.JoinRequest"))
+
+
+def test_an_older_leader_verifies_a_new_join_request() -> None:
+    """An older leader parses a new follower's request without fields 10-14 (kept as
+    unknown fields) and checks the signature over its own digest of it: the digest keeps
+    the unknown fields as sent, so the request verifies; a request altered in one of them
+    does not."""
+    leader, follower = Identity.generate(), Identity.generate()
+    signer = RequestSigner(follower, "test", lambda: "127.0.0.1:2")
+    request = averaging_pb2.JoinRequest(
+        key="test.k.0b",
+        schema_hash=bytes(32),
+        declared_start=1.0,
+        aggregation="mean",
+        signed_answers=True,
+        deadline=2.0,
+        give_up=3.0,
+        group_size=4,
+        codec="none",
+    )
+    request.header.CopyFrom(signer.sign(leader.peer_id, JOIN_GROUP, message_digest(request)))
+    older = older_join_request_class()
+    received = older.FromString(request.SerializeToString())
+    assert not hasattr(received, "give_up")  # the older schema indeed lacks it
+    checks = Authenticator(leader, "test")
+    assert checks.check(received.header, JOIN_GROUP, message_digest(received)) == (follower.peer_id)
+
+    altered = averaging_pb2.JoinRequest()
+    altered.CopyFrom(request)
+    altered.give_up = 30.0
+    received = older.FromString(altered.SerializeToString())
+    with pytest.raises(ValueError, match="signature"):
+        Authenticator(leader, "test").check(received.header, JOIN_GROUP, message_digest(received))
