@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,3 +179,19 @@ class ProcessPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def logged_to(handler: logging.Handler, logger_name: str, level: int) -> Iterator[None]:
+    """``handler`` receives the records of ``logger_name`` from ``level`` up while the block
+    runs (a code path's own log line as the event a test waits for); the logger's level is
+    restored after."""
+    logger = logging.getLogger(logger_name)
+    previous = logger.level
+    logger.setLevel(level)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)

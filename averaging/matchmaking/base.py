@@ -67,9 +67,17 @@ class MatchmakerBase:
         self.presence: RunPresence | None = None
         """This averager's entry among the run's averagers (see :meth:`announce`)."""
         self.answer_signers: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-        """Peers whose signed declarations said they sign their ``JoinGroup`` answers
+        """Peers whose latest signed declarations said they sign their ``JoinGroup`` answers
         (the most recent :data:`MAX_ANSWER_SIGNERS`): an unsigned answer from one is
         refused, also in a round that asks it before reading the declarations."""
+        self._legacy_join = False
+        """Join as a peer from before the signed answers and the one-round-trip join
+        (private: tests set it to put such a peer beside new ones, no part of the API).
+        Its ``JoinGroup`` requests carry neither ``signed_answers`` nor the repeated
+        declaration, its declaration has no ``"sa"`` flag, it stores that declaration
+        before its search in every round, it ignores the header and the members'
+        requests of an answer, and as a leader it signs no answer, forwards no request
+        and checks every follower against the declaration it reads."""
 
     def settle_time(self) -> float:
         """How long a new leader waits before its first close (from measured latency)."""
@@ -102,9 +110,18 @@ class MatchmakerBase:
             del table[next(iter(table))]
         remember(self.silent_leaders, family, table)
 
-    def note_answer_signer(self, peer_id: bytes) -> None:
-        """Remember that ``peer_id`` signs its answers (its signed declaration said so)."""
+    def note_answer_signer(self, peer_id: bytes, signs: bool) -> None:
+        """Remember whether ``peer_id`` signs its answers, as its latest signed
+        declaration says.
+
+        A declaration without the flag takes the peer off the list: it went back to a
+        version that signs nothing (an operator's rollback, same identity). Kept on the
+        list, it was refused by every peer that had seen it sign, as long as they
+        remembered it: its groups split off and their rounds went partial. Only its owner
+        can write that declaration, so no one on the path can turn the check off."""
         self.answer_signers.pop(peer_id, None)
+        if not signs:
+            return
         self.answer_signers[peer_id] = None
         while len(self.answer_signers) > MAX_ANSWER_SIGNERS:  # the oldest go first
             self.answer_signers.popitem(last=False)

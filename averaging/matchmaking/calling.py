@@ -61,12 +61,13 @@ class Calling(Declaring):
             declared_start=me.start,
             data_port=req.data_port,
             aggregation=req.aggregation,
-            signed_answers=True,
-            deadline=me.deadline,
-            give_up=me.give_up,
-            group_size=me.group_size,
-            codec=me.codec,
         )
+        if not self._legacy_join:
+            request.signed_answers = True
+            request.deadline = me.deadline
+            request.give_up = me.give_up
+            request.group_size = me.group_size
+            request.codec = me.codec
         request.header.CopyFrom(
             self.dht.signer.sign(target_id, JOIN_GROUP, message_digest(request))
         )
@@ -166,6 +167,8 @@ class Calling(Declaring):
         """Whether ``answer`` is not the asked peer's own (``answers``): then it is no
         answer, as if the stream had ended; a leader is asked again after a pause. An
         unsigned answer is taken only from a peer not known to sign (an older peer)."""
+        if self._legacy_join:
+            return False  # an older peer checks no answer
         if not answer.HasField("header") and leader.peer_id not in self.answer_signers:
             return False
         fault = answer_fault(

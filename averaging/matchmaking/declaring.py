@@ -36,7 +36,10 @@ class Declaring(MatchmakerBase):
         """Store our declaration; with ``read_back``, the same lookup reads the key too,
         and the read stands for the round's first read when it passes ``_read_back_stands``."""
         subkey = declaration_subkey(self.peer_id)
-        args = (rnd.request.key, rnd.me.encode(), rnd.me.give_up)
+        value = rnd.me.encode()
+        if self._legacy_join:
+            del value["sa"]  # an older peer's declaration has no such field
+        args = (rnd.request.key, value, rnd.me.give_up)
         replicas = self.config.declaration_replicas
         try:
             started = time.monotonic()
@@ -98,7 +101,8 @@ class Declaring(MatchmakerBase):
         that moved to our bits with us, while members of other groups whose bits came
         out the same declare under our key too; only the read finds them."""
         return (
-            not has_group_bits(rnd.request.key)
+            not self._legacy_join
+            and not has_group_bits(rnd.request.key)
             and rnd.proven_roster
             and bool(rnd.previous)
             and len(rnd.previous | {self.peer_id}) <= rnd.request.group_size
@@ -185,8 +189,8 @@ class Declaring(MatchmakerBase):
         signed = self._current(rnd, found, now_wall)
         rnd.signed = signed
         for other in signed.values():
-            if other.signs_answers and other.peer_id != self.peer_id:
-                self.note_answer_signer(other.peer_id)
+            if other.peer_id != self.peer_id:
+                self.note_answer_signer(other.peer_id, other.signs_answers)
         for other in signed.values():
             if other.schema_hash == rnd.me.schema_hash and other.codec != rnd.me.codec:
                 rnd.other_codecs[other.peer_id] = other.codec

@@ -425,7 +425,7 @@ class Following(Calling):
         (``dht/quotas.py``), which bounds the identities a hostile leader can list; signed
         requests cost it nothing but keys."""
         found: dict[bytes, Declaration] = {}
-        if not rnd.proven_roster or has_group_bits(rnd.request.key):
+        if self._legacy_join or not rnd.proven_roster or has_group_bits(rnd.request.key):
             return found  # under group bits the roster holds only our companions
         now = time.time()
         auth = self.dht.authenticator

@@ -191,6 +191,8 @@ class Leading(Calling):
         rnd.closed = True
         self.closes[reason] += 1
         carried = [f.request for f in rnd.followers.values() if f.request is not None]
+        if self._legacy_join:
+            carried = []  # an older leader forwards no request
         rnd.release_followers(
             averaging_pb2.JoinResponse(
                 code=averaging_pb2.JOIN_GROUP_FORMED,
@@ -226,7 +228,7 @@ class Leading(Calling):
         position = FIRST
         async with contextlib.aclosing(self._answer_join(request, peer_id, context)) as answers:
             async for answer in answers:
-                if request.signed_answers:
+                if request.signed_answers and not self._legacy_join:
                     # A copy: one final answer object is shared by every follower's stream.
                     copy = averaging_pb2.JoinResponse()
                     copy.CopyFrom(answer)
@@ -447,6 +449,7 @@ class Leading(Calling):
         now = time.time()
         if (
             carried is not None
+            and not self._legacy_join
             and rnd.proven_roster
             and not has_group_bits(rnd.request.key)
             and member.peer_id in rnd.previous

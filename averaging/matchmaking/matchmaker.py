@@ -186,7 +186,7 @@ class Matchmaker(Following, Leading):
             data_port=request.data_port if request.mode is not Mode.CLIENT and self.address else 0,
             user_data_digest=user_data_digest(request.user_data),
             key=request.key,
-            signs_answers=True,
+            signs_answers=not self._legacy_join,
         )
         rnd = Round(
             request,

@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.harness import logged_to
+
 
 def run_in_threads(*functions: Callable[[], Any], timeout: float = 60.0) -> list[Any]:
     """Run the functions concurrently; return their results, re-raising the first error."""
@@ -116,12 +118,5 @@ class Said(logging.Handler):
 def first_waits() -> Iterator[Said]:
     """Set once a trainer logs that its start barrier waits."""
     said = Said("waiting up to")
-    logger = logging.getLogger("swarmavg.averaging.training.base")
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(said)
-    try:
+    with logged_to(said, "swarmavg.averaging.training.base", logging.INFO):
         yield said
-    finally:
-        logger.removeHandler(said)
-        logger.setLevel(level)
