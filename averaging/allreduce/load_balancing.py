@@ -116,3 +116,31 @@ def part_sizes(members: Sequence[Member], total: int) -> list[int]:
     for k, i in enumerate(reducers):
         sizes[i] = floors[k]
     return sizes
+
+
+def equal_share_factor(members: Sequence[Member], index: int, sizes: Sequence[int]) -> float:
+    """What member ``index`` would have moved in its busier direction with an equal part,
+    over what it moved with its part of ``sizes`` (:func:`part_sizes`' result).
+
+    A measured bandwidth is the bytes a round moved over its exchange time
+    (``throughput.py``); every member waits for the slowest, so a member with a larger part
+    moves more bytes in the same time and reads as faster, and its next part grows again,
+    up to ``MAX_SHARE_RATIO`` on links that are all alike. Scaling its bytes to an equal
+    part's first makes the sample the group's achieved rate, whatever part the member had.
+    """
+    senders = sum(1 for m in members if m.mode.sends)
+    reducers = sum(1 for m in members if m.is_reducer)
+    total = sum(sizes)
+    mode = members[index].mode
+
+    def moved(part: float) -> float:
+        # Elements per direction: a sender's values for the other parts and the averages
+        # of its own part for the other senders; an aux member only its part's traffic.
+        if mode is Mode.AUX:
+            return senders * part
+        return total + (senders - 2) * part
+
+    if not members[index].is_reducer:
+        return 1.0  # no part: what it moves does not depend on the others' parts
+    own = moved(sizes[index])
+    return moved(total / reducers) / own if own > 0 else 1.0

@@ -10,10 +10,13 @@ and keeps an exponentially smoothed estimate of those samples, clamped to sane b
 
 What the measurement can and cannot see: a round lasts as long as its slowest member, so
 a sample is the throughput this peer *achieved*, a lower bound of its link that the group's
-bottleneck sets. Measured peers of one group therefore report similar figures; the gain is
-that the figures are real MB/s, comparable with the ones users set, and that they follow a
-peer's achieved throughput across groups and over time. A user who knows the link is
-better served by setting it.
+bottleneck sets. The averager feeds the bytes this peer would have moved with an equal part
+(``load_balancing.equal_share_factor``), not the bytes its own part made it move: otherwise
+the member with the largest part reads as the fastest in every round, its part grows to the
+cap on links that are all alike, and the group waits for it. Measured peers of one group
+therefore report the same figure; the gain is that the figures are real MB/s, comparable
+with the ones users set, and that they follow a peer's achieved throughput across groups
+and over time. A user who knows the link is better served by setting it.
 
 Samples that say little about bandwidth are left out: rounds that moved less than
 ``min_bytes`` (their time is latency, not throughput) and partial rounds (their exchange

@@ -1,9 +1,11 @@
-"""ThroughputEstimator: the advertised bandwidth, set or measured (pure; no clock)."""
+"""ThroughputEstimator: the advertised bandwidth, set or measured (pure; no clock), and the
+loop it closes with the next round's parts."""
 
 from __future__ import annotations
 
 import pytest
 
+from swarmavg.averaging.allreduce.load_balancing import equal_share_factor, part_sizes
 from swarmavg.averaging.allreduce.throughput import (
     DEFAULT_BOUNDS,
     DEFAULT_INITIAL,
@@ -11,6 +13,7 @@ from swarmavg.averaging.allreduce.throughput import (
     MB,
     ThroughputEstimator,
 )
+from swarmavg.averaging.group import Member, Mode
 
 
 def test_starts_from_the_conservative_default_until_the_first_round() -> None:
@@ -103,3 +106,61 @@ def test_zero_is_a_valid_set_bandwidth() -> None:
 def test_bad_parameters_name_themselves(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ThroughputEstimator(**kwargs)
+
+
+# -- the closed loop: measured bandwidths size the next round's parts ---------------------
+
+
+def _members(claims: list[float]) -> list[Member]:
+    return [
+        Member(bytes([i + 1]) * 20, f"127.0.0.1:{7000 + i}", Mode.NODE, claim)
+        for i, claim in enumerate(claims)
+    ]
+
+
+def _rounds_on_equal_links(scaled: bool, claims: list[float], rounds: int) -> list[int]:
+    """Rounds of a group whose links all carry 12.5 MB/s, each member measuring the round
+    as the averager does: its bytes over the group's time (every member waits for the
+    slowest); ``scaled``: the bytes an equal part would have moved. The last parts."""
+    estimators = [ThroughputEstimator() for _ in claims]
+    total, itemsize, rate = 4_000_000, 4, 12.5 * MB
+    members = _members(claims)
+    sizes = part_sizes(members, total)
+    for _ in range(rounds):
+        moved = [itemsize * (total + (len(members) - 2) * size) for size in sizes]
+        seconds = max(moved) / rate
+        for i, estimator in enumerate(estimators):
+            factor = equal_share_factor(members, i, sizes) if scaled else 1.0
+            estimator.observe(round(moved[i] * factor), seconds)
+        members = _members([estimator.value for estimator in estimators])
+        sizes = part_sizes(members, total)
+    return sizes
+
+
+def test_parts_on_alike_links_become_equal_whatever_the_first_claims() -> None:
+    # After one noisy round the claims differ by a few percent. Measured on the bytes its
+    # own part made it move, the member with the largest part reads as the fastest in
+    # every round and keeps its larger part (here 1.19x the smallest, for good); on the
+    # bytes an equal part would have moved, every member reads the group's rate.
+    claims = [10.0, 10.4, 9.8, 10.1]
+    kept = _rounds_on_equal_links(scaled=False, claims=claims, rounds=30)
+    assert max(kept) / min(kept) > 1.15  # the unscaled sample: the model of the old rule
+    sizes = _rounds_on_equal_links(scaled=True, claims=claims, rounds=30)
+    assert max(sizes) / min(sizes) < 1.001
+
+
+def test_equal_share_factor_follows_the_traffic_model() -> None:
+    members = _members([1.0] * 4)
+    assert equal_share_factor(members, 0, [25, 25, 25, 25]) == pytest.approx(1.0)
+    # A sender-reducer of 4 moves total + 2 x its part per direction: 100 + 2 * 40 = 180
+    # with part 40, 150 with an equal part of 25.
+    assert equal_share_factor(members, 0, [40, 20, 20, 20]) == pytest.approx(150 / 180)
+    assert equal_share_factor(members, 1, [40, 20, 20, 20]) == pytest.approx(150 / 140)
+    # Two members swap halves: the traffic does not depend on the parts.
+    assert equal_share_factor(_members([1.0, 1.0]), 0, [70, 30]) == pytest.approx(1.0)
+    # A client reduces nothing: nothing to scale.
+    client = [*_members([1.0, 1.0]), Member(b"\x09" * 20, None, Mode.CLIENT, 0.0)]
+    assert equal_share_factor(client, 2, [50, 50, 0]) == 1.0
+    # An aux member moves only its part's traffic (3 senders' values in, the average out).
+    aux = [*_members([1.0, 1.0, 1.0]), Member(b"\x09" * 20, "127.0.0.1:7009", Mode.AUX, 1.0)]
+    assert equal_share_factor(aux, 3, [20, 20, 20, 40]) == pytest.approx(25 / 40)
