@@ -18,6 +18,7 @@ and contributes nothing (its weight is 0).
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -143,9 +144,9 @@ class GroupInfo:
                 return i
         return None
 
-    @property
+    @functools.cached_property
     def senders(self) -> tuple[int, ...]:
-        """Indices of the members that contribute tensors."""
+        """Indices of the members that contribute tensors (asked per chunk in a round)."""
         return tuple(i for i, m in enumerate(self.members) if m.mode.sends)
 
 

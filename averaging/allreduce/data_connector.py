@@ -95,6 +95,11 @@ class DataCall:
     async def write(self, message: bytes) -> None:
         await self.write_pieces((message,))
 
+    @property
+    def reply_ready(self) -> bool:
+        """Whether :meth:`read` returns without waiting (a frame of the stream is queued)."""
+        return self._finished_ok or self._protocol.frame_ready
+
     async def done_writing(self) -> None:
         try:
             self._protocol.send(CLOSE, ())

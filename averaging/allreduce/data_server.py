@@ -114,6 +114,9 @@ class _ServerStream:
         self._revoked = revoked
         self.client_closed = False
         self.status_sent = False
+        self.writes_bounded = True
+        """:meth:`write` raises ``TimeoutError`` after ``write_timeout`` without progress
+        (the round's own deadline per write is then not needed)."""
 
     def peer_host(self) -> str:
         """The host this stream's connection comes from ("" when unknown): what a gRPC
@@ -153,6 +156,9 @@ class _ServerStream:
 
     async def write(self, message: OutgoingChunk) -> None:
         self._protocol.send(MSG, message.pieces)  # no join: the socket takes pieces
+        if not self._protocol.write_paused:
+            await self._protocol.drain()  # raises the connection's error; never waits
+            return
         async with asyncio.timeout(self._write_timeout):  # a sender that stops reading
             await self._protocol.drain()
 

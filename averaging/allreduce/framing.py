@@ -448,6 +448,16 @@ class FrameProtocol(asyncio.BufferedProtocol):
         size = sum(memoryview(p).nbytes for p in pieces)
         self.transport.writelines([HEAD.pack(size, kind), *pieces])
 
+    @property
+    def write_paused(self) -> bool:
+        """Whether :meth:`drain` would wait (the transport's buffer is over its mark)."""
+        return self._writable is not None and not self._writable.done()
+
+    @property
+    def frame_ready(self) -> bool:
+        """Whether :meth:`next_frame` returns without waiting (a frame is queued)."""
+        return bool(self._frames)
+
     async def drain(self) -> None:
         if self._writable is not None and not self._writable.done():
             await self._writable

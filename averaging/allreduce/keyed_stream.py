@@ -249,6 +249,11 @@ class SealingContext:
         self._mac = mac
 
     @property
+    def writes_bounded(self) -> bool:
+        """Whether the wrapped stream bounds each write itself (the data plane's does)."""
+        return getattr(self._context, "writes_bounded", False) is True
+
+    @property
     def replies(self) -> int:
         """Replies sealed so far (the ``end`` marker included, once written)."""
         return self._mac.sequence

@@ -12,6 +12,7 @@ clipped to the dtype's range; int64 values beyond 2**53 lose precision.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -205,20 +206,27 @@ class PartPlan:
     def total(self) -> int:
         return self.bounds[-1][1] if self.bounds else 0
 
+    @functools.cached_property
+    def _sizes(self) -> tuple[tuple[int, int], ...]:
+        """``(elements, chunks)`` of every part: asked several times per chunk in a round."""
+        return tuple(
+            (end - start, -(-(end - start) // self.chunk_elements)) for start, end in self.bounds
+        )
+
     def part_size(self, part: int) -> int:
-        start, end = self.bounds[part]
-        return end - start
+        return self._sizes[part][0]
 
     def num_chunks(self, part: int) -> int:
         """Number of chunks of ``part`` (0 for an empty part)."""
-        return -(-self.part_size(part) // self.chunk_elements)
+        return self._sizes[part][1]
 
     def chunk_bounds(self, part: int, chunk: int) -> tuple[int, int]:
         """``(start, end)`` of ``chunk`` relative to the start of ``part``."""
-        if not 0 <= chunk < self.num_chunks(part):
+        size, chunks = self._sizes[part]
+        if not 0 <= chunk < chunks:
             raise IndexError(f"part {part} has no chunk {chunk}")
         start = chunk * self.chunk_elements
-        return start, min(start + self.chunk_elements, self.part_size(part))
+        return start, min(start + self.chunk_elements, size)
 
     def chunk_span(self, part: int, chunk: int) -> slice:
         """Where ``chunk`` of ``part`` lies in the flat vector."""

@@ -339,6 +339,8 @@ class ReducerRound:
         # Chunks finalised without this sender (it was too late) cannot happen: a live
         # sender blocks finalisation. So the stream starts with nothing to catch up on.
         reader = asyncio.get_running_loop().create_task(self._read(stream, first, requests))
+        # The data plane bounds each write by write_timeout itself, and only where it waits.
+        bounded = getattr(context, "writes_bounded", False) is True
         try:
             while True:
                 item = await stream.queue.get()
@@ -353,8 +355,11 @@ class ReducerRound:
                     # Neither gRPC's context.write nor a socket has a deadline of its own:
                     # a sender that stops reading would hold this stream, and the round's
                     # memory, for ever.
-                    async with asyncio.timeout(self.config.write_timeout):
+                    if bounded:
                         await context.write(item)
+                    else:
+                        async with asyncio.timeout(self.config.write_timeout):
+                            await context.write(item)
                 except TimeoutError:
                     reason = f"sender read no reply for {self.config.write_timeout:.1f}s"
                     self.drop(sender, reason)

@@ -261,8 +261,11 @@ class PartStreams:
                 patience = self._reply_patience(started, replies)
                 wait = min(patience, self.deadline - time.monotonic())
                 try:
-                    async with asyncio.timeout(max(wait, 0.0)):
-                        response = await call.read()
+                    if isinstance(call, DataCall) and call.reply_ready and wait > 0:
+                        response = await call.read()  # queued: no wait to bound
+                    else:
+                        async with asyncio.timeout(max(wait, 0.0)):
+                            response = await call.read()
                 except TimeoutError:
                     log.info(
                         "part %d: no reply from %s in %.1fs, keeping local values",

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import socket
 import struct
 import tracemalloc
 
@@ -89,16 +90,38 @@ async def test_silent_streams_on_one_connection_do_not_block_honest_reduces(
         await close_peers(peers)
 
 
+async def _send_on_the_data_plane_without_reading(
+    port: int, messages: list[averaging_pb2.ReduceRequest], writers: list[asyncio.StreamWriter]
+) -> None:
+    """One data-plane stream of ``messages`` whose replies are never read; the socket's
+    receive buffer kept small, so that the reducer's writes back stall soon."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    writers.append(writer)
+    writer.write(struct.pack("<IB", len(MAGIC), 0) + MAGIC)
+    await reader.readexactly(5 + len(MAGIC))  # the server's HELLO: then the stream
+    for message in messages:
+        body = message.SerializeToString()
+        writer.write(struct.pack("<IB", len(body), 1) + body)
+        await writer.drain()
+
+
+@pytest.mark.parametrize("data_plane", [False, True], ids=["grpc", "data-plane"])
 async def test_a_member_that_stops_reading_is_cut_and_pins_nothing(
-    grpc_servers: GrpcServerPool, channels: ChannelPool
+    grpc_servers: GrpcServerPool, channels: ChannelPool, data_plane: bool
 ) -> None:
     """A member sends every chunk of every part but never reads a reply. Without the bounds
     the reducer's ``context.write`` had no deadline and its reply queue no bound: the
     stream, the round and every reply stayed in memory after the round (the handler never
-    returned), and the member was never dropped."""
+    returned), and the member was never dropped. Over the data plane the stream bounds its
+    writes itself (the round adds no deadline of its own there)."""
     config = dataclasses.replace(FAST, chunk_bytes=1 << 20, write_timeout=1.0)
-    peers = await start_peers(grpc_servers, HONEST + 1, config)
+    peers = await start_peers(grpc_servers, HONEST + 1, config, data_plane=data_plane)
     calls: list[grpc.aio.StreamStreamCall] = []
+    writers: list[asyncio.StreamWriter] = []
     try:
         rng = np.random.default_rng(5)
         # Parts of 8 MiB: far more than HTTP/2 flow control and socket buffers take unread.
@@ -118,6 +141,11 @@ async def test_a_member_that_stops_reading_is_cut_and_pins_nothing(
         ]
 
         async def send_without_reading(part: int) -> None:
+            if data_plane:
+                await _send_on_the_data_plane_without_reading(
+                    peers[part].data_port, hostile.valid(part), writers
+                )
+                return
             call = _reduce_call(channels_to[part], 60.0)
             calls.append(call)
             for message in hostile.valid(part):
@@ -144,6 +172,8 @@ async def test_a_member_that_stops_reading_is_cut_and_pins_nothing(
     finally:
         for call in calls:
             call.cancel()
+        for writer in writers:
+            writer.close()
         await close_peers(peers)
 
 
