@@ -8,7 +8,10 @@ code in the path, the fraction plain TCP reaches:
 - ``both_ways``: one connection each way between two hosts (every uplink also carries the
   ACKs of its downloads, as in an all-reduce);
 - ``all_to_all``: every host sends 2 S / N to every other at once (the butterfly's bytes
-  with uncoordinated flows), once per congestion control.
+  with uncoordinated flows), once per congestion control;
+- ``all_to_all_shifted``: the same bytes, host i sending to i+1, then i+2, ... in turn, so
+  that each host receives from one sender at a time (what a schedule of the butterfly's
+  streams could reach), once per congestion control.
 
 for each MTU given (``--mtu 1500,9000``). Fractions are payload bits over the link's rate
 and the transfer's span (first accept to last EOF); medians of ``--repeats``. Prints ONE
@@ -44,6 +47,7 @@ def measure(mtu: int, args: argparse.Namespace) -> dict[str, float]:
     samples: dict[str, list[float]] = {"one_way": [], "both_ways": []}
     for cc in args.congestion_controls.split(","):
         samples[f"all_to_all_{cc}"] = []
+        samples[f"all_to_all_shifted_{cc}"] = []
     with TestBed([HostSpec(f"h{i}", rate_mbit=rate, mtu=mtu) for i in range(n)]) as bed:
         hosts = list(bed.hosts.values())
         pair_bytes = per_pair * (n - 1)  # one host's whole upload, on one connection
@@ -53,8 +57,14 @@ def measure(mtu: int, args: argparse.Namespace) -> dict[str, float]:
             both = all_to_all(hosts[:2], pair_bytes, timeout=300)
             samples["both_ways"].append(fraction(pair_bytes, both.seconds, rate))
             for cc in args.congestion_controls.split(","):
-                exchange = all_to_all(hosts, per_pair, timeout=300, congestion_control=cc)
-                samples[f"all_to_all_{cc}"].append(fraction(pair_bytes, exchange.seconds, rate))
+                for shifted, name in (
+                    (False, f"all_to_all_{cc}"),
+                    (True, f"all_to_all_shifted_{cc}"),
+                ):
+                    exchange = all_to_all(
+                        hosts, per_pair, timeout=300, congestion_control=cc, shifted=shifted
+                    )
+                    samples[name].append(fraction(pair_bytes, exchange.seconds, rate))
             log(
                 f"mtu {mtu} repeat {repeat + 1}: "
                 + ", ".join(f"{name} {values[-1]:.3f}" for name, values in samples.items())

@@ -36,6 +36,8 @@ class Transfer:
     started_at: float = 0.0
     ended_at: float = 0.0
     """``time.monotonic()`` at accept and at EOF (one clock for all processes)."""
+    receiver: str = ""
+    """The receiving host's address."""
 
     @property
     def mbit_per_s(self) -> float:
@@ -98,6 +100,7 @@ class Sink:
             str(record["peer"]),
             float(record["started_at"]),
             float(record["ended_at"]),
+            self.host.address,
         )
 
     def close(self) -> None:
@@ -115,14 +118,17 @@ def send_command(
     nbytes: int,
     timeout: float,
     congestion_control: str | None = None,
+    in_turn: bool = False,
 ) -> list[str]:
     """The command that sends ``nbytes`` from ``sender`` to each endpoint (``HOST:PORT``)
     at once, one connection each (with TCP congestion control ``congestion_control``;
-    None: the kernel's default)."""
+    None: the kernel's default); ``in_turn``: to one endpoint after another, in order."""
     targets = [endpoints] if isinstance(endpoints, str) else list(endpoints)
     args = [sys.executable, PROBE, "send", "--bytes", str(nbytes), "--timeout", str(timeout)]
     if congestion_control is not None:
         args += ["--congestion-control", congestion_control]
+    if in_turn:
+        args.append("--in-turn")
     for target in targets:
         args += ["--to", target]
     return sender.command(args)
@@ -180,11 +186,16 @@ def all_to_all(
     timeout: float = 120.0,
     congestion_control: str | None = None,
     connections_per_pair: int = 1,
+    shifted: bool = False,
 ) -> Exchange:
     """Every host sends ``nbytes`` to every other host at once (the traffic pattern of a
     butterfly all-reduce); one sender process per host, ``connections_per_pair``
     connections per pair carrying an equal share each, both ends with TCP congestion
     control ``congestion_control`` (None: the kernel's default).
+
+    ``shifted``: host i sends to host i+1 first, then to i+2, ... (modulo the hosts), each
+    once the last one's bytes all arrived, so that while the hosts keep pace every host
+    receives from one sender at a time (a shifted all-to-all) instead of from all at once.
 
     Raises:
         TestBedError: a transfer failed.
@@ -195,13 +206,16 @@ def all_to_all(
     sinks = [Sink(host, per_host, timeout, congestion_control=congestion_control) for host in hosts]
     senders: list[subprocess.Popen[str]] = []
     try:
+        n = len(hosts)
         for i, host in enumerate(hosts):
-            targets = [sink.endpoint for j, sink in enumerate(sinks) if j != i]
-            targets *= connections_per_pair
+            order = (
+                [(i + k) % n for k in range(1, n)] if shifted else [j for j in range(n) if j != i]
+            )
+            targets = [sinks[j].endpoint for j in order for _ in range(connections_per_pair)]
             share = nbytes // connections_per_pair
             senders.append(
                 subprocess.Popen(
-                    send_command(host, targets, share, timeout, congestion_control),
+                    send_command(host, targets, share, timeout, congestion_control, shifted),
                     stdout=subprocess.PIPE,
                     stdin=subprocess.DEVNULL,
                     text=True,

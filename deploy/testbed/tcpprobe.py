@@ -5,8 +5,9 @@
         and later {"event": "received", ...}: bytes, seconds from accept to EOF, and the peer
         address it came from.
     python tcpprobe.py send --to HOST:PORT [--to HOST:PORT ...] --bytes N [--timeout S]
-        [--congestion-control C]
-        sends N bytes to every target at once; prints {"event": "sent", "bytes": total,
+        [--congestion-control C] [--in-turn]
+        sends N bytes to every target at once (``--in-turn``: to one target after another,
+        each once the last one's bytes all arrived); prints {"event": "sent", "bytes": total,
         "seconds": S} or {"event": "error", ...} (exit 1).
 
 Used by the test bed's own tests (rate limits, NAT) and by benchmarks/bandwidth.py to
@@ -105,8 +106,15 @@ def _send_one(target: str, size: int, timeout: float, congestion: str | None) ->
     return None
 
 
-def send(targets: list[str], size: int, timeout: float, congestion: str | None = None) -> int:
-    """Send ``size`` bytes to every target at once, one connection (thread) each."""
+def send(
+    targets: list[str],
+    size: int,
+    timeout: float,
+    congestion: str | None = None,
+    in_turn: bool = False,
+) -> int:
+    """Send ``size`` bytes to every target at once, one connection (thread) each; with
+    ``in_turn``, to one target after another in the order given."""
     started = time.monotonic()
     errors: dict[str, str] = {}
 
@@ -115,11 +123,15 @@ def send(targets: list[str], size: int, timeout: float, congestion: str | None =
         if error is not None:
             errors[target] = error
 
-    threads = [threading.Thread(target=one, args=(target,)) for target in targets]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    if in_turn:
+        for target in targets:
+            one(target)
+    else:
+        threads = [threading.Thread(target=one, args=(target,)) for target in targets]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
     seconds = time.monotonic() - started
     if errors:
         _emit({"event": "error", "error": "; ".join(errors.values()), "seconds": seconds})
@@ -140,12 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     p_send.add_argument("--to", required=True, action="append", help="repeatable")
     p_send.add_argument("--bytes", type=int, required=True)
     p_send.add_argument("--timeout", type=float, default=60.0)
+    p_send.add_argument("--in-turn", action="store_true", help="one target after another")
     for sub in (p_sink, p_send):
         sub.add_argument("--congestion-control", default=None, help="TCP_CONGESTION name")
     args = parser.parse_args(argv)
     if args.command == "sink":
         return sink(args.bind, args.port, args.connections, args.timeout, args.congestion_control)
-    return send(args.to, args.bytes, args.timeout, args.congestion_control)
+    return send(args.to, args.bytes, args.timeout, args.congestion_control, args.in_turn)
 
 
 if __name__ == "__main__":

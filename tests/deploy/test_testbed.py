@@ -6,6 +6,7 @@ with the reason where the machine cannot.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -285,3 +286,21 @@ def test_all_to_all_splits_each_pairs_bytes_over_its_connections(
         source = t.peer.rpartition(":")[0]
         by_source[source] = by_source.get(source, 0) + t.nbytes
     assert by_source == {host.address: 600_000 for host in hosts}
+
+
+def test_a_shifted_all_to_all_sends_to_one_peer_after_another(make_testbed: MakeTestBed) -> None:
+    bed = make_testbed([HostSpec("a"), HostSpec("b"), HostSpec("c"), HostSpec("d")])
+    hosts = list(bed.hosts.values())
+    exchange = all_to_all(hosts, 200_000, shifted=True)
+    assert len(exchange.transfers) == 12
+    assert all(t.nbytes == 200_000 for t in exchange.transfers)
+    # Host i's transfers, by start: to i+1, then i+2, then i+3, each begun after the one
+    # before it ended (the sinks timestamp accept and EOF on one monotonic clock).
+    index = {host.address: i for i, host in enumerate(hosts)}
+    for i, host in enumerate(hosts):
+        sent = sorted(
+            (t for t in exchange.transfers if t.peer.rpartition(":")[0] == host.address),
+            key=lambda t: t.started_at,
+        )
+        assert [index[t.receiver] for t in sent] == [(i + k) % 4 for k in (1, 2, 3)]
+        assert all(a.ended_at <= b.started_at for a, b in itertools.pairwise(sent))
