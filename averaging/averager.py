@@ -31,7 +31,7 @@ import numpy as np
 from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.allreduce.data_connector import DataConnector
 from swarmavg.averaging.allreduce.faults import FaultPlan
-from swarmavg.averaging.allreduce.load_balancing import equal_share_factor, part_sizes
+from swarmavg.averaging.allreduce.load_balancing import equal_share_factor
 from swarmavg.averaging.allreduce.runner import FiniteCheck, run_allreduce
 from swarmavg.averaging.allreduce.service import AllReduceService
 from swarmavg.averaging.allreduce.throughput import ThroughputEstimator
@@ -422,9 +422,8 @@ class Averager:
         done = time.monotonic()
         # The bytes this member would have moved with an equal part: its own part's size
         # says nothing of its link (load_balancing.equal_share_factor).
-        sizes = part_sizes(group.members, sum(int(a.size) for a in arrays))
         busier = max(result.bytes_sent, result.bytes_received)
-        busier_equal = round(busier * equal_share_factor(group.members, index, sizes))
+        busier_equal = round(busier * equal_share_factor(group.members, index, result.part_sizes))
         self.bandwidth.observe(
             busier_equal, result.timings["allreduce.exchange"], partial=result.partial
         )

@@ -117,6 +117,8 @@ class AveragingResult(RoundSummary):
             end its reducer tagged (a status forged on the path, or a cut connection), with
             how it ended: the averages received before it are kept, the rest of the part
             keeps local values and the part is in ``failed_parts``.
+        part_sizes: elements of the flat vector each member reduced, in member order
+            (the round's partition, the same on every member).
     """
 
     tensors: list[np.ndarray]
@@ -126,6 +128,7 @@ class AveragingResult(RoundSummary):
     errors: tuple[str, ...] = ()
     distrusted: dict[int, str] = field(default_factory=dict)
     unconfirmed_ends: dict[int, str] = field(default_factory=dict)
+    part_sizes: tuple[int, ...] = ()
 
     @property
     def state_digests(self) -> dict[str, bytes]:

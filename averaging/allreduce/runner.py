@@ -276,6 +276,7 @@ async def run_allreduce(
         distrusted=dict(assembly.distrusted),
         unconfirmed_ends=dict(assembly.unconfirmed_ends),
         local_fraction=local_fraction,
+        part_sizes=tuple(plan.part_size(part) for part in range(group.size)),
     )
 
 

@@ -110,8 +110,8 @@ class Round:
     """Peers that closed leaders told us are in their (already formed) group."""
     taken_since: float = math.inf
     """``time.monotonic()`` when a closed leader first told us its group formed without us:
-    nobody is written off within the patience after it: the peers still open may not have
-    declared yet (see ``Following._round_is_gone``)."""
+    nobody is written off within twice the patience after it (see
+    ``Following._round_is_gone``)."""
     shunned: set[bytes] = field(default_factory=set)
     """Declarers this peer will not follow this round although they rank before it: a
     leader that accepted it and did not close by the round's close deadline plus the
