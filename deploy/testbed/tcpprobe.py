@@ -44,14 +44,17 @@ def _drain(
     started = time.monotonic()
     total = 0
     conn.settimeout(timeout)
-    try:
-        with conn:
+    with conn:
+        try:
             while chunk := conn.recv(BLOCK):
                 total += len(chunk)
-        record: dict[str, object] = {"event": "received", "bytes": total}
-    except OSError as exc:
-        record = {"event": "error", "error": repr(exc), "bytes": total}
-    ended = time.monotonic()
+            record: dict[str, object] = {"event": "received", "bytes": total}
+        except OSError as exc:
+            record = {"event": "error", "error": repr(exc), "bytes": total}
+        # Timed before the close: the close is what tells the sender that every byte
+        # arrived, and an in-turn sender then connects to its next sink at once, whose
+        # accept must not be timed before this end.
+        ended = time.monotonic()
     record["seconds"] = ended - started
     # CLOCK_MONOTONIC is one clock for every process on the machine, so the test process
     # can line up transfers measured by different sinks.
