@@ -329,6 +329,8 @@ class Following(Calling):
         group = await self._check_group(rnd, answer, leader.peer_id)
         if group is None or rnd.result.done():
             banned[leader.peer_id] = math.inf
+            if group is None:
+                self._refused_by(rnd, leader.peer_id)
             return None
         # Followers we took meanwhile (we may have left that leader's stream first) are
         # told at once; those of a normal join were redirected when it accepted us.
@@ -346,9 +348,11 @@ class Following(Calling):
         return group
 
     def _refused_by(self, rnd: Round, peer_id: bytes) -> None:
-        """A peer that ranks before us will not lead us this round (it refused us, or is
-        dead): leave it out of the split, so that the leader the split gives us instead
-        does not keep waiting for it to lead (``closing.close_reason``)."""
+        """A peer that ranks before us will not lead us this round (it refused us, we
+        refused the group it formed, or it is dead): leave it out of the split, so that
+        the leader the split gives us instead does not keep waiting for it to lead
+        (``closing.close_reason``): a peer that refused a forged group and then led the
+        refusers would otherwise hold them until its close deadline."""
         declared = rnd.signed.get(peer_id)
         if declared is not None and declared.order < rnd.me.order:
             rnd.shunned.add(peer_id)

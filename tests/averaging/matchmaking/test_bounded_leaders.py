@@ -241,12 +241,23 @@ async def test_followers_refuse_a_group_the_leader_forged(forgery: Forgery) -> N
         async with hostile_server(join) as address:
             address_box.append(address)
             await sign(attacker, key, hostile_declaration(attacker, address, time.time() - 5))
+            # No group size: the default cap holds all four, so the split is one group that
+            # the attacker leads and every honest peer asks it first. (With a group size of
+            # 3 the split was two groups and one honest peer was dealt to the attacker: when
+            # a loaded machine made its refusal slow, the honest leader had closed its share
+            # of two without it.)
             results = await asyncio.gather(
-                *(p.averager.average(inputs(), "k", group_size=3, timeout=15) for p in honest),
+                *(p.averager.average(inputs(), "k", timeout=15) for p in honest),
                 return_exceptions=True,
             )
-        assert calls, "the hostile leader was never asked: the test proves nothing"
+        assert sorted(set(calls)) == sorted(p.peer_id for p in honest), (
+            "not every honest peer asked"
+        )
         assert_honest_group(results, honest)
+        # The refusers' leader leaves the refused one out of its split and closes when they
+        # are in, not at its close deadline (the split kept giving them to the attacker).
+        closes = [reason for p in honest for reason in p.averager.matchmaker.closes]
+        assert "deadline" not in closes, closes
 
 
 async def test_a_refused_leader_is_named_when_no_group_forms() -> None:
