@@ -24,8 +24,10 @@ demo: $(STAMP)
 peer: $(STAMP)
 	$(BIN)/swarmavg peer
 
+# Four workers: most tests wait on timers and sockets; the ones that load the machine run
+# one at a time in their own queue (tests/conftest.py).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=25 -n 4 --dist loadgroup
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
