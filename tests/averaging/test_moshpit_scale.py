@@ -26,6 +26,7 @@ def contribution(p: int) -> np.ndarray:
     return (p + np.arange(ELEMENTS) % 7).astype(np.float32)
 
 
+@pytest.mark.slow  # 64 peers on one event loop: it loads the machine
 @pytest.mark.timeout(240)
 async def test_grid_of_64_in_groups_of_8_gives_every_peer_the_exact_global_mean() -> None:
     async with averager_swarm(0) as swarm:

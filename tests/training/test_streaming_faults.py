@@ -117,6 +117,11 @@ def test_a_trainer_killed_mid_schedule_leaves_the_others_on_one_anchor_and_its_r
     assert 3 in opts[0].stats.group_sizes
     assert opts[0].stats.group_sizes[-1] == 2
     # Its restart (same daemon, fresh process state) takes the swarm's anchor and trains on.
+    # The survivors publish epoch 12's state in the background after they report the epoch:
+    # a restart that came first would take epoch 11's and leave the difference to the next
+    # round's repair (docs/training.md, "Staying in one swarm"); here it must find 12's.
+    for opt in opts:
+        assert opt._publisher.settle(60.0)
     models.append(make_model())
     opts.append(
         make_streaming(models[2], clients.enter_context(connect(daemons[2].control)), run_id)
