@@ -21,7 +21,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     other's rounds; the in-process tests, mostly waiting on timers and sockets, share the
     other workers. Without xdist the marker does nothing."""
     for item in items:
-        path = Path(item.path)
+        path = item.path
         if path.is_relative_to(TESTS / "deploy"):
             item.add_marker(pytest.mark.xdist_group("testbed"))
         elif (
