@@ -304,8 +304,7 @@ class CollaborativeOptimizer(SwarmOptimizer):
             self._machine_step(samples)
         else:
             self.tracker.add_samples(samples)
-            self.tracker.report()
-            self._act(*self._decide())
+            self._act(*self._decide(self.tracker.report_and_refresh()))
         self._log_progress()
         self.tracker.meter.start()
         return loss
@@ -362,9 +361,11 @@ class CollaborativeOptimizer(SwarmOptimizer):
 
     # ------------------------------------------------------------------ the state machine
 
-    def _decide(self) -> tuple[_Action, GlobalProgress]:
-        """What this step leads to, from the swarm's progress (after this step's report)."""
-        progress = self.tracker.refresh()
+    def _decide(self, progress: GlobalProgress | None = None) -> tuple[_Action, GlobalProgress]:
+        """What this step leads to, from the swarm's progress after this step's report
+        (``progress``: read with the report; None: read now)."""
+        if progress is None:
+            progress = self.tracker.refresh()
         if progress.epoch == self.epoch and not progress.ready:
             progress = self._wait_for_swarm(progress)
         if progress.epoch > self.epoch + 1:
@@ -412,8 +413,7 @@ class CollaborativeOptimizer(SwarmOptimizer):
         failure: Exception | None = None
         if group.is_leader:
             try:
-                self.tracker.report()
-                action, progress = self._decide()
+                action, progress = self._decide(self.tracker.report_and_refresh())
             except Exception as exc:  # the followers learn of it through the broadcast
                 failure = exc
         code = group.broadcast_int(

@@ -396,8 +396,7 @@ class DiLoCo(SwarmOptimizer):
         self._report_unless_follower()
 
     def _outer_sync(self) -> None:
-        self.tracker.report()
-        progress = self.tracker.refresh()
+        progress = self.tracker.report_and_refresh()
         if progress.epoch != self.epoch:
             # Behind the swarm, or ahead of its majority (outer steps taken alone).
             self._catch_up(progress)

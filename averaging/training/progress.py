@@ -29,7 +29,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -233,6 +233,27 @@ class ProgressTracker:
         self._settle()
         return self._store(self.local)
 
+    def report_and_refresh(self) -> GlobalProgress:
+        """:meth:`report`, then :meth:`refresh`, in the time of one of them.
+
+        Each is a round trip through the daemon to the DHT's nearest peers, and neither
+        needs the other's answer (:meth:`refresh` takes this process's record from
+        memory), so a wrapper that reports and reads at every step or sync pays one round
+        trip instead of two: on a 100 ms link, 0.1 s less per step. The store runs on the
+        reports' thread, after any report still in flight (the DHT never ends on an older
+        record), while this thread reads; a failed store raises here, after the read, as
+        :meth:`report`'s would (a failed read raises first, the store going on).
+        """
+        stored = self._reporter.submit(_outcome_of, self._store, self.local)
+        progress = self.refresh()
+        try:
+            _, error = stored.result()  # the store's own call deadline bounds the wait
+        except CancelledError:  # replaced by a newer report before it started
+            return progress
+        if error is not None:
+            raise error
+        return progress
+
     def leave(self) -> bool:
         """Tell the swarm this process stopped training (idempotent).
 
@@ -354,6 +375,15 @@ class ProgressTracker:
             progress = progress.at_epoch(self.epoch)
         self.last = progress
         return self.last
+
+
+def _outcome_of(job: Callable[..., Any], *args: Any) -> tuple[Any, Exception | None]:
+    """``job(*args)``'s result or its error, for a caller on another thread that raises it
+    itself (the reports' thread would log it and go on)."""
+    try:
+        return job(*args), None
+    except Exception as error:
+        return None, error
 
 
 def _peer_id_of(client: ClientLike) -> str:

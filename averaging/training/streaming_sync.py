@@ -2,11 +2,11 @@
 
 When a sync starts, the training thread only takes a snapshot (the fragment's parameters)
 and hands :func:`run_sync` to the sync's thread; the inner steps go on at once. On that
-thread the sync waits for its progress record to be stored, reads the swarm's progress
-(is this member behind? how many members does the round wait for?), computes the
-fragment's pseudo-gradient from the snapshot and the digest of the shared state, and runs
-the round. ``overlap_steps`` inner steps later the training thread takes the
-:class:`SyncOutcome` and applies it (or catches up).
+thread the sync reads the swarm's progress (is this member behind? how many members does
+the round wait for?) while its own progress record is being stored, computes the
+fragment's pseudo-gradient from the snapshot and the digest of the shared state, waits for
+the store, and runs the round. ``overlap_steps`` inner steps later the training thread
+takes the :class:`SyncOutcome` and applies it (or catches up).
 
 Why reading the live anchor and outer optimizer state on the sync's thread is safe: only
 applying a sync (or catching up, or a repair) changes them, and each of those happens on
@@ -107,14 +107,11 @@ def run_sync(
         digest: computes the shared state's digest.
         with_schedule: adds what the round carries besides the pseudo-gradient.
         weight: this member's samples (the round's weight).
-        reported: the store of this member's record for this sync (waited for first).
+        reported: the store of this member's record for this sync (waited for before the
+            round declares).
     """
-    # The others count this member in their rounds from its record: it must be in the DHT
-    # before this round declares (as when the store blocked the step), or a member that
-    # reads right after would find it a sync behind and take itself for alone.
-    if reported is not None:
-        with contextlib.suppress(CancelledError, FutureTimeout):
-            reported.result(timeout=link.timeout)
+    # The read takes this member's own record from memory, so it runs while the store of
+    # that record is still on its way (one round trip to the DHT instead of two).
     progress = tracker.refresh()
     if progress.epoch != epoch:  # behind the swarm, or ahead of its majority
         return SyncOutcome(progress, True, [], b"", None, "", 0.0)
@@ -122,6 +119,12 @@ def run_sync(
     expected = progress.round_members(tracker.peer_id)
     if len(expected) <= 1:
         return SyncOutcome(progress, False, arrays, mine, None, "", 0.0)
+    # The others count this member in their rounds from its record: it must be in the DHT
+    # before this round declares (as when the store blocked the step), or a member that
+    # reads right after would find it a sync behind and take itself for alone.
+    if reported is not None:
+        with contextlib.suppress(CancelledError, FutureTimeout):
+            reported.result(timeout=link.timeout)
     failed, left_out = link.stats.failed, link.stats.left_out
     started = time.monotonic()
     result = link.average(

@@ -288,6 +288,54 @@ def test_a_failed_background_report_is_logged_not_raised(
     tracker.leave()
 
 
+class ReadOpensStores(GatedDHT):
+    """A DHT whose stores go through only once a read has come: a tracker that waited for
+    its store before reading would wait for ever (the test's timeout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def get(self, key: str) -> Any:
+        self.reads += 1
+        answer = super().get(key)
+        self.gate.set()
+        return answer
+
+
+@pytest.mark.timeout(30)
+def test_report_and_refresh_reads_while_the_store_is_on_its_way() -> None:
+    dht = ReadOpensStores()
+    other = ProgressTracker(DictClient(DictDHT(), "bb"), "run", target_batch_size=64)
+    other.add_samples(16)
+    dht.data["run.progress"] = {other.subkey: other.local.to_record()}
+    tracker = ProgressTracker(DictClient(dht, "aa"), "run", target_batch_size=64)
+    tracker.add_samples(8)
+    progress = tracker.report_and_refresh()
+    assert dht.reads == 1
+    assert (progress.samples, progress.num_peers) == (24, 2)  # its own record from memory
+    assert dht.stored == [(0, 8)]  # stored before the call returned
+    assert tracker.last is progress
+    tracker.leave()
+
+
+@pytest.mark.timeout(30)
+def test_report_and_refresh_stores_after_a_report_in_flight_and_raises_a_failed_store() -> None:
+    dht = ReadOpensStores()
+    tracker = ProgressTracker(DictClient(dht, "aa"), "run", target_batch_size=64)
+    tracker.add_samples(4)
+    tracker.report_soon()  # held at the gate until the read below
+    assert dht.entered.wait(10)
+    tracker.set_epoch(1)
+    tracker.report_and_refresh()
+    assert dht.stored == [(0, 4), (1, 0)]  # never an older record last
+    dht.failures = 1
+    with pytest.raises(RuntimeError, match="DHT unreachable"):
+        tracker.report_and_refresh()  # as report() would, once the read is done
+    assert dht.reads == 2
+    tracker.leave()
+
+
 @pytest.mark.timeout(30)
 def test_report_soon_skips_reports_within_its_interval_but_never_a_latest_one() -> None:
     dht = GatedDHT()
