@@ -122,6 +122,10 @@ class StateSharer:
         """Times a load moved on to another advertised version because every donor of the
         one it was downloading failed or no longer held it."""
         self._refresher: asyncio.Task[None] | None = None
+        self._advertised = False
+        """An advertisement of this peer's state was stored (later ones go in the background)."""
+        self._advertiser: asyncio.Task[None] | None = None
+        self._advert_due = False
         self._prune_timer: asyncio.TimerHandle | None = None
 
     @property
@@ -132,7 +136,9 @@ class StateSharer:
     async def publish(
         self, tensors: Sequence[np.ndarray], metadata: bytes, version: float | None = None
     ) -> Manifest:
-        """Serve ``(metadata, tensors)`` from now on and advertise it in the DHT.
+        """Serve ``(metadata, tensors)`` from now on and advertise it in the DHT: the first
+        state before returning, a later one in the background (joiners meanwhile find the
+        version before it, served through the grace below).
 
         The tensors are copied into chunks at once; later changes to the arrays do not
         affect what is served. The previous version stays servable for the grace of
@@ -151,10 +157,38 @@ class StateSharer:
         self._held = {}  # superseded by what we publish; the store serves reuse from now on
         self._schedule_prune()
         if self.address:
-            await self._advertise()
+            retains = self.config.retain_versions > 0 and self.config.retain_seconds > 0
+            if self._advertised and retains:
+                # Joiners find this peer through its last advertisement, and the version it
+                # names stays servable through the retain grace: the new one goes out in
+                # the background, instead of holding the publisher for a round trip to the
+                # DHT (on a long link, one RTT of every step that publishes).
+                self._advertise_soon()
+            else:
+                self._advertised = await self._advertise()
             if self._refresher is None:
                 self._refresher = asyncio.get_running_loop().create_task(self._refresh())
         return packed.manifest
+
+    def _advertise_soon(self) -> None:
+        """Advertise the current state from the advertiser task: one store at a time, the
+        newest state's last (a publish during a store is advertised right after it)."""
+        self._advert_due = True
+        if self._advertiser is None or self._advertiser.done():
+            self._advertiser = asyncio.get_running_loop().create_task(self._advertise_due())
+
+    async def settle_advertisement(self) -> None:
+        """Wait until the current state's advertisement was stored (or failed, logged)."""
+        while self._advertiser is not None and not self._advertiser.done():
+            await asyncio.wait({self._advertiser})
+
+    async def _advertise_due(self) -> None:
+        while self._advert_due:
+            self._advert_due = False
+            try:
+                await self._advertise()
+            except Exception:  # the refresher advertises again later
+                log.exception("advertising the published state failed")
 
     def _schedule_prune(self) -> None:
         """Free retired versions when their grace ends, even if nobody asks again."""
@@ -171,10 +205,11 @@ class StateSharer:
         self.store.prune()
         self._schedule_prune()
 
-    async def _advertise(self) -> None:
+    async def _advertise(self) -> bool:
+        """Store the current state's advertisement; False when the store failed (logged)."""
         manifest = self.store.current
         if manifest is None:
-            return
+            return False
         value = {
             "root": manifest.root,
             "version": manifest.version,
@@ -191,6 +226,8 @@ class StateSharer:
                 )
         except (TimeoutError, grpc.aio.AioRpcError) as error:
             log.warning("advertising published state failed: %r", error)
+            return False
+        return True
 
     async def _refresh(self) -> None:
         while True:
@@ -205,11 +242,12 @@ class StateSharer:
         if self._prune_timer is not None:
             self._prune_timer.cancel()
             self._prune_timer = None
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
-            self._refresher = None
+        for task in (self._refresher, self._advertiser):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._refresher = self._advertiser = None
 
     # ------------------------------------------------------------------ joiner side
 

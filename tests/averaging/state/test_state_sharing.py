@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -119,9 +121,40 @@ async def test_freshest_of_equally_held_versions_wins_and_download_is_incrementa
         v2[2] = v2[2] * 2  # one small tensor changes: one chunk, plus the header
         for donor in donors[2:]:
             await donor.averager.publish_state(v2, b"v2")
+            await donor.averager.state_sharer.settle_advertisement()  # goes out after
         metadata, tensors = await joiner.averager.load_state(timeout=10)
         assert metadata == b"v2"
         assert_same(tensors, v2)
         fetched_v2 = joiner.averager.state_sharer.downloaded_chunks - fetched_v1
         assert fetched_v1 == math.ceil(25_600 / CHUNK) + math.ceil(24_000 / CHUNK) + 2
         assert fetched_v2 == 2  # header chunk (metadata changed) + the changed tensor
+
+
+async def test_a_republished_state_is_served_at_once_and_advertised_after() -> None:
+    """The first publish returns once its advertisement is stored: a joiner finds it at
+    once. A later one returns once it is served, without waiting for the DHT (a round trip
+    of every publishing step on a long link); until its advertisement lands, joiners get
+    the version before it, which the donor still serves."""
+    async with averager_swarm(2, CONFIG) as swarm:
+        donor, joiner = swarm.peers
+        sharer = donor.averager.state_sharer
+        await donor.averager.publish_state(state(), b"v1")
+        metadata, _ = await joiner.averager.load_state(timeout=10)
+        assert metadata == b"v1"
+        gate = asyncio.Event()
+        store = sharer.dht.store
+
+        async def held_store(*args: Any, **kwargs: Any) -> Any:
+            await gate.wait()
+            return await store(*args, **kwargs)
+
+        sharer.dht.store = held_store  # type: ignore[method-assign]
+        await asyncio.wait_for(donor.averager.publish_state(state(1), b"v2"), 10)
+        metadata, tensors = await joiner.averager.load_state(timeout=10)
+        assert metadata == b"v1"  # the advertisement of v2 is held: v1, still served
+        assert_same(tensors, state())
+        gate.set()
+        await asyncio.wait_for(sharer.settle_advertisement(), 10)
+        metadata, tensors = await joiner.averager.load_state(timeout=10)
+        assert metadata == b"v2"
+        assert_same(tensors, state(1))
