@@ -158,3 +158,27 @@ async def test_a_republished_state_is_served_at_once_and_advertised_after() -> N
         metadata, tensors = await joiner.averager.load_state(timeout=10)
         assert metadata == b"v2"
         assert_same(tensors, state(1))
+
+
+async def test_a_shutdown_ends_an_advertisement_in_flight() -> None:
+    """The background advertisement is the sharer's own task: a shutdown while its store is
+    held cancels and awaits it (nothing is left pending on the loop)."""
+    async with averager_swarm(1, CONFIG) as swarm:
+        (donor,) = swarm.peers
+        sharer = donor.averager.state_sharer
+        await donor.averager.publish_state(state(), b"v1")
+        entered, gate = asyncio.Event(), asyncio.Event()
+
+        async def held_store(*args: Any, **kwargs: Any) -> Any:
+            entered.set()
+            await gate.wait()  # never opened
+
+        sharer.dht.store = held_store  # type: ignore[method-assign]
+        await asyncio.wait_for(donor.averager.publish_state(state(1), b"v2"), 10)
+        await asyncio.wait_for(entered.wait(), 10)
+        advertiser = sharer._advertiser
+        assert advertiser is not None
+        assert not advertiser.done()
+        await asyncio.wait_for(donor.stop(), 10)
+        assert advertiser.cancelled()
+        await asyncio.wait_for(sharer.settle_advertisement(), 1)  # nothing left to wait for
