@@ -7,7 +7,9 @@ and a ``.json`` with the outcome (or the exception's class and message).
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -22,6 +24,8 @@ def make_tensors(seed: int, shapes: list[list[int]], dtype: str) -> list[np.ndar
 
 
 def main(spec: dict[str, Any]) -> int:
+    # A test that finds this process hung sends SIGUSR1 for its threads' stacks.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     from swarmavg.peer import SwarmError, connect
 
     out = Path(spec["out"])
@@ -58,6 +62,7 @@ def main(spec: dict[str, Any]) -> int:
         record = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
     record["elapsed"] = time.monotonic() - started
     out.with_suffix(".json").write_text(json.dumps(record))
+    print("outcome written", file=sys.stderr, flush=True)  # a hang after this is the exit's
     return 0
 
 

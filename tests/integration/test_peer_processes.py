@@ -18,7 +18,7 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -48,7 +48,11 @@ def start_peer(
 
 
 class Worker:
-    """One client process averaging seeded tensors."""
+    """One client process averaging seeded tensors. Every worker a test starts is stopped
+    when the test ends (``_workers_end_with_their_test``), so a failed test leaves no
+    process or pipe behind for a later test to trip on."""
+
+    started: ClassVar[list[Worker]] = []
 
     def __init__(self, workdir: Path, name: str, **spec: Any) -> None:
         self.out = workdir / name
@@ -59,6 +63,7 @@ class Worker:
             stderr=subprocess.PIPE,
             text=True,
         )
+        Worker.started.append(self)
 
     def wait_connected(self, timeout: float = 30.0) -> None:
         assert self.proc.stdout is not None
@@ -66,7 +71,13 @@ class Worker:
         assert line.strip() == "connected", self.proc.stderr.read() if self.proc.stderr else ""
 
     def outcome(self, timeout: float) -> dict[str, Any]:
-        _, err = self.proc.communicate(timeout=timeout)
+        try:
+            _, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"the client process did not end within {timeout:.0f} s; its threads:\n"
+                + self.stack_dump()
+            ) from None
         assert self.proc.returncode == 0, err
         record: dict[str, Any] = json.loads(self.out.with_suffix(".json").read_text())
         if record["ok"]:
@@ -74,10 +85,29 @@ class Worker:
                 record["tensors"] = [data[f"arr_{i}"] for i in range(len(data.files))]
         return record
 
+    def stack_dump(self) -> str:
+        """Where a hung worker is: its threads' stacks (faulthandler on SIGUSR1, see
+        client_worker.py) and everything it wrote to stderr, then it is killed."""
+        self.proc.send_signal(signal.SIGUSR1)
+        try:
+            _, err = self.proc.communicate(timeout=2)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate(timeout=10)
+        return err or ""
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.communicate(timeout=10)
+
+
+@pytest.fixture(autouse=True)
+def _workers_end_with_their_test() -> Iterator[None]:
+    yield
+    workers, Worker.started[:] = list(Worker.started), []
+    for worker in workers:
+        worker.kill()
 
 
 def status(control: Path) -> dict[str, Any]:
