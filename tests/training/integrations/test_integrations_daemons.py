@@ -121,7 +121,7 @@ def test_two_hf_trainers_train_one_model_through_the_swarm(
             # batches mid-epoch would leave the other's last round without a partner
             control.should_training_stop = self.opt.epoch >= EPOCHS
 
-    def train(i: int) -> None:
+    def trainer_of(i: int) -> Any:
         args = transformers.TrainingArguments(
             output_dir=str(tmp_path / f"hf{i}"),
             per_device_train_batch_size=4,
@@ -134,16 +134,20 @@ def test_two_hf_trainers_train_one_model_through_the_swarm(
             disable_tqdm=True,
             dataloader_num_workers=0,
         )
-        trainer = transformers.Trainer(
+        return transformers.Trainer(
             model=models[i],
             args=args,
             train_dataset=TokenRows(seed=i, rows=4 * STEPS),
             optimizers=(opts[i], None),
             callbacks=[SwarmTrainerCallback(opts[i]), Recorder(logs[i], opts[i])],
         )
-        trainer.train()
 
-    run_in_threads(lambda: train(0), lambda: train(1), timeout=80)
+    # Built here, one after the other: a Trainer's accelerate GradientState is one state per
+    # process whose first construction is not thread-safe (two Trainers built in two
+    # threads at once failed with "'GradientState' object has no attribute
+    # 'plugin_kwargs'"). Real trainers are processes of their own.
+    trainers = [trainer_of(0), trainer_of(1)]
+    run_in_threads(trainers[0].train, trainers[1].train, timeout=80)
     for opt, log in zip(opts, logs, strict=True):
         assert opt.epoch == EPOCHS
         assert opt.stats.group_sizes == [2] * EPOCHS  # global steps taken together
