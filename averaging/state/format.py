@@ -179,7 +179,10 @@ def pack_state(
     header_chunks = len(pieces)
     for array in tensors:
         little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-        pieces.extend(_split(little.tobytes(), chunk_size))
+        # Sliced from a byte view: each chunk is one copy of the tensor's bytes (tobytes()
+        # first would copy the whole tensor once more).
+        data = little.reshape(-1).view(np.uint8)
+        pieces.extend(data[i : i + chunk_size].tobytes() for i in range(0, data.size, chunk_size))
     if len(pieces) > MAX_CHUNKS:
         raise ValueError(f"state needs {len(pieces)} chunks; at most {MAX_CHUNKS}")
     hashes = tuple(chunk_hash(p) for p in pieces)
