@@ -170,12 +170,18 @@ class DHTGetResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ..., is_dict: _Optional[bool] = ...) -> None: ...
 
 class StateHeader(_message.Message):
-    __slots__ = ("metadata", "tensors")
+    __slots__ = ("metadata", "tensors", "shm_name", "shm_size", "shm_reuse")
     METADATA_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHM_REUSE_FIELD_NUMBER: _ClassVar[int]
     metadata: bytes
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(self, metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+    shm_name: str
+    shm_size: int
+    shm_reuse: bool
+    def __init__(self, metadata: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., shm_reuse: _Optional[bool] = ...) -> None: ...
 
 class StateMessage(_message.Message):
     __slots__ = ("header", "data", "progress")

@@ -32,7 +32,7 @@ from swarmavg.peer.client.tensors import (
     specs_of,
     to_numpy,
 )
-from swarmavg.peer.client.validation import validate_arrays, validate_finite, validate_layout
+from swarmavg.peer.client.validation import validate_finite, validate_layout
 from swarmavg.proto import control_pb2
 
 SHM_THRESHOLD = 1 << 20
@@ -239,19 +239,113 @@ class PreparedAverage:
             self._pool.release(segment, self._ok)
 
 
-def state_messages(tensors: Sequence[Any], metadata: Any) -> Iterator[control_pb2.StateMessage]:
-    """Validate and frame a ``publish_state`` call (metadata: any msgpack-able object)."""
-    arrays, _ = to_numpy(tensors)
-    validate_arrays(arrays)
+def _packed_metadata(metadata: Any) -> bytes:
     try:
-        packed = msgpack.packb(metadata, use_bin_type=True)
+        return msgpack.packb(metadata, use_bin_type=True)  # type: ignore[no-any-return]
     except (TypeError, ValueError) as exc:
         raise ValidationError(f"metadata is not msgpack-serialisable: {exc}") from None
-    yield control_pb2.StateMessage(
-        header=control_pb2.StateHeader(metadata=packed, tensors=specs_of(arrays))
-    )
-    for piece in iter_bytes(arrays):
-        yield control_pb2.StateMessage(data=piece)
+
+
+class DaemonSupport:
+    """Whether this client's daemon takes a newer form of a call (``start_before_inputs``,
+    shared-memory publishes; control.proto): assumed until a daemon older than it refuses
+    one, then never tried again."""
+
+    def __init__(self) -> None:
+        self.supported = True
+
+
+SHM_REFUSED = "ended before the state bytes"
+"""What a daemon older than shared-memory publishes answers one: it waits for the tensor
+bytes that never come (peer/daemon/control.py's ``_next``)."""
+
+
+class PreparedPublish:
+    """One ``publish_state`` call: the validated state and, when it is large and the
+    daemon maps this client's segments, its tensors copied into a shared-memory segment
+    (checked for NaN/Inf as they are copied) instead of streamed through the socket.
+
+    A training loop publishes the same layout after every step, so the segment comes from
+    its own pool and the daemon keeps its mapping: after the first call, a publish costs
+    the client one copy and the daemon the copy into its chunks. Always call
+    :meth:`cleanup` when the call ends.
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[Any],
+        metadata: Any,
+        segments: shm.SegmentPool | None,
+        shm_threshold: int = SHM_THRESHOLD,
+    ) -> None:
+        """Validate everything before anything is sent.
+
+        Raises:
+            ValidationError: bad tensors (types, dtypes, NaN/Inf) or metadata.
+        """
+        arrays, _ = to_numpy(tensors)
+        total = validate_layout([a.dtype for a in arrays], [a.shape for a in arrays])
+        self._metadata = _packed_metadata(metadata)
+        self._specs = specs_of(arrays)
+        self._arrays = arrays
+        self._pool = segments
+        self.segment: shm.ClientSegment | None = None
+        self._ok = False
+        if segments is not None and total >= shm_threshold:
+            try:
+                self.segment = segments.acquire(arrays)  # checks for NaN/Inf as it copies
+            except InvalidTensorsError as exc:
+                raise ValidationError(str(exc)) from None
+        else:
+            validate_finite(arrays)
+
+    def messages(self) -> list[control_pb2.StateMessage]:
+        """The request stream: the header naming the segment, or the header and the bytes."""
+        segment = self.segment
+        header = control_pb2.StateHeader(metadata=self._metadata, tensors=self._specs)
+        if segment is not None:
+            header.shm_name = segment.name
+            header.shm_size = segment.size
+            header.shm_reuse = segment.daemon_mapped
+            return [control_pb2.StateMessage(header=header)]
+        inline = (control_pb2.StateMessage(data=piece) for piece in iter_bytes(self._arrays))
+        return [control_pb2.StateMessage(header=header), *inline]
+
+    def retry(self, error: SwarmError, shm_publishes: DaemonSupport) -> bool:
+        """After a failed call through shared memory: whether to send it again, and how.
+        A daemon that no longer maps the reused segment (it restarted or evicted it) gets a
+        fresh one; a daemon older than shared-memory publishes gets the bytes inline, from
+        now on (``shm_publishes``)."""
+        segment = self.segment
+        if segment is None or self._pool is None or not isinstance(error, ValidationError):
+            return False
+        if SHM_REFUSED in str(error):
+            shm_publishes.supported = False
+            self._drop_segment()
+            return True
+        if segment.daemon_mapped and "not mapped" in str(error):
+            self._pool.clear()
+            self._drop_segment()
+            self.segment = self._pool.acquire(self._arrays)
+            return True
+        return False
+
+    def succeeded(self) -> None:
+        """The daemon published the state: it mapped the segment and keeps the mapping."""
+        self._ok = True
+        if self.segment is not None:
+            self.segment.daemon_mapped = True
+
+    def _drop_segment(self) -> None:
+        segment, self.segment = self.segment, None
+        if segment is not None and self._pool is not None:
+            self._pool.release(segment, False)
+
+    def cleanup(self) -> None:
+        """Give the segment back to its pool (kept after a success; idempotent)."""
+        segment, self.segment = self.segment, None
+        if segment is not None and self._pool is not None:
+            self._pool.release(segment, self._ok)
 
 
 def unpack_state_metadata(data: bytes) -> Any:
@@ -388,12 +482,13 @@ def shm_usable(status: control_pb2.StatusResponse) -> bool:
 
 __all__ = [
     "AverageResult",
+    "DaemonSupport",
     "Origin",
     "PreparedAverage",
+    "PreparedPublish",
     "StateReceiver",
     "pack_value",
     "shm_usable",
-    "state_messages",
     "status_to_dict",
     "unpack_get",
     "unpack_state_metadata",

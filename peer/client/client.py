@@ -20,11 +20,12 @@ import grpc
 
 from swarmavg.peer.client.calls import (
     AverageResult,
+    DaemonSupport,
     PreparedAverage,
+    PreparedPublish,
     StateReceiver,
     pack_value,
     shm_usable,
-    state_messages,
     status_to_dict,
     unpack_get,
 )
@@ -130,20 +131,12 @@ def _unavailable(endpoint: ControlEndpoint, reason: object) -> DaemonUnavailable
     )
 
 
-class EarlyWrites:
-    """Whether this client's daemon takes ``start_before_inputs`` (control.proto): assumed
-    until a daemon older than it refuses the message, then never tried again."""
-
-    def __init__(self) -> None:
-        self.supported = True
-
-
 def _average_failure(
     call: PreparedAverage,
     exc: grpc.RpcError,
     endpoint: ControlEndpoint,
     segments: SegmentPool,
-    early_writes: EarlyWrites,
+    early_writes: DaemonSupport,
     attempt: int,
 ) -> SwarmError | None:
     """The error a failed ``average`` call raises, or ``None`` to retry it once: when the
@@ -164,6 +157,13 @@ def _average_failure(
         segments.clear()
         return None
     return error
+
+
+def _publish_pool(
+    segments: SegmentPool, use_shm: bool, shm_publishes: DaemonSupport
+) -> SegmentPool | None:
+    """The segments of a client's publishes, when they can go through shared memory."""
+    return segments if use_shm and shm_publishes.supported else None
 
 
 def _access(endpoint: ControlEndpoint) -> tuple[tuple[str, str], ...]:
@@ -266,7 +266,10 @@ class Client:
         self.dht = _SyncDHT(self)
         self._client_id = secrets.token_hex(8)
         self._segments = SegmentPool()
-        self._early_writes = EarlyWrites()
+        self._early_writes = DaemonSupport()
+        # A published state is copied out by the daemon at once: one segment is enough.
+        self._publish_segments = SegmentPool(keep=1)
+        self._shm_publishes = DaemonSupport()
         try:
             status = self._stub.Status(
                 control_pb2.StatusRequest(),
@@ -396,9 +399,28 @@ class Client:
         raise AssertionError("unreachable")
 
     def publish_state(self, tensors: Sequence[Any], metadata: Any) -> None:
-        """Serve ``tensors`` and ``metadata`` (msgpack-able) to peers that load state."""
-        messages = list(state_messages(tensors, metadata))  # validates before sending
-        self._unary(self._stub.PublishState, messages, stream=True)
+        """Serve ``tensors`` and ``metadata`` (msgpack-able) to peers that load state.
+
+        Large states go through shared memory, as ``average``'s tensors do.
+
+        Raises:
+            ValidationError: bad tensors (types, dtypes, NaN/Inf) or metadata; nothing
+                was sent.
+        """
+        pool = _publish_pool(self._publish_segments, self._use_shm, self._shm_publishes)
+        call = PreparedPublish(tensors, metadata, pool)
+        try:
+            while True:
+                try:
+                    self._unary(self._stub.PublishState, call.messages(), stream=True)
+                except SwarmError as exc:
+                    if call.retry(exc, self._shm_publishes):
+                        continue
+                    raise
+                call.succeeded()
+                return
+        finally:
+            call.cleanup()
 
     def load_state(
         self, timeout: float = 60.0, max_bytes: int | None = None
@@ -532,7 +554,10 @@ class AsyncClient:
         self._metadata: tuple[tuple[str, str], ...] = ()
         self._client_id = secrets.token_hex(8)
         self._segments = SegmentPool()
-        self._early_writes = EarlyWrites()
+        self._early_writes = DaemonSupport()
+        # A published state is copied out by the daemon at once: one segment is enough.
+        self._publish_segments = SegmentPool(keep=1)
+        self._shm_publishes = DaemonSupport()
         self.dht = _AsyncDHT(self)
 
     @property
@@ -658,8 +683,20 @@ class AsyncClient:
 
     async def publish_state(self, tensors: Sequence[Any], metadata: Any) -> None:
         """Same as :meth:`Client.publish_state`, as a coroutine."""
-        messages = list(state_messages(tensors, metadata))
-        await self._unary(self._stub.PublishState, messages, stream=True)
+        pool = _publish_pool(self._publish_segments, self._use_shm, self._shm_publishes)
+        call = PreparedPublish(tensors, metadata, pool)
+        try:
+            while True:
+                try:
+                    await self._unary(self._stub.PublishState, call.messages(), stream=True)
+                except SwarmError as exc:
+                    if call.retry(exc, self._shm_publishes):
+                        continue
+                    raise
+                call.succeeded()
+                return
+        finally:
+            call.cleanup()
 
     async def load_state(
         self, timeout: float = 60.0, max_bytes: int | None = None

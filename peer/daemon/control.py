@@ -56,7 +56,10 @@ class ControlBackend(Protocol):
 
     async def dht_store(self, key: str, value: Any, ttl: float, subkey: Any) -> bool: ...
     async def dht_get(self, key: str) -> tuple[bool, Any]: ...
-    async def publish_state(self, arrays: list[np.ndarray], metadata: bytes) -> None: ...
+    async def publish_state(self, arrays: list[np.ndarray], metadata: bytes) -> None:
+        """Serve this state. ``arrays`` may be views of a client's shared-memory segment,
+        which the client writes again once this returns: keep copies, not them."""
+
     async def load_state(
         self, timeout: float, max_bytes: int | None = None
     ) -> tuple[bytes, list[np.ndarray]]: ...
@@ -411,7 +414,11 @@ class ControlService(control_pb2_grpc.ControlServicer):
             raise ValidationError("the first message of PublishState must be its header")
         if len(first.header.metadata) > MAX_METADATA_BYTES:
             raise ValidationError(f"metadata is larger than {MAX_METADATA_BYTES} bytes")
-        dtypes, shapes, _ = layout_from_specs(first.header.tensors)
+        header = first.header
+        dtypes, shapes, _ = layout_from_specs(header.tensors)
+        if header.shm_name:
+            await self._publish_from_segment(header, dtypes, shapes)
+            return control_pb2.PublishStateResponse()
         assembler = TensorAssembler(dtypes, shapes)
         while not assembler.complete:
             message = await _next(requests, "the state bytes")
@@ -420,8 +427,27 @@ class ControlService(control_pb2_grpc.ControlServicer):
             assembler.add(message.data)
         arrays = assembler.finish()
         await asyncio.to_thread(validate_finite, arrays)
-        await self._backend.publish_state(arrays, first.header.metadata)
+        await self._backend.publish_state(arrays, header.metadata)
         return control_pb2.PublishStateResponse()
+
+    async def _publish_from_segment(
+        self,
+        header: control_pb2.StateHeader,
+        dtypes: list[np.dtype[np.generic]],
+        shapes: list[tuple[int, ...]],
+    ) -> None:
+        """Publish tensors the client wrote into a shared-memory segment. Publishing copies
+        them into the state's chunks before the call returns, so the client may write the
+        segment again at its next publish; the mapping is kept for that one (as for
+        ``average``'s segments) and dropped when the call fails."""
+        segment = self._backend.segments.open(header.shm_name, header.shm_size, header.shm_reuse)
+        try:
+            arrays = segment.inputs(dtypes, shapes)
+            await asyncio.to_thread(validate_finite, arrays)
+            await self._backend.publish_state(arrays, header.metadata)
+        except BaseException:
+            self._backend.segments.drop(segment.name)
+            raise
 
     async def rpc_load_state(
         self, request: control_pb2.LoadStateRequest, context: Any

@@ -99,7 +99,9 @@ class SoloBackend:
         return (key in self.store), self.store.get(key)
 
     async def publish_state(self, arrays: list[np.ndarray], metadata: bytes) -> None:
-        self.state = (metadata, arrays)
+        # As the real daemon (whose StateSharer copies them into chunks): the arrays may be
+        # views of the client's segment, which its next publish writes over.
+        self.state = (metadata, [a.copy() for a in arrays])
 
     async def load_state(
         self, timeout: float, max_bytes: int | None = None
@@ -579,3 +581,125 @@ async def test_a_daemon_older_than_early_writes_gets_the_inputs_before_the_start
     assert [r.key for r in daemon.backend.rounds] == ["old-1", "old-2"]
     assert daemon.backend.failures == ["invalid_input"]  # the one refused start
     assert my_segments() == []
+
+
+def big_state(seed: int) -> list[np.ndarray]:
+    """A state above the shared-memory threshold (2.4 MB in three tensors)."""
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(np.float32) for s in [(600_000,), (7,), (2, 3)]]
+
+
+async def test_a_large_state_is_published_through_one_reused_segment(daemon: Daemon) -> None:
+    """DESIGN 6.4: tensors above a small threshold go through shared memory, a published
+    state too. The daemon maps the client's segment once and keeps the mapping; every
+    later publish of the layout is written into the same segment and copied out by the
+    daemon before the call returns, so what it serves is never the client's next write."""
+    first, second = big_state(1), big_state(2)
+    with await asyncio.to_thread(connect, daemon.endpoint) as client:
+        await asyncio.to_thread(client.publish_state, first, {"epoch": 1})
+        assert len(daemon.backend.segments) == 1, "the state came through a segment"
+        assert len(client._publish_segments) == 1, "kept for the next publish"
+        metadata, tensors = await asyncio.to_thread(client.load_state, 5.0)
+        assert metadata == {"epoch": 1}
+        for got, want in zip(tensors, first, strict=True):
+            np.testing.assert_array_equal(got, want)
+        served = daemon.backend.state
+        await asyncio.to_thread(client.publish_state, second, {"epoch": 2})
+        assert len(daemon.backend.segments) == 1, "the same segment, reused"
+        assert served is not None
+        for kept, want in zip(served[1], first, strict=True):  # not written over
+            np.testing.assert_array_equal(kept, want)
+        _, tensors = await asyncio.to_thread(client.load_state, 5.0)
+        for got, want in zip(tensors, second, strict=True):
+            np.testing.assert_array_equal(got, want)
+        # A small state still travels inline.
+        await asyncio.to_thread(client.publish_state, [np.arange(3.0)], {"epoch": 3})
+        assert len(daemon.backend.segments) == 1
+    assert my_segments() == []
+
+
+async def test_a_large_state_with_nan_is_refused_before_anything_is_sent(daemon: Daemon) -> None:
+    state = big_state(3)
+    state[0][123_456] = np.nan
+    async with connect_async(daemon.endpoint) as client:
+        with pytest.raises(ValidationError, match="NaN"):
+            await client.publish_state(state, {"epoch": 1})
+        assert len(client._publish_segments) == 0
+    assert daemon.backend.state is None
+    assert len(daemon.backend.segments) == 0
+    assert my_segments() == []
+
+
+async def test_a_publish_after_the_daemon_lost_its_mapping_sends_a_fresh_segment(
+    daemon: Daemon,
+) -> None:
+    """A restarted daemon (or one that evicted the mapping) does not know the reused
+    segment: the client sends the state again in a fresh one, and the caller sees nothing."""
+    async with connect_async(daemon.endpoint) as client:
+        await client.publish_state(big_state(4), {"epoch": 1})
+        daemon.backend.segments.close()  # as if the daemon restarted
+        second = big_state(5)
+        await client.publish_state(second, {"epoch": 2})
+        assert len(daemon.backend.segments) == 1
+        _, tensors = await client.load_state(timeout=5)
+        np.testing.assert_array_equal(tensors[0], second[0])
+    assert daemon.backend.failures == []
+    assert my_segments() == []
+
+
+async def test_a_daemon_older_than_shared_memory_publishes_gets_the_bytes_inline(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon that predates the header's segment fields ignores them and waits for the
+    tensor bytes: the client sends the state again inline, and inline from then on."""
+    original = ControlService.rpc_publish_state
+
+    async def old_daemon(
+        self: ControlService, requests: AsyncIterator[control_pb2.StateMessage]
+    ) -> control_pb2.PublishStateResponse:
+        async def unknown_fields_dropped() -> AsyncIterator[control_pb2.StateMessage]:
+            async for message in requests:
+                if message.WhichOneof("kind") == "header":
+                    for name in ("shm_name", "shm_size", "shm_reuse"):
+                        message.header.ClearField(name)
+                yield message
+
+        return await original(self, unknown_fields_dropped())
+
+    monkeypatch.setattr(ControlService, "rpc_publish_state", old_daemon)
+    states = [big_state(6), big_state(7)]
+    async with connect_async(daemon.endpoint) as client:
+        for epoch, state in enumerate(states):
+            await client.publish_state(state, {"epoch": epoch})
+            _, tensors = await client.load_state(timeout=5)
+            np.testing.assert_array_equal(tensors[0], state[0])
+        assert client._shm_publishes.supported is False
+    assert len(daemon.backend.segments) == 0
+    assert my_segments() == []
+
+
+async def test_the_daemon_refuses_a_publish_naming_a_segment_it_cannot_use(daemon: Daemon) -> None:
+    """A raw header naming a foreign, missing or mis-sized segment gets INVALID_ARGUMENT
+    and the daemon keeps serving."""
+    from swarmavg.proto import control_pb2_grpc, tensor_pb2
+
+    spec = control_pb2.TensorSpec(dtype=tensor_pb2.FLOAT32, shape=[600_000])
+    headers = [
+        control_pb2.StateHeader(tensors=[spec], shm_name="../etc/passwd", shm_size=2_400_000),
+        control_pb2.StateHeader(
+            tensors=[spec], shm_name=f"swarmavg-{os.getpid()}-{'0' * 32}", shm_size=2_400_000
+        ),
+        control_pb2.StateHeader(
+            tensors=[spec], shm_name=f"swarmavg-{os.getpid()}-{'1' * 32}", shm_reuse=True
+        ),
+    ]
+    async with grpc.aio.insecure_channel(f"unix:{daemon.endpoint}") as channel:
+        stub = control_pb2_grpc.ControlStub(channel)  # type: ignore[no-untyped-call]
+        for header in headers:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.PublishState(iter([control_pb2.StateMessage(header=header)]))
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert daemon.backend.state is None
+    async with connect_async(daemon.endpoint) as client:
+        await client.publish_state(big_state(8), {"epoch": 1})
+    assert daemon.backend.state is not None
