@@ -122,12 +122,14 @@ class PreparedAverage:
         self._cleaned_up = False
         if segments is not None and self.total_bytes >= shm_threshold:
             # The NaN/Inf check runs on each block as it is copied in: one pass, not two.
-            self.early = write_during_declaration
             try:
-                self.segment = segments.acquire(arrays, fill=not self.early)
+                self.segment = shm.segment_or_inline(
+                    segments, arrays, fill=not write_during_declaration
+                )
             except InvalidTensorsError as exc:
                 raise ValidationError(str(exc)) from None
-        else:
+            self.early = self.segment is not None and write_during_declaration
+        if self.segment is None:  # inline: checked here, before anything is sent
             validate_finite(arrays)
         self.start = control_pb2.AverageStart(
             **request.wire_fields(self.timeout),
@@ -292,11 +294,11 @@ class PreparedPublish:
         self.segment: shm.ClientSegment | None = None
         self._ok = False
         if segments is not None and total >= shm_threshold:
-            try:
-                self.segment = segments.acquire(arrays)  # checks for NaN/Inf as it copies
+            try:  # checks for NaN/Inf as it copies
+                self.segment = shm.segment_or_inline(segments, arrays)
             except InvalidTensorsError as exc:
                 raise ValidationError(str(exc)) from None
-        else:
+        if self.segment is None:
             validate_finite(arrays)
 
     def messages(self) -> list[control_pb2.StateMessage]:
@@ -326,7 +328,7 @@ class PreparedPublish:
         if segment.daemon_mapped and "not mapped" in str(error):
             self._pool.clear()
             self._drop_segment()
-            self.segment = self._pool.acquire(self._arrays)
+            self.segment = shm.segment_or_inline(self._pool, self._arrays)
             return True
         return False
 

@@ -91,6 +91,12 @@ class ClientSegment:
     """The client's side: a segment of ``size`` bytes, mapped until garbage-collected."""
 
     def __init__(self, size: int, directory: Path = SHM_DIR) -> None:
+        """Create and map the file, its pages taken at once.
+
+        Raises:
+            OSError: the file cannot be made, e.g. ``ENOSPC`` when ``directory`` has no
+                room for ``size`` bytes (see :func:`segment_or_inline`).
+        """
         self.size = size
         self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
         self.path = directory / self.name
@@ -99,6 +105,10 @@ class ClientSegment:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, size)
+            # tmpfs grants a file any size, and a write past the room it has kills the
+            # writer with SIGBUS (a container's /dev/shm is 64 MB unless it is given more):
+            # taking the pages now fails with ENOSPC instead, and the call goes inline.
+            os.posix_fallocate(fd, 0, size)
             self._map = mmap.mmap(fd, size)
         except BaseException:
             self.unlink()
@@ -151,6 +161,42 @@ class ClientSegment:
         return _views(self._map, dtypes, shapes)
 
 
+def segment_or_inline(
+    segments: SegmentPool, arrays: Sequence[np.ndarray], fill: bool = True
+) -> ClientSegment | None:
+    """:meth:`SegmentPool.acquire`, or ``None`` when the shared-memory folder has no room
+    for the tensors: the call then sends them through the socket, and a warning says how
+    to give it room (once per process).
+
+    Raises:
+        InvalidTensorsError: a tensor holds NaN or Inf (checked while copying).
+    """
+    try:
+        return segments.acquire(arrays, fill=fill)
+    except OSError as exc:
+        _NoRoom.warn(segments.directory, sum(a.nbytes for a in arrays), exc)
+        return None
+
+
+class _NoRoom:
+    """The warning of a shared-memory folder without room, given once per process."""
+
+    warned = False
+
+    @classmethod
+    def warn(cls, directory: Path, size: int, exc: OSError) -> None:
+        if cls.warned:
+            return
+        cls.warned = True
+        log.warning(
+            "no room for %.1f MB in %s (%s): tensors go through the control socket instead "
+            "(slower); in a container, give it more shared memory (docker run --shm-size=2g)",
+            size / 1e6,
+            directory,
+            exc.strerror or exc,
+        )
+
+
 class SegmentPool:
     """Reusable segments of one client (thread-safe).
 
@@ -166,7 +212,7 @@ class SegmentPool:
     def __init__(self, directory: Path = SHM_DIR, keep: int = 2) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
-        self._directory = directory
+        self.directory = directory
         self._keep = keep
         self._lock = threading.Lock()
         self._idle: list[ClientSegment] = []  # oldest first
@@ -188,8 +234,8 @@ class SegmentPool:
                     break
         if segment is None:
             if fill:
-                return ClientSegment.holding(arrays, self._directory)
-            segment = ClientSegment(size, self._directory)
+                return ClientSegment.holding(arrays, self.directory)
+            segment = ClientSegment(size, self.directory)
         if fill:
             segment.fill(arrays)
         return segment

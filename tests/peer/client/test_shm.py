@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -191,3 +192,77 @@ def test_unlink_if_orphaned_spares_live_creators() -> None:
     assert shm.unlink_if_orphaned(live.name) is False
     assert live.path.exists()
     live.unlink()
+
+
+@pytest.fixture
+def small_tmpfs() -> Iterator[Path]:
+    """A 1 MiB tmpfs: a shared-memory folder with little room, as a container's 64 MB
+    /dev/shm is for a large model (needs root and mount; skipped without)."""
+    with tempfile.TemporaryDirectory(prefix="sa-small-shm-") as d:
+        try:
+            mounted = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "size=1m,mode=700", "tmpfs", d],
+                capture_output=True,
+                check=False,
+                timeout=30,
+            )
+        except FileNotFoundError:
+            pytest.skip("no mount command here")
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+        try:
+            yield Path(d)
+        finally:
+            subprocess.run(["umount", "-l", d], check=False, timeout=30)
+
+
+def test_a_segment_larger_than_the_folders_room_fails_at_creation(small_tmpfs: Path) -> None:
+    """tmpfs grants a file any size and kills the process that writes past its room with
+    SIGBUS; the segment takes its pages when it is made, so it fails there instead."""
+    with pytest.raises(OSError, match="No space left") as caught:
+        shm.ClientSegment(4 << 20, small_tmpfs)
+    assert caught.value.errno == errno.ENOSPC
+    assert list(small_tmpfs.iterdir()) == []
+    small = shm.ClientSegment(64 << 10, small_tmpfs)  # one that fits is made as before
+    small.unlink()
+
+
+@pytest.mark.parametrize("during_declaration", [True, False])
+def test_calls_too_large_for_the_folder_go_inline_with_one_warning(
+    small_tmpfs: Path, during_declaration: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    from swarmavg.peer.client.calls import PreparedAverage, PreparedPublish
+
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(shm._NoRoom, "warned", False)
+    pool = shm.SegmentPool(small_tmpfs)
+    tensors = [np.ones(1_000_000, np.float32)]  # 4 MB against 1 MiB of room
+    try:
+        with caplog.at_level("WARNING", logger=shm.log.name):
+            call = PreparedAverage(
+                tensors,
+                key="k",
+                weight=1.0,
+                group_size=None,
+                min_group_size=2,
+                timeout=5.0,
+                codec=None,
+                segments=pool,
+                write_during_declaration=during_declaration,
+            )
+            publish = PreparedPublish(tensors, {"epoch": 1}, pool)
+    finally:
+        monkey.undo()
+    assert call.segment is None
+    assert not call.early
+    assert call.start.shm_name == ""
+    assert not call.start.inputs_checked
+    assert len(list(call.requests())) > 1, "the tensor bytes follow the start"
+    assert publish.segment is None
+    assert len(publish.messages()) > 1
+    warnings = [r.getMessage() for r in caplog.records if "no room" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "--shm-size" in warnings[0]
+    assert list(small_tmpfs.iterdir()) == []
+    with pytest.raises(ValidationError, match="NaN"):  # inline calls are still checked
+        PreparedPublish([np.full(1_000_000, np.nan, np.float32)], {}, pool)

@@ -6,6 +6,7 @@ rounds between real daemons are in tests/integration."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import tempfile
 from collections.abc import AsyncIterator, Awaitable
@@ -703,3 +704,29 @@ async def test_the_daemon_refuses_a_publish_naming_a_segment_it_cannot_use(daemo
     async with connect_async(daemon.endpoint) as client:
         await client.publish_state(big_state(8), {"epoch": 1})
     assert daemon.backend.state is not None
+
+
+async def test_without_room_in_shared_memory_calls_go_through_the_socket(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A /dev/shm without room for the tensors (a container's 64 MB one, a large model)
+    used to kill the training process with SIGBUS as it wrote them; now a round and a
+    publish of a state that does not fit go inline, and they still work."""
+    from swarmavg.peer.client import shm
+
+    def no_room(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", no_room)
+    monkeypatch.setattr(shm._NoRoom, "warned", False)
+    x = [np.random.default_rng(9).standard_normal(400_000).astype(np.float32)]
+    async with connect_async(daemon.endpoint) as client:
+        result = await client.average(x, key="no-room", min_group_size=1)
+        np.testing.assert_array_equal(result.tensors[0], x[0])
+        state = big_state(10)
+        await client.publish_state(state, {"epoch": 1})
+        _, tensors = await client.load_state(timeout=5)
+        np.testing.assert_array_equal(tensors[0], state[0])
+    assert daemon.backend.outs == [None], "the round's inputs came inline"
+    assert len(daemon.backend.segments) == 0
+    assert my_segments() == []
