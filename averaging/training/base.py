@@ -784,7 +784,9 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
             and self.publish_state_every > 0
             and progress.epoch % self.publish_state_every == 0
         )
-        state = self._load_swarm_state(like, where, expect_published=due)
+        state = self._load_swarm_state(
+            like, where, expect_published=due, at_least=progress.epoch if due else None
+        )
         if state is not None and state.epoch > progress.epoch + 1:
             warnings.warn(
                 f"{where}: the swarm's newest state is of epoch {state.epoch}, ahead of the "
@@ -804,7 +806,12 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
         return state, epoch
 
     def _load_swarm_state(
-        self, params: list[torch.Tensor], behind: str, *, expect_published: bool = False
+        self,
+        params: list[torch.Tensor],
+        behind: str,
+        *,
+        expect_published: bool = False,
+        at_least: int | None = None,
     ) -> TrainingState | None:
         """The swarm's newest state of this wrapper's kind, shaped like ``params``; None,
         with a :class:`SwarmRoundWarning`, when none could be loaded.
@@ -815,8 +822,12 @@ class SwarmOptimizer(torch.optim.Optimizer, ABC):
                 ``"epoch 3 < 5"``).
             expect_published: a state is due: wait for one within ``state_timeout``
                 (:meth:`SwarmLink.load`).
+            at_least: the epoch whose state is due; an older one found first is retried
+                for a moment (:meth:`SwarmLink.load`).
         """
-        state = self.link.load(self.KIND, params, expect_published=expect_published)
+        state = self.link.load(
+            self.KIND, params, expect_published=expect_published, at_least=at_least
+        )
         if state is None:
             warnings.warn(
                 f"off the swarm's epoch ({behind}) and no state could be loaded; "

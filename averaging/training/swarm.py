@@ -90,6 +90,10 @@ REPAIR_RETRY_FIRST = 0.02
 published (a repair's, a catch-up's): the holders publish right after their step, usually
 within milliseconds of the round's end."""
 REPAIR_RETRY_MAX = 1.0
+DUE_STATE_WAIT = 5.0
+"""Seconds a catch-up waits for the state of the swarm's epoch when it found an older one
+(:meth:`SwarmLink.load`'s ``at_least``): its advertisement follows its publication within
+one DHT store; the bound covers members that publish less often than every epoch."""
 
 
 def _is_no_state(exc: Exception) -> bool:
@@ -420,7 +424,12 @@ class SwarmLink:
         return True
 
     def load(
-        self, kind: str, like: Sequence[torch.Tensor], *, expect_published: bool = False
+        self,
+        kind: str,
+        like: Sequence[torch.Tensor],
+        *,
+        expect_published: bool = False,
+        at_least: int | None = None,
     ) -> TrainingState | None:
         """The newest state in the run; None when nobody has one or it does not fit.
 
@@ -433,7 +442,31 @@ class SwarmLink:
                 member reports its new epoch while its publish runs in the background):
                 that answer is retried after a capped, jittered pause until
                 ``state_timeout`` instead of ending the load at once.
+            at_least: the epoch whose state is due (the swarm stepped to it and its
+                members publish it). A donor serves a new state at once and advertises it
+                right after (averaging/state/sharer.py), so a download in between finds the
+                state before it: an older one is kept and the download retried, for at
+                most :data:`DUE_STATE_WAIT` seconds, then the newest found is returned.
         """
+        state = self._load_newest(kind, like, expect_published)
+        if state is None or at_least is None or state.epoch >= at_least:
+            return state
+        give_up = time.monotonic() + min(DUE_STATE_WAIT, self.state_timeout)
+        pause = REPAIR_RETRY_FIRST
+        while (left := give_up - time.monotonic()) > 0 and state.epoch < at_least:
+            time.sleep(min(pause * random.uniform(0.5, 1.0), left))
+            pause = min(pause * 2, REPAIR_RETRY_MAX)
+            newer = self._load_newest(kind, like, expect_published=False)
+            if newer is not None and newer.epoch >= state.epoch:
+                state = newer
+        if state.epoch < at_least:
+            log.info("the state of epoch %d did not come; taking epoch %d's", at_least, state.epoch)
+        return state
+
+    def _load_newest(
+        self, kind: str, like: Sequence[torch.Tensor], expect_published: bool
+    ) -> TrainingState | None:
+        """One :meth:`load` of the freshest state served now, retried as it says."""
         deadline = time.monotonic() + self.state_timeout
         failures = 0
         pause = REPAIR_RETRY_FIRST

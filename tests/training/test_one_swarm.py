@@ -514,3 +514,65 @@ def test_diloco_close_agrees_on_parameters_and_anchor() -> None:
         assert opt.stats.final_agreement == "averaged"
         for p, anchor in zip(model.parameters(), opt.anchor, strict=True):
             assert torch.equal(p.detach(), anchor)
+
+
+# ---------------------------------------------------------------- the state of the swarm's epoch
+
+
+class StaleFirst:
+    """A client whose first downloads find the state before the newest one: its donor
+    serves a new state at once and advertises it a moment later."""
+
+    def __init__(self, states: list[tuple[Any, list[Any]]]) -> None:
+        self.states = states
+        self.loads = 0
+
+    def load_state(self, timeout: float = 60.0) -> tuple[Any, list[Any]]:
+        self.loads += 1
+        return self.states[min(self.loads, len(self.states)) - 1]
+
+
+def published(epoch: int) -> tuple[Any, list[Any]]:
+    from swarmavg.averaging.training.state import TrainingState, pack_state
+
+    metadata, arrays = pack_state(
+        TrainingState(kind="collaborative", epoch=epoch, params=[torch.full((3,), float(epoch))])
+    )
+    return metadata, [a.copy() for a in arrays]
+
+
+def link_to(client: StaleFirst) -> Any:
+    from swarmavg.averaging.training.swarm import SwarmLink
+
+    return SwarmLink(client, "run", codec=None, timeout=5.0, min_group_size=1, state_timeout=5.0)
+
+
+def test_a_catch_up_that_finds_the_state_before_the_due_one_waits_for_it() -> None:
+    """Seen in CI: a trainer caught up at the run's last epoch, found the state before it
+    (its advertisement was still on its way) and ended the run with other parameters than
+    the others, who had already left. The due epoch's state is now waited for briefly."""
+    like = [torch.zeros(3)]
+    client = StaleFirst([published(15), published(15), published(16)])
+    state = link_to(client).load("collaborative", like, at_least=16)
+    assert state is not None
+    assert state.epoch == 16
+    assert client.loads == 3
+    # Without a due epoch, the first state found is the answer (as before).
+    client = StaleFirst([published(15), published(16)])
+    state = link_to(client).load("collaborative", like)
+    assert state is not None
+    assert state.epoch == 15
+    assert client.loads == 1
+
+
+def test_a_due_state_that_never_comes_is_waited_for_a_bounded_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from swarmavg.averaging.training import swarm
+
+    monkeypatch.setattr(swarm, "DUE_STATE_WAIT", 0.3)  # members that publish less often
+    client = StaleFirst([published(15)])
+    state = link_to(client).load("collaborative", [torch.zeros(3)], at_least=16)
+    assert state is not None
+    assert state.epoch == 15, "the newest found is taken when the due one does not come"
+    assert client.loads > 1
