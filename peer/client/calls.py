@@ -323,11 +323,11 @@ class PreparedPublish:
             return False
         if SHM_REFUSED in str(error):
             shm_publishes.supported = False
-            self._drop_segment()
+            self._release(ok=False)
             return True
-        if segment.daemon_mapped and "not mapped" in str(error):
+        if segment.daemon_mapped and shm.NOT_MAPPED in str(error):
             self._pool.clear()
-            self._drop_segment()
+            self._release(ok=False)
             self.segment = shm.segment_or_inline(self._pool, self._arrays)
             return True
         return False
@@ -338,16 +338,14 @@ class PreparedPublish:
         if self.segment is not None:
             self.segment.daemon_mapped = True
 
-    def _drop_segment(self) -> None:
-        segment, self.segment = self.segment, None
-        if segment is not None and self._pool is not None:
-            self._pool.release(segment, False)
-
     def cleanup(self) -> None:
         """Give the segment back to its pool (kept after a success; idempotent)."""
+        self._release(ok=self._ok)
+
+    def _release(self, *, ok: bool) -> None:
         segment, self.segment = self.segment, None
         if segment is not None and self._pool is not None:
-            self._pool.release(segment, self._ok)
+            self._pool.release(segment, ok)
 
 
 def unpack_state_metadata(data: bytes) -> Any:

@@ -50,7 +50,7 @@ from swarmavg.peer.client.errors import (
 )
 from swarmavg.peer.client.reconnect import PROBE_TIMEOUT, RECONNECT_TIMEOUT, STOPPING, DaemonLink
 from swarmavg.peer.client.run_view import view_to_dict
-from swarmavg.peer.client.shm import SegmentPool
+from swarmavg.peer.client.shm import NOT_MAPPED, SegmentPool
 from swarmavg.peer.client.validation import validate_key
 from swarmavg.proto import control_pb2, control_pb2_grpc
 
@@ -152,7 +152,7 @@ def _average_failure(
         return None
     if isinstance(error, NoGroupError):
         call.found_no_group()
-    lost = call.reused_segment and isinstance(error, ValidationError) and "not mapped" in str(error)
+    lost = call.reused_segment and isinstance(error, ValidationError) and NOT_MAPPED in str(error)
     if attempt == 0 and lost:
         segments.clear()
         return None

@@ -43,6 +43,9 @@ SHM_DIR = Path("/dev/shm")
 PREFIX = "swarmavg-"
 ALIGN = 64
 NAME_RE = re.compile(r"^swarmavg-(\d{1,10})-([0-9a-f]{32})$")
+NOT_MAPPED = "is not mapped here"
+"""In the daemon's refusal of a reused segment it no longer maps (it restarted or evicted
+it): the client's cue to send a fresh one."""
 
 
 def shm_available(directory: Path = SHM_DIR) -> bool:
@@ -347,7 +350,7 @@ class DaemonSegmentCache:
         if reuse:
             segment = self._segments.get(name)
             if segment is None or segment.size != size:
-                raise ValidationError(f"shared-memory segment {name} is not mapped here")
+                raise ValidationError(f"shared-memory segment {name} {NOT_MAPPED}")
             self._segments[name] = self._segments.pop(name)  # most recently used
             return segment
         segment = DaemonSegment(name, size)
