@@ -1,0 +1,108 @@
+"""What ``client.publish_state`` costs: a training wrapper publishes its state after every step.
+
+One real ``swarmavg peer`` daemon on loopback and two clients of it through the public API:
+one that hands states over through shared memory (``connect()``, the default) and one
+through the control socket (``connect(use_shm=False)``, the path every publish took
+before). Each publish changes one tensor of the state, as a training step changes it. The
+two paths take turns, publish by publish, so both meet the same load. Figures per path: the
+client's CPU and the daemon's CPU per publish (each a total over ``--publishes`` divided by
+their count, since /proc counts whole clock ticks; the daemon's includes the advertisement
+each publish sends in the background) and the median wall time of one publish. Prints ONE
+JSON line.
+
+    python -m benchmarks.publish_state --mb 8.5 --publishes 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .common import cpu_seconds, emit, start_daemons
+
+PATHS = ("shm", "socket")
+SETTLE = 0.05
+"""Seconds after each publish before the next, so its background advertisement is counted
+with it."""
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from swarmavg.peer import connect
+
+    rng = np.random.default_rng(0)
+    per = int(args.mb * 1e6 / 4 / args.tensors)
+    state = [rng.standard_normal(per).astype(np.float32) for _ in range(args.tensors)]
+    with (
+        tempfile.TemporaryDirectory(prefix="sa-publish-") as work,
+        open(Path(work) / "daemon.log", "w") as log_file,
+    ):
+        ((daemon, control),) = start_daemons(Path(work), 1, log_file, "publish-bench")
+        try:
+            clients = {"shm": connect(control), "socket": connect(control, use_shm=False)}
+            figures = measure(clients, daemon.pid, state, args.publishes)
+            for client in clients.values():
+                client.close()
+        finally:
+            daemon.close()
+    return {
+        "benchmark": "publish_state",
+        "mb": args.mb,
+        "tensors": args.tensors,
+        "publishes": args.publishes,
+        **figures,
+        **{
+            f"{who}_cpu_ratio": round(
+                figures["shm"][f"{who}_cpu_ms"] / max(figures["socket"][f"{who}_cpu_ms"], 1e-9), 3
+            )
+            for who in ("client", "daemon")
+        },
+    }
+
+
+def measure(
+    clients: dict[str, Any], daemon_pid: int, state: list[np.ndarray], publishes: int
+) -> dict[str, dict[str, float]]:
+    """Per path: client and daemon CPU per publish (ms), median wall time of one (ms)."""
+    for client in clients.values():  # the first publish makes the segment and advertises
+        client.publish_state(state, {"epoch": -1})
+    client_cpu = dict.fromkeys(PATHS, 0.0)
+    daemon_cpu = dict.fromkeys(PATHS, 0.0)
+    walls: dict[str, list[float]] = {path: [] for path in PATHS}
+    for index in range(publishes):
+        state[index % len(state)] += 1.0  # a training step changes the state
+        for path in PATHS if index % 2 == 0 else PATHS[::-1]:
+            daemon_before = cpu_seconds([daemon_pid])
+            cpu_before, wall_before = time.process_time(), time.perf_counter()
+            clients[path].publish_state(state, {"epoch": index})
+            walls[path].append(time.perf_counter() - wall_before)
+            client_cpu[path] += time.process_time() - cpu_before
+            time.sleep(SETTLE)
+            daemon_cpu[path] += cpu_seconds([daemon_pid]) - daemon_before
+    return {
+        path: {
+            "client_cpu_ms": round(1000 * client_cpu[path] / publishes, 2),
+            "daemon_cpu_ms": round(1000 * daemon_cpu[path] / publishes, 2),
+            "wall_ms_median": round(1000 * statistics.median(walls[path]), 2),
+        }
+        for path in PATHS
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=float, default=8.5, help="state size, MB (1e6 bytes)")
+    parser.add_argument("--tensors", type=int, default=20)
+    parser.add_argument("--publishes", type=int, default=40, help="publishes per path")
+    emit(run(parser.parse_args()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
