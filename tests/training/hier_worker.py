@@ -206,7 +206,11 @@ def run_scenario(spec: dict[str, Any], *, served: bool) -> None:
     record["anchors"] = anchors
     record["warnings"] = caught
     torch.save([p.detach().clone() for p in model.parameters()], out.with_suffix(".pt"))
-    out.with_suffix(".json").write_text(json.dumps(record))
+    # The test waits for the record's file to exist: it must appear whole (written under
+    # another name, then renamed), or the test may read it empty.
+    partial = out.with_suffix(".json.partial")
+    partial.write_text(json.dumps(record))
+    os.replace(partial, out.with_suffix(".json"))
     if client is not None:
         client.close()
     if not flat and (record["ok"] or served):
