@@ -208,12 +208,14 @@ class PublishStateResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadStateRequest(_message.Message):
-    __slots__ = ("timeout", "max_bytes")
+    __slots__ = ("timeout", "max_bytes", "shm_name")
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     timeout: float
     max_bytes: int
-    def __init__(self, timeout: _Optional[float] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+    shm_name: str
+    def __init__(self, timeout: _Optional[float] = ..., max_bytes: _Optional[int] = ..., shm_name: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

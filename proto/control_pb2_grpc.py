@@ -106,7 +106,8 @@ class ControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def LoadState(self, request, context):
-        """Download the newest state of the run: a StateHeader, then the tensor bytes.
+        """Download the newest state of the run: a StateHeader, then the tensor bytes (none when
+        the header names the shared-memory segment the request offered: the tensors are there).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -368,18 +368,31 @@ def unpack_state_metadata(data: bytes) -> Any:
 
 
 class StateReceiver:
-    """Rebuilds ``(metadata, tensors)`` from a LoadState stream (numpy arrays).
+    """Rebuilds ``(metadata, tensors)`` from a LoadState stream (numpy arrays): from the
+    bytes on the stream, or from the segment ``offer`` when the daemon's header names it.
 
     The metadata and the tensor layout are the donor's (the daemon passes them on), so
     what cannot be decoded raises :class:`MalformedStateError`.
     """
 
     def __init__(
-        self, on_progress: Callable[[control_pb2.StateProgress], None] | None = None
+        self,
+        on_progress: Callable[[control_pb2.StateProgress], None] | None = None,
+        offer: shm.LoadOffer | None = None,
     ) -> None:
         self._metadata: bytes | None = None
         self._assembler: TensorAssembler | None = None
+        self._arrays: list[np.ndarray] | None = None  # from the offered segment
         self._on_progress = on_progress
+        self._offer = offer
+
+    def request(self, timeout: float, max_bytes: int | None) -> control_pb2.LoadStateRequest:
+        """The LoadState request (offering the segment, if any)."""
+        return control_pb2.LoadStateRequest(
+            timeout=timeout,
+            max_bytes=max_bytes or 0,
+            shm_name=self._offer.name if self._offer is not None else "",
+        )
 
     def feed(self, message: control_pb2.StateMessage) -> None:
         kind = message.WhichOneof("kind")
@@ -392,17 +405,44 @@ class StateReceiver:
             except ValidationError as exc:
                 raise MalformedStateError(f"the loaded state's tensor layout: {exc}") from None
             self._metadata = message.header.metadata
-            self._assembler = TensorAssembler(dtypes, shapes)
+            if message.header.shm_name:
+                self._arrays = self._from_offer(message.header, dtypes, shapes)
+            else:
+                self._assembler = TensorAssembler(dtypes, shapes)
         elif kind == "data":
             if self._assembler is None:
-                raise SwarmError("state bytes arrived before the state header")
+                raise SwarmError("state bytes arrived before the state header, or with a segment")
             self._assembler.add(message.data)
 
+    def _from_offer(
+        self,
+        header: control_pb2.StateHeader,
+        dtypes: list[np.dtype[np.generic]],
+        shapes: list[tuple[int, ...]],
+    ) -> list[np.ndarray]:
+        if self._offer is None or header.shm_name != self._offer.name:
+            raise SwarmError(f"the daemon named segment {header.shm_name!r}, not the one offered")
+        try:
+            return self._offer.arrays(header.shm_size, dtypes, shapes)
+        except (OSError, ValidationError) as exc:
+            raise SwarmError(f"the loaded state's segment cannot be read: {exc}") from None
+
+    def close(self) -> None:
+        """Unlink the offered segment (the arrays mapped from it stay valid)."""
+        if self._offer is not None:
+            self._offer.unlink()
+
     def result(self) -> tuple[Any, list[np.ndarray]]:
-        if self._assembler is None or self._metadata is None:
+        if self._metadata is None:
+            raise SwarmError("the daemon sent no state")
+        if self._arrays is not None:
+            tensors = self._arrays
+        elif self._assembler is not None:
+            tensors = self._assembler.finish()
+        else:
             raise SwarmError("the daemon sent no state")
         metadata = unpack_state_metadata(self._metadata) if self._metadata else None
-        return metadata, self._assembler.finish()
+        return metadata, tensors
 
 
 def pack_value(value: Any, what: str) -> bytes:

@@ -50,7 +50,7 @@ from swarmavg.peer.client.errors import (
 )
 from swarmavg.peer.client.reconnect import PROBE_TIMEOUT, RECONNECT_TIMEOUT, STOPPING, DaemonLink
 from swarmavg.peer.client.run_view import view_to_dict
-from swarmavg.peer.client.shm import NOT_MAPPED, SegmentPool
+from swarmavg.peer.client.shm import NOT_MAPPED, LoadOffer, SegmentPool
 from swarmavg.peer.client.validation import validate_key
 from swarmavg.proto import control_pb2, control_pb2_grpc
 
@@ -440,10 +440,10 @@ class Client:
             NoStateError: no peer has published state.
         """
         display = DownloadDisplay()
-        receiver = StateReceiver(display.update)
+        receiver = StateReceiver(display.update, LoadOffer.or_none(self._use_shm))
         try:
             for message in self._stub.LoadState(
-                control_pb2.LoadStateRequest(timeout=timeout, max_bytes=max_bytes or 0),
+                receiver.request(timeout, max_bytes),
                 timeout=timeout + 10.0,
                 metadata=self._metadata,
             ):
@@ -452,6 +452,7 @@ class Client:
             raise error_from_rpc(exc, str(self.endpoint)) from None
         finally:
             display.close()
+            receiver.close()
         return receiver.result()
 
     def status(self) -> dict[str, Any]:
@@ -703,10 +704,10 @@ class AsyncClient:
     ) -> tuple[Any, list[Any]]:
         """Same as :meth:`Client.load_state`, as a coroutine."""
         display = DownloadDisplay()
-        receiver = StateReceiver(display.update)
+        receiver = StateReceiver(display.update, LoadOffer.or_none(self._use_shm))
         try:
             stream = self._stub.LoadState(
-                control_pb2.LoadStateRequest(timeout=timeout, max_bytes=max_bytes or 0),
+                receiver.request(timeout, max_bytes),
                 timeout=timeout + 10.0,
                 metadata=self._metadata,
             )
@@ -716,6 +717,7 @@ class AsyncClient:
             raise error_from_rpc(exc, str(self.endpoint)) from None
         finally:
             display.close()
+            receiver.close()
         return receiver.result()
 
     async def status(self) -> dict[str, Any]:

@@ -15,6 +15,11 @@ a call: the client reuses an idle segment of the same size for a later call (one
 earlier result still points into; it keeps two, so a caller holding the previous result
 alternates between them) and tells the daemon, which reuses its own mapping
 (:class:`DaemonSegmentCache`). The daemon drops mappings whose client process has exited.
+
+**Loaded states.** For ``load_state`` the client offers an empty segment
+(:class:`LoadOffer`) with its request; the daemon sizes it and writes the state's tensors in
+(:func:`fill_offer`) instead of streaming their bytes, and the client maps it and unlinks it.
+So here too the client creates every segment, and the same sweep covers a client that dies.
 """
 
 from __future__ import annotations
@@ -266,6 +271,105 @@ class SegmentPool:
         """How many idle segments the pool keeps now."""
         with self._lock:
             return len(self._idle)
+
+
+class LoadOffer:
+    """An empty segment file a client offers to its daemon for a loaded state
+    (``load_state``): the daemon sizes it and writes the tensors in (:func:`fill_offer`),
+    the client maps it and unlinks it when the call ends. The client creates it, so a
+    client killed mid-call leaves a file that :func:`sweep_stale` removes, as for
+    ``average``'s segments."""
+
+    def __init__(self, directory: Path = SHM_DIR) -> None:
+        """Create the empty file.
+
+        Raises:
+            OSError: it cannot be made (no shared-memory folder; the call goes inline).
+        """
+        self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
+        self.path = directory / self.name
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+
+    def arrays(
+        self,
+        size: int,
+        dtypes: Sequence[np.dtype[np.generic]],
+        shapes: Sequence[tuple[int, ...]],
+    ) -> list[np.ndarray]:
+        """The tensors the daemon wrote, as views of a private (copy-on-write) mapping:
+        writable, and nothing written to them reaches the file. They keep the memory alive
+        after :meth:`unlink`.
+
+        Raises:
+            ValidationError: the file does not hold ``size`` bytes of this layout.
+        """
+        fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            held = os.fstat(fd).st_size
+            if held != size:
+                raise ValidationError(f"the loaded state's segment holds {held} bytes, not {size}")
+            mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+        finally:
+            os.close(fd)
+        return _views(mapping, dtypes, shapes)
+
+    def unlink(self) -> None:
+        """Remove the file (idempotent)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    @classmethod
+    def or_none(cls, use_shm: bool, directory: Path = SHM_DIR) -> LoadOffer | None:
+        """An offer when the client uses shared memory and can make one, else ``None``."""
+        if not use_shm:
+            return None
+        try:
+            return cls(directory)
+        except OSError as exc:
+            log.info("no shared-memory segment for the loaded state (%s): it comes inline", exc)
+            return None
+
+
+def fill_offer(name: str, arrays: Sequence[np.ndarray], directory: Path = SHM_DIR) -> int:
+    """The daemon's side of a :class:`LoadOffer`: size the client's empty segment ``name``
+    for ``arrays``, write them in, and return its size. The file is the client's to unlink.
+
+    Written with ``pwrite``, not through a mapping: one copy, no page faults, and a full
+    shared-memory folder fails the write with ``ENOSPC`` where a mapping's store would
+    kill the daemon with SIGBUS.
+
+    Raises:
+        ValidationError: a bad name, or a file that is missing, not a regular file owned by
+            this user, or not empty (not an offer).
+        OSError: no room for the tensors (``ENOSPC``): the caller sends them inline.
+    """
+    if NAME_RE.match(name) is None:
+        raise ValidationError(f"bad shared-memory segment name {name!r}")
+    offsets, size = segment_layout([a.dtype for a in arrays], [a.shape for a in arrays])
+    try:
+        fd = os.open(directory / name, os.O_WRONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise ValidationError(f"shared-memory segment {name} does not exist") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            raise ValidationError(f"segment {name} is not a regular file owned by this user")
+        if info.st_size != 0:
+            raise ValidationError(f"segment {name} is not an empty offer ({info.st_size} bytes)")
+        os.ftruncate(fd, size)  # the gaps of the alignment read as zeros
+        for offset, array in zip(offsets, arrays, strict=True):
+            _write_at(fd, np.ascontiguousarray(array).reshape(-1).view(np.uint8), offset)
+    finally:
+        os.close(fd)
+    return size
+
+
+def _write_at(fd: int, data: np.ndarray, offset: int) -> None:
+    """All of ``data``'s bytes at ``offset`` (``pwrite`` may write fewer than asked)."""
+    view = data.data
+    while view.nbytes:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
 
 
 class DaemonSegment:

@@ -25,6 +25,7 @@ from swarmavg.averaging.request import RoundRequest, check_finite
 from swarmavg.averaging.result import AveragingResult
 from swarmavg.averaging.transfer_progress import TransferProgress
 from swarmavg.peer.client import shm
+from swarmavg.peer.client.calls import SHM_THRESHOLD
 from swarmavg.peer.client.errors import (
     REASON_KEY,
     STATUS_FOR_ERROR,
@@ -456,6 +457,8 @@ class ControlService(control_pb2_grpc.ControlServicer):
             self._check_accepting()
             if not 0 < request.timeout <= 3600:
                 raise ValidationError(f"timeout {request.timeout} out of range (0, 3600]")
+            if request.shm_name and shm.NAME_RE.match(request.shm_name) is None:
+                raise ValidationError(f"bad shared-memory segment name {request.shm_name!r}")
             started = time.monotonic()
             # The download runs as this handler's task; meanwhile the caller hears how far
             # it has come (a multi-GB state takes minutes, and silence looks like a hang).
@@ -480,13 +483,28 @@ class ControlService(control_pb2_grpc.ControlServicer):
                     with contextlib.suppress(asyncio.CancelledError):
                         await load
             metadata, arrays = load.result()
-            yield control_pb2.StateMessage(
-                header=control_pb2.StateHeader(metadata=metadata, tensors=specs_of(arrays))
-            )
-            for piece in iter_bytes(arrays):
-                yield control_pb2.StateMessage(data=piece)
+            header = control_pb2.StateHeader(metadata=metadata, tensors=specs_of(arrays))
+            if request.shm_name and sum(a.nbytes for a in arrays) >= SHM_THRESHOLD:
+                header.shm_size = await _fill_offer(request.shm_name, arrays)
+                header.shm_name = request.shm_name if header.shm_size else ""
+            yield control_pb2.StateMessage(header=header)
+            if not header.shm_name:
+                for piece in iter_bytes(arrays):
+                    yield control_pb2.StateMessage(data=piece)
         except Exception as exc:
             await _abort(context, exc)
+
+
+async def _fill_offer(name: str, arrays: list[np.ndarray]) -> int:
+    """Write a loaded state into the segment its client offered (DESIGN 6.4: tensors
+    above a small threshold go through shared memory); its size, or 0 when the offer
+    cannot take them (no room, a file that is not an empty segment of this user's): the
+    bytes then go on the stream, as to a client that offered none."""
+    try:
+        return await asyncio.to_thread(shm.fill_offer, name, arrays)
+    except (OSError, ValidationError) as exc:
+        log.info("the loaded state goes inline: segment %s not usable (%s)", name, exc)
+        return 0
 
 
 def _unpack(data: bytes, what: str) -> Any:

@@ -1,5 +1,6 @@
-"""``publish_state`` through shared memory between real daemons: a joiner downloads exactly
-the state published last, though every publish of a training loop writes the same segment."""
+"""``publish_state`` and ``load_state`` through shared memory between real daemons: a joiner
+downloads exactly the state published last, though every publish of a training loop writes
+the same segment, and gets it through a segment of its own."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from swarmavg.peer import Peer, PeerConfig
 from swarmavg.peer.client.shm import NAME_RE, SHM_DIR
+from tests.peer.shm_views import in_shared_memory
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -48,8 +50,9 @@ async def test_a_joiner_loads_the_last_state_published_through_shared_memory(
         async with Peer(joiner_config) as joiner, joiner.client() as trainer:
             metadata, tensors = await trainer.load_state(timeout=60)
     assert metadata == {"epoch": 3}
+    assert all(in_shared_memory(t) for t in tensors), "loaded through the offered segment"
     for got, want in zip(tensors, state_of(3), strict=True):
         np.testing.assert_array_equal(got, want)
     pid = str(os.getpid())
     mine = [n for n in SHM_DIR.iterdir() if (m := NAME_RE.match(n.name)) and m[1] == pid]
-    assert mine == [], "the daemon unlinked the segment when it mapped it"
+    assert mine == [], "every segment unlinked: by the daemon when it mapped it, or the client"

@@ -227,6 +227,28 @@ def test_a_segment_larger_than_the_folders_room_fails_at_creation(small_tmpfs: P
     small.unlink()
 
 
+def test_a_loaded_state_larger_than_the_folders_room_fails_the_daemons_write(
+    small_tmpfs: Path,
+) -> None:
+    """The daemon writes a loaded state into the client's offer with ``pwrite``: past the
+    folder's room that fails with ENOSPC (the state then goes inline), not with SIGBUS."""
+    offer = shm.LoadOffer(small_tmpfs)
+    try:
+        with pytest.raises(OSError, match="No space left") as caught:
+            shm.fill_offer(offer.name, [np.ones(1_000_000, np.float32)], small_tmpfs)
+        assert caught.value.errno == errno.ENOSPC
+        fits = [np.arange(1000, dtype=np.float32), np.ones(3, np.float64)]
+        offer.unlink()
+        offer = shm.LoadOffer(small_tmpfs)
+        size = shm.fill_offer(offer.name, fits, small_tmpfs)
+        got = offer.arrays(size, [a.dtype for a in fits], [a.shape for a in fits])
+        for have, want in zip(got, fits, strict=True):
+            np.testing.assert_array_equal(have, want)
+    finally:
+        offer.unlink()
+    assert list(small_tmpfs.iterdir()) == []
+
+
 @pytest.mark.parametrize("during_declaration", [True, False])
 def test_calls_too_large_for_the_folder_go_inline_with_one_warning(
     small_tmpfs: Path, during_declaration: bool, caplog: pytest.LogCaptureFixture

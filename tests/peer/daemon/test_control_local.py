@@ -35,6 +35,7 @@ from swarmavg.peer.daemon.combiner import LocalCombiner
 from swarmavg.peer.daemon.control import ControlService
 from swarmavg.proto import control_pb2
 from tests.peer.daemon.raw_calls import unchecked_shm_call
+from tests.peer.shm_views import in_shared_memory
 
 
 class SoloBackend:
@@ -710,14 +711,15 @@ async def test_without_room_in_shared_memory_calls_go_through_the_socket(
     daemon: Daemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A /dev/shm without room for the tensors (a container's 64 MB one, a large model)
-    used to kill the training process with SIGBUS as it wrote them; now a round and a
-    publish of a state that does not fit go inline, and they still work."""
+    used to kill the training process with SIGBUS as it wrote them; now a round, a
+    publish and a load of a state that does not fit go inline, and they still work."""
     from swarmavg.peer.client import shm
 
     def no_room(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(shm.os, "posix_fallocate", no_room)
+    monkeypatch.setattr(shm.os, "posix_fallocate", no_room)  # the client's segments
+    monkeypatch.setattr(shm.os, "pwrite", lambda *_: no_room(0, 0, 0))  # the daemon's writes
     monkeypatch.setattr(shm._NoRoom, "warned", False)
     x = [np.random.default_rng(9).standard_normal(400_000).astype(np.float32)]
     async with connect_async(daemon.endpoint) as client:
@@ -726,7 +728,126 @@ async def test_without_room_in_shared_memory_calls_go_through_the_socket(
         state = big_state(10)
         await client.publish_state(state, {"epoch": 1})
         _, tensors = await client.load_state(timeout=5)
+        assert not in_shared_memory(tensors[0]), "the daemon found no room: inline"
         np.testing.assert_array_equal(tensors[0], state[0])
     assert daemon.backend.outs == [None], "the round's inputs came inline"
     assert len(daemon.backend.segments) == 0
     assert my_segments() == []
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+async def test_a_large_loaded_state_comes_through_the_segment_the_client_offered(
+    daemon: Daemon, blocking: bool
+) -> None:
+    """DESIGN 6.4 for ``load_state``: the client offers an empty segment, the daemon writes
+    the state there instead of streaming its bytes, and the client maps it. The arrays are
+    writable and private (a second load is not changed by writes to the first), and no
+    file is left behind."""
+    state = big_state(11)
+    async with connect_async(daemon.endpoint, use_shm=False) as publisher:
+        await publisher.publish_state(state, {"epoch": 4})
+    if blocking:
+        with await asyncio.to_thread(connect, daemon.endpoint) as client:
+            metadata, first = await asyncio.to_thread(client.load_state, 5.0)
+            _, second = await asyncio.to_thread(client.load_state, 5.0)
+    else:
+        async with connect_async(daemon.endpoint) as aclient:
+            metadata, first = await aclient.load_state(timeout=5)
+            _, second = await aclient.load_state(timeout=5)
+    assert metadata == {"epoch": 4}
+    assert all(in_shared_memory(t) for t in first), "the tensors came through shared memory"
+    first[0][:] = 0.0
+    for got, want in zip(second, state, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert my_segments() == []
+
+
+async def test_a_small_loaded_state_and_a_client_without_shared_memory_get_the_bytes(
+    daemon: Daemon,
+) -> None:
+    async with connect_async(daemon.endpoint) as client:
+        await client.publish_state([np.arange(5.0)], {"epoch": 1})
+        _, tensors = await client.load_state(timeout=5)
+        assert not in_shared_memory(tensors[0])
+        np.testing.assert_array_equal(tensors[0], np.arange(5.0))
+    state = big_state(12)
+    async with connect_async(daemon.endpoint, use_shm=False) as client:
+        await client.publish_state(state, {"epoch": 2})
+        _, tensors = await client.load_state(timeout=5)
+        assert not in_shared_memory(tensors[0])
+        np.testing.assert_array_equal(tensors[0], state[0])
+    assert my_segments() == []
+
+
+async def test_a_daemon_older_than_load_offers_sends_the_bytes(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon that predates the request's ``shm_name`` ignores it and streams the bytes;
+    the client takes them and unlinks its unused offer."""
+    original = ControlService.rpc_load_state
+
+    def old_daemon(
+        self: ControlService, request: control_pb2.LoadStateRequest, context: Any
+    ) -> AsyncIterator[control_pb2.StateMessage]:
+        request.ClearField("shm_name")
+        return original(self, request, context)
+
+    monkeypatch.setattr(ControlService, "rpc_load_state", old_daemon)
+    state = big_state(13)
+    async with connect_async(daemon.endpoint) as client:
+        await client.publish_state(state, {"epoch": 1})
+        _, tensors = await client.load_state(timeout=5)
+    assert not in_shared_memory(tensors[0])
+    np.testing.assert_array_equal(tensors[0], state[0])
+    assert my_segments() == []
+
+
+async def test_the_daemon_checks_an_offered_segment_before_it_writes(daemon: Daemon) -> None:
+    """Raw requests: a name that is not a segment's gets INVALID_ARGUMENT; a missing file, a
+    file that is not empty and a symbolic link are not written to (the state comes as bytes),
+    and the daemon keeps serving."""
+    from swarmavg.proto import control_pb2_grpc
+
+    state = big_state(14)
+    daemon.backend.state = (b"\x80", state)  # msgpack None
+    pid = os.getpid()
+    missing = f"swarmavg-{pid}-{'2' * 32}"
+    full, link = f"swarmavg-{pid}-{'3' * 32}", f"swarmavg-{pid}-{'4' * 32}"
+    target = Path(tempfile.mkdtemp(prefix="sa-")) / "victim"
+    target.write_bytes(b"")
+    (SHM_DIR / full).write_bytes(b"x" * 10)
+    (SHM_DIR / link).symlink_to(target)
+    try:
+        async with grpc.aio.insecure_channel(f"unix:{daemon.endpoint}") as channel:
+            stub = control_pb2_grpc.ControlStub(channel)  # type: ignore[no-untyped-call]
+            request = control_pb2.LoadStateRequest(timeout=5, shm_name="../etc/passwd")
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                [m async for m in stub.LoadState(request)]
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            for name in (missing, full, link):
+                request = control_pb2.LoadStateRequest(timeout=5, shm_name=name)
+                messages = [m async for m in stub.LoadState(request)]
+                assert messages[0].header.shm_name == ""
+                assert sum(len(m.data.data) for m in messages[1:]) == sum(a.nbytes for a in state)
+        assert (SHM_DIR / full).read_bytes() == b"x" * 10
+        assert target.read_bytes() == b""
+    finally:
+        for name in (full, link):
+            (SHM_DIR / name).unlink()
+        target.unlink()
+        target.parent.rmdir()
+
+
+def test_a_client_reads_no_segment_it_did_not_offer() -> None:
+    """A header naming a segment (another process's, say) the call did not offer is an
+    error, not a file the client maps."""
+    from swarmavg.peer.client.calls import StateReceiver
+    from swarmavg.proto import tensor_pb2
+
+    header = control_pb2.StateHeader(
+        tensors=[control_pb2.TensorSpec(dtype=tensor_pb2.FLOAT32, shape=[4])],
+        shm_name=f"swarmavg-1-{'5' * 32}",
+        shm_size=16,
+    )
+    with pytest.raises(SwarmError, match="not the one offered"):
+        StateReceiver().feed(control_pb2.StateMessage(header=header))
