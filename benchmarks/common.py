@@ -14,12 +14,13 @@ import hashlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,52 @@ def cpu_seconds(pids: Sequence[int]) -> float:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
     return total / TICKS
+
+
+class PathCosts:
+    """What calls cost along each of several paths (say shared memory and the socket): this
+    process's CPU, the daemons' CPU and the wall time. CPU is kept as a total per path and
+    divided by the count at the end, since /proc counts whole clock ticks."""
+
+    def __init__(self, paths: Sequence[str], daemon_pids: Sequence[int]) -> None:
+        self.paths = tuple(paths)
+        self._pids = list(daemon_pids)
+        self._client = dict.fromkeys(self.paths, 0.0)
+        self._daemon = dict.fromkeys(self.paths, 0.0)
+        self._walls: dict[str, list[float]] = {path: [] for path in self.paths}
+
+    @contextlib.contextmanager
+    def call(self, path: str, settle: float = 0.0) -> Iterator[None]:
+        """Time the block as one call along ``path``; the daemons' CPU is read ``settle``
+        seconds after it ends (work the call left running counts with it)."""
+        daemon_before = cpu_seconds(self._pids)
+        cpu_before, wall_before = time.process_time(), time.perf_counter()
+        yield
+        self._walls[path].append(time.perf_counter() - wall_before)
+        self._client[path] += time.process_time() - cpu_before
+        time.sleep(settle)
+        self._daemon[path] += cpu_seconds(self._pids) - daemon_before
+
+    def figures(self) -> dict[str, Any]:
+        """Per path: client and daemon CPU per call (ms), the median call (ms); and the
+        first path's ratios over the second's."""
+        per_path = {
+            path: {
+                "client_cpu_ms": round(1000 * self._client[path] / len(self._walls[path]), 2),
+                "daemon_cpu_ms": round(1000 * self._daemon[path] / len(self._walls[path]), 2),
+                "wall_ms_median": round(1000 * statistics.median(self._walls[path]), 2),
+            }
+            for path in self.paths
+        }
+        first, second = (per_path[path] for path in self.paths[:2])
+        ratios = {
+            f"{what}_ratio": round(first[f"{what}_ms"] / max(second[f"{what}_ms"], 1e-9), 3)
+            for what in ("client_cpu", "daemon_cpu")
+        }
+        ratios["wall_ratio"] = round(
+            first["wall_ms_median"] / max(second["wall_ms_median"], 1e-9), 3
+        )
+        return {**per_path, **ratios}
 
 
 def parameters_sha256(model: Any) -> str:

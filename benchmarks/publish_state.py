@@ -16,16 +16,14 @@ JSON line.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .common import cpu_seconds, emit, start_daemons
+from .common import PathCosts, emit, start_daemons
 
 PATHS = ("shm", "socket")
 SETTLE = 0.05
@@ -46,7 +44,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ((daemon, control),) = start_daemons(Path(work), 1, log_file, "publish-bench")
         try:
             clients = {"shm": connect(control), "socket": connect(control, use_shm=False)}
-            figures = measure(clients, daemon.pid, state, args.publishes)
+            costs = PathCosts(PATHS, [daemon.pid])
+            measure(clients, costs, state, args.publishes)
             for client in clients.values():
                 client.close()
         finally:
@@ -56,43 +55,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "mb": args.mb,
         "tensors": args.tensors,
         "publishes": args.publishes,
-        **figures,
-        **{
-            f"{who}_cpu_ratio": round(
-                figures["shm"][f"{who}_cpu_ms"] / max(figures["socket"][f"{who}_cpu_ms"], 1e-9), 3
-            )
-            for who in ("client", "daemon")
-        },
+        **costs.figures(),
     }
 
 
 def measure(
-    clients: dict[str, Any], daemon_pid: int, state: list[np.ndarray], publishes: int
-) -> dict[str, dict[str, float]]:
-    """Per path: client and daemon CPU per publish (ms), median wall time of one (ms)."""
+    clients: dict[str, Any], costs: PathCosts, state: list[np.ndarray], publishes: int
+) -> None:
+    """``publishes`` publishes along each path, taking turns."""
     for client in clients.values():  # the first publish makes the segment and advertises
         client.publish_state(state, {"epoch": -1})
-    client_cpu = dict.fromkeys(PATHS, 0.0)
-    daemon_cpu = dict.fromkeys(PATHS, 0.0)
-    walls: dict[str, list[float]] = {path: [] for path in PATHS}
     for index in range(publishes):
         state[index % len(state)] += 1.0  # a training step changes the state
         for path in PATHS if index % 2 == 0 else PATHS[::-1]:
-            daemon_before = cpu_seconds([daemon_pid])
-            cpu_before, wall_before = time.process_time(), time.perf_counter()
-            clients[path].publish_state(state, {"epoch": index})
-            walls[path].append(time.perf_counter() - wall_before)
-            client_cpu[path] += time.process_time() - cpu_before
-            time.sleep(SETTLE)
-            daemon_cpu[path] += cpu_seconds([daemon_pid]) - daemon_before
-    return {
-        path: {
-            "client_cpu_ms": round(1000 * client_cpu[path] / publishes, 2),
-            "daemon_cpu_ms": round(1000 * daemon_cpu[path] / publishes, 2),
-            "wall_ms_median": round(1000 * statistics.median(walls[path]), 2),
-        }
-        for path in PATHS
-    }
+            with costs.call(path, settle=SETTLE):
+                clients[path].publish_state(state, {"epoch": index})
 
 
 def main() -> int:
