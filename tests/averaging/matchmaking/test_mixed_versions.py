@@ -35,6 +35,7 @@ from swarmavg.dht.auth import Authenticator, RequestSigner, message_digest
 from swarmavg.dht.identity import Identity
 from swarmavg.proto import averaging_pb2, common_pb2, tensor_pb2
 from tests.averaging.averager_swarm import (
+    AveragerSwarm,
     Peer,
     averager_swarm,
     fast_config,
@@ -71,20 +72,33 @@ def restore_stores(peer: Peer) -> None:
         peer.node.__dict__.pop(name, None)  # the class's methods are back
 
 
-async def round_of(peers: list[Peer], name: str) -> list[AveragingResult]:
-    """One round of ``peers`` under ``name``, each averaging its index; the results in
-    the order of ``peers``. The leader calls first: its round is open when the
-    followers' requests come."""
+async def round_of(swarm: AveragerSwarm, name: str) -> list[AveragingResult]:
+    """One round of the swarm's peers under ``name``, each averaging its index; the results
+    in the order of ``swarm.peers``. The leader calls first, and the others once it has
+    declared: its round is open when their requests come (a follower that came first
+    would read the declarations to find it, on a loaded machine)."""
+    peers = swarm.peers
     order = ranked(peers, name)
-    calls = [
-        p.averager.average(
-            [np.full(8, float(peers.index(p)), np.float32)],
-            name,
-            group_size=len(peers),
-            timeout=30,
+
+    def call(peer: Peer) -> asyncio.Task[AveragingResult]:
+        vector = [np.full(8, float(peers.index(peer)), np.float32)]
+        return asyncio.ensure_future(
+            peer.averager.average(vector, name, group_size=len(peers), timeout=30)
         )
-        for p in order
-    ]
+
+    leader = order[0]
+    mark = len(leader.events)
+
+    def declared() -> bool:
+        return any(event is MatchmakingEvent.DECLARED for event, _, _ in leader.events[mark:])
+
+    leading = call(leader)
+    ready = asyncio.ensure_future(swarm.wait_for(declared))
+    try:
+        await asyncio.wait({leading, ready}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        ready.cancel()
+    calls = [leading, *(call(p) for p in order[1:])]
     results = dict(zip((peers.index(p) for p in order), await asyncio.gather(*calls), strict=True))
     return [results[i] for i in range(len(peers))]
 
@@ -144,13 +158,13 @@ async def test_a_new_leader_reads_an_older_followers_declaration(
         if older:
             make_older(follower)
         refusals.wake = swarm.changed
-        assert_one_group(await round_of(swarm.peers, "step-0"), 3)
+        assert_one_group(await round_of(swarm, "step-0"), 3)
 
         mark = len(leader.events)
         for peer in (new, follower):
             fail_stores(peer)
         try:
-            running = asyncio.ensure_future(round_of(swarm.peers, "step-1"))
+            running = asyncio.ensure_future(round_of(swarm, "step-1"))
             try:
                 if older:
                     await swarm.wait_for(lambda: accepted(leader, new, mark) and refusals.count > 0)
@@ -186,8 +200,8 @@ async def test_new_followers_check_an_older_leaders_group_in_the_dht(older: bool
         leader = ranked(swarm.peers, "step-1")[0]
         if older:
             make_older(leader)
-        assert_one_group(await round_of(swarm.peers, "step-0"), 3)
-        results = await round_of(swarm.peers, "step-1")
+        assert_one_group(await round_of(swarm, "step-0"), 3)
+        results = await round_of(swarm, "step-1")
         assert_one_group(results, 3)
         followers = [r for r in results if r.timings["matchmaking.led"] == 0.0]
         assert len(followers) == 2
@@ -234,7 +248,7 @@ async def test_steady_rounds_with_an_older_peer_form_one_group_each(older: Older
         names = ["step-0", *rounds_led_and_followed(swarm.peers, odd, each=3)]
         led = 0
         for name in names:
-            results = await round_of(swarm.peers, name)
+            results = await round_of(swarm, name)
             assert_one_group(results, 4)
             led += int(results[swarm.peers.index(odd)].timings["matchmaking.led"])
             if older is Older.AFTER_THE_FIRST_ROUND:

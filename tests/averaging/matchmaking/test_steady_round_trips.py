@@ -28,13 +28,15 @@ pytestmark = pytest.mark.timeout(90)
 DHT_CALLS = ("get", "store", "store_and_get")
 
 
-def hang_dht(peer: Peer, hung: list[str]) -> None:
-    """Every later DHT store and read of ``peer`` hangs until cancelled (its deadline)."""
+def hang_dht(peer: Peer, hung: list[tuple[bytes, str]], touched: asyncio.Event) -> None:
+    """Every later DHT store and read of ``peer`` hangs until cancelled (its deadline);
+    each is noted in ``hung`` as (peer id, operation), and ``touched`` is set."""
     never = asyncio.Event()
 
     def hanging(name: str) -> Any:
         async def call(*args: Any, **kwargs: Any) -> Any:
-            hung.append(name)
+            hung.append((peer.peer_id, name))
+            touched.set()
             await never.wait()
 
         return call
@@ -50,24 +52,38 @@ def restore_dht(peer: Peer) -> None:
 
 async def test_a_steady_round_forms_its_group_while_the_dht_hangs() -> None:
     async with averager_swarm(3, fast_config(matchmaking_time=5.0)) as swarm:
+        hung: list[tuple[bytes, str]] = []
+        touched = asyncio.Event()
 
-        async def round_of_everyone(key: str) -> list[AveragingResult]:
-            # The leader first: its round is open when the followers' requests come.
-            return list(
-                await asyncio.gather(
-                    *(
-                        p.averager.average([np.full(8, float(i), np.float32)], key, timeout=20)
-                        for i, p in enumerate(ranked(swarm.peers, key))
-                    )
-                )
-            )
+        async def leader_stores(leader: Peer) -> None:
+            # Its round is open from the moment it stores its declaration (beside its
+            # search, in a steady round): a follower that asked earlier would read.
+            async with asyncio.timeout(20):
+                while not any(p == leader.peer_id and name != "get" for p, name in hung):
+                    touched.clear()
+                    await touched.wait()
 
-        await round_of_everyone("step-0")  # the family's first round: it makes the roster
-        hung: list[str] = []
+        async def round_of_everyone(key: str, steady: bool) -> list[AveragingResult]:
+            order = ranked(swarm.peers, key)
+
+            def call(i: int) -> asyncio.Task[AveragingResult]:
+                vector = [np.full(8, float(i), np.float32)]
+                return asyncio.ensure_future(order[i].averager.average(vector, key, timeout=20))
+
+            leading = call(0)
+            if steady:  # the leader first: its round is open when the followers' requests come
+                ready = asyncio.ensure_future(leader_stores(order[0]))
+                try:
+                    await asyncio.wait({leading, ready}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    ready.cancel()
+            return list(await asyncio.gather(leading, *(call(i) for i in range(1, len(order)))))
+
+        await round_of_everyone("step-0", steady=False)  # the family's first: makes the roster
         for peer in swarm.peers:
-            hang_dht(peer, hung)
+            hang_dht(peer, hung, touched)
         try:
-            results = await round_of_everyone("step-1")
+            results = await round_of_everyone("step-1", steady=True)
         finally:
             for peer in swarm.peers:
                 restore_dht(peer)
