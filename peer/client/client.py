@@ -172,12 +172,14 @@ def _access(endpoint: ControlEndpoint) -> tuple[tuple[str, str], ...]:
     Fails at once, with a clear message, when the socket file is not there at all, belongs to
     another user, or (TCP) this user holds no token for it (peer/client/control_access.py).
     """
-    if endpoint.path is not None and not endpoint.path.exists():
-        raise _unavailable(endpoint, "no socket file")
     try:
         if endpoint.path is not None:
             check_socket_owner(endpoint.path)
         return call_metadata(endpoint)
+    except FileNotFoundError:
+        # One look, not "exists, then whose": a daemon shutting down removes its socket
+        # between any two, and a trainer waiting for its restart looks again.
+        raise _unavailable(endpoint, "no socket file") from None
     except ControlAccessError as exc:
         raise DaemonUnavailableError(str(exc)) from None
 

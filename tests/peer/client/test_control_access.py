@@ -140,3 +140,25 @@ def test_a_client_refuses_a_socket_of_another_user(sock_dir: Path) -> None:
         os.chown(path, _NOBODY, _NOBODY)
         with pytest.raises(DaemonUnavailableError, match="belongs to another user"):
             connect(str(path), connect_timeout=2)
+
+
+def test_a_socket_removed_while_it_is_checked_means_the_daemon_is_away(
+    sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon stopping under a trainer removes its socket at any moment, also between
+    the client's looks at it: the client then finds the daemon away (and waits for its
+    restart), instead of raising ``FileNotFoundError`` out of the training step (seen in
+    CI, tests/integration/test_trainer_restart.py)."""
+    from swarmavg.peer.client import client as client_module
+
+    path = sock_dir / "c.sock"
+    path.touch()
+    checked = client_module.check_socket_owner
+
+    def removed_meanwhile(socket_path: Path) -> None:
+        socket_path.unlink()
+        checked(socket_path)
+
+    monkeypatch.setattr(client_module, "check_socket_owner", removed_meanwhile)
+    with pytest.raises(DaemonUnavailableError, match="no socket file"):
+        client_module._access(ControlEndpoint(path=path))
