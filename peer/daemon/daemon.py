@@ -245,6 +245,7 @@ class Peer:
         """In a private run, what keeps its revocation list current (its file and the DHT)."""
         self.nat: NatAgent | None = None
         self._metrics: Any = None
+        self._metrics_address: str | None = None
         self._tasks = TaskSet()  # shm sweeper, metrics sync, revocation list
         self._started_at = 0.0
         self.local_trainers = LocalTrainers()
@@ -260,13 +261,17 @@ class Peer:
 
     def ready_record(self) -> dict[str, Any]:
         """The JSON ready line's fields (docs/peer.md)."""
-        return {
+        record: dict[str, Any] = {
             "event": "ready",
             "peer_id": self.peer_id,
             "address": self.address,
             "control": str(self.control),
             "run_id": self.config.run_id,
         }
+        if self._metrics_address is not None:
+            # only then, as for a bare DHT node: the ready line's fields are a contract
+            record["metrics"] = self._metrics_address  # the bound HOST:PORT (port 0 resolved)
+        return record
 
     async def start(self) -> None:
         """Bind, bootstrap and start serving.
@@ -479,7 +484,7 @@ class Peer:
             stored_records=dht.storage.num_records,
         )
         try:
-            await asyncio.to_thread(metrics.start)
+            self._metrics_address = await asyncio.to_thread(metrics.start)
         except OSError as exc:
             raise StartupError(f"cannot serve metrics on {address}: {exc.strerror}") from None
         self._metrics = metrics

@@ -144,12 +144,6 @@ def segments_of(pid: int) -> list[str]:
     return [n for n in os.listdir(SHM_DIR) if (m := NAME_RE.match(n)) and int(m.group(1)) == pid]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def scrape(port: int) -> dict[str, float]:
     """Samples of the Prometheus text page, ``name{labels}`` -> value."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
@@ -193,8 +187,11 @@ def swarm(
 def test_four_daemons_four_clients_get_the_weighted_mean(
     swarmavg_processes: ProcessPool, sock_dir: Path, tmp_path: Path
 ) -> None:
-    metrics_port = free_port()
-    peers = swarm(swarmavg_processes, sock_dir, 4, "--metrics", f"127.0.0.1:{metrics_port}")
+    # Port 0: the OS picks it at the daemon's bind (a port the test chose could be taken
+    # meanwhile, as it once was in CI); the ready line names it.
+    peers = swarm(swarmavg_processes, sock_dir, 4, "--metrics", "127.0.0.1:0")
+    metrics_port = int(str(peers[0].ready["metrics"]).rsplit(":", 1)[1])
+    assert "metrics" not in peers[1].ready, "only a daemon that serves metrics names them"
     before = scrape(metrics_port)
     assert before["swarmavg_dht_size"] >= 1
     shapes = [[300, 1000], [17], [4, 5, 6]]  # 1.2 MB: the first round goes through shm
