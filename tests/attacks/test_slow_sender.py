@@ -41,16 +41,22 @@ at least ``min_stall``) however long it goes on."""
 
 
 class PacedCall:
-    """A member's real ``Reduce`` stream whose writes wait ``interval`` first (a slow
-    link, or a member that trickles on purpose); counts the chunks written."""
+    """A member's real ``Reduce`` stream whose chunk writes wait ``interval`` first (a slow
+    link, or a member that trickles on purpose); counts the messages written. The opening
+    message goes at once: delayed too, the first chunk came two intervals after the round
+    began, and on a loaded machine past the stall detector's first-chunk patience (twice
+    ``min_stall``), which then dropped the trickler before the rule under test could."""
 
     def __init__(self, call: Any, interval: float, written: list[int]) -> None:
         self._call = call
         self._interval = interval
         self._written = written
+        self._opened = False
 
     async def write(self, message: bytes) -> None:
-        await asyncio.sleep(self._interval)
+        if self._opened:
+            await asyncio.sleep(self._interval)
+        self._opened = True
         await self._call.write(message)
         self._written[0] += 1
 
