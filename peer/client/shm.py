@@ -95,6 +95,44 @@ def pid_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def _new_file(directory: Path) -> tuple[str, Path, int]:
+    """A fresh segment file of this process: its name (``swarmavg-<pid>-<random>``, which
+    :func:`sweep_stale` reads the creator from), path and a read-write descriptor. Mode
+    600, and never a file that was there before."""
+    name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
+    path = directory / name
+    return name, path, os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+
+
+def _open_segment(directory: Path, name: str, flags: int) -> int:
+    """The daemon's side: open a client's segment ``name`` (never through a link).
+
+    Raises:
+        ValidationError: ``name`` is not a segment's, or the file is missing or cannot be
+            opened.
+    """
+    if NAME_RE.match(name) is None:
+        raise ValidationError(f"bad shared-memory segment name {name!r}")
+    try:
+        return os.open(directory / name, flags | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise ValidationError(f"shared-memory segment {name} does not exist") from None
+    except OSError as exc:
+        raise ValidationError(f"cannot open shared-memory segment {name}: {exc}") from None
+
+
+def _own_regular_file(name: str, fd: int) -> os.stat_result:
+    """The status of the open segment ``name``.
+
+    Raises:
+        ValidationError: it is not a regular file owned by this user.
+    """
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+        raise ValidationError(f"segment {name} is not a regular file owned by this user")
+    return info
+
+
 class ClientSegment:
     """The client's side: a segment of ``size`` bytes, mapped until garbage-collected."""
 
@@ -106,11 +144,9 @@ class ClientSegment:
                 room for ``size`` bytes (see :func:`segment_or_inline`).
         """
         self.size = size
-        self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
-        self.path = directory / self.name
+        self.name, self.path, fd = _new_file(directory)
         self.daemon_mapped = False
         """The daemon mapped (and unlinked) this segment in an earlier call."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, size)
             # tmpfs grants a file any size, and a write past the room it has kills the
@@ -286,9 +322,8 @@ class LoadOffer:
         Raises:
             OSError: it cannot be made (no shared-memory folder; the call goes inline).
         """
-        self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
-        self.path = directory / self.name
-        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        self.name, self.path, fd = _new_file(directory)
+        os.close(fd)
 
     def arrays(
         self,
@@ -339,21 +374,14 @@ def fill_offer(name: str, arrays: Sequence[np.ndarray], directory: Path = SHM_DI
     kill the daemon with SIGBUS.
 
     Raises:
-        ValidationError: a bad name, or a file that is missing, not a regular file owned by
-            this user, or not empty (not an offer).
+        ValidationError: a bad name, or a file that is missing, cannot be opened (a link),
+            is not a regular file owned by this user, or is not empty (not an offer).
         OSError: no room for the tensors (``ENOSPC``): the caller sends them inline.
     """
-    if NAME_RE.match(name) is None:
-        raise ValidationError(f"bad shared-memory segment name {name!r}")
     offsets, size = segment_layout([a.dtype for a in arrays], [a.shape for a in arrays])
+    fd = _open_segment(directory, name, os.O_WRONLY)
     try:
-        fd = os.open(directory / name, os.O_WRONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise ValidationError(f"shared-memory segment {name} does not exist") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-            raise ValidationError(f"segment {name} is not a regular file owned by this user")
+        info = _own_regular_file(name, fd)
         if info.st_size != 0:
             raise ValidationError(f"segment {name} is not an empty offer ({info.st_size} bytes)")
         os.ftruncate(fd, size)  # the gaps of the alignment read as zeros
@@ -382,21 +410,12 @@ class DaemonSegment:
             ValidationError: a bad name, or a file that is missing, not a regular file
                 owned by this user, or of another size.
         """
-        if NAME_RE.match(name) is None:
-            raise ValidationError(f"bad shared-memory segment name {name!r}")
         self.name = name
         self.size = size
         path = directory / name
+        fd = _open_segment(directory, name, os.O_RDWR)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            raise ValidationError(f"shared-memory segment {name} does not exist") from None
-        except OSError as exc:
-            raise ValidationError(f"cannot open shared-memory segment {name}: {exc}") from None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-                raise ValidationError(f"segment {name} is not a regular file owned by this user")
+            info = _own_regular_file(name, fd)
             if info.st_size != size:
                 raise ValidationError(f"segment {name} holds {info.st_size} bytes, not {size}")
             self._map: mmap.mmap | None = mmap.mmap(fd, size)
