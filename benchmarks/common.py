@@ -68,6 +68,15 @@ def cpu_seconds(pids: Sequence[int]) -> float:
     return total / TICKS
 
 
+def random_state(mb: float, tensors: int, seed: int = 0) -> list[Any]:
+    """``tensors`` float32 arrays of ``mb`` MB (1e6 bytes) in all: a model's state."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    per = int(mb * 1e6 / 4 / tensors)
+    return [rng.standard_normal(per).astype(np.float32) for _ in range(tensors)]
+
+
 class PathCosts:
     """What calls cost along each of several paths (say shared memory and the socket): this
     process's CPU, the daemons' CPU and the wall time. CPU is kept as a total per path and

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import PathCosts, emit, start_daemons
+from .common import PathCosts, emit, random_state, start_daemons
 
 PATHS = ("shm", "socket")
 
@@ -34,9 +34,7 @@ PATHS = ("shm", "socket")
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from swarmavg.peer import connect
 
-    rng = np.random.default_rng(0)
-    per = int(args.mb * 1e6 / 4 / args.tensors)
-    state = [rng.standard_normal(per).astype(np.float32) for _ in range(args.tensors)]
+    state = random_state(args.mb, args.tensors)
     with (
         tempfile.TemporaryDirectory(prefix="sa-load-") as work,
         open(Path(work) / "daemons.log", "w") as log_file,
