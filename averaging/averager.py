@@ -425,7 +425,16 @@ class Averager:
         busier = max(result.bytes_sent, result.bytes_received)
         busier_equal = round(busier * equal_share_factor(group.members, index, result.part_sizes))
         self.bandwidth.observe(
-            busier_equal, result.timings["allreduce.exchange"], partial=result.partial
+            busier_equal,
+            result.timings["allreduce.exchange"],
+            partial=result.partial,
+            group=[m.bandwidth for m in group.members if m.is_reducer],
+        )
+        log.debug(
+            "round under %r: measured %.2f MB/s, advertising %.2f MB/s",
+            request.key,
+            busier_equal / 1e6 / max(result.timings["allreduce.exchange"], 1e-9),
+            self.bandwidth.value,
         )
         timings = {
             "matchmaking": matched - started,

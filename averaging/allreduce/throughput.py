@@ -18,6 +18,19 @@ therefore report the same figure; the gain is that the figures are real MB/s, co
 with the ones users set, and that they follow a peer's achieved throughput across groups
 and over time. A user who knows the link is better served by setting it.
 
+What a member measures also leans with its part: the round's last bytes are the replies of
+the busiest reducer, which every other member waits for and the busiest does not, so the
+member with the largest part ends its exchange first and reads as the fastest; and a first
+sample's noise stays in the figures while they climb together from it. Each member following
+its own samples therefore keeps apart from its group on links that are all alike (on the
+test bed one of four members kept a part 1.28x to 1.5x the others', round after round, and
+every round waited for it). So a member whose estimate lies within :data:`GROUP_BAND` of the
+median of its group's claims takes its sample as a reading of the group's common rate: the
+estimate moves from that median, not from its own last value, toward the sample (by
+``smoothing``); the members' figures come together in one round and stay together while
+their level follows the samples. A member whose estimate lies outside the band (a link that
+really differs, a member next to a user's figure) moves its own estimate as usual.
+
 Samples that say little about bandwidth are left out: rounds that moved less than
 ``min_bytes`` (their time is latency, not throughput) and partial rounds (their exchange
 waited for a member that stalled). Until the first sample, the estimate is a conservative
@@ -29,6 +42,8 @@ Pure and synchronous: no clock, no I/O; the averager feeds it what its rounds ob
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Sequence
 
 MB = 1_000_000
 """Bandwidths are in MB/s (10^6 bytes per second), the unit of ``--bandwidth``."""
@@ -42,6 +57,10 @@ DEFAULT_BOUNDS = (0.1, 10_000.0)
 DEFAULT_SMOOTHING = 0.25
 """Weight of a new sample in the exponential moving average: one slow round moves the
 estimate a quarter of the way, so a hiccup is not taken for the new normal."""
+
+GROUP_BAND = 1.25
+"""An estimate within this factor of the group's median claim is one of a group of alike
+members, and its sample reads the group's common rate (see above)."""
 
 DEFAULT_MIN_BYTES = 1 << 20
 """Rounds that moved less than this (1 MiB, one chunk) in their busier direction are not
@@ -109,13 +128,24 @@ class ThroughputEstimator:
         """Rounds that went into the measured value so far (0 when set, or before any)."""
         return self._samples
 
-    def observe(self, nbytes: int, seconds: float, *, partial: bool = False) -> bool:
+    def observe(
+        self,
+        nbytes: int,
+        seconds: float,
+        *,
+        partial: bool = False,
+        group: Sequence[float] = (),
+    ) -> bool:
         """Feed one round: ``nbytes`` moved in its busier direction in ``seconds``.
 
         Args:
             nbytes: payload bytes of the round in the direction that moved more.
             seconds: the round's exchange time (data on the wire, not matchmaking).
             partial: the round lost a member; such a round is not measured.
+            group: the bandwidths the round's reducers claimed (this member's among them);
+                while the estimate lies within :data:`GROUP_BAND` of their median, the
+                sample moves it from that median (see the module's doc). Empty: from
+                this member's own estimate.
 
         Returns:
             Whether the sample changed the estimate (``False`` when the bandwidth is set,
@@ -130,9 +160,13 @@ class ThroughputEstimator:
             return False
         low, high = self._bounds
         sample = min(max(nbytes / MB / seconds, low), high)
+        claims = [c for c in group if math.isfinite(c) and c > 0]
+        base = statistics.median(claims) if len(claims) > 1 else self._value
+        if not base / GROUP_BAND <= self._value <= base * GROUP_BAND:
+            base = self._value  # not one of a group of alike members: its own link
         if self._samples == 0:
             self._value = sample
         else:
-            self._value += self._smoothing * (sample - self._value)
+            self._value = min(max(base + self._smoothing * (sample - base), low), high)
         self._samples += 1
         return True

@@ -118,20 +118,33 @@ def _members(claims: list[float]) -> list[Member]:
     ]
 
 
-def _rounds_on_equal_links(scaled: bool, claims: list[float], rounds: int) -> list[int]:
+def _rounds_on_equal_links(
+    scaled: bool,
+    claims: list[float],
+    rounds: int,
+    *,
+    own_time: bool = False,
+    anchored: bool = True,
+) -> list[int]:
     """Rounds of a group whose links all carry 12.5 MB/s, each member measuring the round
     as the averager does: its bytes over the group's time (every member waits for the
-    slowest); ``scaled``: the bytes an equal part would have moved. The last parts."""
+    slowest); ``scaled``: the bytes an equal part would have moved. ``own_time``: each
+    member's time ends with the last reply it waits for, the busiest *other* member's
+    (the busiest member ends first). ``anchored``: the group's claims go with each sample,
+    as the averager passes them. The last parts."""
     estimators = [ThroughputEstimator() for _ in claims]
     total, itemsize, rate = 4_000_000, 4, 12.5 * MB
     members = _members(claims)
     sizes = part_sizes(members, total)
     for _ in range(rounds):
         moved = [itemsize * (total + (len(members) - 2) * size) for size in sizes]
-        seconds = max(moved) / rate
+        group = [m.bandwidth for m in members]
         for i, estimator in enumerate(estimators):
+            waited = [moved[j] for j in range(len(moved)) if j != i] if own_time else moved
             factor = equal_share_factor(members, i, sizes) if scaled else 1.0
-            estimator.observe(round(moved[i] * factor), seconds)
+            estimator.observe(
+                round(moved[i] * factor), max(waited) / rate, group=group if anchored else ()
+            )
         members = _members([estimator.value for estimator in estimators])
         sizes = part_sizes(members, total)
     return sizes
@@ -143,10 +156,43 @@ def test_parts_on_alike_links_become_equal_whatever_the_first_claims() -> None:
     # every round and keeps its larger part (here 1.19x the smallest, for good); on the
     # bytes an equal part would have moved, every member reads the group's rate.
     claims = [10.0, 10.4, 9.8, 10.1]
-    kept = _rounds_on_equal_links(scaled=False, claims=claims, rounds=30)
+    kept = _rounds_on_equal_links(scaled=False, claims=claims, rounds=30, anchored=False)
     assert max(kept) / min(kept) > 1.15  # the unscaled sample: the model of the old rule
-    sizes = _rounds_on_equal_links(scaled=True, claims=claims, rounds=30)
+    sizes = _rounds_on_equal_links(scaled=True, claims=claims, rounds=30, anchored=False)
     assert max(sizes) / min(sizes) < 1.001
+
+
+def test_the_busiest_member_ending_first_does_not_keep_the_largest_part() -> None:
+    # What the test bed showed: every member's exchange ends with the last reply it waits
+    # for, so the member with the largest part (whose replies are last) ends first and
+    # reads as the fastest. Following its own samples, it keeps a larger part for good
+    # (1.09x in this model, 1.28x on the bed); read as a sample of the group's rate, the
+    # parts come together.
+    claims = [10.0, 10.4, 9.8, 10.1]
+    drifted = _rounds_on_equal_links(True, claims, rounds=30, own_time=True, anchored=False)
+    assert max(drifted) / min(drifted) > 1.05
+    sizes = _rounds_on_equal_links(True, claims, rounds=30, own_time=True)
+    assert max(sizes) / min(sizes) < 1.001
+
+
+def test_an_estimate_near_the_groups_median_moves_from_the_median() -> None:
+    estimator = ThroughputEstimator(smoothing=0.25)
+    estimator.observe(20 * MB, 1.0)  # first sample: 20 MB/s
+    # The group claims 18, 18, 20: this member's 20 lies within the band of the median 18,
+    # so its sample of 16 MB/s reads the group's rate and moves the median.
+    assert estimator.observe(16 * MB, 1.0, group=[18.0, 18.0, 20.0])
+    assert estimator.value == pytest.approx(18 + 0.25 * (16 - 18))
+
+
+def test_an_estimate_far_from_the_groups_median_moves_from_itself() -> None:
+    estimator = ThroughputEstimator(smoothing=0.25)
+    estimator.observe(100 * MB, 1.0)
+    # A fast member beside slow ones (or a user's figure): its own link, not the group's.
+    assert estimator.observe(100 * MB, 1.0, group=[10.0, 100.0, 10.0])
+    assert estimator.value == pytest.approx(100.0)
+    # Claims that are not positive and finite do not count; a lone claim is no group.
+    estimator.observe(80 * MB, 1.0, group=[0.0, float("nan"), 90.0])
+    assert estimator.value == pytest.approx(100 + 0.25 * (80 - 100))
 
 
 def test_equal_share_factor_follows_the_traffic_model() -> None:
