@@ -27,9 +27,11 @@ test bed one of four members kept a part 1.28x to 1.5x the others', round after 
 every round waited for it). So a member whose estimate lies within :data:`GROUP_BAND` of the
 median of its group's claims takes its sample as a reading of the group's common rate: the
 estimate moves from that median, not from its own last value, toward the sample (by
-``smoothing``); the members' figures come together in one round and stay together while
-their level follows the samples. A member whose estimate lies outside the band (a link that
-really differs, a member next to a user's figure) moves its own estimate as usual.
+``smoothing``), and a sample within :data:`SAME_RATE` of the median leaves it at the median:
+the members' figures become one in one round and stay one while their level follows the
+samples that differ from it by more than a round's noise. A member whose estimate lies
+outside the band (a link that really differs, a member next to a user's figure) moves its
+own estimate as usual.
 
 Samples that say little about bandwidth are left out: rounds that moved less than
 ``min_bytes`` (their time is latency, not throughput) and partial rounds (their exchange
@@ -61,6 +63,12 @@ estimate a quarter of the way, so a hiccup is not taken for the new normal."""
 GROUP_BAND = 1.25
 """An estimate within this factor of the group's median claim is one of a group of alike
 members, and its sample reads the group's common rate (see above)."""
+
+SAME_RATE = 1.1
+"""A sample of such a member within this factor of the group's median is that rate, within
+a round's noise: the member then advertises the median itself. Part sizes amplify claims
+(with four members a 2.5 % higher claim makes a 7.5 % larger part), so alike members that
+differ by their samples' noise still wait for the largest part; equal figures do not."""
 
 DEFAULT_MIN_BYTES = 1 << 20
 """Rounds that moved less than this (1 MiB, one chunk) in their busier direction are not
@@ -161,11 +169,14 @@ class ThroughputEstimator:
         low, high = self._bounds
         sample = min(max(nbytes / MB / seconds, low), high)
         claims = [c for c in group if math.isfinite(c) and c > 0]
-        base = statistics.median(claims) if len(claims) > 1 else self._value
-        if not base / GROUP_BAND <= self._value <= base * GROUP_BAND:
-            base = self._value  # not one of a group of alike members: its own link
+        median = statistics.median(claims) if len(claims) > 1 else 0.0
+        # One of a group of alike members (else: its own link, its own estimate).
+        alike = median > 0 and median / GROUP_BAND <= self._value <= median * GROUP_BAND
+        base = median if alike else self._value
         if self._samples == 0:
             self._value = sample
+        elif alike and median / SAME_RATE <= sample <= median * SAME_RATE:
+            self._value = median  # the group's rate within a sample's noise: all say the same
         else:
             self._value = min(max(base + self._smoothing * (sample - base), low), high)
         self._samples += 1
