@@ -132,7 +132,7 @@ class JoinResponse(_message.Message):
     def __init__(self, code: _Optional[_Union[JoinCode, str]] = ..., leader_id: _Optional[bytes] = ..., leader_address: _Optional[str] = ..., deadline: _Optional[float] = ..., group: _Optional[_Union[GroupDescription, _Mapping]] = ..., detail: _Optional[str] = ..., taken: _Optional[_Iterable[bytes]] = ..., header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., member_requests: _Optional[_Iterable[_Union[JoinRequest, _Mapping]]] = ...) -> None: ...
 
 class ReduceRequest(_message.Message):
-    __slots__ = ("header", "chunk", "group_id", "part_index", "weight", "chunk_index", "stream_key", "mac", "resume")
+    __slots__ = ("header", "chunk", "group_id", "part_index", "weight", "chunk_index", "stream_key", "mac", "resume", "stripe", "stripes")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,8 @@ class ReduceRequest(_message.Message):
     STREAM_KEY_FIELD_NUMBER: _ClassVar[int]
     MAC_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    STRIPE_FIELD_NUMBER: _ClassVar[int]
+    STRIPES_FIELD_NUMBER: _ClassVar[int]
     header: _common_pb2.RequestHeader
     chunk: _tensor_pb2.TensorChunk
     group_id: bytes
@@ -151,10 +153,12 @@ class ReduceRequest(_message.Message):
     stream_key: bytes
     mac: bytes
     resume: bytes
-    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., group_id: _Optional[bytes] = ..., part_index: _Optional[int] = ..., weight: _Optional[float] = ..., chunk_index: _Optional[int] = ..., stream_key: _Optional[bytes] = ..., mac: _Optional[bytes] = ..., resume: _Optional[bytes] = ...) -> None: ...
+    stripe: int
+    stripes: int
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., group_id: _Optional[bytes] = ..., part_index: _Optional[int] = ..., weight: _Optional[float] = ..., chunk_index: _Optional[int] = ..., stream_key: _Optional[bytes] = ..., mac: _Optional[bytes] = ..., resume: _Optional[bytes] = ..., stripe: _Optional[int] = ..., stripes: _Optional[int] = ...) -> None: ...
 
 class ReduceResponse(_message.Message):
-    __slots__ = ("chunk", "chunk_index", "num_senders", "num_adjusted", "weights_clipped", "header", "stream_key", "mac", "end")
+    __slots__ = ("chunk", "chunk_index", "num_senders", "num_adjusted", "weights_clipped", "header", "stream_key", "mac", "end", "stripes")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SENDERS_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +168,7 @@ class ReduceResponse(_message.Message):
     STREAM_KEY_FIELD_NUMBER: _ClassVar[int]
     MAC_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    STRIPES_FIELD_NUMBER: _ClassVar[int]
     chunk: _tensor_pb2.TensorChunk
     chunk_index: int
     num_senders: int
@@ -173,7 +178,8 @@ class ReduceResponse(_message.Message):
     stream_key: bytes
     mac: bytes
     end: str
-    def __init__(self, chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., chunk_index: _Optional[int] = ..., num_senders: _Optional[int] = ..., num_adjusted: _Optional[int] = ..., weights_clipped: _Optional[int] = ..., header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., stream_key: _Optional[bytes] = ..., mac: _Optional[bytes] = ..., end: _Optional[str] = ...) -> None: ...
+    stripes: int
+    def __init__(self, chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., chunk_index: _Optional[int] = ..., num_senders: _Optional[int] = ..., num_adjusted: _Optional[int] = ..., weights_clipped: _Optional[int] = ..., header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., stream_key: _Optional[bytes] = ..., mac: _Optional[bytes] = ..., end: _Optional[str] = ..., stripes: _Optional[int] = ...) -> None: ...
 
 class StateManifest(_message.Message):
     __slots__ = ("root", "version", "chunk_size", "header_chunks", "chunk_hashes", "chunk_sizes")

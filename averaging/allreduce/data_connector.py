@@ -205,6 +205,11 @@ class DataConnector:
             while len(self._unreachable) > _MAX_UNREACHABLE:
                 del self._unreachable[next(iter(self._unreachable))]
 
+    def reachable(self, host: str, port: int) -> bool:
+        """Whether a stream to ``host:port`` would be tried here now (not remembered as
+        unreachable, the connector not closed)."""
+        return not self._closed and self._unreachable.get((host, port), 0.0) <= time.monotonic()
+
     @property
     def remembered_unreachable(self) -> int:
         """Reducers remembered as unreachable now (at most 1024)."""

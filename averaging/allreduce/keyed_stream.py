@@ -43,6 +43,7 @@ from swarmavg.averaging.allreduce.wire import (
     encode_opening,
     reduce_digest,
     sealed,
+    stripes_field,
 )
 from swarmavg.averaging.stalled import STATUS_WAIT
 from swarmavg.averaging.stubs import REDUCE
@@ -103,19 +104,29 @@ class SenderHandshake:
     def public_key(self) -> bytes:
         return self._ephemeral.public
 
-    def opening(self, signer: RequestSigner, weight: float) -> OutgoingChunk:
-        """The stream's signed first message: the round, the weight and this end's key,
-        signed for the reducer (the signature covers the key: nobody on the path can strip
-        or swap it)."""
+    def opening(
+        self, signer: RequestSigner, weight: float, stripe: int = 0, stripes: int = 1
+    ) -> OutgoingChunk:
+        """The stream's signed first message: the round, the weight, this end's key and,
+        for one of several streams to the reducer, which one (``stripe`` of ``stripes``),
+        signed for the reducer (the signature covers them: nobody on the path can strip or
+        swap them). One stream (``stripes`` 1) sends no stripe fields, as before they
+        existed."""
+        if stripes <= 1:
+            stripe = stripes = 0  # zeros are not serialised: the fields are absent
         first = averaging_pb2.ReduceRequest(
             group_id=self._group_id,
             part_index=self._part,
             weight=weight,
             stream_key=self._ephemeral.public,
+            stripe=stripe,
+            stripes=stripes,
         )
         ticket = self.resumption.ticket if self.resumption is not None else b""
         first.resume = ticket
-        digest = reduce_digest(self._group_id, self._part, weight, 0, first.stream_key, ticket)
+        digest = reduce_digest(
+            self._group_id, self._part, weight, 0, first.stream_key, ticket, stripe, stripes
+        )
         first.header.CopyFrom(signer.sign(self._reducer_id, REDUCE, digest))
         self.first_header = first.header
         return encode_opening(first)
@@ -242,11 +253,16 @@ async def checked_requests(
 
 class SealingContext:
     """A reducer's stream context that appends this stream's tag to every reply, and
-    marks an end before the stream's last average with a tagged ``end`` message."""
+    marks an end before the stream's last average with a tagged ``end`` message.
 
-    def __init__(self, context: ReduceContext, mac: StreamMac) -> None:
+    ``stripes`` > 0: every reply also says, under the tag, how many streams this reducer
+    takes from one sender in a round (``ReduceResponse.stripes``; a sender that does not
+    know the field skips it, and the tag covers it either way)."""
+
+    def __init__(self, context: ReduceContext, mac: StreamMac, stripes: int = 0) -> None:
         self._context = context
         self._mac = mac
+        self._stripes_field = stripes_field(stripes) if stripes > 0 else b""
 
     @property
     def writes_bounded(self) -> bool:
@@ -259,6 +275,9 @@ class SealingContext:
         return self._mac.sequence
 
     async def write(self, message: OutgoingChunk) -> None:
+        if self._stripes_field:
+            field = self._stripes_field
+            message = OutgoingChunk((*message.pieces, field), message.nbytes + len(field))
         # Sealed at the moment of writing: tags follow the order replies take on the wire.
         await self._context.write(sealed(message, self._mac))
 

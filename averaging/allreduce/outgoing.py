@@ -64,11 +64,14 @@ class Contribution:
             self.signer.peer_id, group.members[part].peer_id, group.group_id, part, resumption
         )
 
-    def opening(self, handshake: SenderHandshake) -> OutgoingChunk:
-        """The stream's first message: our weight and the stream's key, no chunk."""
+    def opening(
+        self, handshake: SenderHandshake, stripe: int = 0, stripes: int = 1
+    ) -> OutgoingChunk:
+        """The stream's first message: our weight, the stream's key and which of our
+        ``stripes`` streams to the reducer it is, no chunk."""
         # Signed for part's reducer and this group: a captured first message opens no
         # stream to another reducer, into another group, or twice (dht/auth.py).
-        return handshake.opening(self.signer, self.weight)
+        return handshake.opening(self.signer, self.weight, stripe, stripes)
 
     async def request(self, part: int, chunk: int, mac: StreamMac) -> OutgoingChunk | None:
         """``chunk`` of ``part`` as the wire pieces of its ``ReduceRequest``, coded in the

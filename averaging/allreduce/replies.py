@@ -102,9 +102,9 @@ class ResultAssembly:
 
     # ---- replies from the other members' reducers ----
 
-    async def accept_reply(self, part: int, reply: Reply, handed: int) -> bool:
-        """Validate and store one averaged chunk of ``part``, of whose chunks ``handed``
-        were given to its stream so far; ``False`` means "stop trusting it"."""
+    async def accept_reply(self, part: int, reply: Reply, handed: bool) -> bool:
+        """Validate and store one averaged chunk of ``part``; ``handed``: whether our copy
+        of that chunk was given to its stream yet. ``False`` means "stop trusting it"."""
         chunk = reply.chunk_index
         if reply.error:
             log.warning("part %d: %s", part, reply.error)
@@ -115,7 +115,7 @@ class ResultAssembly:
         # The most senders an honest reducer can have averaged the chunk over: every
         # sender of the group, less this member if it had not sent that chunk yet.
         senders = len(self.side.group.senders)
-        bound = senders if handed > chunk else senders - 1
+        bound = senders if handed else senders - 1
         if reply.num_senders > bound:
             return self.distrust(
                 part, f"chunk {chunk} claims {reply.num_senders} senders, at most {bound} possible"

@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 
 from swarmavg.averaging.allreduce.buffers import BufferPool
-from swarmavg.averaging.allreduce.config import AllReduceConfig
+from swarmavg.averaging.allreduce.config import MAX_STREAMS_PER_SENDER, AllReduceConfig
 from swarmavg.averaging.allreduce.faults import FaultPlan, InjectedFault
 from swarmavg.averaging.allreduce.partition import PartPlan
 from swarmavg.averaging.allreduce.reducer import ContributionError, PartReducer
@@ -50,12 +50,25 @@ class Abort:
     details: str
 
 
+def stream_chunks(num_chunks: int, stripe: int, stripes: int) -> int:
+    """How many of a part's ``num_chunks`` chunks its sender's stream ``stripe`` of
+    ``stripes`` carries (those whose index is ``stripe`` modulo ``stripes``)."""
+    return len(range(stripe, num_chunks, max(stripes, 1)))
+
+
 @dataclass
 class _Stream:
-    """One attached sender's outbound queue (replies as wire pieces, then ``None`` or an
-    abort)."""
+    """One attached stream's outbound queue (replies as wire pieces, then ``None`` or an
+    abort). A sender has one stream, or several (stripes) that each carry the chunks whose
+    index is ``stripe`` modulo ``stripes`` and bring back their averages."""
 
     sender: int
+    stripe: int = 0
+    stripes: int = 1
+    expected: int = 0
+    """Chunks this stream carries."""
+    delivered: int = 0
+    """Of those, how many it delivered so far."""
     queue: asyncio.Queue[OutgoingChunk | Abort | None] = field(default_factory=asyncio.Queue)
     done: bool = False
     backlog: int = 0
@@ -211,7 +224,10 @@ class ReducerRound:
         self.start_time = time.monotonic()
         budget = max(deadline - self.start_time, 0.0)
         self.reduce_deadline = deadline - min(config.finalize_margin, budget / 10)
-        self.streams: dict[int, _Stream] = {}
+        self.streams: dict[tuple[int, int], _Stream] = {}
+        """Attached streams by (sender, stripe)."""
+        self._openings: dict[int, tuple[int, float]] = {}
+        """Per attached sender: how many streams it opens and the weight they announce."""
         self.dropped: dict[int, str] = {}
         self.bytes_received = 0
         self.bytes_sent = 0
@@ -299,9 +315,9 @@ class ReducerRound:
             if sender in self.dropped or self.closed:
                 continue
             self.drop(sender, reason)
-            stream = self.streams.get(sender)
-            if stream is not None:
-                stream.queue.put_nowait(Abort(grpc.StatusCode.INVALID_ARGUMENT, reason))
+            for stream in self.streams.values():
+                if stream.sender == sender:
+                    stream.queue.put_nowait(Abort(grpc.StatusCode.INVALID_ARGUMENT, reason))
 
     def _queue_final(self, chunks: list[int]) -> None:
         for chunk in chunks:
@@ -316,10 +332,13 @@ class ReducerRound:
         requests: AsyncIterator[Request],
         context: ReduceContext,
     ) -> None:
-        """Run one attached sender's stream until the round returned every chunk to it."""
+        """Run one of an attached sender's streams until the round returned every chunk it
+        carries (every chunk, for a sender's only stream)."""
         if self.closed:
             await abort_stream(context, grpc.StatusCode.FAILED_PRECONDITION, "round is over")
-        if sender in self.streams:
+        stripes = max(first.stripes, 1)
+        stripe = first.stripe
+        if (sender, stripe) in self.streams:
             await abort_stream(
                 context, grpc.StatusCode.ALREADY_EXISTS, "sender is already attached"
             )
@@ -329,13 +348,27 @@ class ReducerRound:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"sender was dropped from this part: {self.dropped.get(sender, 'not a sender')}",
             )
-        try:
-            self._queue_final(self.reducer.set_weight(sender, first.weight))
-        except ContributionError as e:
-            self.drop(sender, str(e))
-            await abort_stream(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        stream = _Stream(sender)
-        self.streams[sender] = stream
+        most = min(MAX_STREAMS_PER_SENDER, max(self.reducer.num_chunks, 1))
+        known = self._openings.get(sender)
+        if not (stripe < stripes <= most):
+            reason = f"stream {stripe} of {stripes}: a part of this round takes 1 to {most}"
+        elif known is not None and known != (stripes, first.weight):
+            reason = "its streams disagree on their number or on its weight"
+        else:
+            reason = ""
+        if reason:
+            self.drop(sender, reason)
+            await abort_stream(context, grpc.StatusCode.INVALID_ARGUMENT, reason)
+        if known is None:
+            try:
+                self._queue_final(self.reducer.set_weight(sender, first.weight))
+            except ContributionError as e:
+                self.drop(sender, str(e))
+                await abort_stream(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            self._openings[sender] = (stripes, first.weight)
+        expected = stream_chunks(self.reducer.num_chunks, stripe, stripes)
+        stream = _Stream(sender, stripe, stripes, expected)
+        self.streams[(sender, stripe)] = stream
         # Chunks finalised without this sender (it was too late) cannot happen: a live
         # sender blocks finalisation. So the stream starts with nothing to catch up on.
         reader = asyncio.get_running_loop().create_task(self._read(stream, first, requests))
@@ -368,7 +401,7 @@ class ReducerRound:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
-            if self.reducer.delivered(sender) < self.reducer.num_chunks:
+            if stream.delivered < stream.expected:
                 self.drop(sender, "stream ended early")
             stream.done = True
             self._check_finished()
@@ -382,13 +415,13 @@ class ReducerRound:
         sender = stream.sender
         try:
             if first.chunk is not None:
-                await self._accept(sender, first)
+                await self._accept(stream, first)
             async for request in requests:
                 if request.error:
                     raise ContributionError(request.error)
                 if request.names_round:
                     raise ContributionError("only the first message may name the round")
-                await self._accept(sender, request)
+                await self._accept(stream, request)
         except ContributionError as e:
             self.drop(sender, str(e))
             stream.queue.put_nowait(Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
@@ -396,13 +429,18 @@ class ReducerRound:
         except Exception as e:  # a broken stream or a stopped executor: lose this sender only
             self.drop(sender, f"stream failed: {e!r}")
             return
-        if self.reducer.delivered(sender) < self.reducer.num_chunks:
+        if stream.delivered < stream.expected:
             self.drop(sender, "sender closed its stream before its last chunk")
 
-    async def _accept(self, sender: int, request: Request) -> None:
+    async def _accept(self, stream: _Stream, request: Request) -> None:
+        sender = stream.sender
         chunk = request.chunk_index
         if chunk >= self.reducer.num_chunks:
             raise ContributionError(f"chunk index {chunk} out of range")
+        if chunk % stream.stripes != stream.stripe:
+            raise ContributionError(
+                f"chunk {chunk} on stream {stream.stripe} of {stream.stripes}, not its own"
+            )
         start, end = self.plan.chunk_bounds(self.my_index, chunk)
         values, nbytes, checked = await offload(
             self.executor, decode_checked, self.codec, request, end - start, elements=end - start
@@ -413,6 +451,7 @@ class ReducerRound:
             # buffer on: late chunks are ignored.
             return
         added = self.reducer.add(sender, chunk, values, finite=checked, defer_check=True)
+        stream.delivered += 1
         self._queue_final(added)
         now = time.monotonic()
         self._progress[sender] = now
@@ -515,7 +554,10 @@ class ReducerRound:
             response = await self._reply_for(chunk)
             limit = self.config.max_reply_backlog
             for stream in self.streams.values():
-                if stream.put_reply(response, limit):
+                # A chunk goes back on the stream that brought the sender's copy: that
+                # stream is attached (a chunk is final only once every live sender
+                # delivered it).
+                if chunk % stream.stripes == stream.stripe and stream.put_reply(response, limit):
                     self.bytes_sent += response.nbytes
             self.returned += 1
         self._all_returned.set()

@@ -42,7 +42,7 @@ import grpc
 
 from swarmavg.averaging.allreduce.admission import ByteBudget
 from swarmavg.averaging.allreduce.buffers import BufferPool
-from swarmavg.averaging.allreduce.config import AllReduceConfig
+from swarmavg.averaging.allreduce.config import MAX_STREAMS_PER_SENDER, AllReduceConfig
 from swarmavg.averaging.allreduce.congestion import check_congestion_control
 from swarmavg.averaging.allreduce.data_connector import DataConnector
 from swarmavg.averaging.allreduce.data_server import DataPlaneServer
@@ -53,7 +53,13 @@ from swarmavg.averaging.allreduce.keyed_stream import (
     checked_requests,
     resume,
 )
-from swarmavg.averaging.allreduce.round import Abort, ReduceContext, ReducerRound, abort_stream
+from swarmavg.averaging.allreduce.round import (
+    Abort,
+    ReduceContext,
+    ReducerRound,
+    abort_stream,
+    stream_chunks,
+)
 from swarmavg.averaging.allreduce.stream_keys import KeyAgreementError
 from swarmavg.averaging.allreduce.stream_resume import ResumptionCache
 from swarmavg.averaging.allreduce.wire import Request, reduce_digest
@@ -320,6 +326,8 @@ class AllReduceService:
             first.chunk_index,
             first.stream_key,
             first.resume,
+            first.stripe,
+            first.stripes,
         )
         return self.authenticator.check(first.header or common_pb2.RequestHeader(), REDUCE, digest)
 
@@ -468,7 +476,7 @@ class AllReduceService:
             return
         requests, sealing = await self._open_keyed(first, peer_id, round_, iterator, context)
         await round_.serve(sender, first, requests, sealing)
-        if sealing.replies < round_.reducer.num_chunks:
+        if sealing.replies < stream_chunks(round_.reducer.num_chunks, first.stripe, first.stripes):
             # Ended with OK before the last average (the round closed): said under the
             # stream's tag, like any end the reducer chooses.
             await sealing.end("the round ended before this stream's last average")
@@ -514,4 +522,5 @@ class AllReduceService:
                 await abort_stalled(context, grpc.StatusCode.DEADLINE_EXCEEDED, reason)
             if seal.resumption is not None:
                 self.resumptions.remember_sender(peer_id, seal.resumption)
-        return checked_requests(iterator, seal.inbound), SealingContext(context, seal.outbound)
+        sealing = SealingContext(context, seal.outbound, MAX_STREAMS_PER_SENDER)
+        return checked_requests(iterator, seal.inbound), sealing

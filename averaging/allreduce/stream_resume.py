@@ -54,6 +54,10 @@ class Resumption:
     secret: bytes
     expires: float
     """``time.monotonic()`` instant after which it is not used."""
+    stripes: int = 1
+    """At the sender: the most streams the reducer said, under a stream's tag, it takes from
+    one sender in a round (1 until it said more). It goes with the secret: a reducer that
+    restarts forgets the secret, and its next word comes with a new one."""
 
     @classmethod
     def from_stream_key(cls, key: bytes) -> Resumption:
@@ -128,6 +132,13 @@ class ResumptionCache:
         held = self._as_sender.get(reducer_id)
         if held is not None and held.ticket == ticket:
             self._as_sender.pop(reducer_id)
+
+    def note_stripes(self, reducer_id: bytes, ticket: bytes, stripes: int) -> None:
+        """``reducer_id`` said, on a stream keyed with the secret ``ticket`` names, that it
+        takes ``stripes`` streams from one sender: kept with that secret, if still held."""
+        held = self._as_sender.get(reducer_id)
+        if held is not None and held.ticket == ticket and held.stripes != stripes:
+            self._as_sender.put(reducer_id, dataclasses.replace(held, stripes=stripes))
 
     def remember_sender(self, sender_id: bytes, resumption: Resumption) -> None:
         """Keep what a full handshake we answered for ``sender_id`` gave."""

@@ -102,11 +102,28 @@ class PartStreams:
         self.channels = channels
         self.fault_plan = fault_plan
         self.crashed = asyncio.Event()  # the fault plan crashed this member
-        self.handed = dict.fromkeys(range(self.group.size), 0)  # chunks of part j written
+        # per part, which of its chunks were given to their stream
+        self.handed = {j: [False] * self.plan.num_chunks(j) for j in range(self.group.size)}
         self.bytes_sent = 0
 
+    def stripes_for(self, part: int) -> int:
+        """How many streams to open to the reducer of ``part``: ``streams_per_reducer``
+        where the reducer said, on a stream keyed with the secret ours will resume, that it
+        takes that many, its data plane is ours to use and the part has that many chunks;
+        else one."""
+        member = self.group.members[part]
+        resumption = self.service.resumptions.for_reducer(member.peer_id)
+        connector = self.service.data_connector
+        if resumption is None or not member.data_port or connector is None:
+            return 1
+        if not connector.reachable(split_host(member.address or ""), member.data_port):
+            return 1
+        wanted = min(self.config.streams_per_reducer, resumption.stripes)
+        return max(1, min(wanted, self.plan.num_chunks(part)))
+
     async def exchange_part(self, part: int) -> None:
-        """Stream our chunks of ``part`` to its reducer; store what comes back.
+        """Stream our chunks of ``part`` to its reducer, over one stream or several
+        (:meth:`stripes_for`); store what comes back.
 
         Never raises (except CancelledError): a failure leaves the missing chunks local.
         """
@@ -116,6 +133,18 @@ class PartStreams:
         if self.fault_plan is not None and self.fault_plan.crashes(0):
             self.crashed.set()  # before connecting: a crash at the start sends nothing
             return
+        stripes = self.stripes_for(part)
+        if stripes == 1:
+            await self._exchange_stripe(part, address, 0, 1)
+            return
+        async with asyncio.TaskGroup() as streams:  # none raises: a failure stays local
+            for stripe in range(stripes):
+                streams.create_task(self._exchange_stripe(part, address, stripe, stripes))
+
+    async def _exchange_stripe(self, part: int, address: str, stripe: int, stripes: int) -> None:
+        """One stream of our chunks of ``part`` (those whose index is ``stripe`` modulo
+        ``stripes``) to its reducer, asked again while the reducer has not started the
+        round. Never raises (except CancelledError)."""
         # Members learn that their group formed at different times (a follower checks the
         # leader's member list against the declarations it reads from a busy DHT first),
         # and a reducer's service waits only `registration_wait` for its round to start.
@@ -126,22 +155,25 @@ class PartStreams:
         asked = time.monotonic()
         give_up = asked + self._reply_patience(asked, 0)
         attempt = 0
+        stream = (stripe, stripes)
         while True:
             call = await self._open_call(part, address)
-            outcome = await self._exchange(part, address, call)
+            outcome = await self._exchange(part, address, call, stream)
             if outcome is _Outcome.RESUME_REFUSED:
                 # Its secret is forgotten here too: the same stream with a full handshake.
                 call = await self._open_call(part, address)
-                outcome = await self._exchange(part, address, call)
+                outcome = await self._exchange(part, address, call, stream)
             if outcome is _Outcome.REFUSED and isinstance(call, DataCall):
-                # Refused before the stream started (the reducer's data plane is full):
+                # Refused before the stream started (the reducer's data plane is full, or
+                # holds as many of our streams waiting for the round as it lets one peer):
                 # nothing we sent was processed, so the same stream over gRPC is not a
                 # duplicate.
                 log.info("part %d: %s refused a data-plane stream; using gRPC", part, address)
                 connector = self.service.data_connector
-                if connector is not None:
+                if connector is not None and stripe == 0:  # the others: our own streams' count
                     connector.refused(split_host(address), self.group.members[part].data_port)
-                outcome = await self._exchange(part, address, self._grpc_call(part, address))
+                grpc_call = self._grpc_call(part, address)
+                outcome = await self._exchange(part, address, grpc_call, stream)
             if outcome is not _Outcome.NOT_STARTED:
                 return
             attempt += 1
@@ -187,15 +219,17 @@ class PartStreams:
         call: grpc.aio.StreamStreamCall | DataCall,
         handshake: SenderHandshake,
         seal: asyncio.Future[StreamSeal],
+        stream: tuple[int, int],
     ) -> None:
-        opening = self.contribution.opening(handshake)
+        stripe, stripes = stream
+        opening = self.contribution.opening(handshake, stripe, stripes)
         if handshake.resumption is not None and not seal.done():
             seal.set_result(handshake.resumed_seal())  # resumed: no handshake to wait for
         await self._write(call, opening)
         # No chunk goes before the stream's key is known (the reducer's handshake, or the
         # resumed secret): every chunk carries a tag under it.
         mac = (await seal).outbound
-        for chunk in range(self.plan.num_chunks(part)):
+        for chunk in range(stripe, self.plan.num_chunks(part), stripes):
             if self.fault_plan is not None:
                 if self.fault_plan.crashes(chunk):
                     self.crashed.set()
@@ -206,7 +240,7 @@ class PartStreams:
             if request is None:
                 return  # our values refused coding: the round ends and cancels this stream
             # Counted before the write: a reply may come back before the write returns.
-            self.handed[part] = chunk + 1
+            self.handed[part][chunk] = True
             await self._write(call, request)
         await call.done_writing()
 
@@ -241,18 +275,25 @@ class PartStreams:
         )
 
     async def _exchange(
-        self, part: int, address: str, call: grpc.aio.StreamStreamCall | DataCall
+        self,
+        part: int,
+        address: str,
+        call: grpc.aio.StreamStreamCall | DataCall,
+        stream: tuple[int, int] = (0, 1),
     ) -> _Outcome:
-        """Run one ``Reduce`` stream for ``part``; say whether the reducer refused it
+        """Run one ``Reduce`` stream for ``part`` (``stream``: which of how many to its
+        reducer, by chunk index modulo their number); say whether the reducer refused it
         before starting it. Never raises (except CancelledError)."""
         loop = asyncio.get_running_loop()
-        num_chunks = self.plan.num_chunks(part)
+        stripe, stripes = stream
+        num_chunks = len(range(stripe, self.plan.num_chunks(part), stripes))
         reducer_id = self.group.members[part].peer_id
         resumptions = self.service.resumptions
         handshake = self.contribution.handshake(part, resumptions.for_reducer(reducer_id))
         resumed = handshake.resumption is not None
+        ticket = handshake.resumption.ticket if handshake.resumption is not None else b""
         seal: asyncio.Future[StreamSeal] = loop.create_future()
-        sender = loop.create_task(self._send_part(part, call, handshake, seal))
+        sender = loop.create_task(self._send_part(part, call, handshake, seal, stream))
         started = time.monotonic()
         replies = 0
         answered = False  # the reducer's handshake, or a resumed stream's first tagged reply
@@ -287,6 +328,7 @@ class PartStreams:
                         return _Outcome.DONE
                     if keys.resumption is not None:
                         resumptions.remember_reducer(reducer_id, keys.resumption)
+                        ticket = keys.resumption.ticket
                     seal.set_result(keys)
                     answered = True
                     continue
@@ -296,14 +338,25 @@ class PartStreams:
                     # Altered on the way or by the reducer: either way, not used.
                     self.assembly.distrust(part, str(e))
                     return _Outcome.DONE
+                if ticket and not replies:
+                    # Its word under the stream's tag, kept with the secret our next
+                    # stream to it resumes with (an older reducer says nothing: one).
+                    resumptions.note_stripes(reducer_id, ticket, max(response.stripes, 1))
                 answered = True
                 if response.end:
                     log.info(
                         "part %d: reducer %s ended the stream: %s", part, address, response.end
                     )
                     return _Outcome.DONE
+                if response.chunk_index % stripes != stripe:
+                    self.assembly.distrust(
+                        part, f"chunk {response.chunk_index} came back on another stream"
+                    )
+                    return _Outcome.DONE
                 replies += 1
-                if not await self.assembly.accept_reply(part, response, self.handed[part]):
+                handed = self.handed[part]
+                sent = response.chunk_index < len(handed) and handed[response.chunk_index]
+                if not await self.assembly.accept_reply(part, response, sent):
                     return _Outcome.DONE
             if isinstance(call, DataCall):  # read its OK, so the connection can be reused
                 await call.finish(min(1.0, max(self.deadline - time.monotonic(), 0.0)))

@@ -42,6 +42,8 @@ _REQUEST_INDEX_FIELD = 6  # ReduceRequest.chunk_index
 _STREAM_KEY_FIELD = 7  # ReduceRequest.stream_key and ReduceResponse.stream_key
 _MAC_FIELD = 8  # ReduceRequest.mac and ReduceResponse.mac
 _REQUEST_RESUME_FIELD = 9  # ReduceRequest.resume
+_REQUEST_STRIPE_FIELD = 10  # ReduceRequest.stripe
+_REQUEST_STRIPES_FIELD = 11  # ReduceRequest.stripes
 _RESPONSE_CHUNK_FIELD = 1  # ReduceResponse.chunk
 _RESPONSE_INDEX_FIELD = 2  # ReduceResponse.chunk_index
 _RESPONSE_SENDERS_FIELD = 3  # ReduceResponse.num_senders
@@ -49,6 +51,7 @@ _RESPONSE_ADJUSTED_FIELD = 4  # ReduceResponse.num_adjusted
 _RESPONSE_WEIGHTS_CLIPPED_FIELD = 5  # ReduceResponse.weights_clipped
 _RESPONSE_HEADER_FIELD = 6  # ReduceResponse.header
 _RESPONSE_END_FIELD = 9  # ReduceResponse.end
+_RESPONSE_STRIPES_FIELD = 10  # ReduceResponse.stripes
 _CHUNK_BUFFER_FIELD = 4  # TensorChunk.buffer
 _CHUNK_TOTAL_BYTES_FIELD = 9  # TensorChunk.total_bytes
 MAX_END_BYTES = 1024
@@ -176,6 +179,12 @@ def encode_end(reason: str) -> OutgoingChunk:
     return OutgoingChunk((head,), len(head))
 
 
+def stripes_field(stripes: int) -> bytes:
+    """A ``ReduceResponse.stripes`` field, appended to a reply before its tag: a field of
+    its own (fields may come in any order), so the pieces every sender gets stay shared."""
+    return _tag(_RESPONSE_STRIPES_FIELD, _VARINT) + _varint(stripes)
+
+
 def sealed(message: OutgoingChunk, mac: StreamMac) -> OutgoingChunk:
     """``message`` with its ``mac`` field appended (the next tag of ``mac``'s direction)."""
     trailer = mac.seal(message.pieces)
@@ -295,6 +304,8 @@ class Reply:
     """The bytes ``mac`` covers (``None``: the message carries no ``mac``)."""
     end: str = ""
     """The reducer ends a keyed stream before its last average, and why (its end marker)."""
+    stripes: int = 0
+    """The most streams the reducer takes from one sender in a round (0: it did not say)."""
 
 
 def deserialize_reply(data: bytes) -> Reply:
@@ -312,6 +323,7 @@ def _parse_reply(data: bytes) -> Reply:
     handshake: common_pb2.RequestHeader | None = None
     stream_key = mac = b""
     end = ""
+    stripes = 0
     covered: memoryview | None = None
     for found in _fields(view, 0, len(view)):
         field, wire_type, a, b = found
@@ -335,6 +347,8 @@ def _parse_reply(data: bytes) -> Reply:
             adjusted = a
         elif field == _RESPONSE_WEIGHTS_CLIPPED_FIELD and wire_type == _VARINT:
             weights_clipped = a
+        elif field == _RESPONSE_STRIPES_FIELD and wire_type == _VARINT:
+            stripes = a
     header: Header | None = None
     payload: memoryview | None = None
     if chunk_range is not None:
@@ -352,6 +366,7 @@ def _parse_reply(data: bytes) -> Reply:
         mac=mac,
         covered=covered,
         end=end,
+        stripes=stripes,
     )
 
 
@@ -368,6 +383,8 @@ class Request:
         nbytes: size of the whole message.
         stream_key: the sender's ephemeral public key of a keyed stream (first message).
         resume: the ticket of a resumed keyed stream (first message; stream_resume.py).
+        stripe / stripes: which of the sender's streams to this reducer this is, and how
+            many it opens (first message; 0 stripes: one stream).
         mac / covered: the tag of a keyed stream's message and the bytes it covers
             (``None``: the message carries no tag).
     """
@@ -385,6 +402,8 @@ class Request:
     mac: bytes = b""
     covered: memoryview | None = None
     resume: bytes = b""
+    stripe: int = 0
+    stripes: int = 0
 
     @property
     def names_round(self) -> bool:
@@ -394,6 +413,8 @@ class Request:
             or bool(self.group_id)
             or bool(self.stream_key)
             or bool(self.resume)
+            or bool(self.stripe)
+            or bool(self.stripes)
         )
 
 
@@ -412,7 +433,7 @@ def _parse_request(data: bytes) -> Request:
     payload: memoryview | None = None
     group_id = stream_key = mac = resume = b""
     covered: memoryview | None = None
-    part_index = chunk_index = 0
+    part_index = chunk_index = stripe = stripes = 0
     weight = 0.0
     for found in _fields(view, 0, len(view)):
         field, wire_type, a, b = found
@@ -434,6 +455,10 @@ def _parse_request(data: bytes) -> Request:
             (weight,) = struct.unpack("<d", view[a:b])
         elif field == _REQUEST_INDEX_FIELD and wire_type == _VARINT:
             chunk_index = a
+        elif field == _REQUEST_STRIPE_FIELD and wire_type == _VARINT:
+            stripe = a
+        elif field == _REQUEST_STRIPES_FIELD and wire_type == _VARINT:
+            stripes = a
     return Request(
         header,
         group_id,
@@ -448,6 +473,8 @@ def _parse_request(data: bytes) -> Request:
         mac,
         covered,
         resume,
+        stripe,
+        stripes,
     )
 
 
@@ -458,6 +485,8 @@ def reduce_digest(
     chunk_index: int,
     stream_key: bytes = b"",
     resume: bytes = b"",
+    stripe: int = 0,
+    stripes: int = 0,
 ) -> bytes:
     """What a ``Reduce`` stream's first message is signed over (:mod:`swarmavg.dht.auth`).
 
@@ -468,8 +497,8 @@ def reduce_digest(
     docs/security.md). Both ends build the same small message, so
     the sender signs what the receiver scans without either copying the payload.
 
-    A keyed stream's ``stream_key`` and a resumed one's ``resume`` ticket are covered too
-    (nobody on the path can strip or swap them);
+    A keyed stream's ``stream_key``, a resumed one's ``resume`` ticket and a striped one's
+    ``stripe`` and ``stripes`` are covered too (nobody on the path can strip or swap them);
     an unkeyed one's digest is the same as before keys existed (an empty field is not
     serialised), so older senders' first messages still verify.
     """
@@ -480,6 +509,8 @@ def reduce_digest(
         chunk_index=chunk_index,
         stream_key=stream_key,
         resume=resume,
+        stripe=stripe,
+        stripes=stripes,
     )
     return hashlib.sha256(naming.SerializeToString(deterministic=True)).digest()
 

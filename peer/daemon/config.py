@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from swarmavg.averaging.allreduce.config import AllReduceConfig
+from swarmavg.averaging.allreduce.config import MAX_STREAMS_PER_SENDER, AllReduceConfig
 from swarmavg.averaging.allreduce.congestion import check_name
 from swarmavg.averaging.averager import AveragerConfig
 from swarmavg.averaging.group import Mode
@@ -140,6 +140,8 @@ class AllReduceSettings:
         congestion_control: TCP congestion control algorithm of the data plane's
             connections (``cubic``, ``bbr``, ...); ``None``: the kernel's default. The
             daemon refuses to start with a name the kernel does not let it use.
+        streams_per_reducer: data-plane connections a part goes over to its reducer at
+            once, 1 to 8 (more keep a long link fuller; see ``AllReduceConfig``).
     """
 
     data_port: int = AllReduceConfig.data_port
@@ -147,6 +149,7 @@ class AllReduceSettings:
     min_stall: float = AllReduceConfig.min_stall
     weight_bound: float = AllReduceConfig.weight_bound
     congestion_control: str | None = None
+    streams_per_reducer: int = AllReduceConfig.streams_per_reducer
 
     def __post_init__(self) -> None:
         _check(
@@ -166,6 +169,12 @@ class AllReduceSettings:
         _check(1 <= self.weight_bound <= 1e6, "weight_bound", self.weight_bound, "in [1, 1e6]")
         if self.congestion_control is not None:
             check_name(self.congestion_control)  # the kernel is asked when the daemon starts
+        _check(
+            1 <= self.streams_per_reducer <= MAX_STREAMS_PER_SENDER,
+            "streams_per_reducer",
+            self.streams_per_reducer,
+            f"between 1 and {MAX_STREAMS_PER_SENDER}",
+        )
 
 
 @dataclass(frozen=True)
@@ -331,6 +340,7 @@ class PeerConfig:
             min_stall=allreduce.min_stall,
             weight_bound=allreduce.weight_bound,
             congestion_control=allreduce.congestion_control,
+            streams_per_reducer=allreduce.streams_per_reducer,
             data_plane=allreduce.data_port >= 0,
             data_host=listen_host,
             data_port=max(allreduce.data_port, 0),

@@ -294,6 +294,13 @@ SETTINGS: tuple[Setting, ...] = (
         "NAME",
     ),
     Setting(
+        "allreduce",
+        "streams_per_reducer",
+        "data-plane connections a part goes over to its reducer at once, 1 to 8 (default 4; "
+        "more keep a long link fuller)",
+        "N",
+    ),
+    Setting(
         "state",
         "max_state_bytes",
         "largest state load_state accepts (default 16 GiB)",

@@ -94,7 +94,12 @@ class Hostile:
         else:
             signer = RequestSigner(identity or self.identity, RUN_ID, lambda: "")
             digest = reduce_digest(
-                request.group_id, request.part_index, request.weight, request.chunk_index
+                request.group_id,
+                request.part_index,
+                request.weight,
+                request.chunk_index,
+                stripe=request.stripe,
+                stripes=request.stripes,
             )
             receiver = self.group.members[part].peer_id
             request.header.CopyFrom(signer.sign(receiver, REDUCE, digest))
@@ -171,6 +176,23 @@ SCENARIOS: dict[str, tuple[Scenario, set[grpc.StatusCode] | None, str | None]] =
     "nan": (_nan, {INVALID}, "NaN"),
     "nan-in-last-chunk": (_nan_last, {INVALID}, "NaN"),
     "duplicate-chunk": (lambda h, p: [h.first(p), h.chunk(p, 0)], {INVALID}, "duplicate"),
+    # Several streams per sender (stripes): more than the part's chunks, a stripe outside
+    # their number, a chunk that belongs to another of the sender's streams.
+    "too-many-streams": (
+        lambda h, p: [h.first(p, None, stripes=h.plan.num_chunks(p) + 1)],
+        {INVALID},
+        "a part of this round takes",
+    ),
+    "stripe-out-of-range": (
+        lambda h, p: [h.first(p, None, stripe=2, stripes=2)],
+        {INVALID},
+        "a part of this round takes",
+    ),
+    "chunk-on-another-stream": (
+        lambda h, p: [h.first(p, None, stripe=0, stripes=2), h.chunk(p, 1)],
+        {INVALID},
+        "not its own",
+    ),
     # Every valid chunk first, then junk without end. The reducer either cuts it off
     # (INVALID_ARGUMENT; or INTERNAL when the hostile's own write loses the race with that
     # status; on the data plane UNAVAILABLE, when the kernel resets the connection the

@@ -65,6 +65,7 @@ SAMPLES: dict[str, str] = {
     "min_stall": "9.0",
     "weight_bound": "5.0",
     "congestion_control": '"cubic"',
+    "streams_per_reducer": "2",
     "max_state_bytes": "1024",
     "max_uploads": "2",
     "keep_loaded_chunks": "false",
