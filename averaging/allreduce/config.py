@@ -49,8 +49,8 @@ class AllReduceConfig:
             ``max_waiting_streams``, so that one network, whatever identities it signs
             with, leaves slots to every other.
         max_waiting_per_peer: of those, streams signed by one verified peer id at once.
-            An honest member has ``streams_per_reducer`` streams (4 by default) per part
-            per round to a reducer: 8 let two rounds' streams wait.
+            An honest member has ``streams_per_reducer`` streams (1 by default) per part
+            per round to a reducer.
         max_pending_per_range: inbound streams from one address range not yet serving a
             round (waiting for their first message, being checked, waiting for their
             group) at once; more are refused with RESOURCE_EXHAUSTED before anything is
@@ -107,12 +107,15 @@ class AllReduceConfig:
             sends anyway. > 1.
         streams_per_reducer: how many data-plane connections a member sends a part over
             to its reducer at once, each carrying every ``streams_per_reducer``-th chunk
-            and bringing back their averages (1 to :data:`MAX_STREAMS_PER_SENDER`): one TCP
-            connection keeps 0.77-0.86 of a 100 Mbit/s link at 50 ms RTT in the
-            butterfly's pattern, four keep 0.90 (docs/benchmarks.md). Used towards a
-            reducer once it said, on an earlier stream keyed with the secret this one
-            resumes, that it takes them (an older reducer never says so: one stream); over
-            gRPC, whose streams share one connection, one stream.
+            and bringing back their averages (1 to :data:`MAX_STREAMS_PER_SENDER`). Used
+            towards a reducer once it said, on an earlier stream keyed with the secret this
+            one resumes, that it takes them (an older reducer never says so: one stream);
+            over gRPC, whose streams share one connection, one stream. 1 by default: on the
+            100 Mbit/s test bed four made 16 MB rounds 5 % faster at 50 ms RTT, changed
+            nothing at 200 ms or at 64 MB, and at no delay (BBR, a 50 ms queue) raised
+            retransmissions to 10-12 % and starved a connection long enough that its
+            sender was dropped (docs/benchmarks.md, "Parallel connections per peer
+            pair"). Each stream is one more TCP flow into every receiver's link.
         slow_sender_factor: a sender still delivering its chunks of a part this many times
             as long after its first chunk as the part's median remote sender took (and at
             least ``min_stall``) is dropped, as a stalled one is
@@ -128,7 +131,7 @@ class AllReduceConfig:
     finalize_margin: float = 0.5
     max_waiting_streams: int = 64
     max_waiting_per_range: int = 8
-    max_waiting_per_peer: int = 8
+    max_waiting_per_peer: int = 4
     max_pending_per_range: int = 32
     first_message_timeout: float = 2.0
     limit_local_ranges: bool = False
@@ -146,7 +149,7 @@ class AllReduceConfig:
     congestion_control: str | None = None
     part_deviation_factor: float | None = PART_DEVIATION_FACTOR
     slow_sender_factor: float = SLOW_SENDER_FACTOR
-    streams_per_reducer: int = 4
+    streams_per_reducer: int = 1
 
     def __post_init__(self) -> None:
         if self.chunk_bytes is not None and not (

@@ -141,7 +141,7 @@ class AllReduceSettings:
             connections (``cubic``, ``bbr``, ...); ``None``: the kernel's default. The
             daemon refuses to start with a name the kernel does not let it use.
         streams_per_reducer: data-plane connections a part goes over to its reducer at
-            once, 1 to 8 (more keep a long link fuller; see ``AllReduceConfig``).
+            once, 1 to 8 (when more help and when they hurt: ``AllReduceConfig``).
     """
 
     data_port: int = AllReduceConfig.data_port

@@ -296,8 +296,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "allreduce",
         "streams_per_reducer",
-        "data-plane connections a part goes over to its reducer at once, 1 to 8 (default 4; "
-        "more keep a long link fuller)",
+        "data-plane connections a part goes over to its reducer at once, 1 to 8 (default 1; "
+        "2-4 may keep a long link fuller, see docs/benchmarks.md)",
         "N",
     ),
     Setting(

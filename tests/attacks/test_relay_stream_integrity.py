@@ -56,11 +56,6 @@ MSG, CLOSE, STATUS = 1, 2, 3
 NOT_FOUND, UNAUTHENTICATED = grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT
 TAG_TRAILER = 18  # a keyed message's mac field (stream_mac.TRAILER_BYTES), absent on old peers
-ONE_STREAM = dataclasses.replace(FAST, streams_per_reducer=1)
-"""One stream per part in every round: "the second message of one stream" is then a chunk
-after the first, or an average after the first, in the attacked round too (with stripes a
-round's stream may carry one chunk, and what is dropped last is caught by the count, not by
-a tag; tests/averaging/allreduce/test_stripes.py covers stripes)."""
 
 
 class Tamper(enum.Enum):
@@ -254,7 +249,7 @@ ALTERATIONS = [t for t in Tamper if t is not Tamper.FORGE_END]
 async def test_a_relay_cannot_alter_a_public_run_stream(
     grpc_servers: GrpcServerPool, tamper: Tamper
 ) -> None:
-    peers = await allreduce_peers.start_peers(grpc_servers, MEMBERS, ONE_STREAM, data_plane=True)
+    peers = await allreduce_peers.start_peers(grpc_servers, MEMBERS, FAST, data_plane=True)
     relay = FrameRelay(peers[RELAYED].data_port, tamper)
     # What the group advertises for the reducer: the relay in front of its data plane.
     peers[RELAYED].data_port = int((await relay.start()).rpartition(":")[2])
@@ -273,7 +268,7 @@ async def test_a_forged_end_is_a_stream_failure_reported_as_such(
     without its tag: the sender keeps its local values for the missing chunks and its result
     says that the stream ended with no end under its tag (before, the end was taken as the
     reducer's: a partial result that said nothing of why)."""
-    peers = await allreduce_peers.start_peers(grpc_servers, MEMBERS, ONE_STREAM, data_plane=True)
+    peers = await allreduce_peers.start_peers(grpc_servers, MEMBERS, FAST, data_plane=True)
     relay = FrameRelay(peers[RELAYED].data_port, Tamper.FORGE_END)
     peers[RELAYED].data_port = int((await relay.start()).rpartition(":")[2])
     channels = ChannelPool()

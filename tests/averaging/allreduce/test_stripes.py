@@ -1,15 +1,16 @@
 """A sender's part over several streams to its reducer (stripes), at both ends.
 
-On a long link one TCP connection keeps 0.77-0.86 of the link in the butterfly's pattern and
-four keep 0.90 (docs/benchmarks.md), so once a reducer said it takes them, a sender splits
-each part over ``streams_per_reducer`` data-plane connections, stream ``k`` of ``K``
-carrying the chunks whose index is ``k`` modulo ``K`` and bringing back their averages.
+With ``streams_per_reducer`` above 1 (1 by default: docs/benchmarks.md), once a reducer
+said it takes them, a sender splits each part over that many data-plane connections,
+stream ``k`` of ``K`` carrying the chunks whose index is ``k`` modulo ``K`` and bringing
+back their averages.
 
 Without a network: the stripe fields are signed, absent for one stream (the digest older
 reducers check), and a reducer's word on how many it takes is covered by each reply's tag.
 With real gRPC servers and data planes on 127.0.0.1: the first round to a reducer runs one
 stream (nothing said yet), later rounds open ``streams_per_reducer`` connections per reducer
-and end exact and bit-identical; a reducer that does not say so (an older one) keeps one;
+and end exact and bit-identical; a reducer that does not say so (an older one) keeps one, as
+does the default;
 hand-made striped streams from a member are served chunk by chunk on their own streams,
 and streams of one sender that disagree are refused and drop it.
 """
@@ -27,7 +28,7 @@ import numpy as np
 import pytest
 
 from swarmavg.averaging.allreduce import service as service_module
-from swarmavg.averaging.allreduce.config import MAX_STREAMS_PER_SENDER
+from swarmavg.averaging.allreduce.config import MAX_STREAMS_PER_SENDER, AllReduceConfig
 from swarmavg.averaging.allreduce.keyed_stream import (
     SealingContext,
     SenderHandshake,
@@ -59,6 +60,7 @@ pytestmark = pytest.mark.timeout(60)
 
 RUN = "stripes-run"
 GROUP = b"s" * 16
+STRIPED = dataclasses.replace(FAST, streams_per_reducer=4)
 
 
 # -- without a network --------------------------------------------------------------------
@@ -154,7 +156,7 @@ def test_stream_chunks_splits_a_part_among_its_streams() -> None:
 
 
 def test_streams_per_reducer_is_bounded() -> None:
-    assert FAST.streams_per_reducer == 4
+    assert AllReduceConfig().streams_per_reducer == 1  # off unless asked for
     with pytest.raises(ValueError, match="streams_per_reducer"):
         dataclasses.replace(FAST, streams_per_reducer=0)
     with pytest.raises(ValueError, match="streams_per_reducer"):
@@ -194,7 +196,7 @@ def _opened(peers: list[LocalPeer]) -> list[int]:
 async def test_later_rounds_split_each_part_over_several_connections(
     grpc_servers: GrpcServerPool,
 ) -> None:
-    peers = await allreduce_peers.start_peers(grpc_servers, 4, FAST, data_plane=True)
+    peers = await allreduce_peers.start_peers(grpc_servers, 4, STRIPED, data_plane=True)
     channels = ChannelPool()
     try:
         await _round(peers, channels, seed=1)
@@ -222,7 +224,7 @@ async def test_a_reducer_that_does_not_say_it_takes_stripes_keeps_one_stream(
 ) -> None:
     # An older reducer: its replies carry no stripes field.
     monkeypatch.setattr(service_module, "MAX_STREAMS_PER_SENDER", 0)
-    peers = await allreduce_peers.start_peers(grpc_servers, 3, FAST, data_plane=True)
+    peers = await allreduce_peers.start_peers(grpc_servers, 3, STRIPED, data_plane=True)
     channels = ChannelPool()
     try:
         for seed in range(3):
@@ -236,11 +238,9 @@ async def test_a_reducer_that_does_not_say_it_takes_stripes_keeps_one_stream(
         await allreduce_peers.close_peers(peers)
 
 
-async def test_one_stream_to_each_reducer_when_streams_per_reducer_is_one(
-    grpc_servers: GrpcServerPool,
-) -> None:
-    config = dataclasses.replace(FAST, streams_per_reducer=1)
-    peers = await allreduce_peers.start_peers(grpc_servers, 3, config, data_plane=True)
+async def test_one_stream_to_each_reducer_by_default(grpc_servers: GrpcServerPool) -> None:
+    assert FAST.streams_per_reducer == 1
+    peers = await allreduce_peers.start_peers(grpc_servers, 3, FAST, data_plane=True)
     channels = ChannelPool()
     try:
         for seed in range(3):
