@@ -161,7 +161,8 @@ async def test_bandwidth_flag_is_advertised_and_unset_bandwidth_is_measured(
             assert before["bandwidth_samples"] == 0
             assert before["bandwidth"] == b.averager.bandwidth.value
             assert "not measured yet (starting value" in format_status(before)
-            x = np.zeros(2_000_000, dtype=np.float32)  # 8 MB: 4 MB each way, well measurable
+            # 18 MB: 9 MB each way, above the 8 MiB a round must move to be measured
+            x = np.zeros(4_500_000, dtype=np.float32)
             ra, rb = await asyncio.gather(
                 ca.average([x], key="k", group_size=2, timeout=30),
                 cb.average([x + 1], key="k", group_size=2, timeout=30),
