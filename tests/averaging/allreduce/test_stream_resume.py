@@ -24,7 +24,6 @@ from swarmavg.averaging.allreduce.wire import (
     sealed,
     serialize_pieces,
 )
-from swarmavg.averaging.result import AveragingResult
 from swarmavg.compression import CodecInfo, get_codec
 from swarmavg.dht import Authenticator, ChannelPool, Identity, RequestSigner
 from swarmavg.dht.identity import HeaderError
@@ -94,22 +93,6 @@ def test_both_ends_derive_the_resumed_key_and_the_ticket_is_signed() -> None:
         at_reducer.inbound.check(forged.covered, forged.mac)
 
 
-async def _round(peers: list[LocalPeer], channels: ChannelPool, seed: int) -> None:
-    """One round of the peers: every result whole and the exact mean."""
-    rng = np.random.default_rng(seed)
-    size = len(peers) * 4 * 1024
-    inputs = [[rng.standard_normal(size).astype(np.float32)] for _ in peers]
-    group = allreduce_peers.make_group(peers, inputs[0])
-    results = await allreduce_peers.run_group(
-        peers, group, inputs, [1.0] * len(peers), channels, timeout=30
-    )
-    mean = np.stack([x[0] for x in inputs]).mean(axis=0)
-    for result in results:
-        assert isinstance(result, AveragingResult), result
-        assert not result.partial, (result.dropped, result.failed_parts, result.unconfirmed_ends)
-        np.testing.assert_allclose(result.tensors[0], mean, rtol=1e-5, atol=1e-6)
-
-
 def _tickets(peers: list[LocalPeer]) -> dict[tuple[int, int], bytes | None]:
     """The ticket each peer would resume with to each other peer (None: none held)."""
     out: dict[tuple[int, int], bytes | None] = {}
@@ -128,15 +111,15 @@ async def test_later_rounds_resume_and_a_reducer_that_lost_its_secrets_is_handsh
     peers = await allreduce_peers.start_peers(grpc_servers, 3, FAST, data_plane=data_plane)
     channels = ChannelPool()
     try:
-        await _round(peers, channels, seed=1)
+        await allreduce_peers.exact_round(peers, channels, seed=1)
         first = _tickets(peers)
         assert all(ticket is not None for ticket in first.values()), first
 
-        await _round(peers, channels, seed=2)
+        await allreduce_peers.exact_round(peers, channels, seed=2)
         assert _tickets(peers) == first  # resumed: no full handshake made a new secret
 
         peers[0].service.resumptions = ResumptionCache()  # reducer 0 restarted
-        await _round(peers, channels, seed=3)
+        await allreduce_peers.exact_round(peers, channels, seed=3)
         third = _tickets(peers)
         for (i, j), ticket in third.items():
             if 0 in (i, j):

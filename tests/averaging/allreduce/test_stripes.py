@@ -166,28 +166,6 @@ def test_streams_per_reducer_is_bounded() -> None:
 # -- real rounds ---------------------------------------------------------------------------
 
 
-async def _round(peers: list[LocalPeer], channels: ChannelPool, seed: int) -> None:
-    """One round: every result whole, the exact mean, bit-identical across members."""
-    rng = np.random.default_rng(seed)
-    size = len(peers) * 4 * 1024  # 4 chunks of 4 KiB per part
-    inputs = [[rng.standard_normal(size).astype(np.float32)] for _ in peers]
-    group = allreduce_peers.make_group(peers, inputs[0])
-    results = await allreduce_peers.run_group(
-        peers, group, inputs, [1.0] * len(peers), channels, timeout=30
-    )
-    mean = np.stack([x[0] for x in inputs]).mean(axis=0)
-    for result in results:
-        assert isinstance(result, AveragingResult), result
-        assert not result.partial, (result.dropped, result.failed_parts, result.unconfirmed_ends)
-        np.testing.assert_allclose(result.tensors[0], mean, rtol=1e-5, atol=1e-6)
-    first = results[0]
-    assert isinstance(first, AveragingResult)
-    assert all(
-        isinstance(r, AveragingResult) and r.tensors[0].tobytes() == first.tensors[0].tobytes()
-        for r in results
-    )
-
-
 def _opened(peers: list[LocalPeer]) -> list[int]:
     connectors = [p.service.data_connector for p in peers]
     return [c.opened if c is not None else 0 for c in connectors]
@@ -199,7 +177,7 @@ async def test_later_rounds_split_each_part_over_several_connections(
     peers = await allreduce_peers.start_peers(grpc_servers, 4, STRIPED, data_plane=True)
     channels = ChannelPool()
     try:
-        await _round(peers, channels, seed=1)
+        await allreduce_peers.exact_round(peers, channels, seed=1)
         # Nothing said before: one stream, one connection to each reducer.
         assert _opened(peers) == [3, 3, 3, 3]
         for i, sender in enumerate(peers):
@@ -209,10 +187,11 @@ async def test_later_rounds_split_each_part_over_several_connections(
                     assert held is not None
                     assert held.stripes == MAX_STREAMS_PER_SENDER
         before = _opened(peers)
-        await _round(peers, channels, seed=2)
+        await allreduce_peers.exact_round(peers, channels, seed=2)
         # Four streams to each of 3 reducers: the idle connection and 3 new ones each.
         assert [after - b for after, b in zip(_opened(peers), before, strict=True)] == [9] * 4
-        await _round(peers, channels, seed=3)  # the 12 connections idle, reused
+        # The 12 connections idle between rounds and are reused: none opened.
+        await allreduce_peers.exact_round(peers, channels, seed=3)
         assert [after - b for after, b in zip(_opened(peers), before, strict=True)] == [9] * 4
     finally:
         await channels.close()
@@ -228,7 +207,7 @@ async def test_a_reducer_that_does_not_say_it_takes_stripes_keeps_one_stream(
     channels = ChannelPool()
     try:
         for seed in range(3):
-            await _round(peers, channels, seed=seed)
+            await allreduce_peers.exact_round(peers, channels, seed=seed)
         assert _opened(peers) == [2, 2, 2]  # one connection per reducer, reused
         held = peers[0].service.resumptions.for_reducer(peers[1].identity.peer_id)
         assert held is not None
@@ -244,7 +223,7 @@ async def test_one_stream_to_each_reducer_by_default(grpc_servers: GrpcServerPoo
     channels = ChannelPool()
     try:
         for seed in range(3):
-            await _round(peers, channels, seed=seed)
+            await allreduce_peers.exact_round(peers, channels, seed=seed)
         assert _opened(peers) == [2, 2, 2]
     finally:
         await channels.close()
