@@ -253,6 +253,7 @@ class DataConnector:
                 and now - since < _IDLE_CLIENT
                 and self._serves(idle_protocol, peer_id)
             ):
+                idle_protocol.reused()  # its congestion control starts afresh
                 return DataCall(idle_protocol, self._release_to(target))
             idle_protocol.close()
         self._idle.pop(target, None)  # no empty lists left behind for every address ever used

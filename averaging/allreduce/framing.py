@@ -38,6 +38,7 @@ import numpy as np
 from swarmavg.averaging.allreduce.admission import Account, ByteBudget, Standing, accounts_for
 from swarmavg.averaging.allreduce.congestion import (
     CongestionControlError,
+    restart_congestion_control,
     set_congestion_control,
 )
 from swarmavg.dht.tls import peer_id_of_der
@@ -157,6 +158,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.closed = asyncio.Event()
         self.peer_id: bytes | None = None
         """On a TLS connection, the peer id of the other side's verified credential."""
+        self.streams = 0
+        """Streams begun on this connection (server side)."""
+        self.restarts = 0
+        """Times its congestion control was restarted for a stream on the reused connection."""
 
     # ---- asyncio callbacks ----
 
@@ -326,6 +331,17 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def begin_stream(self) -> None:
         """A new stream starts on this connection: pending until :meth:`admitted`."""
         self.standing, self._member = Standing.PENDING, ""
+        self.streams += 1
+        if self.streams > 1:
+            self.reused()
+
+    def reused(self) -> None:
+        """A stream begins on this connection after another: restart its congestion
+        control's state where it is BBR (``congestion.restart_congestion_control``). Both
+        ends call it, each for what it sends."""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is not None and restart_congestion_control(sock):
+            self.restarts += 1
 
     def refuse(self, details: str) -> None:
         """Refuse this connection's stream with ``RESOURCE_EXHAUSTED`` before any of it

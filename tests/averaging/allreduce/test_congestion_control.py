@@ -16,6 +16,7 @@ from swarmavg.averaging.allreduce.congestion import (
     check_congestion_control,
     check_name,
     get_congestion_control,
+    restart_congestion_control,
     set_congestion_control,
 )
 from swarmavg.averaging.allreduce.data_server import DataPlaneServer
@@ -164,6 +165,87 @@ async def test_a_round_runs_on_sockets_with_the_chosen_algorithm(
         assert len(accepted) == 6
         assert _algorithms(opened) == {ALGORITHM}
         assert _algorithms(accepted) == {ALGORITHM}
+    finally:
+        await channels.close()
+        await close_peers(peers)
+
+
+def _bbr_allowed() -> bool:
+    try:
+        check_congestion_control("bbr")
+    except CongestionControlError:
+        return False
+    return True
+
+
+def _connected_pair() -> tuple[socket.socket, socket.socket, socket.socket]:
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    return listener, client, server
+
+
+@pytest.mark.parametrize("algorithm", ["bbr", ALGORITHM])
+def test_only_bbr_is_restarted_and_keeps_its_name(algorithm: str) -> None:
+    if algorithm == "bbr" and not _bbr_allowed():
+        pytest.skip("this kernel does not let the test use bbr")
+    listener, client, server = _connected_pair()
+    with listener, client, server:
+        set_congestion_control(client, algorithm)
+        client.sendall(b"x" * 65536)  # some state to restart
+        assert restart_congestion_control(client) is (algorithm == "bbr")
+        assert get_congestion_control(client) == algorithm
+        client.sendall(b"y")  # the connection carries on
+        received = b""
+        while len(received) < 65537:
+            received += server.recv(1 << 20)
+        assert received.endswith(b"y")
+
+
+async def test_reused_bbr_connections_restart_at_each_stream_both_ends(
+    grpc_servers: GrpcServerPool,
+) -> None:
+    if not _bbr_allowed():
+        pytest.skip("this kernel does not let the test use bbr")
+    config = AllReduceConfig(
+        min_stall=FAST.min_stall,
+        registration_wait=FAST.registration_wait,
+        chunk_bytes=4096,
+        congestion_control="bbr",
+    )
+    peers = await start_peers(grpc_servers, 3, config, data_plane=True)
+    channels = ChannelPool()
+
+    def protocols() -> tuple[list[FrameProtocol], list[FrameProtocol]]:
+        opened: list[FrameProtocol] = []
+        accepted: list[FrameProtocol] = []
+        for p in peers:
+            connector = p.service.data_connector
+            assert connector is not None
+            opened += [proto for idle in connector._idle.values() for _, proto in idle]
+            server = p.service._data_server
+            assert isinstance(server, DataPlaneServer)
+            accepted += list(server._protocols)
+        return opened, accepted
+
+    try:
+        for seed in range(3):
+            rng = np.random.default_rng(seed)
+            inputs = [[rng.standard_normal(5000).astype(np.float32)] for _ in peers]
+            group = make_group(peers, inputs[0])
+            results = await run_group(peers, group, inputs, [1.0] * 3, channels, timeout=20)
+            mean = weighted_mean([x[0] for x in inputs], [1.0] * 3)
+            for r in results:
+                assert isinstance(r, AveragingResult), r
+                assert not r.partial
+                np.testing.assert_allclose(r.tensors[0], mean, rtol=1e-5, atol=1e-6)
+            opened, accepted = protocols()
+            assert len(opened) == len(accepted) == 6  # one connection per pair, reused
+            # Each connection's first stream starts fresh; every later one restarts BBR,
+            # at the sender (the chunks) and at the reducer (the averages).
+            assert [p.restarts for p in opened] == [seed] * 6
+            assert [p.restarts for p in accepted] == [seed] * 6
+            assert _algorithms(opened) == _algorithms(accepted) == {"bbr"}
     finally:
         await channels.close()
         await close_peers(peers)
