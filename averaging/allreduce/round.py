@@ -77,6 +77,10 @@ class _Stream:
     """The sender fell :attr:`AllReduceConfig.max_reply_backlog` behind: nothing more is
     queued for it."""
 
+    def carries(self, chunk: int) -> bool:
+        """Whether ``chunk`` (its copy in, its average out) goes on this stream."""
+        return chunk % self.stripes == self.stripe
+
     def put_reply(self, reply: OutgoingChunk, limit: int) -> bool:
         """Queue ``reply``, or cut the stream when that would exceed ``limit`` bytes
         (freeing what was queued); return whether it was queued."""
@@ -437,7 +441,7 @@ class ReducerRound:
         chunk = request.chunk_index
         if chunk >= self.reducer.num_chunks:
             raise ContributionError(f"chunk index {chunk} out of range")
-        if chunk % stream.stripes != stream.stripe:
+        if not stream.carries(chunk):
             raise ContributionError(
                 f"chunk {chunk} on stream {stream.stripe} of {stream.stripes}, not its own"
             )
@@ -557,7 +561,7 @@ class ReducerRound:
                 # A chunk goes back on the stream that brought the sender's copy: that
                 # stream is attached (a chunk is final only once every live sender
                 # delivered it).
-                if chunk % stream.stripes == stream.stripe and stream.put_reply(response, limit):
+                if stream.carries(chunk) and stream.put_reply(response, limit):
                     self.bytes_sent += response.nbytes
             self.returned += 1
         self._all_returned.set()

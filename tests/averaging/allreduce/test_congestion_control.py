@@ -31,7 +31,15 @@ from swarmavg.peer import PeerConfig, start_peer
 from swarmavg.peer.daemon.config import AllReduceSettings
 from swarmavg.peer.daemon.daemon import StartupError
 from swarmavg.peer.daemon.settings import resolve_config
-from tests.averaging.allreduce_peers import FAST, close_peers, make_group, run_group, start_peers
+from tests.averaging.allreduce_peers import (
+    FAST,
+    LocalPeer,
+    close_peers,
+    exact_round,
+    make_group,
+    run_group,
+    start_peers,
+)
 from tests.harness import GrpcServerPool
 
 pytestmark = [
@@ -126,6 +134,21 @@ def _algorithms(protocols: list[FrameProtocol]) -> set[str]:
     return {get_congestion_control(s) for s in sockets}  # type: ignore[arg-type]
 
 
+def _connections(peers: list[LocalPeer]) -> tuple[list[FrameProtocol], list[FrameProtocol]]:
+    """Every data-plane connection of the peers, both ends: the ones the senders opened
+    (kept idle for the next round) and the ones the reducers accepted."""
+    opened: list[FrameProtocol] = []
+    accepted: list[FrameProtocol] = []
+    for p in peers:
+        connector = p.service.data_connector
+        assert connector is not None
+        opened += [proto for idle in connector._idle.values() for _, proto in idle]
+        server = p.service._data_server
+        assert isinstance(server, DataPlaneServer)
+        accepted += list(server._protocols)
+    return opened, accepted
+
+
 async def test_a_round_runs_on_sockets_with_the_chosen_algorithm(
     grpc_servers: GrpcServerPool,
 ) -> None:
@@ -149,18 +172,11 @@ async def test_a_round_runs_on_sockets_with_the_chosen_algorithm(
             assert isinstance(r, AveragingResult), r
             assert not r.partial
             np.testing.assert_allclose(r.tensors[0], mean, rtol=1e-5, atol=1e-6)
-        # Every connection of the round, both ends: the ones the senders opened (kept idle
-        # for the next round) and the ones the reducers accepted.
-        opened: list[FrameProtocol] = []
-        accepted: list[FrameProtocol] = []
         for p in peers:
             connector = p.service.data_connector
             assert connector is not None
             assert connector.opened == 2  # one to each other reducer
-            opened += [proto for idle in connector._idle.values() for _, proto in idle]
-            server = p.service._data_server
-            assert isinstance(server, DataPlaneServer)
-            accepted += list(server._protocols)
+        opened, accepted = _connections(peers)
         assert len(opened) == 6
         assert len(accepted) == 6
         assert _algorithms(opened) == {ALGORITHM}
@@ -215,31 +231,10 @@ async def test_reused_bbr_connections_restart_at_each_stream_both_ends(
     )
     peers = await start_peers(grpc_servers, 3, config, data_plane=True)
     channels = ChannelPool()
-
-    def protocols() -> tuple[list[FrameProtocol], list[FrameProtocol]]:
-        opened: list[FrameProtocol] = []
-        accepted: list[FrameProtocol] = []
-        for p in peers:
-            connector = p.service.data_connector
-            assert connector is not None
-            opened += [proto for idle in connector._idle.values() for _, proto in idle]
-            server = p.service._data_server
-            assert isinstance(server, DataPlaneServer)
-            accepted += list(server._protocols)
-        return opened, accepted
-
     try:
         for seed in range(3):
-            rng = np.random.default_rng(seed)
-            inputs = [[rng.standard_normal(5000).astype(np.float32)] for _ in peers]
-            group = make_group(peers, inputs[0])
-            results = await run_group(peers, group, inputs, [1.0] * 3, channels, timeout=20)
-            mean = weighted_mean([x[0] for x in inputs], [1.0] * 3)
-            for r in results:
-                assert isinstance(r, AveragingResult), r
-                assert not r.partial
-                np.testing.assert_allclose(r.tensors[0], mean, rtol=1e-5, atol=1e-6)
-            opened, accepted = protocols()
+            await exact_round(peers, channels, seed)
+            opened, accepted = _connections(peers)
             assert len(opened) == len(accepted) == 6  # one connection per pair, reused
             # Each connection's first stream starts fresh; every later one restarts BBR,
             # at the sender (the chunks) and at the reducer (the averages).
