@@ -6,7 +6,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from swarmavg.averaging.allreduce.congestion import check_name
+from swarmavg.averaging.allreduce.congestion import AUTO, check_name
 from swarmavg.averaging.allreduce.part_check import DEFAULT_FACTOR as PART_DEVIATION_FACTOR
 from swarmavg.averaging.allreduce.partition import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from swarmavg.averaging.allreduce.reducer import DEFAULT_WEIGHT_BOUND
@@ -96,8 +96,10 @@ class AllReduceConfig:
             mean); larger weights are clipped to it and counted. >= 1.
         congestion_control: TCP congestion control algorithm of the data plane's sockets,
             both the connections this peer opens and the ones it accepts (``cubic``,
-            ``bbr``, ...; :mod:`~swarmavg.averaging.allreduce.congestion`). ``None``: the
-            kernel's default. The service checks at start that the kernel accepts it.
+            ``bbr``, ...; :mod:`~swarmavg.averaging.allreduce.congestion`). ``"auto"``
+            (the default): BBR on paths of 75 ms of round trip or more where the process
+            may use it, the kernel's default elsewhere. ``"kernel"`` or ``None``: the
+            kernel's default everywhere. The service checks a name at start.
         part_deviation_factor: a member refuses a part whose averages are farther from its
             own values than this many times the median of the other parts, both in rms and
             in units of its own values' rms (:mod:`~swarmavg.averaging.allreduce.part_check`):
@@ -146,7 +148,7 @@ class AllReduceConfig:
     data_connect_timeout: float = 1.0
     data_retry_after: float = 300.0
     weight_bound: float = DEFAULT_WEIGHT_BOUND
-    congestion_control: str | None = None
+    congestion_control: str | None = AUTO
     part_deviation_factor: float | None = PART_DEVIATION_FACTOR
     slow_sender_factor: float = SLOW_SENDER_FACTOR
     streams_per_reducer: int = 1

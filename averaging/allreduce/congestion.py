@@ -23,6 +23,23 @@ does, while the window and the connection stay (no handshake, no slow start from
 segment). The same rounds then took 8.8 s with 0.01 % retransmitted; at 50 and 200 ms
 they were no slower (docs/benchmarks.md, "Restarting BBR on a reused connection").
 
+On a long path the choice matters more than anywhere else (docs/benchmarks.md, "Congestion
+control by path length"; 16 MB rounds, 4 hosts at 100 Mbit/s, every data-plane socket
+given one algorithm, interleaved): at 200 ms of round trip BBR's rounds took 2.84 s
+against CUBIC's **8.28 s**, at 100 ms 2.53 s against 2.78 s. A data-plane connection idles
+between rounds longer than a retransmission timeout; Linux then restarts a CUBIC window
+from ten segments (``net.ipv4.tcp_slow_start_after_idle``, a host-wide setting), and slow
+start takes seconds to refill a long path, round after round. BBR keeps its window over
+idle periods. Most machines default to CUBIC, so a volunteer on a long link would pay that
+unless told. Below about 75 ms neither algorithm won throughout (at 50 ms CUBIC's 16 MB
+rounds were faster, its 4 MB ones slower; at no delay they were alike). Hence
+:data:`AUTO`, the default: each connection takes :data:`LONG_PATH` once its minimum
+round-trip time (the kernel's own windowed minimum, read when the connection is made and
+at each later stream) reaches :data:`LONG_PATH_RTT`, where this process may use it (``bbr``
+loaded and in ``net.ipv4.tcp_allowed_congestion_control``, or CAP_NET_ADMIN), and keeps
+the kernel's default otherwise; a long path that cannot have it is logged once, with the
+remedy.
+
 :func:`check_congestion_control` tries the name on a throw-away socket, so a daemon refuses
 a name the kernel would refuse at start, with the reason, instead of on its first round;
 :func:`set_congestion_control` applies it to a live socket.
@@ -30,17 +47,29 @@ a name the kernel would refuse at start, with the reason, instead of on its firs
 
 from __future__ import annotations
 
+import logging
+import math
 import socket
+import struct
 from pathlib import Path
 
 __all__ = [
+    "AUTO",
+    "KERNEL",
+    "LONG_PATH",
+    "LONG_PATH_RTT",
     "CongestionControlError",
+    "algorithm_for_path",
+    "apply_for_path",
     "check_congestion_control",
     "check_name",
     "get_congestion_control",
+    "path_min_rtt",
     "restart_congestion_control",
     "set_congestion_control",
 ]
+
+log = logging.getLogger(__name__)
 
 _MAX_NAME = 15
 """The kernel's TCP_CA_NAME_MAX is 16 bytes with the terminating NUL."""
@@ -52,6 +81,21 @@ RESTARTED = frozenset({"bbr"})
 streams is its window, which a restart would only lose)."""
 _INTERIM = "reno"
 """Built into every Linux kernel and always allowed: the algorithm a restart passes through."""
+
+AUTO = "auto"
+"""The setting's value that chooses per connection from the path's round-trip time."""
+KERNEL = "kernel"
+"""The setting's value that leaves every socket with the kernel's default algorithm."""
+LONG_PATH = "bbr"
+LONG_PATH_RTT = 0.075
+"""Seconds of minimum round-trip time from which :data:`AUTO` takes :data:`LONG_PATH`: BBR
+was faster at 100 and 200 ms, alike at 76 ms, and neither won throughout at 50 ms."""
+
+_TCP_INFO_MIN_RTT = struct.Struct("=I")
+_TCP_INFO_MIN_RTT_OFFSET = 148
+"""``tcpi_min_rtt`` (microseconds) in Linux's ``struct tcp_info`` (since Linux 4.6); an
+older kernel returns a shorter struct and :func:`path_min_rtt` says it does not know."""
+_NO_SAMPLE = 0xFFFFFFFF
 
 
 class CongestionControlError(ValueError):
@@ -126,6 +170,78 @@ def restart_congestion_control(sock: socket.socket) -> bool:
     return True
 
 
+def path_min_rtt(sock: socket.socket) -> float | None:
+    """The kernel's minimum round-trip time of ``sock``'s connection, in seconds (the
+    handshake gives the first sample); None where the platform or kernel cannot say or no
+    sample was taken yet."""
+    option = getattr(socket, "TCP_INFO", None)
+    if option is None:
+        return None
+    end = _TCP_INFO_MIN_RTT_OFFSET + _TCP_INFO_MIN_RTT.size
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, option, 256)
+    except OSError:
+        return None
+    if len(info) < end:
+        return None
+    (micros,) = _TCP_INFO_MIN_RTT.unpack_from(info, _TCP_INFO_MIN_RTT_OFFSET)
+    return None if micros in (0, _NO_SAMPLE) else micros / 1e6
+
+
+def algorithm_for_path(min_rtt: float | None, default: str) -> str:
+    """What :data:`AUTO` gives a connection whose minimum round-trip time is ``min_rtt``
+    seconds (None: not known) on a machine whose default algorithm is ``default``."""
+    if min_rtt is not None and math.isfinite(min_rtt) and min_rtt >= LONG_PATH_RTT:
+        return LONG_PATH
+    return default
+
+
+def apply_for_path(sock: socket.socket, default: str, min_rtt: float | None = None) -> str:
+    """Give ``sock`` the algorithm :data:`AUTO` chooses for its path (``default``: the one
+    the socket had when it was made; ``min_rtt``: the path's minimum round-trip time in
+    seconds, None reads it from the socket) and return the one it uses now. Never raises:
+    an algorithm the kernel refuses leaves the socket's own (logged once per process, with
+    the remedy, for the long-path algorithm), and one already in place is left as it is
+    (:func:`restart_congestion_control` restarts BBR where a stream needs that)."""
+    rtt = path_min_rtt(sock) if min_rtt is None else min_rtt
+    wanted = algorithm_for_path(rtt, default)
+    try:
+        current = get_congestion_control(sock)
+        if current == wanted:
+            return current
+        set_congestion_control(sock, wanted)
+        return wanted
+    except CongestionControlError as exc:
+        if wanted == LONG_PATH:
+            _warn_long_path_once(rtt, exc)
+    except OSError:
+        pass
+    try:
+        return get_congestion_control(sock)
+    except OSError:
+        return ""
+
+
+_long_path_warned = False
+
+
+def _warn_long_path_once(min_rtt: float | None, refusal: CongestionControlError) -> None:
+    global _long_path_warned
+    if _long_path_warned:
+        return
+    _long_path_warned = True
+    log.warning(
+        "a data-plane path has %.0f ms of round trip, but %s; long paths keep the kernel's "
+        "default, which restarts from a small window after every pause between rounds "
+        "(rounds about 3x slower measured at 200 ms with cubic). Load it and allow it "
+        "(`modprobe tcp_bbr`, and %s in net.ipv4.tcp_allowed_congestion_control) or give "
+        "the daemon CAP_NET_ADMIN: docs/peer.md, 'Congestion control'",
+        (min_rtt or 0.0) * 1000,
+        refusal,
+        LONG_PATH,
+    )
+
+
 def check_congestion_control(name: str) -> None:
     """Raise :class:`CongestionControlError` unless this process can give a TCP socket
     algorithm ``name`` (tried on a throw-away socket, in this network namespace).
@@ -134,5 +250,7 @@ def check_congestion_control(name: str) -> None:
     first use when the process may (CAP_NET_ADMIN); otherwise it is refused here.
     """
     check_name(name)
+    if name in (AUTO, KERNEL):
+        return  # nothing to refuse: AUTO falls back per connection (see apply_for_path)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         set_congestion_control(probe, name)

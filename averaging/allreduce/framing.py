@@ -28,6 +28,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import socket
 import struct
 from collections.abc import Callable, Sequence
 from typing import cast
@@ -37,7 +38,11 @@ import numpy as np
 
 from swarmavg.averaging.allreduce.admission import Account, ByteBudget, Standing, accounts_for
 from swarmavg.averaging.allreduce.congestion import (
+    AUTO,
+    KERNEL,
     CongestionControlError,
+    apply_for_path,
+    get_congestion_control,
     restart_congestion_control,
     set_congestion_control,
 )
@@ -162,14 +167,14 @@ class FrameProtocol(asyncio.BufferedProtocol):
         """Streams begun on this connection (server side)."""
         self.restarts = 0
         """Times its congestion control was restarted for a stream on the reused connection."""
+        self._default_algorithm = ""  # under ``auto``: the socket's algorithm when made
 
     # ---- asyncio callbacks ----
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self.transport.set_write_buffer_limits(high=_WRITE_HIGH, low=_WRITE_LOW)
-        if self._congestion_control is not None:
-            self._set_congestion_control(self._congestion_control)
+        self._choose_congestion_control()
         ssl_object = self.transport.get_extra_info("ssl_object")
         if ssl_object is not None:  # called after the handshake: the certificate is verified
             der = ssl_object.getpeercert(binary_form=True)
@@ -180,13 +185,25 @@ class FrameProtocol(asyncio.BufferedProtocol):
             if not self._admit(self, host):
                 self.refuse("too many data connections")
 
-    def _set_congestion_control(self, name: str) -> None:
-        """Give this connection's socket algorithm ``name``. Both ends set it: each side's
-        algorithm governs what that side sends (the chunks one way, the averages back).
-        The daemon checked the name at start, so a refusal here is unexpected: logged,
-        and the connection goes on with the kernel's default rather than failing."""
-        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
-        if sock is None:
+    def _socket(self) -> socket.socket | None:
+        return self.transport.get_extra_info("socket") if self.transport is not None else None
+
+    def _choose_congestion_control(self) -> None:
+        """Give this connection's socket its algorithm: the setting's name, or for
+        ``auto`` the one for the path's round-trip time (``congestion.apply_for_path``).
+        Both ends choose: each side's algorithm governs what that side sends (the chunks
+        one way, the averages back). The daemon checked a name at start, so a refusal here
+        is unexpected: logged, and the connection goes on with the kernel's default rather
+        than failing."""
+        name, sock = self._congestion_control, self._socket()
+        if sock is None or name is None or name == KERNEL:
+            return
+        if name == AUTO:
+            try:
+                self._default_algorithm = get_congestion_control(sock)
+            except OSError:
+                return  # the connection is gone
+            apply_for_path(sock, self._default_algorithm)
             return
         try:
             set_congestion_control(sock, name)
@@ -336,11 +353,22 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self.reused()
 
     def reused(self) -> None:
-        """A stream begins on this connection after another: restart its congestion
-        control's state where it is BBR (``congestion.restart_congestion_control``). Both
-        ends call it, each for what it sends."""
-        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
-        if sock is not None and restart_congestion_control(sock):
+        """A stream begins on this connection after another: under ``auto``, choose the
+        algorithm again from the path's round-trip time as measured so far; then restart
+        its state where it is BBR (``congestion.restart_congestion_control``; a switch to
+        another algorithm starts that one afresh anyway). Both ends call it, each for what
+        it sends."""
+        sock = self._socket()
+        if sock is None:
+            return
+        if self._congestion_control == AUTO:
+            try:
+                before = get_congestion_control(sock)
+            except OSError:
+                return  # the connection is gone
+            if apply_for_path(sock, self._default_algorithm or before) != before:
+                return
+        if restart_congestion_control(sock):
             self.restarts += 1
 
     def refuse(self, details: str) -> None:

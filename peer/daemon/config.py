@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from swarmavg.averaging.allreduce.config import MAX_STREAMS_PER_SENDER, AllReduceConfig
-from swarmavg.averaging.allreduce.congestion import check_name
+from swarmavg.averaging.allreduce.congestion import AUTO, check_name
 from swarmavg.averaging.averager import AveragerConfig
 from swarmavg.averaging.group import Mode
 from swarmavg.averaging.matchmaking.config import MatchmakerConfig
@@ -138,8 +138,10 @@ class AllReduceSettings:
             the median weight of the part's senders (the robust aggregation
             rules bound it by the median).
         congestion_control: TCP congestion control algorithm of the data plane's
-            connections (``cubic``, ``bbr``, ...); ``None``: the kernel's default. The
-            daemon refuses to start with a name the kernel does not let it use.
+            connections (``cubic``, ``bbr``, ...); ``auto`` (the default): BBR on paths
+            of 75 ms of round trip or more where the daemon may use it, the kernel's
+            default elsewhere; ``kernel`` or ``None``: the kernel's default. The daemon
+            refuses to start with a name the kernel does not let it use.
         streams_per_reducer: data-plane connections a part goes over to its reducer at
             once, 1 to 8 (when more help and when they hurt: ``AllReduceConfig``).
     """
@@ -148,7 +150,7 @@ class AllReduceSettings:
     executor_threads: int | None = None
     min_stall: float = AllReduceConfig.min_stall
     weight_bound: float = AllReduceConfig.weight_bound
-    congestion_control: str | None = None
+    congestion_control: str | None = AUTO
     streams_per_reducer: int = AllReduceConfig.streams_per_reducer
 
     def __post_init__(self) -> None:

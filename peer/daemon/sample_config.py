@@ -26,7 +26,6 @@ EXAMPLES: dict[str, Any] = {
     "metrics": "127.0.0.1:9100",
     "bandwidth": 50.0,
     "executor_threads": 2,
-    "congestion_control": "cubic",
     "run_file": "/etc/swarmavg/my-run.run",
     "credential": "/var/lib/swarmavg/identity.key.cred",
     "revocations": "/var/lib/swarmavg/my-run.revoked",

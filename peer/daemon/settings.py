@@ -289,8 +289,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "allreduce",
         "congestion_control",
-        "TCP congestion control of the data plane's connections, e.g. cubic or bbr "
-        "(default: the kernel's); the daemon refuses one the kernel does not allow it",
+        "TCP congestion control of the data plane's connections: auto (the default: bbr "
+        "on paths of 75 ms round trip or more, where allowed; the kernel's default "
+        "elsewhere), kernel (the kernel's default everywhere), or a name such as cubic or "
+        "bbr, which the daemon refuses if the kernel does not allow it",
         "NAME",
     ),
     Setting(

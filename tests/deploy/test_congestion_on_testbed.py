@@ -5,6 +5,8 @@ from outside the processes with ``ss``, and average over rate-limited links."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,3 +81,53 @@ async def test_data_plane_sockets_use_the_chosen_algorithm_on_the_test_bed(
         assert set(data) == {algorithm}, (host.name, seen)
         assert grpc, (host.name, seen)
         assert set(grpc) == {default}, (host.name, seen)  # per socket, not machine-wide
+
+
+_LISTEN = """
+import socket, sys
+from swarmavg.averaging.allreduce.congestion import path_min_rtt
+with socket.create_server((sys.argv[1], 0)) as listener:
+    print(listener.getsockname()[1], flush=True)
+    for _ in range(2):  # the first connection's handshake also waits for ARP
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(1)
+            rtt = path_min_rtt(conn)
+    print(rtt, flush=True)
+"""
+_CONNECT = """
+import socket, sys
+from swarmavg.averaging.allreduce.congestion import algorithm_for_path, path_min_rtt
+for _ in range(2):  # the first connection's handshake also waits for ARP
+    with socket.create_connection((sys.argv[1], int(sys.argv[2]))) as conn:
+        rtt = path_min_rtt(conn)
+        conn.sendall(b"x")
+print(rtt, algorithm_for_path(rtt, "cubic"), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_auto_reads_the_paths_round_trip_at_both_ends_on_the_test_bed(
+    make_testbed: MakeTestBed,
+) -> None:
+    bed = make_testbed([HostSpec("a", delay_ms=20), HostSpec("b", delay_ms=30), HostSpec("c")])
+    for peer, rtt_ms, algorithm in (("b", 100.0, "bbr"), ("c", 40.0, "cubic")):  # 2 x delays
+        listener = bed[peer].popen(
+            [sys.executable, "-c", _LISTEN, bed[peer].address],
+            stdout=subprocess.PIPE,
+        )
+        try:
+            assert listener.stdout is not None
+            port = listener.stdout.readline().decode().strip()
+            done = bed["a"].run([sys.executable, "-c", _CONNECT, bed[peer].address, port])
+            rtt, chosen = done.stdout.split()
+            server_rtt = float(listener.stdout.readline().decode())
+        finally:
+            listener.kill()
+            listener.wait(10)
+            if listener.stdout is not None:
+                listener.stdout.close()
+        # The handshake's sample: never below the wire's delays, a little above at most.
+        for measured in (float(rtt), server_rtt):
+            assert rtt_ms * 0.999 <= measured * 1000 <= rtt_ms * 1.5 + 5, (peer, measured)
+        assert chosen == algorithm

@@ -10,12 +10,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from swarmavg.averaging.allreduce import congestion
 from swarmavg.averaging.allreduce.config import AllReduceConfig
 from swarmavg.averaging.allreduce.congestion import (
+    AUTO,
+    KERNEL,
+    LONG_PATH_RTT,
     CongestionControlError,
+    algorithm_for_path,
+    apply_for_path,
     check_congestion_control,
     check_name,
     get_congestion_control,
+    path_min_rtt,
     restart_congestion_control,
     set_congestion_control,
 )
@@ -102,7 +109,8 @@ def test_flag_env_and_file_reach_the_allreduce_config(tmp_path: Path) -> None:
         config = resolve_config(flags, env, path)
         return config.averager_config().allreduce.congestion_control
 
-    assert chosen({}, {}, None) is None  # the kernel's default
+    assert chosen({}, {}, None) == "auto"  # by path length
+    assert chosen({"congestion_control": "kernel"}, {}, None) == "kernel"
     assert chosen({}, {}, toml) == "cubic"
     assert chosen({}, {"SWARMAVG_CONGESTION_CONTROL": "bbr"}, toml) == "bbr"
     assert chosen({"congestion_control": "reno"}, {"SWARMAVG_CONGESTION_CONTROL": "bbr"}, toml) == (
@@ -149,18 +157,23 @@ def _connections(peers: list[LocalPeer]) -> tuple[list[FrameProtocol], list[Fram
     return opened, accepted
 
 
+async def _start_peers(grpc_servers: GrpcServerPool, algorithm: str | None) -> list[LocalPeer]:
+    """Three peers with data planes whose sockets get ``algorithm`` (the setting's value)."""
+    config = AllReduceConfig(
+        min_stall=FAST.min_stall,
+        registration_wait=FAST.registration_wait,
+        chunk_bytes=4096,
+        congestion_control=algorithm,
+    )
+    return await start_peers(grpc_servers, 3, config, data_plane=True)
+
+
 async def test_a_round_runs_on_sockets_with_the_chosen_algorithm(
     grpc_servers: GrpcServerPool,
 ) -> None:
     if _default_algorithm() == ALGORITHM:
         pytest.skip(f"{ALGORITHM} is this kernel's default: the test could not tell")
-    config = AllReduceConfig(
-        min_stall=FAST.min_stall,
-        registration_wait=FAST.registration_wait,
-        chunk_bytes=4096,
-        congestion_control=ALGORITHM,
-    )
-    peers = await start_peers(grpc_servers, 3, config, data_plane=True)
+    peers = await _start_peers(grpc_servers, ALGORITHM)
     channels = ChannelPool()
     try:
         rng = np.random.default_rng(0)
@@ -223,13 +236,7 @@ async def test_reused_bbr_connections_restart_at_each_stream_both_ends(
 ) -> None:
     if not _bbr_allowed():
         pytest.skip("this kernel does not let the test use bbr")
-    config = AllReduceConfig(
-        min_stall=FAST.min_stall,
-        registration_wait=FAST.registration_wait,
-        chunk_bytes=4096,
-        congestion_control="bbr",
-    )
-    peers = await start_peers(grpc_servers, 3, config, data_plane=True)
+    peers = await _start_peers(grpc_servers, "bbr")
     channels = ChannelPool()
     try:
         for seed in range(3):
@@ -241,6 +248,92 @@ async def test_reused_bbr_connections_restart_at_each_stream_both_ends(
             assert [p.restarts for p in opened] == [seed] * 6
             assert [p.restarts for p in accepted] == [seed] * 6
             assert _algorithms(opened) == _algorithms(accepted) == {"bbr"}
+    finally:
+        await channels.close()
+        await close_peers(peers)
+
+
+# ---- auto: the algorithm by the path's round-trip time ----
+
+
+def test_auto_takes_bbr_from_the_long_path_rtt_and_the_default_below() -> None:
+    assert algorithm_for_path(None, "cubic") == "cubic"  # no sample yet
+    assert algorithm_for_path(0.0002, "cubic") == "cubic"
+    assert algorithm_for_path(LONG_PATH_RTT * 0.99, "reno") == "reno"
+    assert algorithm_for_path(LONG_PATH_RTT, "cubic") == "bbr"
+    assert algorithm_for_path(0.3, "cubic") == "bbr"
+    assert algorithm_for_path(0.3, "bbr") == "bbr"
+    assert algorithm_for_path(float("nan"), "cubic") == "cubic"
+    assert algorithm_for_path(float("inf"), "cubic") == "cubic"
+
+
+def test_auto_and_kernel_are_never_refused() -> None:
+    for name in (AUTO, KERNEL):
+        check_name(name)
+        check_congestion_control(name)
+        AllReduceConfig(congestion_control=name)
+        AllReduceSettings(congestion_control=name)
+    assert AllReduceConfig().congestion_control == AUTO
+    assert AllReduceSettings().congestion_control == AUTO
+
+
+def test_the_kernel_measures_a_connections_minimum_rtt() -> None:
+    listener, client, server = _connected_pair()
+    with listener, client, server:
+        client.sendall(b"x" * 4096)
+        server.recv(4096)
+        for sock in (client, server):  # each end has its handshake's sample
+            rtt = path_min_rtt(sock)
+            assert rtt is not None
+            assert 0 < rtt < LONG_PATH_RTT  # loopback
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as unconnected:
+        assert path_min_rtt(unconnected) is None
+
+
+def test_auto_gives_a_long_path_bbr_and_leaves_a_short_one() -> None:
+    listener, client, server = _connected_pair()
+    with listener, client, server:
+        set_congestion_control(client, ALGORITHM)  # a machine whose default is reno
+        assert apply_for_path(client, ALGORITHM) == ALGORITHM  # loopback: short
+        assert get_congestion_control(client) == ALGORITHM
+        chosen = apply_for_path(client, ALGORITHM, min_rtt=0.2)
+        if _bbr_allowed():
+            assert chosen == get_congestion_control(client) == "bbr"
+        else:  # refused: the socket keeps its algorithm, and the remedy is logged
+            assert chosen == get_congestion_control(client) == ALGORITHM
+        # The path measured shorter later: back to the machine's default.
+        assert apply_for_path(client, ALGORITHM, min_rtt=0.01) == ALGORITHM
+        assert get_congestion_control(client) == ALGORITHM
+
+
+def test_a_long_path_without_bbr_is_logged_once_with_the_remedy(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(congestion, "LONG_PATH", MISSING)  # an algorithm nobody may use
+    monkeypatch.setattr(congestion, "_long_path_warned", False)
+    listener, client, server = _connected_pair()
+    with listener, client, server, caplog.at_level("WARNING"):
+        set_congestion_control(client, ALGORITHM)
+        for _ in range(3):
+            assert apply_for_path(client, ALGORITHM, min_rtt=0.2) == ALGORITHM
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert "200 ms" in warnings[0]
+    assert "tcp_allowed_congestion_control" in warnings[0]
+
+
+@pytest.mark.parametrize("setting", [AUTO, KERNEL, None])
+async def test_a_round_on_short_paths_keeps_the_kernels_algorithm(
+    grpc_servers: GrpcServerPool, setting: str | None
+) -> None:
+    peers = await _start_peers(grpc_servers, setting)
+    channels = ChannelPool()
+    try:
+        for seed in range(2):  # the second round reuses every connection
+            await exact_round(peers, channels, seed)
+        opened, accepted = _connections(peers)
+        assert len(opened) == len(accepted) == 6
+        assert _algorithms(opened) == _algorithms(accepted) == {_default_algorithm()}
     finally:
         await channels.close()
         await close_peers(peers)
