@@ -299,7 +299,8 @@ SETTINGS: tuple[Setting, ...] = (
         "allreduce",
         "streams_per_reducer",
         "data-plane connections a part goes over to its reducer at once, 1 to 8 (default 1; "
-        "2-4 may keep a long link fuller, see docs/benchmarks.md)",
+        "more were no faster on the test bed and cost retransmissions on short paths, see "
+        "docs/benchmarks.md)",
         "N",
     ),
     Setting(
