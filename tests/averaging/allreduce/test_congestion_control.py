@@ -337,3 +337,31 @@ async def test_a_round_on_short_paths_keeps_the_kernels_algorithm(
     finally:
         await channels.close()
         await close_peers(peers)
+
+
+async def test_auto_chooses_at_both_ends_and_again_at_each_stream(
+    grpc_servers: GrpcServerPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if _default_algorithm() == ALGORITHM:
+        pytest.skip(f"{ALGORITHM} is this kernel's default: the test could not tell")
+    # Every loopback path "long", and reno the long-path algorithm: what auto chooses is
+    # then visible on every data-plane socket of a real round.
+    monkeypatch.setattr(congestion, "LONG_PATH", ALGORITHM)
+    monkeypatch.setattr(congestion, "LONG_PATH_RTT", 0.0)
+    peers = await _start_peers(grpc_servers, AUTO)
+    channels = ChannelPool()
+    try:
+        await exact_round(peers, channels, 0)
+        opened, accepted = _connections(peers)
+        assert len(opened) == len(accepted) == 6
+        assert _algorithms(opened) == _algorithms(accepted) == {ALGORITHM}
+        # The paths "measured short" now: each end goes back to the kernel's default at
+        # the reused connection's next stream.
+        monkeypatch.setattr(congestion, "LONG_PATH_RTT", 1.0)
+        await exact_round(peers, channels, 1)
+        opened, accepted = _connections(peers)
+        assert len(opened) == len(accepted) == 6  # the same connections, reused
+        assert _algorithms(opened) == _algorithms(accepted) == {_default_algorithm()}
+    finally:
+        await channels.close()
+        await close_peers(peers)
