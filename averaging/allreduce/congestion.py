@@ -26,13 +26,16 @@ they were no slower (docs/benchmarks.md, "Restarting BBR on a reused connection"
 On a long path the choice matters more than anywhere else (docs/benchmarks.md, "Congestion
 control by path length"; 16 MB rounds, 4 hosts at 100 Mbit/s, every data-plane socket
 given one algorithm, interleaved): at 200 ms of round trip BBR's rounds took 2.84 s
-against CUBIC's **8.28 s**, at 100 ms 2.53 s against 2.78 s. A data-plane connection idles
-between rounds longer than a retransmission timeout; Linux then restarts a CUBIC window
-from ten segments (``net.ipv4.tcp_slow_start_after_idle``, a host-wide setting), and slow
-start takes seconds to refill a long path, round after round. BBR keeps its window over
-idle periods. Most machines default to CUBIC, so a volunteer on a long link would pay that
-unless told. Below about 75 ms neither algorithm won throughout (at 50 ms CUBIC's 16 MB
-rounds were faster, its 4 MB ones slower; at no delay they were alike). Hence
+against CUBIC's **8.28 s**, at 100 ms 2.53 s against 2.78 s. Two things cost CUBIC there: a
+data-plane connection idles between rounds longer than a retransmission timeout, and Linux
+then restarts a CUBIC window from ten segments (``net.ipv4.tcp_slow_start_after_idle``, a
+host-wide setting; 0.7-1.5 s of a 200 ms round, measured by flipping it); and where the
+bottleneck's queue holds less than the path's bandwidth-delay product (50 ms of queue on a
+200 ms path on the bed, as on many long paths), each loss cuts a window by 30 %, which CUBIC's
+growth function takes seconds to rebuild. BBR keeps its window over idle periods and does
+not take a loss for congestion. Most machines default to CUBIC, so a volunteer on a long
+link would pay that unless told. Below about 75 ms neither algorithm won throughout (at
+50 ms CUBIC's 16 MB rounds were faster, its 4 MB and 64 MB ones slower). Hence
 :data:`AUTO`, the default: each connection takes :data:`LONG_PATH` once its minimum
 round-trip time (the kernel's own windowed minimum, read when the connection is made and
 at each later stream) reaches :data:`LONG_PATH_RTT`, where this process may use it (``bbr``
@@ -232,8 +235,9 @@ def _warn_long_path_once(min_rtt: float | None, refusal: CongestionControlError)
     _long_path_warned = True
     log.warning(
         "a data-plane path has %.0f ms of round trip, but %s; long paths keep the kernel's "
-        "default, which restarts from a small window after every pause between rounds "
-        "(rounds about 3x slower measured at 200 ms with cubic). Load it and allow it "
+        "default (with cubic, rounds about 3x slower measured at 200 ms: its window "
+        "restarts after every pause between rounds and regrows slowly after a loss). Load "
+        "it and allow it "
         "(`modprobe tcp_bbr`, and %s in net.ipv4.tcp_allowed_congestion_control) or give "
         "the daemon CAP_NET_ADMIN: docs/peer.md, 'Congestion control'",
         (min_rtt or 0.0) * 1000,
