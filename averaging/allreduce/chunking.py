@@ -40,9 +40,11 @@ from swarmavg.compression import Codec, CodecInfo
 
 __all__ = [
     "CHUNK_SECONDS",
+    "MAX_CHUNK_SECONDS",
     "MAX_LINK_CHUNK_BYTES",
     "MIN_LINK_CHUNK_BYTES",
     "bytes_per_element",
+    "chunk_seconds",
     "link_chunk_bytes",
 ]
 
@@ -83,6 +85,29 @@ def link_chunk_bytes(members: Sequence[Member]) -> int:
         return MIN_LINK_CHUNK_BYTES
     power = 1 << int(math.log2(target))  # round down: a slow link's chunk errs small
     return min(max(power, MIN_LINK_CHUNK_BYTES), MAX_LINK_CHUNK_BYTES)
+
+
+MAX_CHUNK_SECONDS = 15.0
+"""Cap of :func:`chunk_seconds`: every member's claim reaches it, so a member that
+under-claims could otherwise stretch the round's patience for a silent sender without
+bound; 15 s is a 256 KiB chunk at 0.8 Mbit/s in a group of four."""
+
+
+def chunk_seconds(members: Sequence[Member], chunk_bytes: int | None = None) -> float:
+    """Seconds a chunk of ``chunk_bytes`` (None: :func:`link_chunk_bytes`'s) takes to cross
+    the slowest advertised link at one stream's share of it: in a round every member's link
+    carries a stream to and from each other member at once, 2 (N - 1) in all. 0.0 without
+    a positive claim or a second member.
+
+    What the round's patience for a first chunk and a first average must allow beyond its
+    fixed floors (``min_stall``): a 256 KiB chunk at a 2 Mbit/s link's share in a group of
+    four is about 6 s, at a 20 Mbit/s link's in a group of sixteen about 3 s.
+    """
+    claims = [m.bandwidth for m in members if m.bandwidth > 0 and math.isfinite(m.bandwidth)]
+    if not claims or len(members) < 2:
+        return 0.0
+    chunk_bytes = chunk_bytes or link_chunk_bytes(members)
+    return min(chunk_bytes * 2 * (len(members) - 1) / (min(claims) * MB), MAX_CHUNK_SECONDS)
 
 
 def bytes_per_element(codec: Codec, dtype: np.dtype) -> float:

@@ -184,6 +184,8 @@ class ReduceHandler(Protocol):
         self, request_iterator: AsyncIterator[Request], context: ReduceContext
     ) -> None: ...
 
+    def is_member_host(self, host: str) -> bool: ...
+
 
 class DataPlaneServer:
     """Accepts data-plane connections and hands their streams to the reduce handler."""
@@ -251,6 +253,7 @@ class DataPlaneServer:
             congestion_control=self._congestion_control,
             make_room=self._make_room,
             pending_wait=min(config.first_message_timeout, config.registration_wait),
+            member_host=self._service.is_member_host,
         )
 
     def _range_key(self, host: str) -> str:

@@ -13,8 +13,11 @@ member of the group), a body counts against the connection's address range in th
 pending pool, and once the first message has arrived nothing more is read until the
 stream is admitted. A header and a stalled body are therefore worth little to an outsider:
 
-* the body must arrive at the pace of a live sender (:data:`MIN_BODY_RATE` after
-  :data:`BODY_GRACE`), else the connection is cut and its bytes freed;
+* a pending stream's body must arrive at the pace of a live sender (:data:`MIN_BODY_RATE`
+  after :data:`BODY_GRACE`), else the connection is cut and its bytes freed; a member's
+  body (its stream admitted) need only keep arriving (some bytes every
+  :data:`MEMBER_BODY_SILENCE`): a member's link may be far slower than any fixed rate, and
+  the round bounds a member that trickles (``slow_senders``);
 * a pending body that waits for the budget longer than ``pending_wait`` is refused with
   ``RESOURCE_EXHAUSTED`` before anything of its stream was processed, so its sender uses
   gRPC instead (a refused stream is not a duplicate there);
@@ -64,10 +67,19 @@ MAX_DETAILS = 1024
 END_WAIT = 2.0  # seconds a server drains a refused client before it closes the connection
 BODY_GRACE = 2.0
 MIN_BODY_RATE = 256 << 10
-"""Bytes per second a body must arrive at, after :data:`BODY_GRACE`: a 4 MiB body gets
-18 s. A sender writes a body in one go (it is one message), so a live one is far faster
-even sharing a 10 Mbit/s uplink with a few streams; a body that stops costs its bytes that
-long, not for as long as the connection may stay idle."""
+"""Bytes per second a pending stream's body must arrive at, after :data:`BODY_GRACE`: a
+4 MiB body gets 18 s. Pending bodies are a stream's first message (its signed opening, a
+few hundred bytes), so a live sender is far faster on any link; a body that stops costs its
+bytes that long, not for as long as the connection may stay idle."""
+MEMBER_BODY_SILENCE = 30.0
+"""Seconds a member's body may go without a byte before the connection is cut. Not a rate:
+a chunk crosses the sender's link beside every other stream of the round (six on a group of
+four, thirty in a group of sixteen), so on a 2 Mbit/s link a 256 KiB chunk takes about 6 s
+at each stream's share, and the fixed rate cut such honest senders from every round (test
+bed, 4 hosts at 2 Mbit/s). Long, because a flow that shares a slow link's short queue with
+five others can lose a segment and its retransmissions in a row and back off for several
+seconds (a silence of over 5 s was seen there); the round drops a member that stalls long
+before (its stall detector), so this only frees the bytes of a connection left mid-body."""
 # Flow control: a connection stops being read while this much is buffered, so that a
 # peer that sends faster than we reduce (or a hostile one) holds little memory here.
 _QUEUE_HIGH_FRAMES = 16
@@ -111,6 +123,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         *,
         make_room: Callable[[FrameProtocol, int], None] | None = None,
         pending_wait: float = 2.0,
+        member_host: Callable[[str], bool] | None = None,
     ) -> None:
         """Args:
         admit: on a server, called with the client's host once connected (after the TLS
@@ -124,12 +137,17 @@ class FrameProtocol(asyncio.BufferedProtocol):
             or the total: it may evict other connections' pending bodies.
         pending_wait: a pending body waits at most this long for the budget before the
             stream is refused (``RESOURCE_EXHAUSTED``: its sender then uses gRPC).
+        member_host: on a server, whether a host is a member's of a round here: a pending
+            body from it that misses the fixed pace is held to a member's rule instead
+            (the first message of a resumed stream carries a chunk).
         """
         self._admit = admit
         self._budget = budget
         self._congestion_control = congestion_control
         self._make_room = make_room
         self._pending_wait = pending_wait
+        self._member_host = member_host
+        self._host = ""  # the client's address, on a server
         self.range_key = ""
         """The address range (or exempt host) this connection's bytes count against."""
         self.standing = Standing.PENDING
@@ -182,6 +200,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         if self._admit is not None:
             peer = self.transport.get_extra_info("peername")
             host = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+            self._host = host
             if not self._admit(self, host):
                 self.refuse("too many data connections")
 
@@ -291,14 +310,41 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     def _arm_body_timer(self, length: int) -> None:
         self._cancel_timer("_body_timer")
+        loop = asyncio.get_running_loop()
+        if self.standing is Standing.MEMBER:
+            self._body_timer = loop.call_later(
+                MEMBER_BODY_SILENCE, self._body_progressed, self._filled
+            )
+        else:
+            self._body_timer = loop.call_later(
+                BODY_GRACE + length / MIN_BODY_RATE, self._body_stalled
+            )
+
+    def _body_progressed(self, filled_before: int) -> None:
+        """A member's body: cut it if no byte came since the last look, else look again."""
+        self._body_timer = None
+        if self._body is None:
+            return
+        if self._filled == filled_before:
+            self._fail(BodyStalled(f"a {self._body.size}-byte frame body stalled"))
+            return
         self._body_timer = asyncio.get_running_loop().call_later(
-            BODY_GRACE + length / MIN_BODY_RATE, self._body_stalled
+            MEMBER_BODY_SILENCE, self._body_progressed, self._filled
         )
 
     def _body_stalled(self) -> None:
         self._body_timer = None
-        if self._body is not None:
-            self._fail(BodyStalled(f"a {self._body.size}-byte frame body stalled"))
+        if self._body is None:
+            return
+        if self.standing is Standing.MEMBER or (
+            self._member_host is not None and self._member_host(self._host)
+        ):
+            # Admitted since the body began, or a member's connection whose stream is not
+            # admitted yet (the first message of a resumed stream carries a chunk): as
+            # slow as the member's link may be.
+            self._body_progressed(-1)
+            return
+        self._fail(BodyStalled(f"a {self._body.size}-byte frame body stalled"))
 
     def _waited_too_long(self) -> None:
         self._wait_timer = None

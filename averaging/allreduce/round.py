@@ -23,6 +23,7 @@ import grpc
 import numpy as np
 
 from swarmavg.averaging.allreduce.buffers import BufferPool
+from swarmavg.averaging.allreduce.chunking import chunk_seconds
 from swarmavg.averaging.allreduce.config import MAX_STREAMS_PER_SENDER, AllReduceConfig
 from swarmavg.averaging.allreduce.faults import FaultPlan, InjectedFault
 from swarmavg.averaging.allreduce.partition import PartPlan
@@ -38,6 +39,16 @@ from swarmavg.dht.tasks import TaskSet
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+FIRST_CHUNK_CHUNKS = 4.0
+"""The reducer waits this many chunk times (``chunking.chunk_seconds``) for a sender's first
+chunk, and at least twice ``min_stall``."""
+STALL_CHUNKS = 2.0
+"""Between a sender's later chunks it waits at least this many chunk times."""
+FIRST_REPLY_CHUNKS = 6.0
+"""A sender waits this many chunk times for a reducer's first average (the chunk in from
+every sender, then the average back), and at least three times ``min_stall``."""
+
 ResultCallback = Callable[[int, np.ndarray, int], None]
 """Called with (chunk index, decoded averaged values, number of senders) on the loop."""
 
@@ -211,6 +222,9 @@ class ReducerRound:
         self.plan = plan
         self.codec = codec
         self.config = config
+        # One chunk's time at a stream's share of the slowest advertised link: a floor of
+        # the stall detector's patience, so that a slow link is not taken for a dead sender.
+        self._chunk_seconds = chunk_seconds(group.members, config.chunk_bytes)
         self.executor = executor
         # a robust rule's combination of a chunk: the service's combiner, else the executor
         self.combiner = combiner or executor
@@ -592,13 +606,20 @@ class ReducerRound:
                 last = self._progress[sender]
                 if delivered:
                     mean_interval = (last - self.start_time) / delivered
-                    patience = max(self.config.min_stall, self.config.stall_factor * mean_interval)
+                    patience = max(
+                        self.config.min_stall,
+                        self.config.stall_factor * mean_interval,
+                        STALL_CHUNKS * self._chunk_seconds,
+                    )
                 else:
                     # The first chunk crosses the link while every other stream of the round
                     # starts too (1 MiB to each of 3 reducers is 2.5 s at 10 Mbit/s). Kept
-                    # below the senders' patience for a first reply (3 x min_stall), so that
-                    # they still get this part averaged without the silent one.
-                    patience = 2 * self.config.min_stall
+                    # below the senders' patience for a first reply (3 x min_stall, or
+                    # FIRST_REPLY_CHUNKS chunk times), so that they still get this part
+                    # averaged without the silent one.
+                    patience = max(
+                        2 * self.config.min_stall, FIRST_CHUNK_CHUNKS * self._chunk_seconds
+                    )
                 if now - last > patience:
                     self.drop(sender, f"no chunk for {now - last:.1f}s")
             # The patience above follows each sender's own pace, which a sender that
@@ -609,7 +630,7 @@ class ReducerRound:
                 self._last_chunk,
                 self._remote_senders,
                 self.config.slow_sender_factor,
-                self.config.min_stall,
+                max(self.config.min_stall, STALL_CHUNKS * self._chunk_seconds),
             )
             for sender, reason in sorted(slow.items()):
                 self.drop(sender, reason)

@@ -70,13 +70,15 @@ from swarmavg.averaging.stubs import REDUCE
 from swarmavg.compression import Codec, canonical_name, get_codec
 from swarmavg.dht.auth import Authenticator
 from swarmavg.dht.identity import HeaderError
-from swarmavg.dht.ranges import grpc_peer_host, limited_range
+from swarmavg.dht.ranges import grpc_peer_host, limited_range, split_host
 from swarmavg.dht.tls import PeerTLS
 from swarmavg.proto import common_pb2
 
 log = logging.getLogger(__name__)
 
 _RECENT_ROUNDS = 256
+_MEMBER_HOSTS = 1024
+"""Hosts of the members of recent rounds kept for :meth:`AllReduceService.is_member_host`."""
 
 
 def stream_host(context: object) -> str:
@@ -159,6 +161,7 @@ class AllReduceService:
         released) or numpy combine. No thread starts until a robust round needs it."""
         self._rounds: dict[bytes, ReducerRound] = {}
         self._recent: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._member_hosts: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._registered = asyncio.Event()
         self._waiting = 0
         self._waiting_by_range: collections.Counter[str] = collections.Counter()
@@ -273,8 +276,22 @@ class AllReduceService:
         if group_id in self._rounds or group_id in self._recent:
             raise ValueError(f"group {group_id.hex()} already ran on this peer")
         self._rounds[group_id] = round_
+        for member in round_.group.members:
+            host = split_host(member.address or "")
+            if host:
+                self._member_hosts[host] = None
+                self._member_hosts.move_to_end(host)
+        while len(self._member_hosts) > _MEMBER_HOSTS:
+            self._member_hosts.popitem(last=False)
         self._registered.set()
         self._registered = asyncio.Event()
+
+    def is_member_host(self, host: str) -> bool:
+        """Whether ``host`` is the address of a member of a round registered here lately:
+        its data-plane connections then carry a member's streams (the first message of a
+        resumed stream holds a chunk, which a slow link takes seconds to deliver, and may
+        arrive before this peer's side of the round is registered)."""
+        return bool(host) and host in self._member_hosts
 
     def unregister(self, round_: ReducerRound) -> None:
         """Forget ``round_``; later streams for its group are refused at once."""

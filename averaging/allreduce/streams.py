@@ -22,11 +22,13 @@ from typing import Protocol
 
 import grpc
 
+from swarmavg.averaging.allreduce.chunking import chunk_seconds
 from swarmavg.averaging.allreduce.data_connector import DataCall, DataStreamError
 from swarmavg.averaging.allreduce.faults import FaultPlan
 from swarmavg.averaging.allreduce.keyed_stream import SenderHandshake, StreamSeal
 from swarmavg.averaging.allreduce.outgoing import Contribution
 from swarmavg.averaging.allreduce.replies import ResultAssembly
+from swarmavg.averaging.allreduce.round import FIRST_REPLY_CHUNKS
 from swarmavg.averaging.allreduce.service import AllReduceService
 from swarmavg.averaging.allreduce.stream_keys import KeyAgreementError
 from swarmavg.averaging.allreduce.stream_mac import IntegrityError
@@ -104,6 +106,8 @@ class PartStreams:
         self.crashed = asyncio.Event()  # the fault plan crashed this member
         # per part, which of its chunks were given to their stream
         self.handed = {j: [False] * self.plan.num_chunks(j) for j in range(self.group.size)}
+        self.chunk_seconds = chunk_seconds(self.group.members, self.config.chunk_bytes)
+        """One chunk's time at a stream's share of the slowest advertised link."""
         self.bytes_sent = 0
 
     def stripes_for(self, part: int) -> int:
@@ -210,7 +214,11 @@ class PartStreams:
 
     def _reply_patience(self, started: float, replies: int) -> float:
         mean = (time.monotonic() - started) / replies if replies else 0.0
-        floor = max(3 * self.config.min_stall, self.config.registration_wait)
+        floor = max(
+            3 * self.config.min_stall,
+            self.config.registration_wait,
+            FIRST_REPLY_CHUNKS * self.chunk_seconds,
+        )
         return max(floor, self.config.stall_factor * mean)
 
     async def _send_part(

@@ -7,8 +7,10 @@ import pytest
 
 from swarmavg.averaging.allreduce.chunking import (
     CHUNK_SECONDS,
+    MAX_CHUNK_SECONDS,
     MAX_LINK_CHUNK_BYTES,
     MIN_LINK_CHUNK_BYTES,
+    chunk_seconds,
     link_chunk_bytes,
 )
 from swarmavg.averaging.allreduce.config import AllReduceConfig
@@ -90,3 +92,23 @@ async def test_members_agree_on_link_chunks_and_average_exactly(
     finally:
         await channels.close()
         await close_peers(peers)
+
+
+def test_a_chunk_time_is_a_streams_share_of_the_slowest_claimed_link() -> None:
+    # 2 Mbit/s in a group of four: six streams share the link, 256 KiB take about 6.3 s.
+    assert chunk_seconds(members(0.25, 12.5, 12.5, 12.5), 256 << 10) == pytest.approx(6.29, 0.01)
+    # Without a size, the rule's chunk (the floor, at 0.25 MB/s).
+    assert chunk_seconds(members(0.25, 12.5, 12.5, 12.5)) == pytest.approx(6.29, 0.01)
+    # 20 Mbit/s in a group of sixteen: thirty streams.
+    assert chunk_seconds(members(*[2.5] * 16), 256 << 10) == pytest.approx(3.15, 0.01)
+    # Fast links: well inside the fixed floors (min_stall).
+    assert chunk_seconds(members(12.5, 12.5, 12.5, 12.5)) < 1.0
+
+
+def test_a_chunk_time_ignores_what_is_no_claim_and_caps_an_under_claim() -> None:
+    client = Member(b"\x09" * 20, None, Mode.CLIENT, 0.0)
+    assert chunk_seconds([*members(1.0), client], 1 << 20) == pytest.approx(2.1, 0.01)
+    assert chunk_seconds(members(12.5), 1 << 20) == 0.0  # nobody to stream to
+    assert chunk_seconds([client, client], 1 << 20) == 0.0  # no positive claim
+    # A member claiming next to nothing stretches every patience at most this far.
+    assert chunk_seconds(members(1e-6, 12.5, 12.5), 1 << 20) == MAX_CHUNK_SECONDS
