@@ -15,7 +15,8 @@ stream is admitted. A header and a stalled body are therefore worth little to an
 
 * a pending stream's body must arrive at the pace of a live sender (:data:`MIN_BODY_RATE`
   after :data:`BODY_GRACE`), else the connection is cut and its bytes freed; a member's
-  body (its stream admitted) need only keep arriving (some bytes every
+  body (its stream admitted, or a pending one from the host of a member of a recent round
+  here once it misses that pace) need only keep arriving (some bytes every
   :data:`MEMBER_BODY_SILENCE`): a member's link may be far slower than any fixed rate, and
   the round bounds a member that trickles (``slow_senders``);
 * a pending body that waits for the budget longer than ``pending_wait`` is refused with
@@ -68,9 +69,11 @@ END_WAIT = 2.0  # seconds a server drains a refused client before it closes the 
 BODY_GRACE = 2.0
 MIN_BODY_RATE = 256 << 10
 """Bytes per second a pending stream's body must arrive at, after :data:`BODY_GRACE`: a
-4 MiB body gets 18 s. Pending bodies are a stream's first message (its signed opening, a
-few hundred bytes), so a live sender is far faster on any link; a body that stops costs its
-bytes that long, not for as long as the connection may stay idle."""
+4 MiB body gets 18 s. A pending body is a stream's first message: its signed opening, a few
+hundred bytes, which a live sender delivers far faster on any link, or for a resumed stream
+the opening with its first chunk, which is why a pending body from a recent member's host
+is held to the member's rule once it misses this pace. A body that stops costs its bytes
+that long, not for as long as the connection may stay idle."""
 MEMBER_BODY_SILENCE = 30.0
 """Seconds a member's body may go without a byte before the connection is cut. Not a rate:
 a chunk crosses the sender's link beside every other stream of the round (six on a group of
