@@ -329,7 +329,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         if self._body is None:
             return
         if self._filled == filled_before:
-            self._fail(BodyStalled(f"a {self._body.size}-byte frame body stalled"))
+            self._cut_stalled_body()
             return
         self._body_timer = asyncio.get_running_loop().call_later(
             MEMBER_BODY_SILENCE, self._body_progressed, self._filled
@@ -347,7 +347,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
             # slow as the member's link may be.
             self._body_progressed(-1)
             return
-        self._fail(BodyStalled(f"a {self._body.size}-byte frame body stalled"))
+        self._cut_stalled_body()
+
+    def _cut_stalled_body(self) -> None:
+        if self._body is not None:
+            self._fail(BodyStalled(f"a {self._body.size}-byte frame body stalled"))
 
     def _waited_too_long(self) -> None:
         self._wait_timer = None
