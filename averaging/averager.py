@@ -267,6 +267,7 @@ class Averager:
         codec: str | None = None,
         state_digest: bytes | None = None,
         aggregation: str | None = None,
+        max_group_size: int | None = None,
     ) -> AveragingResult:
         """Average ``tensors`` with the peers that average under ``key`` now.
 
@@ -288,6 +289,9 @@ class Averager:
             aggregation: ``"mean"`` (``None``), ``"centered-clip"`` or ``"trimmed-mean"``,
                 parameters in the name (docs/averaging.md, "Aggregation"); only peers
                 asking for the same rule average together.
+            max_group_size: the most members per group, above ``group_size``, which is
+                then the number of peers waited for (``RoundRequest.max_group_size``);
+                ``None``: ``group_size``.
 
         Raises:
             InvalidTensorsError: empty list, unsupported dtype, NaN/Inf (nothing is sent).
@@ -305,6 +309,7 @@ class Averager:
             codec=codec,
             state_digest=state_digest,
             aggregation=aggregation,
+            max_group_size=max_group_size,
             allow_zero_weight=True,
         )
         arrays = check_tensors(tensors)
@@ -344,6 +349,7 @@ class Averager:
         matchmaker, allreduce, _ = self._require()
         started = time.monotonic()
         size = self.config.target_group_size if request.group_size is None else request.group_size
+        cap = request.max_group_size or size
         if request.min_group_size > size:
             raise InvalidRequestError(
                 f"min_group_size {request.min_group_size} is larger than the group size {size}"
@@ -358,7 +364,7 @@ class Averager:
         match = MatchRequest(
             key=self._keys.key_for(request.key),
             schema_hash=schema_hash(arrays),
-            group_size=size,
+            group_size=cap,
             min_group_size=request.min_group_size,
             codec=codec,
             mode=mode,

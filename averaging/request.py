@@ -49,7 +49,12 @@ class RoundRequest:
         key: what is averaged (e.g. ``"step-42"``); peers meet under the same key.
         weight: this contribution's weight, finite and > 0 (>= 0 for in-process callers).
         deadline: ``time.monotonic()`` instant by which the whole call ends.
-        group_size: the most members per group; ``None``: the daemon's default.
+        group_size: the members a group waits for, and the most it holds unless
+            ``max_group_size`` says more; ``None``: the daemon's default.
+        max_group_size: the most members a group may hold, above ``group_size``: room
+            for peers the caller did not know of when it counted ``group_size`` (the
+            training wrappers count the swarm from progress records, which a newcomer's
+            reaches some members later than others); ``None``: ``group_size``.
         min_group_size: the fewest members with which a group may close.
         codec: codec (name and parameters, as :func:`~swarmavg.compression.get_codec` takes
             them) of groups this peer leads; ``None``: the daemon's default.
@@ -66,6 +71,7 @@ class RoundRequest:
     deadline: float
     group_size: int | None = None
     min_group_size: int = 2
+    max_group_size: int | None = None
     codec: str | None = None
     state_digest: bytes = b""
     aggregation: str = MEAN
@@ -82,6 +88,7 @@ class RoundRequest:
         codec: object = None,
         state_digest: object = None,
         aggregation: object = None,
+        max_group_size: object = None,
         now: float | None = None,
         allow_zero_weight: bool = False,
     ) -> RoundRequest:
@@ -122,6 +129,13 @@ class RoundRequest:
             raise InvalidRequestError(
                 f"min_group_size {min_size} is larger than group_size {size_limit}"
             )
+        cap = _as_int(max_group_size, "max_group_size") if max_group_size is not None else None
+        if cap is not None and size_limit is None:
+            raise InvalidRequestError("max_group_size needs a group_size (the members to wait for)")
+        if cap is not None and size_limit is not None and cap < size_limit:
+            raise InvalidRequestError(
+                f"max_group_size {cap} is smaller than group_size {size_limit}"
+            )
         if codec is not None:
             if not isinstance(codec, str) or not codec or len(codec) > 64:
                 raise InvalidRequestError(f"codec must be None or a codec name, got {codec!r}")
@@ -141,6 +155,7 @@ class RoundRequest:
             deadline=start + float(timeout),
             group_size=size_limit,
             min_group_size=min_size,
+            max_group_size=cap,
             codec=codec,
             state_digest=digest,
             aggregation=rule,
@@ -160,6 +175,7 @@ class RoundRequest:
             "timeout": timeout,
             "group_size": self.group_size or 0,
             "min_group_size": self.min_group_size,
+            "max_group_size": self.max_group_size or 0,
             "codec": self.codec or "",
             "state_digest": self.state_digest,
             "aggregation": self.aggregation,
@@ -180,6 +196,7 @@ class RoundRequest:
             timeout=message.timeout,
             group_size=message.group_size or None,
             min_group_size=message.min_group_size,
+            max_group_size=message.max_group_size or None,
             codec=message.codec or None,
             state_digest=message.state_digest or None,
             aggregation=message.aggregation or None,

@@ -26,7 +26,7 @@ class TensorBytes(_message.Message):
     def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class AverageStart(_message.Message):
-    __slots__ = ("key", "weight", "group_size", "min_group_size", "timeout", "codec", "tensors", "shm_name", "shm_size", "client_id", "shm_reuse", "state_digest", "aggregation", "inputs_checked")
+    __slots__ = ("key", "weight", "group_size", "min_group_size", "timeout", "codec", "tensors", "shm_name", "shm_size", "client_id", "shm_reuse", "state_digest", "aggregation", "inputs_checked", "max_group_size")
     KEY_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class AverageStart(_message.Message):
     STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     INPUTS_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    MAX_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     key: str
     weight: float
     group_size: int
@@ -55,7 +56,8 @@ class AverageStart(_message.Message):
     state_digest: bytes
     aggregation: str
     inputs_checked: bool
-    def __init__(self, key: _Optional[str] = ..., weight: _Optional[float] = ..., group_size: _Optional[int] = ..., min_group_size: _Optional[int] = ..., timeout: _Optional[float] = ..., codec: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., client_id: _Optional[str] = ..., shm_reuse: _Optional[bool] = ..., state_digest: _Optional[bytes] = ..., aggregation: _Optional[str] = ..., inputs_checked: _Optional[bool] = ...) -> None: ...
+    max_group_size: int
+    def __init__(self, key: _Optional[str] = ..., weight: _Optional[float] = ..., group_size: _Optional[int] = ..., min_group_size: _Optional[int] = ..., timeout: _Optional[float] = ..., codec: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., shm_name: _Optional[str] = ..., shm_size: _Optional[int] = ..., client_id: _Optional[str] = ..., shm_reuse: _Optional[bool] = ..., state_digest: _Optional[bytes] = ..., aggregation: _Optional[str] = ..., inputs_checked: _Optional[bool] = ..., max_group_size: _Optional[int] = ...) -> None: ...
 
 class AverageRequest(_message.Message):
     __slots__ = ("start", "data", "start_before_inputs", "inputs_written")

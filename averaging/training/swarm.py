@@ -10,6 +10,7 @@ arrays only; the wrappers convert torch tensors.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 import warnings
@@ -75,6 +76,7 @@ class SwarmClient(Protocol):
         codec: str | None = None,
         state_digest: bytes | None = None,
         aggregation: str = "mean",
+        max_group_size: int | None = None,
     ) -> RoundResultLike: ...
 
     def publish_state(self, tensors: Sequence[Any], metadata: Any) -> Any: ...
@@ -82,6 +84,17 @@ class SwarmClient(Protocol):
     def load_state(self, timeout: float = 60.0) -> tuple[Any, list[Any]]: ...
 
     def status(self) -> dict[str, Any]: ...
+
+
+def group_room(known: int) -> int:
+    """The most members a round that counted ``known`` peers in the progress records takes.
+
+    ``known`` is what the round waits for, not a cap: a newcomer's first record reaches
+    some members before others, and a member that has not read it yet must still take the
+    group its leader formed with the newcomer, or that round fails for it and leaves a
+    part of the others' round without its values (partial). A quarter more, at least two.
+    """
+    return min(MAX_GROUP_SIZE, known + max(2, math.ceil(known / 4)))
 
 
 LOAD_ATTEMPTS = 3
@@ -295,6 +308,7 @@ class SwarmLink:
                 key=f"{self.run_id}.{key}",
                 weight=weight,
                 group_size=group_size,
+                max_group_size=None if group_size is None else group_room(group_size),
                 min_group_size=min(self.min_group_size, group_size or self.min_group_size),
                 timeout=self.timeout,
                 codec=self.codec,
@@ -377,6 +391,7 @@ class SwarmLink:
                 key=f"{self.run_id}.{key}",
                 weight=1.0,
                 group_size=size,
+                max_group_size=group_room(size),
                 min_group_size=2,
                 timeout=timeout,
                 codec="none",

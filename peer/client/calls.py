@@ -77,6 +77,7 @@ class PreparedAverage:
         segments: shm.SegmentPool | None,
         state_digest: bytes | None = None,
         aggregation: str | None = None,
+        max_group_size: int | None = None,
         client_id: str = "",
         shm_threshold: int = SHM_THRESHOLD,
         write_during_declaration: bool = True,
@@ -101,6 +102,7 @@ class PreparedAverage:
                 codec=codec,
                 state_digest=state_digest,
                 aggregation=aggregation,
+                max_group_size=max_group_size,
             )
         except InvalidRequestError as exc:
             raise ValidationError(str(exc)) from None

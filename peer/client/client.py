@@ -344,6 +344,7 @@ class Client:
         codec: str | None = None,
         state_digest: bytes | None = None,
         aggregation: str = "mean",
+        max_group_size: int | None = None,
     ) -> AverageResult:
         """Average ``tensors`` with the peers that use the same ``key``.
 
@@ -356,6 +357,12 @@ class Client:
         robust aggregation for runs that admit strangers (docs/averaging.md,
         "Aggregation"). Only peers asking for the same rule average together; the
         result's ``aggregation``, ``num_adjusted`` and ``weights_clipped`` say what ran.
+
+        ``max_group_size``: with a ``group_size``, the most members a group may hold, so
+        that ``group_size`` is the number of peers to wait for rather than a cap: room for
+        peers that call under the key although the caller did not count them (a
+        newcomer's first report reaches some members before others). ``None``: groups
+        hold at most ``group_size``. A daemon older than this parameter ignores it.
 
         Raises:
             ValidationError: bad input (nothing was sent).
@@ -375,6 +382,7 @@ class Client:
                 segments=self._segments if self._use_shm else None,
                 state_digest=state_digest,
                 aggregation=aggregation,
+                max_group_size=max_group_size,
                 client_id=self._client_id,
                 write_during_declaration=self._early_writes.supported,
             )
@@ -645,6 +653,7 @@ class AsyncClient:
         codec: str | None = None,
         state_digest: bytes | None = None,
         aggregation: str = "mean",
+        max_group_size: int | None = None,
     ) -> AverageResult:
         """Same as :meth:`Client.average`, as a coroutine."""
         for attempt in range(2):
@@ -659,6 +668,7 @@ class AsyncClient:
                 segments=self._segments if self._use_shm else None,
                 state_digest=state_digest,
                 aggregation=aggregation,
+                max_group_size=max_group_size,
                 client_id=self._client_id,
                 write_during_declaration=self._early_writes.supported,
             )

@@ -128,6 +128,7 @@ class MemoryClient:
         timeout: float = 30.0,
         codec: str | None = None,
         state_digest: bytes | None = None,
+        max_group_size: int | None = None,
     ) -> Result:
         try:  # the client's own checks, before anything is "sent"
             request = RoundRequest.build(
@@ -138,6 +139,7 @@ class MemoryClient:
                 min_group_size=min_group_size,
                 codec=codec,
                 state_digest=state_digest,
+                max_group_size=max_group_size,
             )
             arrays = [np.array(t, dtype=np.float32, copy=True) for t in tensors]
             check_finite(arrays)

@@ -28,6 +28,7 @@ from swarmavg.averaging.run_records.progress import (  # noqa: E402
     within_epoch_lead,
 )
 from swarmavg.averaging.training.collaborative import _Action  # noqa: E402
+from swarmavg.averaging.training.swarm import group_room  # noqa: E402
 from swarmavg.peer.client.errors import NoGroupError  # noqa: E402
 from swarmavg.peer.client.run_view import REJOINS_METRIC, ThisPeer, build_view  # noqa: E402
 from tests.training.helpers import (  # noqa: E402
@@ -289,6 +290,37 @@ def train_all(peers: list[tuple[torch.nn.Module, Any]], epoch: int) -> None:
 
 def close_all(peers: list[tuple[torch.nn.Module, Any]]) -> None:
     run_in_threads(*(lambda o=o: o.close() for _, o in peers), timeout=50)
+
+
+class AskingClient:
+    """A client of the in-memory swarm that keeps what each round asked for."""
+
+    def __init__(self, client: MemoryClient) -> None:
+        self._client = client
+        self.asked: list[dict[str, Any]] = []
+
+    def average(self, tensors: Any, key: str, **options: Any) -> Any:
+        self.asked.append(options)
+        return self._client.average(tensors, key, **options)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def test_a_round_waits_for_the_peers_it_counted_and_takes_more() -> None:
+    # A newcomer's first record reaches some members before others: a member that counted
+    # fewer peers than its leader must still take the leader's group (issue: a joiner
+    # made a member refuse a group of 3 it had counted as 2).
+    swarm = MemorySwarm()
+    clients = [AskingClient(swarm.client(name)) for name in "abc"]
+    peers = [make_peer(swarm, name, client) for name, client in zip("abc", clients, strict=True)]
+    train_all(peers, 2)
+    close_all(peers)
+    asked = [options for client in clients for options in client.asked]
+    assert asked
+    for options in asked:
+        counted = options["group_size"]
+        assert options["max_group_size"] == group_room(counted) > counted
 
 
 # A newcomer that loads the state in the instant the first trainer steps alone can wait
