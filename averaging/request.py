@@ -130,12 +130,15 @@ class RoundRequest:
                 f"min_group_size {min_size} is larger than group_size {size_limit}"
             )
         cap = _as_int(max_group_size, "max_group_size") if max_group_size is not None else None
-        if cap is not None and size_limit is None:
-            raise InvalidRequestError("max_group_size needs a group_size (the members to wait for)")
-        if cap is not None and size_limit is not None and cap < size_limit:
-            raise InvalidRequestError(
-                f"max_group_size {cap} is smaller than group_size {size_limit}"
-            )
+        if cap is not None:
+            if size_limit is None:
+                raise InvalidRequestError(
+                    "max_group_size needs a group_size (the members to wait for)"
+                )
+            if cap < size_limit:
+                raise InvalidRequestError(
+                    f"max_group_size {cap} is smaller than group_size {size_limit}"
+                )
         if codec is not None:
             if not isinstance(codec, str) or not codec or len(codec) > 64:
                 raise InvalidRequestError(f"codec must be None or a codec name, got {codec!r}")

@@ -313,15 +313,18 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     def _arm_body_timer(self, length: int) -> None:
         self._cancel_timer("_body_timer")
-        loop = asyncio.get_running_loop()
         if self.standing is Standing.MEMBER:
-            self._body_timer = loop.call_later(
-                MEMBER_BODY_SILENCE, self._body_progressed, self._filled
-            )
+            self._watch_member_body()
         else:
-            self._body_timer = loop.call_later(
+            self._body_timer = asyncio.get_running_loop().call_later(
                 BODY_GRACE + length / MIN_BODY_RATE, self._body_stalled
             )
+
+    def _watch_member_body(self) -> None:
+        """Look again after :data:`MEMBER_BODY_SILENCE` whether the body's bytes still come."""
+        self._body_timer = asyncio.get_running_loop().call_later(
+            MEMBER_BODY_SILENCE, self._body_progressed, self._filled
+        )
 
     def _body_progressed(self, filled_before: int) -> None:
         """A member's body: cut it if no byte came since the last look, else look again."""
@@ -331,9 +334,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         if self._filled == filled_before:
             self._cut_stalled_body()
             return
-        self._body_timer = asyncio.get_running_loop().call_later(
-            MEMBER_BODY_SILENCE, self._body_progressed, self._filled
-        )
+        self._watch_member_body()
 
     def _body_stalled(self) -> None:
         self._body_timer = None
@@ -345,7 +346,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
             # Admitted since the body began, or a member's connection whose stream is not
             # admitted yet (the first message of a resumed stream carries a chunk): as
             # slow as the member's link may be.
-            self._body_progressed(-1)
+            self._watch_member_body()
             return
         self._cut_stalled_body()
 
